@@ -1,0 +1,155 @@
+//! Ratio table on the real gradient vectors (`../shared/data/grads/*.npy`, or the folder given
+//! as the first argument): cfc at eps = 0.01, 0.1 and 0.3 x RMS with and without its zstd
+//! stage, next to zstd level 1 on the raw bytes and a plain "sign + per-32-value bit width +
+//! 1 byte header" packing. Every element is checked against the bound in f64, and one-thread
+//! throughput is timed on the same data.
+//!
+//! Run: `cargo run --release --example ratio_table [-- DIR]`
+
+use cfc::{compress, decompress, Bound, CompressOptions};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+/// Reads a little-endian float32 `.npy` file (format 1.0 / 2.0, C order).
+fn read_npy_f32(path: &Path) -> Result<Vec<f32>, String> {
+    let b = std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    if b.len() < 10 || &b[..6] != b"\x93NUMPY" {
+        return Err(format!("{}: not a .npy file", path.display()));
+    }
+    let (hlen, start) = if b[6] == 1 {
+        (u16::from_le_bytes([b[8], b[9]]) as usize, 10)
+    } else {
+        (u32::from_le_bytes([b[8], b[9], b[10], b[11]]) as usize, 12)
+    };
+    let header = String::from_utf8_lossy(&b[start..start + hlen]);
+    if !header.contains("'<f4'") || header.contains("'fortran_order': True") {
+        return Err(format!(
+            "{}: expected C-order <f4, got {header}",
+            path.display()
+        ));
+    }
+    Ok(b[start + hlen..]
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect())
+}
+
+fn rms(x: &[f32]) -> f64 {
+    (x.iter().map(|&v| (v as f64).powi(2)).sum::<f64>() / x.len() as f64).sqrt()
+}
+
+/// Bytes of the simple packing of ANCHORS.md: per 32 values one header byte, then for each value a
+/// sign bit and the group's magnitude width.
+fn simple_estimate(x: &[f32], eps: f64) -> usize {
+    let step = 2.0 * eps;
+    let bits: usize = x
+        .chunks(32)
+        .map(|g| {
+            let m = g
+                .iter()
+                .map(|&v| ((v as f64) / step).round().abs() as u64)
+                .max()
+                .unwrap_or(0);
+            let w = 64 - m.leading_zeros() as usize;
+            8 + 32 * (w + usize::from(w > 0))
+        })
+        .sum();
+    bits.div_ceil(8)
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let dir = std::env::args()
+        .nth(1)
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/data/grads"));
+    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .map_err(|e| format!("{}: {e}", dir.display()))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|e| e == "npy"))
+        .collect();
+    files.sort();
+    let data: Vec<(String, Vec<f32>)> = files
+        .iter()
+        .map(|p| {
+            Ok((
+                p.file_stem()
+                    .unwrap_or_default()
+                    .to_string_lossy()
+                    .into_owned(),
+                read_npy_f32(p)?,
+            ))
+        })
+        .collect::<Result<_, String>>()?;
+    let total_in: usize = data.iter().map(|(_, x)| x.len() * 4).sum();
+    let zraw: usize = data
+        .iter()
+        .map(|(_, x)| zstd::bulk::compress(bytemuck::cast_slice(x), 1).map(|z| z.len()))
+        .sum::<Result<usize, _>>()?;
+    println!(
+        "{} vectors, {:.1} MB of float32 from {}",
+        data.len(),
+        total_in as f64 / 1e6,
+        dir.display()
+    );
+    println!(
+        "zstd -1 on the raw bytes: {:.2}x\n",
+        total_in as f64 / zraw as f64
+    );
+    println!("| eps / RMS | cfc | cfc + zstd-1 | simple packing | violations | max err / eps | compress 1T GB/s | decompress 1T GB/s |");
+    println!("|---|---|---|---|---|---|---|---|");
+    for k in [0.3, 0.1, 0.01] {
+        let (mut plain, mut with_z, mut simple, mut violations, mut worst) =
+            (0usize, 0usize, 0usize, 0usize, 0f64);
+        let (mut tc, mut td) = (0f64, 0f64);
+        let mut per_vector = Vec::new();
+        for (name, x) in &data {
+            let eps = k * rms(x);
+            let opts = CompressOptions {
+                bound: Bound::Abs(eps),
+                zstd_level: None,
+                threads: 1,
+            };
+            let t0 = Instant::now();
+            let frame = compress(x, &[x.len()], &opts)?;
+            tc += t0.elapsed().as_secs_f64();
+            let t0 = Instant::now();
+            let (h, y) = decompress::<f32>(&frame)?;
+            td += t0.elapsed().as_secs_f64();
+            for (a, b) in x.iter().zip(&y) {
+                let e = (*a as f64 - *b as f64).abs();
+                worst = worst.max(e / h.eps);
+                violations += usize::from(!(e <= h.eps));
+            }
+            let zframe = compress(
+                x,
+                &[x.len()],
+                &CompressOptions {
+                    zstd_level: Some(1),
+                    ..opts
+                },
+            )?;
+            plain += frame.len();
+            with_z += zframe.len();
+            simple += simple_estimate(x, eps);
+            per_vector.push(format!(
+                "{name} {:.2}/{:.2}",
+                (x.len() * 4) as f64 / frame.len() as f64,
+                (x.len() * 4) as f64 / zframe.len() as f64
+            ));
+        }
+        let r = |b: usize| total_in as f64 / b as f64;
+        println!(
+            "| {k} | {:.2}x | {:.2}x | {:.2}x | {violations} | {worst:.4} | {:.2} | {:.2} |",
+            r(plain),
+            r(with_z),
+            r(simple),
+            total_in as f64 / tc / 1e9,
+            total_in as f64 / td / 1e9
+        );
+        eprintln!(
+            "  per vector at {k} x RMS (cfc / cfc+zstd): {}",
+            per_vector.join(", ")
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,32 @@
+//! The one place where `cfc::Error` becomes a Python exception.
+
+use pyo3::create_exception;
+use pyo3::exceptions::{PyException, PyTypeError, PyValueError};
+use pyo3::PyErr;
+
+create_exception!(
+    cfc,
+    CfcError,
+    PyException,
+    "Base class of every error raised by cfc."
+);
+create_exception!(
+    cfc,
+    FormatError,
+    CfcError,
+    "A compressed buffer is malformed: truncated, corrupted, crafted or from a newer cfc."
+);
+
+/// Maps a core error to the Python exception callers are expected to catch.
+pub fn to_py(e: cfc::Error) -> PyErr {
+    let msg = e.to_string();
+    match e {
+        cfc::Error::Format(_) => FormatError::new_err(msg),
+        cfc::Error::InvalidBound { .. }
+        | cfc::Error::ShapeMismatch { .. }
+        | cfc::Error::MisalignedInput { .. }
+        | cfc::Error::OutputSize { .. } => PyValueError::new_err(msg),
+        cfc::Error::Incompatible { what: "dtype", .. } => PyTypeError::new_err(msg),
+        _ => CfcError::new_err(msg),
+    }
+}

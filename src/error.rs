@@ -1,0 +1,205 @@
+//! The one error type of the cfc core.
+
+use std::fmt;
+
+/// Every way a cfc operation can fail.
+///
+/// Variants carry the offending values so that a message says what was wrong, not only that
+/// something was.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum Error {
+    /// An error bound argument is unusable (NaN, infinite, zero, negative, out of range), or
+    /// the bound was given more than once or not at all.
+    InvalidBound {
+        /// Which argument (`eps`, `rel`, `bits`).
+        what: &'static str,
+        /// Why it was refused.
+        reason: String,
+    },
+    /// A shape does not match the number of elements given, or has too many dimensions.
+    ShapeMismatch {
+        /// Elements implied by the shape (or `None` when the product overflows).
+        shape_elements: Option<u64>,
+        /// Elements actually given.
+        elements: u64,
+        /// Dimensions of the shape.
+        ndim: usize,
+    },
+    /// An input byte buffer does not hold a whole number of elements of its dtype.
+    MisalignedInput {
+        /// Length of the buffer in bytes.
+        len: usize,
+        /// Size of one element in bytes.
+        element_size: usize,
+    },
+    /// An output buffer has the wrong size for the frame being decoded.
+    OutputSize {
+        /// Bytes the frame decodes to.
+        expected: u64,
+        /// Bytes the caller provided.
+        got: u64,
+    },
+    /// A compressed buffer is malformed: truncated, corrupted, crafted or from a newer version.
+    Format(FormatError),
+    /// Frames that were asked to be combined do not share dtype, shape or quantization step.
+    Incompatible {
+        /// What differs.
+        what: &'static str,
+        /// The first frame's value.
+        left: String,
+        /// The other frame's value.
+        right: String,
+    },
+    /// Summing codes overflowed 64-bit integers.
+    CodeOverflow {
+        /// Index of the element whose sum overflowed.
+        index: u64,
+    },
+    /// The zstd stage failed while compressing.
+    Zstd(std::io::Error),
+}
+
+/// What exactly is wrong with a compressed buffer.
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub enum FormatError {
+    /// The buffer ends before a part that its header announces.
+    Truncated {
+        /// What was being read.
+        part: &'static str,
+        /// Bytes that part needs.
+        needed: u64,
+        /// Bytes available.
+        available: u64,
+    },
+    /// The buffer does not start with the cfc magic bytes.
+    BadMagic([u8; 4]),
+    /// The frame was written by a newer (or unknown) version of the format.
+    UnsupportedVersion(u8),
+    /// A header field holds a value the format does not allow.
+    BadField {
+        /// The field's name.
+        field: &'static str,
+        /// The value found.
+        value: String,
+    },
+    /// Lengths in the frame disagree with each other or with the buffer.
+    LengthMismatch {
+        /// What was checked.
+        part: &'static str,
+        /// Bytes expected from the other fields.
+        expected: u64,
+        /// Bytes found.
+        found: u64,
+    },
+    /// A group's bit width is larger than the format allows.
+    BadWidth {
+        /// Index of the group.
+        group: u64,
+        /// The width found.
+        width: u8,
+    },
+    /// Exception indices are out of range or not strictly increasing.
+    BadExceptionIndex {
+        /// Position in the exception list.
+        position: u64,
+        /// The index found there.
+        index: u64,
+    },
+    /// The zstd stage of the body could not be decoded.
+    Zstd(String),
+}
+
+/// `Result` with [`Error`].
+pub type Result<T> = std::result::Result<T, Error>;
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Error::InvalidBound { what, reason } => write!(f, "invalid {what}: {reason}"),
+            Error::ShapeMismatch {
+                shape_elements,
+                elements,
+                ndim,
+            } => match shape_elements {
+                Some(s) => write!(
+                    f,
+                    "shape with {ndim} dimensions holds {s} elements, but {elements} were given"
+                ),
+                None => write!(f, "shape with {ndim} dimensions overflows or has too many dimensions (at most {})", crate::format::MAX_NDIM),
+            },
+            Error::MisalignedInput { len, element_size } => write!(
+                f,
+                "input of {len} bytes is not a whole number of {element_size}-byte elements"
+            ),
+            Error::OutputSize { expected, got } => write!(
+                f,
+                "output buffer has {got} bytes but the frame decodes to {expected} bytes"
+            ),
+            Error::Format(e) => write!(f, "malformed cfc buffer: {e}"),
+            Error::Incompatible { what, left, right } => {
+                write!(f, "frames differ in {what}: {left} vs {right}")
+            }
+            Error::CodeOverflow { index } => {
+                write!(f, "sum of codes overflows 64 bits at element {index}")
+            }
+            Error::Zstd(e) => write!(f, "zstd stage failed: {e}"),
+        }
+    }
+}
+
+impl fmt::Display for FormatError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            FormatError::Truncated {
+                part,
+                needed,
+                available,
+            } => write!(
+                f,
+                "truncated {part}: needs {needed} bytes, {available} available"
+            ),
+            FormatError::BadMagic(m) => write!(f, "bad magic {m:02x?} (expected \"CFCF\")"),
+            FormatError::UnsupportedVersion(v) => write!(
+                f,
+                "format version {v} is not supported (this cfc reads version {})",
+                crate::format::VERSION
+            ),
+            FormatError::BadField { field, value } => write!(f, "bad {field}: {value}"),
+            FormatError::LengthMismatch {
+                part,
+                expected,
+                found,
+            } => write!(f, "{part} is {found} bytes, expected {expected}"),
+            FormatError::BadWidth { group, width } => write!(
+                f,
+                "group {group} has bit width {width} (at most {})",
+                crate::format::MAX_WIDTH
+            ),
+            FormatError::BadExceptionIndex { position, index } => write!(
+                f,
+                "exception {position} has index {index}, out of range or not increasing"
+            ),
+            FormatError::Zstd(e) => write!(f, "zstd body: {e}"),
+        }
+    }
+}
+
+impl std::error::Error for Error {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Error::Zstd(e) => Some(e),
+            Error::Format(e) => Some(e),
+            _ => None,
+        }
+    }
+}
+
+impl std::error::Error for FormatError {}
+
+impl From<FormatError> for Error {
+    fn from(e: FormatError) -> Self {
+        Error::Format(e)
+    }
+}

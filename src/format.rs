@@ -1,0 +1,453 @@
+//! The cfc frame: a self-describing, versioned container for one compressed tensor.
+//!
+//! `docs/FORMAT.md` is the normative description; this module is its implementation. Every
+//! field is little-endian. Parsing treats the buffer as hostile: each length, count and width
+//! is checked, with checked arithmetic, before anything is allocated or indexed.
+
+use crate::error::{Error, FormatError, Result};
+
+/// The four bytes every frame starts with.
+pub const MAGIC: [u8; 4] = *b"CFCF";
+/// The format version this crate writes and reads.
+pub const VERSION: u8 = 1;
+/// Size of the fixed part of the header; `8 * ndim` bytes of dimensions follow it.
+pub const FIXED_HEADER_LEN: usize = 64;
+/// Most dimensions a frame may describe.
+pub const MAX_NDIM: usize = 8;
+/// Values per group; each group has its own bit width.
+pub const GROUP: usize = 32;
+/// `log2(GROUP)`, as stored in the header.
+pub const GROUP_LOG2: u8 = 5;
+/// Widest group allowed in a frame. The encoder writes at most 32 bits (codes fit in `i32`);
+/// sums of codes may need more, up to the full 64-bit zigzag range.
+pub const MAX_WIDTH: u8 = 64;
+/// Widest group the encoder produces from tensor data.
+pub const MAX_ENCODE_WIDTH: u8 = 32;
+/// Largest code magnitude the encoder produces (so zigzag codes fit in 32 bits).
+pub const MAX_CODE: f64 = 2_147_483_647.0;
+
+const FLAG_ZSTD: u8 = 1;
+
+/// Element type of a tensor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum DType {
+    /// IEEE binary32.
+    F32,
+    /// bfloat16 (8 exponent bits, 7 mantissa bits).
+    BF16,
+    /// IEEE binary16.
+    F16,
+}
+
+impl DType {
+    /// Size of one element in bytes.
+    pub fn size(self) -> usize {
+        match self {
+            DType::F32 => 4,
+            DType::BF16 | DType::F16 => 2,
+        }
+    }
+
+    /// The conventional name (`float32`, `bfloat16`, `float16`).
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::F32 => "float32",
+            DType::BF16 => "bfloat16",
+            DType::F16 => "float16",
+        }
+    }
+
+    /// Parses a name as printed by [`DType::name`], or a common alias (`f32`, `bf16`, `f16`, `half`).
+    pub fn from_name(name: &str) -> Option<DType> {
+        match name {
+            "float32" | "f32" | "float" => Some(DType::F32),
+            "bfloat16" | "bf16" => Some(DType::BF16),
+            "float16" | "f16" | "half" => Some(DType::F16),
+            _ => None,
+        }
+    }
+
+    fn code(self) -> u8 {
+        match self {
+            DType::F32 => 0,
+            DType::BF16 => 1,
+            DType::F16 => 2,
+        }
+    }
+
+    fn from_code(c: u8) -> Option<DType> {
+        match c {
+            0 => Some(DType::F32),
+            1 => Some(DType::BF16),
+            2 => Some(DType::F16),
+            _ => None,
+        }
+    }
+}
+
+/// How a frame's body stores the elements.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Codec {
+    /// Quantized codes in bit-plane groups, plus exactly stored exceptions.
+    Quantized,
+    /// The elements' raw bytes (chosen when quantizing would not make the frame smaller).
+    Raw,
+}
+
+/// How the quantization step of a frame was chosen. Informational: decoding ignores it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BoundMode {
+    /// An absolute bound given by the caller.
+    Abs,
+    /// A bound relative to the tensor's largest finite magnitude.
+    Rel,
+    /// A fixed number of bits per value; the bound is measured and reported.
+    Bits,
+    /// The element-wise sum of several frames.
+    Sum,
+}
+
+impl BoundMode {
+    /// Lower-case name (`abs`, `rel`, `bits`, `sum`).
+    pub fn name(self) -> &'static str {
+        match self {
+            BoundMode::Abs => "abs",
+            BoundMode::Rel => "rel",
+            BoundMode::Bits => "bits",
+            BoundMode::Sum => "sum",
+        }
+    }
+    fn code(self) -> u8 {
+        match self {
+            BoundMode::Abs => 0,
+            BoundMode::Rel => 1,
+            BoundMode::Bits => 2,
+            BoundMode::Sum => 3,
+        }
+    }
+    fn from_code(c: u8) -> Option<BoundMode> {
+        match c {
+            0 => Some(BoundMode::Abs),
+            1 => Some(BoundMode::Rel),
+            2 => Some(BoundMode::Bits),
+            3 => Some(BoundMode::Sum),
+            _ => None,
+        }
+    }
+}
+
+/// The parsed header of a frame.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Header {
+    /// How the body stores elements.
+    pub codec: Codec,
+    /// Element type of the tensor.
+    pub dtype: DType,
+    /// Whether the body went through zstd.
+    pub zstd: bool,
+    /// How the step was chosen.
+    pub mode: BoundMode,
+    /// Fixed bit width (bits mode), else 0.
+    pub bits: u8,
+    /// Number of elements.
+    pub n: u64,
+    /// Quantization step: element `i` decodes to `code[i] * step`.
+    pub step: f64,
+    /// Guaranteed bound on `|decoded - original|` for every finite element (0 = exact).
+    pub eps: f64,
+    /// Number of exactly stored elements.
+    pub n_exceptions: u64,
+    /// Bytes of body stored after the header.
+    pub body_len: u64,
+    /// Bytes of body once the zstd stage is undone.
+    pub raw_body_len: u64,
+    /// Dimensions; their product is `n`.
+    pub shape: Vec<u64>,
+}
+
+/// Where each part of a quantized body sits, derived from the header alone.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct BodyLayout {
+    /// Number of groups (`ceil(n / GROUP)`); also the length of the width table.
+    pub groups: usize,
+    /// Bytes of bit planes.
+    pub planes_len: usize,
+    /// Size of one exception index (4 when `n <= 2^32`, else 8).
+    pub index_size: usize,
+}
+
+/// Number of groups for `n` elements.
+pub fn groups_for(n: u64) -> u64 {
+    n.div_ceil(GROUP as u64)
+}
+
+/// Size in bytes of one exception index for a tensor of `n` elements.
+pub(crate) fn index_size_for(n: u64) -> usize {
+    if n <= 1u64 << 32 {
+        4
+    } else {
+        8
+    }
+}
+
+/// Checks a shape against an element count and returns it as `u64`s.
+pub fn checked_shape(shape: &[usize], n: usize) -> Result<Vec<u64>> {
+    let bad = |prod| Error::ShapeMismatch {
+        shape_elements: prod,
+        elements: n as u64,
+        ndim: shape.len(),
+    };
+    if shape.len() > MAX_NDIM {
+        return Err(bad(None));
+    }
+    let prod = shape
+        .iter()
+        .try_fold(1u64, |acc, &d| acc.checked_mul(d as u64))
+        .ok_or_else(|| bad(None))?;
+    if prod != n as u64 {
+        return Err(bad(Some(prod)));
+    }
+    Ok(shape.iter().map(|&d| d as u64).collect())
+}
+
+fn truncated(part: &'static str, needed: u64, available: u64) -> Error {
+    FormatError::Truncated {
+        part,
+        needed,
+        available,
+    }
+    .into()
+}
+
+fn bad_field(field: &'static str, value: impl ToString) -> Error {
+    FormatError::BadField {
+        field,
+        value: value.to_string(),
+    }
+    .into()
+}
+
+fn u64_at(b: &[u8], off: usize) -> u64 {
+    let mut a = [0u8; 8];
+    a.copy_from_slice(&b[off..off + 8]);
+    u64::from_le_bytes(a)
+}
+
+impl Header {
+    /// Bytes this header takes when written.
+    pub fn len(&self) -> usize {
+        FIXED_HEADER_LEN + 8 * self.shape.len()
+    }
+
+    /// Headers are never empty; provided for symmetry with `len`.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// Bytes the decoded tensor takes.
+    pub fn decoded_len(&self) -> u64 {
+        // Cannot overflow: `parse` and the encoders check n * size against the body.
+        self.n * self.dtype.size() as u64
+    }
+
+    /// Appends the header to `out`.
+    pub fn write(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&MAGIC);
+        out.push(VERSION);
+        out.push(match self.codec {
+            Codec::Quantized => 0,
+            Codec::Raw => 1,
+        });
+        out.push(self.dtype.code());
+        out.push(if self.zstd { FLAG_ZSTD } else { 0 });
+        out.push(self.mode.code());
+        out.push(self.shape.len() as u8);
+        out.push(GROUP_LOG2);
+        out.push(self.bits);
+        out.extend_from_slice(&[0u8; 4]);
+        out.extend_from_slice(&self.n.to_le_bytes());
+        out.extend_from_slice(&self.step.to_le_bytes());
+        out.extend_from_slice(&self.eps.to_le_bytes());
+        out.extend_from_slice(&self.n_exceptions.to_le_bytes());
+        out.extend_from_slice(&self.body_len.to_le_bytes());
+        out.extend_from_slice(&self.raw_body_len.to_le_bytes());
+        for d in &self.shape {
+            out.extend_from_slice(&d.to_le_bytes());
+        }
+    }
+
+    /// Parses and validates a frame's header; returns it with the stored body.
+    ///
+    /// Everything that can be checked without reading the body is checked here: magic,
+    /// version, enumerations, reserved bytes, shape against element count, step and bound,
+    /// and that the body lengths agree with each other and with the buffer (to the byte).
+    pub fn parse(buf: &[u8]) -> Result<(Header, &[u8])> {
+        if buf.len() < FIXED_HEADER_LEN {
+            return Err(truncated(
+                "header",
+                FIXED_HEADER_LEN as u64,
+                buf.len() as u64,
+            ));
+        }
+        let magic: [u8; 4] = [buf[0], buf[1], buf[2], buf[3]];
+        if magic != MAGIC {
+            return Err(FormatError::BadMagic(magic).into());
+        }
+        if buf[4] != VERSION {
+            return Err(FormatError::UnsupportedVersion(buf[4]).into());
+        }
+        let codec = match buf[5] {
+            0 => Codec::Quantized,
+            1 => Codec::Raw,
+            c => return Err(bad_field("codec", c)),
+        };
+        let dtype = DType::from_code(buf[6]).ok_or_else(|| bad_field("dtype", buf[6]))?;
+        let flags = buf[7];
+        if flags & !FLAG_ZSTD != 0 {
+            return Err(bad_field("flags", format!("{flags:#04x}")));
+        }
+        let mode = BoundMode::from_code(buf[8]).ok_or_else(|| bad_field("mode", buf[8]))?;
+        let ndim = buf[9] as usize;
+        if ndim > MAX_NDIM {
+            return Err(bad_field("ndim", ndim));
+        }
+        if buf[10] != GROUP_LOG2 {
+            return Err(bad_field("group size (log2)", buf[10]));
+        }
+        let bits = buf[11];
+        if bits > MAX_ENCODE_WIDTH || (bits != 0) != (mode == BoundMode::Bits) {
+            return Err(bad_field("bits", bits));
+        }
+        if buf[12..16] != [0u8; 4] {
+            return Err(bad_field(
+                "reserved bytes",
+                format!("{:02x?}", &buf[12..16]),
+            ));
+        }
+        let n = u64_at(buf, 16);
+        let step = f64::from_le_bytes(u64_at(buf, 24).to_le_bytes());
+        let eps = f64::from_le_bytes(u64_at(buf, 32).to_le_bytes());
+        let n_exceptions = u64_at(buf, 40);
+        let body_len = u64_at(buf, 48);
+        let raw_body_len = u64_at(buf, 56);
+        let header_len = FIXED_HEADER_LEN + 8 * ndim;
+        if buf.len() < header_len {
+            return Err(truncated("shape", header_len as u64, buf.len() as u64));
+        }
+        let shape: Vec<u64> = (0..ndim)
+            .map(|i| u64_at(buf, FIXED_HEADER_LEN + 8 * i))
+            .collect();
+        let prod = shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
+        if prod != Some(n) {
+            return Err(bad_field(
+                "shape",
+                format!("{shape:?} does not hold {n} elements"),
+            ));
+        }
+        if !(step.is_finite() && step > 0.0) {
+            return Err(bad_field("step", step));
+        }
+        if !(eps.is_finite() && eps >= 0.0) {
+            return Err(bad_field("eps", eps));
+        }
+        let body = &buf[header_len..];
+        if body_len != body.len() as u64 {
+            return Err(FormatError::LengthMismatch {
+                part: "body",
+                expected: body_len,
+                found: body.len() as u64,
+            }
+            .into());
+        }
+        let zstd = flags & FLAG_ZSTD != 0;
+        if !zstd && raw_body_len != body_len {
+            return Err(FormatError::LengthMismatch {
+                part: "raw body",
+                expected: body_len,
+                found: raw_body_len,
+            }
+            .into());
+        }
+        let header = Header {
+            codec,
+            dtype,
+            zstd,
+            mode,
+            bits,
+            n,
+            step,
+            eps,
+            n_exceptions,
+            body_len,
+            raw_body_len,
+            shape,
+        };
+        header.check_raw_body_len()?;
+        Ok((header, body))
+    }
+
+    /// Checks that `raw_body_len` is possible for this header, before any zstd stage is
+    /// undone (so a crafted length cannot make us allocate or inflate more than the format
+    /// allows), and exactly right for raw frames.
+    fn check_raw_body_len(&self) -> Result<()> {
+        let size = self.dtype.size() as u64;
+        let overflow = || bad_field("element count", self.n);
+        match self.codec {
+            Codec::Raw => {
+                if self.n_exceptions != 0 {
+                    return Err(bad_field("exception count", self.n_exceptions));
+                }
+                let expected = self.n.checked_mul(size).ok_or_else(overflow)?;
+                if self.raw_body_len != expected {
+                    return Err(FormatError::LengthMismatch {
+                        part: "raw body",
+                        expected,
+                        found: self.raw_body_len,
+                    }
+                    .into());
+                }
+            }
+            Codec::Quantized => {
+                if self.n_exceptions > self.n {
+                    return Err(bad_field("exception count", self.n_exceptions));
+                }
+                let groups = groups_for(self.n);
+                let exc = self
+                    .n_exceptions
+                    .checked_mul(index_size_for(self.n) as u64 + size)
+                    .ok_or_else(overflow)?;
+                let min = groups.checked_add(exc).ok_or_else(overflow)?;
+                let max_planes = groups
+                    .checked_mul(MAX_WIDTH as u64 * 4)
+                    .ok_or_else(overflow)?;
+                let max = min.checked_add(max_planes).ok_or_else(overflow)?;
+                if self.raw_body_len < min || self.raw_body_len > max {
+                    return Err(FormatError::LengthMismatch {
+                        part: "raw body",
+                        expected: min,
+                        found: self.raw_body_len,
+                    }
+                    .into());
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Layout of a quantized body (valid after `parse`).
+    pub(crate) fn layout(&self) -> BodyLayout {
+        let groups = groups_for(self.n) as usize;
+        let index_size = index_size_for(self.n);
+        let exc = self.n_exceptions as usize * (index_size + self.dtype.size());
+        BodyLayout {
+            groups,
+            planes_len: self.raw_body_len as usize - groups - exc,
+            index_size,
+        }
+    }
+}
+
+/// Reads a frame's header only: cheap, for inspecting a buffer.
+pub fn read_header(buf: &[u8]) -> Result<Header> {
+    Header::parse(buf).map(|(h, _)| h)
+}

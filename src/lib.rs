@@ -1,0 +1,34 @@
+//! cfc: error-bounded and lossless compression of float tensors.
+//!
+//! The core crate has no Python in it. [`compress`] turns a float32, bfloat16 or float16
+//! tensor into a self-describing frame (see `docs/FORMAT.md`) in which every finite element
+//! is reconstructed within a strict bound; [`decompress`] reverses it and treats its input as
+//! hostile. [`Codes`] exposes the integer codes of a frame so that frames quantized with the
+//! same step can be summed exactly, the basis of cfc's compressed all-reduce.
+//!
+//! ```
+//! use cfc::{compress, decompress, Bound, CompressOptions};
+//! let x: Vec<f32> = (0..1000).map(|i| (i as f32 * 0.01).sin()).collect();
+//! let frame = compress(&x, &[1000], &CompressOptions::new(Bound::Abs(1e-3)))?;
+//! let (header, y) = decompress::<f32>(&frame)?;
+//! assert!(x.iter().zip(&y).all(|(a, b)| (*a as f64 - *b as f64).abs() <= header.eps));
+//! assert!(frame.len() < 4000 / 3);
+//! # Ok::<(), cfc::Error>(())
+//! ```
+
+mod bitplane;
+mod codec;
+mod element;
+mod error;
+pub mod format;
+mod sum;
+
+pub use bitplane::{unzigzag, zigzag};
+pub use codec::{
+    compress, compress_bytes, decompress, decompress_into_bytes, fixed_rate_size, validate, Bound,
+    CompressOptions,
+};
+pub use element::Element;
+pub use error::{Error, FormatError, Result};
+pub use format::{read_header, BoundMode, Codec, DType, Header};
+pub use sum::{sum_frames, Codes};

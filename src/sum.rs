@@ -1,0 +1,250 @@
+//! Summable codes: the integer view of a frame.
+//!
+//! Frames quantized with the same step hold integer codes that add exactly: the sum of the
+//! codes, decoded once, is within the sum of the bounds of the sum of the originals (plus one
+//! final rounding to the element type). The compressed all-reduce builds on this: each rank
+//! quantizes once, the codes are summed as integers and repacked losslessly with a few more
+//! bits, and no second quantization error is ever added.
+
+use crate::bitplane::{pack64, unzigzag, width_of, zigzag};
+use crate::codec::{finish_frame, Body};
+use crate::element::{dequantize, Element};
+use crate::error::{Error, Result};
+use crate::format::{BoundMode, Codec, DType, Header, GROUP};
+use half::{bf16, f16};
+
+/// The integer codes of a frame, with its exactly stored exceptions.
+///
+/// Element `i` decodes to `codes[i] * step` (see [`Element`]) unless `i` is an exception, in
+/// which case it decodes to the exception's stored bits. Codes at exception positions are 0.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Codes {
+    /// Element type.
+    pub dtype: DType,
+    /// Dimensions.
+    pub shape: Vec<u64>,
+    /// Quantization step shared by every code.
+    pub step: f64,
+    /// Bound on `|decoded - original|` for finite elements.
+    pub eps: f64,
+    /// One code per element.
+    pub codes: Vec<i64>,
+    /// `(index, raw bits)` of exactly stored elements, by increasing index.
+    pub exceptions: Vec<(u64, u32)>,
+}
+
+impl Codes {
+    /// Reads the codes of a frame. A raw-codec frame yields zero codes and every element as an
+    /// exception.
+    ///
+    /// # Errors
+    /// [`Error::Format`] for a malformed frame.
+    pub fn from_frame(frame: &[u8]) -> Result<Codes> {
+        let body = Body::open(frame)?;
+        let h = &body.header;
+        let n = h.n as usize;
+        let mut codes = vec![0i64; n];
+        let exceptions: Vec<(u64, u32)> = match h.codec {
+            Codec::Raw => {
+                let size = h.dtype.size();
+                body.raw
+                    .chunks_exact(size)
+                    .enumerate()
+                    .map(|(i, c)| {
+                        let mut a = [0u8; 4];
+                        a[..size].copy_from_slice(c);
+                        (i as u64, u32::from_le_bytes(a))
+                    })
+                    .collect()
+            }
+            Codec::Quantized => {
+                let mut planes = body.planes();
+                let mut zz = [0u64; GROUP];
+                for (&w, out) in body.widths().iter().zip(codes.chunks_mut(GROUP)) {
+                    let (mine, rest) = planes.split_at(w as usize * 4);
+                    planes = rest;
+                    crate::bitplane::unpack64(mine, &mut zz);
+                    for (o, &z) in out.iter_mut().zip(zz.iter()) {
+                        *o = unzigzag(z);
+                    }
+                }
+                let exc: Vec<(u64, u32)> = body
+                    .exception_indices()
+                    .zip(body.exception_bits())
+                    .collect();
+                for &(i, _) in &exc {
+                    codes[i as usize] = 0;
+                }
+                exc
+            }
+        };
+        Ok(Codes {
+            dtype: h.dtype,
+            shape: h.shape.clone(),
+            step: h.step,
+            eps: h.eps,
+            codes,
+            exceptions,
+        })
+    }
+
+    /// Packs the codes into a frame, losslessly: [`Codes::from_frame`] gives them back unchanged.
+    ///
+    /// # Errors
+    /// [`Error::Zstd`] if the zstd stage fails.
+    pub fn to_frame(&self, zstd_level: Option<i32>) -> Result<Vec<u8>> {
+        let n = self.codes.len();
+        let groups = n.div_ceil(GROUP);
+        let index_size = crate::format::index_size_for(n as u64);
+        let mut body = Vec::with_capacity(groups * 5);
+        let mut planes = Vec::new();
+        let mut zz = [0u64; GROUP];
+        for chunk in self.codes.chunks(GROUP) {
+            let mut acc = 0u64;
+            for (z, &q) in zz.iter_mut().zip(chunk) {
+                *z = zigzag(q);
+                acc |= *z;
+            }
+            zz[chunk.len()..].fill(0);
+            let w = width_of(acc);
+            body.push(w as u8);
+            pack64(&zz, w, &mut planes);
+        }
+        body.extend_from_slice(&planes);
+        for &(i, _) in &self.exceptions {
+            body.extend_from_slice(&i.to_le_bytes()[..index_size]);
+        }
+        for &(_, b) in &self.exceptions {
+            body.extend_from_slice(&b.to_le_bytes()[..self.dtype.size()]);
+        }
+        let header = Header {
+            codec: Codec::Quantized,
+            dtype: self.dtype,
+            zstd: false,
+            mode: BoundMode::Sum,
+            bits: 0,
+            n: n as u64,
+            step: self.step,
+            eps: self.eps,
+            n_exceptions: self.exceptions.len() as u64,
+            body_len: 0,
+            raw_body_len: 0,
+            shape: self.shape.clone(),
+        };
+        finish_frame(header, body, zstd_level)
+    }
+
+    /// The value element `i` decodes to, as `f64`.
+    fn value(&self, i: usize, exception_bits: Option<u32>) -> f64 {
+        fn v<T: Element>(code: i64, step: f64, bits: Option<u32>) -> f64 {
+            match bits {
+                Some(b) => T::from_bits32(b).to_f64(),
+                None => dequantize::<T>(code, step).to_f64(),
+            }
+        }
+        match self.dtype {
+            DType::F32 => v::<f32>(self.codes[i], self.step, exception_bits),
+            DType::BF16 => v::<bf16>(self.codes[i], self.step, exception_bits),
+            DType::F16 => v::<f16>(self.codes[i], self.step, exception_bits),
+        }
+    }
+
+    /// Element-wise sum of several code sets quantized with the same step.
+    ///
+    /// Codes add as integers, exactly. Where any part holds an exception, the result holds an
+    /// exception whose value is the `f64` sum of every part's decoded value there, rounded to
+    /// the element type: NaN and infinities propagate as IEEE arithmetic says. The result's
+    /// `eps` is the sum of the parts' bounds.
+    ///
+    /// # Errors
+    /// [`Error::Incompatible`] when dtype, shape or step differ; [`Error::CodeOverflow`] if a
+    /// sum leaves the 64-bit range.
+    pub fn sum(parts: &[Codes]) -> Result<Codes> {
+        let first = parts.first().ok_or(Error::Incompatible {
+            what: "count",
+            left: "at least one frame".into(),
+            right: "none".into(),
+        })?;
+        for p in &parts[1..] {
+            if p.dtype != first.dtype {
+                return Err(Error::Incompatible {
+                    what: "dtype",
+                    left: first.dtype.name().into(),
+                    right: p.dtype.name().into(),
+                });
+            }
+            if p.shape != first.shape {
+                return Err(Error::Incompatible {
+                    what: "shape",
+                    left: format!("{:?}", first.shape),
+                    right: format!("{:?}", p.shape),
+                });
+            }
+            if p.step.to_bits() != first.step.to_bits() {
+                return Err(Error::Incompatible {
+                    what: "step",
+                    left: format!("{:e}", first.step),
+                    right: format!("{:e}", p.step),
+                });
+            }
+        }
+        let mut codes = first.codes.clone();
+        for p in &parts[1..] {
+            for (i, (a, &b)) in codes.iter_mut().zip(&p.codes).enumerate() {
+                *a = a
+                    .checked_add(b)
+                    .ok_or(Error::CodeOverflow { index: i as u64 })?;
+            }
+        }
+        // Positions that are an exception in any part, in increasing order.
+        let mut positions: Vec<u64> = parts
+            .iter()
+            .flat_map(|p| p.exceptions.iter().map(|&(i, _)| i))
+            .collect();
+        positions.sort_unstable();
+        positions.dedup();
+        let mut cursors = vec![0usize; parts.len()];
+        let mut exceptions = Vec::with_capacity(positions.len());
+        for &i in &positions {
+            let mut total = 0.0f64;
+            for (p, cur) in parts.iter().zip(cursors.iter_mut()) {
+                let bits = match p.exceptions.get(*cur) {
+                    Some(&(j, b)) if j == i => {
+                        *cur += 1;
+                        Some(b)
+                    }
+                    _ => None,
+                };
+                total += p.value(i as usize, bits);
+            }
+            let bits = match first.dtype {
+                DType::F32 => (total as f32).to_bits(),
+                DType::BF16 => bf16::from_f64(total).to_bits() as u32,
+                DType::F16 => f16::from_f64(total).to_bits() as u32,
+            };
+            codes[i as usize] = 0;
+            exceptions.push((i, bits));
+        }
+        let eps = parts.iter().map(|p| p.eps).sum();
+        Ok(Codes {
+            dtype: first.dtype,
+            shape: first.shape.clone(),
+            step: first.step,
+            eps,
+            codes,
+            exceptions,
+        })
+    }
+}
+
+/// Sums frames quantized with the same step into one frame (see [`Codes::sum`]).
+///
+/// # Errors
+/// As [`Codes::from_frame`] and [`Codes::sum`].
+pub fn sum_frames(frames: &[&[u8]], zstd_level: Option<i32>) -> Result<Vec<u8>> {
+    let parts = frames
+        .iter()
+        .map(|f| Codes::from_frame(f))
+        .collect::<Result<Vec<_>>>()?;
+    Codes::sum(&parts)?.to_frame(zstd_level)
+}
