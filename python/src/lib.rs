@@ -4,7 +4,6 @@
 //! work, and errors are mapped to Python exceptions in `error.rs`. The Python package
 //! `torch_hook/cfc` builds the user-facing API on top.
 
-use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
@@ -12,19 +11,22 @@ use pyo3::types::{PyBytes, PyDict};
 mod error;
 use error::{to_py, CfcError, FormatError};
 
-/// A C-contiguous, byte-formatted view of a Python buffer.
-fn bytes_of<'a>(buf: &'a PyBuffer<u8>, what: &str) -> PyResult<&'a [u8]> {
-    if !buf.is_c_contiguous() {
-        return Err(PyValueError::new_err(format!(
-            "{what} must be C-contiguous"
-        )));
-    }
-    if buf.len_bytes() == 0 {
+// Tensor memory crosses as (address, length) because the buffer protocol is not part of the
+// stable ABI before Python 3.11 and the wheel is abi3 for 3.9+. The Python package computes
+// both from a live, contiguous numpy array or torch tensor that it keeps referenced for the
+// duration of the call; this module never imports torch.
+
+/// Host memory handed over by address: `len` bytes at `addr`.
+fn host_slice<'a>(addr: usize, len: usize, what: &str) -> PyResult<&'a [u8]> {
+    if len == 0 {
         return Ok(&[]);
     }
-    // SAFETY: the buffer is C-contiguous with `len_bytes()` bytes starting at `buf_ptr()`, and
-    // `buf` (which keeps the exporter's memory alive and pinned) outlives the returned slice.
-    Ok(unsafe { std::slice::from_raw_parts(buf.buf_ptr() as *const u8, buf.len_bytes()) })
+    if addr == 0 {
+        return Err(PyValueError::new_err(format!("{what}: null address with {len} bytes")));
+    }
+    // SAFETY: the caller (cfc.codec) passes the address and byte length of a contiguous host
+    // array it keeps alive and does not resize until this call returns; `addr` is non-null.
+    Ok(unsafe { std::slice::from_raw_parts(addr as *const u8, len) })
 }
 
 fn dtype_of(name: &str) -> PyResult<cfc::DType> {
@@ -51,7 +53,8 @@ fn bound_of(eps: Option<f64>, rel: Option<f64>, bits: Option<i64>) -> PyResult<c
 /// Compresses raw little-endian element bytes into a cfc frame.
 ///
 /// Args:
-///     data: a C-contiguous buffer of bytes (format 'B') holding the elements.
+///     data_ptr: address of the elements (contiguous host memory, kept alive by the caller).
+///     nbytes: their size in bytes.
 ///     dtype: "float32", "bfloat16" or "float16".
 ///     shape: the tensor's dimensions (their product is the element count).
 ///     eps, rel, bits: exactly one of them sets the error bound.
@@ -61,11 +64,12 @@ fn bound_of(eps: Option<f64>, rel: Option<f64>, bits: Option<i64>) -> PyResult<c
 /// Returns:
 ///     bytes: the frame.
 #[pyfunction]
-#[pyo3(signature = (data, dtype, shape, *, eps=None, rel=None, bits=None, zstd_level=None, threads=0))]
+#[pyo3(signature = (data_ptr, nbytes, dtype, shape, *, eps=None, rel=None, bits=None, zstd_level=None, threads=0))]
 #[allow(clippy::too_many_arguments)]
 fn compress<'py>(
     py: Python<'py>,
-    data: PyBuffer<u8>,
+    data_ptr: usize,
+    nbytes: usize,
     dtype: &str,
     shape: Vec<usize>,
     eps: Option<f64>,
@@ -80,38 +84,49 @@ fn compress<'py>(
         zstd_level,
         threads,
     };
-    let input = bytes_of(&data, "data")?;
+    let input = host_slice(data_ptr, nbytes, "data")?;
     let frame = py
         .detach(|| cfc::compress_bytes(input, dtype, &shape, &opts))
         .map_err(to_py)?;
     Ok(PyBytes::new(py, &frame))
 }
 
-/// Decompresses a frame into a writable, C-contiguous byte buffer of exactly the decoded size.
+/// Decompresses a frame into host memory of exactly the decoded size.
 ///
 /// Args:
-///     frame: the compressed buffer.
-///     out: writable bytes (format 'B') receiving the elements.
+///     frame: the compressed frame.
+///     out_ptr: address of writable, contiguous host memory (kept alive by the caller).
+///     out_nbytes: its size in bytes; must equal the frame's decoded size.
 ///     threads: threads to use, 0 for automatic.
 #[pyfunction]
-#[pyo3(signature = (frame, out, *, threads=0))]
+#[pyo3(signature = (frame, out_ptr, out_nbytes, *, threads=0))]
 fn decompress_into(
     py: Python<'_>,
-    frame: PyBuffer<u8>,
-    out: PyBuffer<u8>,
+    frame: &[u8],
+    out_ptr: usize,
+    out_nbytes: usize,
     threads: usize,
 ) -> PyResult<()> {
-    if out.readonly() {
-        return Err(PyValueError::new_err("out must be writable"));
+    let header = cfc::read_header(frame).map_err(to_py)?;
+    if header.decoded_len() != out_nbytes as u64 {
+        return Err(to_py(cfc::Error::OutputSize {
+            expected: header.decoded_len(),
+            got: out_nbytes as u64,
+        }));
     }
-    let input = bytes_of(&frame, "frame")?;
-    let target = bytes_of(&out, "out")?;
-    let (ptr, len) = (target.as_ptr() as usize, target.len());
+    if out_nbytes > 0 && out_ptr == 0 {
+        return Err(PyValueError::new_err("out: null address"));
+    }
     py.detach(|| {
-        // SAFETY: `out` is a writable, C-contiguous buffer of `len` bytes kept alive by `out`
-        // for the whole call; the frame's bytes live in a different Python object.
-        let dst = unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, len) };
-        cfc::decompress_into_bytes(input, dst, threads)
+        let dst: &mut [u8] = if out_nbytes == 0 {
+            &mut []
+        } else {
+            // SAFETY: the caller passes a non-null (checked) address of `out_nbytes` writable
+            // bytes of a contiguous host array that it keeps alive for the call and that does
+            // not overlap the frame (a separate Python object).
+            unsafe { std::slice::from_raw_parts_mut(out_ptr as *mut u8, out_nbytes) }
+        };
+        cfc::decompress_into_bytes(frame, dst, threads)
     })
     .map_err(to_py)?;
     Ok(())
@@ -123,8 +138,8 @@ fn decompress_into(
 ///     dict: dtype, shape, numel, eps, step, mode, bits, codec, zstd, exceptions, nbytes,
 ///     decoded_nbytes, version.
 #[pyfunction]
-fn frame_info<'py>(py: Python<'py>, frame: PyBuffer<u8>) -> PyResult<Bound<'py, PyDict>> {
-    let input = bytes_of(&frame, "frame")?;
+fn frame_info<'py>(py: Python<'py>, frame: &[u8]) -> PyResult<Bound<'py, PyDict>> {
+    let input = frame;
     let h = cfc::read_header(input).map_err(to_py)?;
     let d = PyDict::new(py);
     d.set_item("dtype", h.dtype.name())?;
@@ -151,9 +166,8 @@ fn frame_info<'py>(py: Python<'py>, frame: PyBuffer<u8>) -> PyResult<Bound<'py, 
 
 /// Checks a whole frame (header, body, widths, exception indices) without decoding it.
 #[pyfunction]
-fn validate(py: Python<'_>, frame: PyBuffer<u8>) -> PyResult<()> {
-    let input = bytes_of(&frame, "frame")?;
-    py.detach(|| cfc::validate(input)).map_err(to_py)?;
+fn validate(py: Python<'_>, frame: &[u8]) -> PyResult<()> {
+    py.detach(|| cfc::validate(frame)).map_err(to_py)?;
     Ok(())
 }
 
@@ -162,13 +176,10 @@ fn validate(py: Python<'_>, frame: PyBuffer<u8>) -> PyResult<()> {
 #[pyo3(signature = (frames, *, zstd_level=None))]
 fn sum_frames<'py>(
     py: Python<'py>,
-    frames: Vec<PyBuffer<u8>>,
+    frames: Vec<Bound<'py, PyBytes>>,
     zstd_level: Option<i32>,
 ) -> PyResult<Bound<'py, PyBytes>> {
-    let slices = frames
-        .iter()
-        .map(|f| bytes_of(f, "frame"))
-        .collect::<PyResult<Vec<_>>>()?;
+    let slices: Vec<&[u8]> = frames.iter().map(|f| f.as_bytes()).collect();
     let out = py
         .detach(|| cfc::sum_frames(&slices, zstd_level))
         .map_err(to_py)?;
