@@ -1,0 +1,162 @@
+"""cfc.compress / cfc.decompress on CPU tensors and numpy arrays (mirrors src/codec.rs)."""
+
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+import cfc
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def max_err(x, y):
+    finite = torch.isfinite(x)
+    return (x.double()[finite] - y.double()[finite]).abs().max().item() if finite.any() else 0.0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(), (1,), (31,), (33,), (7, 5, 3), (1 << 16) + 7])
+def test_round_trip_keeps_dtype_shape_and_bound(dtype, shape):
+    torch.manual_seed(0)
+    x = (torch.randn(shape) * 3e-3).to(dtype)
+    c = cfc.compress(x, eps=1e-4)
+    y = cfc.decompress(c)
+    assert y.dtype == dtype and y.shape == x.shape
+    assert c.dtype == dtype and c.shape == tuple(x.shape) and c.numel == x.numel()
+    assert max_err(x, y) <= c.eps == 1e-4
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_nonfinite_values_come_back_exactly(dtype):
+    x = torch.tensor([0.5, float("nan"), float("inf"), -float("inf"), -0.0, 1e-3] * 11, dtype=dtype)
+    for kw in ({"eps": 1e-3}, {"rel": 0.01}, {"bits": 6}):
+        y = cfc.decompress(cfc.compress(x, **kw))
+        assert torch.isnan(y[1::6]).all()
+        assert (y[2::6] == float("inf")).all() and (y[3::6] == -float("inf")).all()
+
+
+def test_relative_bound_is_relative_to_max_finite_magnitude():
+    x = torch.linspace(-2.0, 4.0, 5000)
+    x[7] = float("inf")
+    c = cfc.compress(x, rel=1e-3)
+    assert c.mode == "rel" and c.eps == pytest.approx(4e-3, rel=1e-12)
+    assert max_err(x, cfc.decompress(c)) <= c.eps
+
+
+def test_fixed_rate_size_is_known_in_advance_and_bound_reported():
+    x = torch.randn(10_000, 3)
+    c = cfc.compress(x, bits=6)
+    assert c.nbytes == cfc.fixed_rate_size(x.shape, 6)
+    assert c.mode == "bits" and 0 < c.eps <= c.step / 2 * (1 + 1e-6)
+    assert max_err(x, cfc.decompress(c)) <= c.eps
+
+
+def test_gradient_vectors_ratio_and_bound(grads):
+    total_in = sum(g.nbytes for g in grads.values())
+    for k, floor, zfloor in ((0.3, 11.5, 15.0), (0.1, 7.5, 9.0)):
+        plain = zst = 0
+        for g in grads.values():
+            eps = k * float(np.sqrt(np.mean(g.astype(np.float64) ** 2)))
+            c = cfc.compress(g, eps=eps)
+            y = cfc.decompress(c).numpy()
+            assert np.abs(y.astype(np.float64) - g.astype(np.float64)).max() <= eps
+            plain += c.nbytes
+            zst += cfc.compress(g, eps=eps, zstd=True).nbytes
+        assert total_in / plain > floor
+        assert total_in / zst > zfloor
+
+
+def test_numpy_input_and_all_frame_holders():
+    x = np.random.default_rng(1).normal(size=(64, 65)).astype(np.float32)
+    c = cfc.compress(x, eps=1e-2)
+    raw = bytes(c)
+    holders = [c, raw, bytearray(raw), memoryview(raw), np.frombuffer(raw, np.uint8),
+               torch.frombuffer(bytearray(raw), dtype=torch.uint8)]
+    for h in holders:
+        y = cfc.decompress(h)
+        assert isinstance(y, torch.Tensor) and y.shape == (64, 65)
+        assert np.abs(y.numpy().astype(np.float64) - x).max() <= 1e-2
+
+
+def test_non_contiguous_and_grad_tensors():
+    x = torch.randn(40, 30, requires_grad=True)
+    c = cfc.compress(x.t(), eps=1e-3)  # a transposed view
+    assert max_err(x.detach().t(), cfc.decompress(c)) <= 1e-3
+
+
+def test_zstd_stage_shrinks_and_round_trips():
+    x = torch.randn(1 << 16) * torch.rand(1 << 16).pow(8)  # heavy-tailed
+    a = cfc.compress(x, eps=1e-3)
+    b = cfc.compress(x, eps=1e-3, zstd=True)
+    assert b.info["zstd"] and b.nbytes < a.nbytes
+    assert torch.equal(cfc.decompress(a), cfc.decompress(b))
+
+
+def test_threads_do_not_change_bytes():
+    x = torch.randn(1 << 19)
+    frames = {bytes(cfc.compress(x, eps=1e-2, threads=t)) for t in (1, 2, 4)}
+    assert len(frames) == 1
+
+
+def test_sum_of_frames_is_sum_of_values_within_summed_bound():
+    torch.manual_seed(3)
+    xs = [torch.randn(5000) for _ in range(4)]
+    s = cfc.sum_compressed([cfc.compress(x, eps=1e-3) for x in xs])
+    assert s.mode == "sum" and s.eps == pytest.approx(4e-3)
+    exact = torch.stack([x.double() for x in xs]).sum(0)
+    half_ulp = exact.abs().max().item() * 2.0**-24
+    assert (cfc.decompress(s).double() - exact).abs().max().item() <= s.eps + half_ulp
+
+
+def test_sum_rejects_different_steps_and_dtypes():
+    x = torch.randn(100)
+    with pytest.raises(cfc.CfcError, match="step"):
+        cfc.sum_compressed([cfc.compress(x, eps=1e-3), cfc.compress(x, eps=2e-3)])
+    with pytest.raises(TypeError, match="dtype"):
+        cfc.sum_compressed([cfc.compress(x, eps=1e-3), cfc.compress(x.half(), eps=1e-3)])
+
+
+def test_compressed_pickles_and_compares():
+    c = cfc.compress(torch.randn(100), eps=1e-2)
+    d = pickle.loads(pickle.dumps(c))
+    assert d == c and d.ratio == c.ratio and d.shape == c.shape
+
+
+def test_decompress_to_device_cpu():
+    c = cfc.compress(torch.randn(10), eps=1e-2)
+    assert cfc.decompress(c, device="cpu").device.type == "cpu"
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({}, "exactly one"),
+        ({"eps": 1e-3, "rel": 1e-3}, "exactly one"),
+        ({"eps": 0.0}, "positive"),
+        ({"eps": -1.0}, "positive"),
+        ({"eps": float("nan")}, "finite"),
+        ({"eps": float("inf")}, "finite"),
+        ({"rel": 0.0}, "rel"),
+        ({"bits": 1}, "bits"),
+        ({"bits": 33}, "bits"),
+        ({"bits": 300}, "bits"),
+        ({"eps": 1e-3, "zstd": 99}, "zstd"),
+    ],
+)
+def test_bad_arguments_raise_value_error(kw, match):
+    with pytest.raises(ValueError, match=match):
+        cfc.compress(torch.randn(10), **kw)
+
+
+@pytest.mark.parametrize("x", [torch.arange(10), torch.randn(3).double(), np.arange(4), [1.0, 2.0]])
+def test_bad_types_raise_type_error(x):
+    with pytest.raises(TypeError):
+        cfc.compress(x, eps=1e-3)
+
+
+def test_frame_info_fields():
+    info = cfc.frame_info(cfc.compress(torch.randn(4, 8), eps=1e-2))
+    assert info["dtype"] == "float32" and info["shape"] == [4, 8] and info["numel"] == 32
+    assert info["version"] == cfc.FORMAT_VERSION and info["codec"] in ("quantized", "raw")
