@@ -185,7 +185,7 @@ fn abs_quantizer(eps: f64, what: &'static str) -> Result<Quantizer> {
     if eps <= 0.0 {
         return Err(bad("must be positive"));
     }
-    if eps < f64::MIN_POSITIVE || eps > f64::MAX / 4.0 {
+    if !(f64::MIN_POSITIVE..=f64::MAX / 4.0).contains(&eps) {
         return Err(bad("is outside the usable range of f64"));
     }
     let step = 2.0 * eps;
@@ -223,11 +223,18 @@ fn quantizer_for<T: Element>(data: &[T], bound: Bound) -> Result<(Quantizer, Bou
             // Codes in [-qmax, qmax] have zigzag values below 2^bits.
             let qmax = ((1u64 << (bits - 1)) - 1) as f64;
             let step = if max > 0.0 { max / qmax } else { 1.0 };
-            let step = if step.is_normal() {
+            let mut step = if step.is_normal() {
                 step
             } else {
                 f64::MIN_POSITIVE
             };
+            // `max / qmax` is rounded. At 32 bits qmax is the largest code, 2^31 - 1, and the
+            // largest element's `max * (1 / step)` can land an ulp above it: it would become
+            // an exception and break the promised size. Nudge the step up until it cannot
+            // (never taken below 32 bits, where qmax is far from the code range's edge).
+            while max * (1.0 / step) > MAX_CODE {
+                step = f64::from_bits(step.to_bits() + 1);
+            }
             Ok((
                 Quantizer {
                     step,
@@ -503,6 +510,21 @@ impl<'a> Body<'a> {
 /// as zstd really produces data, so a crafted length alone cannot force a large allocation.
 fn unzstd(stored: &[u8], raw_len: u64) -> Result<Vec<u8>> {
     let zerr = |e: std::io::Error| Error::from(FormatError::Zstd(e.to_string()));
+    // Exactly one zstd frame and nothing after it: a frame has one byte encoding.
+    match zstd::zstd_safe::find_frame_compressed_size(stored) {
+        Ok(len) if len == stored.len() => {}
+        Ok(len) => {
+            return Err(FormatError::LengthMismatch {
+                part: "zstd frame",
+                expected: stored.len() as u64,
+                found: len as u64,
+            }
+            .into())
+        }
+        Err(code) => {
+            return Err(FormatError::Zstd(zstd::zstd_safe::get_error_name(code).to_string()).into())
+        }
+    }
     let dec = zstd::stream::read::Decoder::with_buffer(stored)
         .map_err(zerr)?
         .single_frame();
@@ -626,36 +648,59 @@ pub fn decompress<T: Element>(frame: &[u8]) -> Result<(Header, Vec<T>)> {
 /// # Errors
 /// [`Error::Format`] for a malformed buffer, [`Error::OutputSize`] when `out` has the wrong length.
 pub fn decompress_into_bytes(frame: &[u8], out: &mut [u8], threads: usize) -> Result<Header> {
-    fn go<T: Element>(body: &Body<'_>, out: &mut [u8], threads: usize) -> Result<()> {
-        match bytemuck::try_cast_slice_mut::<u8, T>(out) {
-            Ok(typed) => decode_into(body, typed, threads),
-            Err(_) => {
-                let mut tmp = vec![T::zeroed(); body.header.n as usize];
-                decode_into(body, &mut tmp, threads)?;
-                out.copy_from_slice(bytemuck::cast_slice(&tmp));
-                Ok(())
+    let open = OpenFrame::open(frame)?;
+    open.decode_into_bytes(out, threads)?;
+    Ok(open.0.header)
+}
+
+/// A frame whose header and body have been fully checked (and its zstd stage undone), ready to
+/// decode. Lets a caller validate first and allocate the output only for a frame known good.
+pub struct OpenFrame<'a>(Body<'a>);
+
+impl<'a> OpenFrame<'a> {
+    /// Checks a whole frame, as [`decompress`] does before decoding.
+    ///
+    /// # Errors
+    /// [`Error::Format`] for a malformed buffer.
+    pub fn open(frame: &'a [u8]) -> Result<OpenFrame<'a>> {
+        Body::open(frame).map(OpenFrame)
+    }
+
+    /// The frame's header.
+    pub fn header(&self) -> &Header {
+        &self.0.header
+    }
+
+    /// Decodes into `out`, raw little-endian bytes of the frame's dtype (any alignment).
+    ///
+    /// # Errors
+    /// [`Error::OutputSize`] when `out` does not have exactly the decoded size.
+    pub fn decode_into_bytes(&self, out: &mut [u8], threads: usize) -> Result<()> {
+        fn go<T: Element>(body: &Body<'_>, out: &mut [u8], threads: usize) -> Result<()> {
+            match bytemuck::try_cast_slice_mut::<u8, T>(out) {
+                Ok(typed) => decode_into(body, typed, threads),
+                Err(_) => {
+                    let mut tmp = vec![T::zeroed(); body.header.n as usize];
+                    decode_into(body, &mut tmp, threads)?;
+                    out.copy_from_slice(bytemuck::cast_slice(&tmp));
+                    Ok(())
+                }
             }
         }
+        let h = &self.0.header;
+        if out.len() as u64 != h.decoded_len() {
+            return Err(Error::OutputSize {
+                expected: h.decoded_len(),
+                got: out.len() as u64,
+            });
+        }
+        let _span = tracing::debug_span!("decompress", dtype = h.dtype.name(), n = h.n).entered();
+        match h.dtype {
+            DType::F32 => go::<f32>(&self.0, out, threads),
+            DType::BF16 => go::<bf16>(&self.0, out, threads),
+            DType::F16 => go::<f16>(&self.0, out, threads),
+        }
     }
-    let body = Body::open(frame)?;
-    if out.len() as u64 != body.header.decoded_len() {
-        return Err(Error::OutputSize {
-            expected: body.header.decoded_len(),
-            got: out.len() as u64,
-        });
-    }
-    let _span = tracing::debug_span!(
-        "decompress",
-        dtype = body.header.dtype.name(),
-        n = body.header.n
-    )
-    .entered();
-    match body.header.dtype {
-        DType::F32 => go::<f32>(&body, out, threads)?,
-        DType::BF16 => go::<bf16>(&body, out, threads)?,
-        DType::F16 => go::<f16>(&body, out, threads)?,
-    }
-    Ok(body.header)
 }
 
 /// Exact size of a fixed-rate (`Bound::Bits`) frame of finite data, known before compressing:

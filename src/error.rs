@@ -51,6 +51,12 @@ pub enum Error {
         /// The other frame's value.
         right: String,
     },
+    /// A hand-built [`crate::Codes`] is inconsistent (code count against shape, exception
+    /// indices, step or bound).
+    InvalidCodes {
+        /// What is wrong.
+        reason: String,
+    },
     /// Summing codes overflowed 64-bit integers.
     CodeOverflow {
         /// Index of the element whose sum overflowed.
@@ -141,6 +147,7 @@ impl fmt::Display for Error {
             Error::Incompatible { what, left, right } => {
                 write!(f, "frames differ in {what}: {left} vs {right}")
             }
+            Error::InvalidCodes { reason } => write!(f, "invalid codes: {reason}"),
             Error::CodeOverflow { index } => {
                 write!(f, "sum of codes overflows 64 bits at element {index}")
             }

@@ -88,11 +88,55 @@ impl Codes {
         })
     }
 
+    /// Checks that the fields agree with each other: what a frame guarantees, and what
+    /// [`Codes::sum`] and [`Codes::to_frame`] rely on for values built by hand.
+    ///
+    /// # Errors
+    /// [`Error::InvalidCodes`] saying what is inconsistent.
+    pub fn check(&self) -> Result<()> {
+        let bad = |reason: String| Err(Error::InvalidCodes { reason });
+        if self.shape.len() > crate::format::MAX_NDIM {
+            return bad(format!(
+                "{} dimensions (at most {})",
+                self.shape.len(),
+                crate::format::MAX_NDIM
+            ));
+        }
+        let n = self.shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
+        if n != Some(self.codes.len() as u64) {
+            return bad(format!(
+                "shape {:?} does not hold {} codes",
+                self.shape,
+                self.codes.len()
+            ));
+        }
+        if !(self.step.is_finite() && self.step > 0.0) {
+            return bad(format!("step {:e} must be positive and finite", self.step));
+        }
+        if !(self.eps.is_finite() && self.eps >= 0.0) {
+            return bad(format!(
+                "eps {:e} must be finite and not negative",
+                self.eps
+            ));
+        }
+        let mut prev: Option<u64> = None;
+        for &(i, _) in &self.exceptions {
+            if i >= self.codes.len() as u64 || prev.is_some_and(|p| i <= p) {
+                return bad(format!(
+                    "exception index {i} out of range or not increasing"
+                ));
+            }
+            prev = Some(i);
+        }
+        Ok(())
+    }
+
     /// Packs the codes into a frame, losslessly: [`Codes::from_frame`] gives them back unchanged.
     ///
     /// # Errors
-    /// [`Error::Zstd`] if the zstd stage fails.
+    /// [`Error::InvalidCodes`] for inconsistent fields; [`Error::Zstd`] if the zstd stage fails.
     pub fn to_frame(&self, zstd_level: Option<i32>) -> Result<Vec<u8>> {
+        self.check()?;
         let n = self.codes.len();
         let groups = n.div_ceil(GROUP);
         let index_size = crate::format::index_size_for(n as u64);
@@ -157,9 +201,12 @@ impl Codes {
     /// `eps` is the sum of the parts' bounds.
     ///
     /// # Errors
-    /// [`Error::Incompatible`] when dtype, shape or step differ; [`Error::CodeOverflow`] if a
-    /// sum leaves the 64-bit range.
+    /// [`Error::Incompatible`] when dtype, shape or step differ; [`Error::InvalidCodes`] for
+    /// an inconsistent part; [`Error::CodeOverflow`] if a sum leaves the 64-bit range.
     pub fn sum(parts: &[Codes]) -> Result<Codes> {
+        for p in parts {
+            p.check()?;
+        }
         let first = parts.first().ok_or(Error::Incompatible {
             what: "count",
             left: "at least one frame".into(),

@@ -6,7 +6,7 @@
 
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict};
+use pyo3::types::{PyByteArray, PyBytes, PyDict};
 
 mod error;
 use error::{to_py, CfcError, FormatError};
@@ -22,7 +22,9 @@ fn host_slice<'a>(addr: usize, len: usize, what: &str) -> PyResult<&'a [u8]> {
         return Ok(&[]);
     }
     if addr == 0 {
-        return Err(PyValueError::new_err(format!("{what}: null address with {len} bytes")));
+        return Err(PyValueError::new_err(format!(
+            "{what}: null address with {len} bytes"
+        )));
     }
     // SAFETY: the caller (cfc.codec) passes the address and byte length of a contiguous host
     // array it keeps alive and does not resize until this call returns; `addr` is non-null.
@@ -91,45 +93,31 @@ fn compress<'py>(
     Ok(PyBytes::new(py, &frame))
 }
 
-/// Decompresses a frame into host memory of exactly the decoded size.
+/// Decompresses a frame into a new bytearray holding the elements' raw bytes.
+///
+/// The whole frame is checked before the output is allocated, so a crafted header cannot make
+/// this allocate more than the frame really describes.
 ///
 /// Args:
 ///     frame: the compressed frame.
-///     out_ptr: address of writable, contiguous host memory (kept alive by the caller).
-///     out_nbytes: its size in bytes; must equal the frame's decoded size.
 ///     threads: threads to use, 0 for automatic.
+///
+/// Returns:
+///     bytearray: the decoded elements, little-endian, in the frame's dtype.
 #[pyfunction]
-#[pyo3(signature = (frame, out_ptr, out_nbytes, *, threads=0))]
-fn decompress_into(
-    py: Python<'_>,
+#[pyo3(signature = (frame, *, threads=0))]
+fn decompress<'py>(
+    py: Python<'py>,
     frame: &[u8],
-    out_ptr: usize,
-    out_nbytes: usize,
     threads: usize,
-) -> PyResult<()> {
-    let header = cfc::read_header(frame).map_err(to_py)?;
-    if header.decoded_len() != out_nbytes as u64 {
-        return Err(to_py(cfc::Error::OutputSize {
-            expected: header.decoded_len(),
-            got: out_nbytes as u64,
-        }));
-    }
-    if out_nbytes > 0 && out_ptr == 0 {
-        return Err(PyValueError::new_err("out: null address"));
-    }
-    py.detach(|| {
-        let dst: &mut [u8] = if out_nbytes == 0 {
-            &mut []
-        } else {
-            // SAFETY: the caller passes a non-null (checked) address of `out_nbytes` writable
-            // bytes of a contiguous host array that it keeps alive for the call and that does
-            // not overlap the frame (a separate Python object).
-            unsafe { std::slice::from_raw_parts_mut(out_ptr as *mut u8, out_nbytes) }
-        };
-        cfc::decompress_into_bytes(frame, dst, threads)
+) -> PyResult<Bound<'py, PyByteArray>> {
+    let open = py.detach(|| cfc::OpenFrame::open(frame)).map_err(to_py)?;
+    let len = usize::try_from(open.header().decoded_len())
+        .map_err(|_| PyValueError::new_err("frame too large for this platform"))?;
+    PyByteArray::new_with(py, len, |out| {
+        py.detach(|| open.decode_into_bytes(out, threads))
+            .map_err(to_py)
     })
-    .map_err(to_py)?;
-    Ok(())
 }
 
 /// Reads a frame's header.
@@ -211,7 +199,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("CfcError", m.py().get_type::<CfcError>())?;
     m.add("FormatError", m.py().get_type::<FormatError>())?;
     m.add_function(wrap_pyfunction!(compress, m)?)?;
-    m.add_function(wrap_pyfunction!(decompress_into, m)?)?;
+    m.add_function(wrap_pyfunction!(decompress, m)?)?;
     m.add_function(wrap_pyfunction!(frame_info, m)?)?;
     m.add_function(wrap_pyfunction!(validate, m)?)?;
     m.add_function(wrap_pyfunction!(sum_frames, m)?)?;

@@ -269,18 +269,21 @@ def decompress(c: Any, device: Any = None, *, threads: int = 0):
         TypeError: the object is not a frame holder.
     """
     buf = _frame_buffer(c)
+    # The native side checks the whole frame before allocating the output.
+    raw = _native.decompress(buf, threads=threads)
     info = _native.frame_info(buf)
     shape = tuple(info["shape"])
     torch = _torch()
     if torch is None:
         if info["dtype"] == "bfloat16":
             raise TypeError("decoding a bfloat16 frame needs torch")
-        out_np = np.empty(info["numel"], dtype=np.dtype(info["dtype"]))
-        _native.decompress_into(buf, _addr(out_np), out_np.nbytes, threads=threads)
-        return out_np.reshape(shape)
-    out = torch.empty(info["numel"], dtype=getattr(torch, info["dtype"]))
-    _native.decompress_into(buf, out.data_ptr() if out.numel() else 0, out.nbytes, threads=threads)
-    out = out.reshape(shape)
+        return np.frombuffer(raw, dtype=np.dtype(info["dtype"])).reshape(shape)
+    dtype = getattr(torch, info["dtype"])
+    if info["numel"] == 0:
+        out = torch.empty(shape, dtype=dtype)
+    else:
+        # Shares the bytearray's memory: no copy.
+        out = torch.frombuffer(raw, dtype=dtype).reshape(shape)
     if device is not None:
         out = out.to(device)
     return out
