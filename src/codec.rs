@@ -173,8 +173,8 @@ fn max_finite_abs<T: Element>(data: &[T]) -> f64 {
         .fold(0.0, f64::max)
 }
 
-/// Checks a user-given absolute bound and derives the quantizer from it.
-fn abs_quantizer(eps: f64, what: &'static str) -> Result<Quantizer> {
+/// Checks an absolute bound (given, or derived from `rel`).
+pub(crate) fn check_abs_bound(eps: f64, what: &'static str) -> Result<()> {
     let bad = |reason: &str| Error::InvalidBound {
         what,
         reason: format!("{eps:e} {reason}"),
@@ -188,6 +188,23 @@ fn abs_quantizer(eps: f64, what: &'static str) -> Result<Quantizer> {
     if !(f64::MIN_POSITIVE..=f64::MAX / 4.0).contains(&eps) {
         return Err(bad("is outside the usable range of f64"));
     }
+    Ok(())
+}
+
+/// Checks a fixed-rate width.
+pub(crate) fn check_bits(bits: u8) -> Result<()> {
+    if !(2..=MAX_ENCODE_WIDTH).contains(&bits) {
+        return Err(Error::InvalidBound {
+            what: "bits",
+            reason: format!("{bits} is not between 2 and {MAX_ENCODE_WIDTH}"),
+        });
+    }
+    Ok(())
+}
+
+/// Checks a user-given absolute bound and derives the quantizer from it.
+fn abs_quantizer(eps: f64, what: &'static str) -> Result<Quantizer> {
+    check_abs_bound(eps, what)?;
     let step = 2.0 * eps;
     Ok(Quantizer {
         step,
@@ -213,12 +230,7 @@ fn quantizer_for<T: Element>(data: &[T], bound: Bound) -> Result<(Quantizer, Bou
             Ok((abs_quantizer(eps, "rel")?, BoundMode::Rel, 0))
         }
         Bound::Bits(bits) => {
-            if !(2..=MAX_ENCODE_WIDTH).contains(&bits) {
-                return Err(Error::InvalidBound {
-                    what: "bits",
-                    reason: format!("{bits} is not between 2 and {MAX_ENCODE_WIDTH}"),
-                });
-            }
+            check_bits(bits)?;
             let max = max_finite_abs(data);
             // Codes in [-qmax, qmax] have zigzag values below 2^bits.
             let qmax = ((1u64 << (bits - 1)) - 1) as f64;

@@ -62,6 +62,16 @@ pub enum Error {
         /// Index of the element whose sum overflowed.
         index: u64,
     },
+    /// No usable CUDA: the driver or NVRTC library is missing, no device is present, or CUDA's
+    /// headers cannot be found for compiling the kernels.
+    CudaUnavailable(String),
+    /// A CUDA driver call failed (the driver's error name and message).
+    Cuda(String),
+    /// NVRTC could not compile cfc's kernels; carries the options and the compiler log.
+    Nvrtc {
+        /// The compiler's log.
+        log: String,
+    },
     /// The zstd stage failed while compressing.
     Zstd(std::io::Error),
 }
@@ -152,6 +162,9 @@ impl fmt::Display for Error {
                 write!(f, "sum of codes overflows 64 bits at element {index}")
             }
             Error::Zstd(e) => write!(f, "zstd stage failed: {e}"),
+            Error::CudaUnavailable(why) => write!(f, "CUDA is not available: {why}"),
+            Error::Cuda(e) => write!(f, "CUDA error: {e}"),
+            Error::Nvrtc { log } => write!(f, "NVRTC failed to compile cfc's kernels: {log}"),
         }
     }
 }

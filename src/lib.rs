@@ -18,9 +18,13 @@
 
 mod bitplane;
 mod codec;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 mod element;
 mod error;
 pub mod format;
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+mod kernels;
 mod sum;
 
 pub use bitplane::{unzigzag, zigzag};

@@ -180,6 +180,107 @@ fn fixed_rate_size(shape: Vec<usize>, bits: u8) -> PyResult<u64> {
     cfc::fixed_rate_size(&shape, bits).ok_or_else(|| PyValueError::new_err("shape too large"))
 }
 
+// ---- CUDA: device pointers from torch tensors the Python package keeps alive ----------------
+
+/// Whether a CUDA driver and at least one device are present.
+#[pyfunction]
+fn cuda_available() -> bool {
+    cfc::cuda::available()
+}
+
+/// Workspace bytes the CUDA codec needs for `numel` elements.
+#[pyfunction]
+fn cuda_workspace_len(numel: u64) -> u64 {
+    cfc::cuda::workspace_len(numel)
+}
+
+/// Output bytes that always hold a frame compressed on the device.
+#[pyfunction]
+#[pyo3(signature = (numel, dtype, ndim, *, eps=None, rel=None, bits=None))]
+fn cuda_compress_capacity(
+    numel: u64,
+    dtype: &str,
+    ndim: usize,
+    eps: Option<f64>,
+    rel: Option<f64>,
+    bits: Option<i64>,
+) -> PyResult<u64> {
+    Ok(cfc::cuda::compress_capacity(numel, dtype_of(dtype)?, ndim, bound_of(eps, rel, bits)?))
+}
+
+/// Queues compression of device memory on a CUDA stream (returns before the GPU finishes).
+///
+/// The caller (cfc.codec) passes `data_ptr()`s of live CUDA tensors on `device` that it keeps
+/// referenced, and `stream` = `torch.cuda.current_stream(device).cuda_stream`.
+#[pyfunction]
+#[pyo3(signature = (device, stream, input_ptr, numel, dtype, shape, out_ptr, out_len, ws_ptr, ws_len, *, eps=None, rel=None, bits=None))]
+#[allow(clippy::too_many_arguments)]
+fn cuda_compress(
+    py: Python<'_>,
+    device: usize,
+    stream: usize,
+    input_ptr: u64,
+    numel: u64,
+    dtype: &str,
+    shape: Vec<u64>,
+    out_ptr: u64,
+    out_len: u64,
+    ws_ptr: u64,
+    ws_len: u64,
+    eps: Option<f64>,
+    rel: Option<f64>,
+    bits: Option<i64>,
+) -> PyResult<()> {
+    let args = cfc::cuda::CompressArgs {
+        device,
+        stream,
+        input: input_ptr,
+        n: numel,
+        dtype: dtype_of(dtype)?,
+        shape: &shape,
+        bound: bound_of(eps, rel, bits)?,
+        out: out_ptr,
+        out_len,
+        workspace: ws_ptr,
+        workspace_len: ws_len,
+    };
+    // SAFETY: cfc.codec passes data_ptr()s and sizes of CUDA tensors on `device` that it keeps
+    // alive (and, through torch's caching allocator, unreused) until the stream's work is done.
+    py.detach(|| unsafe { cfc::cuda::compress(&args) }).map_err(to_py)
+}
+
+/// Queues decoding of a device-resident frame (checked on the host or made by cuda_compress).
+#[pyfunction]
+#[pyo3(signature = (device, stream, frame_ptr, numel, dtype, ndim, out_ptr, ws_ptr, ws_len))]
+#[allow(clippy::too_many_arguments)]
+fn cuda_decompress(
+    py: Python<'_>,
+    device: usize,
+    stream: usize,
+    frame_ptr: u64,
+    numel: u64,
+    dtype: &str,
+    ndim: usize,
+    out_ptr: u64,
+    ws_ptr: u64,
+    ws_len: u64,
+) -> PyResult<()> {
+    let args = cfc::cuda::DecompressArgs {
+        device,
+        stream,
+        frame: frame_ptr,
+        n: numel,
+        dtype: dtype_of(dtype)?,
+        ndim,
+        out: out_ptr,
+        workspace: ws_ptr,
+        workspace_len: ws_len,
+    };
+    // SAFETY: as for cuda_compress; cfc.codec validates host frames (cfc::validate) before
+    // uploading them, and frames made by cuda_compress are well-formed by construction.
+    py.detach(|| unsafe { cfc::cuda::decompress(&args) }).map_err(to_py)
+}
+
 fn init_logging() {
     // `CFC_LOG=debug` (any tracing-subscriber filter) turns on cfc's own log lines on stderr.
     if let Ok(filter) = std::env::var("CFC_LOG") {
@@ -204,5 +305,12 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(validate, m)?)?;
     m.add_function(wrap_pyfunction!(sum_frames, m)?)?;
     m.add_function(wrap_pyfunction!(fixed_rate_size, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_workspace_len, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_compress_capacity, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_compress, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_decompress, m)?)?;
+    m.add("CUDA_FRAME_SIZE_OFFSET", cfc::cuda::FRAME_SIZE_OFFSET)?;
+    m.add("CUDA_BOUND_ERROR_OFFSET", cfc::cuda::BOUND_ERROR_OFFSET)?;
     Ok(())
 }

@@ -14,8 +14,10 @@ Example::
 """
 
 from cfc._native import CfcError, FormatError, FORMAT_VERSION, __version__
+from cfc._native import cuda_available
 from cfc.codec import (
     Compressed,
+    CudaCompressed,
     compress,
     decompress,
     fixed_rate_size,
@@ -26,10 +28,12 @@ from cfc.codec import (
 __all__ = [
     "CfcError",
     "Compressed",
+    "CudaCompressed",
     "FORMAT_VERSION",
     "FormatError",
     "__version__",
     "compress",
+    "cuda_available",
     "decompress",
     "fixed_rate_size",
     "frame_info",

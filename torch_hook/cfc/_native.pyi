@@ -5,6 +5,8 @@ from typing import Any, Dict, List, Optional, Sequence
 
 __version__: str
 FORMAT_VERSION: int
+CUDA_FRAME_SIZE_OFFSET: int
+CUDA_BOUND_ERROR_OFFSET: int
 
 class CfcError(Exception): ...
 class FormatError(CfcError): ...
@@ -26,3 +28,41 @@ def frame_info(frame: bytes) -> Dict[str, Any]: ...
 def validate(frame: bytes) -> None: ...
 def sum_frames(frames: List[bytes], *, zstd_level: Optional[int] = None) -> bytes: ...
 def fixed_rate_size(shape: Sequence[int], bits: int) -> int: ...
+def cuda_available() -> bool: ...
+def cuda_workspace_len(numel: int) -> int: ...
+def cuda_compress_capacity(
+    numel: int,
+    dtype: str,
+    ndim: int,
+    *,
+    eps: Optional[float] = None,
+    rel: Optional[float] = None,
+    bits: Optional[int] = None,
+) -> int: ...
+def cuda_compress(
+    device: int,
+    stream: int,
+    input_ptr: int,
+    numel: int,
+    dtype: str,
+    shape: Sequence[int],
+    out_ptr: int,
+    out_len: int,
+    ws_ptr: int,
+    ws_len: int,
+    *,
+    eps: Optional[float] = None,
+    rel: Optional[float] = None,
+    bits: Optional[int] = None,
+) -> None: ...
+def cuda_decompress(
+    device: int,
+    stream: int,
+    frame_ptr: int,
+    numel: int,
+    dtype: str,
+    ndim: int,
+    out_ptr: int,
+    ws_ptr: int,
+    ws_len: int,
+) -> None: ...

@@ -6,6 +6,7 @@ compressed); :func:`decompress` returns a ``torch.Tensor`` when torch is install
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Dict, Iterable, Optional, Tuple, Union
 
 import numpy as np
@@ -14,6 +15,7 @@ from cfc import _native
 
 __all__ = [
     "Compressed",
+    "CudaCompressed",
     "compress",
     "decompress",
     "fixed_rate_size",
@@ -47,6 +49,16 @@ def _zstd_level(zstd: Union[bool, int]) -> Optional[int]:
     raise ValueError(f"zstd must be a bool or a level from 1 to 22, got {zstd!r}")
 
 
+@functools.lru_cache(maxsize=1)
+def _native_cuda() -> bool:
+    return _native.cuda_available()
+
+
+def _cuda_ready(t) -> bool:
+    """Whether tensor ``t`` lives on a CUDA device the native CUDA codec can drive."""
+    return t.device.type == "cuda" and _native_cuda()
+
+
 def _tensor_bytes(x: Any) -> Tuple[np.ndarray, str, Tuple[int, ...]]:
     """A uint8 view of ``x``'s elements (no copy when already contiguous), its dtype name and shape."""
     torch = _torch()
@@ -58,8 +70,7 @@ def _tensor_bytes(x: Any) -> Tuple[np.ndarray, str, Tuple[int, ...]]:
             )
         t = x.detach()
         if t.device.type != "cpu":
-            # The CUDA codec is not in this build: CUDA tensors take the CPU codec (same bytes).
-            t = t.cpu()
+            t = t.cpu()  # (the CUDA codec path is taken before this, where it can be)
         shape = tuple(t.shape)
         flat = t.contiguous().reshape(-1)
         return flat.view(torch.uint8).numpy(), name, shape
@@ -196,6 +207,134 @@ class Compressed:
         return dict(self._info)
 
 
+class CudaCompressed:
+    """A frame being written by the GPU: returned by :func:`compress` for CUDA tensors.
+
+    Compression was only queued on the tensor's current stream; nothing has waited for the GPU.
+    The frame's size stays on the device (:attr:`size_tensor`) and is copied asynchronously to
+    pinned host memory: :attr:`nbytes`, ``bytes(c)`` and :meth:`to_host` wait for it, and
+    :func:`decompress` decodes on the GPU without waiting at all.
+    """
+
+    __slots__ = ("_out", "_ws", "_size_host", "_err_host", "_event", "_dtype", "_shape", "_mode")
+
+    def __init__(self, out, ws, dtype: str, shape: Tuple[int, ...], mode: str):
+        import torch
+
+        self._out, self._ws = out, ws
+        self._dtype, self._shape, self._mode = dtype, shape, mode
+        self._size_host = torch.empty(1, dtype=torch.int64, pin_memory=True)
+        self._err_host = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+        self._size_host.copy_(self.size_tensor, non_blocking=True)
+        if mode == "rel":
+            off = _native.CUDA_BOUND_ERROR_OFFSET
+            self._err_host.copy_(ws[off : off + 4].view(torch.int32), non_blocking=True)
+        self._event = torch.cuda.Event()
+        self._event.record()
+
+    @property
+    def size_tensor(self):
+        """The frame's size in bytes, as a 0-d int64 tensor on the device (no wait)."""
+        import torch
+
+        off = _native.CUDA_FRAME_SIZE_OFFSET
+        return self._ws[off : off + 8].view(torch.int64)[0]
+
+    @property
+    def device(self):
+        """The device holding the frame."""
+        return self._out.device
+
+    @property
+    def shape(self) -> Tuple[int, ...]:
+        """The original shape."""
+        return self._shape
+
+    @property
+    def dtype(self):
+        """The original dtype."""
+        return _torch_dtype(self._dtype)
+
+    def synchronize(self) -> None:
+        """Wait until the frame is written; raise if its bound turned out unusable (``rel``)."""
+        self._event.synchronize()
+        if int(self._err_host[0]) != 0:
+            raise ValueError("invalid rel: rel x max|x| is outside the usable range of f64")
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the frame in bytes (waits for the GPU)."""
+        self.synchronize()
+        return int(self._size_host[0])
+
+    @property
+    def frame(self):
+        """The frame as a uint8 CUDA tensor of exactly :attr:`nbytes` bytes (waits for the size)."""
+        return self._out[: self.nbytes]
+
+    def __bytes__(self) -> bytes:
+        return self.frame.cpu().numpy().tobytes()
+
+    def to_host(self) -> "Compressed":
+        """The frame as a host :class:`Compressed` (waits, then copies)."""
+        return Compressed(bytes(self))
+
+    @property
+    def ratio(self) -> float:
+        """Uncompressed bytes over compressed bytes (waits for the GPU)."""
+        numel = 1
+        for d in self._shape:
+            numel *= d
+        return numel * _ELEMENT_SIZE[self._dtype] / self.nbytes
+
+    @property
+    def eps(self) -> float:
+        """The frame's bound (waits, then reads it from the header: offset 32, f64)."""
+        self.synchronize()
+        return float(np.frombuffer(self._out[32:40].cpu().numpy().tobytes(), dtype="<f8")[0])
+
+    def __repr__(self) -> str:
+        return f"cfc.CudaCompressed(shape={self._shape}, dtype={self._dtype}, mode={self._mode}, device={self.device})"
+
+
+_ELEMENT_SIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def _compress_cuda(t, name: str, shape, eps, rel, bits) -> CudaCompressed:
+    import torch
+
+    t = t.detach().contiguous()
+    dev = t.device
+    n = t.numel()
+    cap = _native.cuda_compress_capacity(n, name, len(shape), eps=eps, rel=rel, bits=bits)
+    out = torch.empty(cap, dtype=torch.uint8, device=dev)
+    ws = torch.empty(_native.cuda_workspace_len(n), dtype=torch.uint8, device=dev)
+    stream = torch.cuda.current_stream(dev)
+    _native.cuda_compress(
+        dev.index, stream.cuda_stream, t.data_ptr(), n, name, list(shape),
+        out.data_ptr(), cap, ws.data_ptr(), ws.numel(), eps=eps, rel=rel, bits=bits,
+    )
+    # The input must outlive the queued kernels: tell the caching allocator it is used there.
+    t.record_stream(stream)
+    mode = "abs" if eps is not None else "rel" if rel is not None else "bits"
+    return CudaCompressed(out, ws, name, tuple(shape), mode)
+
+
+def _decompress_cuda(frame_dev, numel: int, dtype: str, shape, ndim: int):
+    """Decode a device-resident frame (checked on the host, or made by the GPU codec)."""
+    import torch
+
+    dev = frame_dev.device
+    out = torch.empty(shape, dtype=getattr(torch, dtype), device=dev)
+    ws = torch.empty(_native.cuda_workspace_len(numel), dtype=torch.uint8, device=dev)
+    stream = torch.cuda.current_stream(dev)
+    _native.cuda_decompress(
+        dev.index, stream.cuda_stream, frame_dev.data_ptr(), numel, dtype, ndim,
+        out.data_ptr(), ws.data_ptr(), ws.numel(),
+    )
+    return out
+
+
 def compress(
     x: Any,
     *,
@@ -211,8 +350,8 @@ def compress(
     ``|v' - v| <= eps`` (checked in float64); NaN and infinities come back bit-exactly.
 
     Args:
-        x: a ``torch.Tensor`` or ``numpy.ndarray`` of float32, bfloat16 or float16, any shape.
-            CUDA tensors are copied to the host first in this build.
+        x: a ``torch.Tensor`` (CPU or CUDA) or ``numpy.ndarray`` of float32, bfloat16 or
+            float16, any shape.
         eps: absolute bound.
         rel: bound relative to the largest finite magnitude (``eps = rel * max|x|``).
         bits: fixed rate, 2 to 32 bits per value; the size is known in advance
@@ -221,7 +360,9 @@ def compress(
         threads: CPU threads to use, 0 for one per core on large tensors.
 
     Returns:
-        Compressed: ``bytes(result)`` is the self-describing frame.
+        Compressed: ``bytes(result)`` is the self-describing frame. For a CUDA tensor (and no
+        zstd stage) a :class:`CudaCompressed` whose frame, byte for byte the same, is still
+        being written on the GPU.
 
     Raises:
         ValueError: no bound, several bounds, or an unusable one (<= 0, NaN, infinite).
@@ -234,6 +375,15 @@ def compress(
         >>> c.shape, c.ratio > 3
         ((4096,), True)
     """
+    torch = _torch()
+    if (
+        torch is not None
+        and isinstance(x, torch.Tensor)
+        and not zstd
+        and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        and _cuda_ready(x)
+    ):
+        return _compress_cuda(x, str(x.dtype)[6:], tuple(x.shape), eps, rel, bits)
     data, name, shape = _tensor_bytes(x)
     # `data` stays referenced until the call returns, so its memory stays valid.
     frame = _native.compress(
@@ -256,8 +406,9 @@ def decompress(c: Any, device: Any = None, *, threads: int = 0):
     Args:
         c: a :class:`Compressed`, or the frame as bytes, bytearray, memoryview, or a uint8
             numpy array or torch tensor.
-        device: where to put the result (``"cpu"``, ``"cuda:0"``, a ``torch.device``);
-            decoding runs on the CPU in this build, then the tensor is moved.
+        device: where to put the result (``"cpu"``, ``"cuda:0"``, a ``torch.device``). A
+            CUDA device decodes on that GPU (after checking the frame on the host); a
+            :class:`CudaCompressed` decodes on its own GPU by default, without waiting.
         threads: CPU threads to use, 0 for automatic.
 
     Returns:
@@ -268,12 +419,31 @@ def decompress(c: Any, device: Any = None, *, threads: int = 0):
         cfc.FormatError: the buffer is malformed (truncated, corrupted, crafted, newer format).
         TypeError: the object is not a frame holder.
     """
+    torch = _torch()
+    if isinstance(c, CudaCompressed):
+        if device is None or torch.device(device) == c.device:
+            if c._mode == "rel":
+                c.synchronize()  # reports an unusable rel bound instead of decoding garbage
+            numel = 1
+            for d in c._shape:
+                numel *= d
+            return _decompress_cuda(c._out, numel, c._dtype, c._shape, len(c._shape))
+        c = c.to_host()
+    target = None if device is None or torch is None else torch.device(device)
+    if target is not None and target.type == "cuda" and _native_cuda():
+        buf = _frame_buffer(c)
+        _native.validate(buf)  # the whole frame, on the host, before the GPU reads it
+        info = _native.frame_info(buf)
+        if not info["zstd"]:
+            frame_dev = torch.frombuffer(bytearray(buf), dtype=torch.uint8).to(target)
+            return _decompress_cuda(
+                frame_dev, info["numel"], info["dtype"], tuple(info["shape"]), len(info["shape"])
+            )
     buf = _frame_buffer(c)
     # The native side checks the whole frame before allocating the output.
     raw = _native.decompress(buf, threads=threads)
     info = _native.frame_info(buf)
     shape = tuple(info["shape"])
-    torch = _torch()
     if torch is None:
         if info["dtype"] == "bfloat16":
             raise TypeError("decoding a bfloat16 frame needs torch")

@@ -1,0 +1,264 @@
+// The error-bounded codec on the GPU. Produces the bytes of the CPU reference (src/codec.rs,
+// docs/FORMAT.md) without any host synchronization: every size stays on the device.
+//
+// Compress: [max_abs -> params] (rel/bits modes) or set_params (abs) -> encode_groups (one warp
+// per group: width and exception count) -> exclusive scans of both (scan.cu) -> finish (header,
+// raw-or-quantized decision, frame size) -> pack (bit planes by ballot, exceptions, or the raw
+// bytes). Decompress: widths -> scan -> decode_groups -> scatter exceptions.
+#include "common.cuh"
+
+#define DEFINE_FOR_DTYPES(MACRO) MACRO(f32, F32) MACRO(bf16, BF16) MACRO(f16, F16)
+// Kernels are launched with CFC_BLOCK threads (8 groups per block), scan kernels with 1024.
+
+// ---- bound parameters -------------------------------------------------------------------
+
+template <class D>
+__device__ void max_abs(const typename D::T* x, u64 n, CfcParams* p) {
+    double m = 0.0;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
+        double v = fabs(D::to_f64(x[i]));
+        if (v <= 1.7976931348623157e308) m = fmax(m, v);  // finite only (NaN fails the test)
+    }
+    for (int o = 16; o > 0; o >>= 1) m = fmax(m, __shfl_down_sync(CFC_FULL_MASK, m, o));
+    if ((threadIdx.x & 31) == 0 && m > 0.0) atomicMax(&p->max_abs_bits, (u64)__double_as_longlong(m));
+}
+
+#define MAX_ABS(name, D) \
+    extern "C" __global__ void cfc_codec_max_abs_##name(const D::T* x, u64 n, CfcParams* p) { max_abs<D>(x, n, p); }
+DEFINE_FOR_DTYPES(MAX_ABS)
+
+extern "C" __global__ void cfc_codec_reset(CfcParams* p) {
+    p->step = p->inv_step = p->eps = 0.0;
+    p->max_abs_bits = p->max_err_bits = 0;
+    p->error = p->pad = 0;
+}
+
+// mode 0 abs (value = eps), 1 rel (value = rel), 2 bits (value = bits). Mirrors
+// quantizer_for() in src/codec.rs; error 1 = the resulting eps is unusable.
+extern "C" __global__ void cfc_codec_params(CfcParams* p, u32 mode, double value) {
+    double max = __longlong_as_double((i64)p->max_abs_bits);
+    double eps, step;
+    p->error = 0;
+    if (mode == 2) {
+        u32 bits = (u32)value;
+        double qmax = (double)((1ull << (bits - 1)) - 1);
+        step = max > 0.0 ? max / qmax : 1.0;
+        if (!(step >= 2.2250738585072014e-308 && step <= 1.7976931348623157e308)) step = 2.2250738585072014e-308;
+        while (max * (1.0 / step) > CFC_MAX_CODE) step = __longlong_as_double(__double_as_longlong(step) + 1);
+        p->step = step;
+        p->inv_step = 1.0 / step;
+        p->eps = step / 2.0;
+        return;
+    }
+    eps = mode == 1 ? (max > 0.0 ? value * max : value) : value;
+    if (!(eps >= 2.2250738585072014e-308 && eps <= 1.7976931348623157e308 / 4.0)) {
+        p->error = 1;
+        eps = 1.0;
+    }
+    step = 2.0 * eps;
+    p->step = step;
+    p->inv_step = 1.0 / step;
+    p->eps = eps;
+}
+
+// ---- encode -----------------------------------------------------------------------------
+
+// One warp per group; lane j holds element 32g + j. Returns the zigzag code (0 for an
+// exception) and whether the element is kept as a code.
+template <class D>
+__device__ __forceinline__ u32 encode_lane(const typename D::T* x, u64 i, u64 n, const CfcParams* p,
+                                           u32 fixed, bool* exc, double* err_out) {
+    *exc = false;
+    *err_out = 0.0;
+    if (i >= n) return 0;
+    double x64 = D::to_f64(x[i]);
+    double t = x64 * p->inv_step;
+    bool in_range = fabs(t) <= CFC_MAX_CODE;  // false for NaN
+    if (!in_range) { *exc = true; return 0; }
+    i64 q = (i64)rint(t);
+    double dec = D::to_f64(cfc_dequantize<D>(q, p->step));
+    double err = fabs(dec - x64);
+    bool ok = fixed ? (err <= 1.7976931348623157e308) : (err <= p->eps);
+    if (!ok) { *exc = true; return 0; }
+    *err_out = err;
+    return (u32)((q << 1) ^ (q >> 63));
+}
+
+// Pass 1: width and exception count of each group; widths go straight into the frame body.
+template <class D>
+__device__ void encode_groups(const typename D::T* x, u64 n, u64 groups, const CfcParams* p, u32 fixed,
+                              u8* widths, u64* words, u64* excs) {
+    u64 g = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    u32 lane = threadIdx.x & 31;
+    if (blockIdx.x == 0 && threadIdx.x == 0) {  // the scans' totals slot
+        words[groups] = 0;
+        excs[groups] = 0;
+    }
+    if (g >= groups) return;
+    bool exc;
+    double err;
+    u32 z = encode_lane<D>(x, g * CFC_GROUP + lane, n, p, fixed, &exc, &err);
+    u32 orv = __reduce_or_sync(CFC_FULL_MASK, z);
+    u32 nexc = __popc(__ballot_sync(CFC_FULL_MASK, exc));
+    if (fixed) {
+        for (int o = 16; o > 0; o >>= 1) err = fmax(err, __shfl_down_sync(CFC_FULL_MASK, err, o));
+        if (lane == 0 && err > 0.0) atomicMax((u64*)&((CfcParams*)p)->max_err_bits, (u64)__double_as_longlong(err));
+    }
+    if (lane == 0) {
+        u32 w = fixed ? fixed : 32 - __clz(orv);
+        widths[g] = (u8)w;
+        words[g] = w;
+        excs[g] = nexc;
+    }
+}
+
+#define ENCODE_GROUPS(name, D)                                                                     \
+    extern "C" __global__ void cfc_codec_encode_groups_##name(const D::T* x, u64 n, u64 groups,    \
+            const CfcParams* p, u32 fixed, u8* widths, u64* words, u64* excs) {                    \
+        encode_groups<D>(x, n, groups, p, fixed, widths, words, excs);                             \
+    }
+DEFINE_FOR_DTYPES(ENCODE_GROUPS)
+
+// After the scans: words[groups] and excs[groups] are the totals. One thread writes the header,
+// decides between the quantized and the raw body (as compress() does) and the frame size.
+struct Dims { u64 d[8]; };
+
+extern "C" __global__ void cfc_codec_finish(u8* out, u64 n, u64 groups, u32 dtype, u32 dsize, u32 mode,
+        u32 fixed, u32 ndim, Dims dims, const u64* words, const u64* excs, CfcParams* p,
+        u64* frame_size, u32* raw_flag) {
+    u64 header_len = 64 + 8 * (u64)ndim;
+    u64 idx_size = n <= (1ull << 32) ? 4 : 8;
+    u64 n_exc = excs[groups];
+    u64 quant_len = groups + 4 * words[groups] + n_exc * (idx_size + dsize);
+    u64 raw_len = n * dsize;
+    u32 raw = (!fixed && quant_len >= raw_len) ? 1 : 0;
+    u64 body = raw ? raw_len : quant_len;
+    double eps = fixed ? __longlong_as_double((i64)p->max_err_bits) : p->eps;
+    u8* h = out;
+    h[0] = 'C'; h[1] = 'F'; h[2] = 'C'; h[3] = 'F';
+    h[4] = 1; h[5] = (u8)raw; h[6] = (u8)dtype; h[7] = 0;
+    h[8] = (u8)mode; h[9] = (u8)ndim; h[10] = 5; h[11] = (u8)fixed;
+    h[12] = h[13] = h[14] = h[15] = 0;
+    cfc_store_le(h + 16, n, 8);
+    cfc_store_le(h + 24, (u64)__double_as_longlong(p->step), 8);
+    cfc_store_le(h + 32, (u64)__double_as_longlong(eps), 8);
+    cfc_store_le(h + 40, raw ? 0 : n_exc, 8);
+    cfc_store_le(h + 48, body, 8);
+    cfc_store_le(h + 56, body, 8);
+    for (u32 k = 0; k < ndim; ++k) cfc_store_le(h + 64 + 8 * k, dims.d[k], 8);
+    *frame_size = header_len + body;
+    *raw_flag = raw;
+}
+
+// Pass 2: bit planes by ballot (lane p keeps plane p and stores it), exceptions at their
+// scanned positions; or, for a raw frame, the elements' bytes.
+template <class D>
+__device__ void pack(const typename D::T* x, u64 n, u64 groups, const CfcParams* p, u32 fixed, u8* body,
+                     const u64* words, const u64* excs, const u32* raw_flag) {
+    u64 tid = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    u64 g = tid >> 5;
+    u32 lane = threadIdx.x & 31;
+    if (g >= groups) return;
+    u64 i = g * CFC_GROUP + lane;
+    if (*raw_flag) {
+        if (i < n) cfc_store_le(body + i * D::SIZE, D::bits(x[i]), D::SIZE);
+        return;
+    }
+    bool exc;
+    double err;
+    u32 z = encode_lane<D>(x, i, n, p, fixed, &exc, &err);
+    u32 w = fixed ? fixed : 32 - __clz(__reduce_or_sync(CFC_FULL_MASK, z));
+    u32 mine = 0;
+    for (u32 b = 0; b < w; ++b) {
+        u32 word = __ballot_sync(CFC_FULL_MASK, (z >> b) & 1u);
+        if (lane == b) mine = word;
+    }
+    u8* planes = body + groups;
+    if (lane < w) cfc_store_le(planes + 4 * (words[g] + lane), mine, 4);
+    u32 exc_mask = __ballot_sync(CFC_FULL_MASK, exc);
+    if (exc) {
+        u64 idx_size = n <= (1ull << 32) ? 4 : 8;
+        u64 n_exc = excs[groups];
+        u64 k = excs[g] + __popc(exc_mask & ((1u << lane) - 1u));
+        u8* idx = planes + 4 * words[groups];
+        u8* val = idx + n_exc * idx_size;
+        cfc_store_le(idx + k * idx_size, i, (int)idx_size);
+        cfc_store_le(val + k * D::SIZE, D::bits(x[i]), D::SIZE);
+    }
+}
+
+#define PACK(name, D)                                                                              \
+    extern "C" __global__ void cfc_codec_pack_##name(const D::T* x, u64 n, u64 groups,             \
+            const CfcParams* p, u32 fixed, u8* body, const u64* words, const u64* excs,           \
+            const u32* raw_flag) {                                                                 \
+        pack<D>(x, n, groups, p, fixed, body, words, excs, raw_flag);                              \
+    }
+DEFINE_FOR_DTYPES(PACK)
+
+// ---- decode ------------------------------------------------------------------------------
+// The frame was checked on the host (Header::parse and the body checks of src/codec.rs), or was
+// written by the kernels above. Kernels read step, codec and exception count from the frame's
+// own header on the device, so a frame that never left the GPU decodes without a host copy.
+
+#define HDR_CODEC 5
+#define HDR_STEP 24
+#define HDR_NEXC 40
+
+extern "C" __global__ void cfc_codec_widths_to_words(const u8* frame, u64 header_len, u64 groups, u64* words) {
+    u64 g = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (g == 0) words[groups] = 0;
+    if (g < groups) words[g] = frame[5] == 0 ? frame[header_len + g] : 0;
+}
+
+// One warp per group: lane j rebuilds code j from the group's planes (widths up to 64 bits).
+// Raw frames: each lane copies its element.
+template <class D>
+__device__ void decode_groups(const u8* frame, u64 header_len, u64 n, u64 groups, const u64* words,
+                              typename D::T* out) {
+    u64 g = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    u32 lane = threadIdx.x & 31;
+    if (g >= groups) return;
+    const u8* body = frame + header_len;
+    u64 i = g * CFC_GROUP + lane;
+    if (frame[HDR_CODEC] != 0) {
+        if (i < n) out[i] = D::from_bits((u32)cfc_load_le(body + i * D::SIZE, D::SIZE));
+        return;
+    }
+    double step = __longlong_as_double((i64)cfc_load_le(frame + HDR_STEP, 8));
+    u32 w = body[g];
+    const u8* planes = body + groups + 4 * words[g];
+    u64 z = 0;
+    for (u32 b = 0; b < w; ++b) {
+        u32 word = (u32)cfc_load_le(planes + 4 * b, 4);
+        z |= (u64)((word >> lane) & 1u) << b;
+    }
+    i64 q = (i64)(z >> 1) ^ -(i64)(z & 1);
+    if (i < n) out[i] = cfc_dequantize<D>(q, step);
+}
+
+#define DECODE_GROUPS(name, D)                                                                     \
+    extern "C" __global__ void cfc_codec_decode_groups_##name(const u8* frame, u64 header_len,     \
+            u64 n, u64 groups, const u64* words, D::T* out) {                                      \
+        decode_groups<D>(frame, header_len, n, groups, words, out);                                \
+    }
+DEFINE_FOR_DTYPES(DECODE_GROUPS)
+
+template <class D>
+__device__ void scatter_exceptions(const u8* frame, u64 header_len, u64 n, u64 groups, const u64* words,
+                                   typename D::T* out) {
+    u64 n_exc = frame[HDR_CODEC] == 0 ? cfc_load_le(frame + HDR_NEXC, 8) : 0;
+    u64 idx_size = n <= (1ull << 32) ? 4 : 8;
+    const u8* idx = frame + header_len + groups + 4 * words[groups];
+    const u8* val = idx + n_exc * idx_size;
+    for (u64 k = (u64)blockIdx.x * blockDim.x + threadIdx.x; k < n_exc; k += (u64)gridDim.x * blockDim.x) {
+        u64 i = cfc_load_le(idx + k * idx_size, (int)idx_size);
+        if (i < n) out[i] = D::from_bits((u32)cfc_load_le(val + k * D::SIZE, D::SIZE));
+    }
+}
+
+#define SCATTER(name, D)                                                                           \
+    extern "C" __global__ void cfc_codec_scatter_exceptions_##name(const u8* frame, u64 header_len, \
+            u64 n, u64 groups, const u64* words, D::T* out) {                                      \
+        scatter_exceptions<D>(frame, header_len, n, groups, words, out);                           \
+    }
+DEFINE_FOR_DTYPES(SCATTER)

@@ -1,0 +1,70 @@
+// Shared helpers of cfc's CUDA kernels. Compiled by NVRTC (see src/cuda/mod.rs); the only
+// headers are CUDA's own fp16/bf16 ones, found through an include path cfc discovers.
+#pragma once
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+typedef unsigned long long u64;
+typedef long long i64;
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned char u8;
+
+#define CFC_GROUP 32
+#define CFC_FULL_MASK 0xffffffffu
+// Largest code magnitude (zigzag codes then fit in 32 bits); must equal format::MAX_CODE.
+#define CFC_MAX_CODE 2147483647.0
+
+// Parameters that may be computed on the device (rel and bits modes) so that no host round
+// trip is needed. Layout shared with src/cuda/mod.rs (PARAMS_BYTES).
+struct CfcParams {
+    double step;
+    double inv_step;
+    double eps;
+    u64 max_abs_bits;  // max |finite x| as f64 bits (non-negative doubles order like u64)
+    u64 max_err_bits;  // fixed rate: largest error made, as f64 bits
+    u32 error;         // nonzero: the bound could not be set (see src/cuda/mod.rs)
+    u32 pad;
+};
+
+// Element access per dtype: load as double, and the decode rule of docs/FORMAT.md
+// (f64 multiply, round to f32, round to the element type, ties to even).
+struct F32 {
+    typedef float T;
+    static __device__ __forceinline__ double to_f64(T v) { return (double)v; }
+    static __device__ __forceinline__ T from_f32(float v) { return v; }
+    static __device__ __forceinline__ u32 bits(T v) { return __float_as_uint(v); }
+    static __device__ __forceinline__ T from_bits(u32 b) { return __uint_as_float(b); }
+    static const int SIZE = 4;
+};
+struct BF16 {
+    typedef u16 T;
+    static __device__ __forceinline__ double to_f64(T v) { return (double)__uint_as_float(((u32)v) << 16); }
+    static __device__ __forceinline__ T from_f32(float v) { return __bfloat16_as_ushort(__float2bfloat16_rn(v)); }
+    static __device__ __forceinline__ u32 bits(T v) { return v; }
+    static __device__ __forceinline__ T from_bits(u32 b) { return (u16)b; }
+    static const int SIZE = 2;
+};
+struct F16 {
+    typedef u16 T;
+    static __device__ __forceinline__ double to_f64(T v) { return (double)__half2float(__ushort_as_half(v)); }
+    static __device__ __forceinline__ T from_f32(float v) { return __half_as_ushort(__float2half_rn(v)); }
+    static __device__ __forceinline__ u32 bits(T v) { return v; }
+    static __device__ __forceinline__ T from_bits(u32 b) { return (u16)b; }
+    static const int SIZE = 2;
+};
+
+template <class D>
+__device__ __forceinline__ typename D::T cfc_dequantize(i64 q, double step) {
+    return D::from_f32(__double2float_rn((double)q * step));
+}
+
+// Little-endian stores/loads of `nbytes` at any alignment (frame fields are not aligned).
+__device__ __forceinline__ void cfc_store_le(u8* p, u64 v, int nbytes) {
+    for (int k = 0; k < nbytes; ++k) p[k] = (u8)(v >> (8 * k));
+}
+__device__ __forceinline__ u64 cfc_load_le(const u8* p, int nbytes) {
+    u64 v = 0;
+    for (int k = 0; k < nbytes; ++k) v |= ((u64)p[k]) << (8 * k);
+    return v;
+}

@@ -1,0 +1,530 @@
+//! The codec on CUDA devices: launches of the `kernels/` sources on a caller's stream, over
+//! caller-owned device memory (typically PyTorch's), with no host synchronization.
+//!
+//! Libraries are loaded at run time (cudarc's dynamic loading): this module builds anywhere and
+//! reports a missing driver or NVRTC as [`Error::CudaUnavailable`], never a panic. Kernels are
+//! compiled by NVRTC at first use to a CUBIN for the device's own compute capability and
+//! cached per (device, family).
+//!
+//! Device memory is never allocated here: the caller passes the output and a workspace of the
+//! sizes that [`compress_capacity`] and [`workspace_len`] give (PyTorch's caching allocator
+//! provides them in the Python package), and nothing is freed.
+
+use crate::error::{Error, Result};
+use crate::format::{groups_for, index_size_for, BoundMode, DType, FIXED_HEADER_LEN, MAX_NDIM};
+use crate::kernels::{kernel_name, Family};
+use crate::Bound;
+use cudarc::driver::{sys, CudaContext, CudaFunction, CudaModule, CudaStream, LaunchConfig, PushKernelArg};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
+/// Threads per block of the codec kernels (8 groups of 32).
+const BLOCK: u32 = 256;
+/// Values per block of the scan kernels (must match `SCAN_BLOCK` in `kernels/scan.cu`).
+const SCAN_BLOCK: u64 = 1024;
+/// Workspace bytes before the scan arrays: `CfcParams` (48 bytes, room for 64), the frame size
+/// (u64 at 64) and the raw flag (u32 at 72).
+const WS_HEADER: u64 = 80;
+/// Offset in the workspace of the compressed frame's size (a u64 written on the device).
+pub const FRAME_SIZE_OFFSET: u64 = 64;
+/// Offset in the workspace of the bound error flag (u32; nonzero: rel gave an unusable eps).
+pub const BOUND_ERROR_OFFSET: u64 = 40;
+
+fn driver_err(e: cudarc::driver::DriverError) -> Error {
+    Error::Cuda(format!("{e:?}"))
+}
+
+/// Whether the CUDA driver library can be loaded and sees at least one device.
+pub fn available() -> bool {
+    // SAFETY: only probes whether the shared library can be opened; no CUDA call is made.
+    if !unsafe { sys::is_culib_present() } {
+        return false;
+    }
+    CudaContext::device_count().is_ok_and(|n| n > 0)
+}
+
+struct Device {
+    ctx: Arc<CudaContext>,
+    modules: Mutex<HashMap<Family, Arc<CudaModule>>>,
+    functions: Mutex<HashMap<String, CudaFunction>>,
+}
+
+fn device(ordinal: usize) -> Result<Arc<Device>> {
+    static DEVICES: OnceLock<Mutex<Vec<Option<Arc<Device>>>>> = OnceLock::new();
+    // SAFETY: only probes whether the shared library can be opened.
+    if !unsafe { sys::is_culib_present() } {
+        return Err(Error::CudaUnavailable(
+            "the CUDA driver library (libcuda.so.1) is not present".into(),
+        ));
+    }
+    let mut devices = DEVICES
+        .get_or_init(|| Mutex::new(Vec::new()))
+        .lock()
+        .map_err(|_| Error::Cuda("device cache poisoned".into()))?;
+    if devices.len() <= ordinal {
+        devices.resize(ordinal + 1, None);
+    }
+    if let Some(d) = &devices[ordinal] {
+        d.ctx.bind_to_thread().map_err(driver_err)?;
+        return Ok(d.clone());
+    }
+    // Retains the device's primary context: the one PyTorch uses.
+    let ctx = CudaContext::new(ordinal).map_err(driver_err)?;
+    // SAFETY: cfc never hands cudarc memory it allocated; all pointers are the caller's, whose
+    // ordering is the caller's stream order, so cudarc's per-allocation events are not needed.
+    unsafe { ctx.disable_event_tracking() };
+    let d = Arc::new(Device {
+        ctx,
+        modules: Mutex::new(HashMap::new()),
+        functions: Mutex::new(HashMap::new()),
+    });
+    devices[ordinal] = Some(d.clone());
+    Ok(d)
+}
+
+/// Directories holding `cuda_fp16.h`, tried in order: `CFC_CUDA_INCLUDE`, `CUDA_HOME`,
+/// `CUDA_PATH`, the usual install paths.
+fn cuda_include_dir() -> Result<String> {
+    let mut candidates: Vec<String> = Vec::new();
+    if let Ok(p) = std::env::var("CFC_CUDA_INCLUDE") {
+        candidates.push(p);
+    }
+    for var in ["CUDA_HOME", "CUDA_PATH"] {
+        if let Ok(p) = std::env::var(var) {
+            candidates.push(format!("{p}/include"));
+        }
+    }
+    candidates.extend(
+        ["/usr/local/cuda/include", "/usr/local/cuda-13.0/include", "/usr/local/cuda-12/include", "/usr/include"]
+            .iter()
+            .map(|s| s.to_string()),
+    );
+    candidates
+        .iter()
+        .find(|d| std::path::Path::new(d).join("cuda_fp16.h").exists())
+        .cloned()
+        .ok_or_else(|| Error::CudaUnavailable(format!(
+            "cuda_fp16.h not found in {candidates:?}; set CFC_CUDA_INCLUDE to CUDA's include directory"
+        )))
+}
+
+/// Compiles a family to a CUBIN for `sm_<major><minor>`.
+fn compile(family: Family, arch: &str) -> Result<Vec<u8>> {
+    use cudarc::nvrtc::{result, sys as nsys};
+    // SAFETY: only probes whether the shared library can be opened.
+    if !unsafe { nsys::is_culib_present() } {
+        return Err(Error::CudaUnavailable("NVRTC (libnvrtc) is not present".into()));
+    }
+    let src = std::ffi::CString::new(family.source())
+        .map_err(|_| Error::Nvrtc { log: "kernel source contains a NUL byte".into() })?;
+    let opts = vec![
+        format!("--gpu-architecture={arch}"),
+        "--std=c++17".to_string(),
+        // Contracting a*b+c into one FMA would change results against the CPU reference.
+        "--fmad=false".to_string(),
+        format!("-I{}", cuda_include_dir()?),
+    ];
+    let nvrtc_err = |what: &str, e: &dyn std::fmt::Debug| Error::Nvrtc { log: format!("{what}: {e:?}") };
+    let prog = result::create_program(&src, None).map_err(|e| nvrtc_err("create_program", &e))?;
+    // SAFETY: `prog` is a live program created above; options are valid C strings.
+    let compiled = unsafe { result::compile_program(prog, &opts) };
+    let out = match compiled {
+        Err(e) => {
+            // SAFETY: `prog` is live; the log is read before the program is destroyed.
+            let log = unsafe { result::get_program_log(prog) }.unwrap_or_default();
+            let log: String = log.iter().map(|&c| c as u8 as char).collect();
+            Err(Error::Nvrtc { log: format!("{e:?} with options {opts:?}:\n{log}") })
+        }
+        Ok(()) => {
+            let mut size = 0usize;
+            // SAFETY: `prog` compiled successfully; `size` is a valid out pointer.
+            unsafe { nsys::nvrtcGetCUBINSize(prog, &mut size) }
+                .result()
+                .map_err(|e| nvrtc_err("nvrtcGetCUBINSize", &e))?;
+            let mut buf = vec![0u8; size];
+            // SAFETY: `buf` has exactly the size NVRTC reported for the CUBIN.
+            unsafe { nsys::nvrtcGetCUBIN(prog, buf.as_mut_ptr() as *mut _) }
+                .result()
+                .map_err(|e| nvrtc_err("nvrtcGetCUBIN", &e))?;
+            Ok(buf)
+        }
+    };
+    // SAFETY: `prog` is live and destroyed exactly once.
+    let _ = unsafe { result::destroy_program(prog) };
+    out
+}
+
+impl Device {
+    fn function(&self, family: Family, op: &str, dtype: Option<DType>) -> Result<CudaFunction> {
+        let name = kernel_name(family, op, dtype);
+        fn poisoned<T>(_: T) -> Error {
+            Error::Cuda("kernel cache poisoned".into())
+        }
+        if let Some(f) = self.functions.lock().map_err(poisoned)?.get(&name) {
+            return Ok(f.clone());
+        }
+        let module = {
+            let mut modules = self.modules.lock().map_err(poisoned)?;
+            match modules.get(&family) {
+                Some(m) => m.clone(),
+                None => {
+                    let (major, minor) = self.ctx.compute_capability().map_err(driver_err)?;
+                    let arch = format!("sm_{major}{minor}");
+                    let t0 = std::time::Instant::now();
+                    let cubin = compile(family, &arch)?;
+                    tracing::debug!(family = family.name(), arch, ms = t0.elapsed().as_millis() as u64, "compiled kernels");
+                    let m = self
+                        .ctx
+                        .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))
+                        .map_err(driver_err)?;
+                    modules.insert(family, m.clone());
+                    m
+                }
+            }
+        };
+        let f = module.load_function(&name).map_err(|e| Error::Cuda(format!("kernel {name}: {e:?}")))?;
+        self.functions.lock().map_err(poisoned)?.insert(name, f.clone());
+        Ok(f)
+    }
+
+    fn stream(&self, raw: usize) -> Result<Arc<CudaStream>> {
+        // SAFETY: `raw` is a live CUstream of this device's primary context, owned by the
+        // caller (e.g. torch.cuda.current_stream().cuda_stream) for the duration of the call;
+        // a borrowed stream is never destroyed by cudarc.
+        Ok(unsafe { self.ctx.wrap_borrowed_stream(raw as sys::CUstream) })
+    }
+}
+
+/// Scan arrays for `len` values need this many u64 of block sums, all levels together.
+fn scan_sums_len(len: u64) -> u64 {
+    let blocks = len.div_ceil(SCAN_BLOCK).max(1);
+    if blocks <= 1 {
+        1
+    } else {
+        blocks + scan_sums_len(blocks)
+    }
+}
+
+/// Workspace bytes the device codec needs for `n` elements (compress and decompress).
+pub fn workspace_len(n: u64) -> u64 {
+    let slots = groups_for(n) + 1;
+    WS_HEADER + 8 * (2 * slots + 2 * scan_sums_len(slots))
+}
+
+/// Bytes of output buffer that always suffice for a frame of `n` elements compressed on the
+/// device (the frame's real size is written to the workspace).
+pub fn compress_capacity(n: u64, dtype: DType, ndim: usize, bound: Bound) -> u64 {
+    let header = (FIXED_HEADER_LEN + 8 * ndim) as u64;
+    let size = dtype.size() as u64;
+    let raw = n * size;
+    match bound {
+        // Fixed rate keeps its layout even when it is not smaller than the raw bytes.
+        Bound::Bits(b) => {
+            header + groups_for(n) * (1 + 4 * b as u64) + n * (index_size_for(n) as u64 + size)
+        }
+        // Quantized bodies are only chosen when strictly smaller than the raw bytes.
+        _ => header + raw.max(groups_for(n)),
+    }
+}
+
+/// Arguments of [`compress`]; pointers are device addresses on `device`.
+#[derive(Debug, Clone)]
+pub struct CompressArgs<'a> {
+    /// Device ordinal.
+    pub device: usize,
+    /// A `CUstream` of the device's primary context; all work is queued on it.
+    pub stream: usize,
+    /// The elements (contiguous, `n * dtype.size()` bytes).
+    pub input: u64,
+    /// Element count.
+    pub n: u64,
+    /// Element type.
+    pub dtype: DType,
+    /// Dimensions (product `n`).
+    pub shape: &'a [u64],
+    /// The bound.
+    pub bound: Bound,
+    /// Output buffer, at least [`compress_capacity`] bytes.
+    pub out: u64,
+    /// Its size.
+    pub out_len: u64,
+    /// Workspace, at least [`workspace_len`] bytes.
+    pub workspace: u64,
+    /// Its size.
+    pub workspace_len: u64,
+}
+
+fn launch_cfg(threads: u64, block: u32) -> LaunchConfig {
+    let blocks = threads.div_ceil(block as u64).clamp(1, u32::MAX as u64) as u32;
+    LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (block, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// Exclusive scan of `len` u64 at `data`, in place, with `sums` as scratch.
+fn scan(dev: &Device, stream: &CudaStream, data: u64, len: u64, sums: u64) -> Result<()> {
+    let block = dev.function(Family::Scan, "block", None)?;
+    let add = dev.function(Family::Scan, "add", None)?;
+    let blocks = len.div_ceil(SCAN_BLOCK).max(1);
+    let cfg = launch_cfg(blocks * SCAN_BLOCK, SCAN_BLOCK as u32);
+    // SAFETY: `data` holds `len` u64 and `sums` at least `scan_sums_len(len)` u64 of the
+    // caller's workspace (sizes checked in `compress`/`decompress`); argument order and types
+    // match `cfc_scan_block(u64*, u64, u64*)`.
+    unsafe { stream.launch_builder(&block).arg(&data).arg(&len).arg(&sums).launch(cfg) }
+        .map_err(driver_err)?;
+    if blocks > 1 {
+        scan(dev, stream, sums, blocks, sums + 8 * blocks)?;
+        // SAFETY: as above; matches `cfc_scan_add(u64*, u64, const u64*)`.
+        unsafe { stream.launch_builder(&add).arg(&data).arg(&len).arg(&sums).launch(cfg) }
+            .map_err(driver_err)?;
+    }
+    Ok(())
+}
+
+/// Compresses on the device, producing exactly the bytes of [`crate::compress`], and returns
+/// without waiting for the GPU. The frame's size is written (as a u64) at
+/// [`FRAME_SIZE_OFFSET`] of the workspace; in `rel` mode a nonzero u32 at
+/// [`BOUND_ERROR_OFFSET`] means the bound was unusable (the CPU codec's `InvalidBound`).
+///
+/// # Safety
+/// Every pointer must be a device address on `args.device` valid for its stated length until
+/// the work queued on `args.stream` completes; `input` must not overlap `out` or `workspace`.
+///
+/// # Errors
+/// [`Error::InvalidBound`], [`Error::ShapeMismatch`], [`Error::OutputSize`] for bad arguments
+/// (checked before anything is queued); [`Error::CudaUnavailable`], [`Error::Nvrtc`],
+/// [`Error::Cuda`] from the driver.
+pub unsafe fn compress(args: &CompressArgs<'_>) -> Result<()> {
+    let n = args.n;
+    let ndim = args.shape.len();
+    let prod = args.shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
+    if ndim > MAX_NDIM || prod != Some(n) {
+        return Err(Error::ShapeMismatch { shape_elements: prod, elements: n, ndim });
+    }
+    let (mode, value, fixed) = match args.bound {
+        Bound::Abs(eps) => {
+            crate::codec::check_abs_bound(eps, "eps")?;
+            (BoundMode::Abs, eps, 0u32)
+        }
+        Bound::Rel(rel) => {
+            if !(rel.is_finite() && rel > 0.0) {
+                return Err(Error::InvalidBound { what: "rel", reason: format!("{rel:e} must be positive and finite") });
+            }
+            (BoundMode::Rel, rel, 0)
+        }
+        Bound::Bits(b) => {
+            crate::codec::check_bits(b)?;
+            (BoundMode::Bits, b as f64, b as u32)
+        }
+    };
+    let need_out = compress_capacity(n, args.dtype, ndim, args.bound);
+    if args.out_len < need_out {
+        return Err(Error::OutputSize { expected: need_out, got: args.out_len });
+    }
+    let need_ws = workspace_len(n);
+    if args.workspace_len < need_ws {
+        return Err(Error::OutputSize { expected: need_ws, got: args.workspace_len });
+    }
+    let dev = device(args.device)?;
+    let stream = dev.stream(args.stream)?;
+    let d = Some(args.dtype);
+    let groups = groups_for(n);
+    let slots = groups + 1;
+    let params = args.workspace;
+    let frame_size = args.workspace + FRAME_SIZE_OFFSET;
+    let raw_flag = args.workspace + 72;
+    let words = args.workspace + WS_HEADER;
+    let excs = words + 8 * slots;
+    let sums_words = excs + 8 * slots;
+    let sums_excs = sums_words + 8 * scan_sums_len(slots);
+    let header_len = (FIXED_HEADER_LEN + 8 * ndim) as u64;
+    let body = args.out + header_len;
+    let mode_code = match mode {
+        BoundMode::Abs => 0u32,
+        BoundMode::Rel => 1,
+        _ => 2,
+    };
+    let one = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1, 1, 1), shared_mem_bytes: 0 };
+    let warps = launch_cfg(groups * 32, BLOCK);
+
+    let reset = dev.function(Family::Codec, "reset", None)?;
+    let set = dev.function(Family::Codec, "params", None)?;
+    // SAFETY (all launches below): pointers are the caller's device buffers, whose sizes were
+    // checked above against `workspace_len` and `compress_capacity`; argument order and types
+    // match the `extern "C"` signatures in kernels/codec.cu named by each function.
+    unsafe { stream.launch_builder(&reset).arg(&params).launch(one) }.map_err(driver_err)?;
+    if mode != BoundMode::Abs {
+        let max_abs = dev.function(Family::Codec, "max_abs", d)?;
+        let cfg = launch_cfg(n.min(1 << 22), BLOCK);
+        // SAFETY: see above; `cfc_codec_max_abs_<dtype>(const T*, u64, CfcParams*)`.
+        unsafe { stream.launch_builder(&max_abs).arg(&args.input).arg(&n).arg(&params).launch(cfg) }
+            .map_err(driver_err)?;
+    }
+    // SAFETY: see above; `cfc_codec_params(CfcParams*, u32, double)`.
+    unsafe { stream.launch_builder(&set).arg(&params).arg(&mode_code).arg(&value).launch(one) }
+        .map_err(driver_err)?;
+
+    let encode = dev.function(Family::Codec, "encode_groups", d)?;
+    // SAFETY: see above; `(const T*, u64 n, u64 groups, const CfcParams*, u32, u8*, u64*, u64*)`.
+    unsafe {
+        stream
+            .launch_builder(&encode)
+            .arg(&args.input)
+            .arg(&n)
+            .arg(&groups)
+            .arg(&params)
+            .arg(&fixed)
+            .arg(&body)
+            .arg(&words)
+            .arg(&excs)
+            .launch(warps)
+    }
+    .map_err(driver_err)?;
+    scan(&dev, &stream, words, slots, sums_words)?;
+    scan(&dev, &stream, excs, slots, sums_excs)?;
+
+    let mut dims = [0u64; MAX_NDIM];
+    dims[..ndim].copy_from_slice(args.shape);
+    let dtype_code = match args.dtype {
+        DType::F32 => 0u32,
+        DType::BF16 => 1,
+        DType::F16 => 2,
+    };
+    let dsize = args.dtype.size() as u32;
+    let ndim32 = ndim as u32;
+    let finish = dev.function(Family::Codec, "finish", None)?;
+    let mut b = stream.launch_builder(&finish);
+    b.arg(&args.out).arg(&n).arg(&groups).arg(&dtype_code).arg(&dsize).arg(&mode_code).arg(&fixed).arg(&ndim32);
+    // `Dims` is passed by value as eight u64 (same layout as `struct Dims { u64 d[8]; }`).
+    let dims = Dims(dims);
+    b.arg(&dims);
+    b.arg(&words).arg(&excs).arg(&params).arg(&frame_size).arg(&raw_flag);
+    // SAFETY: see above; matches `cfc_codec_finish` argument for argument.
+    unsafe { b.launch(one) }.map_err(driver_err)?;
+
+    let pack = dev.function(Family::Codec, "pack", d)?;
+    // SAFETY: see above; `(const T*, u64, u64, const CfcParams*, u32, u8*, const u64*, const u64*, const u32*)`.
+    unsafe {
+        stream
+            .launch_builder(&pack)
+            .arg(&args.input)
+            .arg(&n)
+            .arg(&groups)
+            .arg(&params)
+            .arg(&fixed)
+            .arg(&body)
+            .arg(&words)
+            .arg(&excs)
+            .arg(&raw_flag)
+            .launch(warps)
+    }
+    .map_err(driver_err)?;
+    Ok(())
+}
+
+/// The shape as the `Dims` struct of `cfc_codec_finish`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct Dims([u64; MAX_NDIM]);
+
+// SAFETY: `Dims` is `repr(C)`, plain old data, with the layout of `struct Dims { u64 d[8]; }`.
+unsafe impl cudarc::driver::DeviceRepr for Dims {}
+
+/// Arguments of [`decompress`].
+#[derive(Debug, Clone)]
+pub struct DecompressArgs {
+    /// Device ordinal.
+    pub device: usize,
+    /// A `CUstream` of the device's primary context.
+    pub stream: usize,
+    /// The frame in device memory: checked on the host ([`crate::validate`]) or written by
+    /// [`compress`], without a zstd stage.
+    pub frame: u64,
+    /// Element count (from the frame's header).
+    pub n: u64,
+    /// Element type (from the header).
+    pub dtype: DType,
+    /// Dimensions in the header (sets the header's length).
+    pub ndim: usize,
+    /// Output: `n` elements of `dtype`.
+    pub out: u64,
+    /// Workspace, at least [`workspace_len`] bytes.
+    pub workspace: u64,
+    /// Its size.
+    pub workspace_len: u64,
+}
+
+/// Decodes a frame on the device into `out`, without waiting for the GPU.
+///
+/// # Safety
+/// Pointers must be device addresses on `args.device`, valid until the queued work completes.
+/// The frame must have been checked by [`crate::validate`] (or [`crate::OpenFrame::open`]) on
+/// the host, or written by [`compress`]: the kernels read what its header and widths say.
+///
+/// # Errors
+/// [`Error::OutputSize`] for a small workspace, [`Error::Format`] for a zstd frame (decode it
+/// on the host), and CUDA errors.
+pub unsafe fn decompress(args: &DecompressArgs) -> Result<()> {
+    let need_ws = workspace_len(args.n);
+    if args.workspace_len < need_ws {
+        return Err(Error::OutputSize { expected: need_ws, got: args.workspace_len });
+    }
+    if args.ndim > MAX_NDIM {
+        return Err(crate::FormatError::BadField { field: "ndim", value: args.ndim.to_string() }.into());
+    }
+    let dev = device(args.device)?;
+    let stream = dev.stream(args.stream)?;
+    let d = Some(args.dtype);
+    let groups = groups_for(args.n);
+    let slots = groups + 1;
+    let words = args.workspace + WS_HEADER;
+    let sums = words + 16 * slots;
+    let header_len = (FIXED_HEADER_LEN + 8 * args.ndim) as u64;
+    let n = args.n;
+    let to_words = dev.function(Family::Codec, "widths_to_words", None)?;
+    // SAFETY (all launches): the frame was checked on the host or written by `compress`, so its
+    // widths, planes and exceptions lie within it; the workspace size was checked above; the
+    // argument lists match kernels/codec.cu.
+    unsafe {
+        stream
+            .launch_builder(&to_words)
+            .arg(&args.frame)
+            .arg(&header_len)
+            .arg(&groups)
+            .arg(&words)
+            .launch(launch_cfg(slots, BLOCK))
+    }
+    .map_err(driver_err)?;
+    scan(&dev, &stream, words, slots, sums)?;
+    let decode = dev.function(Family::Codec, "decode_groups", d)?;
+    // SAFETY: see above; `(const u8*, u64, u64, u64, const u64*, T*)`.
+    unsafe {
+        stream
+            .launch_builder(&decode)
+            .arg(&args.frame)
+            .arg(&header_len)
+            .arg(&n)
+            .arg(&groups)
+            .arg(&words)
+            .arg(&args.out)
+            .launch(launch_cfg(groups * 32, BLOCK))
+    }
+    .map_err(driver_err)?;
+    let scatter = dev.function(Family::Codec, "scatter_exceptions", d)?;
+    // SAFETY: see above; same argument list as decode_groups.
+    unsafe {
+        stream
+            .launch_builder(&scatter)
+            .arg(&args.frame)
+            .arg(&header_len)
+            .arg(&n)
+            .arg(&groups)
+            .arg(&words)
+            .arg(&args.out)
+            .launch(launch_cfg(n.min(1 << 20), BLOCK))
+    }
+    .map_err(driver_err)?;
+    Ok(())
+}

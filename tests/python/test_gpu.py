@@ -1,0 +1,89 @@
+"""The CUDA codec writes the CPU reference's bytes and decodes to the same values (run with
+`pytest -m gpu` on a machine with a GPU; skipped elsewhere)."""
+
+import numpy as np
+import pytest
+import torch
+
+import cfc
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+BOUNDS = [{"eps": 1e-3}, {"eps": 0.05}, {"rel": 1e-2}, {"bits": 3}, {"bits": 8}, {"bits": 32}]
+LENGTHS = [0, 1, 31, 32, 33, 1000, (1 << 20) + 7]
+
+
+def awkward(n, dtype, seed=0):
+    """Gaussian and heavy-tailed values with NaN, infinities, -0.0, tiny and huge values."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * torch.rand(n, generator=g).pow(6) * 0.1
+    if n >= 12:
+        finfo = torch.finfo(dtype)
+        specials = [float("nan"), float("inf"), -float("inf"), -0.0, finfo.tiny / 4,
+                    finfo.max, -finfo.max / 3, 1e-30, 0.0, 1.0, -1.0, finfo.eps]
+        idx = torch.randperm(n, generator=g)[: len(specials)]
+        x[idx] = torch.tensor(specials)
+    return x.to(dtype)
+
+
+def same_bits(a, b):
+    return torch.equal(a.cpu().view(INT_VIEW[a.dtype]), b.cpu().view(INT_VIEW[b.dtype]))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bound", BOUNDS, ids=lambda b: "-".join(f"{k}{v}" for k, v in b.items()))
+@pytest.mark.parametrize("n", LENGTHS)
+def test_gpu_frames_are_the_cpu_reference_bytes(dtype, bound, n):
+    x = awkward(n, dtype, seed=n)
+    want = bytes(cfc.compress(x, **bound))
+    c = cfc.compress(x.cuda(), **bound)
+    assert isinstance(c, cfc.CudaCompressed)
+    got = bytes(c)
+    assert got == want
+    ref = cfc.decompress(want)
+    assert same_bits(cfc.decompress(c), ref)                 # device frame, decoded on the GPU
+    assert same_bits(cfc.decompress(want, device="cuda"), ref)  # host frame, decoded on the GPU
+
+
+@pytest.mark.parametrize("k", [0.3, 0.1, 0.01])
+def test_gpu_real_gradients_match_cpu_and_bound(grads, k):
+    for name, g in grads.items():
+        x = torch.from_numpy(g)
+        eps = k * float(np.sqrt(np.mean(g.astype(np.float64) ** 2)))
+        c = cfc.compress(x.cuda(), eps=eps)
+        assert bytes(c) == bytes(cfc.compress(x, eps=eps)), name
+        y = cfc.decompress(c)
+        assert (y.double() - x.cuda().double()).abs().max().item() <= eps
+
+
+def test_gpu_shapes_survive():
+    x = torch.randn(3, 5, 7, device="cuda")
+    y = cfc.decompress(cfc.compress(x, eps=1e-2))
+    assert y.shape == x.shape and y.device == x.device
+
+
+def test_gpu_compress_returns_before_the_gpu_finishes():
+    x = torch.randn(1 << 20, device="cuda")
+    torch.cuda._sleep(200_000_000)  # keeps the stream busy for a while
+    c = cfc.compress(x, eps=1e-3)
+    assert not c._event.query(), "compress waited for the GPU"
+    c.synchronize()
+    assert c._event.query()
+
+
+def test_gpu_hostile_frames_rejected_before_the_gpu_reads_them():
+    frame = bytearray(bytes(cfc.compress(torch.randn(5000), eps=1e-3)))
+    frame[64] = 200  # first width byte: far over 64
+    with pytest.raises(cfc.FormatError):
+        cfc.decompress(bytes(frame), device="cuda")
+    with pytest.raises(cfc.FormatError):
+        cfc.decompress(bytes(frame)[:100], device="cuda")
+
+
+def test_gpu_invalid_arguments():
+    with pytest.raises(ValueError):
+        cfc.compress(torch.randn(10, device="cuda"), eps=-1.0)
+    with pytest.raises(ValueError):
+        cfc.compress(torch.randn(10, device="cuda"), bits=40)
