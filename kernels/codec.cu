@@ -10,7 +10,22 @@
 #define DEFINE_FOR_DTYPES(MACRO) MACRO(f32, F32) MACRO(bf16, BF16) MACRO(f16, F16)
 // Kernels are launched with CFC_BLOCK threads (8 groups per block), scan kernels with 1024.
 
-// ---- bound parameters -------------------------------------------------------------------
+// ---- bound parameters ----
+
+// Largest of every thread's `v` (non-negative), into *target (f64 bits) with one atomic per block.
+__device__ __forceinline__ void block_max_to(u64* target, double v) {
+    __shared__ double warp_max[32];
+    for (int o = 16; o > 0; o >>= 1) v = fmax(v, __shfl_down_sync(CFC_FULL_MASK, v, o));
+    if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x >> 5] = v;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        double m = 0.0;
+        for (u32 w = 0; w < (blockDim.x + 31) / 32; ++w) m = fmax(m, warp_max[w]);
+        if (m > 0.0) atomicMax(target, (u64)__double_as_longlong(m));
+    }
+}
+
+// -------------------------------------------------------------------
 
 template <class D>
 __device__ void max_abs(const typename D::T* x, u64 n, CfcParams* p) {
@@ -19,8 +34,7 @@ __device__ void max_abs(const typename D::T* x, u64 n, CfcParams* p) {
         double v = fabs(D::to_f64(x[i]));
         if (v <= 1.7976931348623157e308) m = fmax(m, v);  // finite only (NaN fails the test)
     }
-    for (int o = 16; o > 0; o >>= 1) m = fmax(m, __shfl_down_sync(CFC_FULL_MASK, m, o));
-    if ((threadIdx.x & 31) == 0 && m > 0.0) atomicMax(&p->max_abs_bits, (u64)__double_as_longlong(m));
+    block_max_to(&p->max_abs_bits, m);
 }
 
 #define MAX_ABS(name, D) \
@@ -61,61 +75,88 @@ extern "C" __global__ void cfc_codec_params(CfcParams* p, u32 mode, double value
     p->eps = eps;
 }
 
-// ---- encode -----------------------------------------------------------------------------
+// ---- encode ----------------------------------------------------------------------------
+// Each warp takes CFC_UNROLL consecutive groups per step and issues all their independent loads
+// before using any: enough bytes in flight to approach memory bandwidth.
+#define CFC_UNROLL 4
+// Kernels walk groups with grid-stride warps (one warp = one group at a time); reductions
+// across the grid go through one atomic per block.
 
-// One warp per group; lane j holds element 32g + j. Returns the zigzag code (0 for an
-// exception) and whether the element is kept as a code.
+// 1.5 * 2^52: (t + MAGIC) - MAGIC is rint(t) for |t| < 2^51, with the integer in the low bits
+// of t + MAGIC. The same trick as the CPU reference, cheaper than rint + conversions on the GPU
+// (needs --fmad=false, so that x * inv + MAGIC is never contracted).
+#define CFC_ROUND_MAGIC 6755399441055744.0
+
+// One lane's element: its zigzag code (0 for an exception) and whether it is an exception.
 template <class D>
-__device__ __forceinline__ u32 encode_lane(const typename D::T* x, u64 i, u64 n, const CfcParams* p,
-                                           u32 fixed, bool* exc, double* err_out) {
+__device__ __forceinline__ u32 encode_lane(typename D::T v, bool valid, const CfcParams* p, u32 fixed,
+                                           bool* exc, double* err_out) {
     *exc = false;
     *err_out = 0.0;
-    if (i >= n) return 0;
-    double x64 = D::to_f64(x[i]);
+    if (!valid) return 0;
+    double x64 = D::to_f64(v);
     double t = x64 * p->inv_step;
-    bool in_range = fabs(t) <= CFC_MAX_CODE;  // false for NaN
-    if (!in_range) { *exc = true; return 0; }
-    i64 q = (i64)rint(t);
-    double dec = D::to_f64(cfc_dequantize<D>(q, p->step));
+    double shifted = t + CFC_ROUND_MAGIC;
+    double qf = shifted - CFC_ROUND_MAGIC;
+    i64 q = (i64)(int)(u32)__double2loint(shifted);
+    double dec = D::to_f64(D::from_f32(__double2float_rn(qf * p->step)));
     double err = fabs(dec - x64);
-    bool ok = fixed ? (err <= 1.7976931348623157e308) : (err <= p->eps);
+    bool ok = fabs(t) <= CFC_MAX_CODE && (fixed ? (err <= 1.7976931348623157e308) : (err <= p->eps));
     if (!ok) { *exc = true; return 0; }
     *err_out = err;
     return (u32)((q << 1) ^ (q >> 63));
 }
 
-// Pass 1: width and exception count of each group; widths go straight into the frame body.
+// Pass 1: per group, width and exception count (widths go straight into the frame body) and the
+// bit planes, staged at a fixed place per group (32 words) for pass 2 to move into the frame.
 template <class D>
 __device__ void encode_groups(const typename D::T* x, u64 n, u64 groups, const CfcParams* p, u32 fixed,
-                              u8* widths, u64* words, u64* excs) {
-    u64 g = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+                              u8* widths, u64* words, u64* excs, u32* staging) {
     u32 lane = threadIdx.x & 31;
+    u64 warp = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    u64 warps = ((u64)gridDim.x * blockDim.x) >> 5;
     if (blockIdx.x == 0 && threadIdx.x == 0) {  // the scans' totals slot
         words[groups] = 0;
         excs[groups] = 0;
     }
-    if (g >= groups) return;
-    bool exc;
-    double err;
-    u32 z = encode_lane<D>(x, g * CFC_GROUP + lane, n, p, fixed, &exc, &err);
-    u32 orv = __reduce_or_sync(CFC_FULL_MASK, z);
-    u32 nexc = __popc(__ballot_sync(CFC_FULL_MASK, exc));
-    if (fixed) {
-        for (int o = 16; o > 0; o >>= 1) err = fmax(err, __shfl_down_sync(CFC_FULL_MASK, err, o));
-        if (lane == 0 && err > 0.0) atomicMax((u64*)&((CfcParams*)p)->max_err_bits, (u64)__double_as_longlong(err));
+    double max_err = 0.0;
+    for (u64 g0 = warp * CFC_UNROLL; g0 < groups; g0 += warps * CFC_UNROLL) {
+      typename D::T v[CFC_UNROLL];
+#pragma unroll
+      for (int u = 0; u < CFC_UNROLL; ++u) {
+        u64 i = (g0 + u) * CFC_GROUP + lane;
+        v[u] = i < n ? x[i] : typename D::T(0);
+      }
+#pragma unroll
+      for (int u = 0; u < CFC_UNROLL; ++u) {
+        u64 g = g0 + u;
+        if (g >= groups) break;  // the same for the whole warp
+        bool exc;
+        double err;
+        u32 z = encode_lane<D>(v[u], g * CFC_GROUP + lane < n, p, fixed, &exc, &err);
+        max_err = fmax(max_err, err);
+        u32 w = fixed ? fixed : 32 - __clz(__reduce_or_sync(CFC_FULL_MASK, z));
+        u32 nexc = __popc(__ballot_sync(CFC_FULL_MASK, exc));
+        u32 mine = 0;
+        for (u32 b = 0; b < w; ++b) {
+            u32 word = __ballot_sync(CFC_FULL_MASK, (z >> b) & 1u);
+            if (lane == b) mine = word;
+        }
+        if (lane < w) staging[g * CFC_GROUP + lane] = mine;
+        if (lane == 0) {
+            widths[g] = (u8)w;
+            words[g] = w;
+            excs[g] = nexc;
+        }
+      }
     }
-    if (lane == 0) {
-        u32 w = fixed ? fixed : 32 - __clz(orv);
-        widths[g] = (u8)w;
-        words[g] = w;
-        excs[g] = nexc;
-    }
+    if (fixed) block_max_to((u64*)&((CfcParams*)p)->max_err_bits, max_err);
 }
 
 #define ENCODE_GROUPS(name, D)                                                                     \
     extern "C" __global__ void cfc_codec_encode_groups_##name(const D::T* x, u64 n, u64 groups,    \
-            const CfcParams* p, u32 fixed, u8* widths, u64* words, u64* excs) {                    \
-        encode_groups<D>(x, n, groups, p, fixed, widths, words, excs);                             \
+            const CfcParams* p, u32 fixed, u8* widths, u64* words, u64* excs, u32* staging) {      \
+        encode_groups<D>(x, n, groups, p, fixed, widths, words, excs, staging);                    \
     }
 DEFINE_FOR_DTYPES(ENCODE_GROUPS)
 
@@ -150,48 +191,66 @@ extern "C" __global__ void cfc_codec_finish(u8* out, u64 n, u64 groups, u32 dtyp
     *raw_flag = raw;
 }
 
-// Pass 2: bit planes by ballot (lane p keeps plane p and stores it), exceptions at their
-// scanned positions; or, for a raw frame, the elements' bytes.
+// Pass 2: staged planes move to their scanned place in the frame; groups holding exceptions are
+// encoded again to write them (rare); a raw frame gets the elements' bytes instead.
 template <class D>
 __device__ void pack(const typename D::T* x, u64 n, u64 groups, const CfcParams* p, u32 fixed, u8* body,
-                     const u64* words, const u64* excs, const u32* raw_flag) {
-    u64 tid = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    u64 g = tid >> 5;
+                     const u64* words, const u64* excs, const u32* raw_flag, const u32* staging) {
     u32 lane = threadIdx.x & 31;
-    if (g >= groups) return;
-    u64 i = g * CFC_GROUP + lane;
-    if (*raw_flag) {
-        if (i < n) cfc_store_le(body + i * D::SIZE, D::bits(x[i]), D::SIZE);
-        return;
-    }
-    bool exc;
-    double err;
-    u32 z = encode_lane<D>(x, i, n, p, fixed, &exc, &err);
-    u32 w = fixed ? fixed : 32 - __clz(__reduce_or_sync(CFC_FULL_MASK, z));
-    u32 mine = 0;
-    for (u32 b = 0; b < w; ++b) {
-        u32 word = __ballot_sync(CFC_FULL_MASK, (z >> b) & 1u);
-        if (lane == b) mine = word;
-    }
+    u64 warp = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    u64 warps = ((u64)gridDim.x * blockDim.x) >> 5;
+    bool raw = *raw_flag != 0;
+    u64 idx_size = n <= (1ull << 32) ? 4 : 8;
     u8* planes = body + groups;
-    if (lane < w) cfc_store_le(planes + 4 * (words[g] + lane), mine, 4);
-    u32 exc_mask = __ballot_sync(CFC_FULL_MASK, exc);
-    if (exc) {
-        u64 idx_size = n <= (1ull << 32) ? 4 : 8;
-        u64 n_exc = excs[groups];
-        u64 k = excs[g] + __popc(exc_mask & ((1u << lane) - 1u));
-        u8* idx = planes + 4 * words[groups];
-        u8* val = idx + n_exc * idx_size;
-        cfc_store_le(idx + k * idx_size, i, (int)idx_size);
-        cfc_store_le(val + k * D::SIZE, D::bits(x[i]), D::SIZE);
+    u64 n_exc = excs[groups];
+    u8* idx = planes + 4 * words[groups];
+    u8* val = idx + n_exc * idx_size;
+    for (u64 g0 = warp * CFC_UNROLL; g0 < groups; g0 += warps * CFC_UNROLL) {
+        if (raw) {
+#pragma unroll
+            for (int u = 0; u < CFC_UNROLL; ++u) {
+                u64 i = (g0 + u) * CFC_GROUP + lane;
+                if (i < n) cfc_store_le(body + i * D::SIZE, D::bits(x[i]), D::SIZE);
+            }
+            continue;
+        }
+        u64 wo[CFC_UNROLL + 1], eo[CFC_UNROLL + 1];
+#pragma unroll
+        for (int u = 0; u <= CFC_UNROLL; ++u) {
+            u64 g = min(g0 + u, groups);
+            wo[u] = words[g];
+            eo[u] = excs[g];
+        }
+        u32 st[CFC_UNROLL];
+#pragma unroll
+        for (int u = 0; u < CFC_UNROLL; ++u)
+            st[u] = g0 + u < groups && lane < wo[u + 1] - wo[u] ? staging[(g0 + u) * CFC_GROUP + lane] : 0;
+#pragma unroll
+        for (int u = 0; u < CFC_UNROLL; ++u) {
+            u64 g = g0 + u;
+            if (g >= groups) break;  // the same for the whole warp
+            if (lane < wo[u + 1] - wo[u]) cfc_store_le(planes + 4 * (wo[u] + lane), st[u], 4);
+            if (eo[u + 1] != eo[u]) {
+                u64 i = g * CFC_GROUP + lane;
+                bool exc;
+                double err;
+                encode_lane<D>(i < n ? x[i] : typename D::T(0), i < n, p, fixed, &exc, &err);
+                u32 exc_mask = __ballot_sync(CFC_FULL_MASK, exc);
+                if (exc) {
+                    u64 k = eo[u] + __popc(exc_mask & ((1u << lane) - 1u));
+                    cfc_store_le(idx + k * idx_size, i, (int)idx_size);
+                    cfc_store_le(val + k * D::SIZE, D::bits(x[i]), D::SIZE);
+                }
+            }
+        }
     }
 }
 
 #define PACK(name, D)                                                                              \
     extern "C" __global__ void cfc_codec_pack_##name(const D::T* x, u64 n, u64 groups,             \
             const CfcParams* p, u32 fixed, u8* body, const u64* words, const u64* excs,           \
-            const u32* raw_flag) {                                                                 \
-        pack<D>(x, n, groups, p, fixed, body, words, excs, raw_flag);                              \
+            const u32* raw_flag, const u32* staging) {                                             \
+        pack<D>(x, n, groups, p, fixed, body, words, excs, raw_flag, staging);                     \
     }
 DEFINE_FOR_DTYPES(PACK)
 
@@ -210,30 +269,61 @@ extern "C" __global__ void cfc_codec_widths_to_words(const u8* frame, u64 header
     if (g < groups) words[g] = frame[5] == 0 ? frame[header_len + g] : 0;
 }
 
-// One warp per group: lane j rebuilds code j from the group's planes (widths up to 64 bits).
-// Raw frames: each lane copies its element.
+// One warp per group: lane b loads plane b, shuffles broadcast it, lane j rebuilds code j
+// (widths up to 64 bits). Raw frames: each lane copies its element.
 template <class D>
 __device__ void decode_groups(const u8* frame, u64 header_len, u64 n, u64 groups, const u64* words,
                               typename D::T* out) {
-    u64 g = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     u32 lane = threadIdx.x & 31;
-    if (g >= groups) return;
+    u64 warp = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    u64 warps = ((u64)gridDim.x * blockDim.x) >> 5;
     const u8* body = frame + header_len;
-    u64 i = g * CFC_GROUP + lane;
-    if (frame[HDR_CODEC] != 0) {
-        if (i < n) out[i] = D::from_bits((u32)cfc_load_le(body + i * D::SIZE, D::SIZE));
-        return;
-    }
+    bool raw = frame[HDR_CODEC] != 0;
     double step = __longlong_as_double((i64)cfc_load_le(frame + HDR_STEP, 8));
-    u32 w = body[g];
-    const u8* planes = body + groups + 4 * words[g];
-    u64 z = 0;
-    for (u32 b = 0; b < w; ++b) {
-        u32 word = (u32)cfc_load_le(planes + 4 * b, 4);
-        z |= (u64)((word >> lane) & 1u) << b;
+    for (u64 g0 = warp * CFC_UNROLL; g0 < groups; g0 += warps * CFC_UNROLL) {
+        if (raw) {
+#pragma unroll
+            for (int u = 0; u < CFC_UNROLL; ++u) {
+                u64 i = (g0 + u) * CFC_GROUP + lane;
+                if (i < n) out[i] = D::from_bits((u32)cfc_load_le(body + i * D::SIZE, D::SIZE));
+            }
+            continue;
+        }
+        u32 w[CFC_UNROLL];
+        u64 off[CFC_UNROLL];
+#pragma unroll
+        for (int u = 0; u < CFC_UNROLL; ++u) {
+            bool in = g0 + u < groups;
+            w[u] = in ? body[g0 + u] : 0;
+            off[u] = in ? words[g0 + u] : 0;
+        }
+        u32 lo[CFC_UNROLL];
+#pragma unroll
+        for (int u = 0; u < CFC_UNROLL; ++u)
+            lo[u] = lane < w[u] ? (u32)cfc_load_le(body + groups + 4 * (off[u] + lane), 4) : 0;
+#pragma unroll
+        for (int u = 0; u < CFC_UNROLL; ++u) {
+            u64 g = g0 + u;
+            if (g >= groups) break;  // the same for the whole warp
+            u64 z = 0;
+            for (u32 b = 0; b < w[u] && b < 32; ++b)
+                z |= (u64)((__shfl_sync(CFC_FULL_MASK, lo[u], b) >> lane) & 1u) << b;
+            double qf;
+            if (w[u] > 32) {  // sums of codes: up to 64 bits
+                const u8* planes = body + groups + 4 * off[u];
+                u32 hi = lane + 32 < w[u] ? (u32)cfc_load_le(planes + 4 * (lane + 32), 4) : 0;
+                for (u32 b = 32; b < w[u]; ++b)
+                    z |= (u64)((__shfl_sync(CFC_FULL_MASK, hi, b - 32) >> lane) & 1u) << b;
+                qf = (double)((i64)(z >> 1) ^ -(i64)(z & 1));
+            } else {
+                // Exact (double)q for |q| < 2^51 through the same magic constant as the encoder.
+                i64 q = (i64)(z >> 1) ^ -(i64)(z & 1);
+                qf = __longlong_as_double(__double_as_longlong(CFC_ROUND_MAGIC) + q) - CFC_ROUND_MAGIC;
+            }
+            u64 i = g * CFC_GROUP + lane;
+            if (i < n) out[i] = D::from_f32(__double2float_rn(qf * step));
+        }
     }
-    i64 q = (i64)(z >> 1) ^ -(i64)(z & 1);
-    if (i < n) out[i] = cfc_dequantize<D>(q, step);
 }
 
 #define DECODE_GROUPS(name, D)                                                                     \

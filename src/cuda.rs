@@ -14,7 +14,9 @@ use crate::error::{Error, Result};
 use crate::format::{groups_for, index_size_for, BoundMode, DType, FIXED_HEADER_LEN, MAX_NDIM};
 use crate::kernels::{kernel_name, Family};
 use crate::Bound;
-use cudarc::driver::{sys, CudaContext, CudaFunction, CudaModule, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    sys, CudaContext, CudaFunction, CudaModule, CudaStream, LaunchConfig, PushKernelArg,
+};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -46,7 +48,24 @@ pub fn available() -> bool {
 struct Device {
     ctx: Arc<CudaContext>,
     modules: Mutex<HashMap<Family, Arc<CudaModule>>>,
-    functions: Mutex<HashMap<String, CudaFunction>>,
+    kernels: Mutex<HashMap<DType, Arc<Kernels>>>,
+    /// Blocks that keep every SM busy with grid-stride warps.
+    grid_blocks: u64,
+}
+
+/// Every kernel one compress or decompress of a dtype launches, looked up once.
+struct Kernels {
+    reset: CudaFunction,
+    params: CudaFunction,
+    max_abs: CudaFunction,
+    encode: CudaFunction,
+    finish: CudaFunction,
+    pack: CudaFunction,
+    to_words: CudaFunction,
+    decode: CudaFunction,
+    scatter: CudaFunction,
+    scan_block: CudaFunction,
+    scan_add: CudaFunction,
 }
 
 fn device(ordinal: usize) -> Result<Arc<Device>> {
@@ -73,10 +92,14 @@ fn device(ordinal: usize) -> Result<Arc<Device>> {
     // SAFETY: cfc never hands cudarc memory it allocated; all pointers are the caller's, whose
     // ordering is the caller's stream order, so cudarc's per-allocation events are not needed.
     unsafe { ctx.disable_event_tracking() };
+    let sms = ctx
+        .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        .map_err(driver_err)?;
     let d = Arc::new(Device {
         ctx,
         modules: Mutex::new(HashMap::new()),
-        functions: Mutex::new(HashMap::new()),
+        kernels: Mutex::new(HashMap::new()),
+        grid_blocks: 8 * sms.max(1) as u64,
     });
     devices[ordinal] = Some(d.clone());
     Ok(d)
@@ -95,9 +118,14 @@ fn cuda_include_dir() -> Result<String> {
         }
     }
     candidates.extend(
-        ["/usr/local/cuda/include", "/usr/local/cuda-13.0/include", "/usr/local/cuda-12/include", "/usr/include"]
-            .iter()
-            .map(|s| s.to_string()),
+        [
+            "/usr/local/cuda/include",
+            "/usr/local/cuda-13.0/include",
+            "/usr/local/cuda-12/include",
+            "/usr/include",
+        ]
+        .iter()
+        .map(|s| s.to_string()),
     );
     candidates
         .iter()
@@ -113,10 +141,13 @@ fn compile(family: Family, arch: &str) -> Result<Vec<u8>> {
     use cudarc::nvrtc::{result, sys as nsys};
     // SAFETY: only probes whether the shared library can be opened.
     if !unsafe { nsys::is_culib_present() } {
-        return Err(Error::CudaUnavailable("NVRTC (libnvrtc) is not present".into()));
+        return Err(Error::CudaUnavailable(
+            "NVRTC (libnvrtc) is not present".into(),
+        ));
     }
-    let src = std::ffi::CString::new(family.source())
-        .map_err(|_| Error::Nvrtc { log: "kernel source contains a NUL byte".into() })?;
+    let src = std::ffi::CString::new(family.source()).map_err(|_| Error::Nvrtc {
+        log: "kernel source contains a NUL byte".into(),
+    })?;
     let opts = vec![
         format!("--gpu-architecture={arch}"),
         "--std=c++17".to_string(),
@@ -124,7 +155,9 @@ fn compile(family: Family, arch: &str) -> Result<Vec<u8>> {
         "--fmad=false".to_string(),
         format!("-I{}", cuda_include_dir()?),
     ];
-    let nvrtc_err = |what: &str, e: &dyn std::fmt::Debug| Error::Nvrtc { log: format!("{what}: {e:?}") };
+    let nvrtc_err = |what: &str, e: &dyn std::fmt::Debug| Error::Nvrtc {
+        log: format!("{what}: {e:?}"),
+    };
     let prog = result::create_program(&src, None).map_err(|e| nvrtc_err("create_program", &e))?;
     // SAFETY: `prog` is a live program created above; options are valid C strings.
     let compiled = unsafe { result::compile_program(prog, &opts) };
@@ -133,7 +166,9 @@ fn compile(family: Family, arch: &str) -> Result<Vec<u8>> {
             // SAFETY: `prog` is live; the log is read before the program is destroyed.
             let log = unsafe { result::get_program_log(prog) }.unwrap_or_default();
             let log: String = log.iter().map(|&c| c as u8 as char).collect();
-            Err(Error::Nvrtc { log: format!("{e:?} with options {opts:?}:\n{log}") })
+            Err(Error::Nvrtc {
+                log: format!("{e:?} with options {opts:?}:\n{log}"),
+            })
         }
         Ok(()) => {
             let mut size = 0usize;
@@ -154,37 +189,65 @@ fn compile(family: Family, arch: &str) -> Result<Vec<u8>> {
     out
 }
 
+fn poisoned<T>(_: T) -> Error {
+    Error::Cuda("kernel cache poisoned".into())
+}
+
 impl Device {
+    fn module(&self, family: Family) -> Result<Arc<CudaModule>> {
+        let mut modules = self.modules.lock().map_err(poisoned)?;
+        if let Some(m) = modules.get(&family) {
+            return Ok(m.clone());
+        }
+        let (major, minor) = self.ctx.compute_capability().map_err(driver_err)?;
+        let arch = format!("sm_{major}{minor}");
+        let t0 = std::time::Instant::now();
+        let cubin = compile(family, &arch)?;
+        tracing::debug!(
+            family = family.name(),
+            arch,
+            ms = t0.elapsed().as_millis() as u64,
+            "compiled kernels"
+        );
+        let m = self
+            .ctx
+            .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))
+            .map_err(driver_err)?;
+        modules.insert(family, m.clone());
+        Ok(m)
+    }
+
     fn function(&self, family: Family, op: &str, dtype: Option<DType>) -> Result<CudaFunction> {
         let name = kernel_name(family, op, dtype);
-        fn poisoned<T>(_: T) -> Error {
-            Error::Cuda("kernel cache poisoned".into())
+        self.module(family)?
+            .load_function(&name)
+            .map_err(|e| Error::Cuda(format!("kernel {name}: {e:?}")))
+    }
+
+    /// The kernels for `dtype`, compiled and looked up on first use.
+    fn kernels(&self, dtype: DType) -> Result<Arc<Kernels>> {
+        if let Some(k) = self.kernels.lock().map_err(poisoned)?.get(&dtype) {
+            return Ok(k.clone());
         }
-        if let Some(f) = self.functions.lock().map_err(poisoned)?.get(&name) {
-            return Ok(f.clone());
-        }
-        let module = {
-            let mut modules = self.modules.lock().map_err(poisoned)?;
-            match modules.get(&family) {
-                Some(m) => m.clone(),
-                None => {
-                    let (major, minor) = self.ctx.compute_capability().map_err(driver_err)?;
-                    let arch = format!("sm_{major}{minor}");
-                    let t0 = std::time::Instant::now();
-                    let cubin = compile(family, &arch)?;
-                    tracing::debug!(family = family.name(), arch, ms = t0.elapsed().as_millis() as u64, "compiled kernels");
-                    let m = self
-                        .ctx
-                        .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))
-                        .map_err(driver_err)?;
-                    modules.insert(family, m.clone());
-                    m
-                }
-            }
-        };
-        let f = module.load_function(&name).map_err(|e| Error::Cuda(format!("kernel {name}: {e:?}")))?;
-        self.functions.lock().map_err(poisoned)?.insert(name, f.clone());
-        Ok(f)
+        let (c, d) = (Family::Codec, Some(dtype));
+        let k = Arc::new(Kernels {
+            reset: self.function(c, "reset", None)?,
+            params: self.function(c, "params", None)?,
+            max_abs: self.function(c, "max_abs", d)?,
+            encode: self.function(c, "encode_groups", d)?,
+            finish: self.function(c, "finish", None)?,
+            pack: self.function(c, "pack", d)?,
+            to_words: self.function(c, "widths_to_words", None)?,
+            decode: self.function(c, "decode_groups", d)?,
+            scatter: self.function(c, "scatter_exceptions", d)?,
+            scan_block: self.function(Family::Scan, "block", None)?,
+            scan_add: self.function(Family::Scan, "add", None)?,
+        });
+        self.kernels
+            .lock()
+            .map_err(poisoned)?
+            .insert(dtype, k.clone());
+        Ok(k)
     }
 
     fn stream(&self, raw: usize) -> Result<Arc<CudaStream>> {
@@ -205,11 +268,19 @@ fn scan_sums_len(len: u64) -> u64 {
     }
 }
 
-/// Workspace bytes the device codec needs for `n` elements (compress and decompress).
+/// Workspace bytes [`decompress`] needs for `n` elements.
 pub fn workspace_len(n: u64) -> u64 {
     let slots = groups_for(n) + 1;
     WS_HEADER + 8 * (2 * slots + 2 * scan_sums_len(slots))
 }
+
+/// Workspace bytes [`compress`] needs for `n` elements: [`workspace_len`] plus room to stage
+/// 32 bit planes per group (as many bytes as `n` float32 values).
+pub fn compress_workspace_len(n: u64) -> u64 {
+    workspace_len(n) + 4 * GROUP_U64 * groups_for(n)
+}
+
+const GROUP_U64: u64 = crate::format::GROUP as u64;
 
 /// Bytes of output buffer that always suffice for a frame of `n` elements compressed on the
 /// device (the frame's real size is written to the workspace).
@@ -248,7 +319,7 @@ pub struct CompressArgs<'a> {
     pub out: u64,
     /// Its size.
     pub out_len: u64,
-    /// Workspace, at least [`workspace_len`] bytes.
+    /// Workspace, at least [`compress_workspace_len`] bytes.
     pub workspace: u64,
     /// Its size.
     pub workspace_len: u64,
@@ -264,21 +335,34 @@ fn launch_cfg(threads: u64, block: u32) -> LaunchConfig {
 }
 
 /// Exclusive scan of `len` u64 at `data`, in place, with `sums` as scratch.
-fn scan(dev: &Device, stream: &CudaStream, data: u64, len: u64, sums: u64) -> Result<()> {
-    let block = dev.function(Family::Scan, "block", None)?;
-    let add = dev.function(Family::Scan, "add", None)?;
+fn scan(k: &Kernels, stream: &CudaStream, data: u64, len: u64, sums: u64) -> Result<()> {
+    let (block, add) = (&k.scan_block, &k.scan_add);
     let blocks = len.div_ceil(SCAN_BLOCK).max(1);
     let cfg = launch_cfg(blocks * SCAN_BLOCK, SCAN_BLOCK as u32);
     // SAFETY: `data` holds `len` u64 and `sums` at least `scan_sums_len(len)` u64 of the
     // caller's workspace (sizes checked in `compress`/`decompress`); argument order and types
     // match `cfc_scan_block(u64*, u64, u64*)`.
-    unsafe { stream.launch_builder(&block).arg(&data).arg(&len).arg(&sums).launch(cfg) }
-        .map_err(driver_err)?;
+    unsafe {
+        stream
+            .launch_builder(block)
+            .arg(&data)
+            .arg(&len)
+            .arg(&sums)
+            .launch(cfg)
+    }
+    .map_err(driver_err)?;
     if blocks > 1 {
-        scan(dev, stream, sums, blocks, sums + 8 * blocks)?;
+        scan(k, stream, sums, blocks, sums + 8 * blocks)?;
         // SAFETY: as above; matches `cfc_scan_add(u64*, u64, const u64*)`.
-        unsafe { stream.launch_builder(&add).arg(&data).arg(&len).arg(&sums).launch(cfg) }
-            .map_err(driver_err)?;
+        unsafe {
+            stream
+                .launch_builder(add)
+                .arg(&data)
+                .arg(&len)
+                .arg(&sums)
+                .launch(cfg)
+        }
+        .map_err(driver_err)?;
     }
     Ok(())
 }
@@ -301,7 +385,11 @@ pub unsafe fn compress(args: &CompressArgs<'_>) -> Result<()> {
     let ndim = args.shape.len();
     let prod = args.shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
     if ndim > MAX_NDIM || prod != Some(n) {
-        return Err(Error::ShapeMismatch { shape_elements: prod, elements: n, ndim });
+        return Err(Error::ShapeMismatch {
+            shape_elements: prod,
+            elements: n,
+            ndim,
+        });
     }
     let (mode, value, fixed) = match args.bound {
         Bound::Abs(eps) => {
@@ -310,7 +398,10 @@ pub unsafe fn compress(args: &CompressArgs<'_>) -> Result<()> {
         }
         Bound::Rel(rel) => {
             if !(rel.is_finite() && rel > 0.0) {
-                return Err(Error::InvalidBound { what: "rel", reason: format!("{rel:e} must be positive and finite") });
+                return Err(Error::InvalidBound {
+                    what: "rel",
+                    reason: format!("{rel:e} must be positive and finite"),
+                });
             }
             (BoundMode::Rel, rel, 0)
         }
@@ -321,15 +412,21 @@ pub unsafe fn compress(args: &CompressArgs<'_>) -> Result<()> {
     };
     let need_out = compress_capacity(n, args.dtype, ndim, args.bound);
     if args.out_len < need_out {
-        return Err(Error::OutputSize { expected: need_out, got: args.out_len });
+        return Err(Error::OutputSize {
+            expected: need_out,
+            got: args.out_len,
+        });
     }
-    let need_ws = workspace_len(n);
+    let need_ws = compress_workspace_len(n);
     if args.workspace_len < need_ws {
-        return Err(Error::OutputSize { expected: need_ws, got: args.workspace_len });
+        return Err(Error::OutputSize {
+            expected: need_ws,
+            got: args.workspace_len,
+        });
     }
     let dev = device(args.device)?;
     let stream = dev.stream(args.stream)?;
-    let d = Some(args.dtype);
+    let k = dev.kernels(args.dtype)?;
     let groups = groups_for(n);
     let slots = groups + 1;
     let params = args.workspace;
@@ -339,6 +436,7 @@ pub unsafe fn compress(args: &CompressArgs<'_>) -> Result<()> {
     let excs = words + 8 * slots;
     let sums_words = excs + 8 * slots;
     let sums_excs = sums_words + 8 * scan_sums_len(slots);
+    let staging = args.workspace + workspace_len(n);
     let header_len = (FIXED_HEADER_LEN + 8 * ndim) as u64;
     let body = args.out + header_len;
     let mode_code = match mode {
@@ -346,31 +444,46 @@ pub unsafe fn compress(args: &CompressArgs<'_>) -> Result<()> {
         BoundMode::Rel => 1,
         _ => 2,
     };
-    let one = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1, 1, 1), shared_mem_bytes: 0 };
-    let warps = launch_cfg(groups * 32, BLOCK);
-
-    let reset = dev.function(Family::Codec, "reset", None)?;
-    let set = dev.function(Family::Codec, "params", None)?;
-    // SAFETY (all launches below): pointers are the caller's device buffers, whose sizes were
+    let one = LaunchConfig {
+        grid_dim: (1, 1, 1),
+        block_dim: (1, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let warps = launch_cfg((groups * 32).min(dev.grid_blocks * BLOCK as u64), BLOCK);
+    let (reset, set) = (&k.reset, &k.params);
+    // SAFETY: (this and the launches below) pointers are the caller's device buffers, whose sizes were
     // checked above against `workspace_len` and `compress_capacity`; argument order and types
     // match the `extern "C"` signatures in kernels/codec.cu named by each function.
-    unsafe { stream.launch_builder(&reset).arg(&params).launch(one) }.map_err(driver_err)?;
+    unsafe { stream.launch_builder(reset).arg(&params).launch(one) }.map_err(driver_err)?;
     if mode != BoundMode::Abs {
-        let max_abs = dev.function(Family::Codec, "max_abs", d)?;
-        let cfg = launch_cfg(n.min(1 << 22), BLOCK);
+        let max_abs = &k.max_abs;
+        let cfg = launch_cfg(n.min(dev.grid_blocks * BLOCK as u64), BLOCK);
         // SAFETY: see above; `cfc_codec_max_abs_<dtype>(const T*, u64, CfcParams*)`.
-        unsafe { stream.launch_builder(&max_abs).arg(&args.input).arg(&n).arg(&params).launch(cfg) }
-            .map_err(driver_err)?;
+        unsafe {
+            stream
+                .launch_builder(max_abs)
+                .arg(&args.input)
+                .arg(&n)
+                .arg(&params)
+                .launch(cfg)
+        }
+        .map_err(driver_err)?;
     }
     // SAFETY: see above; `cfc_codec_params(CfcParams*, u32, double)`.
-    unsafe { stream.launch_builder(&set).arg(&params).arg(&mode_code).arg(&value).launch(one) }
-        .map_err(driver_err)?;
-
-    let encode = dev.function(Family::Codec, "encode_groups", d)?;
-    // SAFETY: see above; `(const T*, u64 n, u64 groups, const CfcParams*, u32, u8*, u64*, u64*)`.
     unsafe {
         stream
-            .launch_builder(&encode)
+            .launch_builder(set)
+            .arg(&params)
+            .arg(&mode_code)
+            .arg(&value)
+            .launch(one)
+    }
+    .map_err(driver_err)?;
+
+    // SAFETY: see above; `(const T*, u64 n, u64 groups, const CfcParams*, u32, u8*, u64*, u64*, u32*)`.
+    unsafe {
+        stream
+            .launch_builder(&k.encode)
             .arg(&args.input)
             .arg(&n)
             .arg(&groups)
@@ -379,11 +492,12 @@ pub unsafe fn compress(args: &CompressArgs<'_>) -> Result<()> {
             .arg(&body)
             .arg(&words)
             .arg(&excs)
+            .arg(&staging)
             .launch(warps)
     }
     .map_err(driver_err)?;
-    scan(&dev, &stream, words, slots, sums_words)?;
-    scan(&dev, &stream, excs, slots, sums_excs)?;
+    scan(&k, &stream, words, slots, sums_words)?;
+    scan(&k, &stream, excs, slots, sums_excs)?;
 
     let mut dims = [0u64; MAX_NDIM];
     dims[..ndim].copy_from_slice(args.shape);
@@ -394,21 +508,30 @@ pub unsafe fn compress(args: &CompressArgs<'_>) -> Result<()> {
     };
     let dsize = args.dtype.size() as u32;
     let ndim32 = ndim as u32;
-    let finish = dev.function(Family::Codec, "finish", None)?;
-    let mut b = stream.launch_builder(&finish);
-    b.arg(&args.out).arg(&n).arg(&groups).arg(&dtype_code).arg(&dsize).arg(&mode_code).arg(&fixed).arg(&ndim32);
+    let mut b = stream.launch_builder(&k.finish);
+    b.arg(&args.out)
+        .arg(&n)
+        .arg(&groups)
+        .arg(&dtype_code)
+        .arg(&dsize)
+        .arg(&mode_code)
+        .arg(&fixed)
+        .arg(&ndim32);
     // `Dims` is passed by value as eight u64 (same layout as `struct Dims { u64 d[8]; }`).
     let dims = Dims(dims);
     b.arg(&dims);
-    b.arg(&words).arg(&excs).arg(&params).arg(&frame_size).arg(&raw_flag);
+    b.arg(&words)
+        .arg(&excs)
+        .arg(&params)
+        .arg(&frame_size)
+        .arg(&raw_flag);
     // SAFETY: see above; matches `cfc_codec_finish` argument for argument.
     unsafe { b.launch(one) }.map_err(driver_err)?;
 
-    let pack = dev.function(Family::Codec, "pack", d)?;
-    // SAFETY: see above; `(const T*, u64, u64, const CfcParams*, u32, u8*, const u64*, const u64*, const u32*)`.
+    // SAFETY: see above; `(const T*, u64, u64, const CfcParams*, u32, u8*, const u64*, const u64*, const u32*, const u32*)`.
     unsafe {
         stream
-            .launch_builder(&pack)
+            .launch_builder(&k.pack)
             .arg(&args.input)
             .arg(&n)
             .arg(&groups)
@@ -418,6 +541,7 @@ pub unsafe fn compress(args: &CompressArgs<'_>) -> Result<()> {
             .arg(&words)
             .arg(&excs)
             .arg(&raw_flag)
+            .arg(&staging)
             .launch(warps)
     }
     .map_err(driver_err)?;
@@ -469,27 +593,33 @@ pub struct DecompressArgs {
 pub unsafe fn decompress(args: &DecompressArgs) -> Result<()> {
     let need_ws = workspace_len(args.n);
     if args.workspace_len < need_ws {
-        return Err(Error::OutputSize { expected: need_ws, got: args.workspace_len });
+        return Err(Error::OutputSize {
+            expected: need_ws,
+            got: args.workspace_len,
+        });
     }
     if args.ndim > MAX_NDIM {
-        return Err(crate::FormatError::BadField { field: "ndim", value: args.ndim.to_string() }.into());
+        return Err(crate::FormatError::BadField {
+            field: "ndim",
+            value: args.ndim.to_string(),
+        }
+        .into());
     }
     let dev = device(args.device)?;
     let stream = dev.stream(args.stream)?;
-    let d = Some(args.dtype);
+    let k = dev.kernels(args.dtype)?;
     let groups = groups_for(args.n);
     let slots = groups + 1;
     let words = args.workspace + WS_HEADER;
     let sums = words + 16 * slots;
     let header_len = (FIXED_HEADER_LEN + 8 * args.ndim) as u64;
     let n = args.n;
-    let to_words = dev.function(Family::Codec, "widths_to_words", None)?;
-    // SAFETY (all launches): the frame was checked on the host or written by `compress`, so its
+    // SAFETY: (this and the launches below) the frame was checked on the host or written by `compress`, so its
     // widths, planes and exceptions lie within it; the workspace size was checked above; the
     // argument lists match kernels/codec.cu.
     unsafe {
         stream
-            .launch_builder(&to_words)
+            .launch_builder(&k.to_words)
             .arg(&args.frame)
             .arg(&header_len)
             .arg(&groups)
@@ -497,26 +627,27 @@ pub unsafe fn decompress(args: &DecompressArgs) -> Result<()> {
             .launch(launch_cfg(slots, BLOCK))
     }
     .map_err(driver_err)?;
-    scan(&dev, &stream, words, slots, sums)?;
-    let decode = dev.function(Family::Codec, "decode_groups", d)?;
+    scan(&k, &stream, words, slots, sums)?;
     // SAFETY: see above; `(const u8*, u64, u64, u64, const u64*, T*)`.
     unsafe {
         stream
-            .launch_builder(&decode)
+            .launch_builder(&k.decode)
             .arg(&args.frame)
             .arg(&header_len)
             .arg(&n)
             .arg(&groups)
             .arg(&words)
             .arg(&args.out)
-            .launch(launch_cfg(groups * 32, BLOCK))
+            .launch(launch_cfg(
+                (groups * 32).min(dev.grid_blocks * BLOCK as u64),
+                BLOCK,
+            ))
     }
     .map_err(driver_err)?;
-    let scatter = dev.function(Family::Codec, "scatter_exceptions", d)?;
     // SAFETY: see above; same argument list as decode_groups.
     unsafe {
         stream
-            .launch_builder(&scatter)
+            .launch_builder(&k.scatter)
             .arg(&args.frame)
             .arg(&header_len)
             .arg(&n)

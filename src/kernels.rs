@@ -87,7 +87,11 @@ mod tests {
                 let stem = name.rsplit_once('_').map_or(name.as_str(), |(s, _)| s);
                 let found = src.contains(&format!("{name}("))
                     || (per_dtype && src.contains(&format!("{stem}_##name(")));
-                assert!(found, "{name} is not defined in kernels/{}.cu", family.name());
+                assert!(
+                    found,
+                    "{name} is not defined in kernels/{}.cu",
+                    family.name()
+                );
             }
         }
     }

@@ -188,10 +188,15 @@ fn cuda_available() -> bool {
     cfc::cuda::available()
 }
 
-/// Workspace bytes the CUDA codec needs for `numel` elements.
+/// Workspace bytes the CUDA codec needs for `numel` elements (compressing needs more).
 #[pyfunction]
-fn cuda_workspace_len(numel: u64) -> u64 {
-    cfc::cuda::workspace_len(numel)
+#[pyo3(signature = (numel, *, compress=false))]
+fn cuda_workspace_len(numel: u64, compress: bool) -> u64 {
+    if compress {
+        cfc::cuda::compress_workspace_len(numel)
+    } else {
+        cfc::cuda::workspace_len(numel)
+    }
 }
 
 /// Output bytes that always hold a frame compressed on the device.
@@ -205,7 +210,12 @@ fn cuda_compress_capacity(
     rel: Option<f64>,
     bits: Option<i64>,
 ) -> PyResult<u64> {
-    Ok(cfc::cuda::compress_capacity(numel, dtype_of(dtype)?, ndim, bound_of(eps, rel, bits)?))
+    Ok(cfc::cuda::compress_capacity(
+        numel,
+        dtype_of(dtype)?,
+        ndim,
+        bound_of(eps, rel, bits)?,
+    ))
 }
 
 /// Queues compression of device memory on a CUDA stream (returns before the GPU finishes).
@@ -246,7 +256,8 @@ fn cuda_compress(
     };
     // SAFETY: cfc.codec passes data_ptr()s and sizes of CUDA tensors on `device` that it keeps
     // alive (and, through torch's caching allocator, unreused) until the stream's work is done.
-    py.detach(|| unsafe { cfc::cuda::compress(&args) }).map_err(to_py)
+    py.detach(|| unsafe { cfc::cuda::compress(&args) })
+        .map_err(to_py)
 }
 
 /// Queues decoding of a device-resident frame (checked on the host or made by cuda_compress).
@@ -278,7 +289,8 @@ fn cuda_decompress(
     };
     // SAFETY: as for cuda_compress; cfc.codec validates host frames (cfc::validate) before
     // uploading them, and frames made by cuda_compress are well-formed by construction.
-    py.detach(|| unsafe { cfc::cuda::decompress(&args) }).map_err(to_py)
+    py.detach(|| unsafe { cfc::cuda::decompress(&args) })
+        .map_err(to_py)
 }
 
 fn init_logging() {
