@@ -120,6 +120,7 @@ __device__ void encode_groups(const typename D::T* x, u64 n, u64 groups, const C
         excs[groups] = 0;
     }
     double max_err = 0.0;
+    const CfcParams P = *p;  // in registers for the whole loop
     for (u64 g0 = warp * CFC_UNROLL; g0 < groups; g0 += warps * CFC_UNROLL) {
       typename D::T v[CFC_UNROLL];
 #pragma unroll
@@ -127,14 +128,21 @@ __device__ void encode_groups(const typename D::T* x, u64 n, u64 groups, const C
         u64 i = (g0 + u) * CFC_GROUP + lane;
         v[u] = i < n ? x[i] : typename D::T(0);
       }
+      // All lanes' codes first (independent work the compiler interleaves), then the warp votes.
+      u32 zs[CFC_UNROLL];
+      bool excs_[CFC_UNROLL];
+#pragma unroll
+      for (int u = 0; u < CFC_UNROLL; ++u) {
+        double err;
+        zs[u] = encode_lane<D>(v[u], (g0 + u) * CFC_GROUP + lane < n, &P, fixed, &excs_[u], &err);
+        max_err = fmax(max_err, err);
+      }
 #pragma unroll
       for (int u = 0; u < CFC_UNROLL; ++u) {
         u64 g = g0 + u;
         if (g >= groups) break;  // the same for the whole warp
-        bool exc;
-        double err;
-        u32 z = encode_lane<D>(v[u], g * CFC_GROUP + lane < n, p, fixed, &exc, &err);
-        max_err = fmax(max_err, err);
+        u32 z = zs[u];
+        bool exc = excs_[u];
         u32 w = fixed ? fixed : 32 - __clz(__reduce_or_sync(CFC_FULL_MASK, z));
         u32 nexc = __popc(__ballot_sync(CFC_FULL_MASK, exc));
         u32 mine = 0;
@@ -234,7 +242,8 @@ __device__ void pack(const typename D::T* x, u64 n, u64 groups, const CfcParams*
                 u64 i = g * CFC_GROUP + lane;
                 bool exc;
                 double err;
-                encode_lane<D>(i < n ? x[i] : typename D::T(0), i < n, p, fixed, &exc, &err);
+                const CfcParams P = *p;
+                encode_lane<D>(i < n ? x[i] : typename D::T(0), i < n, &P, fixed, &exc, &err);
                 u32 exc_mask = __ballot_sync(CFC_FULL_MASK, exc);
                 if (exc) {
                     u64 k = eo[u] + __popc(exc_mask & ((1u << lane) - 1u));
@@ -301,27 +310,31 @@ __device__ void decode_groups(const u8* frame, u64 header_len, u64 n, u64 groups
 #pragma unroll
         for (int u = 0; u < CFC_UNROLL; ++u)
             lo[u] = lane < w[u] ? (u32)cfc_load_le(body + groups + 4 * (off[u] + lane), 4) : 0;
+        // Codes of all groups first (warp shuffles), then the arithmetic, interleaved.
+        double qf[CFC_UNROLL];
 #pragma unroll
         for (int u = 0; u < CFC_UNROLL; ++u) {
-            u64 g = g0 + u;
-            if (g >= groups) break;  // the same for the whole warp
+            qf[u] = 0.0;
+            if (g0 + u >= groups) break;  // the same for the whole warp
             u64 z = 0;
             for (u32 b = 0; b < w[u] && b < 32; ++b)
                 z |= (u64)((__shfl_sync(CFC_FULL_MASK, lo[u], b) >> lane) & 1u) << b;
-            double qf;
             if (w[u] > 32) {  // sums of codes: up to 64 bits
                 const u8* planes = body + groups + 4 * off[u];
                 u32 hi = lane + 32 < w[u] ? (u32)cfc_load_le(planes + 4 * (lane + 32), 4) : 0;
                 for (u32 b = 32; b < w[u]; ++b)
                     z |= (u64)((__shfl_sync(CFC_FULL_MASK, hi, b - 32) >> lane) & 1u) << b;
-                qf = (double)((i64)(z >> 1) ^ -(i64)(z & 1));
+                qf[u] = (double)((i64)(z >> 1) ^ -(i64)(z & 1));
             } else {
                 // Exact (double)q for |q| < 2^51 through the same magic constant as the encoder.
                 i64 q = (i64)(z >> 1) ^ -(i64)(z & 1);
-                qf = __longlong_as_double(__double_as_longlong(CFC_ROUND_MAGIC) + q) - CFC_ROUND_MAGIC;
+                qf[u] = __longlong_as_double(__double_as_longlong(CFC_ROUND_MAGIC) + q) - CFC_ROUND_MAGIC;
             }
-            u64 i = g * CFC_GROUP + lane;
-            if (i < n) out[i] = D::from_f32(__double2float_rn(qf * step));
+        }
+#pragma unroll
+        for (int u = 0; u < CFC_UNROLL; ++u) {
+            u64 i = (g0 + u) * CFC_GROUP + lane;
+            if (g0 + u < groups && i < n) out[i] = D::from_f32(__double2float_rn(qf[u] * step));
         }
     }
 }
