@@ -111,7 +111,8 @@ __device__ __forceinline__ u32 encode_lane(typename D::T v, bool valid, const Cf
 // bit planes, staged at a fixed place per group (32 words) for pass 2 to move into the frame.
 template <class D>
 __device__ void encode_groups(const typename D::T* x, u64 n, u64 groups, const CfcParams* p, u32 fixed,
-                              u8* widths, u64* words, u64* excs, u32* staging) {
+                              u8* widths, u64* words, u64* excs, u32* staging, u32* excmask,
+                              float* residual) {
     u32 lane = threadIdx.x & 31;
     u64 warp = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     u64 warps = ((u64)gridDim.x * blockDim.x) >> 5;
@@ -123,10 +124,15 @@ __device__ void encode_groups(const typename D::T* x, u64 n, u64 groups, const C
     const CfcParams P = *p;  // in registers for the whole loop
     for (u64 g0 = warp * CFC_UNROLL; g0 < groups; g0 += warps * CFC_UNROLL) {
       typename D::T v[CFC_UNROLL];
+      float c[CFC_UNROLL];
 #pragma unroll
       for (int u = 0; u < CFC_UNROLL; ++u) {
         u64 i = (g0 + u) * CFC_GROUP + lane;
         v[u] = i < n ? x[i] : typename D::T(0);
+        if (residual && i < n) {  // error feedback: compress x + r
+            c[u] = D::to_f32(v[u]) + residual[i];
+            v[u] = D::from_f32(c[u]);
+        }
       }
       // All lanes' codes first (independent work the compiler interleaves), then the warp votes.
       u32 zs[CFC_UNROLL];
@@ -134,8 +140,12 @@ __device__ void encode_groups(const typename D::T* x, u64 n, u64 groups, const C
 #pragma unroll
       for (int u = 0; u < CFC_UNROLL; ++u) {
         double err;
-        zs[u] = encode_lane<D>(v[u], (g0 + u) * CFC_GROUP + lane < n, &P, fixed, &excs_[u], &err);
+        u64 i = (g0 + u) * CFC_GROUP + lane;
+        zs[u] = encode_lane<D>(v[u], i < n, &P, fixed, &excs_[u], &err);
         max_err = fmax(max_err, err);
+        // Keep the compensated value: pack, which knows what the frame will decode to (codes,
+        // exceptions or raw bytes), turns it into the new residual.
+        if (residual && i < n) residual[i] = c[u];
       }
 #pragma unroll
       for (int u = 0; u < CFC_UNROLL; ++u) {
@@ -144,7 +154,8 @@ __device__ void encode_groups(const typename D::T* x, u64 n, u64 groups, const C
         u32 z = zs[u];
         bool exc = excs_[u];
         u32 w = fixed ? fixed : 32 - __clz(__reduce_or_sync(CFC_FULL_MASK, z));
-        u32 nexc = __popc(__ballot_sync(CFC_FULL_MASK, exc));
+        u32 exc_bits = __ballot_sync(CFC_FULL_MASK, exc);
+        u32 nexc = __popc(exc_bits);
         u32 mine = 0;
         for (u32 b = 0; b < w; ++b) {
             u32 word = __ballot_sync(CFC_FULL_MASK, (z >> b) & 1u);
@@ -155,6 +166,7 @@ __device__ void encode_groups(const typename D::T* x, u64 n, u64 groups, const C
             widths[g] = (u8)w;
             words[g] = w;
             excs[g] = nexc;
+            excmask[g] = exc_bits;
         }
       }
     }
@@ -163,8 +175,9 @@ __device__ void encode_groups(const typename D::T* x, u64 n, u64 groups, const C
 
 #define ENCODE_GROUPS(name, D)                                                                     \
     extern "C" __global__ void cfc_codec_encode_groups_##name(const D::T* x, u64 n, u64 groups,    \
-            const CfcParams* p, u32 fixed, u8* widths, u64* words, u64* excs, u32* staging) {      \
-        encode_groups<D>(x, n, groups, p, fixed, widths, words, excs, staging);                    \
+            const CfcParams* p, u32 fixed, u8* widths, u64* words, u64* excs, u32* staging,         \
+            u32* excmask, float* residual) {                                                       \
+        encode_groups<D>(x, n, groups, p, fixed, widths, words, excs, staging, excmask, residual); \
     }
 DEFINE_FOR_DTYPES(ENCODE_GROUPS)
 
@@ -199,11 +212,13 @@ extern "C" __global__ void cfc_codec_finish(u8* out, u64 n, u64 groups, u32 dtyp
     *raw_flag = raw;
 }
 
-// Pass 2: staged planes move to their scanned place in the frame; groups holding exceptions are
-// encoded again to write them (rare); a raw frame gets the elements' bytes instead.
+// Pass 2: staged planes move to their scanned place in the frame, exceptions (known from pass
+// 1's mask) are written; a raw frame gets the elements' bytes instead. With error feedback the
+// residual holds the compensated values c (pass 1), and becomes c - (what the frame decodes to).
 template <class D>
-__device__ void pack(const typename D::T* x, u64 n, u64 groups, const CfcParams* p, u32 fixed, u8* body,
-                     const u64* words, const u64* excs, const u32* raw_flag, const u32* staging) {
+__device__ void pack(const typename D::T* x, u64 n, u64 groups, const CfcParams* p, u8* body,
+                     const u64* words, const u64* excs, const u32* raw_flag, const u32* staging,
+                     const u32* excmask, float* residual) {
     u32 lane = threadIdx.x & 31;
     u64 warp = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     u64 warps = ((u64)gridDim.x * blockDim.x) >> 5;
@@ -213,12 +228,20 @@ __device__ void pack(const typename D::T* x, u64 n, u64 groups, const CfcParams*
     u64 n_exc = excs[groups];
     u8* idx = planes + 4 * words[groups];
     u8* val = idx + n_exc * idx_size;
+    double step = p->step;
     for (u64 g0 = warp * CFC_UNROLL; g0 < groups; g0 += warps * CFC_UNROLL) {
         if (raw) {
 #pragma unroll
             for (int u = 0; u < CFC_UNROLL; ++u) {
                 u64 i = (g0 + u) * CFC_GROUP + lane;
-                if (i < n) cfc_store_le(body + i * D::SIZE, D::bits(x[i]), D::SIZE);
+                if (i >= n) continue;
+                typename D::T v = x[i];
+                if (residual) {
+                    float c = residual[i];
+                    v = D::from_f32(c);
+                    residual[i] = cfc_new_residual(c, D::to_f32(v));
+                }
+                cfc_store_le(body + i * D::SIZE, D::bits(v), D::SIZE);
             }
             continue;
         }
@@ -237,19 +260,35 @@ __device__ void pack(const typename D::T* x, u64 n, u64 groups, const CfcParams*
         for (int u = 0; u < CFC_UNROLL; ++u) {
             u64 g = g0 + u;
             if (g >= groups) break;  // the same for the whole warp
-            if (lane < wo[u + 1] - wo[u]) cfc_store_le(planes + 4 * (wo[u] + lane), st[u], 4);
-            if (eo[u + 1] != eo[u]) {
-                u64 i = g * CFC_GROUP + lane;
-                bool exc;
-                double err;
-                const CfcParams P = *p;
-                encode_lane<D>(i < n ? x[i] : typename D::T(0), i < n, &P, fixed, &exc, &err);
-                u32 exc_mask = __ballot_sync(CFC_FULL_MASK, exc);
-                if (exc) {
-                    u64 k = eo[u] + __popc(exc_mask & ((1u << lane) - 1u));
-                    cfc_store_le(idx + k * idx_size, i, (int)idx_size);
-                    cfc_store_le(val + k * D::SIZE, D::bits(x[i]), D::SIZE);
+            u32 w = (u32)(wo[u + 1] - wo[u]);
+            if (lane < w) cfc_store_le(planes + 4 * (wo[u] + lane), st[u], 4);
+            u32 mask = eo[u + 1] != eo[u] ? excmask[g] : 0;
+            u64 i = g * CFC_GROUP + lane;
+            bool is_exc = (mask >> lane) & 1u;
+            // An exception stores the value that was compressed: x, or with feedback dtype(c).
+            typename D::T v = is_exc && !residual ? x[i] : typename D::T(0);
+            if (residual) {
+                // The code this lane sent, rebuilt from the staged planes.
+                u32 z = 0;
+                for (u32 b = 0; b < w; ++b) z |= ((__shfl_sync(CFC_FULL_MASK, st[u], b) >> lane) & 1u) << b;
+                if (i < n) {
+                    float c = residual[i];
+                    float sent;
+                    if (is_exc) {
+                        v = D::from_f32(c);
+                        sent = D::to_f32(v);
+                    } else {
+                        i64 q = (i64)(int)((z >> 1) ^ (0u - (z & 1u)));
+                        double qf = __longlong_as_double(__double_as_longlong(CFC_ROUND_MAGIC) + q) - CFC_ROUND_MAGIC;
+                        sent = D::to_f32(D::from_f32(__double2float_rn(qf * step)));
+                    }
+                    residual[i] = cfc_new_residual(c, sent);
                 }
+            }
+            if (is_exc) {
+                u64 k = eo[u] + __popc(mask & ((1u << lane) - 1u));
+                cfc_store_le(idx + k * idx_size, i, (int)idx_size);
+                cfc_store_le(val + k * D::SIZE, D::bits(v), D::SIZE);
             }
         }
     }
@@ -257,9 +296,9 @@ __device__ void pack(const typename D::T* x, u64 n, u64 groups, const CfcParams*
 
 #define PACK(name, D)                                                                              \
     extern "C" __global__ void cfc_codec_pack_##name(const D::T* x, u64 n, u64 groups,             \
-            const CfcParams* p, u32 fixed, u8* body, const u64* words, const u64* excs,           \
-            const u32* raw_flag, const u32* staging) {                                             \
-        pack<D>(x, n, groups, p, fixed, body, words, excs, raw_flag, staging);                     \
+            const CfcParams* p, u8* body, const u64* words, const u64* excs, const u32* raw_flag,  \
+            const u32* staging, const u32* excmask, float* residual) {                             \
+        pack<D>(x, n, groups, p, body, words, excs, raw_flag, staging, excmask, residual);         \
     }
 DEFINE_FOR_DTYPES(PACK)
 

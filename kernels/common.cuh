@@ -32,6 +32,7 @@ struct CfcParams {
 struct F32 {
     typedef float T;
     static __device__ __forceinline__ double to_f64(T v) { return (double)v; }
+    static __device__ __forceinline__ float to_f32(T v) { return v; }
     static __device__ __forceinline__ T from_f32(float v) { return v; }
     static __device__ __forceinline__ u32 bits(T v) { return __float_as_uint(v); }
     static __device__ __forceinline__ T from_bits(u32 b) { return __uint_as_float(b); }
@@ -40,7 +41,13 @@ struct F32 {
 struct BF16 {
     typedef u16 T;
     static __device__ __forceinline__ double to_f64(T v) { return (double)__uint_as_float(((u32)v) << 16); }
-    static __device__ __forceinline__ T from_f32(float v) { return __bfloat16_as_ushort(__float2bfloat16_rn(v)); }
+    static __device__ __forceinline__ float to_f32(T v) { return __uint_as_float(((u32)v) << 16); }
+    // NaN keeps its payload with the quiet bit set, as the CPU reference (the `half` crate) does.
+    static __device__ __forceinline__ T from_f32(float v) {
+        u32 x = __float_as_uint(v);
+        if ((x & 0x7fffffffu) > 0x7f800000u) return (u16)((x >> 16) | 0x0040u);
+        return __bfloat16_as_ushort(__float2bfloat16_rn(v));
+    }
     static __device__ __forceinline__ u32 bits(T v) { return v; }
     static __device__ __forceinline__ T from_bits(u32 b) { return (u16)b; }
     static const int SIZE = 2;
@@ -48,11 +55,22 @@ struct BF16 {
 struct F16 {
     typedef u16 T;
     static __device__ __forceinline__ double to_f64(T v) { return (double)__half2float(__ushort_as_half(v)); }
-    static __device__ __forceinline__ T from_f32(float v) { return __half_as_ushort(__float2half_rn(v)); }
+    static __device__ __forceinline__ float to_f32(T v) { return __half2float(__ushort_as_half(v)); }
+    static __device__ __forceinline__ T from_f32(float v) {
+        u32 x = __float_as_uint(v);
+        if ((x & 0x7fffffffu) > 0x7f800000u)  // NaN, as the CPU reference converts it
+            return (u16)(((x & 0x80000000u) >> 16) | 0x7c00u | 0x0200u | ((x & 0x007fffffu) >> 13));
+        return __half_as_ushort(__float2half_rn(v));
+    }
     static __device__ __forceinline__ u32 bits(T v) { return v; }
     static __device__ __forceinline__ T from_bits(u32 b) { return (u16)b; }
     static const int SIZE = 2;
 };
+
+// Error feedback (src/feedback.rs): the residual after sending `sent` for compensated value `c`.
+__device__ __forceinline__ float cfc_new_residual(float c, float sent) {
+    return (isfinite(c) && isfinite(sent)) ? c - sent : 0.0f;
+}
 
 template <class D>
 __device__ __forceinline__ typename D::T cfc_dequantize(i64 q, double step) {

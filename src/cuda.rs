@@ -275,9 +275,9 @@ pub fn workspace_len(n: u64) -> u64 {
 }
 
 /// Workspace bytes [`compress`] needs for `n` elements: [`workspace_len`] plus room to stage
-/// 32 bit planes per group (as many bytes as `n` float32 values).
+/// 32 bit planes per group (as many bytes as `n` float32 values) and each group's exception mask.
 pub fn compress_workspace_len(n: u64) -> u64 {
-    workspace_len(n) + 4 * GROUP_U64 * groups_for(n)
+    workspace_len(n) + 4 * (GROUP_U64 + 1) * groups_for(n)
 }
 
 const GROUP_U64: u64 = crate::format::GROUP as u64;
@@ -323,6 +323,9 @@ pub struct CompressArgs<'a> {
     pub workspace: u64,
     /// Its size.
     pub workspace_len: u64,
+    /// Error feedback: `n` float32 residuals updated in place (see
+    /// [`crate::compress_with_feedback`]), or 0 for none.
+    pub residual: u64,
 }
 
 fn launch_cfg(threads: u64, block: u32) -> LaunchConfig {
@@ -437,6 +440,7 @@ pub unsafe fn compress(args: &CompressArgs<'_>) -> Result<()> {
     let sums_words = excs + 8 * slots;
     let sums_excs = sums_words + 8 * scan_sums_len(slots);
     let staging = args.workspace + workspace_len(n);
+    let excmask = staging + 4 * GROUP_U64 * groups;
     let header_len = (FIXED_HEADER_LEN + 8 * ndim) as u64;
     let body = args.out + header_len;
     let mode_code = match mode {
@@ -480,7 +484,8 @@ pub unsafe fn compress(args: &CompressArgs<'_>) -> Result<()> {
     }
     .map_err(driver_err)?;
 
-    // SAFETY: see above; `(const T*, u64 n, u64 groups, const CfcParams*, u32, u8*, u64*, u64*, u32*)`.
+    // SAFETY: see above; `(const T*, u64 n, u64 groups, const CfcParams*, u32, u8*, u64*, u64*,
+    // u32* staging, u32* excmask, float* residual)`; the residual (if any) holds `n` floats.
     unsafe {
         stream
             .launch_builder(&k.encode)
@@ -493,6 +498,8 @@ pub unsafe fn compress(args: &CompressArgs<'_>) -> Result<()> {
             .arg(&words)
             .arg(&excs)
             .arg(&staging)
+            .arg(&excmask)
+            .arg(&args.residual)
             .launch(warps)
     }
     .map_err(driver_err)?;
@@ -528,7 +535,8 @@ pub unsafe fn compress(args: &CompressArgs<'_>) -> Result<()> {
     // SAFETY: see above; matches `cfc_codec_finish` argument for argument.
     unsafe { b.launch(one) }.map_err(driver_err)?;
 
-    // SAFETY: see above; `(const T*, u64, u64, const CfcParams*, u32, u8*, const u64*, const u64*, const u32*, const u32*)`.
+    // SAFETY: see above; `(const T*, u64, u64, const CfcParams*, u8*, const u64*, const u64*,
+    // const u32* raw_flag, const u32* staging, const u32* excmask, float* residual)`.
     unsafe {
         stream
             .launch_builder(&k.pack)
@@ -536,12 +544,13 @@ pub unsafe fn compress(args: &CompressArgs<'_>) -> Result<()> {
             .arg(&n)
             .arg(&groups)
             .arg(&params)
-            .arg(&fixed)
             .arg(&body)
             .arg(&words)
             .arg(&excs)
             .arg(&raw_flag)
             .arg(&staging)
+            .arg(&excmask)
+            .arg(&args.residual)
             .launch(warps)
     }
     .map_err(driver_err)?;

@@ -22,6 +22,7 @@ mod codec;
 pub mod cuda;
 mod element;
 mod error;
+mod feedback;
 pub mod format;
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 mod kernels;
@@ -34,5 +35,6 @@ pub use codec::{
 };
 pub use element::Element;
 pub use error::{Error, FormatError, Result};
+pub use feedback::{compress_bytes_with_feedback, compress_with_feedback};
 pub use format::{read_header, BoundMode, Codec, DType, Header};
 pub use sum::{sum_frames, Codes};

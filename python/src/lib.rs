@@ -93,6 +93,53 @@ fn compress<'py>(
     Ok(PyBytes::new(py, &frame))
 }
 
+/// Compresses `data + residual` and updates the float32 residual in place (error feedback).
+///
+/// Args as `compress`, plus `residual_ptr` / `residual_nbytes`: contiguous, 4-byte aligned
+/// float32 host memory, one value per element, kept alive by the caller.
+#[pyfunction]
+#[pyo3(signature = (data_ptr, nbytes, dtype, shape, residual_ptr, residual_nbytes, *, eps=None, rel=None, bits=None, zstd_level=None, threads=0))]
+#[allow(clippy::too_many_arguments)]
+fn compress_feedback<'py>(
+    py: Python<'py>,
+    data_ptr: usize,
+    nbytes: usize,
+    dtype: &str,
+    shape: Vec<usize>,
+    residual_ptr: usize,
+    residual_nbytes: usize,
+    eps: Option<f64>,
+    rel: Option<f64>,
+    bits: Option<i64>,
+    zstd_level: Option<i32>,
+    threads: usize,
+) -> PyResult<Bound<'py, PyBytes>> {
+    let dtype = dtype_of(dtype)?;
+    let opts = cfc::CompressOptions {
+        bound: bound_of(eps, rel, bits)?,
+        zstd_level,
+        threads,
+    };
+    let input = host_slice(data_ptr, nbytes, "data")?;
+    if residual_nbytes > 0 && residual_ptr == 0 {
+        return Err(PyValueError::new_err("residual: null address"));
+    }
+    let frame = py
+        .detach(|| {
+            let residual: &mut [u8] = if residual_nbytes == 0 {
+                &mut []
+            } else {
+                // SAFETY: the caller passes the non-null (checked) address of `residual_nbytes`
+                // writable bytes of a contiguous float32 host tensor it keeps alive for the call,
+                // distinct from `data`.
+                unsafe { std::slice::from_raw_parts_mut(residual_ptr as *mut u8, residual_nbytes) }
+            };
+            cfc::compress_bytes_with_feedback(input, dtype, residual, &shape, &opts)
+        })
+        .map_err(to_py)?;
+    Ok(PyBytes::new(py, &frame))
+}
+
 /// Decompresses a frame into a new bytearray holding the elements' raw bytes.
 ///
 /// The whole frame is checked before the output is allocated, so a crafted header cannot make
@@ -223,7 +270,7 @@ fn cuda_compress_capacity(
 /// The caller (cfc.codec) passes `data_ptr()`s of live CUDA tensors on `device` that it keeps
 /// referenced, and `stream` = `torch.cuda.current_stream(device).cuda_stream`.
 #[pyfunction]
-#[pyo3(signature = (device, stream, input_ptr, numel, dtype, shape, out_ptr, out_len, ws_ptr, ws_len, *, eps=None, rel=None, bits=None))]
+#[pyo3(signature = (device, stream, input_ptr, numel, dtype, shape, out_ptr, out_len, ws_ptr, ws_len, *, eps=None, rel=None, bits=None, residual_ptr=0))]
 #[allow(clippy::too_many_arguments)]
 fn cuda_compress(
     py: Python<'_>,
@@ -240,6 +287,7 @@ fn cuda_compress(
     eps: Option<f64>,
     rel: Option<f64>,
     bits: Option<i64>,
+    residual_ptr: u64,
 ) -> PyResult<()> {
     let args = cfc::cuda::CompressArgs {
         device,
@@ -253,6 +301,7 @@ fn cuda_compress(
         out_len,
         workspace: ws_ptr,
         workspace_len: ws_len,
+        residual: residual_ptr,
     };
     // SAFETY: cfc.codec passes data_ptr()s and sizes of CUDA tensors on `device` that it keeps
     // alive (and, through torch's caching allocator, unreused) until the stream's work is done.
@@ -313,6 +362,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("FormatError", m.py().get_type::<FormatError>())?;
     m.add_function(wrap_pyfunction!(compress, m)?)?;
     m.add_function(wrap_pyfunction!(decompress, m)?)?;
+    m.add_function(wrap_pyfunction!(compress_feedback, m)?)?;
     m.add_function(wrap_pyfunction!(frame_info, m)?)?;
     m.add_function(wrap_pyfunction!(validate, m)?)?;
     m.add_function(wrap_pyfunction!(sum_frames, m)?)?;

@@ -160,3 +160,29 @@ def test_frame_info_fields():
     info = cfc.frame_info(cfc.compress(torch.randn(4, 8), eps=1e-2))
     assert info["dtype"] == "float32" and info["shape"] == [4, 8] and info["numel"] == 32
     assert info["version"] == cfc.FORMAT_VERSION and info["codec"] in ("quantized", "raw")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_error_feedback_running_sum_tracks_the_inputs(dtype):
+    torch.manual_seed(5)
+    eps = 2e-4
+    residual = torch.zeros(3000)
+    sent = torch.zeros(3000, dtype=torch.float64)
+    truth = torch.zeros(3000, dtype=torch.float64)
+    for _ in range(60):
+        x = (torch.rand(3000) * 2e-3 - 1e-3).to(dtype)
+        sent += cfc.decompress(cfc.compress(x, eps=eps, residual=residual)).double()
+        truth += x.double()
+    # sum(sent) = sum(x) - residual: one bound plus the dtype's rounding of x + r.
+    slack = eps + 60 * float(torch.finfo(dtype).eps) * 2e-3 if dtype != torch.float32 else eps * 1.01
+    assert (sent - truth).abs().max().item() <= slack
+
+
+def test_error_feedback_argument_checks():
+    x = torch.randn(10)
+    with pytest.raises(ValueError, match="holds 9"):
+        cfc.compress(x, eps=1e-3, residual=torch.zeros(9))
+    with pytest.raises(TypeError, match="float32"):
+        cfc.compress(x, eps=1e-3, residual=torch.zeros(10, dtype=torch.float64))
+    with pytest.raises(ValueError, match="contiguous"):
+        cfc.compress(x, eps=1e-3, residual=torch.zeros(20)[::2])

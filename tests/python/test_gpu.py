@@ -87,3 +87,29 @@ def test_gpu_invalid_arguments():
         cfc.compress(torch.randn(10, device="cuda"), eps=-1.0)
     with pytest.raises(ValueError):
         cfc.compress(torch.randn(10, device="cuda"), bits=40)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bound", [{"eps": 1e-3}, {"eps": 1e-9}, {"rel": 1e-2}, {"bits": 4}],
+                         ids=["eps", "eps-tiny-raw", "rel", "bits"])
+@pytest.mark.parametrize("n", [1, 33, (1 << 18) + 5])
+def test_gpu_error_feedback_matches_cpu_bits(dtype, bound, n):
+    x = awkward(n, dtype, seed=7 + n)
+    r0 = torch.randn(n, generator=torch.Generator().manual_seed(n)) * 1e-3
+    r_cpu, r_gpu = r0.clone(), r0.cuda()
+    want = bytes(cfc.compress(x, residual=r_cpu, **bound))
+    got = bytes(cfc.compress(x.cuda(), residual=r_gpu, **bound))
+    assert got == want
+    assert torch.equal(r_gpu.cpu().view(torch.int32), r_cpu.view(torch.int32))
+
+
+def test_cuda_error_feedback_running_sum():
+    eps = 2e-4
+    residual = torch.zeros(1 << 16, device="cuda")
+    sent = torch.zeros(1 << 16, dtype=torch.float64, device="cuda")
+    truth = torch.zeros_like(sent)
+    for _ in range(40):
+        x = torch.rand(1 << 16, device="cuda") * 2e-3 - 1e-3
+        sent += cfc.decompress(cfc.compress(x, eps=eps, residual=residual)).double()
+        truth += x.double()
+    assert (sent - truth).abs().max().item() <= eps * 1.01

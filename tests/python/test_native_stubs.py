@@ -3,6 +3,9 @@
 import ast
 import pathlib
 
+import pytest
+
+import cfc
 import cfc._native as native
 
 STUB = pathlib.Path(__file__).resolve().parents[2] / "torch_hook" / "cfc" / "_native.pyi"
@@ -22,3 +25,9 @@ def stub_names():
 def test_every_stub_exists_and_every_public_name_has_a_stub():
     public = {n for n in dir(native) if not n.startswith("_")} | {"__version__"}
     assert stub_names() == public
+
+
+@pytest.mark.skipif(native.cuda_available(), reason="checks the error raised without CUDA")
+def test_cuda_calls_without_cuda_raise_a_clear_error():
+    with pytest.raises(cfc.CfcError, match="CUDA"):
+        native.cuda_compress(0, 0, 0, 0, "float32", [0], 0, 1 << 12, 0, 1 << 12, eps=1e-3)

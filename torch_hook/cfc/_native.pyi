@@ -23,6 +23,20 @@ def compress(
     zstd_level: Optional[int] = None,
     threads: int = 0,
 ) -> bytes: ...
+def compress_feedback(
+    data_ptr: int,
+    nbytes: int,
+    dtype: str,
+    shape: Sequence[int],
+    residual_ptr: int,
+    residual_nbytes: int,
+    *,
+    eps: Optional[float] = None,
+    rel: Optional[float] = None,
+    bits: Optional[int] = None,
+    zstd_level: Optional[int] = None,
+    threads: int = 0,
+) -> bytes: ...
 def decompress(frame: bytes, *, threads: int = 0) -> bytearray: ...
 def frame_info(frame: bytes) -> Dict[str, Any]: ...
 def validate(frame: bytes) -> None: ...
@@ -54,6 +68,7 @@ def cuda_compress(
     eps: Optional[float] = None,
     rel: Optional[float] = None,
     bits: Optional[int] = None,
+    residual_ptr: int = 0,
 ) -> None: ...
 def cuda_decompress(
     device: int,

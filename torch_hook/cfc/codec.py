@@ -300,7 +300,29 @@ class CudaCompressed:
 _ELEMENT_SIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-def _compress_cuda(t, name: str, shape, eps, rel, bits) -> CudaCompressed:
+def _check_residual(residual, x) -> None:
+    """A residual must be a contiguous float32 tensor/array of x's size, where x lives."""
+    torch = _torch()
+    if torch is not None and isinstance(residual, torch.Tensor):
+        if residual.dtype != torch.float32:
+            raise TypeError(f"residual must be float32, got {residual.dtype}")
+        if isinstance(x, torch.Tensor) and residual.device != x.device:
+            raise ValueError(f"residual is on {residual.device}, the tensor on {x.device}")
+    elif isinstance(residual, np.ndarray):
+        if residual.dtype != np.float32:
+            raise TypeError(f"residual must be float32, got {residual.dtype}")
+    else:
+        raise TypeError(f"residual must be a float32 tensor or array, got {type(residual).__name__}")
+    numel = x.numel() if hasattr(x, "numel") and callable(x.numel) else int(np.prod(np.shape(x)))
+    r_numel = residual.numel() if hasattr(residual, "numel") and callable(residual.numel) else residual.size
+    if r_numel != numel:
+        raise ValueError(f"residual holds {r_numel} values, the tensor {numel}")
+    contiguous = residual.is_contiguous() if hasattr(residual, "is_contiguous") else residual.flags.c_contiguous
+    if not contiguous:
+        raise ValueError("residual must be contiguous (it is updated in place)")
+
+
+def _compress_cuda(t, name: str, shape, eps, rel, bits, residual=None) -> CudaCompressed:
     import torch
 
     t = t.detach().contiguous()
@@ -313,6 +335,7 @@ def _compress_cuda(t, name: str, shape, eps, rel, bits) -> CudaCompressed:
     _native.cuda_compress(
         dev.index, stream.cuda_stream, t.data_ptr(), n, name, list(shape),
         out.data_ptr(), cap, ws.data_ptr(), ws.numel(), eps=eps, rel=rel, bits=bits,
+        residual_ptr=0 if residual is None or n == 0 else residual.data_ptr(),
     )
     # The input must outlive the queued kernels: tell the caching allocator it is used there.
     t.record_stream(stream)
@@ -343,6 +366,7 @@ def compress(
     bits: Optional[int] = None,
     zstd: Union[bool, int] = False,
     threads: int = 0,
+    residual: Any = None,
 ) -> Compressed:
     """Compress a float tensor with a strict error bound.
 
@@ -358,6 +382,10 @@ def compress(
             (:func:`fixed_rate_size`) and the bound achieved is reported as ``.eps``.
         zstd: add a lossless zstd stage (``True`` for level 1, or a level up to 22).
         threads: CPU threads to use, 0 for one per core on large tensors.
+        residual: error feedback. A float32 tensor (or array) with as many values as ``x``, on
+            the same device, updated in place: ``x + residual`` is compressed and the residual
+            becomes what the frame will not give back (0 where that is not finite). Start with
+            zeros; pass the same residual at every step.
 
     Returns:
         Compressed: ``bytes(result)`` is the self-describing frame. For a CUDA tensor (and no
@@ -383,8 +411,23 @@ def compress(
         and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
         and _cuda_ready(x)
     ):
-        return _compress_cuda(x, str(x.dtype)[6:], tuple(x.shape), eps, rel, bits)
+        if residual is not None:
+            _check_residual(residual, x)
+        return _compress_cuda(x, str(x.dtype)[6:], tuple(x.shape), eps, rel, bits, residual)
     data, name, shape = _tensor_bytes(x)
+    if residual is not None:
+        _check_residual(residual, x)
+        if torch is not None and isinstance(residual, torch.Tensor):
+            if residual.device.type != "cpu":
+                raise ValueError("a CPU tensor's residual must be on the CPU")
+            r = residual.detach().reshape(-1).view(torch.uint8).numpy()
+        else:
+            r = residual.reshape(-1).view(np.uint8)
+        frame = _native.compress_feedback(
+            _addr(data), data.nbytes, name, list(shape), _addr(r), r.nbytes,
+            eps=eps, rel=rel, bits=bits, zstd_level=_zstd_level(zstd), threads=threads,
+        )
+        return Compressed(frame)
     # `data` stays referenced until the call returns, so its memory stays valid.
     frame = _native.compress(
         _addr(data),

@@ -1,0 +1,94 @@
+//! Error feedback: compress `x + residual` and keep, in the residual, what the decoder will not
+//! reproduce, so that over many steps nothing is lost.
+//!
+//! The rule (the CUDA codec applies the same one, in one fused pass, bit for bit):
+//! 1. `c = f32(x) + r` in f32 (round to nearest), the compensated value;
+//! 2. `v = dtype(c)`, compressed as any tensor (so its frame's bound holds for `v`);
+//! 3. `r' = c - f32(decoded v)` in f32, or 0 where `c` or the decoded value is not finite (an
+//!    overflowing step is skipped by the optimizer; its NaN must not poison later steps).
+
+use crate::codec::{compress, decompress, CompressOptions};
+use crate::element::Element;
+use crate::error::{Error, Result};
+use crate::format::DType;
+use half::{bf16, f16};
+
+/// Compresses `data + residual` and updates `residual` in place (see the module docs).
+///
+/// `residual` is float32 whatever the element type, so that the small amounts it carries are
+/// not rounded away in bfloat16 or float16.
+///
+/// # Errors
+/// As [`compress`], plus [`Error::ShapeMismatch`] when `residual` and `data` differ in length.
+pub fn compress_with_feedback<T: Element>(
+    data: &[T],
+    residual: &mut [f32],
+    shape: &[usize],
+    opts: &CompressOptions,
+) -> Result<Vec<u8>> {
+    if residual.len() != data.len() {
+        return Err(Error::ShapeMismatch {
+            shape_elements: Some(residual.len() as u64),
+            elements: data.len() as u64,
+            ndim: 1,
+        });
+    }
+    let compensated: Vec<f32> = data
+        .iter()
+        .zip(residual.iter())
+        .map(|(&x, &r)| x.to_f64() as f32 + r)
+        .collect();
+    let values: Vec<T> = compensated.iter().map(|&c| T::from_f32(c)).collect();
+    let frame = compress(&values, shape, opts)?;
+    let (_, decoded) = decompress::<T>(&frame)?;
+    for ((r, &c), d) in residual.iter_mut().zip(&compensated).zip(&decoded) {
+        let d = d.to_f64() as f32;
+        *r = if c.is_finite() && d.is_finite() {
+            c - d
+        } else {
+            0.0
+        };
+    }
+    Ok(frame)
+}
+
+/// [`compress_with_feedback`] over raw little-endian bytes of `dtype` (any alignment) and a
+/// float32 residual given as bytes (4-byte aligned, updated in place).
+///
+/// # Errors
+/// As [`compress_with_feedback`], plus [`Error::MisalignedInput`] for a residual that is not
+/// whole, aligned float32 values.
+pub fn compress_bytes_with_feedback(
+    bytes: &[u8],
+    dtype: DType,
+    residual: &mut [u8],
+    shape: &[usize],
+    opts: &CompressOptions,
+) -> Result<Vec<u8>> {
+    let rlen = residual.len();
+    let residual: &mut [f32] =
+        bytemuck::try_cast_slice_mut(residual).map_err(|_| Error::MisalignedInput {
+            len: rlen,
+            element_size: 4,
+        })?;
+    fn go<T: Element>(
+        bytes: &[u8],
+        residual: &mut [f32],
+        shape: &[usize],
+        opts: &CompressOptions,
+    ) -> Result<Vec<u8>> {
+        if bytes.len() % std::mem::size_of::<T>() != 0 {
+            return Err(Error::MisalignedInput {
+                len: bytes.len(),
+                element_size: std::mem::size_of::<T>(),
+            });
+        }
+        let data: Vec<T> = bytemuck::pod_collect_to_vec(bytes);
+        compress_with_feedback(&data, residual, shape, opts)
+    }
+    match dtype {
+        DType::F32 => go::<f32>(bytes, residual, shape, opts),
+        DType::BF16 => go::<bf16>(bytes, residual, shape, opts),
+        DType::F16 => go::<f16>(bytes, residual, shape, opts),
+    }
+}

@@ -1,0 +1,116 @@
+//! Error feedback: what quantization drops is carried to the next step, so the running sum of
+//! what was sent tracks the running sum of the inputs within one bound, not one bound per step.
+
+use cfc::{
+    compress_bytes_with_feedback, compress_with_feedback, decompress, Bound, CompressOptions,
+    DType, Error,
+};
+use half::bf16;
+use rand::{Rng, SeedableRng};
+
+fn steps(n: usize, count: usize, seed: u64) -> Vec<Vec<f32>> {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    (0..count)
+        .map(|_| (0..n).map(|_| rng.gen_range(-1e-3f32..1e-3)).collect())
+        .collect()
+}
+
+#[test]
+fn running_sum_error_stays_within_one_bound() {
+    let eps = 2e-4;
+    let opts = CompressOptions::new(Bound::Abs(eps));
+    let xs = steps(4096, 100, 1);
+    let mut residual = vec![0f32; 4096];
+    let mut sent = vec![0f64; 4096];
+    let mut truth = vec![0f64; 4096];
+    let mut no_feedback = vec![0f64; 4096];
+    for x in &xs {
+        let frame = compress_with_feedback(x, &mut residual, &[4096], &opts).expect("compress");
+        let (_, y) = decompress::<f32>(&frame).expect("decompress");
+        let plain = cfc::compress(x, &[4096], &opts).expect("compress");
+        let (_, z) = decompress::<f32>(&plain).expect("decompress");
+        for i in 0..4096 {
+            sent[i] += y[i] as f64;
+            truth[i] += x[i] as f64;
+            no_feedback[i] += z[i] as f64;
+        }
+    }
+    let drift = |a: &[f64]| {
+        a.iter()
+            .zip(&truth)
+            .map(|(s, t)| (s - t).abs())
+            .fold(0.0, f64::max)
+    };
+    // sum(sent) = sum(x) - residual, and |residual| <= eps (+ f32 rounding of the sums).
+    assert!(
+        drift(&sent) <= eps * 1.01,
+        "with feedback: {}",
+        drift(&sent)
+    );
+    assert!(residual.iter().all(|r| r.abs() as f64 <= eps * 1.0001));
+    // Without feedback the same data drifts well past one bound.
+    assert!(
+        drift(&no_feedback) > 3.0 * eps,
+        "without feedback: {}",
+        drift(&no_feedback)
+    );
+}
+
+#[test]
+fn residual_is_what_the_frame_does_not_give_back() {
+    let x: Vec<f32> = steps(1000, 1, 2).remove(0);
+    let mut residual: Vec<f32> = steps(1000, 1, 3).remove(0);
+    let before = residual.clone();
+    let frame = compress_with_feedback(
+        &x,
+        &mut residual,
+        &[1000],
+        &CompressOptions::new(Bound::Abs(1e-4)),
+    )
+    .expect("compress");
+    let (_, y) = decompress::<f32>(&frame).expect("decompress");
+    for i in 0..1000 {
+        let c = x[i] + before[i];
+        assert_eq!(residual[i].to_bits(), (c - y[i]).to_bits(), "element {i}");
+        assert!((y[i] as f64 - c as f64).abs() <= 1e-4);
+    }
+}
+
+#[test]
+fn non_finite_values_reset_the_residual_and_travel_exactly() {
+    let x = vec![
+        bf16::from_f32(1.0),
+        bf16::NAN,
+        bf16::INFINITY,
+        bf16::from_f32(-2.0),
+    ];
+    let mut residual = vec![0.25f32, 0.5, 0.5, f32::NAN];
+    let frame = compress_with_feedback(
+        &x,
+        &mut residual,
+        &[4],
+        &CompressOptions::new(Bound::Abs(0.01)),
+    )
+    .expect("compress");
+    let (_, y) = decompress::<bf16>(&frame).expect("decompress");
+    assert!(y[1].is_nan() && y[2] == bf16::INFINITY && y[3].is_nan());
+    assert_eq!(residual[1..], [0.0, 0.0, 0.0]);
+    assert!(residual[0].abs() <= 0.01);
+}
+
+#[test]
+fn bad_residuals_are_refused() {
+    let x = vec![0f32; 8];
+    let opts = CompressOptions::new(Bound::Abs(0.1));
+    let mut short = vec![0f32; 7];
+    assert!(matches!(
+        compress_with_feedback(&x, &mut short, &[8], &opts),
+        Err(Error::ShapeMismatch { .. })
+    ));
+    let bytes = bytemuck::cast_slice::<f32, u8>(&x).to_vec();
+    let mut odd = vec![0u8; 31];
+    assert!(matches!(
+        compress_bytes_with_feedback(&bytes, DType::F32, &mut odd, &[8], &opts),
+        Err(Error::MisalignedInput { .. })
+    ));
+}
