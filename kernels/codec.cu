@@ -27,18 +27,24 @@ __device__ __forceinline__ void block_max_to(u64* target, double v) {
 
 // -------------------------------------------------------------------
 
+// Largest finite magnitude of the values to compress: x, or with error feedback dtype(x + r).
 template <class D>
-__device__ void max_abs(const typename D::T* x, u64 n, CfcParams* p) {
+__device__ void max_abs(const typename D::T* x, u64 n, CfcParams* p, const float* residual) {
     double m = 0.0;
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
-        double v = fabs(D::to_f64(x[i]));
+        typename D::T xi = x[i];
+        if (residual) xi = cfc_sent_value<D>(xi, cfc_compensate(D::to_f32(xi), residual[i]));
+        double v = fabs(D::to_f64(xi));
         if (v <= 1.7976931348623157e308) m = fmax(m, v);  // finite only (NaN fails the test)
     }
     block_max_to(&p->max_abs_bits, m);
 }
 
 #define MAX_ABS(name, D) \
-    extern "C" __global__ void cfc_codec_max_abs_##name(const D::T* x, u64 n, CfcParams* p) { max_abs<D>(x, n, p); }
+    extern "C" __global__ void cfc_codec_max_abs_##name(const D::T* x, u64 n, CfcParams* p,        \
+                                                        const float* residual) {                   \
+        max_abs<D>(x, n, p, residual);                                                             \
+    }
 DEFINE_FOR_DTYPES(MAX_ABS)
 
 extern "C" __global__ void cfc_codec_reset(CfcParams* p) {
@@ -130,8 +136,8 @@ __device__ void encode_groups(const typename D::T* x, u64 n, u64 groups, const C
         u64 i = (g0 + u) * CFC_GROUP + lane;
         v[u] = i < n ? x[i] : typename D::T(0);
         if (residual && i < n) {  // error feedback: compress x + r
-            c[u] = D::to_f32(v[u]) + residual[i];
-            v[u] = D::from_f32(c[u]);
+            c[u] = cfc_compensate(D::to_f32(v[u]), residual[i]);
+            v[u] = cfc_sent_value<D>(v[u], c[u]);
         }
       }
       // All lanes' codes first (independent work the compiler interleaves), then the warp votes.
@@ -238,7 +244,7 @@ __device__ void pack(const typename D::T* x, u64 n, u64 groups, const CfcParams*
                 typename D::T v = x[i];
                 if (residual) {
                     float c = residual[i];
-                    v = D::from_f32(c);
+                    v = cfc_sent_value<D>(v, c);
                     residual[i] = cfc_new_residual(c, D::to_f32(v));
                 }
                 cfc_store_le(body + i * D::SIZE, D::bits(v), D::SIZE);
@@ -275,7 +281,7 @@ __device__ void pack(const typename D::T* x, u64 n, u64 groups, const CfcParams*
                     float c = residual[i];
                     float sent;
                     if (is_exc) {
-                        v = D::from_f32(c);
+                        v = cfc_sent_value<D>(x[i], c);
                         sent = D::to_f32(v);
                     } else {
                         i64 q = (i64)(int)((z >> 1) ^ (0u - (z & 1u)));

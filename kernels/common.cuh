@@ -67,9 +67,21 @@ struct F16 {
     static const int SIZE = 2;
 };
 
-// Error feedback (src/feedback.rs): the residual after sending `sent` for compensated value `c`.
+// Error feedback (src/feedback.rs). The compensated value of x with residual r: a NaN residual
+// counts as 0 and a non-finite x is kept, so that no arithmetic ever sees a NaN.
+__device__ __forceinline__ float cfc_compensate(float xf, float r) {
+    return (!isfinite(xf) || isnan(r)) ? xf : xf + r;
+}
+
+// The residual after sending `sent` for compensated value `c`.
 __device__ __forceinline__ float cfc_new_residual(float c, float sent) {
     return (isfinite(c) && isfinite(sent)) ? c - sent : 0.0f;
+}
+
+// The value compressed for x with compensated value c: x itself (bits untouched) unless finite.
+template <class D>
+__device__ __forceinline__ typename D::T cfc_sent_value(typename D::T x, float c) {
+    return isfinite(D::to_f32(x)) ? D::from_f32(c) : x;
 }
 
 template <class D>

@@ -462,13 +462,14 @@ pub unsafe fn compress(args: &CompressArgs<'_>) -> Result<()> {
     if mode != BoundMode::Abs {
         let max_abs = &k.max_abs;
         let cfg = launch_cfg(n.min(dev.grid_blocks * BLOCK as u64), BLOCK);
-        // SAFETY: see above; `cfc_codec_max_abs_<dtype>(const T*, u64, CfcParams*)`.
+        // SAFETY: see above; `cfc_codec_max_abs_<dtype>(const T*, u64, CfcParams*, const float*)`.
         unsafe {
             stream
                 .launch_builder(max_abs)
                 .arg(&args.input)
                 .arg(&n)
                 .arg(&params)
+                .arg(&args.residual)
                 .launch(cfg)
         }
         .map_err(driver_err)?;

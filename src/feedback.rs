@@ -2,7 +2,9 @@
 //! reproduce, so that over many steps nothing is lost.
 //!
 //! The rule (the CUDA codec applies the same one, in one fused pass, bit for bit):
-//! 1. `c = f32(x) + r` in f32 (round to nearest), the compensated value;
+//! 1. the compensated value `c = f32(x) + r` in f32 (round to nearest); a NaN residual counts
+//!    as 0, and a non-finite `x` is sent as it is (`c = f32(x)`, `v = x`, bits untouched), so no
+//!    arithmetic ever sees a NaN (CPUs and GPUs give NaN results different bits);
 //! 2. `v = dtype(c)`, compressed as any tensor (so its frame's bound holds for `v`);
 //! 3. `r' = c - f32(decoded v)` in f32, or 0 where `c` or the decoded value is not finite (an
 //!    overflowing step is skipped by the optimizer; its NaN must not poison later steps).
@@ -36,9 +38,20 @@ pub fn compress_with_feedback<T: Element>(
     let compensated: Vec<f32> = data
         .iter()
         .zip(residual.iter())
-        .map(|(&x, &r)| x.to_f64() as f32 + r)
+        .map(|(&x, &r)| {
+            let xf = x.to_f64() as f32;
+            if !xf.is_finite() || r.is_nan() {
+                xf
+            } else {
+                xf + r
+            }
+        })
         .collect();
-    let values: Vec<T> = compensated.iter().map(|&c| T::from_f32(c)).collect();
+    let values: Vec<T> = data
+        .iter()
+        .zip(&compensated)
+        .map(|(&x, &c)| if x.is_finite() { T::from_f32(c) } else { x })
+        .collect();
     let frame = compress(&values, shape, opts)?;
     let (_, decoded) = decompress::<T>(&frame)?;
     for ((r, &c), d) in residual.iter_mut().zip(&compensated).zip(&decoded) {
