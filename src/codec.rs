@@ -401,23 +401,25 @@ pub fn compress_bytes(
     shape: &[usize],
     opts: &CompressOptions,
 ) -> Result<Vec<u8>> {
-    fn go<T: Element>(bytes: &[u8], shape: &[usize], opts: &CompressOptions) -> Result<Vec<u8>> {
-        if bytes.len() % std::mem::size_of::<T>() != 0 {
-            return Err(Error::MisalignedInput {
-                len: bytes.len(),
-                element_size: std::mem::size_of::<T>(),
-            });
-        }
-        match bytemuck::try_cast_slice::<u8, T>(bytes) {
-            Ok(data) => compress(data, shape, opts),
-            Err(_) => compress(&bytemuck::pod_collect_to_vec::<u8, T>(bytes), shape, opts),
-        }
-    }
     match dtype {
-        DType::F32 => go::<f32>(bytes, shape, opts),
-        DType::BF16 => go::<bf16>(bytes, shape, opts),
-        DType::F16 => go::<f16>(bytes, shape, opts),
+        DType::F32 => compress(&elements::<f32>(bytes)?, shape, opts),
+        DType::BF16 => compress(&elements::<bf16>(bytes)?, shape, opts),
+        DType::F16 => compress(&elements::<f16>(bytes)?, shape, opts),
     }
+}
+
+/// Raw little-endian bytes as elements of `T`: borrowed when aligned, copied otherwise.
+pub(crate) fn elements<T: Element>(bytes: &[u8]) -> Result<std::borrow::Cow<'_, [T]>> {
+    if bytes.len() % std::mem::size_of::<T>() != 0 {
+        return Err(Error::MisalignedInput {
+            len: bytes.len(),
+            element_size: std::mem::size_of::<T>(),
+        });
+    }
+    Ok(match bytemuck::try_cast_slice::<u8, T>(bytes) {
+        Ok(data) => std::borrow::Cow::Borrowed(data),
+        Err(_) => std::borrow::Cow::Owned(bytemuck::pod_collect_to_vec::<u8, T>(bytes)),
+    })
 }
 
 /// A frame whose body has been checked and, if needed, taken out of its zstd stage.

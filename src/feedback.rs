@@ -9,7 +9,7 @@
 //! 3. `r' = c - f32(decoded v)` in f32, or 0 where `c` or the decoded value is not finite (an
 //!    overflowing step is skipped by the optimizer; its NaN must not poison later steps).
 
-use crate::codec::{compress, decompress, CompressOptions};
+use crate::codec::{compress, decompress, elements, CompressOptions};
 use crate::element::Element;
 use crate::error::{Error, Result};
 use crate::format::DType;
@@ -84,24 +84,9 @@ pub fn compress_bytes_with_feedback(
             len: rlen,
             element_size: 4,
         })?;
-    fn go<T: Element>(
-        bytes: &[u8],
-        residual: &mut [f32],
-        shape: &[usize],
-        opts: &CompressOptions,
-    ) -> Result<Vec<u8>> {
-        if bytes.len() % std::mem::size_of::<T>() != 0 {
-            return Err(Error::MisalignedInput {
-                len: bytes.len(),
-                element_size: std::mem::size_of::<T>(),
-            });
-        }
-        let data: Vec<T> = bytemuck::pod_collect_to_vec(bytes);
-        compress_with_feedback(&data, residual, shape, opts)
-    }
     match dtype {
-        DType::F32 => go::<f32>(bytes, residual, shape, opts),
-        DType::BF16 => go::<bf16>(bytes, residual, shape, opts),
-        DType::F16 => go::<f16>(bytes, residual, shape, opts),
+        DType::F32 => compress_with_feedback(&elements::<f32>(bytes)?, residual, shape, opts),
+        DType::BF16 => compress_with_feedback(&elements::<bf16>(bytes)?, residual, shape, opts),
+        DType::F16 => compress_with_feedback(&elements::<f16>(bytes)?, residual, shape, opts),
     }
 }

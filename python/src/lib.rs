@@ -62,11 +62,14 @@ fn bound_of(eps: Option<f64>, rel: Option<f64>, bits: Option<i64>) -> PyResult<c
 ///     eps, rel, bits: exactly one of them sets the error bound.
 ///     zstd_level: if given, run the body through zstd at this level.
 ///     threads: threads to use, 0 for automatic.
+///     residual_ptr, residual_nbytes: error feedback: contiguous, 4-byte aligned float32 host
+///         memory, one value per element, kept alive by the caller and updated in place
+///         (0, 0 for none).
 ///
 /// Returns:
 ///     bytes: the frame.
 #[pyfunction]
-#[pyo3(signature = (data_ptr, nbytes, dtype, shape, *, eps=None, rel=None, bits=None, zstd_level=None, threads=0))]
+#[pyo3(signature = (data_ptr, nbytes, dtype, shape, *, eps=None, rel=None, bits=None, zstd_level=None, threads=0, residual_ptr=0, residual_nbytes=0))]
 #[allow(clippy::too_many_arguments)]
 fn compress<'py>(
     py: Python<'py>,
@@ -79,40 +82,8 @@ fn compress<'py>(
     bits: Option<i64>,
     zstd_level: Option<i32>,
     threads: usize,
-) -> PyResult<Bound<'py, PyBytes>> {
-    let dtype = dtype_of(dtype)?;
-    let opts = cfc::CompressOptions {
-        bound: bound_of(eps, rel, bits)?,
-        zstd_level,
-        threads,
-    };
-    let input = host_slice(data_ptr, nbytes, "data")?;
-    let frame = py
-        .detach(|| cfc::compress_bytes(input, dtype, &shape, &opts))
-        .map_err(to_py)?;
-    Ok(PyBytes::new(py, &frame))
-}
-
-/// Compresses `data + residual` and updates the float32 residual in place (error feedback).
-///
-/// Args as `compress`, plus `residual_ptr` / `residual_nbytes`: contiguous, 4-byte aligned
-/// float32 host memory, one value per element, kept alive by the caller.
-#[pyfunction]
-#[pyo3(signature = (data_ptr, nbytes, dtype, shape, residual_ptr, residual_nbytes, *, eps=None, rel=None, bits=None, zstd_level=None, threads=0))]
-#[allow(clippy::too_many_arguments)]
-fn compress_feedback<'py>(
-    py: Python<'py>,
-    data_ptr: usize,
-    nbytes: usize,
-    dtype: &str,
-    shape: Vec<usize>,
     residual_ptr: usize,
     residual_nbytes: usize,
-    eps: Option<f64>,
-    rel: Option<f64>,
-    bits: Option<i64>,
-    zstd_level: Option<i32>,
-    threads: usize,
 ) -> PyResult<Bound<'py, PyBytes>> {
     let dtype = dtype_of(dtype)?;
     let opts = cfc::CompressOptions {
@@ -126,14 +97,13 @@ fn compress_feedback<'py>(
     }
     let frame = py
         .detach(|| {
-            let residual: &mut [u8] = if residual_nbytes == 0 {
-                &mut []
-            } else {
-                // SAFETY: the caller passes the non-null (checked) address of `residual_nbytes`
-                // writable bytes of a contiguous float32 host tensor it keeps alive for the call,
-                // distinct from `data`.
-                unsafe { std::slice::from_raw_parts_mut(residual_ptr as *mut u8, residual_nbytes) }
-            };
+            if residual_ptr == 0 {
+                return cfc::compress_bytes(input, dtype, &shape, &opts);
+            }
+            // SAFETY: the caller passes the non-null address of `residual_nbytes` writable bytes
+            // of a contiguous float32 host tensor it keeps alive for the call, distinct from `data`.
+            let residual =
+                unsafe { std::slice::from_raw_parts_mut(residual_ptr as *mut u8, residual_nbytes) };
             cfc::compress_bytes_with_feedback(input, dtype, residual, &shape, &opts)
         })
         .map_err(to_py)?;
@@ -362,7 +332,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("FormatError", m.py().get_type::<FormatError>())?;
     m.add_function(wrap_pyfunction!(compress, m)?)?;
     m.add_function(wrap_pyfunction!(decompress, m)?)?;
-    m.add_function(wrap_pyfunction!(compress_feedback, m)?)?;
     m.add_function(wrap_pyfunction!(frame_info, m)?)?;
     m.add_function(wrap_pyfunction!(validate, m)?)?;
     m.add_function(wrap_pyfunction!(sum_frames, m)?)?;

@@ -22,20 +22,8 @@ def compress(
     bits: Optional[int] = None,
     zstd_level: Optional[int] = None,
     threads: int = 0,
-) -> bytes: ...
-def compress_feedback(
-    data_ptr: int,
-    nbytes: int,
-    dtype: str,
-    shape: Sequence[int],
-    residual_ptr: int,
-    residual_nbytes: int,
-    *,
-    eps: Optional[float] = None,
-    rel: Optional[float] = None,
-    bits: Optional[int] = None,
-    zstd_level: Optional[int] = None,
-    threads: int = 0,
+    residual_ptr: int = 0,
+    residual_nbytes: int = 0,
 ) -> bytes: ...
 def decompress(frame: bytes, *, threads: int = 0) -> bytearray: ...
 def frame_info(frame: bytes) -> Dict[str, Any]: ...

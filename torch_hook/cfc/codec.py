@@ -415,6 +415,7 @@ def compress(
             _check_residual(residual, x)
         return _compress_cuda(x, str(x.dtype)[6:], tuple(x.shape), eps, rel, bits, residual)
     data, name, shape = _tensor_bytes(x)
+    r = None
     if residual is not None:
         _check_residual(residual, x)
         if torch is not None and isinstance(residual, torch.Tensor):
@@ -423,12 +424,7 @@ def compress(
             r = residual.detach().reshape(-1).view(torch.uint8).numpy()
         else:
             r = residual.reshape(-1).view(np.uint8)
-        frame = _native.compress_feedback(
-            _addr(data), data.nbytes, name, list(shape), _addr(r), r.nbytes,
-            eps=eps, rel=rel, bits=bits, zstd_level=_zstd_level(zstd), threads=threads,
-        )
-        return Compressed(frame)
-    # `data` stays referenced until the call returns, so its memory stays valid.
+    # `data` and `r` stay referenced until the call returns, so their memory stays valid.
     frame = _native.compress(
         _addr(data),
         data.nbytes,
@@ -439,6 +435,8 @@ def compress(
         bits=bits,
         zstd_level=_zstd_level(zstd),
         threads=threads,
+        residual_ptr=0 if r is None else _addr(r),
+        residual_nbytes=0 if r is None else r.nbytes,
     )
     return Compressed(frame)
 
