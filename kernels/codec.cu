@@ -127,7 +127,13 @@ __device__ void encode_groups(const typename D::T* x, u64 n, u64 groups, const C
         excs[groups] = 0;
     }
     double max_err = 0.0;
-    const CfcParams P = *p;  // in registers for the whole loop
+    // In registers for the whole loop; only the fields no block writes during this kernel.
+    CfcParams P;
+    P.step = p->step;
+    P.inv_step = p->inv_step;
+    P.eps = p->eps;
+    // An unusable bound (rel) is reported on the host; the residual must then stay as it was.
+    if (p->error) residual = nullptr;
     for (u64 g0 = warp * CFC_UNROLL; g0 < groups; g0 += warps * CFC_UNROLL) {
       typename D::T v[CFC_UNROLL];
       float c[CFC_UNROLL];
@@ -235,6 +241,7 @@ __device__ void pack(const typename D::T* x, u64 n, u64 groups, const CfcParams*
     u8* idx = planes + 4 * words[groups];
     u8* val = idx + n_exc * idx_size;
     double step = p->step;
+    if (p->error) residual = nullptr;  // as in encode_groups: leave the residual untouched
     for (u64 g0 = warp * CFC_UNROLL; g0 < groups; g0 += warps * CFC_UNROLL) {
         if (raw) {
 #pragma unroll

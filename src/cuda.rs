@@ -38,11 +38,7 @@ fn driver_err(e: cudarc::driver::DriverError) -> Error {
 
 /// Whether the CUDA driver library can be loaded and sees at least one device.
 pub fn available() -> bool {
-    // SAFETY: only probes whether the shared library can be opened; no CUDA call is made.
-    if !unsafe { sys::is_culib_present() } {
-        return false;
-    }
-    CudaContext::device_count().is_ok_and(|n| n > 0)
+    driver_present().is_ok() && CudaContext::device_count().is_ok_and(|n| n > 0)
 }
 
 struct Device {
@@ -68,14 +64,62 @@ struct Kernels {
     scan_add: CudaFunction,
 }
 
+/// Restores the calling thread's current CUDA context when dropped. Binding a device's context
+/// must not leak out of a call: PyTorch reads the current context as its current device.
+struct ContextGuard(Option<sys::CUcontext>);
+
+impl ContextGuard {
+    fn save() -> Result<ContextGuard> {
+        driver_present()?;
+        cudarc::driver::result::ctx::get_current()
+            .map(ContextGuard)
+            .map_err(driver_err)
+    }
+}
+
+impl Drop for ContextGuard {
+    fn drop(&mut self) {
+        if let Some(ctx) = self.0 {
+            // SAFETY: `ctx` was the thread's current context when the guard was made; contexts
+            // that PyTorch (or anyone) made current are not destroyed during a cfc call.
+            if let Err(e) = unsafe { cudarc::driver::result::ctx::set_current(ctx) } {
+                tracing::warn!(error = ?e, "could not restore the current CUDA context");
+            }
+        }
+    }
+}
+
+/// Smallest compute capability cfc's kernels run on (they use `__reduce_or_sync`).
+const MIN_COMPUTE_CAPABILITY: (i32, i32) = (8, 0);
+
+/// Whether device `ordinal` can run cfc's kernels: a driver, the device, compute capability 8.0+.
+pub fn supported(ordinal: usize) -> bool {
+    if !available() {
+        return false;
+    }
+    let Ok(_restore) = ContextGuard::save() else {
+        return false;
+    };
+    device(ordinal)
+        .and_then(|d| d.ctx.compute_capability().map_err(driver_err))
+        .is_ok_and(|cc| cc >= MIN_COMPUTE_CAPABILITY)
+}
+
+/// cudarc panics on the first call into a library it cannot load: check before any call.
+fn driver_present() -> Result<()> {
+    // SAFETY: only probes whether the shared library can be opened; no CUDA call is made.
+    if unsafe { sys::is_culib_present() } {
+        Ok(())
+    } else {
+        Err(Error::CudaUnavailable(
+            "the CUDA driver library (libcuda.so.1) is not present".into(),
+        ))
+    }
+}
+
 fn device(ordinal: usize) -> Result<Arc<Device>> {
     static DEVICES: OnceLock<Mutex<Vec<Option<Arc<Device>>>>> = OnceLock::new();
-    // SAFETY: only probes whether the shared library can be opened.
-    if !unsafe { sys::is_culib_present() } {
-        return Err(Error::CudaUnavailable(
-            "the CUDA driver library (libcuda.so.1) is not present".into(),
-        ));
-    }
+    driver_present()?;
     let mut devices = DEVICES
         .get_or_init(|| Mutex::new(Vec::new()))
         .lock()
@@ -329,7 +373,7 @@ pub struct CompressArgs<'a> {
 }
 
 fn launch_cfg(threads: u64, block: u32) -> LaunchConfig {
-    let blocks = threads.div_ceil(block as u64).clamp(1, u32::MAX as u64) as u32;
+    let blocks = threads.div_ceil(block as u64).clamp(1, i32::MAX as u64) as u32;
     LaunchConfig {
         grid_dim: (blocks, 1, 1),
         block_dim: (block, 1, 1),
@@ -427,6 +471,7 @@ pub unsafe fn compress(args: &CompressArgs<'_>) -> Result<()> {
             got: args.workspace_len,
         });
     }
+    let _restore = ContextGuard::save()?;
     let dev = device(args.device)?;
     let stream = dev.stream(args.stream)?;
     let k = dev.kernels(args.dtype)?;
@@ -574,7 +619,7 @@ pub struct DecompressArgs {
     /// A `CUstream` of the device's primary context.
     pub stream: usize,
     /// The frame in device memory: checked on the host ([`crate::validate`]) or written by
-    /// [`compress`], without a zstd stage.
+    /// [`compress`]; without a zstd stage (the caller checks the header's flag).
     pub frame: u64,
     /// Element count (from the frame's header).
     pub n: u64,
@@ -597,9 +642,11 @@ pub struct DecompressArgs {
 /// The frame must have been checked by [`crate::validate`] (or [`crate::OpenFrame::open`]) on
 /// the host, or written by [`compress`]: the kernels read what its header and widths say.
 ///
+/// `n`, `dtype` and `ndim` must be the frame's own (the kernels trust them to size reads).
+///
 /// # Errors
-/// [`Error::OutputSize`] for a small workspace, [`Error::Format`] for a zstd frame (decode it
-/// on the host), and CUDA errors.
+/// [`Error::OutputSize`] for a small workspace, [`Error::Format`] for more than 8 dimensions,
+/// and CUDA errors.
 pub unsafe fn decompress(args: &DecompressArgs) -> Result<()> {
     let need_ws = workspace_len(args.n);
     if args.workspace_len < need_ws {
@@ -615,6 +662,7 @@ pub unsafe fn decompress(args: &DecompressArgs) -> Result<()> {
         }
         .into());
     }
+    let _restore = ContextGuard::save()?;
     let dev = device(args.device)?;
     let stream = dev.stream(args.stream)?;
     let k = dev.kernels(args.dtype)?;

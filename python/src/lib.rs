@@ -205,6 +205,12 @@ fn cuda_available() -> bool {
     cfc::cuda::available()
 }
 
+/// Whether device `device` can run cfc's kernels (driver present, compute capability 8.0+).
+#[pyfunction]
+fn cuda_supported(device: usize) -> bool {
+    cfc::cuda::supported(device)
+}
+
 /// Workspace bytes the CUDA codec needs for `numel` elements (compressing needs more).
 #[pyfunction]
 #[pyo3(signature = (numel, *, compress=false))]
@@ -337,6 +343,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(sum_frames, m)?)?;
     m.add_function(wrap_pyfunction!(fixed_rate_size, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_supported, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_workspace_len, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_compress_capacity, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_compress, m)?)?;

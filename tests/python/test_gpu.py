@@ -113,3 +113,42 @@ def test_cuda_error_feedback_running_sum():
         sent += cfc.decompress(cfc.compress(x, eps=eps, residual=residual)).double()
         truth += x.double()
     assert (sent - truth).abs().max().item() <= eps * 1.01
+
+
+def test_gpu_decode_on_another_stream_waits_for_compression():
+    x = torch.randn(1 << 22, device="cuda")
+    want = cfc.decompress(cfc.compress(x, eps=1e-3))
+    side = torch.cuda.Stream()
+    for _ in range(5):
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(50_000_000)  # the side stream is still busy when we decode
+            c = cfc.compress(x, eps=1e-3)
+        assert torch.equal(cfc.decompress(c), want)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_gpu_compress_leaves_torchs_current_device_alone():
+    torch.cuda.set_device(0)
+    x = torch.randn(1000, device="cuda:1")
+    c = cfc.compress(x, eps=1e-3)
+    assert torch.cuda.current_device() == 0
+    y = cfc.decompress(c)
+    assert y.device == x.device and torch.cuda.current_device() == 0
+    assert bytes(c) == bytes(cfc.compress(x.cpu(), eps=1e-3))
+
+
+def test_gpu_unusable_rel_bound_is_reported_and_leaves_the_residual():
+    x = torch.full((100,), 1e-30, device="cuda")
+    r = torch.full((100,), 1e-31, device="cuda")
+    before = r.clone()
+    with pytest.raises(ValueError):
+        cfc.compress(x.cpu(), rel=1e-300, residual=r.cpu())
+    c = cfc.compress(x, rel=1e-300, residual=r)
+    with pytest.raises(ValueError, match="rel"):
+        c.synchronize()
+    assert torch.equal(r, before)
+
+
+def test_gpu_numpy_residual_for_a_cuda_tensor_is_refused():
+    with pytest.raises(TypeError, match="residual"):
+        cfc.compress(torch.randn(10, device="cuda"), eps=1e-3, residual=np.zeros(10, np.float32))

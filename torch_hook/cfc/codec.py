@@ -49,14 +49,15 @@ def _zstd_level(zstd: Union[bool, int]) -> Optional[int]:
     raise ValueError(f"zstd must be a bool or a level from 1 to 22, got {zstd!r}")
 
 
-@functools.lru_cache(maxsize=1)
-def _native_cuda() -> bool:
-    return _native.cuda_available()
+@functools.lru_cache(maxsize=None)
+def _device_supported(index: int) -> bool:
+    return _native.cuda_supported(index)
 
 
 def _cuda_ready(t) -> bool:
-    """Whether tensor ``t`` lives on a CUDA device the native CUDA codec can drive."""
-    return t.device.type == "cuda" and _native_cuda()
+    """Whether tensor ``t`` lives on a CUDA device the native CUDA codec can drive (others,
+    including GPUs older than compute capability 8.0, take the CPU codec)."""
+    return t.device.type == "cuda" and _device_supported(t.device.index)
 
 
 def _tensor_bytes(x: Any) -> Tuple[np.ndarray, str, Tuple[int, ...]]:
@@ -218,19 +219,20 @@ class CudaCompressed:
 
     __slots__ = ("_out", "_ws", "_size_host", "_err_host", "_event", "_dtype", "_shape", "_mode")
 
-    def __init__(self, out, ws, dtype: str, shape: Tuple[int, ...], mode: str):
+    def __init__(self, out, ws, dtype: str, shape: Tuple[int, ...], mode: str, stream):
         import torch
 
         self._out, self._ws = out, ws
         self._dtype, self._shape, self._mode = dtype, shape, mode
         self._size_host = torch.empty(1, dtype=torch.int64, pin_memory=True)
         self._err_host = torch.zeros(1, dtype=torch.int32, pin_memory=True)
-        self._size_host.copy_(self.size_tensor, non_blocking=True)
-        if mode == "rel":
-            off = _native.CUDA_BOUND_ERROR_OFFSET
-            self._err_host.copy_(ws[off : off + 4].view(torch.int32), non_blocking=True)
+        with torch.cuda.stream(stream):  # the copies and the event follow the kernels
+            self._size_host.copy_(self.size_tensor, non_blocking=True)
+            if mode == "rel":
+                off = _native.CUDA_BOUND_ERROR_OFFSET
+                self._err_host.copy_(ws[off : off + 4].view(torch.int32), non_blocking=True)
         self._event = torch.cuda.Event()
-        self._event.record()
+        self._event.record(stream)
 
     @property
     def size_tensor(self):
@@ -303,14 +305,17 @@ _ELEMENT_SIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 def _check_residual(residual, x) -> None:
     """A residual must be a contiguous float32 tensor/array of x's size, where x lives."""
     torch = _torch()
+    x_device = x.device if torch is not None and isinstance(x, torch.Tensor) else None
     if torch is not None and isinstance(residual, torch.Tensor):
         if residual.dtype != torch.float32:
             raise TypeError(f"residual must be float32, got {residual.dtype}")
-        if isinstance(x, torch.Tensor) and residual.device != x.device:
-            raise ValueError(f"residual is on {residual.device}, the tensor on {x.device}")
+        if x_device is not None and residual.device != x_device:
+            raise ValueError(f"residual is on {residual.device}, the tensor on {x_device}")
     elif isinstance(residual, np.ndarray):
         if residual.dtype != np.float32:
             raise TypeError(f"residual must be float32, got {residual.dtype}")
+        if x_device is not None and x_device.type != "cpu":
+            raise TypeError(f"the tensor is on {x_device}: its residual must be a tensor there too")
     else:
         raise TypeError(f"residual must be a float32 tensor or array, got {type(residual).__name__}")
     numel = x.numel() if hasattr(x, "numel") and callable(x.numel) else int(np.prod(np.shape(x)))
@@ -337,20 +342,27 @@ def _compress_cuda(t, name: str, shape, eps, rel, bits, residual=None) -> CudaCo
         out.data_ptr(), cap, ws.data_ptr(), ws.numel(), eps=eps, rel=rel, bits=bits,
         residual_ptr=0 if residual is None or n == 0 else residual.data_ptr(),
     )
-    # The input must outlive the queued kernels: tell the caching allocator it is used there.
+    # Input and residual must outlive the queued kernels even if the caller drops them and they
+    # were made on another stream: tell the caching allocator they are used on this one.
     t.record_stream(stream)
+    if residual is not None:
+        residual.record_stream(stream)
     mode = "abs" if eps is not None else "rel" if rel is not None else "bits"
-    return CudaCompressed(out, ws, name, tuple(shape), mode)
+    return CudaCompressed(out, ws, name, tuple(shape), mode, stream)
 
 
-def _decompress_cuda(frame_dev, numel: int, dtype: str, shape, ndim: int):
-    """Decode a device-resident frame (checked on the host, or made by the GPU codec)."""
+def _decompress_cuda(frame_dev, numel: int, dtype: str, shape, ndim: int, after=None):
+    """Decode a device-resident frame (checked on the host, or made by the GPU codec) on the
+    device's current stream, after the event ``after`` (the frame's compression) if given."""
     import torch
 
     dev = frame_dev.device
     out = torch.empty(shape, dtype=getattr(torch, dtype), device=dev)
     ws = torch.empty(_native.cuda_workspace_len(numel), dtype=torch.uint8, device=dev)
     stream = torch.cuda.current_stream(dev)
+    if after is not None:
+        stream.wait_event(after)  # compressed on another stream: wait for it on the GPU
+        frame_dev.record_stream(stream)
     _native.cuda_decompress(
         dev.index, stream.cuda_stream, frame_dev.data_ptr(), numel, dtype, ndim,
         out.data_ptr(), ws.data_ptr(), ws.numel(),
@@ -420,7 +432,10 @@ def compress(
         _check_residual(residual, x)
         if torch is not None and isinstance(residual, torch.Tensor):
             if residual.device.type != "cpu":
-                raise ValueError("a CPU tensor's residual must be on the CPU")
+                raise ValueError(
+                    "this compression runs on the CPU (a CPU tensor, zstd=True, or a GPU cfc's "
+                    "kernels do not support): the residual must be a CPU tensor"
+                )
             r = residual.detach().reshape(-1).view(torch.uint8).numpy()
         else:
             r = residual.reshape(-1).view(np.uint8)
@@ -462,16 +477,22 @@ def decompress(c: Any, device: Any = None, *, threads: int = 0):
     """
     torch = _torch()
     if isinstance(c, CudaCompressed):
-        if device is None or torch.device(device) == c.device:
+        target = c.device if device is None else torch.device(device)
+        if target.type == "cuda" and target.index is None:
+            target = torch.device("cuda", torch.cuda.current_device())
+        if target == c.device:
             if c._mode == "rel":
                 c.synchronize()  # reports an unusable rel bound instead of decoding garbage
             numel = 1
             for d in c._shape:
                 numel *= d
-            return _decompress_cuda(c._out, numel, c._dtype, c._shape, len(c._shape))
+            return _decompress_cuda(c._out, numel, c._dtype, c._shape, len(c._shape), after=c._event)
         c = c.to_host()
     target = None if device is None or torch is None else torch.device(device)
-    if target is not None and target.type == "cuda" and _native_cuda():
+    if target is not None and target.type == "cuda":
+        if target.index is None:
+            target = torch.device("cuda", torch.cuda.current_device())
+    if target is not None and target.type == "cuda" and _device_supported(target.index):
         buf = _frame_buffer(c)
         _native.validate(buf)  # the whole frame, on the host, before the GPU reads it
         info = _native.frame_info(buf)
