@@ -12,7 +12,7 @@
 
 use crate::error::{Error, Result};
 use crate::format::{groups_for, index_size_for, BoundMode, DType, FIXED_HEADER_LEN, MAX_NDIM};
-use crate::kernels::{kernel_name, Family};
+use crate::kernels::{kernel_name, signature, Family, Ty};
 use crate::Bound;
 use cudarc::driver::{
     sys, CudaContext, CudaFunction, CudaModule, CudaStream, LaunchConfig, PushKernelArg,
@@ -381,35 +381,81 @@ fn launch_cfg(threads: u64, block: u32) -> LaunchConfig {
     }
 }
 
+/// One kernel argument, by value.
+#[derive(Debug, Clone, Copy)]
+enum Arg {
+    Ptr(u64),
+    U64(u64),
+    U32(u32),
+    F64(f64),
+    Dims(Dims),
+}
+
+impl Arg {
+    fn ty(&self) -> Ty {
+        match self {
+            Arg::Ptr(_) => Ty::Ptr,
+            Arg::U64(_) => Ty::U64,
+            Arg::U32(_) => Ty::U32,
+            Arg::F64(_) => Ty::F64,
+            Arg::Dims(_) => Ty::Dims,
+        }
+    }
+}
+
+/// Queues kernel `op` of `family` with `args`, after checking them, in number and type, against
+/// the kernel's signature (`kernels::SIGNATURES`, itself checked against the `.cu` sources).
+///
+/// # Safety
+/// Pointer arguments must be device addresses valid, for everything the kernel reads and writes
+/// there, until the queued work completes.
+unsafe fn launch(
+    stream: &CudaStream,
+    f: &CudaFunction,
+    family: Family,
+    op: &str,
+    cfg: LaunchConfig,
+    args: &[Arg],
+) -> Result<()> {
+    let sig = signature(family, op)
+        .ok_or_else(|| Error::Cuda(format!("internal: no signature for kernel {op}")))?;
+    let given: Vec<Ty> = args.iter().map(Arg::ty).collect();
+    if given != sig {
+        return Err(Error::Cuda(format!(
+            "internal: kernel {op} takes {sig:?}, was given {given:?}"
+        )));
+    }
+    let mut b = stream.launch_builder(f);
+    for a in args {
+        match a {
+            Arg::Ptr(v) | Arg::U64(v) => b.arg(v),
+            Arg::U32(v) => b.arg(v),
+            Arg::F64(v) => b.arg(v),
+            Arg::Dims(v) => b.arg(v),
+        };
+    }
+    // SAFETY: the arguments match the kernel's parameters in number and type (checked above);
+    // the caller guarantees the pointers are valid for the kernel's accesses.
+    unsafe { b.launch(cfg) }.map_err(driver_err)?;
+    Ok(())
+}
+
 /// Exclusive scan of `len` u64 at `data`, in place, with `sums` as scratch.
-fn scan(k: &Kernels, stream: &CudaStream, data: u64, len: u64, sums: u64) -> Result<()> {
-    let (block, add) = (&k.scan_block, &k.scan_add);
+///
+/// # Safety
+/// `data` must hold `len` u64 and `sums` at least `scan_sums_len(len)` u64, on the stream's device.
+unsafe fn scan(k: &Kernels, stream: &CudaStream, data: u64, len: u64, sums: u64) -> Result<()> {
     let blocks = len.div_ceil(SCAN_BLOCK).max(1);
     let cfg = launch_cfg(blocks * SCAN_BLOCK, SCAN_BLOCK as u32);
-    // SAFETY: `data` holds `len` u64 and `sums` at least `scan_sums_len(len)` u64 of the
-    // caller's workspace (sizes checked in `compress`/`decompress`); argument order and types
-    // match `cfc_scan_block(u64*, u64, u64*)`.
-    unsafe {
-        stream
-            .launch_builder(block)
-            .arg(&data)
-            .arg(&len)
-            .arg(&sums)
-            .launch(cfg)
-    }
-    .map_err(driver_err)?;
+    let args = [Arg::Ptr(data), Arg::U64(len), Arg::Ptr(sums)];
+    // SAFETY: sizes as this function's contract states.
+    unsafe { launch(stream, &k.scan_block, Family::Scan, "block", cfg, &args) }?;
     if blocks > 1 {
-        scan(k, stream, sums, blocks, sums + 8 * blocks)?;
-        // SAFETY: as above; matches `cfc_scan_add(u64*, u64, const u64*)`.
-        unsafe {
-            stream
-                .launch_builder(add)
-                .arg(&data)
-                .arg(&len)
-                .arg(&sums)
-                .launch(cfg)
-        }
-        .map_err(driver_err)?;
+        // SAFETY: the next level's data is `blocks` u64 at `sums`, with its own scratch after
+        // them (`scan_sums_len` counts both).
+        unsafe { scan(k, stream, sums, blocks, sums + 8 * blocks) }?;
+        // SAFETY: as the first launch.
+        unsafe { launch(stream, &k.scan_add, Family::Scan, "add", cfg, &args) }?;
     }
     Ok(())
 }
@@ -499,59 +545,8 @@ pub unsafe fn compress(args: &CompressArgs<'_>) -> Result<()> {
         shared_mem_bytes: 0,
     };
     let warps = launch_cfg((groups * 32).min(dev.grid_blocks * BLOCK as u64), BLOCK);
-    let (reset, set) = (&k.reset, &k.params);
-    // SAFETY: (this and the launches below) pointers are the caller's device buffers, whose sizes were
-    // checked above against `workspace_len` and `compress_capacity`; argument order and types
-    // match the `extern "C"` signatures in kernels/codec.cu named by each function.
-    unsafe { stream.launch_builder(reset).arg(&params).launch(one) }.map_err(driver_err)?;
-    if mode != BoundMode::Abs {
-        let max_abs = &k.max_abs;
-        let cfg = launch_cfg(n.min(dev.grid_blocks * BLOCK as u64), BLOCK);
-        // SAFETY: see above; `cfc_codec_max_abs_<dtype>(const T*, u64, CfcParams*, const float*)`.
-        unsafe {
-            stream
-                .launch_builder(max_abs)
-                .arg(&args.input)
-                .arg(&n)
-                .arg(&params)
-                .arg(&args.residual)
-                .launch(cfg)
-        }
-        .map_err(driver_err)?;
-    }
-    // SAFETY: see above; `cfc_codec_params(CfcParams*, u32, double)`.
-    unsafe {
-        stream
-            .launch_builder(set)
-            .arg(&params)
-            .arg(&mode_code)
-            .arg(&value)
-            .launch(one)
-    }
-    .map_err(driver_err)?;
-
-    // SAFETY: see above; `(const T*, u64 n, u64 groups, const CfcParams*, u32, u8*, u64*, u64*,
-    // u32* staging, u32* excmask, float* residual)`; the residual (if any) holds `n` floats.
-    unsafe {
-        stream
-            .launch_builder(&k.encode)
-            .arg(&args.input)
-            .arg(&n)
-            .arg(&groups)
-            .arg(&params)
-            .arg(&fixed)
-            .arg(&body)
-            .arg(&words)
-            .arg(&excs)
-            .arg(&staging)
-            .arg(&excmask)
-            .arg(&args.residual)
-            .launch(warps)
-    }
-    .map_err(driver_err)?;
-    scan(&k, &stream, words, slots, sums_words)?;
-    scan(&k, &stream, excs, slots, sums_excs)?;
-
+    let c = Family::Codec;
+    let elements = launch_cfg(n.min(dev.grid_blocks * BLOCK as u64), BLOCK);
     let mut dims = [0u64; MAX_NDIM];
     dims[..ndim].copy_from_slice(args.shape);
     let dtype_code = match args.dtype {
@@ -559,53 +554,81 @@ pub unsafe fn compress(args: &CompressArgs<'_>) -> Result<()> {
         DType::BF16 => 1,
         DType::F16 => 2,
     };
-    let dsize = args.dtype.size() as u32;
-    let ndim32 = ndim as u32;
-    let mut b = stream.launch_builder(&k.finish);
-    b.arg(&args.out)
-        .arg(&n)
-        .arg(&groups)
-        .arg(&dtype_code)
-        .arg(&dsize)
-        .arg(&mode_code)
-        .arg(&fixed)
-        .arg(&ndim32);
-    // `Dims` is passed by value as eight u64 (same layout as `struct Dims { u64 d[8]; }`).
-    let dims = Dims(dims);
-    b.arg(&dims);
-    b.arg(&words)
-        .arg(&excs)
-        .arg(&params)
-        .arg(&frame_size)
-        .arg(&raw_flag);
-    // SAFETY: see above; matches `cfc_codec_finish` argument for argument.
-    unsafe { b.launch(one) }.map_err(driver_err)?;
-
-    // SAFETY: see above; `(const T*, u64, u64, const CfcParams*, u8*, const u64*, const u64*,
-    // const u32* raw_flag, const u32* staging, const u32* excmask, float* residual)`.
+    let (input, residual) = (Arg::Ptr(args.input), Arg::Ptr(args.residual));
+    let (params_a, words_a, excs_a) = (Arg::Ptr(params), Arg::Ptr(words), Arg::Ptr(excs));
+    let (n_a, groups_a, fixed_a) = (Arg::U64(n), Arg::U64(groups), Arg::U32(fixed));
+    // SAFETY: (every launch below) pointers are the caller's device buffers, whose sizes were
+    // checked above against `compress_workspace_len` and `compress_capacity`, and the residual
+    // (if any) holds `n` floats by this function's contract; `launch` checks each argument list
+    // against the kernel's signature.
     unsafe {
-        stream
-            .launch_builder(&k.pack)
-            .arg(&args.input)
-            .arg(&n)
-            .arg(&groups)
-            .arg(&params)
-            .arg(&body)
-            .arg(&words)
-            .arg(&excs)
-            .arg(&raw_flag)
-            .arg(&staging)
-            .arg(&excmask)
-            .arg(&args.residual)
-            .launch(warps)
+        launch(&stream, &k.reset, c, "reset", one, &[params_a])?;
+        if mode != BoundMode::Abs {
+            launch(
+                &stream,
+                &k.max_abs,
+                c,
+                "max_abs",
+                elements,
+                &[input, n_a, params_a, residual],
+            )?;
+        }
+        let set = [params_a, Arg::U32(mode_code), Arg::F64(value)];
+        launch(&stream, &k.params, c, "params", one, &set)?;
+        let encode = [
+            input,
+            n_a,
+            groups_a,
+            params_a,
+            fixed_a,
+            Arg::Ptr(body),
+            words_a,
+            excs_a,
+            Arg::Ptr(staging),
+            Arg::Ptr(excmask),
+            residual,
+        ];
+        launch(&stream, &k.encode, c, "encode_groups", warps, &encode)?;
+        scan(&k, &stream, words, slots, sums_words)?;
+        scan(&k, &stream, excs, slots, sums_excs)?;
+        let finish = [
+            Arg::Ptr(args.out),
+            n_a,
+            groups_a,
+            Arg::U32(dtype_code),
+            Arg::U32(args.dtype.size() as u32),
+            Arg::U32(mode_code),
+            fixed_a,
+            Arg::U32(ndim as u32),
+            Arg::Dims(Dims(dims)),
+            words_a,
+            excs_a,
+            params_a,
+            Arg::Ptr(frame_size),
+            Arg::Ptr(raw_flag),
+        ];
+        launch(&stream, &k.finish, c, "finish", one, &finish)?;
+        let pack = [
+            input,
+            n_a,
+            groups_a,
+            params_a,
+            Arg::Ptr(body),
+            words_a,
+            excs_a,
+            Arg::Ptr(raw_flag),
+            Arg::Ptr(staging),
+            Arg::Ptr(excmask),
+            residual,
+        ];
+        launch(&stream, &k.pack, c, "pack", warps, &pack)?;
     }
-    .map_err(driver_err)?;
     Ok(())
 }
 
 /// The shape as the `Dims` struct of `cfc_codec_finish`.
 #[repr(C)]
-#[derive(Clone, Copy)]
+#[derive(Debug, Clone, Copy)]
 struct Dims([u64; MAX_NDIM]);
 
 // SAFETY: `Dims` is `repr(C)`, plain old data, with the layout of `struct Dims { u64 d[8]; }`.
@@ -672,48 +695,43 @@ pub unsafe fn decompress(args: &DecompressArgs) -> Result<()> {
     let sums = words + 16 * slots;
     let header_len = (FIXED_HEADER_LEN + 8 * args.ndim) as u64;
     let n = args.n;
-    // SAFETY: (this and the launches below) the frame was checked on the host or written by `compress`, so its
-    // widths, planes and exceptions lie within it; the workspace size was checked above; the
-    // argument lists match kernels/codec.cu.
+    let c = Family::Codec;
+    let warps = launch_cfg((groups * 32).min(dev.grid_blocks * BLOCK as u64), BLOCK);
+    let frame = Arg::Ptr(args.frame);
+    let (hl, n_a, groups_a) = (Arg::U64(header_len), Arg::U64(n), Arg::U64(groups));
+    let decode = [
+        frame,
+        hl,
+        n_a,
+        groups_a,
+        Arg::Ptr(words),
+        Arg::Ptr(args.out),
+    ];
+    // SAFETY: (every launch below) the frame was checked on the host or written by `compress`,
+    // and `n`, `dtype`, `ndim` are its own (this function's contract), so its widths, planes and
+    // exceptions lie within it; the workspace size was checked above; `launch` checks each
+    // argument list against the kernel's signature.
     unsafe {
-        stream
-            .launch_builder(&k.to_words)
-            .arg(&args.frame)
-            .arg(&header_len)
-            .arg(&groups)
-            .arg(&words)
-            .launch(launch_cfg(slots, BLOCK))
+        let to_words = [frame, hl, groups_a, Arg::Ptr(words)];
+        launch(
+            &stream,
+            &k.to_words,
+            c,
+            "widths_to_words",
+            launch_cfg(slots, BLOCK),
+            &to_words,
+        )?;
+        scan(&k, &stream, words, slots, sums)?;
+        launch(&stream, &k.decode, c, "decode_groups", warps, &decode)?;
+        let exc_cfg = launch_cfg(n.min(1 << 20), BLOCK);
+        launch(
+            &stream,
+            &k.scatter,
+            c,
+            "scatter_exceptions",
+            exc_cfg,
+            &decode,
+        )?;
     }
-    .map_err(driver_err)?;
-    scan(&k, &stream, words, slots, sums)?;
-    // SAFETY: see above; `(const u8*, u64, u64, u64, const u64*, T*)`.
-    unsafe {
-        stream
-            .launch_builder(&k.decode)
-            .arg(&args.frame)
-            .arg(&header_len)
-            .arg(&n)
-            .arg(&groups)
-            .arg(&words)
-            .arg(&args.out)
-            .launch(launch_cfg(
-                (groups * 32).min(dev.grid_blocks * BLOCK as u64),
-                BLOCK,
-            ))
-    }
-    .map_err(driver_err)?;
-    // SAFETY: see above; same argument list as decode_groups.
-    unsafe {
-        stream
-            .launch_builder(&k.scatter)
-            .arg(&args.frame)
-            .arg(&header_len)
-            .arg(&n)
-            .arg(&groups)
-            .arg(&words)
-            .arg(&args.out)
-            .launch(launch_cfg(n.min(1 << 20), BLOCK))
-    }
-    .map_err(driver_err)?;
     Ok(())
 }

@@ -36,6 +36,80 @@ impl Family {
     }
 }
 
+/// The C type of a kernel parameter, as cfc passes it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Ty {
+    /// Any device pointer (passed as a u64 address).
+    Ptr,
+    /// `u64`.
+    U64,
+    /// `u32`.
+    U32,
+    /// `double`.
+    F64,
+    /// `Dims` (eight u64, by value).
+    Dims,
+}
+
+use Ty::{Dims, Ptr, F64, U32, U64};
+
+/// Every kernel cfc launches: family, op, whether it is stamped per dtype, and its parameters in
+/// order. Launches are checked against this table (`cuda::launch`), and a test checks the table
+/// against the `.cu` sources, so an argument list can never silently disagree with a kernel.
+pub(crate) const SIGNATURES: &[(Family, &str, bool, &[Ty])] = &[
+    (Family::Codec, "max_abs", true, &[Ptr, U64, Ptr, Ptr]),
+    (Family::Codec, "reset", false, &[Ptr]),
+    (Family::Codec, "params", false, &[Ptr, U32, F64]),
+    (
+        Family::Codec,
+        "encode_groups",
+        true,
+        &[Ptr, U64, U64, Ptr, U32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr],
+    ),
+    (
+        Family::Codec,
+        "finish",
+        false,
+        &[
+            Ptr, U64, U64, U32, U32, U32, U32, U32, Dims, Ptr, Ptr, Ptr, Ptr, Ptr,
+        ],
+    ),
+    (
+        Family::Codec,
+        "pack",
+        true,
+        &[Ptr, U64, U64, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr],
+    ),
+    (
+        Family::Codec,
+        "widths_to_words",
+        false,
+        &[Ptr, U64, U64, Ptr],
+    ),
+    (
+        Family::Codec,
+        "decode_groups",
+        true,
+        &[Ptr, U64, U64, U64, Ptr, Ptr],
+    ),
+    (
+        Family::Codec,
+        "scatter_exceptions",
+        true,
+        &[Ptr, U64, U64, U64, Ptr, Ptr],
+    ),
+    (Family::Scan, "block", false, &[Ptr, U64, Ptr]),
+    (Family::Scan, "add", false, &[Ptr, U64, Ptr]),
+];
+
+/// The parameter types of `op` in `family`.
+pub(crate) fn signature(family: Family, op: &str) -> Option<&'static [Ty]> {
+    SIGNATURES
+        .iter()
+        .find(|(f, o, _, _)| *f == family && *o == op)
+        .map(|(_, _, _, sig)| *sig)
+}
+
 /// Name of a kernel entry point: `cfc_<family>_<op>` plus `_<dtype>` for per-dtype kernels.
 pub(crate) fn kernel_name(family: Family, op: &str, dtype: Option<DType>) -> String {
     match dtype {
@@ -56,43 +130,72 @@ pub(crate) fn kernel_name(family: Family, op: &str, dtype: Option<DType>) -> Str
 mod tests {
     use super::*;
 
+    /// The parameter list of `name(` in `src` (macro line continuations removed).
+    fn params(src: &str, name: &str) -> Option<Vec<String>> {
+        let start = src.find(&format!("{name}("))? + name.len() + 1;
+        let end = start + src[start..].find(')')?;
+        let list = src[start..end].replace("\\\n", " ").replace('\\', " ");
+        Some(list.split(',').map(|p| p.trim().to_string()).collect())
+    }
+
+    fn ty_of(param: &str) -> Ty {
+        if param.contains('*') {
+            Ty::Ptr
+        } else if param.starts_with("u64") {
+            Ty::U64
+        } else if param.starts_with("u32") {
+            Ty::U32
+        } else if param.starts_with("double") {
+            Ty::F64
+        } else if param.starts_with("Dims") {
+            Ty::Dims
+        } else {
+            panic!("unknown parameter type in {param:?}")
+        }
+    }
+
     #[test]
-    fn every_name_built_here_is_defined_in_its_source() {
-        let ops: &[(Family, &str, bool)] = &[
-            (Family::Codec, "max_abs", true),
-            (Family::Codec, "reset", false),
-            (Family::Codec, "params", false),
-            (Family::Codec, "encode_groups", true),
-            (Family::Codec, "finish", false),
-            (Family::Codec, "pack", true),
-            (Family::Codec, "widths_to_words", false),
-            (Family::Codec, "decode_groups", true),
-            (Family::Codec, "scatter_exceptions", true),
-            (Family::Scan, "block", false),
-            (Family::Scan, "add", false),
-        ];
-        for &(family, op, per_dtype) in ops {
+    fn signatures_match_the_kernel_sources() {
+        for &(family, op, per_dtype, sig) in SIGNATURES {
             let src = family.source();
             assert!(!src.contains("#include \"common.cuh\""));
-            let names: Vec<String> = if per_dtype {
-                [DType::F32, DType::BF16, DType::F16]
-                    .iter()
-                    .map(|&d| kernel_name(family, op, Some(d)))
-                    .collect()
+            // Per-dtype kernels are stamped by a macro as `cfc_<family>_<op>_##name(`.
+            let name = if per_dtype {
+                format!("{}_##name", kernel_name(family, op, None))
             } else {
-                vec![kernel_name(family, op, None)]
+                kernel_name(family, op, None)
             };
-            for name in names {
-                // Per-dtype kernels are stamped by a macro from `cfc_<family>_<op>_##name`.
-                let stem = name.rsplit_once('_').map_or(name.as_str(), |(s, _)| s);
-                let found = src.contains(&format!("{name}("))
-                    || (per_dtype && src.contains(&format!("{stem}_##name(")));
+            let found = params(&src, &format!("void {name}"))
+                .unwrap_or_else(|| panic!("{name} is not defined in kernels/{}.cu", family.name()));
+            let types: Vec<Ty> = found.iter().map(|p| ty_of(p)).collect();
+            assert_eq!(types, sig, "{name}: sources say {found:?}");
+        }
+    }
+
+    #[test]
+    fn every_kernel_in_the_sources_has_a_signature() {
+        for family in [Family::Codec, Family::Scan] {
+            let src = family.source();
+            for (i, _) in src.match_indices("__global__ void ") {
+                let rest = &src[i + "__global__ void ".len()..];
+                let name = &rest[..rest.find('(').expect("a parameter list")];
+                let op = name
+                    .trim_start_matches(&format!("cfc_{}_", family.name()))
+                    .trim_end_matches("_##name");
                 assert!(
-                    found,
-                    "{name} is not defined in kernels/{}.cu",
-                    family.name()
+                    signature(family, op).is_some(),
+                    "{name} has no entry in SIGNATURES"
                 );
             }
         }
+    }
+
+    #[test]
+    fn dtype_kernels_are_named_after_the_dtype() {
+        assert_eq!(
+            kernel_name(Family::Codec, "pack", Some(DType::BF16)),
+            "cfc_codec_pack_bf16"
+        );
+        assert_eq!(kernel_name(Family::Scan, "add", None), "cfc_scan_add");
     }
 }
