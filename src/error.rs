@@ -72,6 +72,22 @@ pub enum Error {
         /// The compiler's log.
         log: String,
     },
+    /// Ranks of a collective disagree on the buffer or the options.
+    RankMismatch {
+        /// What the first rank has.
+        what: String,
+        /// What a disagreeing rank has.
+        theirs: String,
+    },
+    /// A peer did not answer in time.
+    Timeout {
+        /// The rank waited for.
+        peer: usize,
+        /// How long we waited.
+        seconds: f64,
+    },
+    /// The transport of a collective failed (a peer is gone, a link broke).
+    Transport(String),
     /// The zstd stage failed while compressing.
     Zstd(std::io::Error),
 }
@@ -162,6 +178,13 @@ impl fmt::Display for Error {
                 write!(f, "sum of codes overflows 64 bits at element {index}")
             }
             Error::Zstd(e) => write!(f, "zstd stage failed: {e}"),
+            Error::RankMismatch { what, theirs } => {
+                write!(f, "ranks disagree: {what}, but {theirs}")
+            }
+            Error::Timeout { peer, seconds } => {
+                write!(f, "rank {peer} did not answer within {seconds} s")
+            }
+            Error::Transport(e) => write!(f, "transport failed: {e}"),
             Error::CudaUnavailable(why) => write!(f, "CUDA is not available: {why}"),
             Error::Cuda(e) => write!(f, "CUDA error: {e}"),
             Error::Nvrtc { log } => write!(f, "NVRTC failed to compile cfc's kernels: {log}"),

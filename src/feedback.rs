@@ -35,23 +35,11 @@ pub fn compress_with_feedback<T: Element>(
             ndim: 1,
         });
     }
-    let compensated: Vec<f32> = data
+    let (compensated, values): (Vec<f32>, Vec<T>) = data
         .iter()
         .zip(residual.iter())
-        .map(|(&x, &r)| {
-            let xf = x.to_f64() as f32;
-            if !xf.is_finite() || r.is_nan() {
-                xf
-            } else {
-                xf + r
-            }
-        })
-        .collect();
-    let values: Vec<T> = data
-        .iter()
-        .zip(&compensated)
-        .map(|(&x, &c)| if x.is_finite() { T::from_f32(c) } else { x })
-        .collect();
+        .map(|(&x, &r)| compensate(x, r))
+        .unzip();
     let frame = compress(&values, shape, opts)?;
     let (_, decoded) = decompress::<T>(&frame)?;
     for ((r, &c), d) in residual.iter_mut().zip(&compensated).zip(&decoded) {
@@ -89,4 +77,29 @@ pub fn compress_bytes_with_feedback(
         DType::BF16 => compress_with_feedback(&elements::<bf16>(bytes)?, residual, shape, opts),
         DType::F16 => compress_with_feedback(&elements::<f16>(bytes)?, residual, shape, opts),
     }
+}
+
+/// Step 1 of the rule: the compensated value `c` of `x` with residual `r`, and the value sent.
+#[inline]
+fn compensate<T: Element>(x: T, r: f32) -> (f32, T) {
+    let xf = x.to_f64() as f32;
+    if !x.is_finite() {
+        (xf, x)
+    } else {
+        let c = if r.is_nan() { xf } else { xf + r };
+        (c, T::from_f32(c))
+    }
+}
+
+/// Largest finite magnitude of the values [`compress_with_feedback`] would compress (`data`
+/// compensated by `residual`), for agreeing on a relative bound across ranks.
+pub(crate) fn max_abs_compensated<T: Element>(data: &[T], residual: Option<&[f32]>) -> f64 {
+    (0..data.len())
+        .map(|i| match residual {
+            Some(r) => compensate(data[i], r[i]).1,
+            None => data[i],
+        })
+        .filter(|v| v.is_finite())
+        .map(|v| v.to_f64().abs())
+        .fold(0.0, f64::max)
 }

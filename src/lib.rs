@@ -18,6 +18,7 @@
 
 mod bitplane;
 mod codec;
+pub mod collective;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 mod element;

@@ -1,0 +1,313 @@
+//! The compressed all-reduce, written once over a [`Transport`].
+//!
+//! Every rank quantizes its (error-compensated) buffer once, with a step all ranks agree on;
+//! the integer codes of each shard are summed exactly on the shard's owner (reduce-scatter) and
+//! repacked losslessly; the summed shards are then gathered by everyone (all-gather). Each rank
+//! sends about `2 (N - 1) / N` times its compressed size, like a ring all-reduce of raw data,
+//! and the only loss of a step is each rank's own rounding, which its residual carries into
+//! the next step.
+//!
+//! Ranks that disagree on the buffer or the options get [`Error::RankMismatch`] on every rank
+//! (checked before any data moves); a peer that stops answering becomes [`Error::Timeout`].
+
+use crate::codec::{compress, decompress, Bound, CompressOptions};
+use crate::element::Element;
+use crate::error::{Error, Result};
+use crate::feedback::compress_with_feedback;
+use crate::format::GROUP;
+use crate::sum::Codes;
+use std::time::Duration;
+
+/// Moves bytes between the ranks of a group. Every rank must call the same operations in the
+/// same order (as with any collective library).
+pub trait Transport {
+    /// This rank's index, `0..world()`.
+    fn rank(&self) -> usize;
+    /// Number of ranks.
+    fn world(&self) -> usize;
+    /// Sends `parts[j]` to rank `j` (this rank's own part included) and returns what each rank
+    /// sent to this one, indexed by sender.
+    ///
+    /// # Errors
+    /// [`Error::Timeout`] when a peer does not answer in time, [`Error::Transport`] when a peer
+    /// is gone or the link fails.
+    fn all_to_all(&mut self, parts: Vec<Vec<u8>>) -> Result<Vec<Vec<u8>>>;
+
+    /// Every rank's `data`, indexed by rank.
+    ///
+    /// # Errors
+    /// As [`Transport::all_to_all`].
+    fn all_gather(&mut self, data: Vec<u8>) -> Result<Vec<Vec<u8>>> {
+        let parts = vec![data; self.world()];
+        self.all_to_all(parts)
+    }
+}
+
+/// Options of [`allreduce`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AllReduceOptions {
+    /// The bound each rank's contribution is quantized with: `Abs(eps)`, or `Rel(r)` for
+    /// `eps = r * max|x|` over all ranks. (Fixed rate cannot share one step and is refused.)
+    pub bound: Bound,
+    /// Divide the sum by the number of ranks.
+    pub average: bool,
+    /// Run each frame through zstd before it is sent (CPU transports).
+    pub zstd_level: Option<i32>,
+}
+
+/// What [`allreduce`] returns besides the values.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AllReduceReport {
+    /// The bound each rank's contribution was quantized with.
+    pub eps: f64,
+    /// Bound on `|result - exact|`: `N * eps` for a sum, `eps` for an average (plus one rounding
+    /// of the result to the element type).
+    pub bound: f64,
+    /// Bytes this rank sent (to other ranks).
+    pub bytes_sent: u64,
+    /// Bytes the same exchange would send uncompressed with a ring all-reduce.
+    pub bytes_uncompressed: u64,
+}
+
+/// The options and buffer every rank must agree on, as sent in the agreement round.
+fn descriptor<T: Element>(n: usize, opts: &AllReduceOptions, feedback: bool) -> Vec<u8> {
+    let (kind, value) = match opts.bound {
+        Bound::Abs(e) => (0u8, e),
+        Bound::Rel(r) => (1, r),
+        Bound::Bits(b) => (2, b as f64),
+    };
+    let mut d = Vec::with_capacity(32);
+    d.extend_from_slice(&(n as u64).to_le_bytes());
+    d.push(T::DTYPE.size() as u8);
+    d.push(match T::DTYPE {
+        crate::DType::F32 => 0,
+        crate::DType::BF16 => 1,
+        crate::DType::F16 => 2,
+    });
+    d.push(kind);
+    d.push(opts.average as u8);
+    d.push(feedback as u8);
+    d.extend_from_slice(&value.to_le_bytes());
+    d.extend_from_slice(&opts.zstd_level.unwrap_or(0).to_le_bytes());
+    d
+}
+
+fn describe(d: &[u8]) -> String {
+    let n = u64::from_le_bytes(d[..8].try_into().unwrap_or([0; 8]));
+    let dtype = ["float32", "bfloat16", "float16"]
+        .get(d[9] as usize)
+        .copied()
+        .unwrap_or("?");
+    let bound = ["eps", "rel", "bits"]
+        .get(d[10] as usize)
+        .copied()
+        .unwrap_or("?");
+    let value = f64::from_le_bytes(d[13..21].try_into().unwrap_or([0; 8]));
+    format!(
+        "{n} x {dtype}, {bound}={value:e}, average={}, feedback={}, zstd={}",
+        d[11] != 0,
+        d[12] != 0,
+        i32::from_le_bytes(d[21..25].try_into().unwrap_or([0; 4]))
+    )
+}
+
+/// Shard `j` of `n` elements over `world` ranks: contiguous ranges cut at group boundaries.
+fn shard(n: usize, world: usize, j: usize) -> std::ops::Range<usize> {
+    let groups = n.div_ceil(GROUP);
+    let per = groups.div_ceil(world.max(1));
+    let lo = (j * per * GROUP).min(n);
+    let hi = ((j + 1) * per * GROUP).min(n);
+    lo..hi
+}
+
+/// Sums (or averages) `data` over all ranks of `transport`, compressed.
+///
+/// With `residual` (float32, one per element, zero at the first step), the error feedback of
+/// [`compress_with_feedback`] is applied: what this rank's quantization drops is carried into its
+/// next call, so that over many steps nothing is lost.
+///
+/// # Errors
+/// [`Error::RankMismatch`] when ranks disagree on length, dtype or options (on every rank);
+/// [`Error::InvalidBound`] for a bad bound; transport errors ([`Error::Timeout`],
+/// [`Error::Transport`]); [`Error::ShapeMismatch`] for a residual of the wrong length.
+pub fn allreduce<T: Element, X: Transport + ?Sized>(
+    transport: &mut X,
+    data: &[T],
+    mut residual: Option<&mut [f32]>,
+    opts: &AllReduceOptions,
+) -> Result<(Vec<T>, AllReduceReport)> {
+    let world = transport.world();
+    let rank = transport.rank();
+    let n = data.len();
+    if let Some(r) = residual.as_deref() {
+        if r.len() != n {
+            return Err(Error::ShapeMismatch {
+                shape_elements: Some(r.len() as u64),
+                elements: n as u64,
+                ndim: 1,
+            });
+        }
+    }
+    // 1. Agreement: everyone sees everyone's descriptor, so everyone fails alike.
+    let mine = descriptor::<T>(n, opts, residual.is_some());
+    let all = transport.all_gather(mine.clone())?;
+    if let Some((peer, theirs)) = all.iter().enumerate().find(|(_, d)| **d != all[0]) {
+        return Err(Error::RankMismatch {
+            what: format!("rank 0 has {}", describe(&all[0])),
+            theirs: format!("rank {peer} has {}", describe(theirs)),
+        });
+    }
+    // 2. One step for everyone.
+    let eps = match opts.bound {
+        Bound::Abs(e) => e,
+        Bound::Rel(rel) => {
+            let local = crate::feedback::max_abs_compensated(data, residual.as_deref());
+            let maxes = transport.all_gather(local.to_le_bytes().to_vec())?;
+            let max = maxes
+                .iter()
+                .map(|m| f64::from_le_bytes(m[..8].try_into().unwrap_or([0; 8])))
+                .fold(0.0, f64::max);
+            if max > 0.0 {
+                rel * max
+            } else {
+                rel
+            }
+        }
+        Bound::Bits(_) => {
+            return Err(Error::InvalidBound {
+                what: "bits",
+                reason: "a fixed rate cannot give every rank the same step; use eps or rel".into(),
+            })
+        }
+    };
+    let copts = CompressOptions {
+        bound: Bound::Abs(eps),
+        zstd_level: opts.zstd_level,
+        threads: 0,
+    };
+    // 3. Quantize once, shard by shard, and send shard j to rank j.
+    let mut frames = Vec::with_capacity(world);
+    for j in 0..world {
+        let s = shard(n, world, j);
+        let frame = match residual.as_deref_mut() {
+            Some(r) => {
+                compress_with_feedback(&data[s.clone()], &mut r[s.clone()], &[s.len()], &copts)?
+            }
+            None => compress(&data[s.clone()], &[s.len()], &copts)?,
+        };
+        frames.push(frame);
+    }
+    let mut sent: u64 = frames
+        .iter()
+        .enumerate()
+        .filter(|(j, _)| *j != rank)
+        .map(|(_, f)| f.len() as u64)
+        .sum();
+    let received = transport.all_to_all(frames)?;
+    // 4. Sum this rank's shard exactly, as integer codes, and repack it losslessly.
+    let parts = received
+        .iter()
+        .map(|f| Codes::from_frame(f))
+        .collect::<Result<Vec<_>>>()?;
+    let summed = Codes::sum(&parts)?.to_frame(opts.zstd_level)?;
+    // 5. Everyone gathers every summed shard and decodes.
+    let summed_len = summed.len() as u64;
+    let shards = transport.all_gather(summed)?;
+    sent += summed_len * (world as u64 - 1);
+    let mut out = Vec::with_capacity(n);
+    for (j, frame) in shards.iter().enumerate() {
+        let (header, values) = decompress::<T>(frame)?;
+        if header.n != shard(n, world, j).len() as u64 {
+            return Err(Error::Transport(format!(
+                "rank {j} returned {} elements for its shard of {}",
+                header.n,
+                shard(n, world, j).len()
+            )));
+        }
+        out.extend(values);
+    }
+    if opts.average && world > 1 {
+        for v in &mut out {
+            *v = T::from_f32((v.to_f64() / world as f64) as f32);
+        }
+    }
+    let size = std::mem::size_of::<T>() as u64;
+    let report = AllReduceReport {
+        eps,
+        bound: if opts.average {
+            eps
+        } else {
+            eps * world as f64
+        },
+        bytes_sent: sent,
+        bytes_uncompressed: 2 * (world as u64 - 1) * (n as u64 * size).div_ceil(world as u64),
+    };
+    Ok((out, report))
+}
+
+/// The in-process transport: ranks are threads of one process, linked by crossbeam channels.
+/// For tests, examples and the CPU benchmark; it runs the very algorithm the NCCL transport runs.
+pub struct InProcess {
+    rank: usize,
+    to: Vec<crossbeam_channel::Sender<Vec<u8>>>,
+    from: Vec<crossbeam_channel::Receiver<Vec<u8>>>,
+    timeout: Duration,
+}
+
+impl InProcess {
+    /// Endpoints for `world` ranks (hand one to each thread). A receive that waits longer than
+    /// `timeout` fails with [`Error::Timeout`].
+    pub fn group(world: usize, timeout: Duration) -> Vec<InProcess> {
+        // channels[a][b]: messages from rank a to rank b.
+        let channels: Vec<Vec<_>> = (0..world)
+            .map(|_| (0..world).map(|_| crossbeam_channel::unbounded()).collect())
+            .collect();
+        (0..world)
+            .map(|rank| InProcess {
+                rank,
+                to: (0..world).map(|b| channels[rank][b].0.clone()).collect(),
+                from: (0..world).map(|a| channels[a][rank].1.clone()).collect(),
+                timeout,
+            })
+            .collect()
+    }
+}
+
+impl Transport for InProcess {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world(&self) -> usize {
+        self.to.len()
+    }
+
+    fn all_to_all(&mut self, parts: Vec<Vec<u8>>) -> Result<Vec<Vec<u8>>> {
+        if parts.len() != self.to.len() {
+            return Err(Error::Transport(format!(
+                "{} parts for {} ranks",
+                parts.len(),
+                self.to.len()
+            )));
+        }
+        for (peer, (tx, part)) in self.to.iter().zip(parts).enumerate() {
+            tx.send(part)
+                .map_err(|_| Error::Transport(format!("rank {peer} is gone")))?;
+        }
+        self.from
+            .iter()
+            .enumerate()
+            .map(|(peer, rx)| {
+                rx.recv_timeout(self.timeout).map_err(|e| match e {
+                    crossbeam_channel::RecvTimeoutError::Timeout => Error::Timeout {
+                        peer,
+                        seconds: self.timeout.as_secs_f64(),
+                    },
+                    crossbeam_channel::RecvTimeoutError::Disconnected => {
+                        Error::Transport(format!("rank {peer} is gone"))
+                    }
+                })
+            })
+            .collect()
+    }
+}

@@ -1,0 +1,267 @@
+//! The compressed all-reduce over the in-process transport, 1 to 8 ranks: results within the
+//! documented bound of the exact sum, identical on every rank; error feedback; ranks that
+//! disagree or stop answering get errors, not hangs.
+
+use cfc::collective::{allreduce, AllReduceOptions, InProcess, Transport};
+use cfc::{Bound, Error};
+use half::bf16;
+use rand::{Rng, SeedableRng};
+use std::time::Duration;
+
+/// Runs `f` on `world` threads, one per rank, and returns their results by rank.
+fn run<R: Send>(world: usize, timeout: Duration, f: impl Fn(&mut InProcess) -> R + Sync) -> Vec<R> {
+    let endpoints = InProcess::group(world, timeout);
+    std::thread::scope(|s| {
+        let handles: Vec<_> = endpoints
+            .into_iter()
+            .map(|mut t| {
+                let f = &f;
+                s.spawn(move || f(&mut t))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("rank panicked"))
+            .collect()
+    })
+}
+
+/// Rank `r`'s gradient-like data at step `step` (Laplace, scale 1e-3).
+fn data(r: usize, step: usize, n: usize) -> Vec<f32> {
+    let mut rng = rand::rngs::StdRng::seed_from_u64((r * 1000 + step) as u64);
+    (0..n)
+        .map(|_| {
+            let u: f64 = rng.gen_range(1e-12..1.0);
+            let m = -u.ln() * 1e-3;
+            (if rng.gen::<bool>() { m } else { -m }) as f32
+        })
+        .collect()
+}
+
+fn opts(bound: Bound, average: bool) -> AllReduceOptions {
+    AllReduceOptions {
+        bound,
+        average,
+        zstd_level: None,
+    }
+}
+
+#[test]
+fn sum_and_average_are_within_the_bound_for_1_to_8_ranks() {
+    let n = 10_007;
+    for world in 1..=8 {
+        for (bound, average) in [
+            (Bound::Abs(1e-4), false),
+            (Bound::Abs(1e-4), true),
+            (Bound::Rel(0.01), false),
+        ] {
+            let results = run(world, Duration::from_secs(20), |t| {
+                let x = data(t.rank(), 0, n);
+                allreduce(t, &x, None, &opts(bound, average)).expect("allreduce")
+            });
+            let inputs: Vec<Vec<f32>> = (0..world).map(|r| data(r, 0, n)).collect();
+            let exact: Vec<f64> = (0..n)
+                .map(|i| inputs.iter().map(|x| x[i] as f64).sum::<f64>())
+                .collect();
+            let (first, report) = &results[0];
+            for (other, _) in &results[1..] {
+                assert!(
+                    first
+                        .iter()
+                        .zip(other)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "ranks differ"
+                );
+            }
+            let scale = if average { world as f64 } else { 1.0 };
+            let worst = first
+                .iter()
+                .zip(&exact)
+                .map(|(&y, &e)| {
+                    let e = e / scale;
+                    (y as f64 - e).abs() - f32::EPSILON as f64 * e.abs() // the final f32 rounding
+                })
+                .fold(0.0, f64::max);
+            assert!(
+                worst <= report.bound,
+                "world {world} {bound:?} avg {average}: {worst} > {}",
+                report.bound
+            );
+            assert_eq!(
+                report.bound,
+                if average {
+                    report.eps
+                } else {
+                    report.eps * world as f64
+                }
+            );
+        }
+    }
+}
+
+#[test]
+fn error_feedback_makes_the_running_sum_converge() {
+    let (n, world, steps, eps) = (4096, 4, 40, 2e-4);
+    let drift = |feedback: bool| {
+        let results = run(world, Duration::from_secs(20), |t| {
+            let mut residual = vec![0f32; n];
+            let mut sum = vec![0f64; n];
+            for step in 0..steps {
+                let x = data(t.rank(), step, n);
+                let r = feedback.then_some(residual.as_mut_slice());
+                let (y, _) = allreduce(t, &x, r, &opts(Bound::Abs(eps), false)).expect("allreduce");
+                for (s, v) in sum.iter_mut().zip(y) {
+                    *s += v as f64;
+                }
+            }
+            sum
+        });
+        let mut exact = vec![0f64; n];
+        for r in 0..world {
+            for s in 0..steps {
+                for (e, v) in exact.iter_mut().zip(data(r, s, n)) {
+                    *e += v as f64;
+                }
+            }
+        }
+        results[0]
+            .iter()
+            .zip(&exact)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0, f64::max)
+    };
+    let with = drift(true);
+    let without = drift(false);
+    // With feedback the running sum is off by at most what the residuals hold now: N x eps.
+    assert!(with <= world as f64 * eps * 1.05, "with feedback: {with}");
+    assert!(
+        without > 2.0 * with,
+        "without feedback {without} vs with {with}"
+    );
+}
+
+#[test]
+fn ranks_that_disagree_all_get_an_error() {
+    for case in 0..3 {
+        let results = run(3, Duration::from_secs(5), |t| {
+            let (n, eps, average) = match (case, t.rank()) {
+                (0, 2) => (999, 1e-3, false),  // a different length
+                (1, 1) => (1000, 2e-3, false), // a different bound
+                (2, 0) => (1000, 1e-3, true),  // sum against average
+                _ => (1000, 1e-3, false),
+            };
+            allreduce(t, &vec![0.5f32; n], None, &opts(Bound::Abs(eps), average))
+        });
+        for r in results {
+            assert!(
+                matches!(r, Err(Error::RankMismatch { .. })),
+                "case {case}: {r:?}"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_peer_that_never_comes_is_a_timeout_not_a_hang() {
+    let t0 = std::time::Instant::now();
+    let results = run(3, Duration::from_millis(300), |t| {
+        if t.rank() == 2 {
+            std::thread::sleep(Duration::from_millis(900)); // never joins the collective
+            return Ok(());
+        }
+        allreduce(t, &[1.0f32; 64], None, &opts(Bound::Abs(1e-3), false)).map(|_| ())
+    });
+    assert!(
+        matches!(results[0], Err(Error::Timeout { peer: 2, .. })),
+        "{:?}",
+        results[0]
+    );
+    assert!(
+        matches!(results[1], Err(Error::Timeout { peer: 2, .. })),
+        "{:?}",
+        results[1]
+    );
+    assert!(t0.elapsed() < Duration::from_secs(5));
+}
+
+#[test]
+fn non_finite_values_reach_every_rank() {
+    let results = run(4, Duration::from_secs(5), |t| {
+        let mut x = vec![0.25f32; 100];
+        if t.rank() == 1 {
+            x[7] = f32::NAN;
+            x[8] = f32::INFINITY;
+        }
+        allreduce(t, &x, None, &opts(Bound::Abs(1e-3), true))
+            .expect("allreduce")
+            .0
+    });
+    for y in results {
+        assert!(y[7].is_nan() && y[8] == f32::INFINITY && (y[0] - 0.25).abs() <= 1e-3);
+    }
+}
+
+#[test]
+fn bf16_buffers_reduce_too() {
+    let results = run(2, Duration::from_secs(5), |t| {
+        let x: Vec<bf16> = data(t.rank(), 3, 1000)
+            .iter()
+            .map(|&v| bf16::from_f32(v))
+            .collect();
+        allreduce(t, &x, None, &opts(Bound::Abs(1e-4), false)).expect("allreduce")
+    });
+    let (y, report) = &results[0];
+    let (a, b) = (data(0, 3, 1000), data(1, 3, 1000));
+    for i in 0..1000 {
+        let exact = bf16::from_f32(a[i]).to_f64() + bf16::from_f32(b[i]).to_f64();
+        let slack = exact.abs() * 2f64.powi(-8); // bf16's final rounding
+        assert!((y[i].to_f64() - exact).abs() <= report.bound + slack);
+    }
+}
+
+#[test]
+fn compressed_traffic_is_several_times_smaller_than_a_ring_all_reduce() {
+    let results = run(4, Duration::from_secs(10), |t| {
+        // Laplace with scale 1e-3 has RMS sqrt(2) x 1e-3: eps = 0.3 x RMS, the same on every rank.
+        let x = data(t.rank(), 0, 1 << 16);
+        let eps = 0.3 * 2f64.sqrt() * 1e-3;
+        allreduce(t, &x, None, &opts(Bound::Abs(eps), false))
+            .expect("allreduce")
+            .1
+    });
+    for report in results {
+        let ratio = report.bytes_uncompressed as f64 / report.bytes_sent as f64;
+        assert!(ratio > 5.0, "only {ratio:.2}x fewer bytes");
+    }
+}
+
+#[test]
+fn fixed_rate_is_refused_for_a_collective() {
+    let results = run(2, Duration::from_secs(5), |t| {
+        allreduce(t, &[1.0f32; 10], None, &opts(Bound::Bits(8), false))
+    });
+    for r in results {
+        assert!(
+            matches!(r, Err(Error::InvalidBound { what: "bits", .. })),
+            "{r:?}"
+        );
+    }
+}
+
+#[test]
+fn a_peer_that_leaves_is_a_transport_error() {
+    let results = run(3, Duration::from_secs(5), |t| {
+        if t.rank() == 2 {
+            return Ok(()); // drops its endpoint: its channels close
+        }
+        std::thread::sleep(Duration::from_millis(100));
+        allreduce(t, &[1.0f32; 64], None, &opts(Bound::Abs(1e-3), false)).map(|_| ())
+    });
+    for r in &results[..2] {
+        // Whichever peer it notices first (rank 2, or a rank that already failed and left).
+        assert!(
+            matches!(r, Err(Error::Transport(m)) if m.contains("is gone")),
+            "{r:?}"
+        );
+    }
+}
