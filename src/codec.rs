@@ -729,9 +729,12 @@ pub fn fixed_rate_size(shape: &[usize], bits: u8) -> Option<u64> {
     groups.checked_mul(1 + 4 * bits as u64)?.checked_add(header)
 }
 
-/// Rejects frames whose header is not what a raw decoder loop may rely on; used by the fuzzer
-/// entry and tests to see the checks in one place.
-#[doc(hidden)]
+/// Checks a whole frame, header and body (widths, plane lengths, exception indices, the zstd
+/// stage), without decoding it. A frame that passes decodes without error, on the CPU or on a
+/// GPU (which trusts what the host checked).
+///
+/// # Errors
+/// [`Error::Format`] saying what is wrong.
 pub fn validate(frame: &[u8]) -> Result<Header> {
     Body::open(frame).map(|b| b.header)
 }

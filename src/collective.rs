@@ -92,23 +92,29 @@ fn descriptor<T: Element>(n: usize, opts: &AllReduceOptions, feedback: bool) -> 
     d
 }
 
+/// A descriptor in words, for error messages. It came from a peer: nothing in it is trusted.
 fn describe(d: &[u8]) -> String {
-    let n = u64::from_le_bytes(d[..8].try_into().unwrap_or([0; 8]));
-    let dtype = ["float32", "bfloat16", "float16"]
-        .get(d[9] as usize)
-        .copied()
-        .unwrap_or("?");
-    let bound = ["eps", "rel", "bits"]
-        .get(d[10] as usize)
-        .copied()
-        .unwrap_or("?");
-    let value = f64::from_le_bytes(d[13..21].try_into().unwrap_or([0; 8]));
-    format!(
-        "{n} x {dtype}, {bound}={value:e}, average={}, feedback={}, zstd={}",
-        d[11] != 0,
-        d[12] != 0,
-        i32::from_le_bytes(d[21..25].try_into().unwrap_or([0; 4]))
-    )
+    let u64_at = |o: usize| {
+        d.get(o..o + 8)
+            .and_then(|b| b.try_into().ok())
+            .map(u64::from_le_bytes)
+    };
+    let byte = |o: usize| d.get(o).copied();
+    match (u64_at(0), byte(9), byte(10), byte(11), byte(12), u64_at(13)) {
+        (Some(n), Some(dt), Some(kind), Some(avg), Some(fb), Some(value)) => {
+            let dtype = ["float32", "bfloat16", "float16"]
+                .get(dt as usize)
+                .unwrap_or(&"?");
+            let bound = ["eps", "rel", "bits"].get(kind as usize).unwrap_or(&"?");
+            format!(
+                "{n} x {dtype}, {bound}={:e}, average={}, feedback={}",
+                f64::from_bits(value),
+                avg != 0,
+                fb != 0
+            )
+        }
+        _ => format!("a malformed descriptor of {} bytes", d.len()),
+    }
 }
 
 /// Shard `j` of `n` elements over `world` ranks: contiguous ranges cut at group boundaries.
@@ -163,10 +169,16 @@ pub fn allreduce<T: Element, X: Transport + ?Sized>(
         Bound::Rel(rel) => {
             let local = crate::feedback::max_abs_compensated(data, residual.as_deref());
             let maxes = transport.all_gather(local.to_le_bytes().to_vec())?;
-            let max = maxes
-                .iter()
-                .map(|m| f64::from_le_bytes(m[..8].try_into().unwrap_or([0; 8])))
-                .fold(0.0, f64::max);
+            let mut max = 0.0f64;
+            for (peer, m) in maxes.iter().enumerate() {
+                let bytes: [u8; 8] = m.as_slice().try_into().map_err(|_| {
+                    Error::Transport(format!(
+                        "rank {peer} sent {} bytes for its maximum",
+                        m.len()
+                    ))
+                })?;
+                max = max.max(f64::from_le_bytes(bytes));
+            }
             if max > 0.0 {
                 rel * max
             } else {
@@ -309,5 +321,45 @@ impl Transport for InProcess {
                 })
             })
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn descriptors_from_peers_are_not_trusted() {
+        assert_eq!(describe(&[1, 2, 3]), "a malformed descriptor of 3 bytes");
+        let d = descriptor::<f32>(
+            1000,
+            &AllReduceOptions {
+                bound: Bound::Rel(0.5),
+                average: true,
+                zstd_level: None,
+            },
+            true,
+        );
+        assert_eq!(
+            describe(&d),
+            "1000 x float32, rel=5e-1, average=true, feedback=true"
+        );
+        let mut bad = d.clone();
+        bad[9] = 200;
+        assert!(describe(&bad).contains("? x") || describe(&bad).contains("x ?"));
+    }
+
+    #[test]
+    fn shards_cover_the_buffer_at_group_boundaries() {
+        for (n, world) in [(0, 3), (1, 4), (100, 3), (10_007, 8), (64, 8)] {
+            let mut next = 0;
+            for j in 0..world {
+                let s = shard(n, world, j);
+                assert_eq!(s.start, next);
+                assert!(s.start % GROUP == 0 || s.start == n);
+                next = s.end;
+            }
+            assert_eq!(next, n);
+        }
     }
 }
