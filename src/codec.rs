@@ -191,6 +191,18 @@ pub(crate) fn check_abs_bound(eps: f64, what: &'static str) -> Result<()> {
     Ok(())
 }
 
+/// Checks a relative bound (the fraction of the largest magnitude).
+pub(crate) fn check_rel(rel: f64) -> Result<()> {
+    if rel.is_finite() && rel > 0.0 {
+        Ok(())
+    } else {
+        Err(Error::InvalidBound {
+            what: "rel",
+            reason: format!("{rel:e} must be positive and finite"),
+        })
+    }
+}
+
 /// Checks a fixed-rate width.
 pub(crate) fn check_bits(bits: u8) -> Result<()> {
     if !(2..=MAX_ENCODE_WIDTH).contains(&bits) {
@@ -218,12 +230,7 @@ fn quantizer_for<T: Element>(data: &[T], bound: Bound) -> Result<(Quantizer, Bou
     match bound {
         Bound::Abs(eps) => Ok((abs_quantizer(eps, "eps")?, BoundMode::Abs, 0)),
         Bound::Rel(rel) => {
-            if !(rel.is_finite() && rel > 0.0) {
-                return Err(Error::InvalidBound {
-                    what: "rel",
-                    reason: format!("{rel:e} must be positive and finite"),
-                });
-            }
+            check_rel(rel)?;
             let max = max_finite_abs(data);
             // With no nonzero finite element every bound holds; use `rel` itself as the bound.
             let eps = if max > 0.0 { rel * max } else { rel };

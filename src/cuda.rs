@@ -29,6 +29,8 @@ const SCAN_BLOCK: u64 = 1024;
 const WS_HEADER: u64 = 80;
 /// Offset in the workspace of the compressed frame's size (a u64 written on the device).
 pub const FRAME_SIZE_OFFSET: u64 = 64;
+/// Offset in the workspace of the raw-frame flag (u32) that `finish` sets for `pack`.
+const RAW_FLAG_OFFSET: u64 = 72;
 /// Offset in the workspace of the bound error flag (u32; nonzero: rel gave an unusable eps).
 pub const BOUND_ERROR_OFFSET: u64 = 40;
 
@@ -490,12 +492,7 @@ pub unsafe fn compress(args: &CompressArgs<'_>) -> Result<()> {
             (BoundMode::Abs, eps, 0u32)
         }
         Bound::Rel(rel) => {
-            if !(rel.is_finite() && rel > 0.0) {
-                return Err(Error::InvalidBound {
-                    what: "rel",
-                    reason: format!("{rel:e} must be positive and finite"),
-                });
-            }
+            crate::codec::check_rel(rel)?;
             (BoundMode::Rel, rel, 0)
         }
         Bound::Bits(b) => {
@@ -525,7 +522,7 @@ pub unsafe fn compress(args: &CompressArgs<'_>) -> Result<()> {
     let slots = groups + 1;
     let params = args.workspace;
     let frame_size = args.workspace + FRAME_SIZE_OFFSET;
-    let raw_flag = args.workspace + 72;
+    let raw_flag = args.workspace + RAW_FLAG_OFFSET;
     let words = args.workspace + WS_HEADER;
     let excs = words + 8 * slots;
     let sums_words = excs + 8 * slots;

@@ -144,8 +144,7 @@ fn decompress<'py>(
 ///     decoded_nbytes, version.
 #[pyfunction]
 fn frame_info<'py>(py: Python<'py>, frame: &[u8]) -> PyResult<Bound<'py, PyDict>> {
-    let input = frame;
-    let h = cfc::read_header(input).map_err(to_py)?;
+    let h = cfc::read_header(frame).map_err(to_py)?;
     let d = PyDict::new(py);
     d.set_item("dtype", h.dtype.name())?;
     d.set_item("shape", h.shape.clone())?;
@@ -163,7 +162,7 @@ fn frame_info<'py>(py: Python<'py>, frame: &[u8]) -> PyResult<Bound<'py, PyDict>
     )?;
     d.set_item("zstd", h.zstd)?;
     d.set_item("exceptions", h.n_exceptions)?;
-    d.set_item("nbytes", input.len())?;
+    d.set_item("nbytes", frame.len())?;
     d.set_item("decoded_nbytes", h.decoded_len())?;
     d.set_item("version", cfc::format::VERSION)?;
     Ok(d)

@@ -71,7 +71,7 @@ def _tensor_bytes(x: Any) -> Tuple[np.ndarray, str, Tuple[int, ...]]:
             )
         t = x.detach()
         if t.device.type != "cpu":
-            t = t.cpu()  # (the CUDA codec path is taken before this, where it can be)
+            t = t.cpu()  # a device the CUDA codec cannot drive, or a CPU-only stage (zstd)
         shape = tuple(t.shape)
         flat = t.contiguous().reshape(-1)
         return flat.view(torch.uint8).numpy(), name, shape
