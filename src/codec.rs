@@ -546,10 +546,26 @@ fn unzstd(stored: &[u8], raw_len: u64) -> Result<Vec<u8>> {
             return Err(FormatError::Zstd(zstd::zstd_safe::get_error_name(code).to_string()).into())
         }
     }
+    // The output is allocated up front only when the announced size is plausible for the stored
+    // bytes (bounded by real input, not by the header's claim); a higher ratio (long zero runs)
+    // streams, and the vector grows only as zstd really produces data.
+    let plausible = (stored.len() as u64)
+        .saturating_mul(256)
+        .saturating_add(1 << 20);
+    if raw_len <= plausible {
+        let mut out = Vec::with_capacity(raw_len as usize);
+        // Fails, rather than writing past, if the frame inflates beyond the announced size; the
+        // streaming path below then says exactly how the lengths disagree.
+        let bulk = zstd::bulk::Decompressor::new()
+            .and_then(|mut d| d.decompress_to_buffer(stored, &mut out));
+        if bulk.is_ok() && out.len() as u64 == raw_len {
+            return Ok(out);
+        }
+    }
     let dec = zstd::stream::read::Decoder::with_buffer(stored)
         .map_err(zerr)?
         .single_frame();
-    let mut out = Vec::with_capacity(raw_len.min(1 << 20) as usize);
+    let mut out = Vec::with_capacity(raw_len.min(plausible) as usize);
     // One byte more than announced tells "longer than announced" apart from "exact".
     dec.take(raw_len + 1).read_to_end(&mut out).map_err(zerr)?;
     if out.len() as u64 != raw_len {
