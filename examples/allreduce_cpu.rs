@@ -10,37 +10,22 @@
 
 use cfc::collective::{allreduce, AllReduceOptions, InProcess, Transport};
 use cfc::Bound;
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-fn read_npy_f32(path: &std::path::Path) -> Vec<f32> {
-    let b = std::fs::read(path).expect("readable .npy");
-    let hlen = u16::from_le_bytes([b[8], b[9]]) as usize;
-    b[10 + hlen..]
-        .chunks_exact(4)
-        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect()
-}
+#[path = "shared/grads.rs"]
+mod grads;
+use grads::{grads_dir_from_args, read_grads, rms};
 
 fn main() {
-    let dir = std::env::args()
-        .nth(1)
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/data/grads"));
-    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
-        .expect("gradient folder")
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.extension().is_some_and(|e| e == "npy"))
+    let grads: Vec<Vec<f32>> = read_grads(&grads_dir_from_args())
+        .expect("gradient vectors")
+        .into_iter()
+        .map(|(_, g)| g)
         .collect();
-    files.sort();
-    let grads: Vec<Vec<f32>> = files.iter().map(|p| read_npy_f32(p)).collect();
     let n = grads[0].len();
     // One eps for all ranks: a multiple of the median of the vectors' own RMS (the pooled RMS
     // would be dominated by the heavy-tailed vector and flatter the ratio).
-    let mut rmss: Vec<f64> = grads
-        .iter()
-        .map(|g| (g.iter().map(|&v| (v as f64).powi(2)).sum::<f64>() / g.len() as f64).sqrt())
-        .collect();
+    let mut rmss: Vec<f64> = grads.iter().map(|g| rms(g)).collect();
     rmss.sort_by(f64::total_cmp);
     let rms = rmss[rmss.len() / 2];
     println!(

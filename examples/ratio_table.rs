@@ -7,36 +7,11 @@
 //! Run: `cargo run --release --example ratio_table [-- DIR]`
 
 use cfc::{compress, decompress, Bound, CompressOptions};
-use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-/// Reads a little-endian float32 `.npy` file (format 1.0 / 2.0, C order).
-fn read_npy_f32(path: &Path) -> Result<Vec<f32>, String> {
-    let b = std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()))?;
-    if b.len() < 10 || &b[..6] != b"\x93NUMPY" {
-        return Err(format!("{}: not a .npy file", path.display()));
-    }
-    let (hlen, start) = if b[6] == 1 {
-        (u16::from_le_bytes([b[8], b[9]]) as usize, 10)
-    } else {
-        (u32::from_le_bytes([b[8], b[9], b[10], b[11]]) as usize, 12)
-    };
-    let header = String::from_utf8_lossy(&b[start..start + hlen]);
-    if !header.contains("'<f4'") || header.contains("'fortran_order': True") {
-        return Err(format!(
-            "{}: expected C-order <f4, got {header}",
-            path.display()
-        ));
-    }
-    Ok(b[start + hlen..]
-        .chunks_exact(4)
-        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect())
-}
-
-fn rms(x: &[f32]) -> f64 {
-    (x.iter().map(|&v| (v as f64).powi(2)).sum::<f64>() / x.len() as f64).sqrt()
-}
+#[path = "shared/grads.rs"]
+mod grads;
+use grads::{grads_dir_from_args, read_grads, rms};
 
 /// Bytes of the simple packing of ANCHORS.md: per 32 values one header byte, then for each value a
 /// sign bit and the group's magnitude width.
@@ -58,28 +33,8 @@ fn simple_estimate(x: &[f32], eps: f64) -> usize {
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let dir = std::env::args()
-        .nth(1)
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/data/grads"));
-    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
-        .map_err(|e| format!("{}: {e}", dir.display()))?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.extension().is_some_and(|e| e == "npy"))
-        .collect();
-    files.sort();
-    let data: Vec<(String, Vec<f32>)> = files
-        .iter()
-        .map(|p| {
-            Ok((
-                p.file_stem()
-                    .unwrap_or_default()
-                    .to_string_lossy()
-                    .into_owned(),
-                read_npy_f32(p)?,
-            ))
-        })
-        .collect::<Result<_, String>>()?;
+    let dir = grads_dir_from_args();
+    let data = read_grads(&dir)?;
     let total_in: usize = data.iter().map(|(_, x)| x.len() * 4).sum();
     let zraw: usize = data
         .iter()

@@ -1,5 +1,6 @@
 //! Helpers shared by the integration tests: test data generators for the three element types,
-//! the strict-bound checker, a tiny `.npy` reader for the real gradient vectors, and hex dumps.
+//! the strict-bound checker, the real gradient vectors (read by `examples/shared/grads.rs`), and
+//! hex dumps.
 
 #![allow(dead_code)]
 
@@ -7,7 +8,7 @@ use cfc::Element;
 use half::{bf16, f16};
 use rand::{Rng, SeedableRng};
 use rand_distr::{Cauchy, Distribution, Exp, Normal};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 /// An element type with what the tests need to know about its bit layout.
 pub trait Float: Element + std::fmt::Debug + PartialEq {
@@ -308,68 +309,12 @@ pub fn grads_dir() -> PathBuf {
     }
 }
 
-/// Reads a little-endian float32 `.npy` file (format 1.0 / 2.0 / 3.0, C order).
-pub fn read_npy_f32(path: &Path) -> Result<Vec<f32>, String> {
-    let b = std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()))?;
-    if b.len() < 10 || &b[..6] != b"\x93NUMPY" {
-        return Err(format!("{}: not a .npy file", path.display()));
-    }
-    let (hlen, start) = if b[6] == 1 {
-        (u16::from_le_bytes([b[8], b[9]]) as usize, 10)
-    } else {
-        if b.len() < 12 {
-            return Err(format!("{}: truncated .npy header", path.display()));
-        }
-        (u32::from_le_bytes([b[8], b[9], b[10], b[11]]) as usize, 12)
-    };
-    let header = b
-        .get(start..start + hlen)
-        .map(String::from_utf8_lossy)
-        .ok_or_else(|| format!("{}: truncated .npy header", path.display()))?;
-    if !header.contains("'<f4'") || header.contains("'fortran_order': True") {
-        return Err(format!(
-            "{}: expected C-order <f4, got {header}",
-            path.display()
-        ));
-    }
-    let data = &b[start + hlen..];
-    if data.len() % 4 != 0 {
-        return Err(format!("{}: data is not whole float32s", path.display()));
-    }
-    Ok(data
-        .chunks_exact(4)
-        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect())
-}
+#[path = "../../examples/shared/grads.rs"]
+mod grads;
+#[allow(unused_imports)] // not every test crate uses it
+pub use grads::rms;
 
 /// Every `.npy` file of [`grads_dir`], sorted by name, as `(stem, values)`.
 pub fn read_grads() -> Vec<(String, Vec<f32>)> {
-    let dir = grads_dir();
-    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
-        .unwrap_or_else(|e| {
-            panic!(
-                "gradient vectors not found in {} ({e}); set CFC_GRADS_DIR",
-                dir.display()
-            )
-        })
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.extension().is_some_and(|e| e == "npy"))
-        .collect();
-    files.sort();
-    files
-        .iter()
-        .map(|p| {
-            let name = p
-                .file_stem()
-                .unwrap_or_default()
-                .to_string_lossy()
-                .into_owned();
-            (name, read_npy_f32(p).expect("readable .npy"))
-        })
-        .collect()
-}
-
-/// Root-mean-square of a vector, in `f64`.
-pub fn rms(x: &[f32]) -> f64 {
-    (x.iter().map(|&v| (v as f64) * (v as f64)).sum::<f64>() / x.len() as f64).sqrt()
+    grads::read_grads(&grads_dir()).unwrap_or_else(|e| panic!("{e}; set CFC_GRADS_DIR"))
 }
