@@ -54,3 +54,11 @@ def test_format_error_is_a_cfc_error():
     assert issubclass(cfc.FormatError, cfc.CfcError)
     with pytest.raises(cfc.CfcError):
         cfc.decompress(b"not a frame at all, but long enough to hold a header.............")
+
+
+def test_max_nbytes_refuses_a_tiny_frame_describing_a_huge_tensor():
+    zeros = cfc.compress(torch.zeros(1 << 22), eps=1e-3, zstd=True)  # 16 MB of zeros
+    assert zeros.nbytes < 2000
+    with pytest.raises(ValueError, match="max_nbytes"):
+        cfc.decompress(bytes(zeros), max_nbytes=1 << 20)
+    assert cfc.decompress(bytes(zeros), max_nbytes=1 << 24).numel() == 1 << 22

@@ -456,7 +456,7 @@ def compress(
     return Compressed(frame)
 
 
-def decompress(c: Any, device: Any = None, *, threads: int = 0):
+def decompress(c: Any, device: Any = None, *, threads: int = 0, max_nbytes: Optional[int] = None):
     """Decompress a frame into a tensor of its original dtype and shape.
 
     Args:
@@ -466,6 +466,9 @@ def decompress(c: Any, device: Any = None, *, threads: int = 0):
             CUDA device decodes on that GPU (after checking the frame on the host); a
             :class:`CudaCompressed` decodes on its own GPU by default, without waiting.
         threads: CPU threads to use, 0 for automatic.
+        max_nbytes: refuse (``ValueError``) a frame that decodes to more bytes than this,
+            before anything is inflated or allocated. A valid frame of zeros can be tiny and
+            describe a huge tensor: set this when frames come from untrusted sources.
 
     Returns:
         torch.Tensor: the decoded tensor (a numpy array when torch is not installed; bfloat16
@@ -476,6 +479,15 @@ def decompress(c: Any, device: Any = None, *, threads: int = 0):
         TypeError: the object is not a frame holder.
     """
     torch = _torch()
+    if max_nbytes is not None:
+        info = frame_info(c) if not isinstance(c, CudaCompressed) else None
+        decoded = (
+            info["decoded_nbytes"]
+            if info is not None
+            else _ELEMENT_SIZE[c._dtype] * int(np.prod(c._shape, dtype=np.int64))
+        )
+        if decoded > max_nbytes:
+            raise ValueError(f"the frame decodes to {decoded} bytes, more than max_nbytes={max_nbytes}")
     if isinstance(c, CudaCompressed):
         target = c.device if device is None else torch.device(device)
         if target.type == "cuda" and target.index is None:
