@@ -257,6 +257,36 @@ pub fn allreduce<T: Element, X: Transport + ?Sized>(
     Ok((out, report))
 }
 
+/// [`allreduce`] over raw little-endian bytes of `dtype` (any alignment); returns the result's
+/// bytes.
+///
+/// # Errors
+/// As [`allreduce`], plus [`Error::MisalignedInput`] for bytes that are not whole elements.
+pub fn allreduce_bytes<X: Transport + ?Sized>(
+    transport: &mut X,
+    bytes: &[u8],
+    dtype: crate::DType,
+    residual: Option<&mut [f32]>,
+    opts: &AllReduceOptions,
+) -> Result<(Vec<u8>, AllReduceReport)> {
+    use crate::codec::elements;
+    use half::{bf16, f16};
+    fn go<T: Element, X: Transport + ?Sized>(
+        t: &mut X,
+        data: &[T],
+        residual: Option<&mut [f32]>,
+        opts: &AllReduceOptions,
+    ) -> Result<(Vec<u8>, AllReduceReport)> {
+        let (values, report) = allreduce(t, data, residual, opts)?;
+        Ok((bytemuck::cast_slice(&values).to_vec(), report))
+    }
+    match dtype {
+        crate::DType::F32 => go(transport, &elements::<f32>(bytes)?, residual, opts),
+        crate::DType::BF16 => go(transport, &elements::<bf16>(bytes)?, residual, opts),
+        crate::DType::F16 => go(transport, &elements::<f16>(bytes)?, residual, opts),
+    }
+}
+
 /// The in-process transport: ranks are threads of one process, linked by crossbeam channels.
 /// For tests, examples and the CPU benchmark; it runs the very algorithm the NCCL transport runs.
 pub struct InProcess {

@@ -196,6 +196,119 @@ fn fixed_rate_size(shape: Vec<usize>, bits: u8) -> PyResult<u64> {
     cfc::fixed_rate_size(&shape, bits).ok_or_else(|| PyValueError::new_err("shape too large"))
 }
 
+// ---- the compressed all-reduce over a transport written in Python -------------------------
+
+/// A `cfc::collective::Transport` whose `all_to_all` is a Python object's method
+/// (`cfc.distributed.TorchTransport` over torch.distributed).
+struct PyTransport {
+    obj: Py<PyAny>,
+    rank: usize,
+    world: usize,
+}
+
+impl cfc::collective::Transport for PyTransport {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world(&self) -> usize {
+        self.world
+    }
+
+    fn all_to_all(&mut self, parts: Vec<Vec<u8>>) -> cfc::Result<Vec<Vec<u8>>> {
+        Python::attach(|py| {
+            let parts: Vec<Bound<'_, PyBytes>> =
+                parts.iter().map(|p| PyBytes::new(py, p)).collect();
+            let got = self
+                .obj
+                .call_method1(py, "all_to_all", (parts,))
+                .and_then(|r| r.extract::<Vec<Vec<u8>>>(py))
+                .map_err(|e| cfc::Error::Transport(e.to_string()))?;
+            if got.len() != self.world {
+                return Err(cfc::Error::Transport(format!(
+                    "all_to_all returned {} parts for {} ranks",
+                    got.len(),
+                    self.world
+                )));
+            }
+            Ok(got)
+        })
+    }
+}
+
+/// Sums (or averages) a host buffer over the ranks of `transport`, compressed (see
+/// `cfc::collective::allreduce`). The caller keeps `data` (and the residual) alive.
+///
+/// Args:
+///     transport: an object with `rank`, `world` and `all_to_all(list[bytes]) -> list[bytes]`.
+///     data_ptr, nbytes, dtype: the elements.
+///     eps, rel: the bound each rank's contribution is quantized with (exactly one).
+///     average: divide the sum by the number of ranks.
+///     residual_ptr, residual_nbytes: error feedback (float32, updated in place), or 0, 0.
+///
+/// Returns:
+///     tuple[bytearray, dict]: the result's elements, and eps, bound, bytes_sent,
+///     bytes_uncompressed.
+#[pyfunction]
+#[pyo3(signature = (transport, data_ptr, nbytes, dtype, *, eps=None, rel=None, average=false, zstd_level=None, residual_ptr=0, residual_nbytes=0))]
+#[allow(clippy::too_many_arguments)]
+fn allreduce<'py>(
+    py: Python<'py>,
+    transport: Bound<'py, PyAny>,
+    data_ptr: usize,
+    nbytes: usize,
+    dtype: &str,
+    eps: Option<f64>,
+    rel: Option<f64>,
+    average: bool,
+    zstd_level: Option<i32>,
+    residual_ptr: usize,
+    residual_nbytes: usize,
+) -> PyResult<(Bound<'py, PyByteArray>, Bound<'py, PyDict>)> {
+    let dtype = dtype_of(dtype)?;
+    let opts = cfc::collective::AllReduceOptions {
+        bound: bound_of(eps, rel, None)?,
+        average,
+        zstd_level,
+    };
+    let input = host_slice(data_ptr, nbytes, "data")?;
+    if residual_nbytes > 0 && residual_ptr == 0 {
+        return Err(PyValueError::new_err("residual: null address"));
+    }
+    let mut t = PyTransport {
+        rank: transport.getattr("rank")?.extract()?,
+        world: transport.getattr("world")?.extract()?,
+        obj: transport.unbind(),
+    };
+    let (values, report) = py
+        .detach(|| {
+            let residual: Option<&mut [f32]> = if residual_ptr == 0 {
+                None
+            } else {
+                // SAFETY: the caller passes the non-null address of `residual_nbytes` writable
+                // bytes of a contiguous float32 host tensor it keeps alive for the call, distinct
+                // from `data`; 4-byte alignment is checked by `try_cast_slice_mut`.
+                let bytes = unsafe {
+                    std::slice::from_raw_parts_mut(residual_ptr as *mut u8, residual_nbytes)
+                };
+                Some(bytemuck::try_cast_slice_mut(bytes).map_err(|_| {
+                    cfc::Error::MisalignedInput {
+                        len: residual_nbytes,
+                        element_size: 4,
+                    }
+                })?)
+            };
+            cfc::collective::allreduce_bytes(&mut t, input, dtype, residual, &opts)
+        })
+        .map_err(to_py)?;
+    let d = PyDict::new(py);
+    d.set_item("eps", report.eps)?;
+    d.set_item("bound", report.bound)?;
+    d.set_item("bytes_sent", report.bytes_sent)?;
+    d.set_item("bytes_uncompressed", report.bytes_uncompressed)?;
+    Ok((PyByteArray::new(py, &values), d))
+}
+
 // ---- CUDA: device pointers from torch tensors the Python package keeps alive ----------------
 
 /// Whether a CUDA driver and at least one device are present.
@@ -341,6 +454,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(validate, m)?)?;
     m.add_function(wrap_pyfunction!(sum_frames, m)?)?;
     m.add_function(wrap_pyfunction!(fixed_rate_size, m)?)?;
+    m.add_function(wrap_pyfunction!(allreduce, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_supported, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_workspace_len, m)?)?;

@@ -15,6 +15,7 @@ Example::
 
 from cfc._native import CfcError, FormatError, FORMAT_VERSION, __version__
 from cfc._native import cuda_available
+from cfc import distributed
 from cfc.codec import (
     Compressed,
     CudaCompressed,
@@ -35,6 +36,7 @@ __all__ = [
     "compress",
     "cuda_available",
     "decompress",
+    "distributed",
     "fixed_rate_size",
     "frame_info",
     "sum_compressed",

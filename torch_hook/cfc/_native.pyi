@@ -1,6 +1,6 @@
 # Type stubs of the native module `cfc._native` (python/src/lib.rs). Keep in step with it:
 # tests/python/test_native_stubs.py checks that every name here exists and vice versa.
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 
 __version__: str
@@ -30,6 +30,19 @@ def frame_info(frame: bytes) -> Dict[str, Any]: ...
 def validate(frame: bytes) -> None: ...
 def sum_frames(frames: List[bytes], *, zstd_level: Optional[int] = None) -> bytes: ...
 def fixed_rate_size(shape: Sequence[int], bits: int) -> int: ...
+def allreduce(
+    transport: Any,
+    data_ptr: int,
+    nbytes: int,
+    dtype: str,
+    *,
+    eps: Optional[float] = None,
+    rel: Optional[float] = None,
+    average: bool = False,
+    zstd_level: Optional[int] = None,
+    residual_ptr: int = 0,
+    residual_nbytes: int = 0,
+) -> Tuple[bytearray, Dict[str, Any]]: ...
 def cuda_available() -> bool: ...
 def cuda_supported(device: int) -> bool: ...
 def cuda_workspace_len(numel: int, *, compress: bool = False) -> int: ...
