@@ -257,20 +257,22 @@ pub fn allreduce<T: Element, X: Transport + ?Sized>(
     Ok((out, report))
 }
 
-/// [`allreduce`] over raw little-endian bytes of `dtype` (any alignment); returns the result's
-/// bytes.
+/// [`allreduce`] over raw little-endian bytes of `dtype` (any alignment) and a float32 residual
+/// given as bytes (4-byte aligned, updated in place); returns the result's bytes.
 ///
 /// # Errors
-/// As [`allreduce`], plus [`Error::MisalignedInput`] for bytes that are not whole elements.
+/// As [`allreduce`], plus [`Error::MisalignedInput`] for bytes that are not whole elements or a
+/// residual that is not whole, aligned float32 values.
 pub fn allreduce_bytes<X: Transport + ?Sized>(
     transport: &mut X,
     bytes: &[u8],
     dtype: crate::DType,
-    residual: Option<&mut [f32]>,
+    residual: Option<&mut [u8]>,
     opts: &AllReduceOptions,
 ) -> Result<(Vec<u8>, AllReduceReport)> {
     use crate::codec::elements;
     use half::{bf16, f16};
+    let residual = residual.map(crate::feedback::residual_f32).transpose()?;
     fn go<T: Element, X: Transport + ?Sized>(
         t: &mut X,
         data: &[T],

@@ -66,17 +66,21 @@ pub fn compress_bytes_with_feedback(
     shape: &[usize],
     opts: &CompressOptions,
 ) -> Result<Vec<u8>> {
-    let rlen = residual.len();
-    let residual: &mut [f32] =
-        bytemuck::try_cast_slice_mut(residual).map_err(|_| Error::MisalignedInput {
-            len: rlen,
-            element_size: 4,
-        })?;
+    let residual = residual_f32(residual)?;
     match dtype {
         DType::F32 => compress_with_feedback(&elements::<f32>(bytes)?, residual, shape, opts),
         DType::BF16 => compress_with_feedback(&elements::<bf16>(bytes)?, residual, shape, opts),
         DType::F16 => compress_with_feedback(&elements::<f16>(bytes)?, residual, shape, opts),
     }
+}
+
+/// A float32 residual given as bytes: whole, 4-byte aligned values, viewed in place.
+pub(crate) fn residual_f32(bytes: &mut [u8]) -> Result<&mut [f32]> {
+    let len = bytes.len();
+    bytemuck::try_cast_slice_mut(bytes).map_err(|_| Error::MisalignedInput {
+        len,
+        element_size: 4,
+    })
 }
 
 /// Step 1 of the rule: the compensated value `c` of `x` with residual `r`, and the value sent.

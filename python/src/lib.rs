@@ -31,6 +31,24 @@ fn host_slice<'a>(addr: usize, len: usize, what: &str) -> PyResult<&'a [u8]> {
     Ok(unsafe { std::slice::from_raw_parts(addr as *const u8, len) })
 }
 
+/// The error-feedback residual handed over by address (float32 host memory, updated in place):
+/// `None` for address 0.
+fn residual_slice<'a>(addr: usize, len: usize) -> PyResult<Option<&'a mut [u8]>> {
+    if addr == 0 {
+        return if len == 0 {
+            Ok(None)
+        } else {
+            Err(PyValueError::new_err("residual: null address"))
+        };
+    }
+    // SAFETY: the caller (cfc.codec / cfc.distributed) passes the non-null address of `len`
+    // writable bytes of a contiguous float32 host tensor it keeps alive for the call, distinct
+    // from the data.
+    Ok(Some(unsafe {
+        std::slice::from_raw_parts_mut(addr as *mut u8, len)
+    }))
+}
+
 fn dtype_of(name: &str) -> PyResult<cfc::DType> {
     cfc::DType::from_name(name).ok_or_else(|| {
         PyTypeError::new_err(format!(
@@ -92,19 +110,11 @@ fn compress<'py>(
         threads,
     };
     let input = host_slice(data_ptr, nbytes, "data")?;
-    if residual_nbytes > 0 && residual_ptr == 0 {
-        return Err(PyValueError::new_err("residual: null address"));
-    }
+    let residual = residual_slice(residual_ptr, residual_nbytes)?;
     let frame = py
-        .detach(|| {
-            if residual_ptr == 0 {
-                return cfc::compress_bytes(input, dtype, &shape, &opts);
-            }
-            // SAFETY: the caller passes the non-null address of `residual_nbytes` writable bytes
-            // of a contiguous float32 host tensor it keeps alive for the call, distinct from `data`.
-            let residual =
-                unsafe { std::slice::from_raw_parts_mut(residual_ptr as *mut u8, residual_nbytes) };
-            cfc::compress_bytes_with_feedback(input, dtype, residual, &shape, &opts)
+        .detach(|| match residual {
+            None => cfc::compress_bytes(input, dtype, &shape, &opts),
+            Some(r) => cfc::compress_bytes_with_feedback(input, dtype, r, &shape, &opts),
         })
         .map_err(to_py)?;
     Ok(PyBytes::new(py, &frame))
@@ -272,34 +282,14 @@ fn allreduce<'py>(
         zstd_level,
     };
     let input = host_slice(data_ptr, nbytes, "data")?;
-    if residual_nbytes > 0 && residual_ptr == 0 {
-        return Err(PyValueError::new_err("residual: null address"));
-    }
+    let residual = residual_slice(residual_ptr, residual_nbytes)?;
     let mut t = PyTransport {
         rank: transport.getattr("rank")?.extract()?,
         world: transport.getattr("world")?.extract()?,
         obj: transport.unbind(),
     };
     let (values, report) = py
-        .detach(|| {
-            let residual: Option<&mut [f32]> = if residual_ptr == 0 {
-                None
-            } else {
-                // SAFETY: the caller passes the non-null address of `residual_nbytes` writable
-                // bytes of a contiguous float32 host tensor it keeps alive for the call, distinct
-                // from `data`; 4-byte alignment is checked by `try_cast_slice_mut`.
-                let bytes = unsafe {
-                    std::slice::from_raw_parts_mut(residual_ptr as *mut u8, residual_nbytes)
-                };
-                Some(bytemuck::try_cast_slice_mut(bytes).map_err(|_| {
-                    cfc::Error::MisalignedInput {
-                        len: residual_nbytes,
-                        element_size: 4,
-                    }
-                })?)
-            };
-            cfc::collective::allreduce_bytes(&mut t, input, dtype, residual, &opts)
-        })
+        .detach(|| cfc::collective::allreduce_bytes(&mut t, input, dtype, residual, &opts))
         .map_err(to_py)?;
     let d = PyDict::new(py);
     d.set_item("eps", report.eps)?;
