@@ -282,12 +282,19 @@ class CudaCompressed:
         return Compressed(bytes(self))
 
     @property
+    def numel(self) -> int:
+        """Number of elements (known without waiting)."""
+        return int(np.prod(self._shape, dtype=np.int64))
+
+    @property
+    def decoded_nbytes(self) -> int:
+        """Bytes the frame decodes to (known without waiting)."""
+        return self.numel * _ELEMENT_SIZE[self._dtype]
+
+    @property
     def ratio(self) -> float:
         """Uncompressed bytes over compressed bytes (waits for the GPU)."""
-        numel = 1
-        for d in self._shape:
-            numel *= d
-        return numel * _ELEMENT_SIZE[self._dtype] / self.nbytes
+        return self.decoded_nbytes / self.nbytes
 
     @property
     def eps(self) -> float:
@@ -480,11 +487,8 @@ def decompress(c: Any, device: Any = None, *, threads: int = 0, max_nbytes: Opti
     """
     torch = _torch()
     if max_nbytes is not None:
-        info = frame_info(c) if not isinstance(c, CudaCompressed) else None
         decoded = (
-            info["decoded_nbytes"]
-            if info is not None
-            else _ELEMENT_SIZE[c._dtype] * int(np.prod(c._shape, dtype=np.int64))
+            c.decoded_nbytes if isinstance(c, CudaCompressed) else frame_info(c)["decoded_nbytes"]
         )
         if decoded > max_nbytes:
             raise ValueError(f"the frame decodes to {decoded} bytes, more than max_nbytes={max_nbytes}")
@@ -495,10 +499,7 @@ def decompress(c: Any, device: Any = None, *, threads: int = 0, max_nbytes: Opti
         if target == c.device:
             if c._mode == "rel":
                 c.synchronize()  # reports an unusable rel bound instead of decoding garbage
-            numel = 1
-            for d in c._shape:
-                numel *= d
-            return _decompress_cuda(c._out, numel, c._dtype, c._shape, len(c._shape), after=c._event)
+            return _decompress_cuda(c._out, c.numel, c._dtype, c._shape, len(c._shape), after=c._event)
         c = c.to_host()
     target = None if device is None or torch is None else torch.device(device)
     if target is not None and target.type == "cuda":
