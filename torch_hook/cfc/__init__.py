@@ -16,6 +16,7 @@ Example::
 from cfc._native import CfcError, FormatError, FORMAT_VERSION, __version__
 from cfc._native import cuda_available
 from cfc import distributed
+from cfc.ddp import CfcState, cfc_hook
 from cfc.codec import (
     Compressed,
     CudaCompressed,
@@ -28,12 +29,14 @@ from cfc.codec import (
 
 __all__ = [
     "CfcError",
+    "CfcState",
     "Compressed",
     "CudaCompressed",
     "FORMAT_VERSION",
     "FormatError",
     "__version__",
     "compress",
+    "cfc_hook",
     "cuda_available",
     "decompress",
     "distributed",
