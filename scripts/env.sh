@@ -12,6 +12,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 export VIRTUAL_ENV="$PWD/.venv"
 export PATH="$VIRTUAL_ENV/bin:$PATH"
-# torch is only needed by the Python tests, the examples and the DDP hook; numpy by the package.
-python -m pip install -q --disable-pip-version-check "maturin>=1.7,<2" "numpy>=1.21" "pytest>=7" "torch>=2.1"
+# torch is only needed by the Python tests, the examples and the DDP hook; numpy by the package;
+# matplotlib by the loss plot of examples/ddp_train.py.
+python -m pip install -q --disable-pip-version-check "maturin>=1.7,<2" "numpy>=1.21" "pytest>=7" "torch>=2.1" "matplotlib>=3.5"
 maturin develop --release -q

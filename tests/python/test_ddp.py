@@ -1,6 +1,8 @@
-"""cfc_hook in real DistributedDataParallel training: 2 processes, gloo, CPU."""
+"""cfc_hook in real DistributedDataParallel training: 2 processes, gloo on CPU buckets (in CI)
+and NCCL on CUDA buckets (``-m gpu``, with 2 GPUs)."""
 
 import math
+import os
 
 import pytest
 import torch
@@ -26,18 +28,21 @@ class Net(nn.Module):
         return self.head(self.body(x))
 
 
+DEV = torch.device("cpu")  # set in each worker process
+
+
 def batch(rank, step, n=64):
     """A fixed teacher task, different data on every rank and step."""
     g = torch.Generator().manual_seed(1000 * step + rank)
     x = torch.randn(n, 64, generator=g)
     teacher = torch.Generator().manual_seed(7)
     w = torch.randn(64, 10, generator=teacher)
-    return x, (x @ w + 0.3 * torch.randn(n, 10, generator=g)).argmax(1)
+    return x.to(DEV), (x @ w + 0.3 * torch.randn(n, 10, generator=g)).argmax(1).to(DEV)
 
 
 def make(hook_state=None, dtype=torch.float32, **ddp_kw):
     torch.manual_seed(0)
-    model = Net(unused=ddp_kw.get("find_unused_parameters", False)).to(dtype)
+    model = Net(unused=ddp_kw.get("find_unused_parameters", False)).to(dtype).to(DEV)
     ddp = DDP(model, bucket_cap_mb=0.1, **ddp_kw)
     if hook_state is not None:
         ddp.register_comm_hook(hook_state, cfc_hook)
@@ -66,8 +71,16 @@ def same_on_all_ranks(t):
     return all(torch.equal(e, everyone[0]) for e in everyone)
 
 
-def _worker(rank, world, init_file, scenario, out):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+def _worker(rank, world, init_file, scenario, out, device="cpu"):
+    global DEV
+    DEV = torch.device(device if device == "cpu" else f"cuda:{rank}")
+    if DEV.type == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # the same bits every run
+        torch.use_deterministic_algorithms(True)
+        torch.cuda.set_device(DEV)
+        torch.backends.cuda.matmul.allow_tf32 = False
+    backend = "nccl" if DEV.type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
     torch.set_num_threads(1)
     try:
         SCENARIOS[scenario](rank, world, out)
@@ -139,8 +152,10 @@ def resume(rank, world, out, tmp=None):
 
 def overflow(rank, world, out):
     """An inf on one rank reaches every rank, so GradScaler skips the step everywhere."""
-    ddp, opt = make(CfcState(warmup_steps=0, min_compress_numel=0))
-    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    state = CfcState(warmup_steps=0, min_compress_numel=0)
+    ddp, opt = make(state)
+    ddp._cfc_state = state
+    scaler = torch.amp.GradScaler(DEV.type, init_scale=1024.0)
     before = [p.detach().clone() for p in ddp.parameters()]
     x, y = batch(rank, 0)
     loss = nn.functional.cross_entropy(ddp(x), y)
@@ -152,6 +167,7 @@ def overflow(rank, world, out):
     scaler.step(opt)
     scaler.update()
     assert all(torch.equal(a, b) for a, b in zip(before, ddp.parameters()))
+    assert state_of(ddp).stats()["compressed_buckets"] > 0
     assert scaler.get_scale() == 512.0
     # and the next, finite, step goes through
     opt.zero_grad()
@@ -159,6 +175,10 @@ def overflow(rank, world, out):
     scaler.scale(nn.functional.cross_entropy(ddp(x), y)).backward()
     for p in ddp.parameters():
         assert torch.isfinite(p.grad).all()
+
+
+def state_of(ddp):
+    return ddp._cfc_state
 
 
 def accumulate(rank, world, out):
@@ -213,7 +233,7 @@ def fallback(rank, world, out):
     train(ddp, opt, rank, 5)
     s = state.stats()
     assert state._decisions, "the trial decided nothing"
-    decided = torch.tensor([float(state._decisions[k]) for k in sorted(state._decisions)])
+    decided = torch.tensor([float(state._decisions[k]) for k in sorted(state._decisions)], device=DEV)
     assert same_on_all_ranks(decided)
     assert set(state._decisions) == set(state._layouts)  # every bucket was timed both ways
     assert s["compressed_buckets"] > 0 and s["plain_buckets"] > 0
@@ -222,15 +242,26 @@ def fallback(rank, world, out):
 SCENARIOS = {f.__name__: f for f in (parity, resume, overflow, accumulate, variants, mismatch, fallback)}
 
 
-def spawn(tmp_path, scenario, world=2):
+def spawn(tmp_path, scenario, world=2, device="cpu"):
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    mp.spawn(_worker, args=(world, str(tmp_path / "init"), scenario, out), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, str(tmp_path / "init"), scenario, out, device), nprocs=world, join=True)
     return out.get() if not out.empty() else None
 
 
-def test_training_parity_with_8x_fewer_bytes(tmp_path):
-    r = spawn(tmp_path, "parity")
+def two_gpus():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_training_parity_with_8x_fewer_bytes(tmp_path, device):
+    if device == "cuda":
+        two_gpus()
+    r = spawn(tmp_path, "parity", device=device)
     s = r["stats"]
     assert r["cfc"] < 0.5 * r["first"], r  # it learned
     assert abs(r["cfc"] - r["plain"]) <= 0.02 * r["plain"], r
@@ -238,11 +269,14 @@ def test_training_parity_with_8x_fewer_bytes(tmp_path):
     assert 0 < s["max_error"] <= s["eps"] * (1 + 1e-6), s
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
     "scenario", ["resume", "overflow", "accumulate", "variants", "mismatch", "fallback"]
 )
-def test_hook(tmp_path, scenario):
-    spawn(tmp_path, scenario)
+def test_hook(tmp_path, scenario, device):
+    if device == "cuda":
+        two_gpus()
+    spawn(tmp_path, scenario, device=device)
 
 
 def test_state_options_are_checked(tmp_path):
