@@ -239,7 +239,24 @@ def fallback(rank, world, out):
     assert s["compressed_buckets"] > 0 and s["plain_buckets"] > 0
 
 
-SCENARIOS = {f.__name__: f for f in (parity, resume, overflow, accumulate, variants, mismatch, fallback)}
+def slots(rank, world, out):
+    """CUDA buckets travel in slots sized from earlier frames; a frame that outgrows its slot
+    is sent again exactly, and training goes on identically on every rank."""
+    state = CfcState(warmup_steps=1, min_compress_numel=0)
+    ddp, opt = make(state)
+    train(ddp, opt, rank, 3)
+    if DEV.type == "cuda":
+        assert state._slots, "no slot was sized"
+        state._slots = {k: 100 for k in state._slots}  # far too small for the next frames
+    losses = train(ddp, opt, rank, 2, start=3)
+    assert all(math.isfinite(l) for l in losses)
+    if DEV.type == "cuda":
+        assert all(v > 100 for v in state._slots.values())
+    for p in ddp.parameters():
+        assert same_on_all_ranks(p.detach())
+
+
+SCENARIOS = {f.__name__: f for f in (parity, resume, overflow, accumulate, variants, mismatch, fallback, slots)}
 
 
 def spawn(tmp_path, scenario, world=2, device="cpu"):
@@ -271,7 +288,7 @@ def test_training_parity_with_8x_fewer_bytes(tmp_path, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
-    "scenario", ["resume", "overflow", "accumulate", "variants", "mismatch", "fallback"]
+    "scenario", ["resume", "overflow", "accumulate", "variants", "mismatch", "fallback", "slots"]
 )
 def test_hook(tmp_path, scenario, device):
     if device == "cuda":

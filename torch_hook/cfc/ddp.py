@@ -136,6 +136,7 @@ class CfcState:
         self._decisions: Dict[int, bool] = {}  # bucket -> compress? (fallback="auto")
         self._trial: Dict[int, Dict[str, List[float]]] = {}
         self._trial_device: Any = None
+        self._slots: Dict[int, int] = {}  # bucket -> bytes per rank in the frame exchange
         self._agreed = False
         self._worker: Optional[_CommThread] = None
         self._lock = threading.Lock()
@@ -576,17 +577,37 @@ def _gpu_bucket(state: CfcState, bucket, buf, parts, scatter) -> Any:
         if state._worker is None:
             state._worker = _CommThread(state, dev)
     worker = state._worker
-    if worker.device != dev:
+    try:
+        if worker.device != dev:
+            raise ValueError(f"cfc_hook drives one GPU per process; buckets on {worker.device} and {dev}")
+        if not state._agreed:  # once, before any collective: a disagreement never hangs
+            state._agree(dev)
+    except Exception as e:  # noqa: BLE001 - handed to DDP, which raises it from backward()
         fut = torch.futures.Future()
-        fut.set_exception(ValueError(f"cfc_hook drives one GPU per process; buckets on {worker.device} and {dev}"))
+        fut.set_exception(e)
         return fut
     ready = torch.cuda.Event()
     jobs = []
     for index, flat, layout in parts:
         compress = state._compress_this(flat.numel())
         trial = state._phase() == "trial" and flat.numel() >= state.min_compress_numel
+        if compress is None and state.step > state.warmup_steps + state.trial_steps:
+            # decided by the comm thread during the previous step, on every rank alike
+            compress = state._decisions.get(index, True)
         r = state._residual(index, layout, flat) if state._feeds(flat.numel()) else None
         jobs.append((index, flat, r, compress, trial))
+    if scatter is None and len(jobs) == 1 and jobs[0][3] is False and not jobs[0][4]:
+        # A plain bucket (warm-up, small, or slower compressed): all-reduce it here, on DDP's
+        # process group and stream, as DDP would, without the comm thread.
+        import torch.distributed as dist
+
+        _flush(buf, jobs[0][2])
+        t0 = time.perf_counter()
+        work = dist.all_reduce(buf, group=state.process_group, async_op=True)
+        ring = _ring_bytes(buf.numel() * buf.element_size(), state.world)
+        state._account(False, ring, ring, 0.0, time.perf_counter() - t0)
+        state._end_of_bucket(bucket)
+        return work.get_future().then(lambda f: f.value()[0].div_(state.world))
     ready.record(torch.cuda.current_stream(dev))  # after the residuals and any gathers
     fut = torch.futures.Future(devices=[dev])
     for job in jobs:
@@ -613,8 +634,6 @@ def _gpu_exchange(state: CfcState, stream, index, buf, r, compress, trial, ready
         t0 = time.perf_counter()
     stream.wait_event(ready)
     buf.record_stream(stream)
-    if not state._agreed:
-        state._agree(buf.device)
     world, n = state.world, buf.numel()
     ring = _ring_bytes(n * buf.element_size(), world)
     if compress is None:  # every trial bucket was timed before this one (FIFO): decide
@@ -635,24 +654,16 @@ def _gpu_exchange(state: CfcState, stream, index, buf, r, compress, trial, ready
         c = cfc.compress(buf, residual=r, **kw)  # on this stream: residual add, quantize, pack
         if not isinstance(c, cfc.CudaCompressed):
             raise cfc.CfcError(f"the GPU codec cannot drive {buf.device} (compute capability 8.0 or newer is needed)")
-        sizes = torch.empty(world, dtype=torch.int64, device=buf.device)
-        dist.all_gather_into_tensor(sizes, c.size_tensor.reshape(1), group=state.group)
-        sizes_host = sizes.tolist()  # the comm thread waits here, the autograd thread does not
-        m = max(sizes_host)
-        if any(s < 64 or s > c._out.numel() for s in sizes_host):
-            raise cfc.CfcError(f"ranks sent frame sizes {sizes_host} for {n} elements")
-        frames = torch.empty(world * m, dtype=torch.uint8, device=buf.device)
-        dist.all_gather_into_tensor(frames, c._out[:m], group=state.group)
+        frames, m, sent = _exchange_frames(state, index, c, n)
         acc = None
         for j in range(world):  # the same order on every rank: the same bits everywhere
-            y = _decompress_cuda(frames[j * m : (j + 1) * m], n, c._dtype, (n,), 1)
+            y = _decompress_cuda(frames[j], n, c._dtype, (n,), 1)
             acc = y.float() if acc is None else acc.add_(y)
         buf.copy_(acc.div_(world).view(buf.shape))
         if r is not None:
             held = state._max_err_dev.get(buf.device)
             amax = r.abs().max()
             state._max_err_dev[buf.device] = amax if held is None else torch.maximum(held, amax)
-        sent = (world - 1) * (m + 8)
         eps = float(kw["eps"]) if "eps" in kw else 0.0
     if trial:
         stream.synchronize()
@@ -661,3 +672,48 @@ def _gpu_exchange(state: CfcState, stream, index, buf, r, compress, trial, ready
     if trial:
         state._trial.setdefault(index, {"plain": [], "cfc": []})["cfc" if compress else "plain"].append(seconds)
         state._trial_device = buf.device
+
+
+def _exchange_frames(state: CfcState, index: int, c, n: int):
+    """Every rank's frame of this bucket, as a list of uint8 CUDA tensors (by rank); the slot
+    size used and the bytes this rank sent.
+
+    Frame sizes depend on the data and NCCL wants counts on the host. The first time a bucket
+    is compressed, the ranks exchange their sizes (a collective and a wait) and then the frames.
+    After that each frame travels in a slot sized from the bucket's previous frames (10% and
+    1 KiB above the largest), with its size in the slot's last 8 bytes: one collective, and a
+    wait for the sizes before decoding. A frame too big for its slot (all ranks see it) is sent
+    again, exactly.
+    """
+    import torch
+    import torch.distributed as dist
+
+    world, dev, cap = state.world, c.device, c._out.numel()
+
+    def check(sizes):
+        if any(x < 64 or x > cap for x in sizes):
+            raise cfc.CfcError(f"ranks sent frame sizes {sizes} for {n} elements")
+        state._slots[index] = min(cap, int(max(sizes) * 1.1) + 1024)
+
+    slot = state._slots.get(index)
+    if slot is not None:
+        send = torch.empty(slot + 8, dtype=torch.uint8, device=dev)
+        send[:slot].copy_(c._out[:slot])
+        send[slot:].copy_(c.size_tensor.reshape(1).view(torch.uint8))
+        got = torch.empty(world * (slot + 8), dtype=torch.uint8, device=dev).view(world, slot + 8)
+        dist.all_gather_into_tensor(got.view(-1), send, group=state.group)
+        sizes = got[:, slot:].contiguous().view(torch.int64).view(-1).tolist()  # waits (this thread)
+        check(sizes)
+        if max(sizes) <= slot:
+            return [got[j, :slot] for j in range(world)], slot, (world - 1) * (slot + 8)
+        sent = (world - 1) * (slot + 8)
+    else:
+        sizes_dev = torch.empty(world, dtype=torch.int64, device=dev)
+        dist.all_gather_into_tensor(sizes_dev, c.size_tensor.reshape(1), group=state.group)
+        sizes = sizes_dev.tolist()  # the comm thread waits here, the autograd thread does not
+        check(sizes)
+        sent = (world - 1) * 8
+    m = max(sizes)
+    frames = torch.empty(world * m, dtype=torch.uint8, device=dev).view(world, m)
+    dist.all_gather_into_tensor(frames.view(-1), c._out[:m], group=state.group)
+    return [frames[j] for j in range(world)], m, sent + (world - 1) * m
