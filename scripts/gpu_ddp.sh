@@ -2,14 +2,15 @@
 # On a GPU machine with 2 GPUs (no Rust there): install the wheel carried in .carry/, run the
 # DDP hook's tests over NCCL, train the byte-level LM with plain all-reduce and cfc_hook, then
 # time DDP steps of the 217M LM with every hook, over NVLink and over the socket transport.
-# PARTS picks what runs (default: "tests train nvlink socket"). Logs go under $OUT.
+# PARTS picks what runs (default: "tests train spread nvlink socket"; spread trains again with
+# another seed, to show how far two plain runs differ). Logs go under $OUT.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT=${OUT:-/tmp/cfc-out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site .carry/*.whl && export PYTHONPATH=/tmp/site
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 SOCK="NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 NCCL_NET=Socket NCCL_SOCKET_IFNAME=lo"
-PARTS=${PARTS:-tests train nvlink socket}
+PARTS=${PARTS:-tests train spread nvlink socket}
 STEPS=${STEPS:-30}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 for part in $PARTS; do case $part in
@@ -17,6 +18,9 @@ for part in $PARTS; do case $part in
   train) timeout 400 torchrun --standalone --nproc_per_node=2 examples/ddp_train.py --hook allreduce,cfc \
            --steps ${TRAIN_STEPS:-1000} --d-model 256 --layers 4 --heads 8 --batch 32 --seq 256 --out "$OUT/ddp_train" \
            2>&1 | grep -v "^\s*\[" | tail -8 | tee "$OUT/ddp_train.log" ;;
+  spread) timeout 300 torchrun --standalone --nproc_per_node=2 examples/ddp_train.py --hook allreduce,cfc --seed 1 \
+           --steps ${TRAIN_STEPS:-1000} --d-model 256 --layers 4 --heads 8 --batch 32 --seq 256 --out "$OUT/ddp_train_seed1" \
+           2>&1 | grep -v "^\s*\[" | tail -5 | tee "$OUT/ddp_train_seed1.log" ;;
   nvlink) LABEL=nvlink timeout 300 torchrun --standalone --nproc_per_node=2 benches/ddp_step_time.py --steps $STEPS \
            --json "$OUT/ddp_nvlink.json" ${HOOKS:-} 2>&1 | grep -E "^\||DDP step|median|Error|error" | tee "$OUT/ddp_nvlink.log" ;;
   socket) env $SOCK LABEL=socket timeout 400 torchrun --standalone --nproc_per_node=2 benches/ddp_step_time.py --steps $STEPS \
