@@ -12,6 +12,7 @@ NCCL_NET=Socket NCCL_SOCKET_IFNAME=lo. ``--json FILE`` writes the per-step times
 """
 
 import argparse
+import faulthandler
 import json
 import os
 import statistics
@@ -96,8 +97,6 @@ def run(name, rank, steps, warmup):
         s = state.stats()
         extra = {k: s[k] for k in ("ratio", "max_error", "eps", "compressed_buckets", "plain_buckets")}
     nparams = sum(p.numel() for p in model.parameters())
-    del ddp, model, opt
-    torch.cuda.empty_cache()
     return times, extra, nparams
 
 
@@ -108,13 +107,18 @@ def main():
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--label", default=os.environ.get("LABEL", ""))
     p.add_argument("--json", default=None)
+    p.add_argument("--watchdog", type=float, default=180, help="seconds a hook may take (0: no limit)")
     args = p.parse_args()
     dist.init_process_group("nccl")
     rank = dist.get_rank()
     torch.cuda.set_device(rank)
     rows = []
     for name in args.hooks:
+        if args.watchdog:  # a hook that hangs prints every thread's stack and ends the run
+            faulthandler.dump_traceback_later(args.watchdog, exit=True)
         times, extra, nparams = run(name, rank, args.steps, args.warmup)
+        faulthandler.cancel_dump_traceback_later()
+        torch.cuda.empty_cache()  # the last hook's model is gone
         t = torch.tensor(times, device="cuda")
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step is as slow as its slowest rank
         times = t.tolist()
@@ -126,8 +130,8 @@ def main():
         floor = min(noop) if noop else None
         print(f"\nDDP step time, {nparams / 1e6:.0f}M-parameter LM, {dist.get_world_size()} GPUs, {args.label}: "
               f"median of {args.steps} steps after {args.warmup}")
-        print(f"| hook | median step | x noop | ratio (bytes) | max error / eps |")
-        print(f"|---|---|---|---|---|")
+        print("| hook | median step | x noop | ratio (bytes) | max error / eps |")
+        print("|---|---|---|---|---|")
         for r in rows:
             x = f"{r['median_ms'] / floor:.2f}x" if floor else "-"
             ratio = f"{r['ratio']:.1f}x" if "ratio" in r else "-"

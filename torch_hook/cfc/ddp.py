@@ -38,7 +38,6 @@ import time
 from typing import Any, Dict, List, Optional, Tuple
 
 import cfc
-from cfc import _native
 from cfc.codec import _decompress_cuda
 
 __all__ = ["CfcState", "cfc_hook"]
@@ -59,7 +58,8 @@ class CfcState:
         rel: bound relative to the bucket's largest magnitude (over all ranks on CPU, per rank
             on GPU).
         rms: bound relative to the root mean square of the bucket's finite gradient values
-            (over all ranks on CPU, per rank on GPU). The default, ``rms=0.3``, when no bound
+            (over all ranks on CPU; on GPU per rank, and from the bucket's previous compressed
+            step, so that nothing waits for it). The default, ``rms=0.3``, when no bound
             is given: about 12x fewer bytes on real LM gradients, and with error feedback the
             loss follows plain all-reduce's.
         error_feedback: carry what quantization drops into the next step (per rank, per bucket).
@@ -137,6 +137,7 @@ class CfcState:
         self._trial: Dict[int, Dict[str, List[float]]] = {}
         self._trial_device: Any = None
         self._slots: Dict[int, int] = {}  # bucket -> bytes per rank in the frame exchange
+        self._rms: Dict[int, Tuple[Any, Any]] = {}  # bucket -> (pinned sum of squares, event)
         self._agreed = False
         self._worker: Optional[_CommThread] = None
         self._lock = threading.Lock()
@@ -370,6 +371,7 @@ class CfcState:
             "residuals": residuals,  # per parameter ordinal
             "layouts": {i: l for i, l in self._layouts.items() if l is not None},
             "decisions": dict(self._decisions),
+            "rms": {i: float(h) for i, (h, _) in self._rms.items()},  # CUDA buckets' last sums of squares
             "stats": self.stats(),
         }
 
@@ -397,6 +399,9 @@ class CfcState:
         self._pending = {int(o): r for o, r in sd["residuals"].items()}
         self._saved_layouts = {int(i): tuple(l) for i, l in sd["layouts"].items()}
         self._decisions = {int(k): bool(v) for k, v in sd["decisions"].items()}
+        import torch
+
+        self._rms = {int(i): (torch.tensor(v, dtype=torch.float32), None) for i, v in sd["rms"].items()}
         self.reset_stats()
 
     # ---- bookkeeping shared by both engines ----
@@ -514,7 +519,14 @@ def _cpu_part(state: CfcState, index: int, buf, layout) -> None:
 
 class _CommThread:
     """One thread that runs every CUDA bucket's exchange in the order the hook queued them (so
-    all ranks issue their collectives in the same order), on a CUDA stream of its own."""
+    all ranks issue their collectives in the same order), on a CUDA stream of its own.
+
+    A compressed part runs in two stages: *launch* (compress, all-gather the frames) and
+    *finish* (wait for the frame sizes, decode, average). A part's finish runs right after the
+    next part's launch, so the next bucket is on the wire while this thread waits for the last
+    one's sizes; a ``flush`` item at each step's last bucket finishes everything. The order of
+    the collectives depends only on the order of the items, never on timing.
+    """
 
     def __init__(self, state: CfcState, device):
         import torch
@@ -526,15 +538,17 @@ class _CommThread:
         self.failed: Optional[BaseException] = None
         self.idle = threading.Condition()
         self.pending = 0
+        self.deferred: List[Tuple[Any, Any]] = []  # (closure, future or None), in order
         self.thread = threading.Thread(target=self._run, name="cfc-comm", daemon=True)
         self.thread.start()
 
-    def submit(self, work, fut=None) -> None:
-        """Queue ``work()`` (run on the comm stream); a job with ``fut`` ends a bucket: the
-        future gets the bucket, or the first error since the last bucket."""
+    def submit(self, kind: str, work=None, fut=None) -> None:
+        """Queue an item: ``("part", launch)``: ``launch()`` returns the part's finish (or
+        None); ``("done", value, fut)``: ``fut`` gets ``value()`` once the earlier parts are
+        finished; ``("flush",)``: finish everything queued so far."""
         with self.idle:
             self.pending += 1
-        self.jobs.put((work, fut))
+        self.jobs.put((kind, work, fut))
 
     def drain(self) -> None:
         """Wait until every queued bucket has been handed to the GPU, then for the GPU."""
@@ -545,24 +559,44 @@ class _CommThread:
         self.stream.synchronize()
         torch.cuda.synchronize(self.device)
 
-    def _run(self) -> None:
-        import torch
-
-        torch.cuda.set_device(self.device)
-        while True:
-            work, fut = self.jobs.get()
+    def _run_deferred(self, items) -> None:
+        for i, (work, fut) in enumerate(items):
             try:
                 if self.failed is not None:
                     raise cfc.CfcError(f"cfc_hook failed: {self.failed}")
-                with torch.cuda.stream(self.stream):
-                    value = work()
-                    if fut is not None:
-                        fut.set_result(value)  # records an event on this stream for DDP
+                value = work()
+                if fut is not None:
+                    fut.set_result(value)  # records an event on this stream for DDP
             except BaseException as e:  # noqa: BLE001 - reaches backward() through the future
                 if self.failed is None:
                     self.failed = e
                 if fut is not None:
                     fut.set_exception(e)
+
+    def _run(self) -> None:
+        import torch
+
+        torch.cuda.set_device(self.device)
+        while True:
+            kind, work, fut = self.jobs.get()
+            try:
+                with torch.cuda.stream(self.stream):
+                    if kind == "part":
+                        earlier, self.deferred = self.deferred, []
+                        finish = None
+                        try:
+                            if self.failed is None:
+                                finish = work()
+                        except BaseException as e:  # noqa: BLE001
+                            self.failed = e
+                        self._run_deferred(earlier)
+                        if finish is not None:
+                            self.deferred.append((finish, None))
+                    elif kind == "done":
+                        self.deferred.append((work, fut))
+                    else:  # flush
+                        earlier, self.deferred = self.deferred, []
+                        self._run_deferred(earlier)
             finally:
                 with self.idle:
                     self.pending -= 1
@@ -591,40 +625,28 @@ def _gpu_bucket(state: CfcState, bucket, buf, parts, scatter) -> Any:
     for index, flat, layout in parts:
         compress = state._compress_this(flat.numel())
         trial = state._phase() == "trial" and flat.numel() >= state.min_compress_numel
-        if compress is None and state.step > state.warmup_steps + state.trial_steps:
-            # decided by the comm thread during the previous step, on every rank alike
-            compress = state._decisions.get(index, True)
         r = state._residual(index, layout, flat) if state._feeds(flat.numel()) else None
         jobs.append((index, flat, r, compress, trial))
-    if scatter is None and len(jobs) == 1 and jobs[0][3] is False and not jobs[0][4]:
-        # A plain bucket (warm-up, small, or slower compressed): all-reduce it here, on DDP's
-        # process group and stream, as DDP would, without the comm thread.
-        import torch.distributed as dist
-
-        _flush(buf, jobs[0][2])
-        t0 = time.perf_counter()
-        work = dist.all_reduce(buf, group=state.process_group, async_op=True)
-        ring = _ring_bytes(buf.numel() * buf.element_size(), state.world)
-        state._account(False, ring, ring, 0.0, time.perf_counter() - t0)
-        state._end_of_bucket(bucket)
-        return work.get_future().then(lambda f: f.value()[0].div_(state.world))
     ready.record(torch.cuda.current_stream(dev))  # after the residuals and any gathers
     fut = torch.futures.Future(devices=[dev])
     for job in jobs:
-        worker.submit(lambda job=job: _gpu_exchange(state, worker.stream, *job, ready))
+        worker.submit("part", lambda job=job: _gpu_launch(state, worker.stream, *job, ready))
 
-    def finish():
+    def value():
         if scatter is not None:
             scatter()
         return buf
 
-    worker.submit(finish, fut)
+    worker.submit("done", value, fut)
+    if bucket.is_last():
+        worker.submit("flush")
     state._end_of_bucket(bucket)
     return fut
 
 
-def _gpu_exchange(state: CfcState, stream, index, buf, r, compress, trial, ready) -> None:
-    """Runs on the comm thread, under ``torch.cuda.stream(stream)``."""
+def _gpu_launch(state: CfcState, stream, index, buf, r, compress, trial, ready):
+    """A part's first stage, on the comm thread under ``torch.cuda.stream(stream)``: queue its
+    all-reduce, or its compression and frame exchange. Returns the second stage (or None)."""
     import torch
     import torch.distributed as dist
 
@@ -638,23 +660,53 @@ def _gpu_exchange(state: CfcState, stream, index, buf, r, compress, trial, ready
     ring = _ring_bytes(n * buf.element_size(), world)
     if compress is None:  # every trial bucket was timed before this one (FIFO): decide
         compress = state._decision(index)
+
+    def account(compressed, sent, eps):
+        if trial:
+            stream.synchronize()
+        seconds = time.perf_counter() - t0
+        state._account(compressed, sent, ring, eps, seconds)
+        if trial:
+            state._trial.setdefault(index, {"plain": [], "cfc": []})["cfc" if compressed else "plain"].append(seconds)
+            state._trial_device = buf.device
+
     if not compress:
         _flush(buf, r)
+        if r is not None:
+            r.record_stream(stream)
         dist.all_reduce(buf, group=state.group)
         buf.div_(world)
-        sent, eps = ring, 0.0
+        account(False, ring, 0.0)
+        return None
+
+    kind, bound = state.bound_kind, state.bound
+    if kind == "rms":
+        ss = _finite_sumsq(buf if r is None else buf.float() + r)
+        # The bound follows the RMS of the bucket's previous compressed step (copied to the
+        # host a step ago: no wait); the first time, this step's (waits for this stream).
+        prev, rms = state._rms.get(index), None
+        if prev is not None:
+            if prev[1] is not None:
+                prev[1].synchronize()
+            last = float(prev[0])
+            rms = math.sqrt(last / max(n, 1)) if 0 < last < math.inf else None
+        if rms is None:
+            rms = math.sqrt(float(ss) / max(n, 1))
+        host = torch.empty((), dtype=torch.float32, pin_memory=True)
+        host.copy_(ss, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(stream)
+        state._rms[index] = (host, done)
+        kw = {"eps": bound * rms if rms > 0 and math.isfinite(rms) else 1e-30}
     else:
-        kind, bound = state.bound_kind, state.bound
-        if kind == "rms":
-            ss = _finite_sumsq(buf if r is None else buf.float() + r)
-            rms = math.sqrt(float(ss) / max(n, 1))  # waits for this stream only
-            kw = {"eps": bound * rms if rms > 0 and math.isfinite(rms) else 1e-30}
-        else:
-            kw = {kind: bound}
-        c = cfc.compress(buf, residual=r, **kw)  # on this stream: residual add, quantize, pack
-        if not isinstance(c, cfc.CudaCompressed):
-            raise cfc.CfcError(f"the GPU codec cannot drive {buf.device} (compute capability 8.0 or newer is needed)")
-        frames, m, sent = _exchange_frames(state, index, c, n)
+        kw = {kind: bound}
+    c = cfc.compress(buf, residual=r, **kw)  # on this stream: residual add, quantize, pack
+    if not isinstance(c, cfc.CudaCompressed):
+        raise cfc.CfcError(f"the GPU codec cannot drive {buf.device} (compute capability 8.0 or newer is needed)")
+    exchange = _FrameExchange(state, index, c, n)
+
+    def finish():
+        frames, sent = exchange.finish()
         acc = None
         for j in range(world):  # the same order on every rank: the same bits everywhere
             y = _decompress_cuda(frames[j], n, c._dtype, (n,), 1)
@@ -664,56 +716,68 @@ def _gpu_exchange(state: CfcState, stream, index, buf, r, compress, trial, ready
             held = state._max_err_dev.get(buf.device)
             amax = r.abs().max()
             state._max_err_dev[buf.device] = amax if held is None else torch.maximum(held, amax)
-        eps = float(kw["eps"]) if "eps" in kw else 0.0
+        account(True, sent, float(kw["eps"]) if "eps" in kw else 0.0)
+
     if trial:
-        stream.synchronize()
-    seconds = time.perf_counter() - t0
-    state._account(compress, sent, ring, eps, seconds)
-    if trial:
-        state._trial.setdefault(index, {"plain": [], "cfc": []})["cfc" if compress else "plain"].append(seconds)
-        state._trial_device = buf.device
+        finish()
+        return None
+    return finish
 
 
-def _exchange_frames(state: CfcState, index: int, c, n: int):
-    """Every rank's frame of this bucket, as a list of uint8 CUDA tensors (by rank); the slot
-    size used and the bytes this rank sent.
+class _FrameExchange:
+    """Every rank's frame of one bucket, moved in two steps: the constructor queues the
+    all-gather, :meth:`finish` waits for the sizes and returns the frames.
 
     Frame sizes depend on the data and NCCL wants counts on the host. The first time a bucket
     is compressed, the ranks exchange their sizes (a collective and a wait) and then the frames.
-    After that each frame travels in a slot sized from the bucket's previous frames (10% and
-    1 KiB above the largest), with its size in the slot's last 8 bytes: one collective, and a
-    wait for the sizes before decoding. A frame too big for its slot (all ranks see it) is sent
-    again, exactly.
+    After that each frame travels in a slot sized from the bucket's previous frames (6% and
+    256 bytes above the largest), with its size in the slot's last 8 bytes: one collective, and
+    a wait for the sizes before decoding. A frame too big for its slot (all ranks see it) is
+    sent again, exactly.
     """
-    import torch
-    import torch.distributed as dist
 
-    world, dev, cap = state.world, c.device, c._out.numel()
+    def __init__(self, state: CfcState, index: int, c, n: int):
+        import torch
+        import torch.distributed as dist
 
-    def check(sizes):
+        self.state, self.index, self.c, self.n = state, index, c, n
+        world, dev = state.world, c.device
+        self.slot = state._slots.get(index)
+        if self.slot is not None:
+            slot = self.slot = min(self.slot, c._out.numel())
+            send = torch.empty(slot + 8, dtype=torch.uint8, device=dev)
+            send[:slot].copy_(c._out[:slot])
+            send[slot:].copy_(c.size_tensor.reshape(1).view(torch.uint8))
+            self.got = torch.empty(world * (slot + 8), dtype=torch.uint8, device=dev).view(world, slot + 8)
+            dist.all_gather_into_tensor(self.got.view(-1), send, group=state.group)
+        else:
+            self.sizes_dev = torch.empty(world, dtype=torch.int64, device=dev)
+            dist.all_gather_into_tensor(self.sizes_dev, c.size_tensor.reshape(1), group=state.group)
+
+    def _check(self, sizes) -> None:
+        cap = self.c._out.numel()
         if any(x < 64 or x > cap for x in sizes):
-            raise cfc.CfcError(f"ranks sent frame sizes {sizes} for {n} elements")
-        state._slots[index] = min(cap, int(max(sizes) * 1.1) + 1024)
+            raise cfc.CfcError(f"ranks sent frame sizes {sizes} for {self.n} elements")
+        self.state._slots[self.index] = min(cap, int(max(sizes) * 1.06) + 256)
 
-    slot = state._slots.get(index)
-    if slot is not None:
-        send = torch.empty(slot + 8, dtype=torch.uint8, device=dev)
-        send[:slot].copy_(c._out[:slot])
-        send[slot:].copy_(c.size_tensor.reshape(1).view(torch.uint8))
-        got = torch.empty(world * (slot + 8), dtype=torch.uint8, device=dev).view(world, slot + 8)
-        dist.all_gather_into_tensor(got.view(-1), send, group=state.group)
-        sizes = got[:, slot:].contiguous().view(torch.int64).view(-1).tolist()  # waits (this thread)
-        check(sizes)
-        if max(sizes) <= slot:
-            return [got[j, :slot] for j in range(world)], slot, (world - 1) * (slot + 8)
-        sent = (world - 1) * (slot + 8)
-    else:
-        sizes_dev = torch.empty(world, dtype=torch.int64, device=dev)
-        dist.all_gather_into_tensor(sizes_dev, c.size_tensor.reshape(1), group=state.group)
-        sizes = sizes_dev.tolist()  # the comm thread waits here, the autograd thread does not
-        check(sizes)
-        sent = (world - 1) * 8
-    m = max(sizes)
-    frames = torch.empty(world * m, dtype=torch.uint8, device=dev).view(world, m)
-    dist.all_gather_into_tensor(frames.view(-1), c._out[:m], group=state.group)
-    return [frames[j] for j in range(world)], m, sent + (world - 1) * m
+    def finish(self):
+        """(frames by rank, bytes this rank sent); waits for the sizes (this thread only)."""
+        import torch
+        import torch.distributed as dist
+
+        world, slot = self.state.world, self.slot
+        sent = 0
+        if slot is not None:
+            sizes = self.got[:, slot:].contiguous().view(torch.int64).view(-1).tolist()
+            self._check(sizes)
+            sent = (world - 1) * (slot + 8)
+            if max(sizes) <= slot:
+                return [self.got[j, :slot] for j in range(world)], sent
+        else:
+            sizes = self.sizes_dev.tolist()
+            self._check(sizes)
+            sent = (world - 1) * 8
+        m = max(sizes)
+        frames = torch.empty(world * m, dtype=torch.uint8, device=self.c.device).view(world, m)
+        dist.all_gather_into_tensor(frames.view(-1), self.c._out[:m], group=self.state.group)
+        return [frames[j] for j in range(world)], sent + (world - 1) * m
