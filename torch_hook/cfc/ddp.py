@@ -324,6 +324,7 @@ class CfcState:
             "eps": 0.0,
             "seconds": 0.0,
             "residual_resets": 0,
+            "resends": 0,
         }
         for t in self._max_err_dev.values():
             t.zero_()
@@ -340,7 +341,9 @@ class CfcState:
           (the error includes rounding the compensated value to a bf16/fp16 bucket's dtype);
         * ``seconds``: time spent in cfc (autograd thread for CPU buckets; comm thread, busy
           time, for CUDA buckets);
-        * ``residual_resets``: residuals restarted because DDP rebuilt a bucket.
+        * ``residual_resets``: residuals restarted because a bucket changed in a way its
+          parameters could not be followed;
+        * ``resends``: CUDA frames that outgrew their slot and were sent again.
 
         Reading it waits for the GPU work already queued.
         """
@@ -773,6 +776,8 @@ class _FrameExchange:
             sent = (world - 1) * (slot + 8)
             if max(sizes) <= slot:
                 return [self.got[j, :slot] for j in range(world)], sent
+            with self.state._lock:
+                self.state._stats["resends"] += 1
         else:
             sizes = self.sizes_dev.tolist()
             self._check(sizes)
