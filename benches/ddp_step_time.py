@@ -56,7 +56,7 @@ def register(ddp, name):
         )
         ddp.register_comm_hook(st, powerSGD_hook.powerSGD_hook)
     elif name.startswith("cfc"):
-        # cfc, cfc-auto (fallback="auto"), cfc@0.1 (rms=0.1)
+        # cfc, cfc-auto (fallback="auto"), cfc@0.1 (rms=0.1); any hook:capN sets bucket_cap_mb
         rms = float(name.split("@")[1]) if "@" in name else 0.3
         state = cfc.CfcState(rms=rms, fallback="auto" if "auto" in name else False)
         ddp.register_comm_hook(state, cfc.cfc_hook)
@@ -66,10 +66,12 @@ def register(ddp, name):
 
 
 def run(name, rank, steps, warmup):
+    """``name`` is a hook, optionally with ``:capN`` for DDP buckets of N MB (default 25)."""
+    hook, _, cap = name.partition(":cap")
     torch.manual_seed(0)
     model = LM().cuda()
-    ddp = DDP(model, device_ids=[rank])
-    state = register(ddp, name)
+    ddp = DDP(model, device_ids=[rank], bucket_cap_mb=float(cap) if cap else None)
+    state = register(ddp, hook)
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
     g = torch.Generator(device="cuda").manual_seed(rank)
 

@@ -1,5 +1,9 @@
 #!/usr/bin/env bash
-# cfc's main job: set everything up, then compress and decompress real gradients and a model's
-# parameters, printing ratio, max error against the bound and throughput.
+# cfc's main job: set everything up, then train a byte-level transformer LM on the standard
+# library's sources with DDP (2 processes; gloo on the CPU, NCCL where there are 2 GPUs), once
+# with plain all-reduce and once with cfc_hook, and print loss parity and bytes saved. Then
+# compress real gradients and a model's parameters. Extra arguments go to the training run.
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
-python examples/compress_demo.py "$@"
+torchrun --standalone --nproc_per_node=2 examples/ddp_train.py --hook allreduce,cfc --steps 150 \
+    --out bench-out/ddp_train "$@" 2> >(grep -v "OMP_NUM_THREADS\|^\*\*\*\*\|^W[0-9]" >&2)
+python examples/compress_demo.py

@@ -299,6 +299,9 @@ def test_hook(tmp_path, scenario, device):
 
 
 def test_state_options_are_checked(tmp_path):
+    early = CfcState(eps=1e-3)  # before the process group, as Lightning makes it
+    with pytest.raises(RuntimeError, match="initialised"):
+        early.state_dict()
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
     try:
         for bad in ({"eps": 0}, {"rms": math.nan}, {"eps": 1e-3, "rel": 1e-2},
@@ -308,6 +311,7 @@ def test_state_options_are_checked(tmp_path):
                 CfcState(**bad)
         s = CfcState()
         assert (s.bound_kind, s.bound) == ("rms", 0.3)
+        assert early.state_dict()["world"] == 1  # bound to the group once it exists
         with pytest.raises(ValueError, match="cfc_hook state"):
             s.load_state_dict({"version": 99})
     finally:

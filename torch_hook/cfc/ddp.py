@@ -74,8 +74,9 @@ class CfcState:
         trial_steps: steps of that trial (an even number; half of each kind).
         log_every: log :meth:`stats` (logger ``"cfc"``, INFO) every this many steps; 0: never.
 
-    Every rank must use the same options: the first compressed step checks, and every rank
-    raises ``cfc.CfcError`` if they disagree.
+    Every rank must use the same options: the first step checks, and every rank raises
+    ``cfc.CfcError`` if they disagree. The state may be made before the process group (it
+    binds to it at the first bucket); make one on every rank of the default group.
     """
 
     def __init__(
@@ -113,13 +114,9 @@ class CfcState:
         self.trial_steps = int(trial_steps) if fallback == "auto" else 0
         self.log_every = int(log_every)
 
-        self.process_group = process_group if process_group is not None else dist.group.WORLD
-        ranks = dist.get_process_group_ranks(self.process_group)
-        self.rank = dist.get_rank(self.process_group)
-        self.world = len(ranks)
-        # A communicator of cfc's own: its collectives run on the comm thread and must not
-        # interleave with DDP's (e.g. the unused-parameter map of find_unused_parameters).
-        self.group = dist.new_group(ranks=ranks)
+        self.process_group = process_group
+        self.group: Any = None  # made by _setup, once the process group exists
+        self.rank, self.world = -1, 0
 
         self.step = 0  # completed steps (counted at each step's last bucket)
         # Residuals live per bucket (one flat float32 tensor, like the bucket) but are keyed
@@ -143,6 +140,24 @@ class CfcState:
         self._lock = threading.Lock()
         self._max_err_dev: Dict[Any, Any] = {}  # device -> 0-d tensor, read by stats()
         self.reset_stats()
+
+    def _setup(self) -> None:
+        """Binds the state to its process group (at the first bucket, or when a checkpoint is
+        loaded), so a state can be made before ``init_process_group`` (Lightning does)."""
+        import torch.distributed as dist
+
+        if self.group is not None:
+            return
+        if not dist.is_initialized():
+            raise RuntimeError("cfc_hook needs an initialised torch.distributed process group")
+        pg = self.process_group if self.process_group is not None else dist.group.WORLD
+        ranks = dist.get_process_group_ranks(pg)
+        self.process_group, self.rank, self.world = pg, dist.get_rank(pg), len(ranks)
+        # A communicator of cfc's own: its collectives run on the comm thread and must not
+        # interleave with DDP's (e.g. the unused-parameter map of find_unused_parameters).
+        # Every rank of the default group takes part in making it, at the same point: the
+        # first bucket of the first step.
+        self.group = dist.new_group(ranks=ranks)
 
     # ---- configuration ----
 
@@ -361,6 +376,7 @@ class CfcState:
     def state_dict(self) -> Dict[str, Any]:
         """This rank's state: step, residuals (on the CPU), per-bucket choices and stats.
         Save one per rank (residuals differ between ranks)."""
+        self._setup()
         if self._worker is not None:
             self._worker.drain()
         residuals = {o: t[off : off + n].detach().cpu().clone() for o, (t, off, n) in self._where.items()}
@@ -386,6 +402,7 @@ class CfcState:
         """
         if not isinstance(sd, dict) or sd.get("version") != _STATE_VERSION:
             raise ValueError("not a cfc_hook state (or one of another version)")
+        self._setup()
         if sd["world"] != self.world or sd["rank"] != self.rank:
             raise ValueError(
                 f"this state was saved by rank {sd['rank']} of {sd['world']}; this is rank "
@@ -451,6 +468,15 @@ def cfc_hook(state, bucket):  # no annotations: DDP checks them against its own 
     Returns a ``torch.futures.Future`` holding the averaged bucket, written in place into
     ``bucket.buffer()``.
     """
+    if state.group is None:
+        try:
+            state._setup()
+        except Exception as e:  # noqa: BLE001 - handed to DDP, which raises it from backward()
+            import torch
+
+            fut = torch.futures.Future()
+            fut.set_exception(e)
+            return fut
     buf = bucket.buffer()
     layout = state._ordinals(bucket)
     state._layouts[bucket.index()] = None if layout is None else tuple(o for o, _, _ in layout)
