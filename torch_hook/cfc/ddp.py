@@ -93,8 +93,6 @@ class CfcState:
         trial_steps: int = 4,
         log_every: int = 0,
     ):
-        import torch.distributed as dist
-
         given = [(k, v) for k, v in (("eps", eps), ("rel", rel), ("rms", rms)) if v is not None]
         if len(given) > 1:
             raise ValueError(f"give at most one of eps, rel, rms; got {[k for k, _ in given]}")
@@ -779,9 +777,16 @@ class _FrameExchange:
             send[slot:].copy_(c.size_tensor.reshape(1).view(torch.uint8))
             self.got = torch.empty(world * (slot + 8), dtype=torch.uint8, device=dev).view(world, slot + 8)
             dist.all_gather_into_tensor(self.got.view(-1), send, group=state.group)
+            sizes_dev = self.got[:, slot:].contiguous().view(torch.int64).view(-1)
         else:
-            self.sizes_dev = torch.empty(world, dtype=torch.int64, device=dev)
-            dist.all_gather_into_tensor(self.sizes_dev, c.size_tensor.reshape(1), group=state.group)
+            sizes_dev = torch.empty(world, dtype=torch.int64, device=dev)
+            dist.all_gather_into_tensor(sizes_dev, c.size_tensor.reshape(1), group=state.group)
+        # The sizes go to the host now, behind this exchange only: read later, they must not
+        # wait for the next bucket's exchange, queued on the same stream in between.
+        self.sizes_host = torch.empty(world, dtype=torch.int64, pin_memory=True)
+        self.sizes_host.copy_(sizes_dev, non_blocking=True)
+        self.sizes_ready = torch.cuda.Event()
+        self.sizes_ready.record()
 
     def _check(self, sizes) -> None:
         cap = self.c._out.numel()
@@ -795,18 +800,16 @@ class _FrameExchange:
         import torch.distributed as dist
 
         world, slot = self.state.world, self.slot
-        sent = 0
+        self.sizes_ready.synchronize()
+        sizes = self.sizes_host.tolist()
+        self._check(sizes)
         if slot is not None:
-            sizes = self.got[:, slot:].contiguous().view(torch.int64).view(-1).tolist()
-            self._check(sizes)
             sent = (world - 1) * (slot + 8)
             if max(sizes) <= slot:
                 return [self.got[j, :slot] for j in range(world)], sent
             with self.state._lock:
                 self.state._stats["resends"] += 1
         else:
-            sizes = self.sizes_dev.tolist()
-            self._check(sizes)
             sent = (world - 1) * 8
         m = max(sizes)
         frames = torch.empty(world * m, dtype=torch.uint8, device=self.c.device).view(world, m)
