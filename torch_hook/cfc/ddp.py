@@ -18,14 +18,16 @@ Two engines, chosen by where the bucket lives:
   on the autograd thread.
 * **CUDA buckets** (NCCL): the hook records an event and hands the bucket to a comm thread, and
   returns at once. The comm thread, on its own CUDA stream, compresses the bucket on the GPU
-  (residual add, quantize, pack and new residual in one pass), exchanges the frame sizes, then
-  the frames (an all-gather, padded to the largest frame), decodes every rank's frame on the GPU
-  and averages them in float32 in rank order, so every rank gets the same bits. The autograd
-  thread never waits for the GPU; only the comm thread waits for the sizes.
+  (residual add, quantize, pack and new residual in one pass) with a bound from the bucket's
+  previous step, all-gathers the frames (each in a slot sized from the bucket's earlier frames,
+  its size in the slot's tail), waits for the sizes, decodes every rank's frame on the GPU and
+  averages them in float32 in rank order, so every rank gets the same bits. While it waits for
+  one bucket's sizes, the next bucket is already on the wire. The autograd thread never waits
+  for the GPU.
 
-Both engines run their collectives on a process group of their own, created by
-:class:`CfcState` (so they never interleave with DDP's own collectives): construct the state on
-every rank of the default group, in the same order.
+Both engines run their collectives on a communicator of their own, made by :class:`CfcState`
+at the first bucket (so they never interleave with DDP's own collectives): make the state on
+every rank of the default group.
 """
 
 from __future__ import annotations
