@@ -1,6 +1,7 @@
 """cfc_hook in real DistributedDataParallel training: 2 processes, gloo on CPU buckets (in CI)
 and NCCL on CUDA buckets (``-m gpu``, with 2 GPUs)."""
 
+import copy
 import math
 import os
 
@@ -125,19 +126,38 @@ def resume(rank, world, out, tmp=None):
     state = CfcState(**kw)
     ddp, opt = make(state)
     ddp.load_state_dict(saved["model"])
-    opt.load_state_dict(saved["opt"])
+    opt.load_state_dict(copy.deepcopy(saved["opt"]))  # Adam aliases what it loads
     state.load_state_dict(saved["cfc"])
     train(ddp, opt, rank, 4, start=4)
     resumed = [p.detach() for p in ddp.parameters()]
     assert all(torch.equal(a, b) for a, b in zip(straight, resumed))
     assert state.stats()["residual_resets"] == 0
 
+    # A checkpoint made one step after a resume (DDP still on its initial bucket, which the
+    # hook ran as the saved buckets) records those buckets, and resuming from it is exact too.
+    state = CfcState(**kw)
+    ddp, opt = make(state)
+    ddp.load_state_dict(saved["model"])
+    opt.load_state_dict(copy.deepcopy(saved["opt"]))  # Adam aliases what it loads
+    state.load_state_dict(saved["cfc"])
+    train(ddp, opt, rank, 1, start=4)
+    again = {"model": {k: v.clone() for k, v in ddp.state_dict().items()},
+             "opt": copy.deepcopy(opt.state_dict()), "cfc": state.state_dict()}
+    assert again["cfc"]["layouts"] == saved["cfc"]["layouts"]
+    state = CfcState(**kw)
+    ddp, opt = make(state)
+    ddp.load_state_dict(again["model"])
+    opt.load_state_dict(copy.deepcopy(again["opt"]))
+    state.load_state_dict(again["cfc"])
+    train(ddp, opt, rank, 3, start=5)
+    assert all(torch.equal(a, b.detach()) for a, b in zip(straight, ddp.parameters()))
+
     # Dropping the residuals on resume (as some libraries do) changes the result: the test
     # above can fail.
     state = CfcState(**kw)
     ddp, opt = make(state)
     ddp.load_state_dict(saved["model"])
-    opt.load_state_dict(saved["opt"])
+    opt.load_state_dict(copy.deepcopy(saved["opt"]))  # Adam aliases what it loads
     state.step = saved["cfc"]["step"]
     train(ddp, opt, rank, 4, start=4)
     assert not all(torch.equal(a, b.detach()) for a, b in zip(straight, ddp.parameters()))

@@ -26,8 +26,7 @@ Two engines, chosen by where the bucket lives:
   for the GPU.
 
 Both engines run their collectives on a communicator of their own, made by :class:`CfcState`
-at the first bucket (so they never interleave with DDP's own collectives): make the state on
-every rank of the default group.
+at the first bucket (so they never interleave with DDP's own collectives).
 """
 
 from __future__ import annotations
@@ -73,12 +72,13 @@ class CfcState:
             ``trial_steps`` steps after the warm-up (alternating) and then keeps, per bucket,
             the faster (the slowest rank's time decides, so all ranks choose alike). ``False``
             always compresses buckets of ``min_compress_numel`` or more.
-        trial_steps: steps of that trial (an even number; half of each kind).
+        trial_steps: steps of that trial (an even number; half of each kind; the fastest time
+            of each kind counts).
         log_every: log :meth:`stats` (logger ``"cfc"``, INFO) every this many steps; 0: never.
 
     Every rank must use the same options: the first step checks, and every rank raises
     ``cfc.CfcError`` if they disagree. The state may be made before the process group (it
-    binds to it at the first bucket); make one on every rank of the default group.
+    binds to it at the first bucket); make one on every rank of the process group.
     """
 
     def __init__(
@@ -134,12 +134,12 @@ class CfcState:
         self._trial: Dict[int, Dict[str, List[float]]] = {}
         self._trial_device: Any = None
         self._slots: Dict[int, int] = {}  # bucket -> bytes per rank in the frame exchange
-        self._rms: Dict[int, Tuple[Any, Any]] = {}  # bucket -> (pinned sum of squares, event)
+        self._rms: Dict[int, Tuple[Any, Any, int]] = {}  # bucket -> (sum of squares, event, numel)
         self._agreed = False
         self._worker: Optional[_CommThread] = None
         self._lock = threading.Lock()
         self._max_err_dev: Dict[Any, Any] = {}  # device -> 0-d tensor, read by stats()
-        self.reset_stats()
+        self._reset_counters()
 
     def _setup(self) -> None:
         """Binds the state to its process group (at the first bucket, or when a checkpoint is
@@ -155,9 +155,9 @@ class CfcState:
         self.process_group, self.rank, self.world = pg, dist.get_rank(pg), len(ranks)
         # A communicator of cfc's own: its collectives run on the comm thread and must not
         # interleave with DDP's (e.g. the unused-parameter map of find_unused_parameters).
-        # Every rank of the default group takes part in making it, at the same point: the
-        # first bucket of the first step.
-        self.group = dist.new_group(ranks=ranks)
+        # Only this group's ranks take part in making it (DDP over several disjoint subgroups
+        # works), at the same point: the first bucket of the first step.
+        self.group = dist.new_group(ranks=ranks, use_local_synchronization=True)
 
     # ---- configuration ----
 
@@ -314,9 +314,11 @@ class CfcState:
         if not self._trial:
             return
         keys = sorted(self._trial)
-        med = lambda xs: sorted(xs)[len(xs) // 2] if xs else math.inf  # noqa: E731
+        # The fastest of each kind: the first compressed sample also pays one-off costs
+        # (kernel compilation, the first size exchange).
+        best = lambda xs: min(xs) if xs else math.inf  # noqa: E731
         times = torch.tensor(
-            [[med(self._trial[k]["plain"]), med(self._trial[k]["cfc"])] for k in keys],
+            [[best(self._trial[k]["plain"]), best(self._trial[k]["cfc"])] for k in keys],
             dtype=torch.float64,
             device=self._trial_device,
         )
@@ -329,7 +331,13 @@ class CfcState:
     # ---- stats ----
 
     def reset_stats(self) -> None:
-        """Zero the counters of :meth:`stats`."""
+        """Zero the counters of :meth:`stats` (waits for the GPU work already queued)."""
+        if getattr(self, "_worker", None) is not None:
+            self._worker.drain()
+        with self._lock:
+            self._reset_counters()
+
+    def _reset_counters(self) -> None:
         self._stats = {
             "compressed_buckets": 0,
             "plain_buckets": 0,
@@ -388,9 +396,9 @@ class CfcState:
             "config": self._config(),
             "step": self.step,
             "residuals": residuals,  # per parameter ordinal
-            "layouts": {i: l for i, l in self._layouts.items() if l is not None},
+            "layouts": {**self._saved_layouts, **{i: l for i, l in self._layouts.items() if l is not None}},
             "decisions": dict(self._decisions),
-            "rms": {i: float(h) for i, (h, _) in self._rms.items()},  # CUDA buckets' last sums of squares
+            "rms": {i: (float(h), n) for i, (h, _, n) in self._rms.items()},  # CUDA buckets' sums of squares
             "stats": self.stats(),
         }
 
@@ -421,7 +429,7 @@ class CfcState:
         self._decisions = {int(k): bool(v) for k, v in sd["decisions"].items()}
         import torch
 
-        self._rms = {int(i): (torch.tensor(v, dtype=torch.float32), None) for i, v in sd["rms"].items()}
+        self._rms = {int(i): (torch.tensor(v, dtype=torch.float32), None, int(n)) for i, (v, n) in sd["rms"].items()}
         self.reset_stats()
 
     # ---- bookkeeping shared by both engines ----
@@ -479,8 +487,9 @@ def cfc_hook(state, bucket):  # no annotations: DDP checks them against its own 
             return fut
     buf = bucket.buffer()
     layout = state._ordinals(bucket)
-    state._layouts[bucket.index()] = None if layout is None else tuple(o for o, _, _ in layout)
     parts, scatter = state._parts(bucket.index(), buf, layout)
+    for k, _, sub in parts:  # what runs, as a checkpoint made now must record it
+        state._layouts[k] = None if sub is None else tuple(o for o, _, _ in sub)
     if buf.device.type == "cuda":
         return _gpu_bucket(state, bucket, buf, parts, scatter)
     return _cpu_bucket(state, bucket, buf, parts, scatter)
@@ -641,14 +650,24 @@ def _gpu_bucket(state: CfcState, bucket, buf, parts, scatter) -> Any:
             state._worker = _CommThread(state, dev)
     worker = state._worker
     try:
-        if worker.device != dev:
-            raise ValueError(f"cfc_hook drives one GPU per process; buckets on {worker.device} and {dev}")
-        if not state._agreed:  # once, before any collective: a disagreement never hangs
-            state._agree(dev)
+        return _gpu_submit(state, worker, bucket, buf, parts, scatter)
     except Exception as e:  # noqa: BLE001 - handed to DDP, which raises it from backward()
         fut = torch.futures.Future()
         fut.set_exception(e)
+        if bucket.is_last():  # the step's earlier buckets must still complete
+            worker.submit("flush")
+            state._end_of_bucket(bucket)
         return fut
+
+
+def _gpu_submit(state: CfcState, worker, bucket, buf, parts, scatter) -> Any:
+    import torch
+
+    dev = buf.device
+    if worker.device != dev:
+        raise ValueError(f"cfc_hook drives one GPU per process; buckets on {worker.device} and {dev}")
+    if not state._agreed:  # once, before any collective: a disagreement never hangs
+        state._agree(dev)
     ready = torch.cuda.Event()
     jobs = []
     for index, flat, layout in parts:
@@ -690,10 +709,12 @@ def _gpu_launch(state: CfcState, stream, index, buf, r, compress, trial, ready):
     if compress is None:  # every trial bucket was timed before this one (FIFO): decide
         compress = state._decision(index)
 
+    busy = [0.0]  # seconds this thread spent on the part, outside the wait for the next bucket
+
     def account(compressed, sent, eps):
         if trial:
             stream.synchronize()
-        seconds = time.perf_counter() - t0
+        seconds = time.perf_counter() - t0 if trial else busy[0]
         state._account(compressed, sent, ring, eps, seconds)
         if trial:
             state._trial.setdefault(index, {"plain": [], "cfc": []})["cfc" if compressed else "plain"].append(seconds)
@@ -705,6 +726,7 @@ def _gpu_launch(state: CfcState, stream, index, buf, r, compress, trial, ready):
             r.record_stream(stream)
         dist.all_reduce(buf, group=state.group)
         buf.div_(world)
+        busy[0] = time.perf_counter() - t0
         account(False, ring, 0.0)
         return None
 
@@ -714,6 +736,8 @@ def _gpu_launch(state: CfcState, stream, index, buf, r, compress, trial, ready):
         # The bound follows the RMS of the bucket's previous compressed step (copied to the
         # host a step ago: no wait); the first time, this step's (waits for this stream).
         prev, rms = state._rms.get(index), None
+        if prev is not None and prev[2] != n:  # another bucket under this index (rebuilt)
+            prev = None
         if prev is not None:
             if prev[1] is not None:
                 prev[1].synchronize()
@@ -725,7 +749,7 @@ def _gpu_launch(state: CfcState, stream, index, buf, r, compress, trial, ready):
         host.copy_(ss, non_blocking=True)
         done = torch.cuda.Event()
         done.record(stream)
-        state._rms[index] = (host, done)
+        state._rms[index] = (host, done, n)
         kw = {"eps": bound * rms if rms > 0 and math.isfinite(rms) else 1e-30}
     else:
         kw = {kind: bound}
@@ -734,7 +758,10 @@ def _gpu_launch(state: CfcState, stream, index, buf, r, compress, trial, ready):
         raise cfc.CfcError(f"the GPU codec cannot drive {buf.device} (compute capability 8.0 or newer is needed)")
     exchange = _FrameExchange(state, index, c, n)
 
+    busy[0] = time.perf_counter() - t0
+
     def finish():
+        t1 = time.perf_counter()
         frames, sent = exchange.finish()
         acc = None
         for j in range(world):  # the same order on every rank: the same bits everywhere
@@ -745,7 +772,8 @@ def _gpu_launch(state: CfcState, stream, index, buf, r, compress, trial, ready):
             held = state._max_err_dev.get(buf.device)
             amax = r.abs().max()
             state._max_err_dev[buf.device] = amax if held is None else torch.maximum(held, amax)
-        account(True, sent, float(kw["eps"]) if "eps" in kw else 0.0)
+        busy[0] += time.perf_counter() - t1
+        account(True, sent, float(kw["eps"]) if "eps" in kw else c.eps)  # c.eps: the frame's
 
     if trial:
         finish()
