@@ -12,7 +12,6 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import cfc
 from cfc import CfcState, cfc_hook
 
 
