@@ -103,6 +103,16 @@ def parity(rank, world, out):
         assert same_on_all_ranks(p.detach())
 
 
+def resume_from(ckpt, kw):
+    """A fresh model, DDP, optimizer and CfcState, loaded from a checkpoint of all three."""
+    state = CfcState(**kw)
+    ddp, opt = make(state)
+    ddp.load_state_dict(ckpt["model"])
+    opt.load_state_dict(copy.deepcopy(ckpt["opt"]))  # Adam aliases the tensors it loads
+    state.load_state_dict(ckpt["cfc"])
+    return state, ddp, opt
+
+
 def resume(rank, world, out, tmp=None):
     kw = dict(eps=2e-4, warmup_steps=1)
     ddp, opt = make(CfcState(**kw))
@@ -122,11 +132,7 @@ def resume(rank, world, out, tmp=None):
     buffer.seek(0)
     saved = torch.load(buffer, weights_only=False)
     assert any(r.abs().max() > 0 for r in saved["cfc"]["residuals"].values())
-    state = CfcState(**kw)
-    ddp, opt = make(state)
-    ddp.load_state_dict(saved["model"])
-    opt.load_state_dict(copy.deepcopy(saved["opt"]))  # Adam aliases what it loads
-    state.load_state_dict(saved["cfc"])
+    state, ddp, opt = resume_from(saved, kw)
     train(ddp, opt, rank, 4, start=4)
     resumed = [p.detach() for p in ddp.parameters()]
     assert all(torch.equal(a, b) for a, b in zip(straight, resumed))
@@ -134,20 +140,12 @@ def resume(rank, world, out, tmp=None):
 
     # A checkpoint made one step after a resume (DDP still on its initial bucket, which the
     # hook ran as the saved buckets) records those buckets, and resuming from it is exact too.
-    state = CfcState(**kw)
-    ddp, opt = make(state)
-    ddp.load_state_dict(saved["model"])
-    opt.load_state_dict(copy.deepcopy(saved["opt"]))  # Adam aliases what it loads
-    state.load_state_dict(saved["cfc"])
+    state, ddp, opt = resume_from(saved, kw)
     train(ddp, opt, rank, 1, start=4)
     again = {"model": {k: v.clone() for k, v in ddp.state_dict().items()},
              "opt": copy.deepcopy(opt.state_dict()), "cfc": state.state_dict()}
     assert again["cfc"]["layouts"] == saved["cfc"]["layouts"]
-    state = CfcState(**kw)
-    ddp, opt = make(state)
-    ddp.load_state_dict(again["model"])
-    opt.load_state_dict(copy.deepcopy(again["opt"]))
-    state.load_state_dict(again["cfc"])
+    state, ddp, opt = resume_from(again, kw)
     train(ddp, opt, rank, 3, start=5)
     assert all(torch.equal(a, b.detach()) for a, b in zip(straight, ddp.parameters()))
 
