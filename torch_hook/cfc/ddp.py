@@ -306,6 +306,11 @@ class CfcState:
         self._residuals[index] = (key, r)
         return r
 
+    def _record_trial(self, index: int, compressed: bool, seconds: float, device) -> None:
+        """One timed trial of a bucket, plain or compressed (read by :meth:`_decide`)."""
+        self._trial.setdefault(index, {"plain": [], "cfc": []})["cfc" if compressed else "plain"].append(seconds)
+        self._trial_device = device
+
     def _decide(self) -> None:
         """End of the trial: per bucket, compress iff it was faster (slowest rank decides)."""
         import torch
@@ -462,6 +467,11 @@ def _flush(buf, r) -> None:
         r.zero_()
 
 
+def _rms_eps(bound: float, rms: float) -> float:
+    """The absolute bound of ``rms=bound``; any positive one when the bucket is all zeros."""
+    return bound * rms if rms > 0 and math.isfinite(rms) else 1e-30
+
+
 def _finite_sumsq(x) -> Any:
     import torch
 
@@ -532,7 +542,7 @@ def _cpu_part(state: CfcState, index: int, buf, layout) -> None:
             ss = _finite_sumsq(buf if r is None else buf.float() + r).reshape(1).double()
             dist.all_reduce(ss, group=state.group)
             rms = math.sqrt(float(ss) / (buf.numel() * state.world))
-            kw = {"eps": bound * rms if rms > 0 and math.isfinite(rms) else 1e-30}
+            kw = {"eps": _rms_eps(bound, rms)}
         else:
             kw = {kind: bound}
         y, report = cfc.distributed.all_reduce(buf, average=True, residual=r, group=state.group, **kw)
@@ -548,8 +558,7 @@ def _cpu_part(state: CfcState, index: int, buf, layout) -> None:
     seconds = time.perf_counter() - t0
     state._account(compress, sent, ring, eps, seconds)
     if trial:
-        state._trial.setdefault(index, {"plain": [], "cfc": []})["cfc" if compress else "plain"].append(seconds)
-        state._trial_device = buf.device
+        state._record_trial(index, compress, seconds, buf.device)
 
 
 # ---- CUDA buckets: the comm thread ----
@@ -598,7 +607,7 @@ class _CommThread:
         torch.cuda.synchronize(self.device)
 
     def _run_deferred(self, items) -> None:
-        for i, (work, fut) in enumerate(items):
+        for work, fut in items:
             try:
                 if self.failed is not None:
                     raise cfc.CfcError(f"cfc_hook failed: {self.failed}")
@@ -717,8 +726,7 @@ def _gpu_launch(state: CfcState, stream, index, buf, r, compress, trial, ready):
         seconds = time.perf_counter() - t0 if trial else busy[0]
         state._account(compressed, sent, ring, eps, seconds)
         if trial:
-            state._trial.setdefault(index, {"plain": [], "cfc": []})["cfc" if compressed else "plain"].append(seconds)
-            state._trial_device = buf.device
+            state._record_trial(index, compressed, seconds, buf.device)
 
     if not compress:
         _flush(buf, r)
@@ -750,7 +758,7 @@ def _gpu_launch(state: CfcState, stream, index, buf, r, compress, trial, ready):
         done = torch.cuda.Event()
         done.record(stream)
         state._rms[index] = (host, done, n)
-        kw = {"eps": bound * rms if rms > 0 and math.isfinite(rms) else 1e-30}
+        kw = {"eps": _rms_eps(bound, rms)}
     else:
         kw = {kind: bound}
     c = cfc.compress(buf, residual=r, **kw)  # on this stream: residual add, quantize, pack
