@@ -306,6 +306,15 @@ class CfcState:
         self._residuals[index] = (key, r)
         return r
 
+    def _forget_buckets(self) -> None:
+        """Drop what is kept per bucket (residuals, slot sizes, choices, RMS): the buckets that
+        come next are other ones (:class:`cfc.distributed.AllReducer`, given a new size)."""
+        if self._worker is not None:
+            self._worker.drain()
+        for d in (self._residuals, self._where, self._pending, self._layouts, self._decisions,
+                  self._trial, self._slots, self._rms):
+            d.clear()
+
     def _record_trial(self, index: int, compressed: bool, seconds: float, device) -> None:
         """One timed trial of a bucket, plain or compressed (read by :meth:`_decide`)."""
         self._trial.setdefault(index, {"plain": [], "cfc": []})["cfc" if compressed else "plain"].append(seconds)

@@ -9,18 +9,20 @@ Example::
 
     >>> # xdoctest: +SKIP (needs an initialised process group)
     >>> y, report = cfc.distributed.all_reduce(grad, eps=1e-4, average=True, residual=r)
+
+:class:`AllReducer` averages whole tensors, CPU or CUDA, on :func:`cfc.cfc_hook`'s engines: a
+CUDA tensor is cut into chunks that are compressed, exchanged over NCCL and decoded one behind
+the other on a comm thread, and the call returns before the GPU has finished.
 """
 
 from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Tuple
 
-import numpy as np
-
 from cfc import _native
 from cfc.codec import _addr, _check_residual, _tensor_bytes
 
-__all__ = ["TorchTransport", "all_reduce"]
+__all__ = ["AllReducer", "TorchTransport", "all_reduce"]
 
 
 class TorchTransport:
@@ -123,3 +125,126 @@ def all_reduce(
     dtype = getattr(torch, name)
     out = torch.frombuffer(raw, dtype=dtype) if len(raw) else torch.empty(0, dtype=dtype)
     return out.reshape(shape), report
+
+
+class _Chunk:
+    """The part of DDP's ``GradBucket`` that :func:`cfc.cfc_hook` reads, over one chunk of a
+    tensor (no parameters: the residual is kept per chunk)."""
+
+    def __init__(self, index: int, buffer: Any, last: bool):
+        self._index, self._buffer, self._last = index, buffer, last
+
+    def index(self) -> int:
+        return self._index
+
+    def buffer(self) -> Any:
+        return self._buffer
+
+    def is_last(self) -> bool:
+        return self._last
+
+    def parameters(self) -> List[Any]:
+        return []
+
+
+class Pending:
+    """An all-reduce on its way: :meth:`wait` returns the averaged tensor (for a CUDA tensor,
+    once the caller's current stream is ordered after the result; it may still be running)."""
+
+    def __init__(self, tensor: Any, futures: List[Any]):
+        self.tensor, self._futures = tensor, futures
+
+    def wait(self) -> Any:
+        for f in self._futures:
+            f.wait()  # raises the engine's error (e.g. cfc.CfcError) on every rank
+        return self.tensor
+
+
+class AllReducer:
+    """Compressed average of whole tensors over a process group, with error feedback.
+
+    It runs :func:`cfc.cfc_hook`'s engines on chunks of the tensor: on CUDA tensors (NCCL) a
+    chunk is compressed on the GPU while the one before it is on the wire and the one before
+    that is decoded, on a comm thread, so ``reducer(x)`` returns before the GPU work is done;
+    on CPU tensors (gloo) each chunk runs cfc's Rust collective on the calling thread.
+
+    Every rank must call it with tensors of the same size and dtype, in the same order. The
+    first call with a new size or dtype checks that (a wait for the earlier calls and one small
+    collective): ranks that disagree all get a ``cfc.CfcError`` instead of a hang. The error
+    feedback residual of each chunk is kept from one call to the next while the size and dtype
+    stay the same (a call with another size starts afresh): use one reducer per kind of tensor.
+
+    Args:
+        state: the options (:class:`cfc.CfcState`; its ``warmup_steps`` and ``fallback`` apply
+            per call, as they would per training step). Default: ``CfcState(warmup_steps=0)``,
+            a bound of 0.3 x each chunk's RMS.
+        chunk_numel: elements per chunk (default 8 Mi: 32 MB of float32).
+
+    Example::
+
+        >>> # xdoctest: +SKIP (needs an initialised process group)
+        >>> reducer = cfc.distributed.AllReducer(cfc.CfcState(eps=1e-5, warmup_steps=0))
+        >>> y = reducer(x).wait()  # x is averaged in place and returned
+    """
+
+    def __init__(self, state: Any = None, *, chunk_numel: int = 1 << 23):
+        from cfc.ddp import CfcState
+
+        if chunk_numel < 1:
+            raise ValueError(f"chunk_numel must be >= 1, got {chunk_numel}")
+        self.state = state if state is not None else CfcState(warmup_steps=0)
+        self.chunk_numel = int(chunk_numel)
+        self._checked: set = set()  # (numel, dtype, device type) every rank has agreed on
+        self._last: Any = None  # the last call's (numel, dtype, device type)
+
+    def _check(self, tensor: Any) -> None:
+        """Every rank's size and dtype, compared on every rank (before any chunk moves)."""
+        import torch
+        import torch.distributed as dist
+
+        sig = (tensor.numel(), str(tensor.dtype), tensor.device.type)
+        state = self.state
+        if sig != self._last and self._last is not None:
+            state._forget_buckets()  # other chunks now: their residuals start at zero
+        self._last = sig
+        if sig in self._checked:
+            return
+        state._setup()
+        if state._worker is not None:  # its collectives share the communicator: let them end
+            state._worker.drain()
+        dtypes = ("torch.float32", "torch.bfloat16", "torch.float16")
+        code = dtypes.index(sig[1]) if sig[1] in dtypes else -1
+        mine = torch.tensor([float(sig[0]), float(code)], dtype=torch.float64, device=tensor.device)
+        table = [torch.empty_like(mine) for _ in range(state.world)]
+        dist.all_gather(table, mine, group=state.group)
+        rows = [tuple(t.cpu().tolist()) for t in table]
+        if any(row != rows[0] for row in rows):
+            seen = ", ".join(
+                f"rank {r}: {int(n)} x {dtypes[int(c)][6:] if 0 <= c < 3 else 'other'}"
+                for r, (n, c) in enumerate(rows)
+            )
+            raise _native.CfcError(f"ranks disagree on the tensor to all-reduce ({seen})")
+        self._checked.add(sig)
+
+    def __call__(self, tensor: Any) -> Pending:
+        """Start averaging ``tensor`` (contiguous, float32/bf16/fp16) in place."""
+        import torch
+
+        from cfc.ddp import cfc_hook
+
+        if not isinstance(tensor, torch.Tensor) or tensor.dtype not in (
+            torch.float32, torch.bfloat16, torch.float16
+        ):
+            got = tensor.dtype if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+            raise TypeError(f"AllReducer takes float32, bfloat16 or float16 tensors, got {got}")
+        if not tensor.is_contiguous():
+            raise ValueError("AllReducer averages in place: give it a contiguous tensor")
+        self._check(tensor)
+        flat = tensor.view(-1)
+        n, step = flat.numel(), self.chunk_numel
+        starts = list(range(0, n, step)) or [0]
+        futures = [
+            cfc_hook(self.state, _Chunk(i, flat[a : a + step], i == len(starts) - 1))
+            for i, a in enumerate(starts)
+        ]
+        return Pending(tensor, futures)

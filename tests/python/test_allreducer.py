@@ -1,0 +1,178 @@
+"""cfc.distributed.AllReducer and ``python -m cfc.bench``: 2 processes, gloo on CPU tensors (in
+CI) and NCCL on CUDA tensors (``-m gpu``, with 2 GPUs)."""
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import cfc
+from conftest import GRADS
+
+EPS = 1e-5
+
+
+def data(rank, call, n):
+    g = torch.Generator().manual_seed(100 * rank + call)
+    return torch.randn(n, generator=g) * torch.rand(n, generator=g).pow(4) * 1e-3
+
+
+def exact_average(call, n, world):
+    return sum(data(r, call, n).double() for r in range(world)) / world
+
+
+def check_close(y, exact, eps):
+    """Every element within eps of the exact average (plus float32 rounding of the result)."""
+    err = (y.double().cpu() - exact).abs().max().item()
+    assert err <= eps * (1 + 1e-6) + 2.0**-23 * exact.abs().max().item(), (err, eps)
+    return err
+
+
+def _worker(rank, world, init_file, scenario, device):
+    dev = torch.device(device if device == "cpu" else f"cuda:{rank}")
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    backend = "gloo" if dev.type == "cpu" else "nccl"
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        state = cfc.CfcState(eps=EPS, warmup_steps=0, min_compress_numel=0)
+        reducer = cfc.distributed.AllReducer(state, chunk_numel=3000)
+        if scenario == "average":
+            # 10000 values: chunks of 3000, 3000, 3000 and a 1000 tail; then a bf16 tensor
+            for call in range(3):
+                x = data(rank, call, 10000).to(dev)
+                y = reducer(x).wait()
+                assert y is x  # in place
+                if call == 0:  # zero residuals: the plain bound
+                    check_close(y, exact_average(0, 10000, world), EPS)
+            s = state.stats()
+            assert s["compressed_buckets"] == 12 and s["plain_buckets"] == 0, s
+            # small chunks: on CUDA each frame travels in a slot 6% and 264 bytes larger
+            assert s["ratio"] > (3 if dev.type == "cpu" else 2), s
+            xb = data(rank, 7, 5000).bfloat16().reshape(50, 100).to(dev)
+            yb = cfc.distributed.AllReducer(cfc.CfcState(eps=EPS, warmup_steps=0, min_compress_numel=0))(xb).wait()
+            assert yb.dtype == torch.bfloat16 and yb.shape == (50, 100)
+            exact_b = sum(data(r, 7, 5000).bfloat16().double() for r in range(world)) / world
+            # the bf16 result is also rounded to bf16 (8 bits of mantissa)
+            err = (yb.double().cpu().reshape(-1) - exact_b).abs()
+            assert (err <= EPS + exact_b.abs() * 2.0**-8).all()
+        elif scenario == "feedback":
+            # Every value is 0.4 eps: alone, each call would round it to 0. With error feedback
+            # the sum of the results follows the exact sum within eps.
+            n, calls = 4000, 20
+            total = torch.zeros(n, dtype=torch.float64)
+            for call in range(calls):
+                x = torch.full((n,), 0.4 * EPS, device=dev)
+                total += reducer(x).wait().double().cpu()
+            drift = (total - calls * 0.4 * EPS).abs().max().item()
+            assert drift <= EPS * 1.01, drift
+            # the control: without error feedback everything is lost
+            plain = cfc.distributed.AllReducer(
+                cfc.CfcState(eps=EPS, warmup_steps=0, min_compress_numel=0, error_feedback=False),
+                chunk_numel=3000,
+            )
+            lost = torch.zeros(n, dtype=torch.float64)
+            for call in range(calls):
+                lost += plain(torch.full((n,), 0.4 * EPS, device=dev)).wait().double().cpu()
+            assert (lost == 0).all()
+        elif scenario == "resize":
+            # another size starts afresh (its first call is within eps), then the first again
+            for call, n in enumerate((10000, 4321, 10000)):
+                y = reducer(data(rank, call, n).to(dev)).wait()
+                check_close(y, exact_average(call, n, world), EPS)
+        elif scenario == "mismatch":
+            n = 10000 if rank == 0 else 9000
+            with pytest.raises(cfc.CfcError, match="disagree on the tensor"):
+                reducer(data(rank, 0, n).to(dev))
+            x = data(rank, 0, 10000).to(dev)
+            with pytest.raises(cfc.CfcError, match="disagree on the tensor"):
+                reducer(x if rank == 0 else x.half())
+            # the ranks can go on once they agree
+            check_close(reducer(x).wait(), exact_average(0, 10000, world), EPS)
+        elif scenario == "returns_early":
+            # The caller's thread does not wait for the GPU: with the stream held up by a
+            # half-second kernel queued before it, the call still returns at once.
+            x = data(rank, 0, 1 << 20).to(dev)
+            reducer(x.clone()).wait()  # the first call's agreement rounds wait; later ones do not
+            torch.cuda.synchronize()
+            torch.cuda._sleep(1_000_000_000)
+            t0 = time.perf_counter()
+            pending = reducer(x)
+            returned = time.perf_counter() - t0
+            busy = not torch.cuda.current_stream().query()
+            y = pending.wait()
+            torch.cuda.synchronize()
+            total = time.perf_counter() - t0
+            assert busy and returned < 0.05 and total > 0.2, (returned, total)
+            assert torch.isfinite(y).all()
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(tmp_path, scenario, device, world=2):
+    mp.spawn(_worker, args=(world, str(tmp_path / "init"), scenario, device), nprocs=world, join=True)
+
+
+def two_gpus():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("scenario", ["average", "feedback", "resize", "mismatch"])
+def test_all_reducer(tmp_path, scenario, device):
+    if device == "cuda":
+        two_gpus()
+    spawn(tmp_path, scenario, device)
+
+
+def test_all_reducer_over_three_ranks(tmp_path):
+    spawn(tmp_path, "average", "cpu", world=3)
+
+
+@pytest.mark.gpu
+def test_the_call_returns_before_the_gpu_is_done(tmp_path):
+    two_gpus()
+    spawn(tmp_path, "returns_early", "cuda")
+
+
+def test_all_reducer_rejects_bad_tensors():
+    r = cfc.distributed.AllReducer(cfc.CfcState(eps=1e-3))
+    for bad in (torch.zeros(4, dtype=torch.float64), torch.zeros(4, dtype=torch.int32), [1.0]):
+        with pytest.raises(TypeError, match="float32, bfloat16 or float16"):
+            r(bad)
+    with pytest.raises(ValueError, match="contiguous"):
+        r(torch.zeros(4, 4).t())
+    with pytest.raises(ValueError, match="chunk_numel"):
+        cfc.distributed.AllReducer(chunk_numel=0)
+
+
+def test_bench_runs_on_cpu(tmp_path, grads):  # grads: skips where the vectors are missing
+    out = tmp_path / "bench.json"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+        "-m", "cfc.bench", "--cpu", "--sizes", "256K,1M", "--iters", "2", "--warmup", "1",
+        "--chunk-mb", "0.5", "--grads", str(GRADS),
+        "--json", str(out),
+    ]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "| 1MB | cfc@0.3 |" in r.stdout, r.stdout
+    result = json.loads(out.read_text())
+    assert result["world"] == 2 and result["backend"] == "gloo"
+    rows = {(row["size"], row["method"]): row for row in result["rows"]}
+    assert set(rows) == {(s, m) for s in (1 << 18, 1 << 20) for m in ("fp32", "bf16", "cfc@0.3", "cfc@0.1")}
+    for (size, m), row in rows.items():
+        assert row["seconds"] > 0 and row["algbw_GBps"] > 0
+        if m.startswith("cfc"):
+            assert 0 < row["max_err_over_eps"] <= 1 + 1e-6, row
+            assert row["ratio"] > 3, row  # at 0.1 x RMS of the real vectors: about 6x
+

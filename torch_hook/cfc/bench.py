@@ -1,0 +1,318 @@
+"""``python -m cfc.bench``: plain all-reduce and cfc's compressed all-reduce, side by side.
+
+Run it under torchrun, one process per GPU; it uses whatever transport NCCL picks (NVLink,
+shared memory, sockets, InfiniBand), or gloo on CPU tensors where there is no GPU (``--cpu``)::
+
+    torchrun --standalone --nproc_per_node=2 -m cfc.bench --grads ../shared/data/grads
+    NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 NCCL_NET=Socket \\
+        NCCL_SOCKET_IFNAME=lo torchrun --standalone --nproc_per_node=2 -m cfc.bench --label socket
+
+For each size it times, on the same data in the same process group:
+
+* ``fp32``: ``dist.all_reduce`` of the float32 tensor (average);
+* ``bf16``: the same on a bfloat16 copy (the cast is not timed);
+* ``cfc@B``: :class:`cfc.distributed.AllReducer` with ``eps = B x RMS`` of the data and error
+  feedback: chunks compressed on the GPU, exchanged, decoded and averaged, pipelined.
+
+Each iteration starts from the same input, after a tiny all-reduce that lines the ranks up;
+its time runs until the result is on the device, and the slowest rank's counts. The table
+gives medians: time, algbw (float32 bytes / time), busbw (algbw x 2(n-1)/n, the figure
+nccl-tests prints for all-reduce), the speed-up over ``fp32``, the ratio of the bytes a ring
+all-reduce of float32 sends to the bytes cfc sent, how soon the call returned to Python, and
+the largest error of a first call (zero residuals) over the bound. ``--json`` and ``--png``
+keep the figures.
+
+The input: the gradient vectors in ``--grads`` (``.npy`` float32), each scaled to their median
+RMS (so one bound suits them all, as in a bucket of similar layers), concatenated and tiled;
+each rank starts at another offset. Without ``--grads``, heavy-tailed random numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any, Dict, List, Optional
+
+import cfc
+
+_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    """``"64M"`` -> 67108864 bytes (K, M, G are powers of 1024)."""
+    t = text.strip().upper().rstrip("B")
+    scale = _UNITS.get(t[-1:], 1)
+    value = int(float(t[:-1] if t[-1:] in _UNITS else t) * scale)
+    if value < 4:
+        raise argparse.ArgumentTypeError(f"size {text!r} holds no float32")
+    return value
+
+
+def _label(nbytes: int) -> str:
+    for unit in ("G", "M", "K"):
+        if nbytes >= _UNITS[unit] and nbytes % _UNITS[unit] == 0:
+            return f"{nbytes // _UNITS[unit]}{unit}B"
+    return f"{nbytes}B"
+
+
+def gradient_data(folder: Optional[str]):
+    """(float32 CPU tensor, its RMS): the vectors in ``folder`` at one scale, or random."""
+    import numpy as np
+    import torch
+
+    files = sorted(glob.glob(os.path.join(folder, "*.npy"))) if folder else []
+    if folder and not files:
+        raise SystemExit(f"no .npy files in {folder}")
+    if not files:
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(1 << 22, generator=g) * torch.rand(1 << 22, generator=g).pow(4) * 1e-4
+        return x, float(x.double().pow(2).mean().sqrt())
+    vectors = [torch.from_numpy(np.load(f).astype(np.float32).reshape(-1)) for f in files]
+    rms = [float(v.double().pow(2).mean().sqrt()) for v in vectors]
+    target = statistics.median(rms)
+    x = torch.cat([v * (target / r) if r > 0 else v for v, r in zip(vectors, rms)])
+    return x, target
+
+
+def rank_input(base, rank: int, numel: int):
+    """``numel`` values of ``base``, tiled, starting at a rank's own offset."""
+    import torch
+
+    start = (rank * 1_000_003) % base.numel()
+    rolled = torch.cat([base[start:], base[:start]])
+    reps = -(-numel // rolled.numel())
+    return rolled.repeat(reps)[:numel].clone()
+
+
+class _Progress:
+    def __init__(self, total: int, show: bool):
+        self.total, self.done, self.show = total, 0, show and total > 0
+
+    def step(self, text: str) -> None:
+        self.done += 1
+        if self.show:
+            filled = 30 * self.done // self.total
+            bar = "#" * filled + "." * (30 - filled)
+            sys.stderr.write(f"\r[{bar}] {self.done}/{self.total} {text:<24}")
+            if self.done == self.total:
+                sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+def _measure(run, setup, sync, align, iters: int, warmup: int, slowest) -> Dict[str, float]:
+    """Median over ``iters`` of (seconds to the result on the device, seconds until the call
+    returned); each iteration's time is the slowest rank's."""
+    for _ in range(warmup):
+        setup()
+        run()
+        sync()
+    total, call = [], []
+    for _ in range(iters):
+        setup()
+        align()
+        sync()
+        t0 = time.perf_counter()
+        pending = run()
+        t1 = time.perf_counter()
+        if pending is not None:
+            pending.wait()
+        sync()
+        t2 = time.perf_counter()
+        total.append(t2 - t0)
+        call.append(t1 - t0)
+    total = slowest(total)
+    return {"seconds": statistics.median(total), "call_seconds": statistics.median(call)}
+
+
+def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
+    p = argparse.ArgumentParser(prog="python -m cfc.bench", description=__doc__.split("\n")[0])
+    p.add_argument("--sizes", default=None, help="comma list (default 1M..1G on GPU, 1M..16M on CPU)")
+    p.add_argument("--bounds", default="0.3,0.1", help="cfc bounds as multiples of the data's RMS")
+    p.add_argument("--iters", type=int, default=None, help="timed iterations (default 20 GPU, 5 CPU)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--chunk-mb", type=float, default=32.0, help="cfc chunk size (MB of float32)")
+    p.add_argument("--grads", default=None, help="folder of .npy gradient vectors")
+    p.add_argument("--cpu", action="store_true", help="CPU tensors over gloo, even with GPUs")
+    p.add_argument("--label", default=None, help="transport name for the table (default: guessed)")
+    p.add_argument("--json", default=None)
+    p.add_argument("--png", default=None)
+    args = p.parse_args(argv)
+
+    import torch
+    import torch.distributed as dist
+
+    if "RANK" not in os.environ:
+        raise SystemExit("run under torchrun, one process per GPU: torchrun --nproc_per_node=2 -m cfc.bench")
+    use_cuda = torch.cuda.is_available() and not args.cpu
+    if use_cuda:
+        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(dev)
+        dist.init_process_group("nccl", device_id=dev)
+    else:
+        dev = torch.device("cpu")
+        dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    try:
+        return _run(args, dev, rank, world)
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(args, dev, rank: int, world: int) -> Dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    cuda = dev.type == "cuda"
+    sizes = [parse_size(s) for s in (args.sizes or ("1M,4M,16M,64M,256M,1G" if cuda else "1M,4M,16M")).split(",")]
+    bounds = [float(b) for b in args.bounds.split(",") if b.strip()]
+    iters = args.iters if args.iters is not None else (20 if cuda else 5)
+    label = args.label or _guess_transport(cuda)
+    base, rms = gradient_data(args.grads)
+    chunk = max(1, int(args.chunk_mb * (1 << 20)) // 4)
+    reducers = {
+        b: cfc.distributed.AllReducer(
+            cfc.CfcState(eps=b * rms, warmup_steps=0, min_compress_numel=0), chunk_numel=chunk
+        )
+        for b in bounds
+    }
+    avg = dist.ReduceOp.AVG if cuda else None
+
+    def all_reduce_avg(t):
+        if avg is not None:
+            dist.all_reduce(t, op=avg)
+        else:
+            dist.all_reduce(t)
+            t.div_(world)
+
+    sync = (lambda: torch.cuda.synchronize(dev)) if cuda else (lambda: None)
+    flag = torch.zeros(1, device=dev)
+
+    def align():
+        dist.all_reduce(flag)
+
+    def slowest(times: List[float]) -> List[float]:
+        t = torch.tensor(times, dtype=torch.float64, device=dev)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.tolist()
+
+    methods = ["fp32", "bf16"] + [f"cfc@{b:g}" for b in bounds]
+    progress = _Progress(len(sizes) * len(methods), rank == 0)
+    rows: List[Dict[str, Any]] = []
+    for nbytes in sizes:
+        n = nbytes // 4
+        x = rank_input(base, rank, n).to(dev)
+        exact = x.double()
+        dist.all_reduce(exact)
+        exact.div_(world)
+        plain_s = None
+        for m in methods:
+            row: Dict[str, Any] = {"size": nbytes, "method": m}
+            if m in ("fp32", "bf16"):
+                src = x if m == "fp32" else x.bfloat16()
+                buf = src.clone()
+                t = _measure(lambda: all_reduce_avg(buf), lambda: buf.copy_(src), sync, align, iters, args.warmup, slowest)
+                row.update(t, ratio=1.0 if m == "fp32" else 2.0)
+            else:
+                b = float(m[4:])
+                reducer = reducers[b]
+                y = reducer(x.clone()).wait()  # a first call: zero residuals, so |err| <= eps
+                sync()
+                err = torch.tensor([(y.double() - exact).abs().max().item()], dtype=torch.float64, device=dev)
+                dist.all_reduce(err, op=dist.ReduceOp.MAX)
+                buf = x.clone()
+                reducer.state.reset_stats()
+                t = _measure(lambda: reducer(buf), lambda: buf.copy_(x), sync, align, iters, args.warmup, slowest)
+                st = reducer.state.stats()
+                row.update(t, ratio=st["ratio"], eps=b * rms, max_err_over_eps=err.item() / (b * rms),
+                           resends=st["resends"], plain_chunks=st["plain_buckets"])
+            if m == "fp32":
+                plain_s = row["seconds"]
+            row["algbw_GBps"] = nbytes / row["seconds"] / 1e9
+            row["busbw_GBps"] = row["algbw_GBps"] * 2 * (world - 1) / world
+            row["speedup"] = plain_s / row["seconds"]
+            rows.append(row)
+            progress.step(f"{_label(nbytes)} {m}")
+        x = exact = buf = None  # free this size's tensors before the next
+        if cuda:
+            torch.cuda.empty_cache()
+
+    result = {
+        "world": world,
+        "device": torch.cuda.get_device_name(dev) if cuda else "cpu",
+        "backend": dist.get_backend(),
+        "transport": label,
+        "iters": iters,
+        "chunk_mb": args.chunk_mb,
+        "rms": rms,
+        "data": args.grads or "random",
+        "rows": rows,
+    }
+    if rank == 0:
+        print(_table(result))
+        if args.json:
+            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
+        if args.png:
+            _plot(result, args.png)
+    return result
+
+
+def _guess_transport(cuda: bool) -> str:
+    if not cuda:
+        return "gloo (CPU)"
+    if os.environ.get("NCCL_NET", "").lower() == "socket" and os.environ.get("NCCL_P2P_DISABLE") == "1":
+        return "NCCL socket"
+    return "NCCL (NVLink/PCIe/shm)"
+
+
+def _table(result: Dict[str, Any]) -> str:
+    head = (
+        f"all-reduce (average), {result['world']} ranks, {result['device']}, {result['transport']}; "
+        f"medians of {result['iters']}; data: {result['data']}\n"
+        "| size | method | time ms | algbw GB/s | busbw GB/s | vs fp32 | ratio | call returns ms | max err / eps |\n"
+        "|---|---|---|---|---|---|---|---|---|"
+    )
+    lines = [head]
+    for r in result["rows"]:
+        err = f"{r['max_err_over_eps']:.3f}" if "max_err_over_eps" in r else "-"
+        lines.append(
+            f"| {_label(r['size'])} | {r['method']} | {r['seconds'] * 1e3:.3f} | {r['algbw_GBps']:.2f} | "
+            f"{r['busbw_GBps']:.2f} | {r['speedup']:.2f}x | {r['ratio']:.2f}x | "
+            f"{r['call_seconds'] * 1e3:.3f} | {err} |"
+        )
+    return "\n".join(lines)
+
+
+def _plot(result: Dict[str, Any], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot", file=sys.stderr)
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for m in dict.fromkeys(r["method"] for r in result["rows"]):
+        pts = [(r["size"], r["algbw_GBps"]) for r in result["rows"] if r["method"] == m]
+        ax.plot([s / 2**20 for s, _ in pts], [b for _, b in pts], marker="o", label=m)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("all-reduce size (MB of float32)")
+    ax.set_ylabel("algbw (GB/s of float32)")
+    ax.set_title(f"{result['world']} ranks, {result['device']}, {result['transport']}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
