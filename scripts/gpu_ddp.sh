@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# On a GPU machine with 2 GPUs (no Rust there): install the wheel carried in .carry/, run the
+# On a GPU machine with 2 GPUs or more (no Rust there): install the wheel carried in .carry/, run the
 # DDP hook's tests over NCCL, train the byte-level LM with plain all-reduce and cfc_hook, then
 # time DDP steps of the 217M LM with every hook, over NVLink and over the socket transport.
 # PARTS picks what runs (default: "tests train spread nvlink socket"; spread trains again with
-# another seed, to show how far two plain runs differ). Logs go under $OUT.
+# another seed, to show how far two plain runs differ). NPROC (default 2) sets the processes of
+# the step-time runs. Logs go under $OUT.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT=${OUT:-/tmp/cfc-out}; mkdir -p "$OUT"
@@ -12,6 +13,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 SOCK="NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 NCCL_NET=Socket NCCL_SOCKET_IFNAME=lo"
 PARTS=${PARTS:-tests train spread nvlink socket}
 STEPS=${STEPS:-30}
+NPROC=${NPROC:-2}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 for part in $PARTS; do case $part in
   tests) timeout 300 python3 -m pytest -q -m gpu tests/python/test_ddp.py -x 2>&1 | tail -25 | tee "$OUT/ddp_tests.log" ;;
@@ -21,8 +23,8 @@ for part in $PARTS; do case $part in
   spread) timeout 300 torchrun --standalone --nproc_per_node=2 examples/ddp_train.py --hook allreduce,cfc --seed 1 \
            --steps ${TRAIN_STEPS:-1000} --d-model 256 --layers 4 --heads 8 --batch 32 --seq 256 --out "$OUT/ddp_train_seed1" \
            2>&1 | grep -v "^\s*\[" | tail -5 | tee "$OUT/ddp_train_seed1.log" ;;
-  nvlink) LABEL=nvlink timeout 300 torchrun --standalone --nproc_per_node=2 benches/ddp_step_time.py --steps $STEPS \
-           --json "$OUT/ddp_nvlink.json" ${HOOKS:-} 2>&1 | grep -E "^\||DDP step|median|Error|error" | tee "$OUT/ddp_nvlink.log" ;;
-  socket) env $SOCK LABEL=socket timeout 400 torchrun --standalone --nproc_per_node=2 benches/ddp_step_time.py --steps $STEPS \
-           --json "$OUT/ddp_socket.json" ${HOOKS:-} 2>&1 | grep -E "^\||DDP step|median|Error|error" | tee "$OUT/ddp_socket.log" ;;
+  nvlink) LABEL=nvlink timeout 300 torchrun --standalone --nproc_per_node=$NPROC benches/ddp_step_time.py --steps $STEPS \
+           --json "$OUT/ddp_nvlink_${NPROC}gpu.json" ${HOOKS:-} 2>&1 | grep -E "^\||DDP step|median|Error|error" | tee "$OUT/ddp_nvlink_${NPROC}gpu.log" ;;
+  socket) env $SOCK LABEL=socket timeout 400 torchrun --standalone --nproc_per_node=$NPROC benches/ddp_step_time.py --steps $STEPS \
+           --json "$OUT/ddp_socket_${NPROC}gpu.json" ${HOOKS:-} 2>&1 | grep -E "^\||DDP step|median|Error|error" | tee "$OUT/ddp_socket_${NPROC}gpu.log" ;;
 esac; done

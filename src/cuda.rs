@@ -18,6 +18,7 @@ use cudarc::driver::{
     sys, CudaContext, CudaFunction, CudaModule, CudaStream, LaunchConfig, PushKernelArg,
 };
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 /// Threads per block of the codec kernels (8 groups of 32).
@@ -108,9 +109,19 @@ pub fn supported(ordinal: usize) -> bool {
 }
 
 /// cudarc panics on the first call into a library it cannot load: check before any call.
+///
+/// The probe tries up to 17 library names with `dlopen` (about 100 us when the first ones are
+/// missing), and every compress and decompress asks: once the library has been found it is
+/// remembered (cudarc keeps it loaded for the life of the process); a failure is not, so a
+/// library installed later is still found.
 fn driver_present() -> Result<()> {
+    static FOUND: AtomicBool = AtomicBool::new(false);
+    if FOUND.load(Ordering::Relaxed) {
+        return Ok(());
+    }
     // SAFETY: only probes whether the shared library can be opened; no CUDA call is made.
     if unsafe { sys::is_culib_present() } {
+        FOUND.store(true, Ordering::Relaxed);
         Ok(())
     } else {
         Err(Error::CudaUnavailable(

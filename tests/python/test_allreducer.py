@@ -94,6 +94,24 @@ def _worker(rank, world, init_file, scenario, device):
                 reducer(x if rank == 0 else x.half())
             # the ranks can go on once they agree
             check_close(reducer(x).wait(), exact_average(0, 10000, world), EPS)
+        elif scenario == "auto":
+            # fallback="auto": the first 2 calls time each chunk both ways, then every rank
+            # takes the same choice; a new size runs its own trial
+            auto = cfc.CfcState(eps=EPS, warmup_steps=0, min_compress_numel=0, fallback="auto", trial_steps=2)
+            reducer = cfc.distributed.AllReducer(auto, chunk_numel=3000)
+            for n in (10000, 7000):
+                auto.reset_stats()
+                for call in range(4):
+                    y = reducer(data(rank, call, n).to(dev)).wait()
+                    if call == 0:  # the trial starts with plain all-reduce (exact but rounding)
+                        check_close(y, exact_average(0, n, world), 1e-9)
+                s = auto.stats()
+                chunks = -(-n // 3000)
+                assert s["compressed_buckets"] >= chunks and s["plain_buckets"] >= chunks, s
+                choice = torch.tensor([float(auto._decisions[i]) for i in range(chunks)], device=dev)
+                everyone = [torch.empty_like(choice) for _ in range(world)]
+                dist.all_gather(everyone, choice)
+                assert all(torch.equal(e, choice) for e in everyone)
         elif scenario == "returns_early":
             # The caller's thread does not wait for the GPU: with the stream held up by a
             # half-second kernel queued before it, the call still returns at once.
@@ -127,7 +145,7 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("scenario", ["average", "feedback", "resize", "mismatch"])
+@pytest.mark.parametrize("scenario", ["average", "feedback", "resize", "mismatch", "auto"])
 def test_all_reducer(tmp_path, scenario, device):
     if device == "cuda":
         two_gpus()

@@ -12,7 +12,10 @@ For each size it times, on the same data in the same process group:
 * ``fp32``: ``dist.all_reduce`` of the float32 tensor (average);
 * ``bf16``: the same on a bfloat16 copy (the cast is not timed);
 * ``cfc@B``: :class:`cfc.distributed.AllReducer` with ``eps = B x RMS`` of the data and error
-  feedback: chunks compressed on the GPU, exchanged, decoded and averaged, pipelined.
+  feedback: chunks compressed on the GPU, exchanged, decoded and averaged, pipelined;
+* ``cfc-auto@B`` (``--auto``): the same with ``fallback="auto"``: each chunk is timed both ways
+  during the warm-up calls and then takes the faster (plain NCCL where compressing does not
+  pay, e.g. over NVLink).
 
 Each iteration starts from the same input, after a tiny all-reduce that lines the ranks up;
 its time runs until the result is on the device, and the slowest rank's counts. The table
@@ -104,13 +107,17 @@ class _Progress:
             sys.stderr.flush()
 
 
-def _measure(run, setup, sync, align, iters: int, warmup: int, slowest) -> Dict[str, float]:
+def _measure(run, setup, sync, align, iters: int, warmup: int, slowest, before=None) -> Dict[str, float]:
     """Median over ``iters`` of (seconds to the result on the device, seconds until the call
-    returned); each iteration's time is the slowest rank's."""
+    returned); each iteration's time is the slowest rank's. ``before`` runs after the warm-up."""
     for _ in range(warmup):
         setup()
-        run()
+        pending = run()
+        if pending is not None:
+            pending.wait()
         sync()
+    if before is not None:
+        before()
     total, call = [], []
     for _ in range(iters):
         setup()
@@ -135,7 +142,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     p.add_argument("--bounds", default="0.3,0.1", help="cfc bounds as multiples of the data's RMS")
     p.add_argument("--iters", type=int, default=None, help="timed iterations (default 20 GPU, 5 CPU)")
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--chunk-mb", type=float, default=32.0, help="cfc chunk size (MB of float32)")
+    p.add_argument("--chunk-mb", type=float, default=64.0, help="cfc chunk size (MB of float32)")
+    p.add_argument("--auto", action="store_true", help='also cfc with fallback="auto" at the first bound')
     p.add_argument("--grads", default=None, help="folder of .npy gradient vectors")
     p.add_argument("--cpu", action="store_true", help="CPU tensors over gloo, even with GPUs")
     p.add_argument("--label", default=None, help="transport name for the table (default: guessed)")
@@ -175,11 +183,14 @@ def _run(args, dev, rank: int, world: int) -> Dict[str, Any]:
     base, rms = gradient_data(args.grads)
     chunk = max(1, int(args.chunk_mb * (1 << 20)) // 4)
     reducers = {
-        b: cfc.distributed.AllReducer(
+        f"cfc@{b:g}": cfc.distributed.AllReducer(
             cfc.CfcState(eps=b * rms, warmup_steps=0, min_compress_numel=0), chunk_numel=chunk
         )
         for b in bounds
     }
+    if args.auto and bounds:
+        trial = cfc.CfcState(eps=bounds[0] * rms, warmup_steps=0, min_compress_numel=0, fallback="auto")
+        reducers[f"cfc-auto@{bounds[0]:g}"] = cfc.distributed.AllReducer(trial, chunk_numel=chunk)
     avg = dist.ReduceOp.AVG if cuda else None
 
     def all_reduce_avg(t):
@@ -200,7 +211,7 @@ def _run(args, dev, rank: int, world: int) -> Dict[str, Any]:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return t.tolist()
 
-    methods = ["fp32", "bf16"] + [f"cfc@{b:g}" for b in bounds]
+    methods = ["fp32", "bf16"] + list(reducers)
     progress = _Progress(len(sizes) * len(methods), rank == 0)
     rows: List[Dict[str, Any]] = []
     for nbytes in sizes:
@@ -218,18 +229,21 @@ def _run(args, dev, rank: int, world: int) -> Dict[str, Any]:
                 t = _measure(lambda: all_reduce_avg(buf), lambda: buf.copy_(src), sync, align, iters, args.warmup, slowest)
                 row.update(t, ratio=1.0 if m == "fp32" else 2.0)
             else:
-                b = float(m[4:])
-                reducer = reducers[b]
+                reducer = reducers[m]
+                eps = reducer.state.bound
                 y = reducer(x.clone()).wait()  # a first call: zero residuals, so |err| <= eps
                 sync()
                 err = torch.tensor([(y.double() - exact).abs().max().item()], dtype=torch.float64, device=dev)
                 dist.all_reduce(err, op=dist.ReduceOp.MAX)
                 buf = x.clone()
-                reducer.state.reset_stats()
-                t = _measure(lambda: reducer(buf), lambda: buf.copy_(x), sync, align, iters, args.warmup, slowest)
+                # fallback="auto" times each chunk both ways over its first calls: all warm-up
+                warm = max(args.warmup, reducer.state.trial_steps + 1)
+                t = _measure(lambda: reducer(buf), lambda: buf.copy_(x), sync, align, iters, warm, slowest,
+                             before=reducer.state.reset_stats)
                 st = reducer.state.stats()
-                row.update(t, ratio=st["ratio"], eps=b * rms, max_err_over_eps=err.item() / (b * rms),
-                           resends=st["resends"], plain_chunks=st["plain_buckets"])
+                row.update(t, ratio=st["ratio"], eps=eps, max_err_over_eps=err.item() / eps,
+                           resends=st["resends"], plain_chunks=st["plain_buckets"],
+                           compressed_chunks=st["compressed_buckets"])
             if m == "fp32":
                 plain_s = row["seconds"]
             row["algbw_GBps"] = nbytes / row["seconds"] / 1e9

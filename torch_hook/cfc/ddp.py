@@ -119,6 +119,7 @@ class CfcState:
         self.rank, self.world = -1, 0
 
         self.step = 0  # completed steps (counted at each step's last bucket)
+        self._origin = 0  # the step the warm-up and trial count from (moved by _forget_buckets)
         # Residuals live per bucket (one flat float32 tensor, like the bucket) but are keyed
         # per parameter, so they survive DDP rebuilding its buckets and a resumed run whose
         # first step has DDP's initial bucket layout. A parameter's key is its ordinal: the
@@ -136,6 +137,7 @@ class CfcState:
         self._slots: Dict[int, int] = {}  # bucket -> bytes per rank in the frame exchange
         self._rms: Dict[int, Tuple[Any, Any, int]] = {}  # bucket -> (sum of squares, event, numel)
         self._agreed = False
+        self._nccl = False  # the group's backend is NCCL (set by _setup)
         self._worker: Optional[_CommThread] = None
         self._lock = threading.Lock()
         self._max_err_dev: Dict[Any, Any] = {}  # device -> 0-d tensor, read by stats()
@@ -158,6 +160,7 @@ class CfcState:
         # Only this group's ranks take part in making it (DDP over several disjoint subgroups
         # works), at the same point: the first bucket of the first step.
         self.group = dist.new_group(ranks=ranks, use_local_synchronization=True)
+        self._nccl = dist.get_backend(self.group) == "nccl"
 
     # ---- configuration ----
 
@@ -203,9 +206,10 @@ class CfcState:
     # ---- per-bucket decisions ----
 
     def _phase(self) -> str:
-        if self.step < self.warmup_steps:
+        age = self.step - self._origin
+        if age < self.warmup_steps:
             return "warmup"
-        if self.step < self.warmup_steps + self.trial_steps:
+        if age < self.warmup_steps + self.trial_steps:
             return "trial"
         return "run"
 
@@ -218,7 +222,7 @@ class CfcState:
         if phase == "warmup":
             return False
         if phase == "trial":
-            return (self.step - self.warmup_steps) % 2 == 1
+            return (self.step - self._origin - self.warmup_steps) % 2 == 1
         return None if self.trial_steps else True
 
     def _feeds(self, numel: int) -> bool:
@@ -308,12 +312,14 @@ class CfcState:
 
     def _forget_buckets(self) -> None:
         """Drop what is kept per bucket (residuals, slot sizes, choices, RMS): the buckets that
-        come next are other ones (:class:`cfc.distributed.AllReducer`, given a new size)."""
+        come next are other ones (:class:`cfc.distributed.AllReducer`, given a new size); their
+        warm-up and trial start again."""
         if self._worker is not None:
             self._worker.drain()
         for d in (self._residuals, self._where, self._pending, self._layouts, self._decisions,
                   self._trial, self._slots, self._rms):
             d.clear()
+        self._origin = self.step
 
     def _record_trial(self, index: int, compressed: bool, seconds: float, device) -> None:
         """One timed trial of a bucket, plain or compressed (read by :meth:`_decide`)."""
@@ -741,8 +747,11 @@ def _gpu_launch(state: CfcState, stream, index, buf, r, compress, trial, ready):
         _flush(buf, r)
         if r is not None:
             r.record_stream(stream)
-        dist.all_reduce(buf, group=state.group)
-        buf.div_(world)
+        if state._nccl:  # NCCL averages as it reduces: no second pass over the bucket
+            dist.all_reduce(buf, op=dist.ReduceOp.AVG, group=state.group)
+        else:
+            dist.all_reduce(buf, group=state.group)
+            buf.div_(world)
         busy[0] = time.perf_counter() - t0
         account(False, ring, 0.0)
         return None

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# On a GPU machine (no Rust there): install the wheel carried in .carry/, run the all-reduce
+# tests over NCCL, then `python -m cfc.bench` with NPROC GPUs (default: all of them) over NCCL's
+# own choice of transport (NVLink) and over the socket transport (TCP on loopback).
+# PARTS picks what runs (default: "tests nvlink socket"); SIZES, ITERS pass on. Output under $OUT.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+OUT=${OUT:-/tmp/cfc-out}; mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site .carry/*.whl && export PYTHONPATH=/tmp/site
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+SOCK="NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 NCCL_NET=Socket NCCL_SOCKET_IFNAME=lo"
+NPROC=${NPROC:-$(nvidia-smi -L | wc -l)}
+PARTS=${PARTS:-tests nvlink socket}
+ARGS="--grads .carry/grads --sizes ${SIZES:-1M,4M,16M,64M,256M,1G} --iters ${ITERS:-20} --auto"
+for part in $PARTS; do case $part in
+  tests) timeout 300 python3 -m pytest -q -m gpu tests/python/test_allreducer.py 2>&1 | tail -15 | tee "$OUT/allreducer_tests.log" ;;
+  nvlink) timeout 300 torchrun --standalone --nproc_per_node=$NPROC -m cfc.bench $ARGS --label "NCCL NVLink" \
+           --json "$OUT/allreduce_nvlink_${NPROC}gpu.json" --png "$OUT/allreduce_nvlink_${NPROC}gpu.png" 2>/dev/null \
+           | tee "$OUT/allreduce_nvlink_${NPROC}gpu.log" ;;
+  socket) env $SOCK timeout 400 torchrun --standalone --nproc_per_node=$NPROC -m cfc.bench $ARGS --label "NCCL socket" \
+           --json "$OUT/allreduce_socket_${NPROC}gpu.json" --png "$OUT/allreduce_socket_${NPROC}gpu.png" 2>/dev/null \
+           | tee "$OUT/allreduce_socket_${NPROC}gpu.log" ;;
+esac; done
