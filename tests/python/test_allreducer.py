@@ -112,6 +112,25 @@ def _worker(rank, world, init_file, scenario, device):
                 everyone = [torch.empty_like(choice) for _ in range(world)]
                 dist.all_gather(everyone, choice)
                 assert all(torch.equal(e, choice) for e in everyone)
+            # What the trial's compressed call left in the residuals is sent along by the next
+            # plain call, and only once. The trial's verdict is fixed to "plain" here (timings
+            # vary), on every rank alike.
+            auto = cfc.CfcState(eps=EPS, warmup_steps=0, min_compress_numel=0, fallback="auto", trial_steps=2)
+
+            def plain_verdict():
+                auto._decisions.update({i: False for i in auto._trial})
+                auto._trial.clear()
+
+            auto._decide = plain_verdict
+            reducer = cfc.distributed.AllReducer(auto, chunk_numel=3000)
+            results = []
+            for call in range(4):  # plain (trial), compressed (trial) to 0, plain, plain
+                results.append(reducer(torch.full((4000,), 0.4 * EPS, device=dev)).wait().double().cpu())
+            assert (results[1] == 0).all()
+            assert torch.allclose(results[2], torch.full((4000,), 0.8 * EPS, dtype=torch.float64), rtol=1e-6)
+            assert torch.allclose(results[3], torch.full((4000,), 0.4 * EPS, dtype=torch.float64), rtol=1e-6)
+            # the last call ran as one plain all-reduce of the whole tensor
+            assert cfc.ddp._whole_plain(auto, 2) and auto.step == 4
         elif scenario == "returns_early":
             # The caller's thread does not wait for the GPU: with the stream held up by a
             # half-second kernel queued before it, the call still returns at once.

@@ -135,6 +135,9 @@ class CfcState:
         self._trial: Dict[int, Dict[str, List[float]]] = {}
         self._trial_device: Any = None
         self._slots: Dict[int, int] = {}  # bucket -> bytes per rank in the frame exchange
+        # Buckets whose residual may be nonzero: a plain all-reduce sends it along (and zeroes
+        # it) only then, so buckets that stay plain pay no extra pass over memory.
+        self._unflushed: set = set()
         self._rms: Dict[int, Tuple[Any, Any, int]] = {}  # bucket -> (sum of squares, event, numel)
         self._agreed = False
         self._nccl = False  # the group's backend is NCCL (set by _setup)
@@ -308,6 +311,7 @@ class CfcState:
             logger.warning("cfc: bucket %d changed; its residual restarts at zero", index)
             self._stats["residual_resets"] += 1
         self._residuals[index] = (key, r)
+        self._unflushed.add(index)  # it may hold carried-over or loaded values
         return r
 
     def _forget_buckets(self) -> None:
@@ -317,7 +321,7 @@ class CfcState:
         if self._worker is not None:
             self._worker.drain()
         for d in (self._residuals, self._where, self._pending, self._layouts, self._decisions,
-                  self._trial, self._slots, self._rms):
+                  self._trial, self._slots, self._rms, self._unflushed):
             d.clear()
         self._origin = self.step
 
@@ -470,16 +474,50 @@ class CfcState:
                 logger.info("cfc step %d: %s", self.step, self.stats())
 
 
+def _whole_plain(state: CfcState, chunks: int) -> bool:
+    """Whether the trial of ``fallback="auto"`` chose plain all-reduce for every one of a
+    tensor's ``chunks`` (:class:`cfc.distributed.AllReducer` then reduces it in one call)."""
+    if state.fallback != "auto" or state._phase() != "run":
+        return False
+    decisions = dict(state._decisions)  # written once, by the comm thread, at the trial's end
+    return all(i in decisions and not decisions[i] for i in range(chunks))
+
+
+def _plain_whole(state: CfcState, tensor, starts: List[int], step: int):
+    """Average ``tensor`` with one plain all-reduce on the caller's stream (over the process
+    group itself, in the caller's order of collectives), after sending along what the trial
+    left in the chunks' residuals. Returns what to wait for (None: done)."""
+    import torch.distributed as dist
+
+    worker = state._worker
+    if worker is not None and (worker.pending or state._unflushed):
+        worker.drain()  # no collective of the comm thread may still be in flight
+    flat = tensor.view(-1)
+    for i, a in enumerate(starts):
+        held = state._residuals.get(i)
+        if held is not None:
+            _flush(state, i, flat[a : a + step], held[1])
+        ring = _ring_bytes(min(step, flat.numel() - a) * tensor.element_size(), state.world)
+        state._account(False, ring, ring, 0.0, 0.0)
+    state.step += 1
+    if state._nccl:
+        return dist.all_reduce(tensor, op=dist.ReduceOp.AVG, group=state.process_group, async_op=True)
+    dist.all_reduce(tensor, group=state.process_group)
+    tensor.div_(state.world)
+    return None
+
+
 def _ring_bytes(nbytes: int, world: int) -> int:
     """Bytes one rank sends in a ring all-reduce of ``nbytes``."""
     return 2 * (world - 1) * -(-nbytes // world)
 
 
-def _flush(buf, r) -> None:
+def _flush(state: CfcState, index: int, buf, r) -> None:
     """A bucket all-reduced plainly sends its residual along (nothing stays behind)."""
-    if r is not None and r.numel():
+    if r is not None and r.numel() and index in state._unflushed:
         buf.add_(r.to(buf.dtype))
         r.zero_()
+        state._unflushed.discard(index)
 
 
 def _rms_eps(bound: float, rms: float) -> float:
@@ -560,13 +598,15 @@ def _cpu_part(state: CfcState, index: int, buf, layout) -> None:
             kw = {"eps": _rms_eps(bound, rms)}
         else:
             kw = {kind: bound}
+        if r is not None:
+            state._unflushed.add(index)
         y, report = cfc.distributed.all_reduce(buf, average=True, residual=r, group=state.group, **kw)
         buf.copy_(y)
         if r is not None:
             state._stats["max_error"] = max(state._stats["max_error"], float(r.abs().max()))
         sent, eps = report["bytes_sent"], report["eps"]
     else:
-        _flush(buf, r)
+        _flush(state, index, buf, r)
         dist.all_reduce(buf, group=state.group)
         buf.div_(state.world)
         sent, eps = ring, 0.0
@@ -744,7 +784,7 @@ def _gpu_launch(state: CfcState, stream, index, buf, r, compress, trial, ready):
             state._record_trial(index, compressed, seconds, buf.device)
 
     if not compress:
-        _flush(buf, r)
+        _flush(state, index, buf, r)
         if r is not None:
             r.record_stream(stream)
         if state._nccl:  # NCCL averages as it reduces: no second pass over the bucket
@@ -779,6 +819,8 @@ def _gpu_launch(state: CfcState, stream, index, buf, r, compress, trial, ready):
         kw = {"eps": _rms_eps(bound, rms)}
     else:
         kw = {kind: bound}
+    if r is not None:
+        state._unflushed.add(index)
     c = cfc.compress(buf, residual=r, **kw)  # on this stream: residual add, quantize, pack
     if not isinstance(c, cfc.CudaCompressed):
         raise cfc.CfcError(f"the GPU codec cannot drive {buf.device} (compute capability 8.0 or newer is needed)")

@@ -166,7 +166,9 @@ class AllReducer:
     It runs :func:`cfc.cfc_hook`'s engines on chunks of the tensor: on CUDA tensors (NCCL) a
     chunk is compressed on the GPU while the one before it is on the wire and the one before
     that is decoded, on a comm thread, so ``reducer(x)`` returns before the GPU work is done;
-    on CPU tensors (gloo) each chunk runs cfc's Rust collective on the calling thread.
+    on CPU tensors (gloo) each chunk runs cfc's Rust collective on the calling thread. With
+    ``fallback="auto"`` (see :class:`cfc.CfcState`) the first calls time each chunk both ways;
+    if no chunk gains from compression, later calls run one plain all-reduce of the tensor.
 
     Every rank must call it with tensors of the same size and dtype, in the same order. The
     first call with a new size or dtype checks that (a wait for the earlier calls and one small
@@ -230,7 +232,7 @@ class AllReducer:
         """Start averaging ``tensor`` (contiguous, float32/bf16/fp16) in place."""
         import torch
 
-        from cfc.ddp import cfc_hook
+        from cfc.ddp import _plain_whole, _whole_plain, cfc_hook
 
         if not isinstance(tensor, torch.Tensor) or tensor.dtype not in (
             torch.float32, torch.bfloat16, torch.float16
@@ -243,6 +245,11 @@ class AllReducer:
         flat = tensor.view(-1)
         n, step = flat.numel(), self.chunk_numel
         starts = list(range(0, n, step)) or [0]
+        if _whole_plain(self.state, len(starts)):
+            # fallback="auto" found no chunk worth compressing: one plain all-reduce of the
+            # whole tensor (chunked, it would be slower than the plain collective it replaces)
+            work = _plain_whole(self.state, tensor, starts, step)
+            return Pending(tensor, [] if work is None else [work])
         futures = [
             cfc_hook(self.state, _Chunk(i, flat[a : a + step], i == len(starts) - 1))
             for i, a in enumerate(starts)
