@@ -117,7 +117,7 @@ def _worker(rank, world, init_file, scenario, device):
             # vary), on every rank alike.
             auto = cfc.CfcState(eps=EPS, warmup_steps=0, min_compress_numel=0, fallback="auto", trial_steps=2)
 
-            def plain_verdict():
+            def plain_verdict(group=None):
                 auto._decisions.update({i: False for i in auto._trial})
                 auto._trial.clear()
 

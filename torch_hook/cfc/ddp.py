@@ -330,8 +330,10 @@ class CfcState:
         self._trial.setdefault(index, {"plain": [], "cfc": []})["cfc" if compressed else "plain"].append(seconds)
         self._trial_device = device
 
-    def _decide(self) -> None:
-        """End of the trial: per bucket, compress iff it was faster (slowest rank decides)."""
+    def _decide(self, group: Any = None) -> None:
+        """End of the trial: per bucket, compress iff it was faster (slowest rank decides).
+        ``group``: where to compare the times (default cfc's own communicator, for a caller on
+        the comm thread)."""
         import torch
         import torch.distributed as dist
 
@@ -346,7 +348,7 @@ class CfcState:
             dtype=torch.float64,
             device=self._trial_device,
         )
-        dist.all_reduce(times, op=dist.ReduceOp.MAX, group=self.group)
+        dist.all_reduce(times, op=dist.ReduceOp.MAX, group=self.group if group is None else group)
         for k, (plain, comp) in zip(keys, times.cpu().tolist()):
             self._decisions[k] = comp < plain
         self._trial.clear()
@@ -732,6 +734,13 @@ def _gpu_submit(state: CfcState, worker, bucket, buf, parts, scatter) -> Any:
         raise ValueError(f"cfc_hook drives one GPU per process; buckets on {worker.device} and {dev}")
     if not state._agreed:  # once, before any collective: a disagreement never hangs
         state._agree(dev)
+    if state._trial and state._phase() == "run":
+        # The trial is over: decide now, on this thread, at the first bucket of the step, so
+        # that every rank knows every bucket's choice before the step's first collective
+        # (the earlier steps' buckets are all done: DDP waited for them).
+        state._decide(state.process_group)
+    if len(parts) == 1 and scatter is None and _plain_here(state, parts[0][0], buf.numel()):
+        return _gpu_plain(state, worker, bucket, buf)
     ready = torch.cuda.Event()
     jobs = []
     for index, flat, layout in parts:
@@ -754,6 +763,34 @@ def _gpu_submit(state: CfcState, worker, bucket, buf, parts, scatter) -> Any:
         worker.submit("flush")
     state._end_of_bucket(bucket)
     return fut
+
+
+def _plain_here(state: CfcState, index: int, numel: int) -> bool:
+    """Whether a bucket goes out as a plain all-reduce from the autograd thread, as DDP's own
+    hook does: it is not compressed this step, not timed by a trial, and has no residual left
+    to send along (that one goes through the comm thread). Every input is the same on every
+    rank at this point, so all ranks choose alike."""
+    if not state._nccl:
+        return False
+    compress = state._compress_this(numel)
+    if compress is None:
+        compress = state._decisions.get(index, True)
+    trial = state._phase() == "trial" and numel >= state.min_compress_numel
+    return compress is False and not trial and index not in state._unflushed
+
+
+def _gpu_plain(state: CfcState, worker, bucket, buf) -> Any:
+    """A plain bucket: averaged by NCCL over the process group itself, in the autograd
+    thread's order of collectives, with no hand-over to the comm thread."""
+    import torch.distributed as dist
+
+    ring = _ring_bytes(buf.numel() * buf.element_size(), state.world)
+    work = dist.all_reduce(buf, op=dist.ReduceOp.AVG, group=state.process_group, async_op=True)
+    state._account(False, ring, ring, 0.0, 0.0)
+    if bucket.is_last():  # the step's compressed buckets still finish
+        worker.submit("flush")
+    state._end_of_bucket(bucket)
+    return work.get_future().then(lambda fut: fut.value()[0])
 
 
 def _gpu_launch(state: CfcState, stream, index, buf, r, compress, trial, ready):
