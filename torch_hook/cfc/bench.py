@@ -93,8 +93,11 @@ def rank_input(base, rank: int, numel: int):
 
 
 class _Progress:
+    """A one-line progress bar on stderr, where stderr is a terminal (logs get the table only)."""
+
     def __init__(self, total: int, show: bool):
-        self.total, self.done, self.show = total, 0, show and total > 0
+        self.total, self.done = total, 0
+        self.show = show and total > 0 and sys.stderr.isatty()
 
     def step(self, text: str) -> None:
         self.done += 1
