@@ -8,13 +8,14 @@ source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 torchrun --standalone --nproc_per_node=2 examples/ddp_train.py --hook allreduce,cfc --steps 150 \
     --out bench-out/ddp_train "$@" 2> >(grep -v "OMP_NUM_THREADS\|^\*\*\*\*\|^W[0-9]" >&2)
 python examples/compress_demo.py
-# The standalone all-reduce benchmark, plain against cfc: over NCCL where there are 2 GPUs,
-# otherwise a short run over gloo on the CPU
+# The standalone all-reduce benchmark, plain against cfc: over NCCL where there are 2 GPUs
+# (python -m cfc.bench), otherwise cfc-bench's CPU mode (ranks as threads)
 if python -c "import torch, sys; sys.exit(torch.cuda.device_count() < 2)"; then
     BENCH=(--sizes 1M,16M,64M,256M)
+    [ -d ../shared/data/grads ] && BENCH+=(--grads ../shared/data/grads)
+    torchrun --standalone --nproc_per_node=2 -m cfc.bench "${BENCH[@]}" --json bench-out/allreduce.json \
+        2> >(grep -v "OMP_NUM_THREADS\|^\*\*\*\*\|^W[0-9]" >&2)
 else
-    BENCH=(--cpu --sizes 1M,4M --iters 3)
+    cargo run --release --quiet --bin cfc-bench -- --ranks 2,4 --sizes 1M,4M --iters 3 \
+        --json bench-out/allreduce_cpu.json
 fi
-[ -d ../shared/data/grads ] && BENCH+=(--grads ../shared/data/grads)
-torchrun --standalone --nproc_per_node=2 -m cfc.bench "${BENCH[@]}" --json bench-out/allreduce.json \
-    2> >(grep -v "OMP_NUM_THREADS\|^\*\*\*\*\|^W[0-9]" >&2)

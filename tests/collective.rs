@@ -1,8 +1,9 @@
 //! The compressed all-reduce over the in-process transport, 1 to 8 ranks: results within the
-//! documented bound of the exact sum, identical on every rank; error feedback; ranks that
-//! disagree or stop answering get errors, not hangs.
+//! documented bound of the exact sum, identical on every rank, and identical between the
+//! reduce-scatter and all-gather variants; error feedback; ranks that disagree or stop answering
+//! get errors, not hangs.
 
-use cfc::collective::{allreduce, AllReduceOptions, InProcess, Transport};
+use cfc::collective::{allreduce, Algorithm, AllReduceOptions, InProcess, Transport};
 use cfc::{Bound, Error};
 use half::bf16;
 use rand::{Rng, SeedableRng};
@@ -43,21 +44,28 @@ fn opts(bound: Bound, average: bool) -> AllReduceOptions {
         bound,
         average,
         zstd_level: None,
+        algorithm: None,
     }
 }
+
+const BOTH: [Algorithm; 2] = [Algorithm::ReduceScatter, Algorithm::AllGather];
 
 #[test]
 fn sum_and_average_are_within_the_bound_for_1_to_8_ranks() {
     let n = 10_007;
-    for world in 1..=8 {
+    for (world, algorithm) in (1..=8).flat_map(|w| BOTH.map(|a| (w, a))) {
         for (bound, average) in [
             (Bound::Abs(1e-4), false),
             (Bound::Abs(1e-4), true),
             (Bound::Rel(0.01), false),
         ] {
+            let o = AllReduceOptions {
+                algorithm: Some(algorithm),
+                ..opts(bound, average)
+            };
             let results = run(world, Duration::from_secs(20), |t| {
                 let x = data(t.rank(), 0, n);
-                allreduce(t, &x, None, &opts(bound, average)).expect("allreduce")
+                allreduce(t, &x, None, &o).expect("allreduce")
             });
             let inputs: Vec<Vec<f32>> = (0..world).map(|r| data(r, 0, n)).collect();
             let exact: Vec<f64> = (0..n)
@@ -84,7 +92,7 @@ fn sum_and_average_are_within_the_bound_for_1_to_8_ranks() {
                 .fold(0.0, f64::max);
             assert!(
                 worst <= report.bound,
-                "world {world} {bound:?} avg {average}: {worst} > {}",
+                "world {world} {algorithm:?} {bound:?} avg {average}: {worst} > {}",
                 report.bound
             );
             assert_eq!(
@@ -263,5 +271,75 @@ fn a_peer_that_leaves_is_a_transport_error() {
             matches!(r, Err(Error::Transport(m)) if m.contains("is gone")),
             "{r:?}"
         );
+    }
+}
+
+#[test]
+fn both_algorithms_give_the_same_bits_and_residuals() {
+    let n = 20_000;
+    for world in 1..=8 {
+        let mut by_algorithm = Vec::new();
+        for algorithm in BOTH {
+            let o = AllReduceOptions {
+                algorithm: Some(algorithm),
+                ..opts(Bound::Abs(3e-4), true)
+            };
+            by_algorithm.push(run(world, Duration::from_secs(20), |t| {
+                let mut residual = vec![0f32; n];
+                let mut out = Vec::new();
+                for step in 0..3 {
+                    let x = data(t.rank(), step, n);
+                    let (y, report) = allreduce(t, &x, Some(&mut residual), &o).expect("allreduce");
+                    out.push((y, report.bytes_sent));
+                }
+                (out, residual)
+            }));
+        }
+        let (rs, ag) = (&by_algorithm[0], &by_algorithm[1]);
+        for rank in 0..world {
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            for step in 0..3 {
+                assert_eq!(
+                    bits(&rs[rank].0[step].0),
+                    bits(&ag[rank].0[step].0),
+                    "world {world} step {step}"
+                );
+            }
+            assert_eq!(
+                bits(&rs[rank].1),
+                bits(&ag[rank].1),
+                "residuals, world {world}"
+            );
+            // the all-gather sends every frame to every peer: more bytes from 3 ranks on
+            let (rs_bytes, ag_bytes) = (rs[rank].0[2].1, ag[rank].0[2].1);
+            if world >= 4 {
+                assert!(
+                    ag_bytes > rs_bytes,
+                    "world {world}: {ag_bytes} <= {rs_bytes}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn ranks_that_disagree_on_the_algorithm_all_get_an_error() {
+    let results = run(2, Duration::from_secs(20), |t| {
+        let o = AllReduceOptions {
+            algorithm: Some(BOTH[t.rank()]),
+            ..opts(Bound::Abs(1e-4), false)
+        };
+        allreduce(t, &data(t.rank(), 0, 1000), None, &o)
+    });
+    for r in results {
+        match r {
+            Err(Error::RankMismatch { what, theirs }) => {
+                assert!(
+                    what.contains("reduce-scatter") && theirs.contains("all-gather"),
+                    "{what} / {theirs}"
+                );
+            }
+            other => panic!("expected a rank mismatch, got {other:?}"),
+        }
     }
 }

@@ -255,12 +255,13 @@ impl cfc::collective::Transport for PyTransport {
 ///     eps, rel: the bound each rank's contribution is quantized with (exactly one).
 ///     average: divide the sum by the number of ranks.
 ///     residual_ptr, residual_nbytes: error feedback (float32, updated in place), or 0, 0.
+///     algorithm: "reduce-scatter" (the default), "all-gather", or None.
 ///
 /// Returns:
 ///     tuple[bytearray, dict]: the result's elements, and eps, bound, bytes_sent,
 ///     bytes_uncompressed.
 #[pyfunction]
-#[pyo3(signature = (transport, data_ptr, nbytes, dtype, *, eps=None, rel=None, average=false, zstd_level=None, residual_ptr=0, residual_nbytes=0))]
+#[pyo3(signature = (transport, data_ptr, nbytes, dtype, *, eps=None, rel=None, average=false, zstd_level=None, residual_ptr=0, residual_nbytes=0, algorithm=None))]
 #[allow(clippy::too_many_arguments)]
 fn allreduce<'py>(
     py: Python<'py>,
@@ -274,12 +275,25 @@ fn allreduce<'py>(
     zstd_level: Option<i32>,
     residual_ptr: usize,
     residual_nbytes: usize,
+    algorithm: Option<&str>,
 ) -> PyResult<(Bound<'py, PyByteArray>, Bound<'py, PyDict>)> {
+    use cfc::collective::Algorithm;
     let dtype = dtype_of(dtype)?;
+    let algorithm = match algorithm {
+        None => None,
+        Some("reduce-scatter") => Some(Algorithm::ReduceScatter),
+        Some("all-gather") => Some(Algorithm::AllGather),
+        Some(other) => {
+            return Err(PyValueError::new_err(format!(
+                "algorithm must be 'reduce-scatter', 'all-gather' or None, got {other:?}"
+            )))
+        }
+    };
     let opts = cfc::collective::AllReduceOptions {
         bound: bound_of(eps, rel, None)?,
         average,
         zstd_level,
+        algorithm,
     };
     let input = host_slice(data_ptr, nbytes, "data")?;
     let residual = residual_slice(residual_ptr, residual_nbytes)?;

@@ -26,6 +26,12 @@ def _worker(rank, world, init_file, scenario):
                 slack = 2.0**-23 * exact.abs().max().item()
                 assert err <= report["bound"] + slack, (kw, err, report)
                 assert report["bytes_sent"] * 3 < report["bytes_uncompressed"], report
+            # the all-gather variant gives the same bits; a wrong name is refused
+            y_rs, _ = cfc.distributed.all_reduce(data(rank, 2), eps=1e-5, algorithm="reduce-scatter")
+            y_ag, _ = cfc.distributed.all_reduce(data(rank, 2), eps=1e-5, algorithm="all-gather")
+            assert torch.equal(y_rs, y_ag)
+            with pytest.raises(ValueError, match="algorithm"):
+                cfc.distributed.all_reduce(data(rank, 2), eps=1e-5, algorithm="ring")
             # bf16 and a shape survive too
             y, _ = cfc.distributed.all_reduce(data(rank, 1).bfloat16().reshape(50, 100), eps=1e-4)
             assert y.dtype == torch.bfloat16 and y.shape == (50, 100)

@@ -77,6 +77,7 @@ def all_reduce(
     residual: Any = None,
     group: Any = None,
     transport: Any = None,
+    algorithm: Optional[str] = None,
 ) -> Tuple[Any, Dict[str, float]]:
     """Sum (or average) a CPU tensor over the ranks of a process group, compressed.
 
@@ -93,6 +94,9 @@ def all_reduce(
         group: the process group (default: the world).
         transport: anything with ``rank``, ``world`` and ``all_to_all`` (default:
             :class:`TorchTransport` over ``group``).
+        algorithm: ``"reduce-scatter"`` (the default: shards of codes summed on their owners,
+            then gathered) or ``"all-gather"`` (every frame to every rank; the same bits, one
+            round, ``N - 1`` times the compressed size per rank).
 
     Returns:
         (tensor, dict): the result, same shape and dtype; and ``eps``, ``bound`` (on
@@ -121,6 +125,7 @@ def all_reduce(
         average=average,
         residual_ptr=0 if r is None else _addr(r),
         residual_nbytes=0 if r is None else r.nbytes,
+        algorithm=algorithm,
     )
     dtype = getattr(torch, name)
     out = torch.frombuffer(raw, dtype=dtype) if len(raw) else torch.empty(0, dtype=dtype)

@@ -1,0 +1,402 @@
+//! `cfc-bench`: cfc's compressed all-reduce against an uncompressed one, on the CPU.
+//!
+//! Ranks are threads of this process, linked by the in-process transport (crossbeam channels),
+//! so it runs on any machine. For each number of ranks and size it times, on the same data:
+//!
+//! * `plain`: an uncompressed all-reduce over the same transport (reduce-scatter of float32
+//!   shards, then all-gather of the averages: what a ring all-reduce sends);
+//! * `cfc-rs@B` and `cfc-ag@B`: [`cfc::collective::allreduce`] with eps = B x RMS of the data,
+//!   error feedback on, as a reduce-scatter of codes and as an all-gather of frames.
+//!
+//! It prints median times (the slowest rank's), the bytes each rank sent against a ring
+//! all-reduce of float32, and the largest error of a first call (zero residuals) over the
+//! bound. GPUs and NCCL: `torchrun --nproc_per_node=N -m cfc.bench` (the Python package).
+//!
+//! Run: `cargo run --release --bin cfc-bench -- [--ranks 2,4,8] [--sizes 1M,4M,16M]
+//! [--bounds 0.3,0.1] [--iters 5] [--grads DIR] [--json FILE]`
+
+use cfc::collective::{allreduce, Algorithm, AllReduceOptions, InProcess, Transport};
+use cfc::Bound;
+use std::io::{IsTerminal, Write};
+use std::path::PathBuf;
+use std::sync::Barrier;
+use std::time::{Duration, Instant};
+
+#[path = "../../examples/shared/grads.rs"]
+mod grads;
+
+const USAGE: &str = "usage: cfc-bench [--ranks 2,4,8] [--sizes 1M,4M,16M] [--bounds 0.3,0.1] \
+[--iters 5] [--grads DIR] [--json FILE]
+Compressed all-reduce against an uncompressed one over threads (in-process transport, CPU).
+For GPUs over NCCL: torchrun --nproc_per_node=N -m cfc.bench";
+
+struct Args {
+    ranks: Vec<usize>,
+    sizes: Vec<usize>,
+    bounds: Vec<f64>,
+    iters: usize,
+    grads: Option<PathBuf>,
+    json: Option<PathBuf>,
+}
+
+fn parse_size(s: &str) -> Result<usize, String> {
+    let t = s.trim().to_ascii_uppercase();
+    let t = t.strip_suffix('B').unwrap_or(&t);
+    let (num, scale) = match t.chars().last() {
+        Some('K') => (&t[..t.len() - 1], 1usize << 10),
+        Some('M') => (&t[..t.len() - 1], 1 << 20),
+        Some('G') => (&t[..t.len() - 1], 1 << 30),
+        _ => (t, 1),
+    };
+    let v: f64 = num.parse().map_err(|_| format!("bad size {s:?}"))?;
+    let bytes = (v * scale as f64) as usize;
+    if bytes < 4 {
+        return Err(format!("size {s:?} holds no float32"));
+    }
+    Ok(bytes)
+}
+
+fn list<T>(s: &str, f: impl Fn(&str) -> Result<T, String>) -> Result<Vec<T>, String> {
+    s.split(',')
+        .filter(|x| !x.trim().is_empty())
+        .map(f)
+        .collect()
+}
+
+fn parse_args() -> Result<Args, String> {
+    let mut a = Args {
+        ranks: vec![2, 4, 8],
+        sizes: vec![1 << 20, 4 << 20, 16 << 20],
+        bounds: vec![0.3, 0.1],
+        iters: 5,
+        grads: None,
+        json: None,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        if flag == "-h" || flag == "--help" {
+            println!("{USAGE}");
+            std::process::exit(0);
+        }
+        let value = it.next().ok_or_else(|| format!("{flag} needs a value"))?;
+        match flag.as_str() {
+            "--ranks" => {
+                a.ranks = list(&value, |x| {
+                    x.trim()
+                        .parse()
+                        .ok()
+                        .filter(|&r: &usize| (1..=64).contains(&r))
+                        .ok_or(format!("bad rank count {x:?} (1 to 64)"))
+                })?
+            }
+            "--sizes" => a.sizes = list(&value, parse_size)?,
+            "--bounds" => {
+                a.bounds = list(&value, |x| {
+                    x.trim()
+                        .parse()
+                        .ok()
+                        .filter(|b: &f64| *b > 0.0 && b.is_finite())
+                        .ok_or(format!("bad bound {x:?}"))
+                })?
+            }
+            "--iters" => {
+                a.iters = value
+                    .parse()
+                    .ok()
+                    .filter(|&i| i > 0)
+                    .ok_or("--iters needs a positive number")?
+            }
+            "--grads" => a.grads = Some(value.into()),
+            "--json" => a.json = Some(value.into()),
+            other => return Err(format!("unknown option {other}\n{USAGE}")),
+        }
+    }
+    Ok(a)
+}
+
+/// The data every rank tiles: the gradient vectors, each scaled to their median RMS (one bound
+/// suits them all), concatenated; or Laplace noise. Returns it and its RMS.
+fn base_data(dir: Option<&PathBuf>) -> Result<(Vec<f32>, f64, String), String> {
+    let default = PathBuf::from("../shared/data/grads");
+    let dir = dir.cloned().or_else(|| default.is_dir().then_some(default));
+    let rms = |v: &[f32]| {
+        (v.iter().map(|&x| x as f64 * x as f64).sum::<f64>() / v.len().max(1) as f64).sqrt()
+    };
+    match dir {
+        Some(d) => {
+            let vectors = grads::read_grads(&d)?;
+            if vectors.is_empty() {
+                return Err(format!("no .npy files in {}", d.display()));
+            }
+            let mut each: Vec<f64> = vectors.iter().map(|(_, v)| rms(v)).collect();
+            let scales = each.clone();
+            each.sort_by(f64::total_cmp);
+            let target = each[each.len() / 2];
+            let mut all = Vec::new();
+            for ((_, v), r) in vectors.iter().zip(scales) {
+                let k = if r > 0.0 { (target / r) as f32 } else { 1.0 };
+                all.extend(v.iter().map(|&x| x * k));
+            }
+            Ok((all, target, d.display().to_string()))
+        }
+        None => {
+            // Laplace(0, 1e-4) from a fixed xorshift stream: heavy-tailed like gradients
+            let mut s = 0x9E37_79B9_7F4A_7C15u64;
+            let v: Vec<f32> = (0..1 << 22)
+                .map(|_| {
+                    s ^= s << 13;
+                    s ^= s >> 7;
+                    s ^= s << 17;
+                    let u = ((s >> 11) as f64 + 0.5) / (1u64 << 53) as f64;
+                    let m = -(1.0 - u).max(1e-300).ln() * 1e-4;
+                    (if s & 1 == 0 { m } else { -m }) as f32
+                })
+                .collect();
+            let r = rms(&v);
+            Ok((v, r, "random (Laplace)".into()))
+        }
+    }
+}
+
+fn rank_input(base: &[f32], rank: usize, n: usize) -> Vec<f32> {
+    let start = (rank * 1_000_003) % base.len();
+    base.iter().cycle().skip(start).take(n).copied().collect()
+}
+
+/// An uncompressed all-reduce (average) over the transport: shards to their owners, summed and
+/// divided there, gathered.
+fn plain_allreduce(t: &mut InProcess, x: &[f32]) -> cfc::Result<Vec<f32>> {
+    let world = t.world();
+    let per = x.len().div_ceil(world);
+    let range = |j: usize| (j * per).min(x.len())..((j + 1) * per).min(x.len());
+    let parts = (0..world)
+        .map(|j| bytemuck::cast_slice(&x[range(j)]).to_vec())
+        .collect();
+    let got = t.all_to_all(parts)?;
+    let mine = range(t.rank());
+    let mut sum = vec![0f32; mine.len()];
+    for part in &got {
+        for (s, c) in sum.iter_mut().zip(part.chunks_exact(4)) {
+            *s += f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+        }
+    }
+    for s in &mut sum {
+        *s /= world as f32;
+    }
+    let sums = t.all_gather(bytemuck::cast_slice(&sum).to_vec())?;
+    Ok(sums
+        .iter()
+        .flat_map(|b| {
+            b.chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        })
+        .collect())
+}
+
+struct Row {
+    ranks: usize,
+    size: usize,
+    method: String,
+    seconds: f64,
+    bytes_sent: u64,
+    ring_bytes: u64,
+    max_err_over_eps: Option<f64>,
+}
+
+/// Times `method` on `world` threads: returns (median of the slowest rank's seconds, rank 0's
+/// bytes sent per call, largest error of the first call over eps).
+fn measure(
+    world: usize,
+    base: &[f32],
+    n: usize,
+    iters: usize,
+    cfc: Option<AllReduceOptions>,
+    exact: &[f64],
+) -> (f64, u64, Option<f64>) {
+    let endpoints = InProcess::group(world, Duration::from_secs(300));
+    let barrier = Barrier::new(world);
+    let per_rank: Vec<(Vec<f64>, u64, f64)> = std::thread::scope(|s| {
+        let handles: Vec<_> = endpoints
+            .into_iter()
+            .map(|mut t| {
+                let barrier = &barrier;
+                s.spawn(move || {
+                    let x = rank_input(base, t.rank(), n);
+                    let mut residual = vec![0f32; n];
+                    let (mut times, mut sent, mut err) = (Vec::new(), 0, 0.0f64);
+                    for i in 0..=iters {
+                        // call 0: the error check (zero residual) and the warm-up
+                        barrier.wait();
+                        let t0 = Instant::now();
+                        let y = match &cfc {
+                            None => plain_allreduce(&mut t, &x).expect("plain all-reduce"),
+                            Some(o) => {
+                                let (y, report) = allreduce(&mut t, &x, Some(&mut residual), o)
+                                    .expect("cfc all-reduce");
+                                sent = report.bytes_sent;
+                                y
+                            }
+                        };
+                        let dt = t0.elapsed().as_secs_f64();
+                        if i == 0 {
+                            if let Some(Bound::Abs(eps)) = cfc.map(|o| o.bound) {
+                                err = y
+                                    .iter()
+                                    .zip(exact)
+                                    .map(|(&a, &e)| (a as f64 - e).abs() / eps)
+                                    .fold(0.0, f64::max);
+                            }
+                        } else {
+                            times.push(dt);
+                        }
+                    }
+                    (times, sent, err)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("a rank panicked"))
+            .collect()
+    });
+    let mut slowest: Vec<f64> = (0..iters)
+        .map(|i| per_rank.iter().map(|r| r.0[i]).fold(0.0, f64::max))
+        .collect();
+    slowest.sort_by(f64::total_cmp);
+    let err = per_rank.iter().map(|r| r.2).fold(0.0, f64::max);
+    (slowest[iters / 2], per_rank[0].1, cfc.map(|_| err))
+}
+
+fn label(bytes: usize) -> String {
+    for (unit, s) in [("GB", 1usize << 30), ("MB", 1 << 20), ("KB", 1 << 10)] {
+        if bytes >= s && bytes % s == 0 {
+            return format!("{}{unit}", bytes / s);
+        }
+    }
+    format!("{bytes}B")
+}
+
+fn main() {
+    let args = match parse_args() {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("cfc-bench: {e}");
+            std::process::exit(2);
+        }
+    };
+    let (base, rms, source) = match base_data(args.grads.as_ref()) {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("cfc-bench: {e}");
+            std::process::exit(2);
+        }
+    };
+    let mut methods: Vec<(String, Option<AllReduceOptions>)> = vec![("plain".into(), None)];
+    for &b in &args.bounds {
+        for (tag, algorithm) in [
+            ("rs", Algorithm::ReduceScatter),
+            ("ag", Algorithm::AllGather),
+        ] {
+            let o = AllReduceOptions {
+                bound: Bound::Abs(b * rms),
+                average: true,
+                zstd_level: None,
+                algorithm: Some(algorithm),
+            };
+            methods.push((format!("cfc-{tag}@{b}"), Some(o)));
+        }
+    }
+    let total = args.ranks.len() * args.sizes.len() * methods.len();
+    let show = std::io::stderr().is_terminal();
+    let mut done = 0;
+    let mut rows = Vec::new();
+    for &world in &args.ranks {
+        for &size in &args.sizes {
+            let n = size / 4;
+            let inputs: Vec<Vec<f32>> = (0..world).map(|r| rank_input(&base, r, n)).collect();
+            let exact: Vec<f64> = (0..n)
+                .map(|i| inputs.iter().map(|x| x[i] as f64).sum::<f64>() / world as f64)
+                .collect();
+            drop(inputs);
+            let ring_bytes = 2 * (world as u64 - 1) * (size as u64).div_ceil(world as u64);
+            for (name, o) in &methods {
+                let (seconds, sent, err) = measure(world, &base, n, args.iters, *o, &exact);
+                rows.push(Row {
+                    ranks: world,
+                    size,
+                    method: name.clone(),
+                    seconds,
+                    bytes_sent: if o.is_some() { sent } else { ring_bytes },
+                    ring_bytes,
+                    max_err_over_eps: err,
+                });
+                done += 1;
+                if show {
+                    let filled = 30 * done / total;
+                    eprint!(
+                        "\r[{}{}] {done}/{total} {world} ranks {} {name:<12}",
+                        "#".repeat(filled),
+                        ".".repeat(30 - filled),
+                        label(size)
+                    );
+                    if done == total {
+                        eprintln!();
+                    }
+                }
+            }
+        }
+    }
+    println!(
+        "all-reduce (average) over threads (in-process transport, CPU, {} cores); medians of {}; \
+         data: {source}, RMS {rms:.3e}",
+        std::thread::available_parallelism().map_or(1, |n| n.get()),
+        args.iters
+    );
+    println!("| ranks | size | method | time ms | vs plain | bytes sent vs ring | max err / eps |");
+    println!("|---|---|---|---|---|---|---|");
+    for r in &rows {
+        let plain = rows
+            .iter()
+            .find(|p| p.ranks == r.ranks && p.size == r.size && p.method == "plain")
+            .map_or(r.seconds, |p| p.seconds);
+        println!(
+            "| {} | {} | {} | {:.2} | {:.2}x | {:.2}x fewer | {} |",
+            r.ranks,
+            label(r.size),
+            r.method,
+            r.seconds * 1e3,
+            plain / r.seconds,
+            r.ring_bytes as f64 / r.bytes_sent.max(1) as f64,
+            r.max_err_over_eps
+                .map_or("-".to_string(), |e| format!("{e:.3}"))
+        );
+    }
+    if let Some(path) = &args.json {
+        let body: Vec<String> = rows
+            .iter()
+            .map(|r| {
+                format!(
+                    "{{\"ranks\": {}, \"size\": {}, \"method\": \"{}\", \"seconds\": {:e}, \
+                     \"bytes_sent\": {}, \"ring_bytes\": {}, \"max_err_over_eps\": {}}}",
+                    r.ranks,
+                    r.size,
+                    r.method,
+                    r.seconds,
+                    r.bytes_sent,
+                    r.ring_bytes,
+                    r.max_err_over_eps
+                        .map_or("null".into(), |e| format!("{e:e}"))
+                )
+            })
+            .collect();
+        let text = format!(
+            "{{\"iters\": {}, \"rms\": {rms:e}, \"rows\": [\n{}\n]}}\n",
+            args.iters,
+            body.join(",\n")
+        );
+        if let Err(e) = std::fs::File::create(path).and_then(|mut f| f.write_all(text.as_bytes())) {
+            eprintln!("cfc-bench: cannot write {}: {e}", path.display());
+            std::process::exit(1);
+        }
+    }
+}

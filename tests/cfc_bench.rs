@@ -1,0 +1,65 @@
+//! The `cfc-bench` binary: it runs, prints a row per method and writes the JSON it promises,
+//! with every error within the bound; bad options are refused with a clear message.
+
+use std::process::Command;
+
+fn bench() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_cfc-bench"))
+}
+
+#[test]
+fn a_small_run_prints_every_method_and_writes_json() {
+    let json = std::env::temp_dir().join(format!("cfc-bench-{}.json", std::process::id()));
+    let out = bench()
+        .args([
+            "--ranks", "1,3", "--sizes", "64K", "--bounds", "0.3", "--iters", "2",
+        ])
+        .arg("--json")
+        .arg(&json)
+        .output()
+        .expect("cfc-bench runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let table = String::from_utf8_lossy(&out.stdout);
+    for method in ["plain", "cfc-rs@0.3", "cfc-ag@0.3"] {
+        for ranks in [1, 3] {
+            assert!(
+                table.contains(&format!("| {ranks} | 64KB | {method} |")),
+                "{method} x {ranks} missing:\n{table}"
+            );
+        }
+    }
+    let text = std::fs::read_to_string(&json).expect("json written");
+    std::fs::remove_file(&json).ok();
+    assert_eq!(text.matches("\"method\"").count(), 6, "{text}");
+    // every compressed row reports its error, and it is within the bound
+    for part in text.split("\"max_err_over_eps\": ").skip(1) {
+        let value = part.split('}').next().unwrap().trim();
+        if value != "null" {
+            let e: f64 = value.parse().expect("a number");
+            assert!((0.0..=1.0 + 1e-9).contains(&e), "error over eps {e}");
+        }
+    }
+}
+
+#[test]
+fn bad_options_are_refused() {
+    for args in [
+        &["--ranks", "0"][..],
+        &["--sizes", "2"],
+        &["--bounds", "-1"],
+        &["--iters", "0"],
+        &["--frobnicate", "1"],
+        &["--ranks"],
+    ] {
+        let out = bench().args(args).output().expect("cfc-bench runs");
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        assert!(
+            String::from_utf8_lossy(&out.stderr).starts_with("cfc-bench: "),
+            "{args:?}"
+        );
+    }
+}
