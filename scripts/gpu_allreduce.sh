@@ -2,7 +2,8 @@
 # On a GPU machine (no Rust there): install the wheel carried in .carry/, run the all-reduce
 # tests over NCCL, then `python -m cfc.bench` with NPROC GPUs (default: all of them) over NCCL's
 # own choice of transport (NVLink) and over the socket transport (TCP on loopback).
-# PARTS picks what runs (default: "tests nvlink socket"); SIZES, ITERS pass on. Output under $OUT.
+# PARTS picks what runs (default: "tests nvlink socket"); SIZES, ITERS pass on; CFC_TEST_GPUS=4
+# runs the tests with 4 ranks instead of 2. Output under $OUT.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT=${OUT:-/tmp/cfc-out}; mkdir -p "$OUT"
