@@ -133,6 +133,21 @@ def _worker(rank, world, init_file, scenario, device):
             assert torch.allclose(results[3], torch.full((4000,), 0.4 * EPS, dtype=torch.float64), rtol=1e-6)
             # the last call ran as one plain all-reduce of the whole tensor
             assert cfc.ddp._whole_plain(auto, 2) and auto.step == 4
+        elif scenario == "dead_peer":
+            # rank 1 takes part once and then stops answering: rank 0's next call fails after
+            # the state's timeout, with an error, instead of waiting forever
+            state = cfc.CfcState(eps=EPS, warmup_steps=0, min_compress_numel=0, timeout=3)
+            reducer = cfc.distributed.AllReducer(state, chunk_numel=3000)
+            reducer(data(rank, 0, 10000).to(dev)).wait()
+            if rank == 0:
+                t0 = time.perf_counter()
+                with pytest.raises((cfc.CfcError, RuntimeError), match="(?i)timed out") as e:
+                    reducer(data(rank, 1, 10000).to(dev)).wait()
+                waited = time.perf_counter() - t0
+                assert "3000ms" in str(e.value)  # gloo's message, with the state's timeout
+                assert 2.5 < waited < 8, waited  # rank 1 is silent for 12 s
+            else:
+                time.sleep(12)  # alive but silent until rank 0 has given up
         elif scenario == "returns_early":
             # The caller's thread does not wait for the GPU: with the stream held up by a
             # half-second kernel queued before it, the call still returns at once.
@@ -177,6 +192,10 @@ def test_all_reducer(tmp_path, scenario, device):
     if device == "cuda":
         two_gpus()
     spawn(tmp_path, scenario, device)
+
+
+def test_a_silent_peer_is_an_error_after_the_timeout(tmp_path):
+    spawn(tmp_path, "dead_peer", "cpu")
 
 
 def test_all_reducer_over_three_ranks(tmp_path):

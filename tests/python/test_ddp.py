@@ -323,7 +323,7 @@ def test_state_options_are_checked(tmp_path):
     try:
         for bad in ({"eps": 0}, {"rms": math.nan}, {"eps": 1e-3, "rel": 1e-2},
                     {"fallback": "sometimes"}, {"fallback": "auto", "trial_steps": 3},
-                    {"warmup_steps": -1}):
+                    {"warmup_steps": -1}, {"timeout": 0}, {"timeout": math.inf}):
             with pytest.raises(ValueError):
                 CfcState(**bad)
         s = CfcState()

@@ -31,6 +31,7 @@ at the first bucket (so they never interleave with DDP's own collectives).
 
 from __future__ import annotations
 
+import datetime
 import logging
 import math
 import queue
@@ -75,6 +76,10 @@ class CfcState:
         trial_steps: steps of that trial (an even number; half of each kind; the fastest time
             of each kind counts).
         log_every: log :meth:`stats` (logger ``"cfc"``, INFO) every this many steps; 0: never.
+        timeout: seconds (or a ``timedelta``) cfc's collectives wait for a peer before they
+            fail, e.g. when a rank died; default: the backend's (torch's own default timeout).
+            On gloo the waiting rank gets the error; on NCCL torch's watchdog aborts the
+            communicator (and, with its default error handling, the process).
 
     Every rank must use the same options: the first step checks, and every rank raises
     ``cfc.CfcError`` if they disagree. The state may be made before the process group (it
@@ -94,6 +99,7 @@ class CfcState:
         fallback: Any = False,
         trial_steps: int = 4,
         log_every: int = 0,
+        timeout: Any = None,
     ):
         given = [(k, v) for k, v in (("eps", eps), ("rel", rel), ("rms", rms)) if v is not None]
         if len(given) > 1:
@@ -113,6 +119,13 @@ class CfcState:
         self.fallback = fallback
         self.trial_steps = int(trial_steps) if fallback == "auto" else 0
         self.log_every = int(log_every)
+        if timeout is not None and not isinstance(timeout, datetime.timedelta):
+            if not (isinstance(timeout, (int, float)) and math.isfinite(timeout) and timeout > 0):
+                raise ValueError(f"timeout must be positive seconds or a timedelta, got {timeout!r}")
+            timeout = datetime.timedelta(seconds=timeout)
+        if timeout is not None and timeout.total_seconds() <= 0:
+            raise ValueError(f"timeout must be positive, got {timeout!r}")
+        self.timeout = timeout
 
         self.process_group = process_group
         self.group: Any = None  # made by _setup, once the process group exists
@@ -162,7 +175,8 @@ class CfcState:
         # interleave with DDP's (e.g. the unused-parameter map of find_unused_parameters).
         # Only this group's ranks take part in making it (DDP over several disjoint subgroups
         # works), at the same point: the first bucket of the first step.
-        self.group = dist.new_group(ranks=ranks, use_local_synchronization=True)
+        kw = {} if self.timeout is None else {"timeout": self.timeout}
+        self.group = dist.new_group(ranks=ranks, use_local_synchronization=True, **kw)
         self._nccl = dist.get_backend(self.group) == "nccl"
 
     # ---- configuration ----

@@ -63,8 +63,16 @@ class TorchTransport:
             outgoing = torch.frombuffer(bytearray(parts[j]), dtype=torch.uint8)
             requests.append(dist.isend(outgoing, dst=self._peer(j), group=self.group))
             requests.append(dist.irecv(incoming, src=self._peer(j), group=self.group))
+        # Every request is waited for, even after one failed (a peer timed out): a buffer must
+        # not be freed while the backend may still write into it or read from it.
+        failure: Optional[BaseException] = None
         for r in requests:
-            r.wait()
+            try:
+                r.wait()
+            except Exception as e:  # noqa: BLE001 - the first failure is raised below
+                failure = failure or e
+        if failure is not None:
+            raise failure
         return [r if isinstance(r, bytes) else r.numpy().tobytes() for r in received]
 
 
