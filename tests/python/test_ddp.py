@@ -234,7 +234,7 @@ def variants(rank, world, out):
         for p in ddp.parameters():
             assert same_on_all_ranks(p.detach()), (kw, dtype)
         s = state.stats()
-        assert s["compressed_buckets"] > 0 and s["ratio"] > 2, (kw, dtype, s)
+        assert s["compressed_buckets"] > 0 and s["ratio"] > 4 / world, (kw, dtype, s)
 
 
 def mismatch(rank, world, out):
@@ -276,7 +276,13 @@ def slots(rank, world, out):
 SCENARIOS = {f.__name__: f for f in (parity, resume, overflow, accumulate, variants, mismatch, fallback, slots)}
 
 
-def spawn(tmp_path, scenario, world=2, device="cpu"):
+# CUDA runs use this many GPUs (CFC_TEST_GPUS=4 on a 4-GPU machine checks that nothing
+# assumes 2 ranks); CPU runs use 2 processes.
+GPUS = int(os.environ.get("CFC_TEST_GPUS", "2"))
+
+
+def spawn(tmp_path, scenario, world=None, device="cpu"):
+    world = world or (2 if device == "cpu" else GPUS)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     mp.spawn(_worker, args=(world, str(tmp_path / "init"), scenario, out, device), nprocs=world, join=True)
@@ -284,8 +290,8 @@ def spawn(tmp_path, scenario, world=2, device="cpu"):
 
 
 def two_gpus():
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 GPUs")
+    if torch.cuda.device_count() < GPUS:
+        pytest.skip(f"needs {GPUS} GPUs")
 
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -301,7 +307,8 @@ def test_training_parity_with_8x_fewer_bytes(tmp_path, device):
     assert abs(r["cfc"] - r["plain"]) <= 0.02 * r["plain"], r
     # CPU buckets: the reduce-scatter of codes. CUDA buckets: frames padded to slots, an
     # all-gather; this small model's buckets send about 7x fewer bytes that way.
-    assert s["ratio"] >= (8 if device == "cpu" else 6), s
+    # (the all-gather's ratio against a ring all-reduce falls as 2 / world)
+    assert s["ratio"] >= (8 if device == "cpu" else 12 / GPUS), s
     assert 0 < s["max_error"] <= s["eps"] * (1 + 1e-6), s
 
 
