@@ -148,6 +148,10 @@ def _worker(rank, world, init_file, scenario, device):
                 assert 2.5 < waited < 8, waited  # rank 1 is silent for 12 s
             else:
                 time.sleep(12)  # alive but silent until rank 0 has given up
+            # A gloo group whose operations timed out cannot be torn down cleanly (gloo may
+            # abort the process in its destructors); as after any such failure in a job, the
+            # processes end here, without destroy_process_group.
+            os._exit(0)
         elif scenario == "returns_early":
             # The caller's thread does not wait for the GPU: with the stream held up by a
             # half-second kernel queued before it, the call still returns at once.
