@@ -63,6 +63,17 @@ def _worker(rank, world, init_file, scenario, device):
             # the bf16 result is also rounded to bf16 (8 bits of mantissa)
             err = (yb.double().cpu().reshape(-1) - exact_b).abs()
             assert (err <= EPS + exact_b.abs() * 2.0**-8).all()
+            # calls need not be waited for one by one (each waits for the one before); an
+            # empty tensor is a no-op once the ranks agree on it
+            r2 = cfc.distributed.AllReducer(
+                cfc.CfcState(eps=EPS, warmup_steps=0, min_compress_numel=0), chunk_numel=3000
+            )
+            xs = [data(rank, 10 + k, 10000).to(dev) for k in range(3)]
+            pending = [r2(x) for x in xs]
+            pending[-1].wait()
+            check_close(xs[0], exact_average(10, 10000, world), EPS)  # zero residuals
+            check_close(xs[2], exact_average(12, 10000, world), 2 * EPS)  # plus what is carried
+            assert r2(torch.empty(0, device=dev)).wait().numel() == 0
         elif scenario == "feedback":
             # Every value is 0.4 eps: alone, each call would round it to 0. With error feedback
             # the sum of the results follows the exact sum within eps.
@@ -132,7 +143,7 @@ def _worker(rank, world, init_file, scenario, device):
             assert torch.allclose(results[2], torch.full((4000,), 0.8 * EPS, dtype=torch.float64), rtol=1e-6)
             assert torch.allclose(results[3], torch.full((4000,), 0.4 * EPS, dtype=torch.float64), rtol=1e-6)
             # the last call ran as one plain all-reduce of the whole tensor
-            assert cfc.ddp._whole_plain(auto, 2) and auto.step == 4
+            assert cfc.ddp._whole_plain(auto, [3000, 1000]) and auto.step == 4
         elif scenario == "dead_peer":
             # rank 1 takes part once and then stops answering: rank 0's next call fails after
             # the state's timeout, with an error, instead of waiting forever

@@ -340,3 +340,42 @@ def test_state_options_are_checked(tmp_path):
             s.load_state_dict({"version": 99})
     finally:
         dist.destroy_process_group()
+
+
+def test_a_step_never_mixes_the_two_communicators():
+    """Which CUDA steps go out from the autograd thread over DDP's group (no bucket
+    compressed), decided once per step from what every rank shares; the rest of the steps use
+    cfc's communicator for every bucket. (CPU test of the choice; the GPU tests run both.)"""
+    from cfc.ddp import _fast_step, _whole_plain
+
+    s = CfcState(fallback="auto", warmup_steps=2, trial_steps=2)
+    s._nccl = True
+    assert _fast_step(s)  # step 0: the warm-up
+    s.step = 2
+    assert not _fast_step(s)  # the trial times both ways through the comm thread
+    s.step, s._decisions = 4, {0: False, 1: True}
+    assert not _fast_step(s)  # one bucket compressed: none goes the other way
+    s.step, s._decisions, s._unflushed = 5, {0: False, 1: False}, {1}
+    assert not _fast_step(s)  # a residual left by the trial goes out through the comm thread
+    s.step = 6
+    s._unflushed.clear()
+    assert _fast_step(s)
+    s._decisions[1] = True
+    assert _fast_step(s)  # decided at the step's first bucket, for the whole step
+    s.step = 7
+    assert not _fast_step(s)
+    s.step, s._decisions[1], s._pending = 8, False, {3: torch.zeros(4)}
+    assert not _fast_step(s)  # loaded residuals not yet placed
+    always = CfcState()  # fallback=False compresses after the warm-up
+    always._nccl, always.step = True, 5
+    assert not _fast_step(always)
+    gloo = CfcState(fallback="auto")
+    assert not _fast_step(gloo)  # CPU buckets always run cfc's collective
+
+    # AllReducer's whole-tensor plain path: chunks below min_compress_numel count as plain
+    a = CfcState(fallback="auto", warmup_steps=0, trial_steps=2, min_compress_numel=100)
+    a.step, a._decisions = 2, {0: False}
+    assert _whole_plain(a, [1000, 50])
+    assert not _whole_plain(a, [1000, 500])  # chunk 1 was never timed
+    a._decisions[1] = True
+    assert not _whole_plain(a, [1000, 500])

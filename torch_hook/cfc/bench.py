@@ -22,8 +22,8 @@ its time runs until the result is on the device, and the slowest rank's counts. 
 gives medians: time, algbw (float32 bytes / time), busbw (algbw x 2(n-1)/n, the figure
 nccl-tests prints for all-reduce), the speed-up over ``fp32``, the ratio of the bytes a ring
 all-reduce of float32 sends to the bytes cfc sent, how soon the call returned to Python, and
-the largest error of a first call (zero residuals) over the bound. ``--json`` and ``--png``
-keep the figures.
+the largest error of a first call (zero residuals) over the bound (for ``cfc-auto`` that call
+is the trial's first, plain one). ``--json`` and ``--png`` keep the figures.
 
 The input: the gradient vectors in ``--grads`` (``.npy`` float32), each scaled to their median
 RMS (so one bound suits them all, as in a bucket of similar layers), concatenated and tiled;
@@ -254,7 +254,9 @@ def _run(args, dev, rank: int, world: int) -> Dict[str, Any]:
             row["speedup"] = plain_s / row["seconds"]
             rows.append(row)
             progress.step(f"{_label(nbytes)} {m}")
-        x = exact = buf = None  # free this size's tensors before the next
+        x = exact = buf = None  # free this size's tensors (and residuals) before the next
+        for reducer in reducers.values():
+            reducer.state._forget_buckets()
         if cuda:
             torch.cuda.empty_cache()
 

@@ -50,7 +50,6 @@ def _zstd_level(zstd: Union[bool, int]) -> Optional[int]:
 
 
 @functools.lru_cache(maxsize=None)
-@functools.lru_cache(maxsize=None)
 def _device_supported(index: int) -> bool:
     """Asked at every CUDA compress (a device's compute capability does not change, and the
     probe costs tens of microseconds of driver calls)."""

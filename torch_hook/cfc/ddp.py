@@ -26,7 +26,11 @@ Two engines, chosen by where the bucket lives:
   for the GPU.
 
 Both engines run their collectives on a communicator of their own, made by :class:`CfcState`
-at the first bucket (so they never interleave with DDP's own collectives).
+at the first bucket (so they never interleave with DDP's own collectives). One exception: in a
+step where no CUDA bucket is compressed (the warm-up, or ``fallback="auto"`` having found
+plain all-reduce faster for every bucket), the buckets go out from the autograd thread over
+DDP's own process group, as PyTorch's hooks do, and the comm thread has nothing to send. NCCL
+asks for one communicator at a time per step, so the two are never mixed within a step.
 """
 
 from __future__ import annotations
@@ -76,8 +80,10 @@ class CfcState:
         trial_steps: steps of that trial (an even number; half of each kind; the fastest time
             of each kind counts).
         log_every: log :meth:`stats` (logger ``"cfc"``, INFO) every this many steps; 0: never.
-        timeout: seconds (or a ``timedelta``) cfc's collectives wait for a peer before they
-            fail, e.g. when a rank died; default: the backend's (torch's own default timeout).
+        timeout: seconds (or a ``timedelta``) the collectives of cfc's own communicator wait
+            for a peer before they fail, e.g. when a rank died; default: the backend's (torch's
+            own default timeout). Steps that send every CUDA bucket plainly use DDP's process
+            group, and its timeout.
             On gloo the waiting rank gets the error; on NCCL torch's watchdog aborts the
             communicator (and, with its default error handling, the process).
 
@@ -153,7 +159,8 @@ class CfcState:
         self._unflushed: set = set()
         self._rms: Dict[int, Tuple[Any, Any, int]] = {}  # bucket -> (sum of squares, event, numel)
         self._agreed = False
-        self._nccl = False  # the group's backend is NCCL (set by _setup)
+        self._nccl = False  # CUDA tensors go through NCCL in the group (set by _setup)
+        self._fast_step = (-1, False)  # (step, whether its CUDA buckets all go out plainly)
         self._worker: Optional[_CommThread] = None
         self._lock = threading.Lock()
         self._max_err_dev: Dict[Any, Any] = {}  # device -> 0-d tensor, read by stats()
@@ -177,7 +184,8 @@ class CfcState:
         # works), at the same point: the first bucket of the first step.
         kw = {} if self.timeout is None else {"timeout": self.timeout}
         self.group = dist.new_group(ranks=ranks, use_local_synchronization=True, **kw)
-        self._nccl = dist.get_backend(self.group) == "nccl"
+        # NCCL alone, or NCCL for CUDA tensors in a mixed group ("cpu:gloo,cuda:nccl")
+        self._nccl = "nccl" in str(dist.get_backend(self.group))
 
     # ---- configuration ----
 
@@ -467,6 +475,13 @@ class CfcState:
         self._pending = {int(o): r for o, r in sd["residuals"].items()}
         self._saved_layouts = {int(i): tuple(l) for i, l in sd["layouts"].items()}
         self._decisions = {int(k): bool(v) for k, v in sd["decisions"].items()}
+        # Per-bucket memory of this process's earlier steps does not carry over; the loaded
+        # residuals (in _pending) are placed, and later sent along, at their buckets' first use.
+        self._unflushed.clear()
+        self._slots.clear()
+        self._trial.clear()
+        self._origin = 0
+        self._fast_step = (-1, False)
         import torch
 
         self._rms = {int(i): (torch.tensor(v, dtype=torch.float32), None, int(n)) for i, (v, n) in sd["rms"].items()}
@@ -490,13 +505,17 @@ class CfcState:
                 logger.info("cfc step %d: %s", self.step, self.stats())
 
 
-def _whole_plain(state: CfcState, chunks: int) -> bool:
+def _whole_plain(state: CfcState, sizes: List[int]) -> bool:
     """Whether the trial of ``fallback="auto"`` chose plain all-reduce for every one of a
-    tensor's ``chunks`` (:class:`cfc.distributed.AllReducer` then reduces it in one call)."""
-    if state.fallback != "auto" or state._phase() != "run":
+    tensor's chunks (of ``sizes`` elements; those below ``min_compress_numel`` are always
+    plain): :class:`cfc.distributed.AllReducer` then reduces it in one call."""
+    if state.fallback != "auto" or state._phase() != "run" or state._trial or state._pending:
         return False
-    decisions = dict(state._decisions)  # written once, by the comm thread, at the trial's end
-    return all(i in decisions and not decisions[i] for i in range(chunks))
+    decisions = state._decisions  # set once, when the trial ends (the caller waited for it)
+    return all(
+        n < state.min_compress_numel or (i in decisions and not decisions[i])
+        for i, n in enumerate(sizes)
+    )
 
 
 def _plain_whole(state: CfcState, tensor, starts: List[int], step: int):
@@ -516,7 +535,7 @@ def _plain_whole(state: CfcState, tensor, starts: List[int], step: int):
         ring = _ring_bytes(min(step, flat.numel() - a) * tensor.element_size(), state.world)
         state._account(False, ring, ring, 0.0, 0.0)
     state.step += 1
-    if state._nccl:
+    if state._nccl and tensor.is_cuda:
         return dist.all_reduce(tensor, op=dist.ReduceOp.AVG, group=state.process_group, async_op=True)
     dist.all_reduce(tensor, group=state.process_group)
     tensor.div_(state.world)
@@ -618,7 +637,7 @@ def _cpu_part(state: CfcState, index: int, buf, layout) -> None:
             state._unflushed.add(index)
         y, report = cfc.distributed.all_reduce(buf, average=True, residual=r, group=state.group, **kw)
         buf.copy_(y)
-        if r is not None:
+        if r is not None and r.numel():
             state._stats["max_error"] = max(state._stats["max_error"], float(r.abs().max()))
         sent, eps = report["bytes_sent"], report["eps"]
     else:
@@ -753,7 +772,10 @@ def _gpu_submit(state: CfcState, worker, bucket, buf, parts, scatter) -> Any:
         # that every rank knows every bucket's choice before the step's first collective
         # (the earlier steps' buckets are all done: DDP waited for them).
         state._decide(state.process_group)
-    if len(parts) == 1 and scatter is None and _plain_here(state, parts[0][0], buf.numel()):
+    if _fast_step(state):
+        # The whole bucket, even where a loaded checkpoint would split it into parts (plain
+        # all-reduce is element-wise) or a bucket the trial never timed: nothing of this step
+        # may go through cfc's communicator.
         return _gpu_plain(state, worker, bucket, buf)
     ready = torch.cuda.Event()
     jobs = []
@@ -779,18 +801,24 @@ def _gpu_submit(state: CfcState, worker, bucket, buf, parts, scatter) -> Any:
     return fut
 
 
-def _plain_here(state: CfcState, index: int, numel: int) -> bool:
-    """Whether a bucket goes out as a plain all-reduce from the autograd thread, as DDP's own
-    hook does: it is not compressed this step, not timed by a trial, and has no residual left
-    to send along (that one goes through the comm thread). Every input is the same on every
-    rank at this point, so all ranks choose alike."""
-    if not state._nccl:
-        return False
-    compress = state._compress_this(numel)
-    if compress is None:
-        compress = state._decisions.get(index, True)
-    trial = state._phase() == "trial" and numel >= state.min_compress_numel
-    return compress is False and not trial and index not in state._unflushed
+def _fast_step(state: CfcState) -> bool:
+    """Whether this step's CUDA buckets go out from the autograd thread: decided at the step's
+    first bucket, for the whole step, so that a step never mixes DDP's communicator and cfc's
+    (NCCL requires one order of operations across communicators, which two threads cannot
+    keep). Only steps in which no bucket is compressed qualify: the warm-up, and with
+    ``fallback="auto"`` once every bucket was found faster plain; and only when no residual
+    is waiting to be sent along (those go through the comm thread once). Everything read here
+    is the same on every rank at a step's first bucket (DDP waited for the step before)."""
+    step, fast = state._fast_step
+    if step != state.step:
+        phase = state._phase()
+        decisions = state._decisions
+        all_plain = phase == "warmup" or (
+            phase == "run" and state.trial_steps > 0 and bool(decisions) and not any(decisions.values())
+        )
+        fast = state._nccl and all_plain and not state._unflushed and not state._pending
+        state._fast_step = (state.step, fast)
+    return fast
 
 
 def _gpu_plain(state: CfcState, worker, bucket, buf) -> Any:
@@ -887,7 +915,7 @@ def _gpu_launch(state: CfcState, stream, index, buf, r, compress, trial, ready):
             y = _decompress_cuda(frames[j], n, c._dtype, (n,), 1)
             acc = y.float() if acc is None else acc.add_(y)
         buf.copy_(acc.div_(world).view(buf.shape))
-        if r is not None:
+        if r is not None and r.numel():
             held = state._max_err_dev.get(buf.device)
             amax = r.abs().max()
             state._max_err_dev[buf.device] = amax if held is None else torch.maximum(held, amax)

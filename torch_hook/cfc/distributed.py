@@ -183,6 +183,10 @@ class AllReducer:
     ``fallback="auto"`` (see :class:`cfc.CfcState`) the first calls time each chunk both ways;
     if no chunk gains from compression, later calls run one plain all-reduce of the tensor.
 
+    A call first waits for the previous call's result (not for the GPU), so calls do not
+    overlap each other; the chunks of one call do. The state (residuals, the trial's choices)
+    lives in memory only: ``state.state_dict()`` does not save an AllReducer's residuals.
+
     Every rank must call it with tensors of the same size and dtype, in the same order. The
     first call with a new size or dtype checks that (a wait for the earlier calls and one small
     collective): ranks that disagree all get a ``cfc.CfcError`` instead of a hang. The error
@@ -212,6 +216,7 @@ class AllReducer:
         self.chunk_numel = int(chunk_numel)
         self._checked: set = set()  # (numel, dtype, device type) every rank has agreed on
         self._last: Any = None  # the last call's (numel, dtype, device type)
+        self._pending: Optional[Pending] = None  # the last call, until the next one waits for it
 
     def _check(self, tensor: Any) -> None:
         """Every rank's size and dtype, compared on every rank (before any chunk moves)."""
@@ -255,17 +260,26 @@ class AllReducer:
             raise TypeError(f"AllReducer takes float32, bfloat16 or float16 tensors, got {got}")
         if not tensor.is_contiguous():
             raise ValueError("AllReducer averages in place: give it a contiguous tensor")
+        if self._pending is not None:
+            # The previous call's chunks finish first: this call reads what they leave behind
+            # (residuals to send along, the trial's times), and every rank must read the same.
+            pending, self._pending = self._pending, None
+            pending.wait()
         self._check(tensor)
         flat = tensor.view(-1)
         n, step = flat.numel(), self.chunk_numel
-        starts = list(range(0, n, step)) or [0]
-        if _whole_plain(self.state, len(starts)):
+        if n == 0:  # every rank agreed on an empty tensor: nothing to send
+            return Pending(tensor, [])
+        starts = list(range(0, n, step))
+        if _whole_plain(self.state, [min(step, n - a) for a in starts]):
             # fallback="auto" found no chunk worth compressing: one plain all-reduce of the
             # whole tensor (chunked, it would be slower than the plain collective it replaces)
             work = _plain_whole(self.state, tensor, starts, step)
-            return Pending(tensor, [] if work is None else [work])
+            self._pending = Pending(tensor, [] if work is None else [work])
+            return self._pending
         futures = [
             cfc_hook(self.state, _Chunk(i, flat[a : a + step], i == len(starts) - 1))
             for i, a in enumerate(starts)
         ]
-        return Pending(tensor, futures)
+        self._pending = Pending(tensor, futures)
+        return self._pending
