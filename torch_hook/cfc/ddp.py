@@ -822,14 +822,15 @@ def _fast_step(state: CfcState) -> bool:
 
 
 def _gpu_plain(state: CfcState, worker, bucket, buf) -> Any:
-    """A plain bucket: averaged by NCCL over the process group itself, in the autograd
-    thread's order of collectives, with no hand-over to the comm thread."""
+    """A bucket of a step with nothing to compress (:func:`_fast_step`): averaged by NCCL over
+    the process group itself, in the autograd thread's order of collectives, with no hand-over
+    to the comm thread."""
     import torch.distributed as dist
 
     ring = _ring_bytes(buf.numel() * buf.element_size(), state.world)
     work = dist.all_reduce(buf, op=dist.ReduceOp.AVG, group=state.process_group, async_op=True)
     state._account(False, ring, ring, 0.0, 0.0)
-    if bucket.is_last():  # the step's compressed buckets still finish
+    if bucket.is_last():  # ends the step on the comm thread too (nothing is queued there)
         worker.submit("flush")
     state._end_of_bucket(bucket)
     return work.get_future().then(lambda fut: fut.value()[0])
