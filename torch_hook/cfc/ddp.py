@@ -522,8 +522,6 @@ def _plain_whole(state: CfcState, tensor, starts: List[int], step: int):
     """Average ``tensor`` with one plain all-reduce on the caller's stream (over the process
     group itself, in the caller's order of collectives), after sending along what the trial
     left in the chunks' residuals. Returns what to wait for (None: done)."""
-    import torch.distributed as dist
-
     worker = state._worker
     if worker is not None and (worker.pending or state._unflushed):
         worker.drain()  # no collective of the comm thread may still be in flight
@@ -535,10 +533,19 @@ def _plain_whole(state: CfcState, tensor, starts: List[int], step: int):
         ring = _ring_bytes(min(step, flat.numel() - a) * tensor.element_size(), state.world)
         state._account(False, ring, ring, 0.0, 0.0)
     state.step += 1
-    if state._nccl and tensor.is_cuda:
-        return dist.all_reduce(tensor, op=dist.ReduceOp.AVG, group=state.process_group, async_op=True)
-    dist.all_reduce(tensor, group=state.process_group)
-    tensor.div_(state.world)
+    return _average(state, tensor, state.process_group, async_op=True)
+
+
+def _average(state: CfcState, t, group, async_op: bool = False):
+    """Average ``t`` in place over ``group`` (one of the state's two, of the same ranks), plainly:
+    inside NCCL for CUDA tensors (no second pass over the memory), else a sum and a division.
+    Returns the work to wait for when ``async_op`` and NCCL took it, else None (done)."""
+    import torch.distributed as dist
+
+    if state._nccl and t.is_cuda:
+        return dist.all_reduce(t, op=dist.ReduceOp.AVG, group=group, async_op=async_op)
+    dist.all_reduce(t, group=group)
+    t.div_(state.world)
     return None
 
 
@@ -642,8 +649,7 @@ def _cpu_part(state: CfcState, index: int, buf, layout) -> None:
         sent, eps = report["bytes_sent"], report["eps"]
     else:
         _flush(state, index, buf, r)
-        dist.all_reduce(buf, group=state.group)
-        buf.div_(state.world)
+        _average(state, buf, state.group)
         sent, eps = ring, 0.0
     seconds = time.perf_counter() - t0
     state._account(compress, sent, ring, eps, seconds)
@@ -825,10 +831,9 @@ def _gpu_plain(state: CfcState, worker, bucket, buf) -> Any:
     """A bucket of a step with nothing to compress (:func:`_fast_step`): averaged by NCCL over
     the process group itself, in the autograd thread's order of collectives, with no hand-over
     to the comm thread."""
-    import torch.distributed as dist
 
     ring = _ring_bytes(buf.numel() * buf.element_size(), state.world)
-    work = dist.all_reduce(buf, op=dist.ReduceOp.AVG, group=state.process_group, async_op=True)
+    work = _average(state, buf, state.process_group, async_op=True)  # NCCL: _fast_step's rule
     state._account(False, ring, ring, 0.0, 0.0)
     if bucket.is_last():  # ends the step on the comm thread too (nothing is queued there)
         worker.submit("flush")
@@ -840,7 +845,6 @@ def _gpu_launch(state: CfcState, stream, index, buf, r, compress, trial, ready):
     """A part's first stage, on the comm thread under ``torch.cuda.stream(stream)``: queue its
     all-reduce, or its compression and frame exchange. Returns the second stage (or None)."""
     import torch
-    import torch.distributed as dist
 
     t0 = time.perf_counter()
     if trial:
@@ -867,11 +871,7 @@ def _gpu_launch(state: CfcState, stream, index, buf, r, compress, trial, ready):
         _flush(state, index, buf, r)
         if r is not None:
             r.record_stream(stream)
-        if state._nccl:  # NCCL averages as it reduces: no second pass over the bucket
-            dist.all_reduce(buf, op=dist.ReduceOp.AVG, group=state.group)
-        else:
-            dist.all_reduce(buf, group=state.group)
-            buf.div_(world)
+        _average(state, buf, state.group)
         busy[0] = time.perf_counter() - t0
         account(False, ring, 0.0)
         return None
