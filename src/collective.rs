@@ -257,6 +257,27 @@ pub fn allreduce<T: Element, X: Transport + ?Sized>(
     Ok((out, report))
 }
 
+/// One frame of `data` with the shared step, through the residual when there is one.
+fn quantize<T: Element>(
+    data: &[T],
+    residual: Option<&mut [f32]>,
+    copts: &CompressOptions,
+) -> Result<Vec<u8>> {
+    match residual {
+        Some(r) => compress_with_feedback(data, r, &[data.len()], copts),
+        None => compress(data, &[data.len()], copts),
+    }
+}
+
+/// The exact sum of the codes of frames received from the ranks (each checked as it is read).
+fn sum_codes(frames: &[Vec<u8>]) -> Result<Codes> {
+    let parts = frames
+        .iter()
+        .map(|f| Codes::from_frame(f))
+        .collect::<Result<Vec<_>>>()?;
+    Codes::sum(&parts)
+}
+
 /// Steps 3-5 of [`allreduce`] as a reduce-scatter of codes and an all-gather of the sums.
 /// Returns the sum and the bytes this rank sent.
 fn reduce_scatter<T: Element, X: Transport + ?Sized>(
@@ -271,13 +292,8 @@ fn reduce_scatter<T: Element, X: Transport + ?Sized>(
     let mut frames = Vec::with_capacity(world);
     for j in 0..world {
         let s = shard(n, world, j);
-        let frame = match residual.as_deref_mut() {
-            Some(r) => {
-                compress_with_feedback(&data[s.clone()], &mut r[s.clone()], &[s.len()], copts)?
-            }
-            None => compress(&data[s.clone()], &[s.len()], copts)?,
-        };
-        frames.push(frame);
+        let r = residual.as_deref_mut().map(|r| &mut r[s.clone()]);
+        frames.push(quantize(&data[s], r, copts)?);
     }
     let mut sent: u64 = frames
         .iter()
@@ -287,11 +303,7 @@ fn reduce_scatter<T: Element, X: Transport + ?Sized>(
         .sum();
     let received = transport.all_to_all(frames)?;
     // 4. Sum this rank's shard exactly, as integer codes, and repack it losslessly.
-    let parts = received
-        .iter()
-        .map(|f| Codes::from_frame(f))
-        .collect::<Result<Vec<_>>>()?;
-    let summed = Codes::sum(&parts)?.to_frame(opts.zstd_level)?;
+    let summed = sum_codes(&received)?.to_frame(opts.zstd_level)?;
     // 5. Everyone gathers every summed shard and decodes.
     let summed_len = summed.len() as u64;
     let shards = transport.all_gather(summed)?;
@@ -320,17 +332,10 @@ fn all_gather<T: Element, X: Transport + ?Sized>(
     copts: &CompressOptions,
 ) -> Result<(Vec<T>, u64)> {
     let (world, n) = (transport.world(), data.len());
-    let frame = match residual {
-        Some(r) => compress_with_feedback(data, r, &[n], copts)?,
-        None => compress(data, &[n], copts)?,
-    };
+    let frame = quantize(data, residual, copts)?;
     let sent = frame.len() as u64 * (world as u64 - 1);
     let frames = transport.all_gather(frame)?;
-    let parts = frames
-        .iter()
-        .map(|f| Codes::from_frame(f))
-        .collect::<Result<Vec<_>>>()?;
-    let summed = Codes::sum(&parts)?.to_frame(None)?;
+    let summed = sum_codes(&frames)?.to_frame(None)?;
     let (header, values) = decompress::<T>(&summed)?;
     if header.n != n as u64 {
         return Err(Error::Transport(format!(
