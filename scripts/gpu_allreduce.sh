@@ -6,10 +6,7 @@
 # runs the tests with 4 ranks instead of 2. Output under $OUT.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-OUT=${OUT:-/tmp/cfc-out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site .carry/*.whl && export PYTHONPATH=/tmp/site
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-SOCK="NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 NCCL_NET=Socket NCCL_SOCKET_IFNAME=lo"
+source scripts/gpu_setup.sh
 NPROC=${NPROC:-$(nvidia-smi -L | wc -l)}
 PARTS=${PARTS:-tests nvlink socket}
 ARGS="--grads .carry/grads --sizes ${SIZES:-1M,4M,16M,64M,256M,1G} --iters ${ITERS:-20} --auto"

@@ -7,10 +7,7 @@
 # the step-time runs. Logs go under $OUT.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-OUT=${OUT:-/tmp/cfc-out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site .carry/*.whl && export PYTHONPATH=/tmp/site
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-SOCK="NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 NCCL_NET=Socket NCCL_SOCKET_IFNAME=lo"
+source scripts/gpu_setup.sh
 PARTS=${PARTS:-tests train spread nvlink socket}
 STEPS=${STEPS:-30}
 NPROC=${NPROC:-2}
