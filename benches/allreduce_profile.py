@@ -60,21 +60,6 @@ def main():
     print("| call | host us |\n|---|---|")
     for name, fn in rows.items():
         print(f"| {name} | {host_us(fn):.1f} |")
-    # the whole engine: AllReducer's comm-thread busy time per chunk, world of 1
-    red = cfc.distributed.AllReducer(cfc.CfcState(eps=3e-5, warmup_steps=0, min_compress_numel=0), chunk_numel=n)
-    big = torch.randn(8 * n, device=dev) * 1e-4
-    for _ in range(3):
-        red(big).wait()
-    torch.cuda.synchronize()
-    red.state.reset_stats()
-    t0 = time.perf_counter()
-    for _ in range(10):
-        red(big).wait()
-    torch.cuda.synchronize()
-    wall = (time.perf_counter() - t0) / 80
-    s = red.state.stats()
-    print(f"| AllReducer, per chunk: wall | {wall * 1e6:.1f} |")
-    print(f"| AllReducer, per chunk: comm-thread busy | {s['seconds'] / s['compressed_buckets'] * 1e6:.1f} |")
     dist.destroy_process_group()
 
 
