@@ -56,9 +56,11 @@ def register(ddp, name):
         )
         ddp.register_comm_hook(st, powerSGD_hook.powerSGD_hook)
     elif name.startswith("cfc"):
-        # cfc, cfc-auto (fallback="auto"), cfc@0.1 (rms=0.1); any hook:capN sets bucket_cap_mb
+        # cfc, cfc-auto (fallback="auto"), cfc@0.1 (rms=0.1), cfc-ag / cfc-rs (the all-gather or
+        # the reduce-scatter; default: cfc's choice); any hook:capN sets bucket_cap_mb
         rms = float(name.split("@")[1]) if "@" in name else 0.3
-        state = cfc.CfcState(rms=rms, fallback="auto" if "auto" in name else False)
+        algorithm = "all-gather" if "-ag" in name else "reduce-scatter" if "-rs" in name else None
+        state = cfc.CfcState(rms=rms, fallback="auto" if "auto" in name else False, algorithm=algorithm)
         ddp.register_comm_hook(state, cfc.cfc_hook)
     elif name != "allreduce":
         raise SystemExit(f"unknown hook {name}")

@@ -2,6 +2,7 @@
 CI) and NCCL on CUDA tensors (``-m gpu``, with 2 GPUs)."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -34,14 +35,17 @@ def check_close(y, exact, eps):
     return err
 
 
-def _worker(rank, world, init_file, scenario, device):
+def _worker(rank, world, init_file, scenario, device, algorithm=None):
+    def State(**kw):  # noqa: N802 - the state of this run's algorithm (None: cfc's choice)
+        return cfc.CfcState(algorithm=algorithm, **kw)
+
     dev = torch.device(device if device == "cpu" else f"cuda:{rank}")
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     backend = "gloo" if dev.type == "cpu" else "nccl"
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        state = cfc.CfcState(eps=EPS, warmup_steps=0, min_compress_numel=0)
+        state = State(eps=EPS, warmup_steps=0, min_compress_numel=0)
         reducer = cfc.distributed.AllReducer(state, chunk_numel=3000)
         if scenario == "average":
             # 10000 values: chunks of 3000, 3000, 3000 and a 1000 tail; then a bf16 tensor
@@ -53,11 +57,25 @@ def _worker(rank, world, init_file, scenario, device):
                     check_close(y, exact_average(0, 10000, world), EPS)
             s = state.stats()
             assert s["compressed_buckets"] == 12 and s["plain_buckets"] == 0, s
+            if dev.type == "cuda":  # the algorithm asked for is the one that ran
+                shards = any(isinstance(k, tuple) and k[0] == "shard" for k in state._slots)
+                assert shards == (algorithm == "reduce-scatter" or (algorithm is None and world > 2))
+            # data 100x larger needs larger frames than the slots sized from the last calls:
+            # they are sent again, exactly, and the result keeps its bound
+            big = State(eps=EPS, warmup_steps=0, min_compress_numel=0)
+            rb = cfc.distributed.AllReducer(big, chunk_numel=3000)
+            for call in range(2):
+                scale = 1.0 if call == 0 else 100.0
+                x = data(rank, 20 + call, 10000).to(dev) * scale
+                exact = sum(data(k, 20 + call, 10000).double() * scale for k in range(world)) / world
+                check_close(rb(x).wait(), exact, 2 * EPS)  # the second carries the first's residual
+            if dev.type == "cuda":
+                assert big.stats()["resends"] > 0, big.stats()
             # small chunks: on CUDA each frame travels in a slot 6% and 264 bytes larger, to
             # every peer (all-gather: the ratio against a ring all-reduce falls as 2 / world)
             assert s["ratio"] > (3 if dev.type == "cpu" else 4 / world), s
             xb = data(rank, 7, 5000).bfloat16().reshape(50, 100).to(dev)
-            yb = cfc.distributed.AllReducer(cfc.CfcState(eps=EPS, warmup_steps=0, min_compress_numel=0))(xb).wait()
+            yb = cfc.distributed.AllReducer(State(eps=EPS, warmup_steps=0, min_compress_numel=0))(xb).wait()
             assert yb.dtype == torch.bfloat16 and yb.shape == (50, 100)
             exact_b = sum(data(r, 7, 5000).bfloat16().double() for r in range(world)) / world
             # the bf16 result is also rounded to bf16 (8 bits of mantissa)
@@ -66,7 +84,7 @@ def _worker(rank, world, init_file, scenario, device):
             # calls need not be waited for one by one (each waits for the one before); an
             # empty tensor is a no-op once the ranks agree on it
             r2 = cfc.distributed.AllReducer(
-                cfc.CfcState(eps=EPS, warmup_steps=0, min_compress_numel=0), chunk_numel=3000
+                State(eps=EPS, warmup_steps=0, min_compress_numel=0), chunk_numel=3000
             )
             xs = [data(rank, 10 + k, 10000).to(dev) for k in range(3)]
             pending = [r2(x) for x in xs]
@@ -86,7 +104,7 @@ def _worker(rank, world, init_file, scenario, device):
             assert drift <= EPS * 1.01, drift
             # the control: without error feedback everything is lost
             plain = cfc.distributed.AllReducer(
-                cfc.CfcState(eps=EPS, warmup_steps=0, min_compress_numel=0, error_feedback=False),
+                State(eps=EPS, warmup_steps=0, min_compress_numel=0, error_feedback=False),
                 chunk_numel=3000,
             )
             lost = torch.zeros(n, dtype=torch.float64)
@@ -98,6 +116,26 @@ def _worker(rank, world, init_file, scenario, device):
             for call, n in enumerate((10000, 4321, 10000)):
                 y = reducer(data(rank, call, n).to(dev)).wait()
                 check_close(y, exact_average(call, n, world), EPS)
+        elif scenario == "rms":
+            # rms=0.3: the bound follows the data's RMS. With the reduce-scatter every rank
+            # must quantize with one step: all report the same eps, from every rank's data.
+            st = State(rms=0.3, warmup_steps=0, min_compress_numel=0)
+            rr = cfc.distributed.AllReducer(st, chunk_numel=3000)
+            xs = {c: [data(k, c, 10000).double() for k in range(world)] for c in (30, 31, 32)}
+            # each chunk's bound follows its own RMS: the largest of any rank's chunk bounds all
+            top = max(float(v[a : a + 3000].pow(2).mean().sqrt()) for c in xs for v in xs[c] for a in (0, 3000, 6000, 9000))
+            check_close(rr(data(rank, 30, 10000).to(dev)).wait(), sum(xs[30]) / world, 0.3 * top * (1 + 1e-5))
+            for call in (31, 32):
+                rr(data(rank, call, 10000).to(dev)).wait()
+            eps = torch.tensor([st.stats()["eps"]], dtype=torch.float64, device=dev)
+            everyone = [torch.empty_like(eps) for _ in range(world)]
+            dist.all_gather(everyone, eps)
+            shared = dev.type == "cpu" or algorithm == "reduce-scatter" or (algorithm is None and world > 2)
+            if shared:
+                assert all(torch.equal(e, eps) for e in everyone), everyone
+                overall = math.sqrt(sum(float(v.pow(2).sum()) for v in xs[30]) / (10000 * world))
+                # (the residuals carried add a little to the RMS of later calls)
+                assert 0.3 * overall * 0.5 <= eps.item() <= 0.3 * top * 1.05, (eps, overall, top)
         elif scenario == "mismatch":
             n = 10000 if rank == 0 else 9000
             with pytest.raises(cfc.CfcError, match="disagree on the tensor"):
@@ -110,7 +148,7 @@ def _worker(rank, world, init_file, scenario, device):
         elif scenario == "auto":
             # fallback="auto": the first 2 calls time each chunk both ways, then every rank
             # takes the same choice; a new size runs its own trial
-            auto = cfc.CfcState(eps=EPS, warmup_steps=0, min_compress_numel=0, fallback="auto", trial_steps=2)
+            auto = State(eps=EPS, warmup_steps=0, min_compress_numel=0, fallback="auto", trial_steps=2)
             reducer = cfc.distributed.AllReducer(auto, chunk_numel=3000)
             for n in (10000, 7000):
                 auto.reset_stats()
@@ -128,7 +166,7 @@ def _worker(rank, world, init_file, scenario, device):
             # What the trial's compressed call left in the residuals is sent along by the next
             # plain call, and only once. The trial's verdict is fixed to "plain" here (timings
             # vary), on every rank alike.
-            auto = cfc.CfcState(eps=EPS, warmup_steps=0, min_compress_numel=0, fallback="auto", trial_steps=2)
+            auto = State(eps=EPS, warmup_steps=0, min_compress_numel=0, fallback="auto", trial_steps=2)
 
             def plain_verdict(group=None):
                 auto._decisions.update({i: False for i in auto._trial})
@@ -147,7 +185,7 @@ def _worker(rank, world, init_file, scenario, device):
         elif scenario == "dead_peer":
             # rank 1 takes part once and then stops answering: rank 0's next call fails after
             # the state's timeout, with an error, instead of waiting forever
-            state = cfc.CfcState(eps=EPS, warmup_steps=0, min_compress_numel=0, timeout=3)
+            state = State(eps=EPS, warmup_steps=0, min_compress_numel=0, timeout=3)
             reducer = cfc.distributed.AllReducer(state, chunk_numel=3000)
             reducer(data(rank, 0, 10000).to(dev)).wait()
             if rank == 0:
@@ -188,9 +226,9 @@ def _worker(rank, world, init_file, scenario, device):
 GPUS = int(os.environ.get("CFC_TEST_GPUS", "2"))
 
 
-def spawn(tmp_path, scenario, device, world=None):
+def spawn(tmp_path, scenario, device, world=None, algorithm=None):
     world = world or (2 if device == "cpu" else GPUS)
-    mp.spawn(_worker, args=(world, str(tmp_path / "init"), scenario, device), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, str(tmp_path / "init"), scenario, device, algorithm), nprocs=world, join=True)
 
 
 def two_gpus():
@@ -202,11 +240,22 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("scenario", ["average", "feedback", "resize", "mismatch", "auto"])
+@pytest.mark.parametrize("scenario", ["average", "feedback", "resize", "mismatch", "auto", "rms"])
 def test_all_reducer(tmp_path, scenario, device):
     if device == "cuda":
         two_gpus()
     spawn(tmp_path, scenario, device)
+
+
+# CUDA buckets move as an all-gather of frames or a reduce-scatter of codes (the default from
+# 3 ranks): both, whatever the number of GPUs. (CPU tensors run the Rust collective, whose two
+# variants tests/collective.rs compares bit for bit.)
+@pytest.mark.gpu
+@pytest.mark.parametrize("algorithm", ["all-gather", "reduce-scatter"])
+@pytest.mark.parametrize("scenario", ["average", "feedback", "resize", "rms"])
+def test_all_reducer_algorithms(tmp_path, scenario, algorithm):
+    two_gpus()
+    spawn(tmp_path, scenario, "cuda", algorithm=algorithm)
 
 
 def test_a_silent_peer_is_an_error_after_the_timeout(tmp_path):

@@ -273,7 +273,27 @@ def slots(rank, world, out):
         assert same_on_all_ranks(p.detach())
 
 
-SCENARIOS = {f.__name__: f for f in (parity, resume, overflow, accumulate, variants, mismatch, fallback, slots)}
+def reduce_scatter(rank, world, out):
+    """Both ways a compressed bucket can move train alike: every rank ends with the same
+    parameters, the loss falls, and the way asked for is the way that ran."""
+    for algorithm in ("reduce-scatter", "all-gather"):
+        state = CfcState(warmup_steps=1, min_compress_numel=0, algorithm=algorithm)
+        ddp, opt = make(state)
+        losses = train(ddp, opt, rank, 5)
+        assert all(math.isfinite(l) for l in losses) and losses[-1] < losses[0], (algorithm, losses)
+        for p in ddp.parameters():
+            assert same_on_all_ranks(p.detach()), algorithm
+        s = state.stats()
+        assert s["compressed_buckets"] > 0 and 0 < s["max_error"] <= s["eps"] * (1 + 1e-6), s
+        if DEV.type == "cuda":
+            shards = any(isinstance(k, tuple) and k[0] == "shard" for k in state._slots)
+            assert shards == (algorithm == "reduce-scatter"), state._slots
+
+
+SCENARIOS = {
+    f.__name__: f
+    for f in (parity, resume, overflow, accumulate, variants, mismatch, fallback, slots, reduce_scatter)
+}
 
 
 # CUDA runs use this many GPUs (CFC_TEST_GPUS=4 on a 4-GPU machine checks that nothing
@@ -314,7 +334,7 @@ def test_training_parity_with_8x_fewer_bytes(tmp_path, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
-    "scenario", ["resume", "overflow", "accumulate", "variants", "mismatch", "fallback", "slots"]
+    "scenario", ["resume", "overflow", "accumulate", "variants", "mismatch", "fallback", "slots", "reduce_scatter"]
 )
 def test_hook(tmp_path, scenario, device):
     if device == "cuda":
@@ -330,11 +350,15 @@ def test_state_options_are_checked(tmp_path):
     try:
         for bad in ({"eps": 0}, {"rms": math.nan}, {"eps": 1e-3, "rel": 1e-2},
                     {"fallback": "sometimes"}, {"fallback": "auto", "trial_steps": 3},
-                    {"warmup_steps": -1}, {"timeout": 0}, {"timeout": math.inf}):
+                    {"warmup_steps": -1}, {"timeout": 0}, {"timeout": math.inf},
+                    {"algorithm": "ring"}, {"algorithm": "reduce-scatter", "rel": 0.01}):
             with pytest.raises(ValueError):
                 CfcState(**bad)
         s = CfcState()
         assert (s.bound_kind, s.bound) == ("rms", 0.3)
+        # the algorithm is one of the options all ranks must share
+        ag = CfcState(algorithm="all-gather")
+        assert ag._config() != s._config() and "algorithm='all-gather'" in ag._describe(ag._config())
         assert early.state_dict()["world"] == 1  # bound to the group once it exists
         with pytest.raises(ValueError, match="cfc_hook state"):
             s.load_state_dict({"version": 99})

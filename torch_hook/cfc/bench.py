@@ -13,6 +13,9 @@ For each size it times, on the same data in the same process group:
 * ``bf16``: the same on a bfloat16 copy (the cast is not timed);
 * ``cfc@B``: :class:`cfc.distributed.AllReducer` with ``eps = B x RMS`` of the data and error
   feedback: chunks compressed on the GPU, exchanged, decoded and averaged, pipelined;
+* ``cfc-ag@B`` / ``cfc-rs@B`` (``--algorithms all-gather,reduce-scatter``): the same with the
+  all-gather or the reduce-scatter of :class:`cfc.CfcState`'s ``algorithm`` (default: its
+  automatic choice, named ``cfc@B``);
 * ``cfc-auto@B`` (``--auto``): the same with ``fallback="auto"``: each chunk is timed both ways
   during the warm-up calls and then takes the faster (plain NCCL where compressing does not
   pay, e.g. over NVLink).
@@ -147,6 +150,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--chunk-mb", type=float, default=64.0, help="cfc chunk size (MB of float32)")
     p.add_argument("--auto", action="store_true", help='also cfc with fallback="auto" at the first bound')
+    p.add_argument("--algorithms", default="", help="comma list of all-gather, reduce-scatter (default: cfc's choice)")
     p.add_argument("--grads", default=None, help="folder of .npy gradient vectors")
     p.add_argument("--cpu", action="store_true", help="CPU tensors over gloo, even with GPUs")
     p.add_argument("--label", default=None, help="transport name for the table (default: guessed)")
@@ -185,11 +189,16 @@ def _run(args, dev, rank: int, world: int) -> Dict[str, Any]:
     label = args.label or _guess_transport(cuda)
     base, rms = gradient_data(args.grads)
     chunk = max(1, int(args.chunk_mb * (1 << 20)) // 4)
+    algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()] or [None]
+    short = {None: "cfc", "all-gather": "cfc-ag", "reduce-scatter": "cfc-rs"}
+    if any(a not in short for a in algorithms):
+        raise SystemExit(f"--algorithms takes all-gather and reduce-scatter, got {args.algorithms!r}")
     reducers = {
-        f"cfc@{b:g}": cfc.distributed.AllReducer(
-            cfc.CfcState(eps=b * rms, warmup_steps=0, min_compress_numel=0), chunk_numel=chunk
+        f"{short[a]}@{b:g}": cfc.distributed.AllReducer(
+            cfc.CfcState(eps=b * rms, warmup_steps=0, min_compress_numel=0, algorithm=a), chunk_numel=chunk
         )
         for b in bounds
+        for a in algorithms
     }
     if args.auto and bounds:
         trial = cfc.CfcState(eps=bounds[0] * rms, warmup_steps=0, min_compress_numel=0, fallback="auto")

@@ -19,11 +19,20 @@ Two engines, chosen by where the bucket lives:
 * **CUDA buckets** (NCCL): the hook records an event and hands the bucket to a comm thread, and
   returns at once. The comm thread, on its own CUDA stream, compresses the bucket on the GPU
   (residual add, quantize, pack and new residual in one pass) with a bound from the bucket's
-  previous step, all-gathers the frames (each in a slot sized from the bucket's earlier frames,
-  its size in the slot's tail), waits for the sizes, decodes every rank's frame on the GPU and
-  averages them in float32 in rank order, so every rank gets the same bits. While it waits for
-  one bucket's sizes, the next bucket is already on the wire. The autograd thread never waits
-  for the GPU.
+  previous step, and moves it in one of two ways (``algorithm``):
+
+  - *all-gather* (2 ranks): every rank's frame goes to every rank (each in a slot sized from
+    the bucket's earlier frames, its size in the slot's tail); each rank waits for the sizes,
+    decodes every frame on the GPU and averages them in float32 in rank order.
+  - *reduce-scatter* (3 ranks or more): the bucket is cut into one shard per rank, every shard
+    compressed with one step shared by all ranks; shard ``j`` of every rank goes to rank ``j``
+    (all-to-all), which sums the decoded codes (an exact sum: values on one grid), compresses
+    the sum again with the same step (lossless: the sum is on the grid) and all-gathers it.
+    A rank receives about ``2 (n-1)/n`` of a bucket's compressed size instead of ``n - 1``
+    times it, as a ring all-reduce would.
+
+  Every rank gets the same bits. While the comm thread waits for one bucket's sizes, the next
+  bucket is already on the wire. The autograd thread never waits for the GPU.
 
 Both engines run their collectives on a communicator of their own, made by :class:`CfcState`
 at the first bucket (so they never interleave with DDP's own collectives). One exception: in a
@@ -52,6 +61,7 @@ logger = logging.getLogger("cfc")
 
 _STATE_VERSION = 1
 _BOUND_KINDS = ("eps", "rel", "rms")
+_ALGORITHMS = ("all-gather", "reduce-scatter")
 
 
 class CfcState:
@@ -64,8 +74,9 @@ class CfcState:
         rel: bound relative to the bucket's largest magnitude (over all ranks on CPU, per rank
             on GPU).
         rms: bound relative to the root mean square of the bucket's finite gradient values
-            (over all ranks on CPU; on GPU per rank, and from the bucket's previous compressed
-            step, so that nothing waits for it). The default, ``rms=0.3``, when no bound
+            (over all ranks on CPU; on GPU from the bucket's previous compressed step, so that
+            nothing waits for it: over all ranks with the reduce-scatter, per rank with the
+            all-gather). The default, ``rms=0.3``, when no bound
             is given: about 12x fewer bytes on real LM gradients, and with error feedback the
             loss follows plain all-reduce's.
         error_feedback: carry what quantization drops into the next step (per rank, per bucket).
@@ -80,6 +91,14 @@ class CfcState:
         trial_steps: steps of that trial (an even number; half of each kind; the fastest time
             of each kind counts).
         log_every: log :meth:`stats` (logger ``"cfc"``, INFO) every this many steps; 0: never.
+        algorithm: how a compressed bucket moves: ``"reduce-scatter"`` (each rank owns one
+            shard of the bucket, sums everyone's codes for it and sends the sum on: the bytes
+            a rank receives stay near twice a compressed bucket however many ranks there are)
+            or ``"all-gather"`` (every rank's compressed bucket goes to every rank: one
+            exchange instead of two, fewer bytes with 2 ranks). Default (None): all-gather for
+            CUDA buckets with 2 ranks or a ``rel`` bound, else reduce-scatter. CUDA buckets
+            with ``"reduce-scatter"`` need ``eps`` or ``rms`` (all ranks must use one step;
+            ``rel`` is per rank there); CPU buckets always share the step.
         timeout: seconds (or a ``timedelta``) the collectives of cfc's own communicator wait
             for a peer before they fail, e.g. when a rank died; default: the backend's (torch's
             own default timeout). Steps that send every CUDA bucket plainly use DDP's process
@@ -105,6 +124,7 @@ class CfcState:
         fallback: Any = False,
         trial_steps: int = 4,
         log_every: int = 0,
+        algorithm: Optional[str] = None,
         timeout: Any = None,
     ):
         given = [(k, v) for k, v in (("eps", eps), ("rel", rel), ("rms", rms)) if v is not None]
@@ -119,6 +139,14 @@ class CfcState:
             raise ValueError(f"fallback must be False or 'auto', got {fallback!r}")
         if fallback == "auto" and (trial_steps < 2 or trial_steps % 2):
             raise ValueError(f"trial_steps must be an even number >= 2, got {trial_steps}")
+        if algorithm is not None and algorithm not in _ALGORITHMS:
+            raise ValueError(f"algorithm must be None, 'all-gather' or 'reduce-scatter', got {algorithm!r}")
+        if algorithm == "reduce-scatter" and self.bound_kind == "rel":
+            raise ValueError(
+                "algorithm='reduce-scatter' needs one quantization step on every rank: give eps or "
+                "rms (a rel bound is per rank on CUDA buckets)"
+            )
+        self.algorithm = algorithm
         self.error_feedback = bool(error_feedback)
         self.warmup_steps = int(warmup_steps)
         self.min_compress_numel = int(min_compress_numel)
@@ -153,7 +181,9 @@ class CfcState:
         self._decisions: Dict[int, bool] = {}  # bucket -> compress? (fallback="auto")
         self._trial: Dict[int, Dict[str, List[float]]] = {}
         self._trial_device: Any = None
-        self._slots: Dict[int, int] = {}  # bucket -> bytes per rank in the frame exchange
+        # bucket (or ("shard", bucket), ("sum", bucket) for the reduce-scatter's two
+        # exchanges) -> bytes per rank in the frame exchange
+        self._slots: Dict[Any, int] = {}
         # Buckets whose residual may be nonzero: a plain all-reduce sends it along (and zeroes
         # it) only then, so buckets that stay plain pay no extra pass over memory.
         self._unflushed: set = set()
@@ -201,14 +231,16 @@ class CfcState:
             1.0 if self.fallback == "auto" else 0.0,
             float(self.trial_steps),
             float(self.world),
+            0.0 if self.algorithm is None else 1.0 + _ALGORITHMS.index(self.algorithm),
         ]
 
     def _describe(self, c: List[float]) -> str:
         kind = _BOUND_KINDS[int(c[1])] if 0 <= int(c[1]) < 3 else "?"
+        alg = int(c[9]) if len(c) > 9 else 0
         return (
             f"{kind}={c[2]:g}, error_feedback={bool(c[3])}, warmup_steps={int(c[4])}, "
             f"min_compress_numel={int(c[5])}, fallback={'auto' if c[6] else False}, "
-            f"trial_steps={int(c[7])}"
+            f"trial_steps={int(c[7])}, algorithm={_ALGORITHMS[alg - 1] if 0 < alg <= 2 else None!r}"
         )
 
     def _agree(self, device) -> None:
@@ -642,7 +674,9 @@ def _cpu_part(state: CfcState, index: int, buf, layout) -> None:
             kw = {kind: bound}
         if r is not None:
             state._unflushed.add(index)
-        y, report = cfc.distributed.all_reduce(buf, average=True, residual=r, group=state.group, **kw)
+        y, report = cfc.distributed.all_reduce(
+            buf, average=True, residual=r, group=state.group, algorithm=state.algorithm, **kw
+        )
         buf.copy_(y)
         if r is not None and r.numel():
             state._stats["max_error"] = max(state._stats["max_error"], float(r.abs().max()))
@@ -664,11 +698,13 @@ class _CommThread:
     """One thread that runs every CUDA bucket's exchange in the order the hook queued them (so
     all ranks issue their collectives in the same order), on a CUDA stream of its own.
 
-    A compressed part runs in two stages: *launch* (compress, all-gather the frames) and
-    *finish* (wait for the frame sizes, decode, average). A part's finish runs right after the
-    next part's launch, so the next bucket is on the wire while this thread waits for the last
-    one's sizes; a ``flush`` item at each step's last bucket finishes everything. The order of
-    the collectives depends only on the order of the items, never on timing.
+    A compressed part runs in stages: *launch* (compress, all-gather the frames) and *finish*
+    (wait for the frame sizes, decode, average). A part's finish runs right after the next
+    part's launch, so the next bucket is on the wire while this thread waits for the last
+    one's sizes; a ``flush`` item at each step's last bucket finishes everything. The
+    reduce-scatter has one more stage (its finish sends the shard's sum; the stage after it
+    waits for the sums), which again runs after the next part's launch. The order of the
+    collectives depends only on the order of the items, never on timing.
     """
 
     def __init__(self, state: CfcState, device):
@@ -703,13 +739,19 @@ class _CommThread:
         torch.cuda.synchronize(self.device)
 
     def _run_deferred(self, items) -> None:
-        for work, fut in items:
+        """Run deferred stages in order. A stage may return a further stage (a callable): that
+        one waits for the next part's launch, so it and everything after it go back to the
+        front of the queue (a bucket's future is set only after all its stages)."""
+        for k, (work, fut) in enumerate(items):
             try:
                 if self.failed is not None:
                     raise cfc.CfcError(f"cfc_hook failed: {self.failed}")
                 value = work()
                 if fut is not None:
                     fut.set_result(value)  # records an event on this stream for DDP
+                elif callable(value):
+                    self.deferred = [(value, None)] + list(items[k + 1 :]) + self.deferred
+                    return
             except BaseException as e:  # noqa: BLE001 - reaches backward() through the future
                 if self.failed is None:
                     self.failed = e
@@ -738,8 +780,9 @@ class _CommThread:
                     elif kind == "done":
                         self.deferred.append((work, fut))
                     else:  # flush
-                        earlier, self.deferred = self.deferred, []
-                        self._run_deferred(earlier)
+                        while self.deferred:
+                            earlier, self.deferred = self.deferred, []
+                            self._run_deferred(earlier)
             finally:
                 with self.idle:
                     self.pending -= 1
@@ -876,6 +919,31 @@ def _gpu_launch(state: CfcState, stream, index, buf, r, compress, trial, ready):
         account(False, ring, 0.0)
         return None
 
+    if _reduce_scatter(state, n):
+        if r is not None:
+            state._unflushed.add(index)
+        shards = _ShardExchange(state, index, buf, r)  # compresses the shards, queues the all-to-all
+        busy[0] = time.perf_counter() - t0
+
+        def finish_shards():
+            t1 = time.perf_counter()
+            shards.send_sum()  # waits for the shard's frames, sums them, queues the all-gather
+            busy[0] += time.perf_counter() - t1
+
+            def receive_sums():
+                t2 = time.perf_counter()
+                sent = shards.receive_sums()  # waits for the sums' sizes, writes buf
+                _note_max_error(state, buf, r)
+                busy[0] += time.perf_counter() - t2
+                account(True, sent, shards.eps)
+
+            return receive_sums
+
+        if trial:
+            finish_shards()()
+            return None
+        return finish_shards
+
     kind, bound = state.bound_kind, state.bound
     if kind == "rms":
         ss = _finite_sumsq(buf if r is None else buf.float() + r)
@@ -916,10 +984,7 @@ def _gpu_launch(state: CfcState, stream, index, buf, r, compress, trial, ready):
             y = _decompress_cuda(frames[j], n, c._dtype, (n,), 1)
             acc = y.float() if acc is None else acc.add_(y)
         buf.copy_(acc.div_(world).view(buf.shape))
-        if r is not None and r.numel():
-            held = state._max_err_dev.get(buf.device)
-            amax = r.abs().max()
-            state._max_err_dev[buf.device] = amax if held is None else torch.maximum(held, amax)
+        _note_max_error(state, buf, r)
         busy[0] += time.perf_counter() - t1
         account(True, sent, float(kw["eps"]) if "eps" in kw else c.eps)  # c.eps: the frame's
 
@@ -927,6 +992,168 @@ def _gpu_launch(state: CfcState, stream, index, buf, r, compress, trial, ready):
         finish()
         return None
     return finish
+
+
+def _note_max_error(state: CfcState, buf, r) -> None:
+    """Keep the largest quantization error sent so far (what the residual kept), on the device."""
+    import torch
+
+    if r is not None and r.numel():
+        held = state._max_err_dev.get(buf.device)
+        amax = r.abs().max()
+        state._max_err_dev[buf.device] = amax if held is None else torch.maximum(held, amax)
+
+
+def _reduce_scatter(state: CfcState, n: int) -> bool:
+    """Whether a compressed CUDA bucket of ``n`` elements moves as a reduce-scatter of codes
+    (:class:`_ShardExchange`) rather than an all-gather of frames. The same on every rank."""
+    algorithm = state.algorithm
+    if algorithm is None:
+        algorithm = "all-gather" if state.world <= 2 or state.bound_kind == "rel" else "reduce-scatter"
+    if algorithm != "reduce-scatter":
+        return False
+    shard = -(-n // state.world)
+    return (state.world - 1) * shard < n  # every rank's shard holds elements
+
+
+def _sum_in_rank_order(values: List[float]) -> float:
+    """A sum that every rank computes alike from the same values (so all pick one step)."""
+    total = 0.0
+    for v in values:
+        total += v
+    return total
+
+
+class _ShardExchange:
+    """One bucket as a reduce-scatter of quantization codes and an all-gather of their sums.
+
+    The bucket is cut into ``world`` shards of ``L`` elements (the last one shorter). Each
+    rank compresses every shard with the same ``eps`` (a bound all ranks agree on: with
+    ``rms``, from the sum of all ranks' sums of squares at the bucket's previous step), so
+    every decoded value lies on one grid, ``2 eps`` apart. Shard ``j`` of every rank travels
+    to rank ``j`` (all-to-all), in a slot sized from the bucket's earlier frames; a 24-byte
+    tail carries the frame's size, the largest frame size of its sender (so every rank sees the
+    largest frame of all and all decide alike whether to send again) and the sender's sum of
+    squares. Rank ``j`` decodes and sums its shard (the sum is on the grid: compressing it
+    again with the same ``eps`` keeps it exactly, up to float32 rounding), and the sums of all
+    shards are all-gathered (:class:`_FrameExchange`) and decoded by every rank.
+
+    The constructor queues the compression and the all-to-all; :meth:`send_sum` waits for the
+    sizes, sums the shard and queues the all-gather of the sums; :meth:`receive_sums` waits
+    for their sizes and writes the average into ``buf``. (The comm thread runs each of the
+    three after the next bucket's launch, so the wire is never idle while it waits.) Bounds hold as for the all-gather: each rank's rounding error is at most ``eps``
+    per element (and its residual keeps it), so the average is within ``eps``.
+    """
+
+    TAIL = 24  # bytes after each slot: frame size, sender's largest frame, sender's sum of squares
+
+    def __init__(self, state: CfcState, index: int, buf, r):
+        import torch
+        import torch.distributed as dist
+
+        self.state, self.index, self.buf, self.r = state, index, buf, r
+        world, n, dev = state.world, buf.numel(), buf.device
+        self.n, self.L = n, -(-n // world)
+        self.bounds = [(j * self.L, min((j + 1) * self.L, n)) for j in range(world)]
+        # Frames of float32 values: decoded, they sum on the grid (a bf16 decode would round).
+        x = buf.reshape(-1) if buf.dtype == torch.float32 else buf.reshape(-1).float()
+        ss = torch.zeros((), dtype=torch.float64, device=dev)
+        if state.bound_kind == "rms":
+            ss = _finite_sumsq(x if r is None else x + r).double()
+            prev = state._rms.get(index)
+            if prev is not None and prev[2] == n:
+                total = float(prev[0])  # all ranks' sum at the bucket's last step: no wait
+            else:  # the bucket's first compressed step: every rank's sum now (waits, once)
+                table = torch.empty(world, dtype=torch.float64, device=dev)
+                dist.all_gather_into_tensor(table, ss.reshape(1), group=state.group)
+                total = float(torch.tensor(_sum_in_rank_order(table.tolist()), dtype=torch.float32))
+            rms = math.sqrt(total / (n * world)) if 0 < total < math.inf else 0.0
+            self.eps = _rms_eps(state.bound, rms)
+        else:
+            self.eps = float(state.bound)
+        self.frames = [
+            cfc.compress(x[a:b], eps=self.eps, residual=None if r is None else r[a:b]) for a, b in self.bounds
+        ]
+        if not isinstance(self.frames[0], cfc.CudaCompressed):
+            raise cfc.CfcError(f"the GPU codec cannot drive {dev} (compute capability 8.0 or newer is needed)")
+        sizes = torch.stack([c.size_tensor for c in self.frames])
+        tail = torch.stack([sizes, sizes.max().expand(world), ss.view(torch.int64).expand(world)], dim=1)
+        self.slot = state._slots.get(("shard", index))
+        if self.slot is not None:
+            slot = self.slot = min(self.slot, self.frames[0]._out.numel())
+            send = torch.empty(world, slot + self.TAIL, dtype=torch.uint8, device=dev)
+            for j, c in enumerate(self.frames):
+                k = min(slot, c._out.numel())
+                send[j, :k].copy_(c._out[:k])
+            send[:, slot:].copy_(tail.view(torch.uint8))
+            self.got = torch.empty_like(send)
+            dist.all_to_all_single(self.got.view(-1), send.view(-1), group=state.group)
+            tails = self.got[:, slot:].contiguous().view(torch.int64)  # (world, 3): by sender
+        else:  # the bucket's first time: everyone's tails to everyone, then the frames exactly
+            tails = torch.empty(world, world, 3, dtype=torch.int64, device=dev)
+            dist.all_gather_into_tensor(tails.view(-1), tail.reshape(-1), group=state.group)
+        self.tails_host = torch.empty(tails.shape, dtype=torch.int64, pin_memory=True)
+        self.tails_host.copy_(tails, non_blocking=True)
+        self.tails_ready = torch.cuda.Event()
+        self.tails_ready.record()
+
+    def send_sum(self) -> None:
+        """Decode and sum this rank's shard and queue the all-gather of the sums. Waits for the
+        shard's frame sizes (this thread only)."""
+        import torch
+        import torch.distributed as dist
+
+        state, world, rank, dev = self.state, self.state.world, self.state.rank, self.buf.device
+        self.tails_ready.synchronize()
+        t = self.tails_host
+        if self.slot is not None:
+            mine, largest, sums = t[:, 0].tolist(), t[:, 1].tolist(), t[:, 2].contiguous()
+        else:
+            mine, largest, sums = t[:, rank, 0].tolist(), t[:, :, 0].max(dim=1).values.tolist(), t[:, 0, 2].contiguous()
+        cap_mine = self.frames[rank]._out.numel()
+        cap = self.frames[0]._out.numel()  # shard 0 is the longest
+        if any(x < 64 or x > cap_mine for x in mine) or any(x < 64 or x > cap for x in largest):
+            raise cfc.CfcError(f"ranks sent shard frame sizes {mine} (largest {largest}) for {self.n} elements")
+        if state.bound_kind == "rms":
+            # every rank's sum of squares, for the next step's bound (the same on every rank)
+            total = _sum_in_rank_order(sums.view(torch.float64).tolist())
+            state._rms[self.index] = (torch.tensor(total, dtype=torch.float32), None, self.n)
+        m = max(largest)
+        state._slots[("shard", self.index)] = min(cap, int(m * 1.06) + 256)
+        if self.slot is not None:
+            sent = (world - 1) * (self.slot + self.TAIL)
+            rows = self.got[:, : self.slot]
+        else:
+            sent = (world - 1) * world * self.TAIL
+        if self.slot is None or m > self.slot:
+            if self.slot is not None:
+                with state._lock:
+                    state._stats["resends"] += 1
+            send = torch.zeros(world, m, dtype=torch.uint8, device=dev)
+            for j, c in enumerate(self.frames):
+                k = min(m, c._out.numel())
+                send[j, :k].copy_(c._out[:k])
+            rows = torch.empty_like(send)
+            dist.all_to_all_single(rows.view(-1), send.view(-1), group=state.group)
+            sent += (world - 1) * m
+        a, b = self.bounds[rank]
+        acc = None
+        for i in range(world):  # rank order: the same bits on every rank
+            y = _decompress_cuda(rows[i], b - a, "float32", (b - a,), 1)
+            acc = y if acc is None else acc.add_(y)
+        total = acc if b - a == self.L else torch.cat([acc, acc.new_zeros(self.L - (b - a))])
+        self.sums = _FrameExchange(state, ("sum", self.index), cfc.compress(total, eps=self.eps), self.L)
+        self.sent = sent
+
+    def receive_sums(self) -> int:
+        """Decode every shard's sum into the bucket (averaged). Returns the bytes this rank
+        sent in both exchanges. Waits for the sums' sizes (this thread only)."""
+        frames, sent = self.sums.finish()
+        flat, world = self.buf.view(-1), self.state.world
+        for j, (a, b) in enumerate(self.bounds):
+            y = _decompress_cuda(frames[j], self.L, "float32", (self.L,), 1)
+            flat[a:b].copy_(y[: b - a].div_(world))
+        return self.sent + sent
 
 
 class _FrameExchange:
