@@ -203,7 +203,11 @@ def _worker(rank, world, init_file, scenario, device, algorithm=None):
             os._exit(0)
         elif scenario == "returns_early":
             # The caller's thread does not wait for the GPU: with the stream held up by a
-            # half-second kernel queued before it, the call still returns at once.
+            # half-second kernel queued before it, the call still returns at once. (16 chunks:
+            # with hundreds, the comm thread's kernels, all queued behind that kernel, fill
+            # CUDA's launch queue, and then every CUDA call of the process waits for room, the
+            # caller's too; with 8 ranks, chunks of 3000 elements did that.)
+            reducer = cfc.distributed.AllReducer(state, chunk_numel=1 << 16)
             x = data(rank, 0, 1 << 20).to(dev)
             reducer(x.clone()).wait()  # the first call's agreement rounds wait; later ones do not
             torch.cuda.synchronize()
