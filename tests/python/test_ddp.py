@@ -273,6 +273,33 @@ def slots(rank, world, out):
         assert same_on_all_ranks(p.detach())
 
 
+def trial_timing(rank, world, out):
+    """fallback="auto" times each bucket's exchange alone: a rank that reaches its buckets
+    late (rank 1 sleeps 0.3 s before each one during the trial) does not lengthen the other
+    ranks' times, whichever kind of exchange the step tries."""
+    import time
+
+    state = CfcState(fallback="auto", warmup_steps=1, trial_steps=2, min_compress_numel=0)
+    times = []
+    record = state._record_trial
+
+    def spy(index, compressed, seconds, device):
+        times.append(seconds)
+        record(index, compressed, seconds, device)
+
+    state._record_trial = spy
+
+    def late_hook(st, bucket):
+        if rank == 1 and st._phase() == "trial":
+            time.sleep(0.3)
+        return cfc_hook(st, bucket)
+
+    ddp, opt = make()
+    ddp.register_comm_hook(state, late_hook)
+    train(ddp, opt, rank, 4)
+    assert len(times) >= 4 and max(times) < 0.15, times
+
+
 def reduce_scatter(rank, world, out):
     """Both ways a compressed bucket can move train alike: every rank ends with the same
     parameters, the loss falls, and the way asked for is the way that ran."""
@@ -292,7 +319,7 @@ def reduce_scatter(rank, world, out):
 
 SCENARIOS = {
     f.__name__: f
-    for f in (parity, resume, overflow, accumulate, variants, mismatch, fallback, slots, reduce_scatter)
+    for f in (parity, resume, overflow, accumulate, variants, mismatch, fallback, slots, reduce_scatter, trial_timing)
 }
 
 
@@ -334,7 +361,7 @@ def test_training_parity_with_8x_fewer_bytes(tmp_path, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
-    "scenario", ["resume", "overflow", "accumulate", "variants", "mismatch", "fallback", "slots", "reduce_scatter"]
+    "scenario", ["resume", "overflow", "accumulate", "variants", "mismatch", "fallback", "slots", "reduce_scatter", "trial_timing"]
 )
 def test_hook(tmp_path, scenario, device):
     if device == "cuda":

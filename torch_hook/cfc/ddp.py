@@ -581,6 +581,19 @@ def _average(state: CfcState, t, group, async_op: bool = False):
     return None
 
 
+def _line_up(state: CfcState, device) -> None:
+    """Wait until every rank has reached this bucket (a one-element all-reduce), so that a
+    trial's timing is the exchange's alone: ranks reach a bucket at different times (their
+    backward passes differ), and that lag would otherwise count against whichever kind of
+    exchange the trial step happened to try. Only trial buckets pay it."""
+    import torch
+    import torch.distributed as dist
+
+    dist.all_reduce(torch.zeros(1, device=device), group=state.group)
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
 def _ring_bytes(nbytes: int, world: int) -> int:
     """Bytes one rank sends in a ring all-reduce of ``nbytes``."""
     return 2 * (world - 1) * -(-nbytes // world)
@@ -656,9 +669,11 @@ def _cpu_bucket(state: CfcState, bucket, buf, parts, scatter) -> Any:
 def _cpu_part(state: CfcState, index: int, buf, layout) -> None:
     import torch.distributed as dist
 
-    t0 = time.perf_counter()
     compress = state._compress_this(buf.numel())
     trial = state._phase() == "trial" and buf.numel() >= state.min_compress_numel
+    if trial:
+        _line_up(state, buf.device)
+    t0 = time.perf_counter()
     if compress is None:
         compress = state._decision(index)
     r = state._residual(index, layout, buf) if state._feeds(buf.numel()) else None
@@ -892,6 +907,7 @@ def _gpu_launch(state: CfcState, stream, index, buf, r, compress, trial, ready):
     t0 = time.perf_counter()
     if trial:
         ready.synchronize()  # time the exchange alone
+        _line_up(state, buf.device)
         t0 = time.perf_counter()
     stream.wait_event(ready)
     buf.record_stream(stream)
