@@ -99,7 +99,7 @@ def run(name, rank, steps, warmup):
     extra = {}
     if state is not None:
         s = state.stats()
-        extra = {k: s[k] for k in ("ratio", "max_error", "eps", "compressed_buckets", "plain_buckets")}
+        extra = {k: s[k] for k in ("ratio", "max_error", "eps", "compressed_buckets", "plain_buckets", "direct_buckets")}
     nparams = sum(p.numel() for p in model.parameters())
     return times, extra, nparams
 

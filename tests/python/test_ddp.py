@@ -256,6 +256,30 @@ def fallback(rank, world, out):
     assert s["compressed_buckets"] > 0 and s["plain_buckets"] > 0
 
 
+def plain_after_trial(rank, world, out):
+    """Once fallback="auto" has chosen plain all-reduce for every bucket, CUDA steps send
+    their buckets from the autograd thread over DDP's process group (after one step that sends
+    the trial's residuals along through the comm thread); CPU buckets always run cfc's
+    collective on the autograd thread."""
+    state = CfcState(fallback="auto", warmup_steps=1, trial_steps=2, min_compress_numel=0)
+
+    def plain_verdict(group=None):  # as if plain had been faster for every bucket
+        state._decisions.update({i: False for i in state._trial})
+        state._trial.clear()
+
+    state._decide = plain_verdict
+    ddp, opt = make(state)
+    train(ddp, opt, rank, 5)  # warm-up, trial (2 steps), the step that flushes, one more
+    state.reset_stats()
+    losses = train(ddp, opt, rank, 2, start=5)
+    s = state.stats()
+    assert all(math.isfinite(l) for l in losses)
+    assert s["compressed_buckets"] == 0 and s["plain_buckets"] > 0, s
+    assert s["direct_buckets"] == (s["plain_buckets"] if DEV.type == "cuda" else 0), s
+    for p in ddp.parameters():
+        assert same_on_all_ranks(p.detach())
+
+
 def slots(rank, world, out):
     """CUDA buckets travel in slots sized from earlier frames; a frame that outgrows its slot
     is sent again exactly, and training goes on identically on every rank."""
@@ -321,7 +345,8 @@ def reduce_scatter(rank, world, out):
 
 SCENARIOS = {
     f.__name__: f
-    for f in (parity, resume, overflow, accumulate, variants, mismatch, fallback, slots, reduce_scatter, trial_timing)
+    for f in (parity, resume, overflow, accumulate, variants, mismatch, fallback, slots, reduce_scatter,
+              trial_timing, plain_after_trial)
 }
 
 
@@ -363,7 +388,9 @@ def test_training_parity_with_8x_fewer_bytes(tmp_path, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
-    "scenario", ["resume", "overflow", "accumulate", "variants", "mismatch", "fallback", "slots", "reduce_scatter", "trial_timing"]
+    "scenario",
+    ["resume", "overflow", "accumulate", "variants", "mismatch", "fallback", "slots", "reduce_scatter",
+     "trial_timing", "plain_after_trial"],
 )
 def test_hook(tmp_path, scenario, device):
     if device == "cuda":

@@ -428,6 +428,7 @@ class CfcState:
             "seconds": 0.0,
             "residual_resets": 0,
             "resends": 0,
+            "direct_buckets": 0,
         }
         for t in self._max_err_dev.values():
             t.zero_()
@@ -446,7 +447,10 @@ class CfcState:
           time, for CUDA buckets);
         * ``residual_resets``: residuals restarted because a bucket changed in a way its
           parameters could not be followed;
-        * ``resends``: CUDA frames that outgrew their slot and were sent again.
+        * ``resends``: CUDA frames that outgrew their slot and were sent again;
+        * ``direct_buckets``: CUDA buckets of steps with nothing to compress, averaged from the
+          autograd thread over the process group, as PyTorch's own hooks do (the others of
+          ``plain_buckets`` went through cfc's comm thread).
 
         Reading it waits for the GPU work already queued.
         """
@@ -893,6 +897,8 @@ def _gpu_plain(state: CfcState, worker, bucket, buf) -> Any:
     ring = _ring_bytes(buf.numel() * buf.element_size(), state.world)
     work = _average(state, buf, state.process_group, async_op=True)  # NCCL: _fast_step's rule
     state._account(False, ring, ring, 0.0, 0.0)
+    with state._lock:
+        state._stats["direct_buckets"] += 1
     if bucket.is_last():  # ends the step on the comm thread too (nothing is queued there)
         worker.submit("flush")
     state._end_of_bucket(bucket)
