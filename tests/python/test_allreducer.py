@@ -123,7 +123,9 @@ def _worker(rank, world, init_file, scenario, device, algorithm=None):
             rr = cfc.distributed.AllReducer(st, chunk_numel=3000)
             xs = {c: [data(k, c, 10000).double() for k in range(world)] for c in (30, 31, 32)}
             # each chunk's bound follows its own RMS: the largest of any rank's chunk bounds all
-            top = max(float(v[a : a + 3000].pow(2).mean().sqrt()) for c in xs for v in xs[c] for a in (0, 3000, 6000, 9000))
+            top = max(
+                float(v[a : a + 3000].pow(2).mean().sqrt()) for c in xs for v in xs[c] for a in (0, 3000, 6000, 9000)
+            )
             check_close(rr(data(rank, 30, 10000).to(dev)).wait(), sum(xs[30]) / world, 0.3 * top * (1 + 1e-5))
             for call in (31, 32):
                 rr(data(rank, call, 10000).to(dev)).wait()

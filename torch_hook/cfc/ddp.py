@@ -28,8 +28,8 @@ Two engines, chosen by where the bucket lives:
     compressed with one step shared by all ranks; shard ``j`` of every rank goes to rank ``j``
     (all-to-all), which sums the decoded codes (an exact sum: values on one grid), compresses
     the sum again with the same step (lossless: the sum is on the grid) and all-gathers it.
-    A rank receives about ``2 (n-1)/n`` of a bucket's compressed size instead of ``n - 1``
-    times it, as a ring all-reduce would.
+    A rank receives about ``2 (n-1)/n`` times a compressed bucket instead of ``n - 1`` times
+    (a ring all-reduce's ranks receive ``2 (n-1)/n`` times the plain bucket).
 
   Every rank gets the same bits. While the comm thread waits for one bucket's sizes, the next
   bucket is already on the wire. The autograd thread never waits for the GPU.
@@ -1062,9 +1062,11 @@ class _ShardExchange:
 
     The constructor queues the compression and the all-to-all; :meth:`send_sum` waits for the
     sizes, sums the shard and queues the all-gather of the sums; :meth:`receive_sums` waits
-    for their sizes and writes the average into ``buf``. (The comm thread runs each of the
-    three after the next bucket's launch, so the wire is never idle while it waits.) Bounds hold as for the all-gather: each rank's rounding error is at most ``eps``
-    per element (and its residual keeps it), so the average is within ``eps``.
+    for their sizes and writes the average into ``buf``. The comm thread runs ``send_sum``
+    after the next bucket's launch and ``receive_sums`` after the one after that, so the next
+    bucket is on the wire while it waits. Bounds hold as for the all-gather: each rank's
+    rounding error is at most ``eps`` per element (its residual keeps it), so the average is
+    within ``eps``.
     """
 
     TAIL = 24  # bytes after each slot: frame size, sender's largest frame, sender's sum of squares

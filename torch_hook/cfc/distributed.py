@@ -186,8 +186,10 @@ class AllReducer:
     A call first waits for the previous call's result (not for the GPU), so calls do not
     overlap each other; the chunks of one call do. (One limit: CUDA queues a bounded number of
     launches per process. When the GPU is far behind and hundreds of chunks' kernels wait in
-    that queue, any CUDA call waits for room, the caller's too: keep chunks large.) The state (residuals, the trial's choices)
-    lives in memory only: ``state.state_dict()`` does not save an AllReducer's residuals.
+    that queue, any CUDA call waits for room, the caller's too: keep chunks large.)
+
+    The state (residuals, the trial's choices) lives in memory only: ``state.state_dict()``
+    does not save an AllReducer's residuals.
 
     Every rank must call it with tensors of the same size and dtype, in the same order. The
     first call with a new size or dtype checks that (a wait for the earlier calls and one small
