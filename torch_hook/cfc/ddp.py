@@ -59,7 +59,7 @@ __all__ = ["CfcState", "cfc_hook"]
 
 logger = logging.getLogger("cfc")
 
-_STATE_VERSION = 1
+_STATE_VERSION = 2  # 2: the algorithm option (with the reduce-scatter, saved RMS sums are all ranks')
 _BOUND_KINDS = ("eps", "rel", "rms")
 _ALGORITHMS = ("all-gather", "reduce-scatter")
 
@@ -1066,7 +1066,9 @@ class _ShardExchange:
     after the next bucket's launch and ``receive_sums`` after the one after that, so the next
     bucket is on the wire while it waits. Bounds hold as for the all-gather: each rank's
     rounding error is at most ``eps`` per element (its residual keeps it), so the average is
-    within ``eps``.
+    within ``eps``. (Where the sum leaves the grid the second compression may add up to
+    ``eps / world`` more: past about 2^22 steps, where float32 cannot hold every point of the
+    grid; elements a rank's frame stores exactly leave the grid too, but their own error is 0.)
     """
 
     TAIL = 24  # bytes after each slot: frame size, sender's largest frame, sender's sum of squares
@@ -1112,7 +1114,9 @@ class _ShardExchange:
             send[:, slot:].copy_(tail.view(torch.uint8))
             self.got = torch.empty_like(send)
             dist.all_to_all_single(self.got.view(-1), send.view(-1), group=state.group)
-            tails = self.got[:, slot:].contiguous().view(torch.int64)  # (world, 3): by sender
+            # (world, 3), by sender; a dense copy: with one rank the slice itself would pass
+            # for contiguous, at an offset (and a row stride) that int64 cannot view
+            tails = self.got[:, slot:].clone(memory_format=torch.contiguous_format).view(torch.int64)
         else:  # the bucket's first time: everyone's tails to everyone, then the frames exactly
             tails = torch.empty(world, world, 3, dtype=torch.int64, device=dev)
             dist.all_gather_into_tensor(tails.view(-1), tail.reshape(-1), group=state.group)
@@ -1168,6 +1172,7 @@ class _ShardExchange:
         total = acc if b - a == self.L else torch.cat([acc, acc.new_zeros(self.L - (b - a))])
         self.sums = _FrameExchange(state, ("sum", self.index), cfc.compress(total, eps=self.eps), self.L)
         self.sent = sent
+        self.frames = self.got = None  # sent and summed: free them before the sums arrive
 
     def receive_sums(self) -> int:
         """Decode every shard's sum into the bucket (averaged). Returns the bytes this rank
@@ -1206,7 +1211,8 @@ class _FrameExchange:
             send[slot:].copy_(c.size_tensor.reshape(1).view(torch.uint8))
             self.got = torch.empty(world * (slot + 8), dtype=torch.uint8, device=dev).view(world, slot + 8)
             dist.all_gather_into_tensor(self.got.view(-1), send, group=state.group)
-            sizes_dev = self.got[:, slot:].contiguous().view(torch.int64).view(-1)
+            tail = self.got[:, slot:].clone(memory_format=torch.contiguous_format)  # a copy, as above
+            sizes_dev = tail.view(torch.int64).view(-1)
         else:
             sizes_dev = torch.empty(world, dtype=torch.int64, device=dev)
             dist.all_gather_into_tensor(sizes_dev, c.size_tensor.reshape(1), group=state.group)
