@@ -459,3 +459,76 @@ def test_a_step_never_mixes_the_two_communicators():
     assert not _whole_plain(a, [1000, 500])  # chunk 1 was never timed
     a._decisions[1] = True
     assert not _whole_plain(a, [1000, 500])
+
+
+def test_comm_thread_runs_each_later_stage_after_the_next_launch(monkeypatch):
+    """The comm thread's order of work, without a GPU (its CUDA calls are stubbed out): a
+    part's next stage runs only after the next part's launch (so the next bucket is on the
+    wire while this thread waits), a stage may return a further stage (the reduce-scatter's),
+    a bucket's future is set only after every stage of its parts, and after a failure every
+    later future gets the error."""
+    import contextlib
+
+    from cfc import CfcError
+    from cfc.ddp import _CommThread
+
+    class Stream:
+        def __init__(self, device=None):
+            pass
+
+        def synchronize(self):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda d=None: None)
+    log = []
+
+    def part(name, stages, fail_at=None):
+        def stage(i):
+            def run():
+                if i == fail_at:
+                    raise RuntimeError(f"{name} failed")
+                log.append(f"{name}{i}")
+                return stage(i + 1) if i + 1 < stages else None
+
+            return run
+
+        def launch():
+            log.append(f"launch {name}")
+            return stage(0) if stages else None
+
+        return launch
+
+    worker = _CommThread(None, "cpu")
+    futs = [torch.futures.Future() for _ in range(3)]
+    worker.submit("part", part("A", 1))  # all-gather: one stage after the launch
+    worker.submit("part", part("B", 2))  # reduce-scatter: two
+    worker.submit("done", lambda: log.append("done AB") or "AB", futs[0])
+    worker.submit("part", part("C", 1))
+    worker.submit("part", part("D", 1))
+    worker.submit("done", lambda: log.append("done CD") or "CD", futs[1])
+    worker.submit("flush")
+    worker.drain()
+    assert log == [
+        "launch A", "launch B", "A0", "launch C", "B0", "launch D", "B1", "done AB", "C0", "D0", "done CD"
+    ], log
+    assert futs[0].value() == "AB" and futs[1].value() == "CD"
+
+    log.clear()
+    worker.submit("part", part("E", 2, fail_at=1))
+    worker.submit("done", lambda: "E", futs[2])
+    worker.submit("flush")
+    worker.drain()
+    assert log == ["launch E", "E0"], log
+    with pytest.raises(CfcError, match="E failed"):  # the bucket's future: cfc's error, with the cause
+        futs[2].wait()
+    later = torch.futures.Future()
+    worker.submit("part", part("F", 1))
+    worker.submit("done", lambda: "F", later)
+    worker.submit("flush")
+    worker.drain()
+    assert "launch F" not in log  # nothing more runs once a stage failed
+    with pytest.raises(CfcError, match="E failed"):
+        later.wait()
