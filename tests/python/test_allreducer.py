@@ -310,3 +310,21 @@ def test_bench_runs_on_cpu(tmp_path, grads):  # grads: skips where the vectors a
             assert 0 < row["max_err_over_eps"] <= 1 + 1e-6, row
             assert row["ratio"] > 3, row  # at 0.1 x RMS of the real vectors: about 6x
 
+
+
+def test_bench_compares_the_two_algorithms(tmp_path, grads):
+    out = tmp_path / "bench.json"
+    base = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+        "-m", "cfc.bench", "--cpu", "--sizes", "256K", "--iters", "2", "--warmup", "1",
+        "--chunk-mb", "0.5", "--grads", str(GRADS), "--bounds", "0.3",
+    ]
+    r = subprocess.run(base + ["--algorithms", "all-gather,reduce-scatter", "--json", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = {row["method"]: row for row in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"fp32", "bf16", "cfc-ag@0.3", "cfc-rs@0.3"}, rows
+    for m in ("cfc-ag@0.3", "cfc-rs@0.3"):
+        assert 0 < rows[m]["max_err_over_eps"] <= 1 + 1e-6 and rows[m]["ratio"] > 3, rows[m]
+    bad = subprocess.run(base + ["--algorithms", "ring"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "--algorithms takes" in bad.stdout + bad.stderr
