@@ -138,6 +138,24 @@ def _worker(rank, world, init_file, scenario, device, algorithm=None):
                 overall = math.sqrt(sum(float(v.pow(2).sum()) for v in xs[30]) / (10000 * world))
                 # (the residuals carried add a little to the RMS of later calls)
                 assert 0.3 * overall * 0.5 <= eps.item() <= 0.3 * top * 1.05, (eps, overall, top)
+        elif scenario == "corrupt_shard":
+            # A shard frame size only rank 1 sees is wrong (as if corrupted on the way): every
+            # rank gets the error, none waits for a rank that stopped alone (a timeout of 30 s
+            # would end the test with NCCL's abort instead).
+            st = cfc.CfcState(eps=EPS, warmup_steps=0, min_compress_numel=0, algorithm="reduce-scatter", timeout=30)
+            rc = cfc.distributed.AllReducer(st, chunk_numel=3000)
+            rc(data(rank, 0, 10000).to(dev)).wait()  # sizes the slots
+            if rank == 1:
+                send_sum = cfc.ddp._ShardExchange.send_sum
+
+                def corrupted(self):
+                    self.tails_ready.synchronize()
+                    self.tails_host[0, 0] = 1 << 40  # the size of rank 0's frame for this shard
+                    return send_sum(self)
+
+                cfc.ddp._ShardExchange.send_sum = corrupted
+            with pytest.raises(cfc.CfcError, match="frame sizes"):
+                rc(data(rank, 1, 10000).to(dev)).wait()
         elif scenario == "mismatch":
             n = 10000 if rank == 0 else 9000
             with pytest.raises(cfc.CfcError, match="disagree on the tensor"):
@@ -270,6 +288,12 @@ def test_a_silent_peer_is_an_error_after_the_timeout(tmp_path):
 
 def test_all_reducer_over_three_ranks(tmp_path):
     spawn(tmp_path, "average", "cpu", world=3)
+
+
+@pytest.mark.gpu
+def test_a_corrupt_shard_size_stops_every_rank(tmp_path):
+    two_gpus()
+    spawn(tmp_path, "corrupt_shard", "cuda")
 
 
 @pytest.mark.gpu

@@ -1140,8 +1140,12 @@ class _ShardExchange:
             mine, largest, sums = t[:, rank, 0].tolist(), t[:, :, 0].max(dim=1).values.tolist(), t[:, 0, 2].contiguous()
         cap_mine = self.frames[rank]._out.numel()
         cap = self.frames[0]._out.numel()  # shard 0 is the longest
-        if any(x < 64 or x > cap_mine for x in mine) or any(x < 64 or x > cap for x in largest):
-            raise cfc.CfcError(f"ranks sent shard frame sizes {mine} (largest {largest}) for {self.n} elements")
+        if any(x < 64 or x > cap for x in largest):  # every rank sees these: all stop alike
+            raise cfc.CfcError(f"ranks sent shard frames of up to {largest} bytes for {self.n} elements")
+        # These only this rank sees. It must not stop alone (its peers would wait for its sum),
+        # so it goes on with the exchanges and sends a sum frame of size 0, which every rank's
+        # check refuses alike (:meth:`_FrameExchange.finish`).
+        broken = any(x < 64 or x > cap_mine or x > top for x, top in zip(mine, largest))
         if state.bound_kind == "rms":
             # every rank's sum of squares, for the next step's bound (the same on every rank)
             total = _sum_in_rank_order(sums.view(torch.float64).tolist())
@@ -1165,12 +1169,19 @@ class _ShardExchange:
             dist.all_to_all_single(rows.view(-1), send.view(-1), group=state.group)
             sent += (world - 1) * m
         a, b = self.bounds[rank]
-        acc = None
-        for i in range(world):  # rank order: the same bits on every rank
-            y = _decompress_cuda(rows[i], b - a, "float32", (b - a,), 1)
-            acc = y if acc is None else acc.add_(y)
-        total = acc if b - a == self.L else torch.cat([acc, acc.new_zeros(self.L - (b - a))])
-        self.sums = _FrameExchange(state, ("sum", self.index), cfc.compress(total, eps=self.eps), self.L)
+        if broken:
+            logger.error("cfc: rank %d received shard frame sizes %s for %d elements", rank, mine, b - a)
+            total = torch.zeros(self.L, dtype=torch.float32, device=dev)
+        else:
+            acc = None
+            for i in range(world):  # rank order: the same bits on every rank
+                y = _decompress_cuda(rows[i], b - a, "float32", (b - a,), 1)
+                acc = y if acc is None else acc.add_(y)
+            total = acc if b - a == self.L else torch.cat([acc, acc.new_zeros(self.L - (b - a))])
+        summed = cfc.compress(total, eps=self.eps)
+        if broken:
+            summed.size_tensor.fill_(0)  # after the compression, on this stream
+        self.sums = _FrameExchange(state, ("sum", self.index), summed, self.L)
         self.sent = sent
         self.frames = self.got = None  # sent and summed: free them before the sums arrive
 
