@@ -1,6 +1,7 @@
 """cfc.distributed.AllReducer and ``python -m cfc.bench``: 2 processes, gloo on CPU tensors (in
 CI) and NCCL on CUDA tensors (``-m gpu``, with 2 GPUs)."""
 
+import gc
 import json
 import math
 import os
@@ -242,6 +243,7 @@ def _worker(rank, world, init_file, scenario, device, algorithm=None):
             assert busy and returned < 0.05 and total > 0.2, (returned, total)
             assert torch.isfinite(y).all()
     finally:
+        gc.collect()  # free states held in reference cycles first (see test_ddp.py's _worker)
         dist.destroy_process_group()
 
 

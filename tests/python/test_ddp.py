@@ -2,6 +2,7 @@
 and NCCL on CUDA buckets (``-m gpu``, with 2 GPUs)."""
 
 import copy
+import gc
 import math
 import os
 
@@ -85,6 +86,11 @@ def _worker(rank, world, init_file, scenario, out, device="cpu"):
     try:
         SCENARIOS[scenario](rank, world, out)
     finally:
+        # A scenario's state may sit in a reference cycle (a method replaced by a closure over
+        # it) and so outlive the scenario, holding its process groups. Freed only at exit,
+        # after destroy_process_group, gloo's group can abort the process ("terminate called
+        # without an active exception"): free it now, while the groups are still registered.
+        gc.collect()
         dist.destroy_process_group()
 
 
