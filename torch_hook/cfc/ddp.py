@@ -1148,8 +1148,8 @@ class _ShardExchange:
         broken = any(x < 64 or x > cap_mine or x > top for x, top in zip(mine, largest))
         if state.bound_kind == "rms":
             # every rank's sum of squares, for the next step's bound (the same on every rank)
-            total = _sum_in_rank_order(sums.view(torch.float64).tolist())
-            state._rms[self.index] = (torch.tensor(total, dtype=torch.float32), None, self.n)
+            everyone = _sum_in_rank_order(sums.view(torch.float64).tolist())
+            state._rms[self.index] = (torch.tensor(everyone, dtype=torch.float32), None, self.n)
         m = max(largest)
         state._slots[("shard", self.index)] = min(cap, int(m * 1.06) + 256)
         if self.slot is not None:
