@@ -1038,6 +1038,12 @@ def _reduce_scatter(state: CfcState, n: int) -> bool:
     return (state.world - 1) * shard < n  # every rank's shard holds elements
 
 
+def _next_slot(largest: int, cap: int) -> int:
+    """Bytes per rank for a bucket's next frame exchange: 6% and 256 bytes above its largest
+    frame this time, at most the frame's capacity."""
+    return min(cap, int(largest * 1.06) + 256)
+
+
 def _sum_in_rank_order(values: List[float]) -> float:
     """A sum that every rank computes alike from the same values (so all pick one step)."""
     total = 0.0
@@ -1107,10 +1113,7 @@ class _ShardExchange:
         self.slot = state._slots.get(("shard", index))
         if self.slot is not None:
             slot = self.slot = min(self.slot, self.frames[0]._out.numel())
-            send = torch.empty(world, slot + self.TAIL, dtype=torch.uint8, device=dev)
-            for j, c in enumerate(self.frames):
-                k = min(slot, c._out.numel())
-                send[j, :k].copy_(c._out[:k])
+            send = self._rows(slot, self.TAIL)
             send[:, slot:].copy_(tail.view(torch.uint8))
             self.got = torch.empty_like(send)
             dist.all_to_all_single(self.got.view(-1), send.view(-1), group=state.group)
@@ -1124,6 +1127,17 @@ class _ShardExchange:
         self.tails_host.copy_(tails, non_blocking=True)
         self.tails_ready = torch.cuda.Event()
         self.tails_ready.record()
+
+    def _rows(self, width: int, extra: int = 0):
+        """One row per shard: the first ``width`` bytes of its frame (the frame's size tells
+        the receiver where it ends), then ``extra`` bytes left for the caller."""
+        import torch
+
+        rows = torch.empty(len(self.frames), width + extra, dtype=torch.uint8, device=self.buf.device)
+        for j, c in enumerate(self.frames):
+            k = min(width, c._out.numel())
+            rows[j, :k].copy_(c._out[:k])
+        return rows
 
     def send_sum(self) -> None:
         """Decode and sum this rank's shard and queue the all-gather of the sums. Waits for the
@@ -1151,7 +1165,7 @@ class _ShardExchange:
             everyone = _sum_in_rank_order(sums.view(torch.float64).tolist())
             state._rms[self.index] = (torch.tensor(everyone, dtype=torch.float32), None, self.n)
         m = max(largest)
-        state._slots[("shard", self.index)] = min(cap, int(m * 1.06) + 256)
+        state._slots[("shard", self.index)] = _next_slot(m, cap)
         if self.slot is not None:
             sent = (world - 1) * (self.slot + self.TAIL)
             rows = self.got[:, : self.slot]
@@ -1161,10 +1175,7 @@ class _ShardExchange:
             if self.slot is not None:
                 with state._lock:
                     state._stats["resends"] += 1
-            send = torch.zeros(world, m, dtype=torch.uint8, device=dev)
-            for j, c in enumerate(self.frames):
-                k = min(m, c._out.numel())
-                send[j, :k].copy_(c._out[:k])
+            send = self._rows(m)
             rows = torch.empty_like(send)
             dist.all_to_all_single(rows.view(-1), send.view(-1), group=state.group)
             sent += (world - 1) * m
@@ -1238,7 +1249,7 @@ class _FrameExchange:
         cap = self.c._out.numel()
         if any(x < 64 or x > cap for x in sizes):
             raise cfc.CfcError(f"ranks sent frame sizes {sizes} for {self.n} elements")
-        self.state._slots[self.index] = min(cap, int(max(sizes) * 1.06) + 256)
+        self.state._slots[self.index] = _next_slot(max(sizes), cap)
 
     def finish(self):
         """(frames by rank, bytes this rank sent); waits for the sizes (this thread only)."""
