@@ -412,6 +412,7 @@ pub fn compress_bytes(
         DType::F32 => compress(&elements::<f32>(bytes)?, shape, opts),
         DType::BF16 => compress(&elements::<bf16>(bytes)?, shape, opts),
         DType::F16 => compress(&elements::<f16>(bytes)?, shape, opts),
+        other => Err(Error::NotQuantizable(other)),
     }
 }
 
@@ -433,6 +434,8 @@ pub(crate) fn elements<T: Element>(bytes: &[u8]) -> Result<std::borrow::Cow<'_, 
 pub(crate) struct Body<'a> {
     pub header: Header,
     pub raw: std::borrow::Cow<'a, [u8]>,
+    /// Where each chunk of a lossless body sits (empty for other codecs).
+    pub chunks: Vec<crate::lossless::ChunkRef>,
 }
 
 impl<'a> Body<'a> {
@@ -445,9 +448,18 @@ impl<'a> Body<'a> {
         } else {
             std::borrow::Cow::Borrowed(stored)
         };
-        let body = Body { header, raw };
-        if body.header.codec == Codec::Quantized {
-            body.check_quantized()?;
+        let mut body = Body {
+            header,
+            raw,
+            chunks: Vec::new(),
+        };
+        match body.header.codec {
+            Codec::Quantized => body.check_quantized()?,
+            Codec::Lossless => {
+                body.chunks =
+                    crate::lossless::check_body(&body.raw, body.header.n, body.header.dtype.size())?
+            }
+            Codec::Raw => {}
         }
         Ok(body)
     }
@@ -631,6 +643,16 @@ pub(crate) fn decode_into<T: Element>(
             // Lengths were checked by `Header::parse`: raw_body_len == n * size.
             bytemuck::cast_slice_mut::<T, u8>(out).copy_from_slice(&body.raw);
         }
+        Codec::Lossless => {
+            let w = h.dtype.size();
+            crate::lossless::decode_body(
+                &body.raw,
+                &body.chunks,
+                w,
+                bytemuck::cast_slice_mut::<T, u8>(out),
+                threads,
+            );
+        }
         Codec::Quantized => {
             let widths = body.widths();
             let planes = body.planes();
@@ -732,10 +754,21 @@ impl<'a> OpenFrame<'a> {
             });
         }
         let _span = tracing::debug_span!("decompress", dtype = h.dtype.name(), n = h.n).entered();
-        match h.dtype {
-            DType::F32 => go::<f32>(&self.0, out, threads),
-            DType::BF16 => go::<bf16>(&self.0, out, threads),
-            DType::F16 => go::<f16>(&self.0, out, threads),
+        match (h.codec, h.dtype) {
+            // Lengths were checked by `Header::parse`: raw_body_len == n * size.
+            (Codec::Raw, _) => {
+                out.copy_from_slice(&self.0.raw);
+                Ok(())
+            }
+            (Codec::Lossless, d) => {
+                crate::lossless::decode_body(&self.0.raw, &self.0.chunks, d.size(), out, threads);
+                Ok(())
+            }
+            (Codec::Quantized, DType::F32) => go::<f32>(&self.0, out, threads),
+            (Codec::Quantized, DType::BF16) => go::<bf16>(&self.0, out, threads),
+            (Codec::Quantized, DType::F16) => go::<f16>(&self.0, out, threads),
+            // `Header::parse` refuses quantized frames of other dtypes.
+            (Codec::Quantized, d) => Err(Error::NotQuantizable(d)),
         }
     }
 }

@@ -104,10 +104,11 @@ fn descriptor<T: Element>(
     let mut d = Vec::with_capacity(32);
     d.extend_from_slice(&(n as u64).to_le_bytes());
     d.push(T::DTYPE.size() as u8);
+    // `T: Element` is one of the three float types.
     d.push(match T::DTYPE {
         crate::DType::F32 => 0,
         crate::DType::BF16 => 1,
-        crate::DType::F16 => 2,
+        _ => 2,
     });
     d.push(kind);
     d.push(opts.average as u8);
@@ -375,6 +376,7 @@ pub fn allreduce_bytes<X: Transport + ?Sized>(
         crate::DType::F32 => go(transport, &elements::<f32>(bytes)?, residual, opts),
         crate::DType::BF16 => go(transport, &elements::<bf16>(bytes)?, residual, opts),
         crate::DType::F16 => go(transport, &elements::<f16>(bytes)?, residual, opts),
+        other => Err(Error::NotQuantizable(other)),
     }
 }
 

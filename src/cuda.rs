@@ -457,18 +457,103 @@ unsafe fn launch(
 ///
 /// # Safety
 /// `data` must hold `len` u64 and `sums` at least `scan_sums_len(len)` u64, on the stream's device.
-unsafe fn scan(k: &Kernels, stream: &CudaStream, data: u64, len: u64, sums: u64) -> Result<()> {
+unsafe fn scan(
+    block: &CudaFunction,
+    add: &CudaFunction,
+    stream: &CudaStream,
+    data: u64,
+    len: u64,
+    sums: u64,
+) -> Result<()> {
     let blocks = len.div_ceil(SCAN_BLOCK).max(1);
     let cfg = launch_cfg(blocks * SCAN_BLOCK, SCAN_BLOCK as u32);
     let args = [Arg::Ptr(data), Arg::U64(len), Arg::Ptr(sums)];
     // SAFETY: sizes as this function's contract states.
-    unsafe { launch(stream, &k.scan_block, Family::Scan, "block", cfg, &args) }?;
+    unsafe { launch(stream, block, Family::Scan, "block", cfg, &args) }?;
     if blocks > 1 {
         // SAFETY: the next level's data is `blocks` u64 at `sums`, with its own scratch after
         // them (`scan_sums_len` counts both).
-        unsafe { scan(k, stream, sums, blocks, sums + 8 * blocks) }?;
+        unsafe { scan(block, add, stream, sums, blocks, sums + 8 * blocks) }?;
         // SAFETY: as the first launch.
-        unsafe { launch(stream, &k.scan_add, Family::Scan, "add", cfg, &args) }?;
+        unsafe { launch(stream, add, Family::Scan, "add", cfg, &args) }?;
+    }
+    Ok(())
+}
+
+/// Threads per block of the lossless decoder (`LL_THREADS` in `kernels/lossless.cu`).
+const LOSSLESS_THREADS: u32 = 128;
+
+/// The lossless part of [`decompress`]: chunk lengths, their scan (the chunks' offsets), then
+/// one block per chunk.
+///
+/// # Safety
+/// As [`decompress`]; the workspace size was checked there.
+unsafe fn decompress_lossless(
+    args: &DecompressArgs,
+    dev: &Device,
+    stream: &CudaStream,
+) -> Result<()> {
+    let chunks = args.n.div_ceil(crate::lossless::CHUNK as u64);
+    if chunks == 0 {
+        return Ok(());
+    }
+    let op = match args.dtype.size() {
+        1 => "decode_w1",
+        2 => "decode_w2",
+        4 => "decode_w4",
+        _ => "decode_w8",
+    };
+    let l = Family::Lossless;
+    let (lengths, decode) = (
+        dev.function(l, "lengths", None)?,
+        dev.function(l, op, None)?,
+    );
+    let (scan_block, scan_add) = (
+        dev.function(Family::Scan, "block", None)?,
+        dev.function(Family::Scan, "add", None)?,
+    );
+    // `workspace_len(n)` holds 2 (groups + 1) u64 plus scan sums; chunks < groups.
+    let words = args.workspace + WS_HEADER;
+    let sums = words + 8 * (chunks + 1);
+    let header_len = (FIXED_HEADER_LEN + 8 * args.ndim) as u64;
+    let frame = Arg::Ptr(args.frame);
+    let grid = LaunchConfig {
+        grid_dim: (chunks.min(2 * dev.grid_blocks) as u32, 1, 1),
+        block_dim: (LOSSLESS_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: the frame was checked on the host (this function's contract), so its chunk table
+    // holds `chunks` entries whose payloads lie within the frame and decode to exactly `n`
+    // elements of `out`; the workspace holds `chunks + 1` words and their scan sums.
+    unsafe {
+        launch(
+            stream,
+            &lengths,
+            l,
+            "lengths",
+            launch_cfg(chunks + 1, BLOCK),
+            &[
+                frame,
+                Arg::U64(header_len),
+                Arg::U64(chunks),
+                Arg::Ptr(words),
+            ],
+        )?;
+        scan(&scan_block, &scan_add, stream, words, chunks + 1, sums)?;
+        launch(
+            stream,
+            &decode,
+            l,
+            op,
+            grid,
+            &[
+                frame,
+                Arg::U64(header_len),
+                Arg::U64(args.n),
+                Arg::Ptr(words),
+                Arg::Ptr(args.out),
+            ],
+        )?;
     }
     Ok(())
 }
@@ -496,6 +581,9 @@ pub unsafe fn compress(args: &CompressArgs<'_>) -> Result<()> {
             elements: n,
             ndim,
         });
+    }
+    if !args.dtype.is_quantizable() {
+        return Err(Error::NotQuantizable(args.dtype));
     }
     let (mode, value, fixed) = match args.bound {
         Bound::Abs(eps) => {
@@ -557,10 +645,11 @@ pub unsafe fn compress(args: &CompressArgs<'_>) -> Result<()> {
     let elements = launch_cfg(n.min(dev.grid_blocks * BLOCK as u64), BLOCK);
     let mut dims = [0u64; MAX_NDIM];
     dims[..ndim].copy_from_slice(args.shape);
+    // Checked above: one of the three float types.
     let dtype_code = match args.dtype {
         DType::F32 => 0u32,
         DType::BF16 => 1,
-        DType::F16 => 2,
+        _ => 2,
     };
     let (input, residual) = (Arg::Ptr(args.input), Arg::Ptr(args.residual));
     let (params_a, words_a, excs_a) = (Arg::Ptr(params), Arg::Ptr(words), Arg::Ptr(excs));
@@ -597,8 +686,15 @@ pub unsafe fn compress(args: &CompressArgs<'_>) -> Result<()> {
             residual,
         ];
         launch(&stream, &k.encode, c, "encode_groups", warps, &encode)?;
-        scan(&k, &stream, words, slots, sums_words)?;
-        scan(&k, &stream, excs, slots, sums_excs)?;
+        scan(
+            &k.scan_block,
+            &k.scan_add,
+            &stream,
+            words,
+            slots,
+            sums_words,
+        )?;
+        scan(&k.scan_block, &k.scan_add, &stream, excs, slots, sums_excs)?;
         let finish = [
             Arg::Ptr(args.out),
             n_a,
@@ -656,6 +752,8 @@ pub struct DecompressArgs {
     pub n: u64,
     /// Element type (from the header).
     pub dtype: DType,
+    /// How the body stores the elements (from the header).
+    pub codec: crate::Codec,
     /// Dimensions in the header (sets the header's length).
     pub ndim: usize,
     /// Output: `n` elements of `dtype`.
@@ -696,6 +794,14 @@ pub unsafe fn decompress(args: &DecompressArgs) -> Result<()> {
     let _restore = ContextGuard::save()?;
     let dev = device(args.device)?;
     let stream = dev.stream(args.stream)?;
+    if args.codec == crate::Codec::Lossless {
+        // SAFETY: this function's contract.
+        return unsafe { decompress_lossless(args, &dev, &stream) };
+    }
+    if !args.dtype.is_quantizable() {
+        // A raw frame of another dtype: the caller copies its body (no kernel needed).
+        return Err(Error::NotQuantizable(args.dtype));
+    }
     let k = dev.kernels(args.dtype)?;
     let groups = groups_for(args.n);
     let slots = groups + 1;
@@ -729,7 +835,7 @@ pub unsafe fn decompress(args: &DecompressArgs) -> Result<()> {
             launch_cfg(slots, BLOCK),
             &to_words,
         )?;
-        scan(&k, &stream, words, slots, sums)?;
+        scan(&k.scan_block, &k.scan_add, &stream, words, slots, sums)?;
         launch(&stream, &k.decode, c, "decode_groups", warps, &decode)?;
         let exc_cfg = launch_cfg(n.min(1 << 20), BLOCK);
         launch(

@@ -90,6 +90,9 @@ pub enum Error {
     Transport(String),
     /// The zstd stage failed while compressing.
     Zstd(std::io::Error),
+    /// The error-bounded codec was asked to quantize a dtype other than float32, bfloat16 or
+    /// float16 (every dtype can be compressed losslessly).
+    NotQuantizable(crate::format::DType),
 }
 
 /// What exactly is wrong with a compressed buffer.
@@ -188,6 +191,12 @@ impl fmt::Display for Error {
             Error::CudaUnavailable(why) => write!(f, "CUDA is not available: {why}"),
             Error::Cuda(e) => write!(f, "CUDA error: {e}"),
             Error::Nvrtc { log } => write!(f, "NVRTC failed to compile cfc's kernels: {log}"),
+            Error::NotQuantizable(d) => write!(
+                f,
+                "{} cannot be quantized: the error-bounded codec takes float32, bfloat16 and \
+                 float16 (every dtype can be compressed losslessly)",
+                d.name()
+            ),
         }
     }
 }

@@ -71,6 +71,7 @@ pub fn compress_bytes_with_feedback(
         DType::F32 => compress_with_feedback(&elements::<f32>(bytes)?, residual, shape, opts),
         DType::BF16 => compress_with_feedback(&elements::<bf16>(bytes)?, residual, shape, opts),
         DType::F16 => compress_with_feedback(&elements::<f16>(bytes)?, residual, shape, opts),
+        other => Err(crate::Error::NotQuantizable(other)),
     }
 }
 

@@ -29,6 +29,9 @@ pub const MAX_CODE: f64 = 2_147_483_647.0;
 const FLAG_ZSTD: u8 = 1;
 
 /// Element type of a tensor.
+///
+/// The three float types can be quantized ([`DType::is_quantizable`]); every type can be
+/// stored losslessly.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum DType {
     /// IEEE binary32.
@@ -37,23 +40,65 @@ pub enum DType {
     BF16,
     /// IEEE binary16.
     F16,
+    /// IEEE binary64 (lossless only).
+    F64,
+    /// Unsigned 8-bit integers (lossless only).
+    U8,
+    /// Signed 8-bit integers (lossless only).
+    I8,
+    /// Signed 16-bit integers (lossless only).
+    I16,
+    /// Signed 32-bit integers (lossless only).
+    I32,
+    /// Signed 64-bit integers (lossless only).
+    I64,
+    /// Booleans, one byte each (lossless only).
+    Bool,
 }
+
+/// Every dtype, in the order of their codes.
+const DTYPES: [DType; 10] = [
+    DType::F32,
+    DType::BF16,
+    DType::F16,
+    DType::F64,
+    DType::U8,
+    DType::I8,
+    DType::I16,
+    DType::I32,
+    DType::I64,
+    DType::Bool,
+];
 
 impl DType {
     /// Size of one element in bytes.
     pub fn size(self) -> usize {
         match self {
-            DType::F32 => 4,
-            DType::BF16 | DType::F16 => 2,
+            DType::F64 | DType::I64 => 8,
+            DType::F32 | DType::I32 => 4,
+            DType::BF16 | DType::F16 | DType::I16 => 2,
+            DType::U8 | DType::I8 | DType::Bool => 1,
         }
     }
 
-    /// The conventional name (`float32`, `bfloat16`, `float16`).
+    /// Whether the error-bounded (quantized) codec takes this type: float32, bfloat16, float16.
+    pub fn is_quantizable(self) -> bool {
+        matches!(self, DType::F32 | DType::BF16 | DType::F16)
+    }
+
+    /// The conventional name (`float32`, `bfloat16`, `int64`, `bool` ...), as torch prints it.
     pub fn name(self) -> &'static str {
         match self {
             DType::F32 => "float32",
             DType::BF16 => "bfloat16",
             DType::F16 => "float16",
+            DType::F64 => "float64",
+            DType::U8 => "uint8",
+            DType::I8 => "int8",
+            DType::I16 => "int16",
+            DType::I32 => "int32",
+            DType::I64 => "int64",
+            DType::Bool => "bool",
         }
     }
 
@@ -63,25 +108,22 @@ impl DType {
             "float32" | "f32" | "float" => Some(DType::F32),
             "bfloat16" | "bf16" => Some(DType::BF16),
             "float16" | "f16" | "half" => Some(DType::F16),
-            _ => None,
+            "f64" | "double" => Some(DType::F64),
+            "u8" => Some(DType::U8),
+            "i8" => Some(DType::I8),
+            "i16" | "short" => Some(DType::I16),
+            "i32" | "int" => Some(DType::I32),
+            "i64" | "long" => Some(DType::I64),
+            _ => DTYPES.iter().copied().find(|d| d.name() == name),
         }
     }
 
     fn code(self) -> u8 {
-        match self {
-            DType::F32 => 0,
-            DType::BF16 => 1,
-            DType::F16 => 2,
-        }
+        DTYPES.iter().position(|&d| d == self).expect("listed") as u8
     }
 
     fn from_code(c: u8) -> Option<DType> {
-        match c {
-            0 => Some(DType::F32),
-            1 => Some(DType::BF16),
-            2 => Some(DType::F16),
-            _ => None,
-        }
+        DTYPES.get(c as usize).copied()
     }
 }
 
@@ -92,6 +134,18 @@ pub enum Codec {
     Quantized,
     /// The elements' raw bytes (chosen when quantizing would not make the frame smaller).
     Raw,
+    /// Chunks stored exactly by invariant bit packing or zero-value compression.
+    Lossless,
+}
+
+impl Codec {
+    fn code(self) -> u8 {
+        match self {
+            Codec::Quantized => 0,
+            Codec::Raw => 1,
+            Codec::Lossless => 2,
+        }
+    }
 }
 
 /// How the quantization step of a frame was chosen. Informational: decoding ignores it.
@@ -105,16 +159,19 @@ pub enum BoundMode {
     Bits,
     /// The element-wise sum of several frames.
     Sum,
+    /// No loss: every bit pattern comes back (`eps` is 0).
+    Lossless,
 }
 
 impl BoundMode {
-    /// Lower-case name (`abs`, `rel`, `bits`, `sum`).
+    /// Lower-case name (`abs`, `rel`, `bits`, `sum`, `lossless`).
     pub fn name(self) -> &'static str {
         match self {
             BoundMode::Abs => "abs",
             BoundMode::Rel => "rel",
             BoundMode::Bits => "bits",
             BoundMode::Sum => "sum",
+            BoundMode::Lossless => "lossless",
         }
     }
     fn code(self) -> u8 {
@@ -123,6 +180,7 @@ impl BoundMode {
             BoundMode::Rel => 1,
             BoundMode::Bits => 2,
             BoundMode::Sum => 3,
+            BoundMode::Lossless => 4,
         }
     }
     fn from_code(c: u8) -> Option<BoundMode> {
@@ -131,6 +189,7 @@ impl BoundMode {
             1 => Some(BoundMode::Rel),
             2 => Some(BoundMode::Bits),
             3 => Some(BoundMode::Sum),
+            4 => Some(BoundMode::Lossless),
             _ => None,
         }
     }
@@ -179,6 +238,11 @@ pub(crate) struct BodyLayout {
 /// Number of groups for `n` elements.
 pub fn groups_for(n: u64) -> u64 {
     n.div_ceil(GROUP as u64)
+}
+
+/// Number of lossless chunks for `n` elements.
+fn groups_for_chunks(n: u64) -> u64 {
+    n.div_ceil(crate::lossless::CHUNK as u64)
 }
 
 /// Size in bytes of one exception index for a tensor of `n` elements.
@@ -254,10 +318,7 @@ impl Header {
     pub fn write(&self, out: &mut Vec<u8>) {
         out.extend_from_slice(&MAGIC);
         out.push(VERSION);
-        out.push(match self.codec {
-            Codec::Quantized => 0,
-            Codec::Raw => 1,
-        });
+        out.push(self.codec.code());
         out.push(self.dtype.code());
         out.push(if self.zstd { FLAG_ZSTD } else { 0 });
         out.push(self.mode.code());
@@ -299,14 +360,30 @@ impl Header {
         let codec = match buf[5] {
             0 => Codec::Quantized,
             1 => Codec::Raw,
+            2 => Codec::Lossless,
             c => return Err(bad_field("codec", c)),
         };
         let dtype = DType::from_code(buf[6]).ok_or_else(|| bad_field("dtype", buf[6]))?;
+        if codec == Codec::Quantized && !dtype.is_quantizable() {
+            return Err(bad_field(
+                "codec",
+                format!("quantized codes of {}", dtype.name()),
+            ));
+        }
         let flags = buf[7];
         if flags & !FLAG_ZSTD != 0 {
             return Err(bad_field("flags", format!("{flags:#04x}")));
         }
         let mode = BoundMode::from_code(buf[8]).ok_or_else(|| bad_field("mode", buf[8]))?;
+        // Lossless frames say so in their mode; raw frames of integers can only be lossless.
+        let lossless_mode = match codec {
+            Codec::Lossless => true,
+            Codec::Quantized => false,
+            Codec::Raw => !dtype.is_quantizable() || mode == BoundMode::Lossless,
+        };
+        if (mode == BoundMode::Lossless) != lossless_mode {
+            return Err(bad_field("mode", mode.name()));
+        }
         let ndim = buf[9] as usize;
         if ndim > MAX_NDIM {
             return Err(bad_field("ndim", ndim));
@@ -347,8 +424,14 @@ impl Header {
         if !(step.is_finite() && step > 0.0) {
             return Err(bad_field("step", step));
         }
-        if !(eps.is_finite() && eps >= 0.0) {
+        if !(eps.is_finite() && eps >= 0.0) || (mode == BoundMode::Lossless && eps != 0.0) {
             return Err(bad_field("eps", eps));
+        }
+        if mode == BoundMode::Lossless && (step != 1.0 || n_exceptions != 0) {
+            return Err(bad_field(
+                "lossless header",
+                format!("step {step}, {n_exceptions} exceptions"),
+            ));
         }
         let body = &buf[header_len..];
         if body_len != body.len() as u64 {
@@ -402,6 +485,27 @@ impl Header {
                     return Err(FormatError::LengthMismatch {
                         part: "raw body",
                         expected,
+                        found: self.raw_body_len,
+                    }
+                    .into());
+                }
+            }
+            Codec::Lossless => {
+                // A chunk table entry per chunk, and at most the largest payload per chunk.
+                let full = self.n / crate::lossless::CHUNK as u64;
+                let last = (self.n % crate::lossless::CHUNK as u64) as usize;
+                let w = self.dtype.size();
+                let chunks = groups_for_chunks(self.n);
+                let min = chunks.checked_mul(4).ok_or_else(overflow)?;
+                let max = full
+                    .checked_mul(crate::lossless::max_chunk_len(crate::lossless::CHUNK, w) as u64)
+                    .and_then(|v| v.checked_add(crate::lossless::max_chunk_len(last, w) as u64))
+                    .and_then(|v| v.checked_add(min))
+                    .ok_or_else(overflow)?;
+                if self.raw_body_len < min || self.raw_body_len > max {
+                    return Err(FormatError::LengthMismatch {
+                        part: "raw body",
+                        expected: min,
                         found: self.raw_body_len,
                     }
                     .into());

@@ -12,6 +12,8 @@ pub(crate) enum Family {
     Codec,
     /// `kernels/scan.cu`: exclusive prefix sums on the device.
     Scan,
+    /// `kernels/lossless.cu`: the lossless codec's decoder.
+    Lossless,
 }
 
 impl Family {
@@ -19,6 +21,7 @@ impl Family {
         match self {
             Family::Codec => ("codec", include_str!("../kernels/codec.cu")),
             Family::Scan => ("scan", include_str!("../kernels/scan.cu")),
+            Family::Lossless => ("lossless", include_str!("../kernels/lossless.cu")),
         }
     }
 
@@ -98,6 +101,31 @@ pub(crate) const SIGNATURES: &[(Family, &str, bool, &[Ty])] = &[
         true,
         &[Ptr, U64, U64, U64, Ptr, Ptr],
     ),
+    (Family::Lossless, "lengths", false, &[Ptr, U64, U64, Ptr]),
+    (
+        Family::Lossless,
+        "decode_w1",
+        false,
+        &[Ptr, U64, U64, Ptr, Ptr],
+    ),
+    (
+        Family::Lossless,
+        "decode_w2",
+        false,
+        &[Ptr, U64, U64, Ptr, Ptr],
+    ),
+    (
+        Family::Lossless,
+        "decode_w4",
+        false,
+        &[Ptr, U64, U64, Ptr, Ptr],
+    ),
+    (
+        Family::Lossless,
+        "decode_w8",
+        false,
+        &[Ptr, U64, U64, Ptr, Ptr],
+    ),
     (Family::Scan, "block", false, &[Ptr, U64, Ptr]),
     (Family::Scan, "add", false, &[Ptr, U64, Ptr]),
 ];
@@ -120,6 +148,8 @@ pub(crate) fn kernel_name(family: Family, op: &str, dtype: Option<DType>) -> Str
                 DType::F32 => "f32",
                 DType::BF16 => "bf16",
                 DType::F16 => "f16",
+                // Only the float types have per-dtype kernels; the name then finds none.
+                other => other.name(),
             }
         ),
         None => format!("cfc_{}_{op}", family.name()),
@@ -174,7 +204,7 @@ mod tests {
 
     #[test]
     fn every_kernel_in_the_sources_has_a_signature() {
-        for family in [Family::Codec, Family::Scan] {
+        for family in [Family::Codec, Family::Scan, Family::Lossless] {
             let src = family.source();
             for (i, _) in src.match_indices("__global__ void ") {
                 let rest = &src[i + "__global__ void ".len()..];

@@ -27,6 +27,7 @@ mod feedback;
 pub mod format;
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 mod kernels;
+pub mod lossless;
 mod sum;
 
 pub use bitplane::{unzigzag, zigzag};
@@ -38,4 +39,5 @@ pub use element::Element;
 pub use error::{Error, FormatError, Result};
 pub use feedback::{compress_bytes_with_feedback, compress_with_feedback};
 pub use format::{read_header, BoundMode, Codec, DType, Header};
+pub use lossless::{compress_lossless_bytes, LosslessOptions};
 pub use sum::{sum_frames, Codes};

@@ -42,13 +42,21 @@ impl Codes {
     pub fn from_frame(frame: &[u8]) -> Result<Codes> {
         let body = Body::open(frame)?;
         let h = &body.header;
+        if !h.dtype.is_quantizable() {
+            return Err(Error::NotQuantizable(h.dtype));
+        }
         let n = h.n as usize;
         let mut codes = vec![0i64; n];
         let exceptions: Vec<(u64, u32)> = match h.codec {
-            Codec::Raw => {
+            Codec::Raw | Codec::Lossless => {
                 let size = h.dtype.size();
-                body.raw
-                    .chunks_exact(size)
+                let mut raw = std::borrow::Cow::Borrowed(&body.raw[..]);
+                if h.codec == Codec::Lossless {
+                    let mut bytes = vec![0u8; n * size];
+                    crate::lossless::decode_body(&body.raw, &body.chunks, size, &mut bytes, 0);
+                    raw = std::borrow::Cow::Owned(bytes);
+                }
+                raw.chunks_exact(size)
                     .enumerate()
                     .map(|(i, c)| {
                         let mut a = [0u8; 4];
@@ -95,6 +103,9 @@ impl Codes {
     /// [`Error::InvalidCodes`] saying what is inconsistent.
     pub fn check(&self) -> Result<()> {
         let bad = |reason: String| Err(Error::InvalidCodes { reason });
+        if !self.dtype.is_quantizable() {
+            return Err(Error::NotQuantizable(self.dtype));
+        }
         if self.shape.len() > crate::format::MAX_NDIM {
             return bad(format!(
                 "{} dimensions (at most {})",
@@ -190,6 +201,8 @@ impl Codes {
             DType::F32 => v::<f32>(self.codes[i], self.step, exception_bits),
             DType::BF16 => v::<bf16>(self.codes[i], self.step, exception_bits),
             DType::F16 => v::<f16>(self.codes[i], self.step, exception_bits),
+            // `Codes::check` refuses every other dtype before values are read.
+            _ => f64::NAN,
         }
     }
 
@@ -268,6 +281,8 @@ impl Codes {
                 DType::F32 => (total as f32).to_bits(),
                 DType::BF16 => bf16::from_f64(total).to_bits() as u32,
                 DType::F16 => f16::from_f64(total).to_bits() as u32,
+                // `Codes::check` refused every other dtype above.
+                _ => f32::NAN.to_bits(),
             };
             codes[i as usize] = 0;
             exceptions.push((i, bits));

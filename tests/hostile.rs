@@ -10,8 +10,9 @@ mod common;
 
 use cfc::format::{FIXED_HEADER_LEN, MAX_NDIM};
 use cfc::{
-    compress, decompress, decompress_into_bytes, read_header, validate, Bound, BoundMode, Codec,
-    Codes, CompressOptions, DType, Error, FormatError, Header,
+    compress, compress_lossless_bytes, decompress, decompress_into_bytes, read_header, validate,
+    Bound, BoundMode, Codec, Codes, CompressOptions, DType, Error, FormatError, Header,
+    LosslessOptions,
 };
 use common::{gen, hex, Dist};
 use half::{bf16, f16};
@@ -65,20 +66,25 @@ fn probe_inner(input: &[u8]) -> Result<Header, Error> {
                 DType::F32 => [Some(h.n as usize), None, None],
                 DType::BF16 => [None, Some(h.n as usize), None],
                 DType::F16 => [None, None, Some(h.n as usize)],
+                _ => [None, None, None],
             };
             assert_eq!(
                 lens, want,
                 "decompress of the frame's own dtype must succeed, others fail"
             );
+            let mut out = vec![0u8; h.decoded_len() as usize];
+            decompress_into_bytes(input, &mut out, 2).expect("validated frame must decode");
+            if !h.dtype.is_quantizable() {
+                assert!(codes.is_err(), "codes of a {} frame", h.dtype.name());
+                return v;
+            }
             let c = codes.as_ref().expect("validated frame must give its codes");
             assert_eq!(c.codes.len() as u64, h.n);
             assert!(c.exceptions.len() as u64 <= h.n);
-            let mut out = vec![0u8; h.decoded_len() as usize];
-            decompress_into_bytes(input, &mut out, 2).expect("validated frame must decode");
             let typed: Vec<u8> = match h.dtype {
                 DType::F32 => bytemuck::cast_slice(&df.as_ref().expect("ok").1).to_vec(),
                 DType::BF16 => bytemuck::cast_slice(&db.as_ref().expect("ok").1).to_vec(),
-                DType::F16 => bytemuck::cast_slice(&dh.as_ref().expect("ok").1).to_vec(),
+                _ => bytemuck::cast_slice(&dh.as_ref().expect("ok").1).to_vec(),
             };
             assert!(
                 out == typed,
@@ -149,6 +155,32 @@ fn valid_frames() -> &'static [(&'static str, Vec<u8>)] {
             ),
             ("bf16 sum, wide codes", wide.to_frame(None)),
             ("bf16 sum, wide codes, zstd", wide.to_frame(Some(3))),
+            ("lossless, every method", Ok(l_frame())),
+            (
+                "lossless bf16 weights, zstd",
+                compress_lossless_bytes(
+                    bytemuck::cast_slice(
+                        &(0..3000)
+                            .map(|i| bf16::from_f32((i % 60) as f32 * 0.01 - 0.3))
+                            .collect::<Vec<_>>(),
+                    ),
+                    DType::BF16,
+                    &[3000],
+                    &LosslessOptions {
+                        zstd_level: Some(3),
+                        threads: 1,
+                    },
+                ),
+            ),
+            (
+                "lossless int64, raw",
+                compress_lossless_bytes(
+                    bytemuck::cast_slice(&x),
+                    DType::I64,
+                    &[150],
+                    &LosslessOptions::default(),
+                ),
+            ),
             ("empty", compress::<f32>(&[], &[0, 3], &abs)),
             ("scalar", compress(&[0.0f32], &[], &abs)),
         ];
@@ -180,6 +212,11 @@ fn valid_frames_are_valid() {
         .iter()
         .any(|h| h.codec == Codec::Quantized && !h.zstd && h.n_exceptions > 0));
     assert!(hs.iter().any(|h| h.mode == BoundMode::Sum && h.zstd));
+    assert!(hs.iter().any(|h| h.codec == Codec::Lossless && h.zstd));
+    assert!(hs.iter().any(|h| h.codec == Codec::Lossless && !h.zstd));
+    assert!(hs
+        .iter()
+        .any(|h| h.codec == Codec::Raw && h.mode == BoundMode::Lossless));
 }
 
 #[test]
@@ -471,6 +508,65 @@ fn set_u64(f: Vec<u8>, off: usize, v: u64) -> Vec<u8> {
     set(f, off, &v.to_le_bytes())
 }
 
+/// The valid baseline of the lossless crafted cases: 4196 float32 elements in two chunks.
+/// Chunk 0 (4096 weights, three of them far larger) is packed with 13 exceptions; chunk 1
+/// (100 values, half zero, the others close to 1) is sparse + pack.
+fn l_frame() -> Vec<u8> {
+    let mut x: Vec<f32> = gen(Dist::Laplace, 4196, 0.02, 31);
+    x[5] = 1e30;
+    x[77] = f32::NAN;
+    x[4000] = -3e20;
+    for (i, v) in x[4096..].iter_mut().enumerate() {
+        *v = if i % 2 == 0 {
+            0.0
+        } else {
+            1.0 + i as f32 / 1024.0
+        };
+    }
+    compress_lossless_bytes(
+        bytemuck::cast_slice(&x),
+        DType::F32,
+        &[4196],
+        &LosslessOptions::default(),
+    )
+    .expect("lossless")
+}
+
+/// Offsets in `l_frame`: chunk table, chunk 0's pack header, its exception indices, chunk 1.
+struct LOffsets {
+    table: usize,
+    /// Chunk 0's exception count.
+    x0: usize,
+    pack0: usize,
+    exc0: usize,
+    chunk1: usize,
+}
+
+fn l_offsets(f: &[u8]) -> LOffsets {
+    let table = 72;
+    let entry =
+        |c: usize| u32::from_le_bytes(f[table + 4 * c..table + 4 * c + 4].try_into().unwrap());
+    assert_eq!(
+        (entry(0) >> 28, entry(1) >> 28),
+        (1, 3),
+        "chunk methods of the baseline"
+    );
+    assert_eq!(
+        u16::from_le_bytes([f[table + 8], f[table + 9]]) % 2,
+        1,
+        "odd exception count"
+    );
+    let pack0 = table + 8;
+    let k = u64::from_le_bytes(f[pack0 + 4..pack0 + 12].try_into().unwrap()).count_ones() as usize;
+    LOffsets {
+        table,
+        x0: u16::from_le_bytes([f[pack0], f[pack0 + 1]]) as usize,
+        pack0,
+        exc0: pack0 + 20 + 4 * 128 * k,
+        chunk1: pack0 + (entry(0) & 0x0fff_ffff) as usize,
+    }
+}
+
 /// Offset of the exception indices in `q_frame` (header 72 + widths 3 + planes 4 x 7).
 const Q_EXC: usize = 72 + 3 + 28;
 
@@ -516,7 +612,154 @@ fn crafted() -> Vec<Case> {
         ..header(DType::F32, 0, 0, &[0; 10])
     };
     let zero_widths = vec![0u8; 1000];
-    vec![
+    let l = l_frame();
+    let lo = l_offsets(&l);
+    let lhead = |h: Header| {
+        let mut f = Vec::new();
+        h.write(&mut f);
+        f.extend_from_slice(&l[72..]);
+        f
+    };
+    let lh = validate(&l).expect("baseline");
+    let mut cases = vec![
+        case(
+            "lossless_bad_method",
+            set(l.clone(), lo.table + 3, &[0x70]),
+            |e| bad_field(e, "chunk method"),
+        ),
+        case(
+            "lossless_chunk_longer",
+            {
+                let entry = u32::from_le_bytes(l[lo.table..lo.table + 4].try_into().unwrap());
+                set(l.clone(), lo.table, &(entry + 4).to_le_bytes())
+            },
+            |e| mismatch(e, "pack block"),
+        ),
+        case(
+            "lossless_chunk_past_body",
+            set(
+                l.clone(),
+                lo.table + 4,
+                &(0x3000_0000u32 | 0x0fff_fff0).to_le_bytes(),
+            ),
+            |e| mismatch(e, "chunk payloads"),
+        ),
+        case(
+            "lossless_reserved",
+            set(l.clone(), lo.pack0 + 2, &[1]),
+            |e| bad_field(e, "pack reserved bytes"),
+        ),
+        case(
+            "lossless_mask_too_wide",
+            set(l.clone(), lo.pack0 + 4 + 5, &[0x01]),
+            |e| bad_field(e, "pack mask"),
+        ),
+        case(
+            "lossless_base_overlaps_mask",
+            {
+                let mask = u64::from_le_bytes(l[lo.pack0 + 4..lo.pack0 + 12].try_into().unwrap());
+                let base = u64::from_le_bytes(l[lo.pack0 + 12..lo.pack0 + 20].try_into().unwrap());
+                let bit = mask & mask.wrapping_neg();
+                set(l.clone(), lo.pack0 + 12, &(base | bit).to_le_bytes())
+            },
+            |e| bad_field(e, "pack base"),
+        ),
+        case(
+            "lossless_exception_count",
+            set(l.clone(), lo.pack0, &5000u16.to_le_bytes()),
+            |e| bad_field(e, "pack exception count"),
+        ),
+        case(
+            "lossless_exception_out_of_range",
+            set(l.clone(), lo.exc0 + 4, &4096u16.to_le_bytes()),
+            |e| {
+                matches!(
+                    fmt_err(e),
+                    Some(FormatError::BadExceptionIndex {
+                        position: 2,
+                        index: 4096
+                    })
+                )
+            },
+        ),
+        case(
+            "lossless_exceptions_unordered",
+            set(l.clone(), lo.exc0 + 2, &5u16.to_le_bytes()),
+            |e| {
+                matches!(
+                    fmt_err(e),
+                    Some(FormatError::BadExceptionIndex {
+                        position: 1,
+                        index: 5
+                    })
+                )
+            },
+        ),
+        case(
+            "lossless_padding",
+            // An odd number of 2-byte indices ends with 2 bytes of padding, which must be zero.
+            set(l.clone(), lo.exc0 + 2 * lo.x0, &[1]),
+            |e| bad_field(e, "padding"),
+        ),
+        case(
+            "lossless_bitmask_past_end",
+            // Chunk 1 holds 100 elements: bits 4..31 of its fourth bitmask word must be clear.
+            set(l.clone(), lo.chunk1 + 12 + 3, &[0x80]),
+            |e| bad_field(e, "sparse bitmask"),
+        ),
+        case(
+            "lossless_trailing_bytes",
+            {
+                let mut h = lh.clone();
+                h.body_len += 4;
+                h.raw_body_len += 4;
+                let mut f = lhead(h);
+                f.extend_from_slice(&[0; 4]);
+                f
+            },
+            |e| mismatch(e, "lossless body"),
+        ),
+        case(
+            "lossless_table_longer_than_body",
+            lhead(Header {
+                n: 1 << 40,
+                shape: vec![1 << 40],
+                ..lh.clone()
+            }),
+            |e| mismatch(e, "raw body"),
+        ),
+        case(
+            "lossless_eps",
+            lhead(Header {
+                eps: 0.5,
+                ..lh.clone()
+            }),
+            |e| bad_field(e, "eps"),
+        ),
+        case(
+            "lossless_step",
+            lhead(Header {
+                step: 2.0,
+                ..lh.clone()
+            }),
+            |e| bad_field(e, "lossless header"),
+        ),
+        case(
+            "lossless_mode_abs",
+            lhead(Header {
+                mode: BoundMode::Abs,
+                ..lh.clone()
+            }),
+            |e| bad_field(e, "mode"),
+        ),
+        case("quantized_mode_lossless", set(q.clone(), 8, &[4]), |e| {
+            bad_field(e, "mode")
+        }),
+        case("quantized_int32", set(q.clone(), 6, &[7]), |e| {
+            bad_field(e, "codec")
+        }),
+    ];
+    cases.extend(vec![
         case("empty", vec![], |e| {
             matches!(
                 fmt_err(e),
@@ -554,10 +797,10 @@ fn crafted() -> Vec<Case> {
         case("version_2", set(q.clone(), 4, &[2]), |e| {
             matches!(fmt_err(e), Some(FormatError::UnsupportedVersion(2)))
         }),
-        case("unknown_codec", set(q.clone(), 5, &[2]), |e| {
+        case("unknown_codec", set(q.clone(), 5, &[3]), |e| {
             bad_field(e, "codec")
         }),
-        case("unknown_dtype", set(q.clone(), 6, &[3]), |e| {
+        case("unknown_dtype", set(q.clone(), 6, &[10]), |e| {
             bad_field(e, "dtype")
         }),
         case("unknown_flags", set(q.clone(), 7, &[0x02]), |e| {
@@ -960,13 +1203,14 @@ fn crafted() -> Vec<Case> {
                 )
             },
         ),
-    ]
+    ]);
+    cases
 }
 
 #[test]
 fn crafted_baselines_are_valid() {
     // The crafted cases are single changes to these: they must themselves be accepted.
-    for f in [q_frame(), raw_frame()] {
+    for f in [q_frame(), raw_frame(), l_frame()] {
         probe(&f).unwrap_or_else(|e| panic!("baseline refused: {e}; {}", hex(&f)));
     }
     let (_, y) = decompress::<f32>(&q_frame()).expect("decodes");

@@ -26,7 +26,9 @@ pub fn to_py(e: cfc::Error) -> PyErr {
         | cfc::Error::ShapeMismatch { .. }
         | cfc::Error::MisalignedInput { .. }
         | cfc::Error::OutputSize { .. } => PyValueError::new_err(msg),
-        cfc::Error::Incompatible { what: "dtype", .. } => PyTypeError::new_err(msg),
+        cfc::Error::Incompatible { what: "dtype", .. } | cfc::Error::NotQuantizable(_) => {
+            PyTypeError::new_err(msg)
+        }
         _ => CfcError::new_err(msg),
     }
 }

@@ -52,7 +52,8 @@ fn residual_slice<'a>(addr: usize, len: usize) -> PyResult<Option<&'a mut [u8]>>
 fn dtype_of(name: &str) -> PyResult<cfc::DType> {
     cfc::DType::from_name(name).ok_or_else(|| {
         PyTypeError::new_err(format!(
-            "unsupported dtype {name:?}: cfc compresses float32, bfloat16 and float16"
+            "unsupported dtype {name:?}: cfc compresses float32, bfloat16 and float16 with a \
+             bound, and also float64, uint8, int8, int16, int32, int64 and bool losslessly"
         ))
     })
 }
@@ -120,6 +121,42 @@ fn compress<'py>(
     Ok(PyBytes::new(py, &frame))
 }
 
+/// Compresses raw little-endian element bytes into a lossless cfc frame (any dtype cfc knows).
+///
+/// Args:
+///     data_ptr: address of the elements (contiguous host memory, kept alive by the caller).
+///     nbytes: their size in bytes.
+///     dtype: "float32", "bfloat16", "float16", "float64", "uint8", "int8", "int16", "int32",
+///         "int64" or "bool".
+///     shape: the tensor's dimensions (their product is the element count).
+///     zstd_level: if given, run the body through zstd at this level.
+///     threads: threads to use, 0 for automatic.
+///
+/// Returns:
+///     bytes: the frame.
+#[pyfunction]
+#[pyo3(signature = (data_ptr, nbytes, dtype, shape, *, zstd_level=None, threads=0))]
+fn compress_lossless<'py>(
+    py: Python<'py>,
+    data_ptr: usize,
+    nbytes: usize,
+    dtype: &str,
+    shape: Vec<usize>,
+    zstd_level: Option<i32>,
+    threads: usize,
+) -> PyResult<Bound<'py, PyBytes>> {
+    let dtype = dtype_of(dtype)?;
+    let opts = cfc::LosslessOptions {
+        zstd_level,
+        threads,
+    };
+    let input = host_slice(data_ptr, nbytes, "data")?;
+    let frame = py
+        .detach(|| cfc::compress_lossless_bytes(input, dtype, &shape, &opts))
+        .map_err(to_py)?;
+    Ok(PyBytes::new(py, &frame))
+}
+
 /// Decompresses a frame into a new bytearray holding the elements' raw bytes.
 ///
 /// The whole frame is checked before the output is allocated, so a crafted header cannot make
@@ -168,6 +205,7 @@ fn frame_info<'py>(py: Python<'py>, frame: &[u8]) -> PyResult<Bound<'py, PyDict>
         match h.codec {
             cfc::Codec::Quantized => "quantized",
             cfc::Codec::Raw => "raw",
+            cfc::Codec::Lossless => "lossless",
         },
     )?;
     d.set_item("zstd", h.zstd)?;
@@ -403,7 +441,7 @@ fn cuda_compress(
 
 /// Queues decoding of a device-resident frame (checked on the host or made by cuda_compress).
 #[pyfunction]
-#[pyo3(signature = (device, stream, frame_ptr, numel, dtype, ndim, out_ptr, ws_ptr, ws_len))]
+#[pyo3(signature = (device, stream, frame_ptr, numel, dtype, ndim, out_ptr, ws_ptr, ws_len, codec="quantized"))]
 #[allow(clippy::too_many_arguments)]
 fn cuda_decompress(
     py: Python<'_>,
@@ -416,6 +454,7 @@ fn cuda_decompress(
     out_ptr: u64,
     ws_ptr: u64,
     ws_len: u64,
+    codec: &str,
 ) -> PyResult<()> {
     let args = cfc::cuda::DecompressArgs {
         device,
@@ -423,6 +462,16 @@ fn cuda_decompress(
         frame: frame_ptr,
         n: numel,
         dtype: dtype_of(dtype)?,
+        codec: match codec {
+            "quantized" => cfc::Codec::Quantized,
+            "raw" => cfc::Codec::Raw,
+            "lossless" => cfc::Codec::Lossless,
+            other => {
+                return Err(PyValueError::new_err(format!(
+                    "codec must be 'quantized', 'raw' or 'lossless', got {other:?}"
+                )))
+            }
+        },
         ndim,
         out: out_ptr,
         workspace: ws_ptr,
@@ -453,6 +502,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("CfcError", m.py().get_type::<CfcError>())?;
     m.add("FormatError", m.py().get_type::<FormatError>())?;
     m.add_function(wrap_pyfunction!(compress, m)?)?;
+    m.add_function(wrap_pyfunction!(compress_lossless, m)?)?;
     m.add_function(wrap_pyfunction!(decompress, m)?)?;
     m.add_function(wrap_pyfunction!(frame_info, m)?)?;
     m.add_function(wrap_pyfunction!(validate, m)?)?;

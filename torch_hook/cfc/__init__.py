@@ -1,7 +1,9 @@
-"""cfc: error-bounded and lossless compression of float tensors for PyTorch.
+"""cfc: error-bounded and lossless compression of tensors for PyTorch.
 
-The codec compresses float32, bfloat16 and float16 tensors (CPU tensors and numpy arrays)
-into self-describing frames in which every finite element comes back within a strict bound.
+The codec compresses float32, bfloat16 and float16 tensors (CPU and CUDA tensors, numpy
+arrays) into self-describing frames in which every finite element comes back within a strict
+bound; with ``lossless=True`` it stores tensors of any common dtype bit for bit.
+``cfc.save`` / ``cfc.load`` write and read whole checkpoints.
 
 Example::
 
@@ -20,12 +22,15 @@ from cfc.ddp import CfcState, cfc_hook
 from cfc.codec import (
     Compressed,
     CudaCompressed,
+    PinnedCompressed,
     compress,
     decompress,
     fixed_rate_size,
     frame_info,
+    pin,
     sum_compressed,
 )
+from cfc.checkpoint import load, save
 
 __all__ = [
     "CfcError",
@@ -33,6 +38,7 @@ __all__ = [
     "Compressed",
     "CudaCompressed",
     "FORMAT_VERSION",
+    "PinnedCompressed",
     "FormatError",
     "__version__",
     "compress",
@@ -42,5 +48,8 @@ __all__ = [
     "distributed",
     "fixed_rate_size",
     "frame_info",
+    "load",
+    "pin",
+    "save",
     "sum_compressed",
 ]

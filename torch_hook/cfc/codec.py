@@ -16,6 +16,8 @@ from cfc import _native
 __all__ = [
     "Compressed",
     "CudaCompressed",
+    "PinnedCompressed",
+    "pin",
     "compress",
     "decompress",
     "fixed_rate_size",
@@ -24,6 +26,8 @@ __all__ = [
 ]
 
 _DTYPE_NAMES = ("float32", "bfloat16", "float16")
+# Dtypes only the lossless codec takes (besides the three above).
+_LOSSLESS_ONLY = ("float64", "uint8", "int8", "int16", "int32", "int64", "bool")
 
 
 def _torch():
@@ -62,15 +66,22 @@ def _cuda_ready(t) -> bool:
     return t.device.type == "cuda" and _device_supported(t.device.index)
 
 
-def _tensor_bytes(x: Any) -> Tuple[np.ndarray, str, Tuple[int, ...]]:
+def _unsupported(dtype, lossless: bool) -> TypeError:
+    if lossless:
+        names = ", ".join(_DTYPE_NAMES + _LOSSLESS_ONLY)
+        return TypeError(f"cfc compresses {names} losslessly, got {dtype}")
+    hint = " (compress it with lossless=True)" if str(dtype).replace("torch.", "") in _LOSSLESS_ONLY else ""
+    return TypeError(f"cfc compresses float32, bfloat16 and float16 with a bound, got {dtype}{hint}")
+
+
+def _tensor_bytes(x: Any, lossless: bool = False) -> Tuple[np.ndarray, str, Tuple[int, ...]]:
     """A uint8 view of ``x``'s elements (no copy when already contiguous), its dtype name and shape."""
+    allowed = _DTYPE_NAMES + _LOSSLESS_ONLY if lossless else _DTYPE_NAMES
     torch = _torch()
     if torch is not None and isinstance(x, torch.Tensor):
         name = str(x.dtype).replace("torch.", "")
-        if name not in _DTYPE_NAMES:
-            raise TypeError(
-                f"cfc compresses float32, bfloat16 and float16 tensors, got {x.dtype}"
-            )
+        if name not in allowed:
+            raise _unsupported(x.dtype, lossless)
         t = x.detach()
         if t.device.type != "cpu":
             t = t.cpu()  # a device the CUDA codec cannot drive, or a CPU-only stage (zstd)
@@ -78,16 +89,9 @@ def _tensor_bytes(x: Any) -> Tuple[np.ndarray, str, Tuple[int, ...]]:
         flat = t.contiguous().reshape(-1)
         return flat.view(torch.uint8).numpy(), name, shape
     if isinstance(x, np.ndarray):
-        if x.dtype == np.float32:
-            name = "float32"
-        elif x.dtype == np.float16:
-            name = "float16"
-        elif x.dtype.name == "bfloat16":  # ml_dtypes
-            name = "bfloat16"
-        else:
-            raise TypeError(
-                f"cfc compresses float32, bfloat16 and float16 arrays, got {x.dtype}"
-            )
+        name = x.dtype.name  # "bfloat16" comes from ml_dtypes
+        if name not in allowed:
+            raise _unsupported(x.dtype, lossless)
         shape = tuple(x.shape)
         flat = np.ascontiguousarray(x).reshape(-1)
         if not flat.dtype.isnative:
@@ -201,13 +205,72 @@ class Compressed:
 
     @property
     def mode(self) -> str:
-        """How the bound was set: ``abs``, ``rel``, ``bits`` or ``sum``."""
+        """How the bound was set: ``abs``, ``rel``, ``bits``, ``sum``, or ``lossless``."""
         return self._info["mode"]
 
     @property
     def info(self) -> Dict[str, Any]:
         """Every header field, as a dict (see :func:`frame_info`)."""
         return dict(self._info)
+
+
+class PinnedCompressed:
+    """A checked frame kept in pinned host memory, ready to be fetched by a GPU: made by
+    :func:`pin`.
+
+    :func:`decompress` to a CUDA device copies the frame (smaller than the tensor) to the GPU
+    and decodes it there, both queued on the current stream without waiting, and without
+    checking the frame again: it was checked once, when pinned. That is how a tensor offloaded
+    to host memory comes back sooner than by a plain copy, when it compresses.
+    """
+
+    __slots__ = ("tensor", "_info")
+
+    def __init__(self, tensor, info: Dict[str, Any]):
+        self.tensor = tensor
+        self._info = info
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the frame in bytes."""
+        return self.tensor.numel()
+
+    @property
+    def ratio(self) -> float:
+        """Uncompressed bytes over compressed bytes."""
+        return self._info["decoded_nbytes"] / max(1, self.nbytes)
+
+    @property
+    def shape(self) -> Tuple[int, ...]:
+        """The original shape."""
+        return tuple(self._info["shape"])
+
+    @property
+    def info(self) -> Dict[str, Any]:
+        """Every header field, as a dict (see :func:`frame_info`)."""
+        return dict(self._info)
+
+    def __bytes__(self) -> bytes:
+        return self.tensor.numpy().tobytes()
+
+    def __repr__(self) -> str:
+        return f"cfc.PinnedCompressed(shape={self.shape}, dtype={self._info['dtype']}, nbytes={self.nbytes})"
+
+
+def pin(c: Any) -> PinnedCompressed:
+    """Check a frame once and copy it into pinned host memory (see :class:`PinnedCompressed`).
+
+    Raises:
+        cfc.FormatError: the frame is malformed.
+    """
+    import torch
+
+    buf = _frame_buffer(c)
+    _native.validate(buf)
+    info = _native.frame_info(buf)
+    t = torch.empty(len(buf), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+    t.numpy()[:] = np.frombuffer(buf, dtype=np.uint8)
+    return PinnedCompressed(t, info)
 
 
 class CudaCompressed:
@@ -360,7 +423,7 @@ def _compress_cuda(t, name: str, shape, eps, rel, bits, residual=None) -> CudaCo
     return CudaCompressed(out, ws, name, tuple(shape), mode, stream)
 
 
-def _decompress_cuda(frame_dev, numel: int, dtype: str, shape, ndim: int, after=None):
+def _decompress_cuda(frame_dev, numel: int, dtype: str, shape, ndim: int, after=None, codec="quantized"):
     """Decode a device-resident frame (checked on the host, or made by the GPU codec) on the
     device's current stream, after the event ``after`` (the frame's compression) if given."""
     import torch
@@ -374,7 +437,7 @@ def _decompress_cuda(frame_dev, numel: int, dtype: str, shape, ndim: int, after=
         frame_dev.record_stream(stream)
     _native.cuda_decompress(
         dev.index, stream.cuda_stream, frame_dev.data_ptr(), numel, dtype, ndim,
-        out.data_ptr(), ws.data_ptr(), ws.numel(),
+        out.data_ptr(), ws.data_ptr(), ws.numel(), codec=codec,
     )
     return out
 
@@ -388,11 +451,13 @@ def compress(
     zstd: Union[bool, int] = False,
     threads: int = 0,
     residual: Any = None,
+    lossless: bool = False,
 ) -> Compressed:
-    """Compress a float tensor with a strict error bound.
+    """Compress a float tensor with a strict error bound, or any tensor without loss.
 
     Give exactly one bound: every finite element ``v`` comes back as ``v'`` with
-    ``|v' - v| <= eps`` (checked in float64); NaN and infinities come back bit-exactly.
+    ``|v' - v| <= eps`` (checked in float64); NaN and infinities come back bit-exactly. Or
+    give ``lossless=True`` and no bound: every bit comes back.
 
     Args:
         x: a ``torch.Tensor`` (CPU or CUDA) or ``numpy.ndarray`` of float32, bfloat16 or
@@ -407,6 +472,12 @@ def compress(
             the same device, updated in place: ``x + residual`` is compressed and the residual
             becomes what the frame will not give back (0 where that is not finite). Start with
             zeros; pass the same residual at every step.
+        lossless: store every bit (no bound). Each chunk of 4096 elements is stored by
+            invariant bit packing (the bits shared by its elements once, the others as bit
+            planes), zero-value compression (a bitmask and the nonzero elements), both, or
+            as it is, whichever is smallest. Takes float32, bfloat16, float16, float64,
+            uint8, int8, int16, int32, int64 and bool. Compression runs on the CPU (a CUDA
+            tensor is copied to the host); :func:`decompress` decodes on a GPU when asked to.
 
     Returns:
         Compressed: ``bytes(result)`` is the self-describing frame. For a CUDA tensor (and no
@@ -425,6 +496,16 @@ def compress(
         ((4096,), True)
     """
     torch = _torch()
+    if lossless:
+        if eps is not None or rel is not None or bits is not None:
+            raise ValueError("lossless=True takes no bound (eps=, rel= or bits=)")
+        if residual is not None:
+            raise ValueError("lossless=True drops nothing: it takes no residual")
+        data, name, shape = _tensor_bytes(x, lossless=True)
+        frame = _native.compress_lossless(
+            _addr(data), data.nbytes, name, list(shape), zstd_level=_zstd_level(zstd), threads=threads
+        )
+        return Compressed(frame)
     if (
         torch is not None
         and isinstance(x, torch.Tensor)
@@ -469,8 +550,8 @@ def decompress(c: Any, device: Any = None, *, threads: int = 0, max_nbytes: Opti
     """Decompress a frame into a tensor of its original dtype and shape.
 
     Args:
-        c: a :class:`Compressed`, or the frame as bytes, bytearray, memoryview, or a uint8
-            numpy array or torch tensor.
+        c: a :class:`Compressed`, :class:`CudaCompressed` or :class:`PinnedCompressed`, or the
+            frame as bytes, bytearray, memoryview, or a uint8 numpy array or torch tensor.
         device: where to put the result (``"cpu"``, ``"cuda:0"``, a ``torch.device``). A
             CUDA device decodes on that GPU (after checking the frame on the host); a
             :class:`CudaCompressed` decodes on its own GPU by default, without waiting.
@@ -494,6 +575,20 @@ def decompress(c: Any, device: Any = None, *, threads: int = 0, max_nbytes: Opti
         )
         if decoded > max_nbytes:
             raise ValueError(f"the frame decodes to {decoded} bytes, more than max_nbytes={max_nbytes}")
+    if isinstance(c, PinnedCompressed):
+        info = c._info
+        target = None if device is None else torch.device(device)
+        if target is not None and target.type == "cuda" and target.index is None:
+            target = torch.device("cuda", torch.cuda.current_device())
+        gpu = not info["zstd"] and (info["codec"] == "lossless" or info["dtype"] in _DTYPE_NAMES)
+        if target is not None and target.type == "cuda" and gpu and _device_supported(target.index):
+            frame_dev = torch.empty(c.nbytes, dtype=torch.uint8, device=target)
+            frame_dev.copy_(c.tensor, non_blocking=True)
+            return _decompress_cuda(
+                frame_dev, info["numel"], info["dtype"], tuple(info["shape"]), len(info["shape"]),
+                codec=info["codec"],
+            )
+        c = bytes(c)
     if isinstance(c, CudaCompressed):
         target = c.device if device is None else torch.device(device)
         if target.type == "cuda" and target.index is None:
@@ -511,10 +606,14 @@ def decompress(c: Any, device: Any = None, *, threads: int = 0, max_nbytes: Opti
         buf = _frame_buffer(c)
         _native.validate(buf)  # the whole frame, on the host, before the GPU reads it
         info = _native.frame_info(buf)
-        if not info["zstd"]:
-            frame_dev = torch.frombuffer(bytearray(buf), dtype=torch.uint8).to(target)
+        # The GPU decodes quantized frames, raw frames of the float types, and lossless frames
+        # of every dtype; the zstd stage and raw frames of other dtypes stay on the host.
+        on_gpu = not info["zstd"] and (info["codec"] == "lossless" or info["dtype"] in _DTYPE_NAMES)
+        if on_gpu:
+            frame_dev = _upload(buf, target)
             return _decompress_cuda(
-                frame_dev, info["numel"], info["dtype"], tuple(info["shape"]), len(info["shape"])
+                frame_dev, info["numel"], info["dtype"], tuple(info["shape"]), len(info["shape"]),
+                codec=info["codec"],
             )
     buf = _frame_buffer(c)
     # The native side checks the whole frame before allocating the output.
@@ -534,6 +633,19 @@ def decompress(c: Any, device: Any = None, *, threads: int = 0, max_nbytes: Opti
     if device is not None:
         out = out.to(device)
     return out
+
+
+def _upload(buf: bytes, target):
+    """The frame's bytes on device ``target``, through pinned host memory: the copy runs at
+    full PCIe speed, and a compressed frame is that much less to move than the tensor."""
+    import torch
+
+    host = torch.empty(len(buf), dtype=torch.uint8, pin_memory=True)
+    host.numpy()[:] = np.frombuffer(buf, dtype=np.uint8)
+    dev = torch.empty(len(buf), dtype=torch.uint8, device=target)
+    # torch's pinned-memory allocator keeps `host` from reuse until the copy is done.
+    dev.copy_(host, non_blocking=True)
+    return dev
 
 
 def frame_info(c: Any) -> Dict[str, Any]:

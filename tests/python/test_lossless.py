@@ -1,0 +1,241 @@
+"""Lossless compression (`cfc.compress(x, lossless=True)`), decoding it on the CPU and on a GPU,
+pinned frames, and checkpoints (`cfc.save` / `cfc.load`)."""
+
+import json
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+import cfc
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.uint8, torch.int8,
+          torch.int16, torch.int32, torch.int64, torch.bool]
+LENGTHS = [0, 1, 31, 33, 4095, 4097, 3 * 4096 + 5]
+
+
+def sample(dtype, n, seed=0):
+    """Weight-like floats (with NaN, infinities, -0.0 and some zeros), or small integers."""
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.rand(n, generator=g) < 0.1
+    if not dtype.is_floating_point:
+        info = torch.iinfo(dtype)
+        x = torch.randint(-100, 100, (n,), generator=g).clamp(info.min, info.max).to(dtype)
+        if n > 2:
+            x[0], x[1] = info.min, info.max
+        return x
+    x = torch.randn(n, generator=g) * 0.02
+    x[torch.rand(n, generator=g) < 0.2] = 0.0
+    if n > 8:
+        x[:4] = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0])
+    return x.to(dtype)
+
+
+def bits(t):
+    """The tensor's bytes, for exact comparisons (NaN payloads and -0.0 included)."""
+    t = t.detach().cpu().contiguous().reshape(-1)
+    return t.view(torch.uint8).numpy().tobytes() if t.dtype != torch.bool else t.numpy().tobytes()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", LENGTHS)
+def test_every_dtype_comes_back_bit_for_bit(dtype, n):
+    x = sample(dtype, n, seed=n).reshape(-1, 1) if n else sample(dtype, 0)
+    c = cfc.compress(x, lossless=True)
+    assert c.mode == "lossless" and c.eps == 0.0 and c.info["codec"] in ("lossless", "raw")
+    assert c.nbytes <= x.numel() * x.element_size() + 64 + 8 * x.dim()
+    y = cfc.decompress(c)
+    assert y.dtype == x.dtype and y.shape == x.shape
+    assert bits(y) == bits(x)
+
+
+def test_every_bfloat16_bit_pattern_comes_back():
+    x = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    w = (torch.randn(1 << 20) * 0.02).to(torch.bfloat16)
+    w[torch.randperm(w.numel())[: x.numel()]] = x
+    for t in (x, w):
+        assert bits(cfc.decompress(cfc.compress(t, lossless=True))) == bits(t)
+
+
+def test_numpy_arrays_and_zstd():
+    a = np.tile(np.arange(-50, 50, dtype=np.int64), 100)
+    c = cfc.compress(a, lossless=True, zstd=True)
+    assert c.info["zstd"] and c.ratio > 4 * cfc.compress(a, lossless=True).ratio
+    y = cfc.decompress(c)
+    assert np.array_equal(y.numpy(), a)
+
+
+def test_ratios_on_weights_and_relu_activations():
+    w = (torch.randn(1 << 20) * 0.02).to(torch.bfloat16)
+    assert cfc.compress(w, lossless=True).ratio >= 1.3
+    a = torch.relu(torch.randn(1 << 20))
+    assert cfc.compress(a, lossless=True).ratio >= 1.8
+
+
+def test_lossless_refuses_a_bound_or_a_residual_and_bounds_refuse_integers():
+    x = torch.zeros(10)
+    with pytest.raises(ValueError, match="no bound"):
+        cfc.compress(x, lossless=True, eps=0.1)
+    with pytest.raises(ValueError, match="residual"):
+        cfc.compress(x, lossless=True, residual=torch.zeros(10))
+    with pytest.raises(TypeError, match="lossless=True"):
+        cfc.compress(torch.zeros(10, dtype=torch.int64), eps=0.1)
+    with pytest.raises(TypeError, match="losslessly"):
+        cfc.compress(torch.zeros(3, dtype=torch.complex64), lossless=True)
+
+
+def test_hostile_lossless_frames_are_refused():
+    good = bytes(cfc.compress(sample(torch.float32, 5000), lossless=True))
+    assert cfc.frame_info(good)["codec"] == "lossless"
+    bad = bytearray(good)
+    bad[72 + 3] = 0x70  # the first chunk's method: 7 does not exist
+    with pytest.raises(cfc.FormatError, match="chunk method"):
+        cfc.decompress(bytes(bad))
+    for cut in (len(good) - 1, 80, 70):
+        with pytest.raises(cfc.FormatError):
+            cfc.decompress(good[:cut])
+
+
+# ---- checkpoints ----
+
+
+def model_state():
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Embedding(300, 64), torch.nn.Linear(64, 64),
+                            torch.nn.LayerNorm(64), torch.nn.Linear(64, 300))
+    sd = {k: v.clone() for k, v in m.state_dict().items()}
+    sd["1.weight"] = sd["1.weight"].to(torch.bfloat16)
+    sd["steps"] = torch.tensor(1234, dtype=torch.int64)
+    sd["mask"] = torch.rand(7, 5) < 0.5
+    sd["empty"] = torch.zeros(0, 3)
+    return sd
+
+
+def test_save_and_load_round_trip(tmp_path):
+    sd = model_state()
+    p = tmp_path / "model.cfc"
+    report = cfc.save(sd, p, metadata={"step": "1234"})
+    assert report["tensors"] == len(sd) and report["bytes"] == p.stat().st_size
+    back, meta = cfc.load(p, metadata=True)
+    assert meta == {"step": "1234"}
+    assert list(back) == list(sd)
+    for k in sd:
+        assert back[k].dtype == sd[k].dtype and back[k].shape == sd[k].shape, k
+        assert bits(back[k]) == bits(sd[k]), k
+
+
+def test_save_with_bounds(tmp_path):
+    sd = model_state()
+    p = tmp_path / "model.cfc"
+    cfc.save(sd, p, bounds={"0.weight": {"eps": 1e-3}})
+    back = cfc.load(p)
+    err = (back["0.weight"].double() - sd["0.weight"].double()).abs().max().item()
+    assert 0 < err <= 1e-3
+    assert bits(back["3.weight"]) == bits(sd["3.weight"])
+    cfc.save(sd, p, bounds=lambda name, t: {"rel": 1e-2} if name.endswith("bias") else None)
+    back = cfc.load(p)
+    assert bits(back["1.weight"]) == bits(sd["1.weight"])
+    assert not torch.equal(back["3.bias"], sd["3.bias"])
+    with pytest.raises(ValueError, match="bound of"):
+        cfc.save(sd, p, bounds={"0.weight": {"tolerance": 1}})
+    with pytest.raises(TypeError):
+        cfc.save(sd, p, bounds={"steps": {"eps": 1.0}})
+
+
+def test_save_refuses_what_it_cannot_store(tmp_path):
+    with pytest.raises(TypeError, match="not a tensor"):
+        cfc.save({"a": 3}, tmp_path / "x.cfc")
+    with pytest.raises(TypeError, match="metadata"):
+        cfc.save({}, tmp_path / "x.cfc", metadata={"a": 1})
+
+
+def corrupt(path, offset, value):
+    data = bytearray(path.read_bytes())
+    data[offset] ^= value
+    path.write_bytes(bytes(data))
+
+
+def test_corrupted_checkpoints_are_refused(tmp_path):
+    sd = model_state()
+    p = tmp_path / "model.cfc"
+    cfc.save(sd, p)
+    data = p.read_bytes()
+    head_len = struct.unpack_from("<Q", data, 8)[0]
+    index = json.loads(data[16:16 + head_len])
+    # A flipped bit in a frame: the checksum names the tensor.
+    corrupt(p, 16 + head_len + index["3.weight"]["offset"] + 100, 0x01)
+    with pytest.raises(cfc.FormatError, match="'3.weight': checksum"):
+        cfc.load(p)
+    cfc.save(sd, p)
+    for cut in (0, 10, 16 + head_len // 2, len(data) - 1):
+        p.write_bytes(data[:cut])
+        with pytest.raises(cfc.FormatError):
+            cfc.load(p)
+    p.write_bytes(b"XXXX" + data[4:])
+    with pytest.raises(cfc.FormatError, match="not a cfc checkpoint"):
+        cfc.load(p)
+    p.write_bytes(data + b"\0")
+    with pytest.raises(cfc.FormatError, match="after the last frame"):
+        cfc.load(p)
+    # An index that disagrees with its frame (checksum made to match): refused too.
+    index["1.bias"]["shape"] = [63]
+    head = json.dumps(index | {"__metadata__": {}}).encode()
+    p.write_bytes(struct.pack("<4sB3xQ", b"CFCK", 1, len(head)) + head + data[16 + head_len:])
+    with pytest.raises(cfc.FormatError, match="'1.bias': frame holds"):
+        cfc.load(p)
+
+
+# ---- on a GPU ----
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", LENGTHS + [(1 << 20) + 3])
+def test_gpu_decodes_lossless_frames_bit_for_bit(dtype, n):
+    x = sample(dtype, n, seed=n + 1)
+    c = cfc.compress(x, lossless=True)
+    y = cfc.decompress(c, device="cuda")
+    assert y.is_cuda and y.dtype == dtype
+    assert bits(y) == bits(x)
+    p = cfc.pin(c)
+    assert bits(cfc.decompress(p, device="cuda")) == bits(x)
+
+
+@pytest.mark.gpu
+def test_gpu_decodes_every_method():
+    # raw, pack, sparse and sparse + pack chunks in one frame, in every word width.
+    n = 4096
+    g = torch.Generator().manual_seed(5)
+    raw = torch.randint(-(1 << 31), (1 << 31) - 1, (n,), generator=g, dtype=torch.int64).to(torch.int32)
+    packed = (torch.randn(n, generator=g) * 0.02).view(torch.int32)
+    sparse = torch.where(torch.arange(n) % 3 == 0, raw, torch.zeros_like(raw))
+    relu = torch.relu(torch.randn(n, generator=g)).view(torch.int32)
+    x = torch.cat([raw, packed, sparse, relu])
+    for t in (x, x.view(torch.float32), x.view(torch.int16), x.view(torch.int8), x.view(torch.int64)):
+        c = cfc.compress(t, lossless=True)
+        assert bits(cfc.decompress(c, device="cuda")) == bits(t)
+    body = bytes(cfc.compress(x, lossless=True))[72:88]
+    assert [int.from_bytes(body[i:i + 4], "little") >> 28 for i in range(0, 16, 4)] == [0, 1, 2, 3]
+
+
+@pytest.mark.gpu
+def test_gpu_decode_refuses_hostile_frames_before_the_gpu_reads_them():
+    good = bytes(cfc.compress(sample(torch.float32, 9000), lossless=True))
+    bad = bytearray(good)
+    bad[72] ^= 0xff  # the first chunk's length
+    with pytest.raises(cfc.FormatError):
+        cfc.decompress(bytes(bad), device="cuda")
+    with pytest.raises(cfc.FormatError):
+        cfc.pin(bytes(bad))
+
+
+@pytest.mark.gpu
+def test_checkpoint_loads_onto_the_gpu(tmp_path):
+    sd = model_state()
+    p = tmp_path / "model.cfc"
+    cfc.save({k: v.cuda() for k, v in sd.items()}, p)
+    back = cfc.load(p, device="cuda")
+    for k in sd:
+        assert back[k].is_cuda and bits(back[k]) == bits(sd[k]), k
