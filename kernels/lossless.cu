@@ -3,11 +3,12 @@
 // LL_CHUNK words: the chunk table gives each chunk's method and length, and an exclusive scan
 // of the lengths (kernels/scan.cu, between the two kernels here) gives its offset.
 //
-// Pack blocks are decoded into shared memory first: one warp per group of 32 words, where
-// lane j rebuilds word j from the group's bit planes (plane q holds bit pos[q] of every word),
-// then the exceptions overwrite their words. The chunk then leaves shared memory in order:
-// straight (pack), or scattered by the sparse bitmask (sparse + pack), with each word's rank
-// among the nonzero words from a block-wide scan of the bitmask's popcounts.
+// Pack blocks: one warp per group of 32 words; lane j takes its word's k varying bits (bits
+// j k .. j k + k of the group) with a funnel shift and puts them back at their places through
+// byte tables in shared memory; then the exceptions overwrite their words. A pack chunk is
+// written straight to the output; the pack block of a sparse + pack chunk goes to shared
+// memory, then is scattered by the bitmask, each nonzero word's rank coming from a
+// block-wide scan of the bitmask's popcounts.
 #include "common.cuh"
 
 #define LL_CHUNK 4096
@@ -15,6 +16,7 @@
 #define LL_GROUPS (LL_CHUNK / CFC_GROUP)  // 128: one bitmask word per thread
 #define LL_PACK_HEADER 20
 #define LL_LEN_MASK 0x0fffffffu
+#define LL_ILP 4  // groups of 32 words each lane decodes at once
 
 __device__ __forceinline__ u32 ll_load_u32(const u8* p) { return *(const u32*)p; }  // 4-aligned
 __device__ __forceinline__ u16 ll_load_u16(const u8* p) { return (u16)p[0] | ((u16)p[1] << 8); }
@@ -38,43 +40,86 @@ __device__ __forceinline__ W ll_load_word(const u8* p, u32 i) {
     return ((const W*)p)[i];
 }
 
-// Decodes a checked pack block of m words at p into sh[0..m).
+// The k varying bits of word j of a group (bits j k .. j k + k of its k 32-bit words).
+__device__ __forceinline__ u64 ll_field(const u8* gp, u32 k, u32 j) {
+    u32 off = j * k, idx = off >> 5, sh = off & 31;
+    u32 w0 = ll_load_u32(gp + 4 * idx);
+    u32 w1 = idx + 1 < k ? ll_load_u32(gp + 4 * (idx + 1)) : 0;
+    if (k <= 32) {
+        u32 v = __funnelshift_r(w0, w1, sh);
+        return k == 32 ? v : v & ((1u << k) - 1u);
+    }
+    u32 w2 = idx + 2 < k ? ll_load_u32(gp + 4 * (idx + 2)) : 0;
+    u64 lo = ((u64)w1 << 32) | w0;
+    u64 v = (lo >> sh) | (sh ? (u64)w2 << (64 - sh) : 0);
+    return k == 64 ? v : v & ((1ull << k) - 1ull);
+}
+
+// Bits per lookup of the tables that put varying bits back in place: bytes, or nibbles for
+// 8-byte words (whose tables would otherwise not fit beside a chunk in shared memory).
 template <class W>
-__device__ void ll_unpack(const u8* p, u32 m, W* sh, u32* pos) {
+struct LLTable {
+    static const u32 BITS = sizeof(W) == 8 ? 4 : 8;
+    static const u32 ENTRIES = 1u << BITS;
+    static const u32 PARTS = 8 * sizeof(W) / BITS;
+};
+
+// Decodes a checked pack block of m words at p into dst[0..m) (shared or global memory).
+// dep[b][v]: the bits of value v in part b (BITS bits each) of a word's k varying bits, put
+// back at their places in the word (built here, from the mask).
+template <class W>
+__device__ void ll_unpack(const u8* p, u32 m, W* dst, W (*dep)[LLTable<W>::ENTRIES]) {
+    typedef LLTable<W> T;
     u32 x = ll_load_u16(p);
     u64 mask = ll_load_u64(p + 4);
     W base = (W)ll_load_u64(p + 12);
     u32 k = __popcll(mask);
-    if (threadIdx.x == 0) {
-        u32 q = 0;
-        for (u64 rest = mask; rest; rest &= rest - 1) pos[q++] = __ffsll(rest) - 1;
+    u32 parts = (k + T::BITS - 1) / T::BITS;
+    for (u32 e = threadIdx.x; e < parts * T::ENTRIES; e += LL_THREADS) {
+        u32 b = e / T::ENTRIES, v = e % T::ENTRIES;
+        W d = 0;
+        u64 rest = mask;
+        for (u32 q = 0; q < T::BITS * b; q++) rest &= rest - 1;  // drop the bits of lower parts
+        for (u32 i = 0; i < T::BITS && rest; i++, rest &= rest - 1) {
+            if ((v >> i) & 1u) d |= (W)1 << (__ffsll(rest) - 1);
+        }
+        dep[b][v] = d;
     }
     __syncthreads();
-    const u8* planes = p + LL_PACK_HEADER;
+    const u8* fields = p + LL_PACK_HEADER;
     u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     u32 groups = (m + CFC_GROUP - 1) / CFC_GROUP;
-    for (u32 g = warp; g < groups; g += LL_THREADS / 32) {
-        const u8* gp = planes + 4 * (u64)g * k;
-        W v = base;
-        for (u32 q = 0; q < k; q++) {
-            u32 plane = ll_load_u32(gp + 4 * q);
-            v |= (W)((plane >> lane) & 1u) << pos[q];
+    // LL_ILP groups per warp at a time: their loads are all issued before any is used, so a
+    // thread has several in flight (one at a time left the kernel waiting on memory latency).
+    const u32 warps = LL_THREADS / 32;
+    for (u32 g0 = warp; g0 < groups; g0 += warps * LL_ILP) {
+        u64 f[LL_ILP];
+#pragma unroll
+        for (u32 u = 0; u < LL_ILP; u++) {
+            u32 g = g0 + u * warps;
+            f[u] = (k && g < groups) ? ll_field(fields + 4 * (u64)g * k, k, lane) : 0;
         }
-        u32 i = g * CFC_GROUP + lane;
-        if (i < m) sh[i] = v;
+#pragma unroll
+        for (u32 u = 0; u < LL_ILP; u++) {
+            u32 i = (g0 + u * warps) * CFC_GROUP + lane;
+            if (i >= m) continue;
+            W v = base;
+            for (u32 b = 0; b < parts; b++) v |= dep[b][(f[u] >> (T::BITS * b)) & (T::ENTRIES - 1)];
+            dst[i] = v;
+        }
     }
     __syncthreads();
-    const u8* idx = planes + 4 * (u64)groups * k;
+    const u8* idx = fields + 4 * (u64)groups * k;
     const u8* vals = idx + ((2 * x + 3) & ~3u);
     for (u32 j = threadIdx.x; j < x; j += LL_THREADS) {
-        sh[ll_load_u16(idx + 2 * j)] = ll_load_word<W>(vals, j);
+        dst[ll_load_u16(idx + 2 * j)] = ll_load_word<W>(vals, j);
     }
     __syncthreads();
 }
 
 // Each thread's exclusive prefix of nonzero words over the bitmask words before its own
 // (thread t owns bitmask word t), through shared memory.
-__device__ u32 ll_rank_base(const u8* bitmask, u32 m, u32* scratch) {
+__device__ u32 ll_rank_base(const u8* bitmask, u32 m, u32* scratch, u32* total) {
     u32 t = threadIdx.x;
     u32 words = (m + CFC_GROUP - 1) / CFC_GROUP;
     u32 c = t < words ? __popc(ll_load_u32(bitmask + 4 * t)) : 0;
@@ -86,8 +131,12 @@ __device__ u32 ll_rank_base(const u8* bitmask, u32 m, u32* scratch) {
     }
     if (lane == 31) scratch[warp] = inc;
     __syncthreads();
-    u32 before = 0;
-    for (u32 w = 0; w < warp; w++) before += scratch[w];
+    u32 before = 0, all = 0;
+    for (u32 w = 0; w < LL_THREADS / 32; w++) {
+        if (w < warp) before += scratch[w];
+        all += scratch[w];
+    }
+    *total = all;
     __syncthreads();
     return before + inc - c;
 }
@@ -95,7 +144,7 @@ __device__ u32 ll_rank_base(const u8* bitmask, u32 m, u32* scratch) {
 template <class W>
 __device__ void ll_decode(const u8* frame, u64 header_len, u64 n, const u64* offsets, W* out) {
     __shared__ W sh[LL_CHUNK];
-    __shared__ u32 pos[64];
+    __shared__ W dep[LLTable<W>::PARTS][LLTable<W>::ENTRIES];
     __shared__ u32 scratch[LL_THREADS / 32];
     __shared__ u32 ranks[LL_GROUPS];
     u64 chunks = (n + LL_CHUNK - 1) / LL_CHUNK;
@@ -109,20 +158,19 @@ __device__ void ll_decode(const u8* frame, u64 header_len, u64 n, const u64* off
         if (method == 0) {  // raw
             for (u32 i = threadIdx.x; i < m; i += LL_THREADS) o[i] = ll_load_word<W>(p, i);
         } else if (method == 1) {  // pack
-            ll_unpack<W>(p, m, sh, pos);
-            for (u32 i = threadIdx.x; i < m; i += LL_THREADS) o[i] = sh[i];
+            ll_unpack<W>(p, m, o, dep);
         } else {  // sparse (2) or sparse + pack (3): bitmask first
             u32 bwords = (m + CFC_GROUP - 1) / CFC_GROUP;
-            u32 base = ll_rank_base(p, m, scratch);
+            u32 nnz;
+            u32 base = ll_rank_base(p, m, scratch, &nnz);
             if (threadIdx.x < bwords) ranks[threadIdx.x] = base;
             const u8* vals = p + 4 * bwords;
             if (method == 3) {
-                u32 nnz = 0;
-                for (u32 w = 0; w < bwords; w++) nnz += __popc(ll_load_u32(p + 4 * w));
-                ll_unpack<W>(vals, nnz, sh, pos);  // its __syncthreads also publish ranks
+                ll_unpack<W>(vals, nnz, sh, dep);  // its __syncthreads also publish ranks
             } else {
                 __syncthreads();
             }
+#pragma unroll 4
             for (u32 i = threadIdx.x; i < m; i += LL_THREADS) {
                 u32 bits = ll_load_u32(p + 4 * (i / CFC_GROUP));
                 u32 lane = i % CFC_GROUP;
@@ -134,7 +182,7 @@ __device__ void ll_decode(const u8* frame, u64 header_len, u64 n, const u64* off
                 o[i] = v;
             }
         }
-        __syncthreads();  // sh, pos and ranks are reused by the next chunk
+        __syncthreads();  // sh, dep and ranks are reused by the next chunk
     }
 }
 

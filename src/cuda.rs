@@ -517,8 +517,9 @@ unsafe fn decompress_lossless(
     let sums = words + 8 * (chunks + 1);
     let header_len = (FIXED_HEADER_LEN + 8 * args.ndim) as u64;
     let frame = Arg::Ptr(args.frame);
+    // One block per chunk: many short blocks balance better across SMs than few long ones.
     let grid = LaunchConfig {
-        grid_dim: (chunks.min(2 * dev.grid_blocks) as u32, 1, 1),
+        grid_dim: (chunks.min(i32::MAX as u64) as u32, 1, 1),
         block_dim: (LOSSLESS_THREADS, 1, 1),
         shared_mem_bytes: 0,
     };

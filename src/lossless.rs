@@ -7,9 +7,10 @@
 //!
 //! - **raw**: the words as they are;
 //! - **pack** (invariant bit packing): the bits that are the same in (nearly) all words of the
-//!   chunk are stored once; only the varying bits are stored per word, as bit planes of 32
-//!   words (the layout a CUDA warp writes with one ballot per plane); words that break the
-//!   invariant bits are stored whole as exceptions;
+//!   chunk are stored once; only the `k` varying bits are stored per word, back to back, so a
+//!   group of 32 words takes `k` 32-bit words (a GPU lane finds its word's bits at bit `j k`
+//!   of its group with one funnel shift); words that break the invariant bits are stored
+//!   whole as exceptions;
 //! - **sparse** (zero-value compression): one bit per word saying whether it is nonzero, then
 //!   the nonzero words;
 //! - **sparse + pack**: the same bitmask, then the nonzero words in the pack layout.
@@ -262,19 +263,19 @@ fn write_pack(words: &[u64], w: usize, plan: &PackPlan, out: &mut Vec<u8>) {
     let k = plan.mask.count_ones();
     if k > 0 {
         let ext = ByteTables::new(w, |bit| extract(bit, plan.mask));
+        let k = k as usize;
         for group in words.chunks(GROUP) {
-            if k <= 32 {
-                let mut lanes = [0u32; GROUP];
-                for (l, &e) in lanes.iter_mut().zip(group) {
-                    *l = ext.apply(e) as u32;
-                }
-                crate::bitplane::pack32(&lanes, k, out);
-            } else {
-                let mut lanes = [0u64; GROUP];
-                for (l, &e) in lanes.iter_mut().zip(group) {
-                    *l = ext.apply(e);
-                }
-                crate::bitplane::pack64(&lanes, k, out);
+            // Word j's k varying bits at bits j k .. j k + k of the group's 32 k bits.
+            let mut stream = [0u32; 64 + 2];
+            for (j, &e) in group.iter().enumerate() {
+                let (idx, shift) = (j * k / 32, j * k % 32);
+                let v = (ext.apply(e) as u128) << shift;
+                stream[idx] |= v as u32;
+                stream[idx + 1] |= (v >> 32) as u32;
+                stream[idx + 2] |= (v >> 64) as u32;
+            }
+            for s in &stream[..k] {
+                out.extend_from_slice(&s.to_le_bytes());
             }
         }
     }
@@ -634,11 +635,18 @@ fn decode_pack(p: &[u8], m: usize, w: usize, out: &mut [u64]) {
         out[..m].fill(base);
     } else {
         let dep = ByteTables::new(k.div_ceil(8), |bit| deposit(bit, mask));
+        let low = if k == 64 { u64::MAX } else { (1u64 << k) - 1 };
         for (group, mine) in out[..m].chunks_mut(GROUP).zip(planes.chunks_exact(4 * k)) {
-            let mut lanes = [0u64; GROUP];
-            crate::bitplane::unpack64(mine, &mut lanes);
-            for (o, &l) in group.iter_mut().zip(&lanes) {
-                *o = base | dep.apply(l);
+            let mut stream = [0u32; 64 + 2];
+            for (s, b) in stream.iter_mut().zip(mine.chunks_exact(4)) {
+                *s = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            }
+            for (j, o) in group.iter_mut().enumerate() {
+                let (idx, shift) = (j * k / 32, j * k % 32);
+                let window = stream[idx] as u128
+                    | (stream[idx + 1] as u128) << 32
+                    | (stream[idx + 2] as u128) << 64;
+                *o = base | dep.apply((window >> shift) as u64 & low);
             }
         }
     }
