@@ -128,6 +128,10 @@ def train(hook: str, data: torch.Tensor, dev: torch.device, args) -> dict:
             rate = tokens / (time.perf_counter() - t0)
             bar(step + 1, args.steps, f"{hook}: loss {losses[-1]:.3f}, {rate / 1e3:.1f}k tok/s")
     seconds = time.perf_counter() - t0
+    if args.save is not None and rank == 0:
+        # The trained weights, for examples/compress_model.py (the last hook's model wins).
+        args.save.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({k: v.cpu() for k, v in model.state_dict().items()}, args.save)
     out = {"hook": hook, "losses": losses, "seconds": seconds, "tokens_per_s": tokens / seconds}
     if state is not None:
         s = state.stats()
@@ -149,6 +153,7 @@ def main() -> None:
     p.add_argument("--corpus-mb", type=float, default=16.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None, help="directory for losses.json and losses.png")
+    p.add_argument("--save", type=Path, default=None, help="save the trained model's state_dict here")
     args = p.parse_args()
 
     if "RANK" not in os.environ:

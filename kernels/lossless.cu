@@ -17,6 +17,7 @@
 #define LL_PACK_HEADER 20
 #define LL_LEN_MASK 0x0fffffffu
 #define LL_ILP 4  // groups of 32 words each lane decodes at once
+#define LL_RUNS 4  // runs of adjacent mask bits put back by shifts (more: byte tables)
 
 __device__ __forceinline__ u32 ll_load_u32(const u8* p) { return *(const u32*)p; }  // 4-aligned
 __device__ __forceinline__ u16 ll_load_u16(const u8* p) { return (u16)p[0] | ((u16)p[1] << 8); }
@@ -40,12 +41,14 @@ __device__ __forceinline__ W ll_load_word(const u8* p, u32 i) {
     return ((const W*)p)[i];
 }
 
-// The k varying bits of word j of a group (bits j k .. j k + k of its k 32-bit words).
-__device__ __forceinline__ u64 ll_field(const u8* gp, u32 k, u32 j) {
+// The k varying bits of word j of a group (bits j k .. j k + k of its k 32-bit words); F is
+// u32 when k <= 32 is known (words of 4 bytes or less).
+template <class F>
+__device__ __forceinline__ F ll_field(const u8* gp, u32 k, u32 j) {
     u32 off = j * k, idx = off >> 5, sh = off & 31;
     u32 w0 = ll_load_u32(gp + 4 * idx);
     u32 w1 = idx + 1 < k ? ll_load_u32(gp + 4 * (idx + 1)) : 0;
-    if (k <= 32) {
+    if (sizeof(F) == 4 || k <= 32) {
         u32 v = __funnelshift_r(w0, w1, sh);
         return k == 32 ? v : v & ((1u << k) - 1u);
     }
@@ -55,10 +58,15 @@ __device__ __forceinline__ u64 ll_field(const u8* gp, u32 k, u32 j) {
     return k == 64 ? v : v & ((1ull << k) - 1ull);
 }
 
+template <bool WIDE> struct LLWide { typedef u32 T; };
+template <> struct LLWide<true> { typedef u64 T; };
+
 // Bits per lookup of the tables that put varying bits back in place: bytes, or nibbles for
 // 8-byte words (whose tables would otherwise not fit beside a chunk in shared memory).
 template <class W>
 struct LLTable {
+    // The type a word's varying bits are handled in: 32-bit arithmetic unless the words are wider.
+    typedef typename LLWide<sizeof(W) == 8>::T F;
     static const u32 BITS = sizeof(W) == 8 ? 4 : 8;
     static const u32 ENTRIES = 1u << BITS;
     static const u32 PARTS = 8 * sizeof(W) / BITS;
@@ -75,15 +83,40 @@ __device__ void ll_unpack(const u8* p, u32 m, W* dst, W (*dep)[LLTable<W>::ENTRI
     W base = (W)ll_load_u64(p + 12);
     u32 k = __popcll(mask);
     u32 parts = (k + T::BITS - 1) / T::BITS;
-    for (u32 e = threadIdx.x; e < parts * T::ENTRIES; e += LL_THREADS) {
-        u32 b = e / T::ENTRIES, v = e % T::ENTRIES;
-        W d = 0;
+    // Most masks are a few runs of adjacent bits (a sign bit, then exponent and mantissa bits):
+    // then a field goes back in place with a shift and a mask per run. Other masks use tables.
+    typedef typename T::F F;
+    u32 runs = 0, run_src[LL_RUNS], run_dst[LL_RUNS];
+    F run_mask[LL_RUNS];
+    {
         u64 rest = mask;
-        for (u32 q = 0; q < T::BITS * b; q++) rest &= rest - 1;  // drop the bits of lower parts
-        for (u32 i = 0; i < T::BITS && rest; i++, rest &= rest - 1) {
-            if ((v >> i) & 1u) d |= (W)1 << (__ffsll(rest) - 1);
+        u32 src = 0;
+        while (rest && runs <= LL_RUNS) {
+            u32 lo = __ffsll(rest) - 1;
+            u64 from_lo = rest >> lo;
+            u32 len = from_lo == ~0ull ? 64 - lo : __ffsll(~from_lo) - 1;
+            if (runs < LL_RUNS) {
+                run_src[runs] = src;
+                run_dst[runs] = lo;
+                run_mask[runs] = (F)(len == 64 ? ~0ull : (1ull << len) - 1);
+            }
+            runs++;
+            src += len;
+            rest = len + lo >= 64 ? 0 : rest & ~(((1ull << len) - 1) << lo);
         }
-        dep[b][v] = d;
+    }
+    bool by_runs = runs <= LL_RUNS;
+    if (!by_runs) {
+        for (u32 e = threadIdx.x; e < parts * T::ENTRIES; e += LL_THREADS) {
+            u32 b = e / T::ENTRIES, v = e % T::ENTRIES;
+            W d = 0;
+            u64 rest = mask;
+            for (u32 q = 0; q < T::BITS * b; q++) rest &= rest - 1;  // drop the bits of lower parts
+            for (u32 i = 0; i < T::BITS && rest; i++, rest &= rest - 1) {
+                if ((v >> i) & 1u) d |= (W)1 << (__ffsll(rest) - 1);
+            }
+            dep[b][v] = d;
+        }
     }
     __syncthreads();
     const u8* fields = p + LL_PACK_HEADER;
@@ -93,19 +126,26 @@ __device__ void ll_unpack(const u8* p, u32 m, W* dst, W (*dep)[LLTable<W>::ENTRI
     // thread has several in flight (one at a time left the kernel waiting on memory latency).
     const u32 warps = LL_THREADS / 32;
     for (u32 g0 = warp; g0 < groups; g0 += warps * LL_ILP) {
-        u64 f[LL_ILP];
+        F f[LL_ILP];
 #pragma unroll
         for (u32 u = 0; u < LL_ILP; u++) {
             u32 g = g0 + u * warps;
-            f[u] = (k && g < groups) ? ll_field(fields + 4 * (u64)g * k, k, lane) : 0;
+            f[u] = (k && g < groups) ? ll_field<F>(fields + 4 * (u64)g * k, k, lane) : 0;
         }
 #pragma unroll
         for (u32 u = 0; u < LL_ILP; u++) {
             u32 i = (g0 + u * warps) * CFC_GROUP + lane;
             if (i >= m) continue;
-            W v = base;
-            for (u32 b = 0; b < parts; b++) v |= dep[b][(f[u] >> (T::BITS * b)) & (T::ENTRIES - 1)];
-            dst[i] = v;
+            F v = base;
+            if (by_runs) {
+#pragma unroll
+                for (u32 r = 0; r < LL_RUNS; r++) {
+                    if (r < runs) v |= ((f[u] >> run_src[r]) & run_mask[r]) << run_dst[r];
+                }
+            } else {
+                for (u32 b = 0; b < parts; b++) v |= dep[b][(f[u] >> (T::BITS * b)) & (T::ENTRIES - 1)];
+            }
+            dst[i] = (W)v;
         }
     }
     __syncthreads();

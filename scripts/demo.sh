@@ -2,12 +2,14 @@
 # cfc's main job: set everything up, then train a byte-level transformer LM on the standard
 # library's sources with DDP (2 processes; gloo on the CPU, NCCL where there are 2 GPUs), once
 # with plain all-reduce and once with cfc_hook, and print loss parity and bytes saved. Then
-# compress real gradients and a model's parameters, and compare plain and compressed
-# all-reduce. Extra arguments go to the training run.
+# compress real gradients and the trained model's parameters (lossless and within a bound),
+# and compare plain and compressed all-reduce. Extra arguments go to the training run.
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 torchrun --standalone --nproc_per_node=2 examples/ddp_train.py --hook allreduce,cfc --steps 150 \
-    --out bench-out/ddp_train "$@" 2> >(grep -v "OMP_NUM_THREADS\|^\*\*\*\*\|^W[0-9]" >&2)
+    --out bench-out/ddp_train --save bench-out/ddp_train/lm.pt "$@" 2> >(grep -v "OMP_NUM_THREADS\|^\*\*\*\*\|^W[0-9]" >&2)
 python examples/compress_demo.py
+# The trained LM's parameters: lossless, within a bound, zstd and casts side by side
+python examples/compress_model.py --state-dict bench-out/ddp_train/lm.pt
 # The standalone all-reduce benchmark, plain against cfc: over NCCL where there are 2 GPUs
 # (python -m cfc.bench), otherwise cfc-bench's CPU mode (ranks as threads)
 if python -c "import torch, sys; sys.exit(torch.cuda.device_count() < 2)"; then

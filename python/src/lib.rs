@@ -157,6 +157,22 @@ fn compress_lossless<'py>(
     Ok(PyBytes::new(py, &frame))
 }
 
+/// Plain zstd of host bytes (no cfc frame), for comparisons such as `examples/compress_model.py`.
+#[pyfunction]
+#[pyo3(signature = (data_ptr, nbytes, level=3))]
+fn zstd_compress<'py>(
+    py: Python<'py>,
+    data_ptr: usize,
+    nbytes: usize,
+    level: i32,
+) -> PyResult<Bound<'py, PyBytes>> {
+    let input = host_slice(data_ptr, nbytes, "data")?;
+    let out = py
+        .detach(|| zstd::bulk::compress(input, level))
+        .map_err(|e| CfcError::new_err(format!("zstd failed: {e}")))?;
+    Ok(PyBytes::new(py, &out))
+}
+
 /// Decompresses a frame into a new bytearray holding the elements' raw bytes.
 ///
 /// The whole frame is checked before the output is allocated, so a crafted header cannot make
@@ -503,6 +519,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("FormatError", m.py().get_type::<FormatError>())?;
     m.add_function(wrap_pyfunction!(compress, m)?)?;
     m.add_function(wrap_pyfunction!(compress_lossless, m)?)?;
+    m.add_function(wrap_pyfunction!(zstd_compress, m)?)?;
     m.add_function(wrap_pyfunction!(decompress, m)?)?;
     m.add_function(wrap_pyfunction!(frame_info, m)?)?;
     m.add_function(wrap_pyfunction!(validate, m)?)?;

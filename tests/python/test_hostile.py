@@ -41,7 +41,7 @@ def test_random_corruption_errors_or_decodes_to_the_right_size(frame):
 
 @pytest.mark.parametrize(
     "offset, value, match",
-    [(0, b"XXXX", "magic"), (4, b"\x02", "version"), (6, b"\x07", "dtype"), (7, b"\x80", "flags")],
+    [(0, b"XXXX", "magic"), (4, b"\x02", "version"), (6, b"\x0a", "dtype"), (7, b"\x80", "flags")],
 )
 def test_header_fields_are_checked(frame, offset, value, match):
     b = bytearray(frame)
