@@ -182,14 +182,16 @@ __device__ u32 ll_rank_base(const u8* bitmask, u32 m, u32* scratch, u32* total) 
 }
 
 template <class W>
-__device__ void ll_decode(const u8* frame, u64 header_len, u64 n, const u64* offsets, W* out) {
+__device__ void ll_decode(const u8* frame, u64 header_len, u64 n, const u64* offsets, W* out, u64 first,
+                          u64 last) {
     __shared__ W sh[LL_CHUNK];
     __shared__ W dep[LLTable<W>::PARTS][LLTable<W>::ENTRIES];
     __shared__ u32 scratch[LL_THREADS / 32];
     __shared__ u32 ranks[LL_GROUPS];
     u64 chunks = (n + LL_CHUNK - 1) / LL_CHUNK;
     const u8* body = frame + header_len;
-    for (u64 c = blockIdx.x; c < chunks; c += gridDim.x) {
+    last = min(last, chunks);
+    for (u64 c = first + blockIdx.x; c < last; c += gridDim.x) {
         u32 entry = ll_load_u32(body + 4 * c);
         u32 method = entry >> 28;
         const u8* p = body + 4 * chunks + offsets[c];
@@ -226,15 +228,19 @@ __device__ void ll_decode(const u8* frame, u64 header_len, u64 n, const u64* off
     }
 }
 
-extern "C" __global__ void cfc_lossless_decode_w1(const u8* frame, u64 header_len, u64 n, const u64* offsets, u8* out) {
-    ll_decode<u8>(frame, header_len, n, offsets, out);
+extern "C" __global__ void cfc_lossless_decode_w1(const u8* frame, u64 header_len, u64 n, const u64* offsets,
+                                                   u8* out, u64 first, u64 last) {
+    ll_decode<u8>(frame, header_len, n, offsets, out, first, last);
 }
-extern "C" __global__ void cfc_lossless_decode_w2(const u8* frame, u64 header_len, u64 n, const u64* offsets, u16* out) {
-    ll_decode<u16>(frame, header_len, n, offsets, out);
+extern "C" __global__ void cfc_lossless_decode_w2(const u8* frame, u64 header_len, u64 n, const u64* offsets,
+                                                   u16* out, u64 first, u64 last) {
+    ll_decode<u16>(frame, header_len, n, offsets, out, first, last);
 }
-extern "C" __global__ void cfc_lossless_decode_w4(const u8* frame, u64 header_len, u64 n, const u64* offsets, u32* out) {
-    ll_decode<u32>(frame, header_len, n, offsets, out);
+extern "C" __global__ void cfc_lossless_decode_w4(const u8* frame, u64 header_len, u64 n, const u64* offsets,
+                                                   u32* out, u64 first, u64 last) {
+    ll_decode<u32>(frame, header_len, n, offsets, out, first, last);
 }
-extern "C" __global__ void cfc_lossless_decode_w8(const u8* frame, u64 header_len, u64 n, const u64* offsets, u64* out) {
-    ll_decode<u64>(frame, header_len, n, offsets, out);
+extern "C" __global__ void cfc_lossless_decode_w8(const u8* frame, u64 header_len, u64 n, const u64* offsets,
+                                                   u64* out, u64 first, u64 last) {
+    ll_decode<u64>(frame, header_len, n, offsets, out, first, last);
 }

@@ -483,8 +483,7 @@ unsafe fn scan(
 /// Threads per block of the lossless decoder (`LL_THREADS` in `kernels/lossless.cu`).
 const LOSSLESS_THREADS: u32 = 128;
 
-/// The lossless part of [`decompress`]: chunk lengths, their scan (the chunks' offsets), then
-/// one block per chunk.
+/// The lossless part of [`decompress`]: the chunks' offsets, then every chunk.
 ///
 /// # Safety
 /// As [`decompress`]; the workspace size was checked there.
@@ -493,21 +492,81 @@ unsafe fn decompress_lossless(
     dev: &Device,
     stream: &CudaStream,
 ) -> Result<()> {
+    // SAFETY: this function's contract.
+    unsafe {
+        lossless_offsets_on(args, dev, stream)?;
+        lossless_chunks_on(args, dev, stream, 0, u64::MAX)
+    }
+}
+
+fn check_lossless(args: &DecompressArgs) -> Result<()> {
+    if args.codec != crate::Codec::Lossless {
+        return Err(Error::Incompatible {
+            what: "codec",
+            left: "lossless".into(),
+            right: format!("{:?}", args.codec).to_lowercase(),
+        });
+    }
+    let need_ws = workspace_len(args.n);
+    if args.workspace_len < need_ws || args.ndim > MAX_NDIM {
+        return Err(Error::OutputSize {
+            expected: need_ws,
+            got: args.workspace_len,
+        });
+    }
+    Ok(())
+}
+
+/// First half of decoding a lossless frame in parts: queues the computation of every chunk's
+/// offset into the workspace. Only the frame's header and chunk table need to be on the device
+/// yet, so the copy of the chunks can overlap it (see [`lossless_chunks`]).
+///
+/// # Safety
+/// As [`decompress`] (a lossless frame checked on the host), except that only the header and
+/// the chunk table must be on the device when the queued work runs.
+///
+/// # Errors
+/// As [`decompress`], and [`Error::Incompatible`] for a frame that is not lossless.
+pub unsafe fn lossless_offsets(args: &DecompressArgs) -> Result<()> {
+    check_lossless(args)?;
+    let _restore = ContextGuard::save()?;
+    let dev = device(args.device)?;
+    let stream = dev.stream(args.stream)?;
+    // SAFETY: this function's contract.
+    unsafe { lossless_offsets_on(args, &dev, &stream) }
+}
+
+/// Second half: queues the decoding of chunks `first..last` (clamped to the frame's chunks),
+/// after [`lossless_offsets`] was queued with the same arguments. Those chunks' payloads must
+/// be on the device when the queued work runs.
+///
+/// # Safety
+/// As [`lossless_offsets`], for the payloads of chunks `first..last`.
+///
+/// # Errors
+/// As [`lossless_offsets`].
+pub unsafe fn lossless_chunks(args: &DecompressArgs, first: u64, last: u64) -> Result<()> {
+    check_lossless(args)?;
+    let _restore = ContextGuard::save()?;
+    let dev = device(args.device)?;
+    let stream = dev.stream(args.stream)?;
+    // SAFETY: this function's contract.
+    unsafe { lossless_chunks_on(args, &dev, &stream, first, last) }
+}
+
+/// # Safety
+/// As [`lossless_offsets`].
+unsafe fn lossless_offsets_on(
+    args: &DecompressArgs,
+    dev: &Device,
+    stream: &CudaStream,
+) -> Result<()> {
     let chunks = args.n.div_ceil(crate::lossless::CHUNK as u64);
     if chunks == 0 {
         return Ok(());
     }
-    let op = match args.dtype.size() {
-        1 => "decode_w1",
-        2 => "decode_w2",
-        4 => "decode_w4",
-        _ => "decode_w8",
-    };
     let l = Family::Lossless;
-    let (lengths, decode) = (
-        dev.function(l, "lengths", None)?,
-        dev.function(l, op, None)?,
-    );
+    let lengths = dev.function(l, "lengths", None)?;
     let (scan_block, scan_add) = (
         dev.function(Family::Scan, "block", None)?,
         dev.function(Family::Scan, "add", None)?,
@@ -516,16 +575,8 @@ unsafe fn decompress_lossless(
     let words = args.workspace + WS_HEADER;
     let sums = words + 8 * (chunks + 1);
     let header_len = (FIXED_HEADER_LEN + 8 * args.ndim) as u64;
-    let frame = Arg::Ptr(args.frame);
-    // One block per chunk: many short blocks balance better across SMs than few long ones.
-    let grid = LaunchConfig {
-        grid_dim: (chunks.min(i32::MAX as u64) as u32, 1, 1),
-        block_dim: (LOSSLESS_THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    // SAFETY: the frame was checked on the host (this function's contract), so its chunk table
-    // holds `chunks` entries whose payloads lie within the frame and decode to exactly `n`
-    // elements of `out`; the workspace holds `chunks + 1` words and their scan sums.
+    // SAFETY: the frame was checked on the host (the caller's contract), so its chunk table
+    // holds `chunks` entries; the workspace holds `chunks + 1` words and their scan sums.
     unsafe {
         launch(
             stream,
@@ -534,29 +585,65 @@ unsafe fn decompress_lossless(
             "lengths",
             launch_cfg(chunks + 1, BLOCK),
             &[
-                frame,
+                Arg::Ptr(args.frame),
                 Arg::U64(header_len),
                 Arg::U64(chunks),
                 Arg::Ptr(words),
             ],
         )?;
-        scan(&scan_block, &scan_add, stream, words, chunks + 1, sums)?;
+        scan(&scan_block, &scan_add, stream, words, chunks + 1, sums)
+    }
+}
+
+/// # Safety
+/// As [`lossless_chunks`].
+unsafe fn lossless_chunks_on(
+    args: &DecompressArgs,
+    dev: &Device,
+    stream: &CudaStream,
+    first: u64,
+    last: u64,
+) -> Result<()> {
+    let chunks = args.n.div_ceil(crate::lossless::CHUNK as u64);
+    let last = last.min(chunks);
+    if first >= last {
+        return Ok(());
+    }
+    let op = match args.dtype.size() {
+        1 => "decode_w1",
+        2 => "decode_w2",
+        4 => "decode_w4",
+        _ => "decode_w8",
+    };
+    let decode = dev.function(Family::Lossless, op, None)?;
+    let header_len = (FIXED_HEADER_LEN + 8 * args.ndim) as u64;
+    // One block per chunk: many short blocks balance better across SMs than few long ones.
+    let grid = LaunchConfig {
+        grid_dim: ((last - first).min(i32::MAX as u64) as u32, 1, 1),
+        block_dim: (LOSSLESS_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: the frame was checked on the host and the offsets were queued before (the
+    // caller's contract), so chunks `first..last` lie within the frame and decode to their
+    // elements of `out`, which holds `n`.
+    unsafe {
         launch(
             stream,
             &decode,
-            l,
+            Family::Lossless,
             op,
             grid,
             &[
-                frame,
+                Arg::Ptr(args.frame),
                 Arg::U64(header_len),
                 Arg::U64(args.n),
-                Arg::Ptr(words),
+                Arg::Ptr(args.workspace + WS_HEADER),
                 Arg::Ptr(args.out),
+                Arg::U64(first),
+                Arg::U64(last),
             ],
-        )?;
+        )
     }
-    Ok(())
 }
 
 /// Compresses on the device, producing exactly the bytes of [`crate::compress`], and returns

@@ -499,6 +499,84 @@ fn cuda_decompress(
         .map_err(to_py)
 }
 
+/// Queues the chunk offsets of a checked lossless frame whose header and chunk table are on the
+/// device (the rest may still be arriving): the first half of a decode in parts.
+#[pyfunction]
+#[pyo3(signature = (device, stream, frame_ptr, numel, dtype, ndim, ws_ptr, ws_len))]
+#[allow(clippy::too_many_arguments)]
+fn cuda_lossless_offsets(
+    py: Python<'_>,
+    device: usize,
+    stream: usize,
+    frame_ptr: u64,
+    numel: u64,
+    dtype: &str,
+    ndim: usize,
+    ws_ptr: u64,
+    ws_len: u64,
+) -> PyResult<()> {
+    let args = lossless_args(
+        device, stream, frame_ptr, numel, dtype, ndim, 0, ws_ptr, ws_len,
+    )?;
+    // SAFETY: as cuda_decompress; cfc.codec checked the frame on the host (cfc.pin) and queues
+    // this after the copy of its header and chunk table, on the same stream.
+    py.detach(|| unsafe { cfc::cuda::lossless_offsets(&args) })
+        .map_err(to_py)
+}
+
+/// Queues the decoding of chunks `first..last` of a lossless frame, after
+/// `cuda_lossless_offsets` and after those chunks' bytes reached the device.
+#[pyfunction]
+#[pyo3(signature = (device, stream, frame_ptr, numel, dtype, ndim, out_ptr, ws_ptr, ws_len, first, last))]
+#[allow(clippy::too_many_arguments)]
+fn cuda_lossless_chunks(
+    py: Python<'_>,
+    device: usize,
+    stream: usize,
+    frame_ptr: u64,
+    numel: u64,
+    dtype: &str,
+    ndim: usize,
+    out_ptr: u64,
+    ws_ptr: u64,
+    ws_len: u64,
+    first: u64,
+    last: u64,
+) -> PyResult<()> {
+    let args = lossless_args(
+        device, stream, frame_ptr, numel, dtype, ndim, out_ptr, ws_ptr, ws_len,
+    )?;
+    // SAFETY: as cuda_lossless_offsets; the stream waits for the copy of these chunks first.
+    py.detach(|| unsafe { cfc::cuda::lossless_chunks(&args, first, last) })
+        .map_err(to_py)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn lossless_args(
+    device: usize,
+    stream: usize,
+    frame: u64,
+    n: u64,
+    dtype: &str,
+    ndim: usize,
+    out: u64,
+    workspace: u64,
+    workspace_len: u64,
+) -> PyResult<cfc::cuda::DecompressArgs> {
+    Ok(cfc::cuda::DecompressArgs {
+        device,
+        stream,
+        frame,
+        n,
+        dtype: dtype_of(dtype)?,
+        codec: cfc::Codec::Lossless,
+        ndim,
+        out,
+        workspace,
+        workspace_len,
+    })
+}
+
 fn init_logging() {
     // `CFC_LOG=debug` (any tracing-subscriber filter) turns on cfc's own log lines on stderr.
     if let Ok(filter) = std::env::var("CFC_LOG") {
@@ -532,6 +610,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda_compress_capacity, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_compress, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_decompress, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_lossless_offsets, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_lossless_chunks, m)?)?;
     m.add("CUDA_FRAME_SIZE_OFFSET", cfc::cuda::FRAME_SIZE_OFFSET)?;
     m.add("CUDA_BOUND_ERROR_OFFSET", cfc::cuda::BOUND_ERROR_OFFSET)?;
     Ok(())

@@ -95,3 +95,19 @@ def cuda_decompress(
     ws_len: int,
     codec: str = "quantized",
 ) -> None: ...
+def cuda_lossless_offsets(
+    device: int, stream: int, frame_ptr: int, numel: int, dtype: str, ndim: int, ws_ptr: int, ws_len: int
+) -> None: ...
+def cuda_lossless_chunks(
+    device: int,
+    stream: int,
+    frame_ptr: int,
+    numel: int,
+    dtype: str,
+    ndim: int,
+    out_ptr: int,
+    ws_ptr: int,
+    ws_len: int,
+    first: int,
+    last: int,
+) -> None: ...

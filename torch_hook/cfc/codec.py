@@ -224,11 +224,19 @@ class PinnedCompressed:
     to host memory comes back sooner than by a plain copy, when it compresses.
     """
 
-    __slots__ = ("tensor", "_info")
+    __slots__ = ("tensor", "_info", "_chunk_ends")
 
     def __init__(self, tensor, info: Dict[str, Any]):
         self.tensor = tensor
         self._info = info
+        # Lossless frames: where each chunk's bytes end in the frame, so that a fetch can copy
+        # the frame in pieces and decode each piece as soon as it has arrived.
+        self._chunk_ends = None
+        if info["codec"] == "lossless" and not info["zstd"] and info["numel"]:
+            header = 64 + 8 * len(info["shape"])
+            chunks = -(-info["numel"] // _LOSSLESS_CHUNK)
+            table = np.frombuffer(tensor.numpy(), dtype="<u4", count=chunks, offset=header) & 0x0FFFFFFF
+            self._chunk_ends = header + 4 * chunks + np.cumsum(table, dtype=np.int64)
 
     @property
     def nbytes(self) -> int:
@@ -255,6 +263,54 @@ class PinnedCompressed:
 
     def __repr__(self) -> str:
         return f"cfc.PinnedCompressed(shape={self.shape}, dtype={self._info['dtype']}, nbytes={self.nbytes})"
+
+
+# Elements per chunk of a lossless frame (src/lossless.rs, CHUNK).
+_LOSSLESS_CHUNK = 4096
+# A fetch copies a lossless frame in pieces of about this many bytes (at most 6 pieces), so
+# that decoding each piece overlaps the copy of the next. Smaller pieces cost more host time
+# per byte than they save (measured on an H200 with 4 MB pieces: a 31 MB frame fetched 1.53x
+# faster than a plain copy in 8 pieces, 1.84x in one).
+_FETCH_PIECE = 12 << 20
+_COPY_STREAMS: Dict[int, Any] = {}
+
+
+def _fetch_lossless(c: "PinnedCompressed", target):
+    """Copy a pinned lossless frame to ``target`` in pieces on a side stream, and decode each
+    piece on the current stream once it has arrived (the first piece carries the header and
+    chunk table, from which the chunks' offsets are computed)."""
+    import torch
+
+    info, ends = c._info, c._chunk_ends
+    chunks = len(ends)
+    pieces = int(min(6, max(2, c.nbytes // _FETCH_PIECE), chunks))
+    bounds = [round(i * chunks / pieces) for i in range(pieces + 1)]
+    cuts = [0] + [int(ends[b - 1]) for b in bounds[1:]]
+    cur = torch.cuda.current_stream(target)
+    side = _COPY_STREAMS.get(target.index)
+    if side is None:
+        side = _COPY_STREAMS.setdefault(target.index, torch.cuda.Stream(target))
+    frame_dev = torch.empty(c.nbytes, dtype=torch.uint8, device=target)
+    out = torch.empty(tuple(info["shape"]), dtype=getattr(torch, info["dtype"]), device=target)
+    ws = torch.empty(_native.cuda_workspace_len(info["numel"]), dtype=torch.uint8, device=target)
+    side.wait_stream(cur)  # frame_dev was allocated on the current stream
+    events = []
+    with torch.cuda.stream(side):
+        for a, b in zip(cuts, cuts[1:]):
+            frame_dev[a:b].copy_(c.tensor[a:b], non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(side)
+            events.append(ev)
+    # The current stream waits for every copy before anything after this call runs, so
+    # frame_dev (allocated on it) is never reused while the side stream still writes it.
+    common = (target.index, cur.cuda_stream, frame_dev.data_ptr(), info["numel"], info["dtype"],
+              len(info["shape"]))
+    cur.wait_event(events[0])
+    _native.cuda_lossless_offsets(*common, ws.data_ptr(), ws.numel())
+    for i, ev in enumerate(events):
+        cur.wait_event(ev)
+        _native.cuda_lossless_chunks(*common, out.data_ptr(), ws.data_ptr(), ws.numel(), bounds[i], bounds[i + 1])
+    return out
 
 
 def pin(c: Any) -> PinnedCompressed:
@@ -582,6 +638,8 @@ def decompress(c: Any, device: Any = None, *, threads: int = 0, max_nbytes: Opti
             target = torch.device("cuda", torch.cuda.current_device())
         gpu = not info["zstd"] and (info["codec"] == "lossless" or info["dtype"] in _DTYPE_NAMES)
         if target is not None and target.type == "cuda" and gpu and _device_supported(target.index):
+            if c._chunk_ends is not None and c.nbytes >= 2 * _FETCH_PIECE:
+                return _fetch_lossless(c, target)
             frame_dev = torch.empty(c.nbytes, dtype=torch.uint8, device=target)
             frame_dev.copy_(c.tensor, non_blocking=True)
             return _decompress_cuda(
