@@ -224,10 +224,12 @@ class PinnedCompressed:
     to host memory comes back sooner than by a plain copy, when it compresses.
     """
 
-    __slots__ = ("tensor", "_info", "_chunk_ends")
+    __slots__ = ("_tensor", "_info", "_chunk_ends")
 
     def __init__(self, tensor, info: Dict[str, Any]):
-        self.tensor = tensor
+        # Private: the GPU trusts these bytes because they were checked when pinned; they must
+        # not change afterwards.
+        self._tensor = tensor
         self._info = info
         # Lossless frames: where each chunk's bytes end in the frame, so that a fetch can copy
         # the frame in pieces and decode each piece as soon as it has arrived.
@@ -241,7 +243,7 @@ class PinnedCompressed:
     @property
     def nbytes(self) -> int:
         """Size of the frame in bytes."""
-        return self.tensor.numel()
+        return self._tensor.numel()
 
     @property
     def ratio(self) -> float:
@@ -259,7 +261,7 @@ class PinnedCompressed:
         return dict(self._info)
 
     def __bytes__(self) -> bytes:
-        return self.tensor.numpy().tobytes()
+        return self._tensor.numpy().tobytes()
 
     def __repr__(self) -> str:
         return f"cfc.PinnedCompressed(shape={self.shape}, dtype={self._info['dtype']}, nbytes={self.nbytes})"
@@ -297,7 +299,7 @@ def _fetch_lossless(c: "PinnedCompressed", target):
     events = []
     with torch.cuda.stream(side):
         for a, b in zip(cuts, cuts[1:]):
-            frame_dev[a:b].copy_(c.tensor[a:b], non_blocking=True)
+            frame_dev[a:b].copy_(c._tensor[a:b], non_blocking=True)
             ev = torch.cuda.Event()
             ev.record(side)
             events.append(ev)
@@ -641,7 +643,7 @@ def decompress(c: Any, device: Any = None, *, threads: int = 0, max_nbytes: Opti
             if c._chunk_ends is not None and c.nbytes >= 2 * _FETCH_PIECE:
                 return _fetch_lossless(c, target)
             frame_dev = torch.empty(c.nbytes, dtype=torch.uint8, device=target)
-            frame_dev.copy_(c.tensor, non_blocking=True)
+            frame_dev.copy_(c._tensor, non_blocking=True)
             return _decompress_cuda(
                 frame_dev, info["numel"], info["dtype"], tuple(info["shape"]), len(info["shape"]),
                 codec=info["codec"],
