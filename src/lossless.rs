@@ -127,8 +127,9 @@ fn pack_size(m: usize, w: usize, k: usize, x: usize) -> usize {
 /// The base is the bitwise majority. Bits are ranked by how many words disagree with the base
 /// there (most first; ties: the higher bit first). Making the `k` highest-ranked bits vary
 /// leaves as exceptions exactly the words that disagree with the base on a lower-ranked bit,
-/// so one pass over the words (each word's lowest rank of disagreement, from per-byte tables)
-/// gives the exception count of every `k`; the smallest layout wins (ties: the smaller `k`).
+/// so one pass over the words (for each, the largest rank index among the bits where it
+/// disagrees, from per-byte tables) gives the exception count of every `k`; the smallest
+/// layout wins (ties: the smaller `k`).
 fn plan_pack(words: &[u64], w: usize) -> PackPlan {
     let m = words.len();
     let bits = 8 * w;
@@ -154,7 +155,8 @@ fn plan_pack(words: &[u64], w: usize) -> PackPlan {
     for (r, &b) in order.iter().enumerate() {
         rank[b] = r as u8;
     }
-    // tables[p][v]: 1 + the lowest rank among the set bits of byte value v at byte p (0: none).
+    // tables[p][v]: 1 + the largest rank index among the set bits of byte value v at byte p
+    // (0: no bit set).
     let mut tables = vec![[0u8; 256]; w];
     for (p, t) in tables.iter_mut().enumerate() {
         for (v, slot) in t.iter_mut().enumerate().skip(1) {
@@ -165,7 +167,7 @@ fn plan_pack(words: &[u64], w: usize) -> PackPlan {
                 .unwrap_or(0);
         }
     }
-    // hist[r]: words whose lowest-ranked disagreement is at rank r - 1 (0: equal to base).
+    // hist[r]: words whose largest rank index of disagreement is r - 1 (r = 0: equal to base).
     let mut hist = [0u32; 65];
     for &e in words {
         let d = e ^ base;
@@ -175,7 +177,7 @@ fn plan_pack(words: &[u64], w: usize) -> PackPlan {
         }
         hist[r as usize] += 1;
     }
-    // Exceptions with the top k ranks varying: words with a disagreement at rank >= k.
+    // Exceptions when the top k ranks vary: words that disagree at a rank index >= k.
     let mut x: usize = hist[1..].iter().map(|&h| h as usize).sum();
     let mut best = (pack_size(m, w, 0, x), 0usize);
     for (k, &h) in hist.iter().enumerate().take(order.len() + 1).skip(1) {
