@@ -26,10 +26,11 @@ __device__ __forceinline__ u64 ll_load_u64(const u8* p) {
 }
 
 // Payload lengths of the chunk table as u64 words, plus a 0 after them, ready for the scan.
+// A raw frame (codec 1: the GPU encoder found nothing to gain) has no table: all zeros.
 extern "C" __global__ void cfc_lossless_lengths(const u8* frame, u64 header_len, u64 chunks, u64* words) {
     u64 c = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (c == 0) words[chunks] = 0;
-    if (c < chunks) words[c] = ll_load_u32(frame + header_len + 4 * c) & LL_LEN_MASK;
+    if (c < chunks) words[c] = frame[5] == 2 ? ll_load_u32(frame + header_len + 4 * c) & LL_LEN_MASK : 0;
 }
 
 // Loads the i-th word of W (1, 2, 4 or 8 bytes) of an array starting 4-aligned (every part
@@ -191,12 +192,18 @@ __device__ void ll_decode(const u8* frame, u64 header_len, u64 n, const u64* off
     u64 chunks = (n + LL_CHUNK - 1) / LL_CHUNK;
     const u8* body = frame + header_len;
     last = min(last, chunks);
+    bool raw = frame[5] != 2;  // a raw frame of the GPU encoder: the words as they are
     for (u64 c = first + blockIdx.x; c < last; c += gridDim.x) {
+        u32 m = (u32)min((u64)LL_CHUNK, n - c * LL_CHUNK);
+        W* o = out + c * LL_CHUNK;
+        if (raw) {
+            const u8* p = body + c * LL_CHUNK * sizeof(W);
+            for (u32 i = threadIdx.x; i < m; i += LL_THREADS) o[i] = ll_load_word<W>(p, i);
+            continue;
+        }
         u32 entry = ll_load_u32(body + 4 * c);
         u32 method = entry >> 28;
         const u8* p = body + 4 * chunks + offsets[c];
-        u32 m = (u32)min((u64)LL_CHUNK, n - c * LL_CHUNK);
-        W* o = out + c * LL_CHUNK;
         if (method == 0) {  // raw
             for (u32 i = threadIdx.x; i < m; i += LL_THREADS) o[i] = ll_load_word<W>(p, i);
         } else if (method == 1) {  // pack
@@ -243,4 +250,376 @@ extern "C" __global__ void cfc_lossless_decode_w4(const u8* frame, u64 header_le
 extern "C" __global__ void cfc_lossless_decode_w8(const u8* frame, u64 header_len, u64 n, const u64* offsets,
                                                    u64* out, u64 first, u64 last) {
     ll_decode<u64>(frame, header_len, n, offsets, out, first, last);
+}
+
+// ---- The encoder: the bytes of src/lossless.rs's compress_lossless_bytes ----
+//
+// Pass 1 (one block per chunk): count each bit's ones with ballots, plan a pack block exactly
+// as plan_pack() does (majority base, bits ranked by disagreement, one histogram of each
+// word's largest rank index of disagreement, the smallest layout), for all words and for the
+// nonzero ones, choose the smallest method, and write the chunk's payload into its staging
+// slot (as large as the raw chunk, which bounds the chosen method) and its table entry.
+// Then the entries' lengths are scanned, one thread writes the header (or decides on a raw
+// frame, as compress_lossless_bytes does), and pass 2 gathers the payloads into the frame.
+
+struct LLPlan {
+    u64 mask;
+    u64 base;
+    u32 k;
+    u32 x;
+    u32 size;
+};
+
+template <class W>
+struct LLEnc {
+    typedef typename LLTable<W>::F F;
+    static const u32 BITS = LLTable<W>::BITS;
+    static const u32 ENTRIES = LLTable<W>::ENTRIES;
+    static const u32 PARTS = LLTable<W>::PARTS;
+    u32 ones[64];
+    u32 hist[65];
+    u8 rank[64];
+    u8 order[64];
+    u32 nord;
+    u8 tab[sizeof(W)][256];
+    F ext[PARTS][ENTRIES];
+    u32 acc[LL_THREADS / 32][66];
+    u32 gcount[LL_GROUPS];
+    u32 goff[LL_GROUPS];
+    u32 scratch[LL_THREADS / 32];
+    u32 bitmask[LL_GROUPS];
+    LLPlan plan[2];
+    u32 method, len;
+};
+
+__device__ __forceinline__ u32 ll_pack_size(u32 m, u32 w, u32 k, u32 x) {
+    return LL_PACK_HEADER + 4 * ((m + 31) / 32) * k + ((2 * x + 3) & ~3u) + ((w * x + 3) & ~3u);
+}
+
+// Exclusive prefix of v[t] (t < LL_GROUPS, one per thread) into out[], through scratch.
+__device__ void ll_scan_groups(const u32* v, u32* out, u32* scratch) {
+    u32 t = threadIdx.x, lane = t & 31, warp = t >> 5;
+    u32 c = v[t];
+    u32 inc = c;
+    for (int o = 1; o < 32; o <<= 1) {
+        u32 s = __shfl_up_sync(CFC_FULL_MASK, inc, o);
+        if ((int)lane >= o) inc += s;
+    }
+    if (lane == 31) scratch[warp] = inc;
+    __syncthreads();
+    u32 before = 0;
+    for (u32 w = 0; w < warp; w++) before += scratch[w];
+    out[t] = before + inc - c;
+    __syncthreads();
+}
+
+// Plans a pack block for src[0..m) into e.plan[which] (as plan_pack in src/lossless.rs).
+template <class W>
+__device__ void ll_plan(const W* src, u32 m, LLEnc<W>& e, int which) {
+    const u32 bits = 8 * sizeof(W);
+    u32 t = threadIdx.x, lane = t & 31, warp = t >> 5;
+    if (t < 64) e.ones[t] = 0;
+    if (t < 65) e.hist[t] = 0;
+    __syncthreads();
+    u32 acc0 = 0, acc1 = 0;
+    u32 groups = (m + 31) / 32;
+    for (u32 g = warp; g < groups; g += LL_THREADS / 32) {
+        u32 i = g * 32 + lane;
+        bool valid = i < m;
+        u64 v = valid ? (u64)src[i] : 0;
+        for (u32 b = 0; b < bits; b++) {
+            u32 bal = __ballot_sync(CFC_FULL_MASK, valid && ((v >> b) & 1));
+            if ((b & 31) == lane) {
+                if (b < 32) acc0 += __popc(bal);
+                else acc1 += __popc(bal);
+            }
+        }
+    }
+    if (lane < bits) atomicAdd(&e.ones[lane], acc0);
+    if (lane + 32 < bits) atomicAdd(&e.ones[lane + 32], acc1);
+    __syncthreads();
+    if (t == 0) {
+        u64 base = 0;
+        u32 dis[64];
+        u32 n = 0;
+        for (u32 b = 0; b < bits; b++) {
+            u32 c = e.ones[b];
+            if (2 * c > m) {
+                base |= 1ull << b;
+                dis[b] = m - c;
+            } else {
+                dis[b] = c;
+            }
+            e.rank[b] = 0;
+            if (dis[b] > 0) {
+                // Insertion into order: most disagreement first, ties: the higher bit first.
+                u32 p = n++;
+                while (p > 0) {
+                    u32 q = e.order[p - 1];
+                    if (dis[q] > dis[b] || (dis[q] == dis[b] && q > b)) break;
+                    e.order[p] = (u8)q;
+                    p--;
+                }
+                e.order[p] = (u8)b;
+            }
+        }
+        for (u32 r = 0; r < n; r++) e.rank[e.order[r]] = (u8)r;
+        e.nord = n;
+        e.plan[which].base = base;
+    }
+    __syncthreads();
+    for (u32 id = t; id < sizeof(W) * 256; id += LL_THREADS) {
+        u32 p = id >> 8, v = id & 255;
+        u32 best = 0;
+        for (u32 i = 0; i < 8; i++) {
+            if ((v >> i) & 1u) best = max(best, (u32)e.rank[8 * p + i] + 1);
+        }
+        e.tab[p][v] = (u8)best;
+    }
+    __syncthreads();
+    u64 base = e.plan[which].base;
+    for (u32 i = t; i < m; i += LL_THREADS) {
+        u64 d = (u64)src[i] ^ base;
+        u32 r = 0;
+        for (u32 p = 0; p < sizeof(W); p++) r = max(r, (u32)e.tab[p][(d >> (8 * p)) & 255]);
+        atomicAdd(&e.hist[r], 1u);
+    }
+    __syncthreads();
+    if (t == 0) {
+        u32 x = 0;
+        for (u32 r = 1; r < 65; r++) x += e.hist[r];
+        u32 best = ll_pack_size(m, sizeof(W), 0, x), k = 0, bx = x;
+        for (u32 kk = 1; kk <= e.nord; kk++) {
+            x -= e.hist[kk];
+            u32 size = ll_pack_size(m, sizeof(W), kk, x);
+            if (size < best) {
+                best = size;
+                k = kk;
+                bx = x;
+            }
+        }
+        u64 mask = 0;
+        for (u32 r = 0; r < k; r++) mask |= 1ull << e.order[r];
+        e.plan[which].mask = mask;
+        e.plan[which].base = base & ~mask;
+        e.plan[which].k = k;
+        e.plan[which].x = bx;
+        e.plan[which].size = best;
+    }
+    __syncthreads();
+}
+
+// Writes the planned pack block of src[0..m) at dst (4-aligned).
+template <class W>
+__device__ void ll_write_pack(const W* src, u32 m, LLEnc<W>& e, int which, u8* dst) {
+    typedef typename LLEnc<W>::F F;
+    const u32 w = sizeof(W);
+    u32 t = threadIdx.x, lane = t & 31, warp = t >> 5;
+    LLPlan pl = e.plan[which];
+    u32 k = pl.k;
+    if (t == 0) {
+        *(u32*)dst = pl.x;  // exception count (u16) and the reserved u16, little-endian
+        *(u32*)(dst + 4) = (u32)pl.mask;
+        *(u32*)(dst + 8) = (u32)(pl.mask >> 32);
+        *(u32*)(dst + 12) = (u32)pl.base;
+        *(u32*)(dst + 16) = (u32)(pl.base >> 32);
+    }
+    // ext[b][v]: the part-b value v of a word, its mask bits moved down to their field places.
+    for (u32 id = t; id < LLEnc<W>::PARTS * LLEnc<W>::ENTRIES; id += LL_THREADS) {
+        u32 b = id / LLEnc<W>::ENTRIES, v = id % LLEnc<W>::ENTRIES;
+        F f = 0;
+        for (u32 i = 0; i < LLEnc<W>::BITS; i++) {
+            u32 bit = LLEnc<W>::BITS * b + i;
+            if (bit < 8 * w && ((v >> i) & 1u) && ((pl.mask >> bit) & 1)) {
+                f |= (F)1 << __popcll(pl.mask & ((1ull << bit) - 1));
+            }
+        }
+        e.ext[b][v] = f;
+    }
+    __syncthreads();
+    u8* fields = dst + LL_PACK_HEADER;
+    u32 groups = (m + 31) / 32;
+    u32* acc = e.acc[warp];
+    for (u32 g = warp; g < groups; g += LL_THREADS / 32) {
+        u32 i = g * 32 + lane;
+        bool valid = i < m;
+        u64 v = valid ? (u64)src[i] : 0;
+        bool exc = valid && (((v ^ pl.base) & ~pl.mask) != 0);
+        u32 bal = __ballot_sync(CFC_FULL_MASK, exc);
+        if (lane == 0) e.gcount[g] = __popc(bal);
+        if (k) {
+            for (u32 q = lane; q < k + 2; q += 32) acc[q] = 0;
+            __syncwarp();
+            F f = 0;
+            if (valid) {
+                for (u32 b = 0; b < LLEnc<W>::PARTS; b++) {
+                    f |= e.ext[b][(v >> (LLEnc<W>::BITS * b)) & (LLEnc<W>::ENTRIES - 1)];
+                }
+            }
+            u32 off = lane * k, idx = off >> 5, sh = off & 31;
+            u64 lo = (u64)f << sh;
+            if (lo) {
+                atomicOr(&acc[idx], (u32)lo);
+                if (lo >> 32) atomicOr(&acc[idx + 1], (u32)(lo >> 32));
+            }
+            if (sizeof(F) == 8 && sh && (u64)f >> (64 - sh)) atomicOr(&acc[idx + 2], (u32)((u64)f >> (64 - sh)));
+            __syncwarp();
+            for (u32 q = lane; q < k; q += 32) *(u32*)(fields + 4 * ((u64)g * k + q)) = acc[q];
+            __syncwarp();
+        }
+    }
+    for (u32 g = groups + t; g < LL_GROUPS; g += LL_THREADS) e.gcount[g] = 0;
+    __syncthreads();
+    ll_scan_groups(e.gcount, e.goff, e.scratch);
+    u8* idx = fields + 4 * groups * k;
+    u8* vals = idx + ((2 * pl.x + 3) & ~3u);
+    for (u32 g = warp; g < groups; g += LL_THREADS / 32) {
+        u32 i = g * 32 + lane;
+        bool valid = i < m;
+        u64 v = valid ? (u64)src[i] : 0;
+        bool exc = valid && (((v ^ pl.base) & ~pl.mask) != 0);
+        u32 bal = __ballot_sync(CFC_FULL_MASK, exc);
+        if (exc) {
+            u32 pos = e.goff[g] + __popc(bal & ((1u << lane) - 1u));
+            idx[2 * pos] = (u8)i;
+            idx[2 * pos + 1] = (u8)(i >> 8);
+            for (u32 b = 0; b < w; b++) vals[w * pos + b] = (u8)(v >> (8 * b));
+        }
+    }
+    if (t == 0) {
+        for (u32 b = 2 * pl.x; b < ((2 * pl.x + 3) & ~3u); b++) idx[b] = 0;
+        for (u32 b = w * pl.x; b < ((w * pl.x + 3) & ~3u); b++) vals[b] = 0;
+    }
+    __syncthreads();
+}
+
+template <class W>
+__device__ void ll_encode(const W* x, u64 n, u8* staging, u32* entries) {
+    __shared__ W nz[LL_CHUNK];
+    __shared__ LLEnc<W> e;
+    const u32 w = sizeof(W);
+    u32 t = threadIdx.x, lane = t & 31, warp = t >> 5;
+    u64 c = blockIdx.x;
+    u32 m = (u32)min((u64)LL_CHUNK, n - c * LL_CHUNK);
+    const W* src = x + c * LL_CHUNK;
+    u8* dst = staging + c * (u64)((LL_CHUNK * w + 3) & ~3u);
+    u32 groups = (m + 31) / 32;
+    // The bitmask of nonzero words, and the nonzero words in order (in shared memory).
+    for (u32 g = warp; g < LL_GROUPS; g += LL_THREADS / 32) {
+        u32 i = g * 32 + lane;
+        bool nonzero = i < m && src[i] != 0;
+        u32 bal = __ballot_sync(CFC_FULL_MASK, nonzero);
+        if (lane == 0) {
+            e.bitmask[g] = g < groups ? bal : 0;
+            e.gcount[g] = __popc(bal);
+        }
+    }
+    __syncthreads();
+    ll_scan_groups(e.gcount, e.goff, e.scratch);
+    u32 nnz = e.goff[LL_GROUPS - 1] + e.gcount[LL_GROUPS - 1];
+    for (u32 g = warp; g < groups; g += LL_THREADS / 32) {
+        u32 i = g * 32 + lane;
+        u32 bal = e.bitmask[g];
+        if ((bal >> lane) & 1u) nz[e.goff[g] + __popc(bal & ((1u << lane) - 1u))] = src[i];
+    }
+    __syncthreads();
+    // Sizes of the four methods; the smallest wins (ties: the lower method), as encode_chunk.
+    ll_plan<W>(src, m, e, 0);
+    u32 raw = (m * w + 3) & ~3u;
+    u32 best = raw, method = 0;
+    if (e.plan[0].size < best) { best = e.plan[0].size; method = 1; }
+    u32 bm = 4 * groups;
+    if (nnz < m) {
+        ll_plan<W>(nz, nnz, e, 1);
+        u32 sparse = bm + ((nnz * w + 3) & ~3u);
+        if (sparse < best) { best = sparse; method = 2; }
+        u32 sp = bm + e.plan[1].size;
+        if (sp < best) { best = sp; method = 3; }
+    }
+    if (method == 0) {
+        for (u32 i = t; i < m; i += LL_THREADS) {
+            W v = src[i];
+            for (u32 b = 0; b < w; b++) dst[w * i + b] = (u8)((u64)v >> (8 * b));
+        }
+        for (u32 b = m * w + t; b < raw; b += LL_THREADS) dst[b] = 0;
+    } else if (method == 1) {
+        ll_write_pack<W>(src, m, e, 0, dst);
+    } else {
+        for (u32 g = t; g < groups; g += LL_THREADS) *(u32*)(dst + 4 * g) = e.bitmask[g];
+        if (method == 2) {
+            for (u32 r = t; r < nnz; r += LL_THREADS) {
+                W v = nz[r];
+                for (u32 b = 0; b < w; b++) dst[bm + w * r + b] = (u8)((u64)v >> (8 * b));
+            }
+            for (u32 b = nnz * w + t; b < ((nnz * w + 3) & ~3u); b += LL_THREADS) dst[bm + b] = 0;
+        } else {
+            ll_write_pack<W>(nz, nnz, e, 1, dst + bm);
+        }
+    }
+    if (t == 0) entries[c] = (method << 28) | best;
+}
+
+extern "C" __global__ void cfc_lossless_encode_w1(const u8* x, u64 n, u8* staging, u32* entries) {
+    ll_encode<u8>(x, n, staging, entries);
+}
+extern "C" __global__ void cfc_lossless_encode_w2(const u16* x, u64 n, u8* staging, u32* entries) {
+    ll_encode<u16>(x, n, staging, entries);
+}
+extern "C" __global__ void cfc_lossless_encode_w4(const u32* x, u64 n, u8* staging, u32* entries) {
+    ll_encode<u32>(x, n, staging, entries);
+}
+extern "C" __global__ void cfc_lossless_encode_w8(const u64* x, u64 n, u8* staging, u32* entries) {
+    ll_encode<u64>(x, n, staging, entries);
+}
+
+// The entries' lengths as u64 words with a 0 after them, for the scan.
+extern "C" __global__ void cfc_lossless_entry_lengths(const u32* entries, u64 chunks, u64* words) {
+    u64 c = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (c == 0) words[chunks] = 0;
+    if (c < chunks) words[c] = entries[c] & LL_LEN_MASK;
+}
+
+struct Dims { u64 d[8]; };  // the shape, by value (as in codec.cu)
+
+// After the scan (words[chunks] = all payloads): the header, and the raw-or-lossless choice.
+extern "C" __global__ void cfc_lossless_finish(u8* out, u64 n, u64 chunks, u32 dtype, u32 dsize, u32 ndim,
+                                               Dims dims, const u64* words, u64* frame_size, u32* raw_flag) {
+    u64 header_len = 64 + 8 * (u64)ndim;
+    u64 lossless_len = 4 * chunks + words[chunks];
+    u64 raw_len = n * dsize;
+    u32 raw = lossless_len >= raw_len ? 1 : 0;
+    u64 body = raw ? raw_len : lossless_len;
+    u8* h = out;
+    h[0] = 'C'; h[1] = 'F'; h[2] = 'C'; h[3] = 'F';
+    h[4] = 1; h[5] = raw ? 1 : 2; h[6] = (u8)dtype; h[7] = 0;
+    h[8] = 4; h[9] = (u8)ndim; h[10] = 5; h[11] = 0;
+    h[12] = h[13] = h[14] = h[15] = 0;
+    cfc_store_le(h + 16, n, 8);
+    cfc_store_le(h + 24, 0x3ff0000000000000ull, 8);  // step 1.0
+    cfc_store_le(h + 32, 0, 8);                      // eps 0
+    cfc_store_le(h + 40, 0, 8);
+    cfc_store_le(h + 48, body, 8);
+    cfc_store_le(h + 56, body, 8);
+    for (u32 k = 0; k < ndim; ++k) cfc_store_le(h + 64 + 8 * k, dims.d[k], 8);
+    *frame_size = header_len + body;
+    *raw_flag = raw;
+}
+
+// Pass 2, one block per chunk: its table entry and staged payload to their places, or (raw
+// frame) its input bytes.
+extern "C" __global__ void cfc_lossless_gather(const u8* x, u64 n, u32 dsize, u64 header_len, const u8* staging,
+                                               const u32* entries, const u64* words, const u32* raw_flag, u8* out) {
+    u64 c = blockIdx.x;
+    u64 chunks = (n + LL_CHUNK - 1) / LL_CHUNK;
+    u8* body = out + header_len;
+    if (*raw_flag) {
+        u64 a = c * LL_CHUNK * dsize, b = min(n, (c + 1) * LL_CHUNK) * dsize;
+        for (u64 i = a + threadIdx.x; i < b; i += blockDim.x) body[i] = x[i];
+        return;
+    }
+    if (threadIdx.x == 0) *(u32*)(body + 4 * c) = entries[c];
+    u32 len = entries[c] & LL_LEN_MASK;
+    const u32* from = (const u32*)(staging + c * (u64)((LL_CHUNK * dsize + 3) & ~3u));
+    u32* to = (u32*)(body + 4 * chunks + words[c]);
+    for (u32 i = threadIdx.x; i < len / 4; i += blockDim.x) to[i] = from[i];
 }

@@ -480,6 +480,206 @@ unsafe fn scan(
     Ok(())
 }
 
+/// Bytes a chunk's staging slot takes in [`compress_lossless`]'s workspace: the raw chunk,
+/// which bounds whatever method the chunk gets.
+fn lossless_slot(dtype: DType) -> u64 {
+    (crate::lossless::CHUNK as u64 * dtype.size() as u64).div_ceil(4) * 4
+}
+
+/// Workspace bytes [`compress_lossless`] needs for `n` elements of `dtype`: the chunk lengths
+/// and their scan, the chunk table, and a staging slot per chunk.
+pub fn lossless_workspace_len(n: u64, dtype: DType) -> u64 {
+    let chunks = n.div_ceil(crate::lossless::CHUNK as u64);
+    WS_HEADER
+        + 8 * (chunks + 1 + scan_sums_len(chunks + 1))
+        + 8 * chunks.div_ceil(2)
+        + chunks * lossless_slot(dtype)
+}
+
+/// Bytes of output buffer that always hold [`compress_lossless`]'s frame (its real size is
+/// written to the workspace): the header, a table entry and up to 3 bytes of padding per
+/// chunk, and the elements.
+pub fn lossless_capacity(n: u64, dtype: DType, ndim: usize) -> u64 {
+    let chunks = n.div_ceil(crate::lossless::CHUNK as u64);
+    (FIXED_HEADER_LEN + 8 * ndim) as u64 + 8 * chunks + n * dtype.size() as u64
+}
+
+/// Arguments of [`compress_lossless`].
+#[derive(Debug, Clone)]
+pub struct LosslessCompressArgs<'a> {
+    /// Device ordinal.
+    pub device: usize,
+    /// A `CUstream` of the device's primary context.
+    pub stream: usize,
+    /// The elements: `n` of `dtype`, contiguous.
+    pub input: u64,
+    /// Element count.
+    pub n: u64,
+    /// Element type (any).
+    pub dtype: DType,
+    /// Dimensions (their product is `n`).
+    pub shape: &'a [u64],
+    /// Output buffer for the frame.
+    pub out: u64,
+    /// Its size, at least [`lossless_capacity`].
+    pub out_len: u64,
+    /// Workspace, at least [`lossless_workspace_len`] bytes.
+    pub workspace: u64,
+    /// Its size.
+    pub workspace_len: u64,
+}
+
+/// Compresses losslessly on the device, producing exactly the bytes of
+/// [`crate::compress_lossless_bytes`] (without a zstd stage), and returns without waiting for
+/// the GPU. The frame's size is written (as a u64) at [`FRAME_SIZE_OFFSET`] of the workspace.
+///
+/// # Safety
+/// Every pointer must be a device address on `args.device` valid for its stated length until
+/// the work queued on `args.stream` completes; `input` must not overlap `out` or `workspace`.
+///
+/// # Errors
+/// [`Error::ShapeMismatch`], [`Error::OutputSize`] for bad arguments (checked before anything
+/// is queued); [`Error::CudaUnavailable`], [`Error::Nvrtc`], [`Error::Cuda`] from the driver.
+pub unsafe fn compress_lossless(args: &LosslessCompressArgs<'_>) -> Result<()> {
+    let n = args.n;
+    let ndim = args.shape.len();
+    let prod = args.shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
+    if ndim > MAX_NDIM || prod != Some(n) {
+        return Err(Error::ShapeMismatch {
+            shape_elements: prod,
+            elements: n,
+            ndim,
+        });
+    }
+    let need_out = lossless_capacity(n, args.dtype, ndim);
+    if args.out_len < need_out {
+        return Err(Error::OutputSize {
+            expected: need_out,
+            got: args.out_len,
+        });
+    }
+    let need_ws = lossless_workspace_len(n, args.dtype);
+    if args.workspace_len < need_ws {
+        return Err(Error::OutputSize {
+            expected: need_ws,
+            got: args.workspace_len,
+        });
+    }
+    let _restore = ContextGuard::save()?;
+    let dev = device(args.device)?;
+    let stream = dev.stream(args.stream)?;
+    let l = Family::Lossless;
+    let w = args.dtype.size();
+    let encode_op = match w {
+        1 => "encode_w1",
+        2 => "encode_w2",
+        4 => "encode_w4",
+        _ => "encode_w8",
+    };
+    let encode = dev.function(l, encode_op, None)?;
+    let (lengths, finish, gather) = (
+        dev.function(l, "entry_lengths", None)?,
+        dev.function(l, "finish", None)?,
+        dev.function(l, "gather", None)?,
+    );
+    let (scan_block, scan_add) = (
+        dev.function(Family::Scan, "block", None)?,
+        dev.function(Family::Scan, "add", None)?,
+    );
+    let chunks = n.div_ceil(crate::lossless::CHUNK as u64);
+    let words = args.workspace + WS_HEADER;
+    let sums = words + 8 * (chunks + 1);
+    let entries = sums + 8 * scan_sums_len(chunks + 1);
+    let staging = entries + 8 * chunks.div_ceil(2);
+    let header_len = (FIXED_HEADER_LEN + 8 * ndim) as u64;
+    let mut dims = [0u64; MAX_NDIM];
+    dims[..ndim].copy_from_slice(args.shape);
+    let per_chunk = |threads: u32| LaunchConfig {
+        grid_dim: (chunks.clamp(1, i32::MAX as u64) as u32, 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let one = LaunchConfig {
+        grid_dim: (1, 1, 1),
+        block_dim: (1, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let (frame_size, raw_flag) = (
+        args.workspace + FRAME_SIZE_OFFSET,
+        args.workspace + RAW_FLAG_OFFSET,
+    );
+    // SAFETY: (every launch) the input holds `n` elements of `dtype` and the output and
+    // workspace sizes were checked above against `lossless_capacity` and
+    // `lossless_workspace_len`, whose layout is the one used here; `launch` checks each argument
+    // list against the kernel's signature.
+    unsafe {
+        if chunks > 0 {
+            launch(
+                &stream,
+                &encode,
+                l,
+                encode_op,
+                per_chunk(LOSSLESS_THREADS),
+                &[
+                    Arg::Ptr(args.input),
+                    Arg::U64(n),
+                    Arg::Ptr(staging),
+                    Arg::Ptr(entries),
+                ],
+            )?;
+        }
+        launch(
+            &stream,
+            &lengths,
+            l,
+            "entry_lengths",
+            launch_cfg(chunks + 1, BLOCK),
+            &[Arg::Ptr(entries), Arg::U64(chunks), Arg::Ptr(words)],
+        )?;
+        scan(&scan_block, &scan_add, &stream, words, chunks + 1, sums)?;
+        launch(
+            &stream,
+            &finish,
+            l,
+            "finish",
+            one,
+            &[
+                Arg::Ptr(args.out),
+                Arg::U64(n),
+                Arg::U64(chunks),
+                Arg::U32(args.dtype.code() as u32),
+                Arg::U32(w as u32),
+                Arg::U32(ndim as u32),
+                Arg::Dims(Dims(dims)),
+                Arg::Ptr(words),
+                Arg::Ptr(frame_size),
+                Arg::Ptr(raw_flag),
+            ],
+        )?;
+        if chunks > 0 {
+            launch(
+                &stream,
+                &gather,
+                l,
+                "gather",
+                per_chunk(BLOCK),
+                &[
+                    Arg::Ptr(args.input),
+                    Arg::U64(n),
+                    Arg::U32(w as u32),
+                    Arg::U64(header_len),
+                    Arg::Ptr(staging),
+                    Arg::Ptr(entries),
+                    Arg::Ptr(words),
+                    Arg::Ptr(raw_flag),
+                    Arg::Ptr(args.out),
+                ],
+            )?;
+        }
+    }
+    Ok(())
+}
+
 /// Threads per block of the lossless decoder (`LL_THREADS` in `kernels/lossless.cu`).
 const LOSSLESS_THREADS: u32 = 128;
 

@@ -118,7 +118,8 @@ impl DType {
         }
     }
 
-    fn code(self) -> u8 {
+    /// The dtype's code in a frame header.
+    pub(crate) fn code(self) -> u8 {
         DTYPES.iter().position(|&d| d == self).expect("listed") as u8
     }
 

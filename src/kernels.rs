@@ -126,6 +126,23 @@ pub(crate) const SIGNATURES: &[(Family, &str, bool, &[Ty])] = &[
         false,
         &[Ptr, U64, U64, Ptr, Ptr, U64, U64],
     ),
+    (Family::Lossless, "encode_w1", false, &[Ptr, U64, Ptr, Ptr]),
+    (Family::Lossless, "encode_w2", false, &[Ptr, U64, Ptr, Ptr]),
+    (Family::Lossless, "encode_w4", false, &[Ptr, U64, Ptr, Ptr]),
+    (Family::Lossless, "encode_w8", false, &[Ptr, U64, Ptr, Ptr]),
+    (Family::Lossless, "entry_lengths", false, &[Ptr, U64, Ptr]),
+    (
+        Family::Lossless,
+        "finish",
+        false,
+        &[Ptr, U64, U64, U32, U32, U32, Dims, Ptr, Ptr, Ptr],
+    ),
+    (
+        Family::Lossless,
+        "gather",
+        false,
+        &[Ptr, U64, U32, U64, Ptr, Ptr, Ptr, Ptr, Ptr],
+    ),
     (Family::Scan, "block", false, &[Ptr, U64, Ptr]),
     (Family::Scan, "add", false, &[Ptr, U64, Ptr]),
 ];

@@ -411,6 +411,52 @@ fn cuda_compress_capacity(
     ))
 }
 
+/// Output and workspace bytes of a lossless compression on the device.
+#[pyfunction]
+fn cuda_lossless_sizes(numel: u64, dtype: &str, ndim: usize) -> PyResult<(u64, u64)> {
+    let dtype = dtype_of(dtype)?;
+    Ok((
+        cfc::cuda::lossless_capacity(numel, dtype, ndim),
+        cfc::cuda::lossless_workspace_len(numel, dtype),
+    ))
+}
+
+/// Queues lossless compression of device memory on a CUDA stream (returns before the GPU
+/// finishes; the frame's size is written to the workspace).
+#[pyfunction]
+#[pyo3(signature = (device, stream, data_ptr, numel, dtype, shape, out_ptr, out_len, ws_ptr, ws_len))]
+#[allow(clippy::too_many_arguments)]
+fn cuda_compress_lossless(
+    py: Python<'_>,
+    device: usize,
+    stream: usize,
+    data_ptr: u64,
+    numel: u64,
+    dtype: &str,
+    shape: Vec<u64>,
+    out_ptr: u64,
+    out_len: u64,
+    ws_ptr: u64,
+    ws_len: u64,
+) -> PyResult<()> {
+    let args = cfc::cuda::LosslessCompressArgs {
+        device,
+        stream,
+        input: data_ptr,
+        n: numel,
+        dtype: dtype_of(dtype)?,
+        shape: &shape,
+        out: out_ptr,
+        out_len,
+        workspace: ws_ptr,
+        workspace_len: ws_len,
+    };
+    // SAFETY: as cuda_compress: cfc.codec passes data_ptr()s and sizes of CUDA tensors on
+    // `device` that it keeps alive until the stream's work is done.
+    py.detach(|| unsafe { cfc::cuda::compress_lossless(&args) })
+        .map_err(to_py)
+}
+
 /// Queues compression of device memory on a CUDA stream (returns before the GPU finishes).
 ///
 /// The caller (cfc.codec) passes `data_ptr()`s of live CUDA tensors on `device` that it keeps
@@ -610,6 +656,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda_compress_capacity, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_compress, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_decompress, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_lossless_sizes, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_compress_lossless, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_lossless_offsets, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_lossless_chunks, m)?)?;
     m.add("CUDA_FRAME_SIZE_OFFSET", cfc::cuda::FRAME_SIZE_OFFSET)?;

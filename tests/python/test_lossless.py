@@ -278,3 +278,45 @@ def test_gpu_fetch_in_pieces_is_bit_for_bit(dtype):
         checksum = z.view(torch.uint8).sum() if dtype != torch.bool else z.sum()
     s.synchronize()
     assert int(checksum) == int(np.frombuffer(bits(x), dtype=np.uint8).sum(dtype=np.int64))
+
+
+def kinds(dtype, n, seed):
+    """Inputs that make chunks take every method: weight-like samples, random bits (raw),
+    random bits among zeros (sparse), zeros, and a constant."""
+    yield "sample", sample(dtype, n, seed)
+    if dtype == torch.bool:
+        return
+    size = torch.tensor([], dtype=dtype).element_size()
+    g = torch.Generator().manual_seed(seed)
+    noise = torch.randint(0, 256, (n * size,), generator=g, dtype=torch.int64).to(torch.uint8).view(dtype)
+    yield "random bits", noise
+    keep = (torch.rand(n, generator=g) < 0.3).view(-1, 1).expand(n, size).reshape(-1)
+    yield "sparse bits", torch.where(keep, noise.view(torch.uint8), 0).view(dtype)
+    yield "zeros", torch.zeros(n, dtype=dtype)
+    yield "constant", torch.full((n,), 3, dtype=dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", LENGTHS + [(1 << 20) + 3])
+def test_gpu_encoder_writes_the_cpu_bytes(dtype, n):
+    for kind, x in kinds(dtype, n, seed=n + 2):
+        want = bytes(cfc.compress(x, lossless=True))
+        c = cfc.compress(x.cuda(), lossless=True)
+        assert isinstance(c, cfc.CudaCompressed), kind
+        assert bytes(c) == want, f"{kind}: GPU frame differs from the CPU's"
+        assert bits(cfc.decompress(c)) == bits(x), kind
+
+
+@pytest.mark.gpu
+def test_gpu_encoder_every_method():
+    n = 4096
+    g = torch.Generator().manual_seed(5)
+    raw = torch.randint(-(1 << 31), (1 << 31) - 1, (n,), generator=g, dtype=torch.int64).to(torch.int32)
+    packed = (torch.randn(n, generator=g) * 0.02).view(torch.int32)
+    sparse = torch.where(torch.arange(n) % 3 == 0, raw, torch.zeros_like(raw))
+    relu = torch.relu(torch.randn(n, generator=g)).view(torch.int32)
+    x = torch.cat([raw, packed, sparse, relu, raw[:77]])
+    for t in (x, x.view(torch.float32), x.view(torch.int16), x.view(torch.int8), x[:-1].view(torch.int64)):
+        want = bytes(cfc.compress(t, lossless=True))
+        assert bytes(cfc.compress(t.cuda(), lossless=True)) == want, t.dtype

@@ -95,6 +95,19 @@ def cuda_decompress(
     ws_len: int,
     codec: str = "quantized",
 ) -> None: ...
+def cuda_lossless_sizes(numel: int, dtype: str, ndim: int) -> Tuple[int, int]: ...
+def cuda_compress_lossless(
+    device: int,
+    stream: int,
+    data_ptr: int,
+    numel: int,
+    dtype: str,
+    shape: Sequence[int],
+    out_ptr: int,
+    out_len: int,
+    ws_ptr: int,
+    ws_len: int,
+) -> None: ...
 def cuda_lossless_offsets(
     device: int, stream: int, frame_ptr: int, numel: int, dtype: str, ndim: int, ws_ptr: int, ws_len: int
 ) -> None: ...

@@ -429,7 +429,8 @@ class CudaCompressed:
         return f"cfc.CudaCompressed(shape={self._shape}, dtype={self._dtype}, mode={self._mode}, device={self.device})"
 
 
-_ELEMENT_SIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+_ELEMENT_SIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "uint8": 1, "int8": 1,
+                 "int16": 2, "int32": 4, "int64": 8, "bool": 1}
 
 
 def _check_residual(residual, x) -> None:
@@ -479,6 +480,24 @@ def _compress_cuda(t, name: str, shape, eps, rel, bits, residual=None) -> CudaCo
         residual.record_stream(stream)
     mode = "abs" if eps is not None else "rel" if rel is not None else "bits"
     return CudaCompressed(out, ws, name, tuple(shape), mode, stream)
+
+
+def _compress_lossless_cuda(t, name: str) -> CudaCompressed:
+    import torch
+
+    t = t.detach().contiguous()
+    dev = t.device
+    shape = tuple(t.shape)
+    cap, ws_len = _native.cuda_lossless_sizes(t.numel(), name, len(shape))
+    out = torch.empty(cap, dtype=torch.uint8, device=dev)
+    ws = torch.empty(ws_len, dtype=torch.uint8, device=dev)
+    stream = torch.cuda.current_stream(dev)
+    _native.cuda_compress_lossless(
+        dev.index, stream.cuda_stream, t.data_ptr(), t.numel(), name, list(shape),
+        out.data_ptr(), cap, ws.data_ptr(), ws_len,
+    )
+    t.record_stream(stream)  # the input must outlive the queued kernels
+    return CudaCompressed(out, ws, name, shape, "lossless", stream)
 
 
 def _decompress_cuda(frame_dev, numel: int, dtype: str, shape, ndim: int, after=None, codec="quantized"):
@@ -534,8 +553,9 @@ def compress(
             invariant bit packing (the bits shared by its elements once, the others as bit
             planes), zero-value compression (a bitmask and the nonzero elements), both, or
             as it is, whichever is smallest. Takes float32, bfloat16, float16, float64,
-            uint8, int8, int16, int32, int64 and bool. Compression runs on the CPU (a CUDA
-            tensor is copied to the host); :func:`decompress` decodes on a GPU when asked to.
+            uint8, int8, int16, int32, int64 and bool. A CUDA tensor is compressed on its GPU
+            (a :class:`CudaCompressed`, the same bytes as the CPU's); :func:`decompress` decodes
+            on a GPU when asked to.
 
     Returns:
         Compressed: ``bytes(result)`` is the self-describing frame. For a CUDA tensor (and no
@@ -559,6 +579,11 @@ def compress(
             raise ValueError("lossless=True takes no bound (eps=, rel= or bits=)")
         if residual is not None:
             raise ValueError("lossless=True drops nothing: it takes no residual")
+        if torch is not None and isinstance(x, torch.Tensor) and not zstd and _cuda_ready(x):
+            name = str(x.dtype).replace("torch.", "")
+            if name not in _DTYPE_NAMES + _LOSSLESS_ONLY:
+                raise _unsupported(x.dtype, True)
+            return _compress_lossless_cuda(x, name)
         data, name, shape = _tensor_bytes(x, lossless=True)
         frame = _native.compress_lossless(
             _addr(data), data.nbytes, name, list(shape), zstd_level=_zstd_level(zstd), threads=threads
@@ -656,7 +681,8 @@ def decompress(c: Any, device: Any = None, *, threads: int = 0, max_nbytes: Opti
         if target == c.device:
             if c._mode == "rel":
                 c.synchronize()  # reports an unusable rel bound instead of decoding garbage
-            return _decompress_cuda(c._out, c.numel, c._dtype, c._shape, len(c._shape), after=c._event)
+            codec = "lossless" if c._mode == "lossless" else "quantized"  # raw frames: read on the GPU
+            return _decompress_cuda(c._out, c.numel, c._dtype, c._shape, len(c._shape), after=c._event, codec=codec)
         c = c.to_host()
     target = None if device is None or torch is None else torch.device(device)
     if target is not None and target.type == "cuda":
