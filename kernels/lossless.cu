@@ -128,10 +128,29 @@ __device__ void ll_unpack(const u8* p, u32 m, W* dst, W (*dep)[LLTable<W>::ENTRI
     const u32 warps = LL_THREADS / 32;
     for (u32 g0 = warp; g0 < groups; g0 += warps * LL_ILP) {
         F f[LL_ILP];
+        if (sizeof(F) == 4) {
+            // k <= 32: lane q loads the group's word q (one coalesced load), and each lane takes
+            // the two words its field lies in from the lanes that hold them.
+            u32 word[LL_ILP];
 #pragma unroll
-        for (u32 u = 0; u < LL_ILP; u++) {
-            u32 g = g0 + u * warps;
-            f[u] = (k && g < groups) ? ll_field<F>(fields + 4 * (u64)g * k, k, lane) : 0;
+            for (u32 u = 0; u < LL_ILP; u++) {
+                u32 g = g0 + u * warps;
+                word[u] = (g < groups && lane < k) ? ll_load_u32(fields + 4 * ((u64)g * k + lane)) : 0;
+            }
+            u32 off = lane * k, idx = off >> 5, sh = off & 31;
+            u32 low = k >= 32 ? ~0u : (1u << k) - 1u;
+#pragma unroll
+            for (u32 u = 0; u < LL_ILP; u++) {
+                u32 w0 = __shfl_sync(CFC_FULL_MASK, word[u], idx & 31);
+                u32 w1 = __shfl_sync(CFC_FULL_MASK, word[u], (idx + 1) & 31);  // unused when sh + k <= 32
+                f[u] = (F)(__funnelshift_r(w0, w1, sh) & low);
+            }
+        } else {
+#pragma unroll
+            for (u32 u = 0; u < LL_ILP; u++) {
+                u32 g = g0 + u * warps;
+                f[u] = (k && g < groups) ? ll_field<F>(fields + 4 * (u64)g * k, k, lane) : 0;
+            }
         }
 #pragma unroll
         for (u32 u = 0; u < LL_ILP; u++) {
