@@ -133,9 +133,20 @@ fn pack_size(m: usize, w: usize, k: usize, x: usize) -> usize {
 fn plan_pack(words: &[u64], w: usize) -> PackPlan {
     let m = words.len();
     let bits = 8 * w;
+    // Ones per bit, from a histogram of each byte position's values (one increment per byte).
+    let mut bytes = vec![[0u32; 256]; w];
+    for &e in words {
+        for (p, h) in bytes.iter_mut().enumerate() {
+            h[((e >> (8 * p)) & 0xff) as usize] += 1;
+        }
+    }
     let mut ones = [0u32; 64];
-    for (b, c) in ones.iter_mut().enumerate().take(bits) {
-        *c = words.iter().map(|&e| ((e >> b) & 1) as u32).sum();
+    for (p, h) in bytes.iter().enumerate() {
+        for (v, &count) in h.iter().enumerate() {
+            for i in 0..8 {
+                ones[8 * p + i] += count * ((v >> i) & 1) as u32;
+            }
+        }
     }
     let mut base = 0u64;
     let mut disagree = [0u32; 64];
@@ -236,12 +247,15 @@ fn deposit(v: u64, mut mask: u64) -> u64 {
 struct ByteTables(Vec<[u64; 256]>);
 
 impl ByteTables {
+    /// `f` must be OR-linear (`f(a | b) = f(a) | f(b)`, as extract and deposit are): it is
+    /// asked about the 8 single bits of each byte only.
     fn new(bytes: usize, f: impl Fn(u64) -> u64) -> ByteTables {
         let mut t = vec![[0u64; 256]; bytes];
         for (p, table) in t.iter_mut().enumerate() {
+            let single: [u64; 8] = std::array::from_fn(|i| f(1u64 << (8 * p + i)));
             for v in 1..256usize {
                 // Built from the lowest set bit up: v = (v & (v - 1)) + lowest bit.
-                table[v] = table[v & (v - 1)] | f(((v & v.wrapping_neg()) as u64) << (8 * p));
+                table[v] = table[v & (v - 1)] | single[v.trailing_zeros() as usize];
             }
         }
         ByteTables(t)
