@@ -492,18 +492,13 @@ impl Header {
                 }
             }
             Codec::Lossless => {
-                // A chunk table entry per chunk, and at most the largest payload per chunk.
-                let full = self.n / crate::lossless::CHUNK as u64;
-                let last = (self.n % crate::lossless::CHUNK as u64) as usize;
-                let w = self.dtype.size();
+                // A chunk table entry per chunk, and less than the elements' bytes (the encoder
+                // writes a raw frame otherwise), so that inflating a zstd stage never goes past
+                // what the tensor itself takes.
                 let chunks = groups_for_chunks(self.n);
                 let min = chunks.checked_mul(4).ok_or_else(overflow)?;
-                let max = full
-                    .checked_mul(crate::lossless::max_chunk_len(crate::lossless::CHUNK, w) as u64)
-                    .and_then(|v| v.checked_add(crate::lossless::max_chunk_len(last, w) as u64))
-                    .and_then(|v| v.checked_add(min))
-                    .ok_or_else(overflow)?;
-                if self.raw_body_len < min || self.raw_body_len > max {
+                let raw = self.n.checked_mul(size).ok_or_else(overflow)?;
+                if self.raw_body_len < min || self.raw_body_len >= raw {
                     return Err(FormatError::LengthMismatch {
                         part: "raw body",
                         expected: min,

@@ -468,12 +468,6 @@ pub fn compress_lossless_bytes(
     finish_frame(header, body, opts.zstd_level)
 }
 
-/// Largest payload a chunk of `m` words of `w` bytes can have in any method (sparse + pack
-/// with every bit varying and every word an exception).
-pub(crate) fn max_chunk_len(m: usize, w: usize) -> usize {
-    4 * m.div_ceil(GROUP) + pack_size(m, w, 8 * w, m)
-}
-
 /// One chunk of a lossless body, located and checked.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct ChunkRef {
@@ -541,6 +535,25 @@ fn check_pack(p: &[u8], m: usize, w: usize) -> Result<()> {
     let expected = pack_size(m, w, k, x);
     if p.len() != expected {
         return Err(length_mismatch("pack block", expected, p.len()));
+    }
+    // The fields of the missing words of a partial last group are zero (one encoding per
+    // chunk).
+    let tail = m % GROUP;
+    if tail != 0 && k != 0 {
+        let last = PACK_HEADER + 4 * (m / GROUP) * k;
+        for q in 0..k {
+            let word = u32_at(p, last + 4 * q) as u64;
+            // Bits of this word at or past bit tail * k of the group's stream must be clear.
+            let from = (tail * k).saturating_sub(32 * q);
+            let unused = if from >= 32 {
+                0
+            } else {
+                (u32::MAX as u64) << from & u32::MAX as u64
+            };
+            if word & unused != 0 {
+                return Err(bad("pack fields", "bits set past the last word"));
+            }
+        }
     }
     let idx = PACK_HEADER + 4 * m.div_ceil(GROUP) * k;
     let mut prev: Option<u16> = None;

@@ -708,6 +708,19 @@ fn crafted() -> Vec<Case> {
             |e| bad_field(e, "sparse bitmask"),
         ),
         case(
+            "lossless_field_past_last_word",
+            {
+                // Chunk 1's pack block (after its 4 bitmask words) packs 50 nonzero words: its
+                // second group holds 18, so the top bit of that group's last field word is unused.
+                let p1 = lo.chunk1 + 16;
+                let k1 = u64::from_le_bytes(l[p1 + 4..p1 + 12].try_into().unwrap()).count_ones()
+                    as usize;
+                let top = p1 + 20 + 4 * (2 * k1 - 1) + 3;
+                set(l.clone(), top, &[l[top] | 0x80])
+            },
+            |e| bad_field(e, "pack fields"),
+        ),
+        case(
             "lossless_trailing_bytes",
             {
                 let mut h = lh.clone();

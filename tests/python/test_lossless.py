@@ -3,6 +3,7 @@ pinned frames, and checkpoints (`cfc.save` / `cfc.load`)."""
 
 import json
 import struct
+import zlib
 
 import numpy as np
 import pytest
@@ -157,19 +158,31 @@ def corrupt(path, offset, value):
     path.write_bytes(bytes(data))
 
 
+def rewrite(p, index, frames):
+    """A checkpoint with this index (its checksum made to match) and these frame bytes."""
+    head = json.dumps(index).encode()
+    p.write_bytes(struct.pack("<4sB3xQI4x", b"CFCK", 1, len(head), zlib.crc32(head)) + head + frames)
+
+
 def test_corrupted_checkpoints_are_refused(tmp_path):
     sd = model_state()
     p = tmp_path / "model.cfc"
     cfc.save(sd, p)
     data = p.read_bytes()
     head_len = struct.unpack_from("<Q", data, 8)[0]
-    index = json.loads(data[16:16 + head_len])
+    start = 24 + head_len
+    index = json.loads(data[24:start])
+    frames = data[start:]
     # A flipped bit in a frame: the checksum names the tensor.
-    corrupt(p, 16 + head_len + index["3.weight"]["offset"] + 100, 0x01)
+    corrupt(p, start + index["3.weight"]["offset"] + 100, 0x01)
     with pytest.raises(cfc.FormatError, match="'3.weight': checksum"):
         cfc.load(p)
-    cfc.save(sd, p)
-    for cut in (0, 10, 16 + head_len // 2, len(data) - 1):
+    # A flipped bit in the index (a name, say): the index's own checksum.
+    p.write_bytes(data)
+    corrupt(p, 24 + data[24:start].index(b"3.weight"), 0x02)
+    with pytest.raises(cfc.FormatError, match="index checksum"):
+        cfc.load(p)
+    for cut in (0, 10, 24 + head_len // 2, len(data) - 1):
         p.write_bytes(data[:cut])
         with pytest.raises(cfc.FormatError):
             cfc.load(p)
@@ -179,12 +192,40 @@ def test_corrupted_checkpoints_are_refused(tmp_path):
     p.write_bytes(data + b"\0")
     with pytest.raises(cfc.FormatError, match="after the last frame"):
         cfc.load(p)
-    # An index that disagrees with its frame (checksum made to match): refused too.
-    index["1.bias"]["shape"] = [63]
-    head = json.dumps(index | {"__metadata__": {}}).encode()
-    p.write_bytes(struct.pack("<4sB3xQ", b"CFCK", 1, len(head)) + head + data[16 + head_len:])
+    # Indexes made to pass their checksum, but wrong:
+    bad = json.loads(json.dumps(index))
+    bad["1.bias"]["shape"] = [63]  # disagrees with its frame
+    rewrite(p, bad, frames)
     with pytest.raises(cfc.FormatError, match="'1.bias': frame holds"):
         cfc.load(p)
+    bad = json.loads(json.dumps(index))
+    bad["copy"] = dict(bad["1.weight"])  # a second entry reading an earlier frame
+    rewrite(p, bad, frames)
+    with pytest.raises(cfc.FormatError, match="'copy': frame at"):
+        cfc.load(p)
+    # The first frame's offset (0) as a number too long to convert, an overflowing float, a
+    # negative number, a boolean and a string: each a malformed entry.
+    for value in (b"1" + b"0" * 5000, b"1e999", b"-1", b"true", b'"0"'):
+        head = json.dumps(index).encode().replace(b'"offset": 0', b'"offset": ' + value, 1)
+        p.write_bytes(struct.pack("<4sB3xQI4x", b"CFCK", 1, len(head), zlib.crc32(head)) + head + frames)
+        with pytest.raises(cfc.FormatError):
+            cfc.load(p)
+    head = b"[" * 100000 + b"]" * 100000
+    p.write_bytes(struct.pack("<4sB3xQI4x", b"CFCK", 1, len(head), zlib.crc32(head)) + head)
+    with pytest.raises(cfc.FormatError, match="unreadable index|not a JSON object"):
+        cfc.load(p)
+    bad = json.loads(json.dumps(index))
+    bad["__metadata__"] = {"a": 1}
+    rewrite(p, bad, frames)
+    with pytest.raises(cfc.FormatError, match="metadata"):
+        cfc.load(p)
+
+
+def test_pinned_frames_take_max_nbytes():
+    p = cfc.pin(cfc.compress(torch.zeros(1 << 16), lossless=True))
+    with pytest.raises(ValueError, match="max_nbytes"):
+        cfc.decompress(p, max_nbytes=1000)
+    assert cfc.decompress(p, max_nbytes=1 << 18).numel() == 1 << 16
 
 
 # ---- on a GPU ----

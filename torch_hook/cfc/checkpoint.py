@@ -2,14 +2,17 @@
 
 A checkpoint file is::
 
-    magic "CFCK" | version u8 (1) | 3 zero bytes | index length u64 (little-endian)
-    index: UTF-8 JSON | frames, back to back
+    magic "CFCK" | version u8 (1) | 3 zero bytes | index length u64 | index CRC-32 u32 |
+    4 zero bytes (all little-endian) | index: UTF-8 JSON | frames, back to back
 
-The index maps each tensor's name to the offset and length of its frame (from the end of the
-index), the CRC-32 of the frame's bytes, and its dtype and shape; it also holds the caller's
-``metadata`` (strings only). Every tensor is one cfc frame: lossless by default, or within a
-bound given per tensor. Loading checks the checksum before decoding and the frame against the
-index after; a corrupted or truncated file raises :class:`cfc.FormatError` naming the tensor.
+The index maps each tensor's name, in the order saved, to the offset and length of its frame
+(from the end of the index; each frame starts where the one before ends), the CRC-32 of the
+frame's bytes, and its dtype and shape; it also holds the caller's ``metadata`` (strings only).
+Every tensor is one cfc frame: lossless by default, or within a bound given per tensor.
+Loading checks the index's checksum, then each frame's before decoding it (and refuses a frame
+that decodes to more bytes than its index entry says), then the frame against the entry; a
+corrupted or truncated file raises :class:`cfc.FormatError`, naming the tensor where one is to
+blame.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ __all__ = ["save", "load"]
 
 MAGIC = b"CFCK"
 VERSION = 1
-_PREFIX = struct.Struct("<4sB3xQ")  # magic, version, reserved, index length
+_PREFIX = struct.Struct("<4sB3xQI4x")  # magic, version, reserved, index length, index CRC-32, reserved
 # The index of a checkpoint is small (a few hundred bytes per tensor): refuse absurd lengths
 # before reading them.
 _MAX_INDEX = 1 << 30
@@ -104,7 +107,7 @@ def save(
     path = os.fspath(path)
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "wb") as f:
-        f.write(_PREFIX.pack(MAGIC, VERSION, len(head)))
+        f.write(_PREFIX.pack(MAGIC, VERSION, len(head), zlib.crc32(head)))
         f.write(head)
         for frame in frames:
             f.write(frame)
@@ -147,41 +150,60 @@ def load(
         data = f.read()
     if len(data) < _PREFIX.size:
         raise _corrupt(path, f"{len(data)} bytes, shorter than a checkpoint's {_PREFIX.size}-byte prefix")
-    magic, version, head_len = _PREFIX.unpack_from(data)
+    magic, version, head_len, head_crc = _PREFIX.unpack_from(data)
     if magic != MAGIC:
         raise _corrupt(path, f"not a cfc checkpoint (magic {magic!r})")
     if version != VERSION:
         raise _corrupt(path, f"checkpoint version {version} is not supported (this cfc reads {VERSION})")
-    if data[5:8] != b"\0\0\0":
+    if data[5:8] != b"\0\0\0" or data[20:24] != b"\0\0\0\0":
         raise _corrupt(path, "nonzero reserved bytes")
     if head_len > min(_MAX_INDEX, len(data) - _PREFIX.size):
         raise _corrupt(path, f"index of {head_len} bytes does not fit in the file")
+    head = data[_PREFIX.size : _PREFIX.size + head_len]
+    if zlib.crc32(head) != head_crc:
+        raise _corrupt(path, "index checksum mismatch (the file is corrupted)")
     try:
-        index = json.loads(data[_PREFIX.size : _PREFIX.size + head_len].decode())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise _corrupt(path, f"unreadable index ({e})") from None
+        index = json.loads(head.decode())
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise _corrupt(path, f"unreadable index ({type(e).__name__})") from None
     if not isinstance(index, dict):
         raise _corrupt(path, "the index is not a JSON object")
     meta = index.pop("__metadata__", {})
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise _corrupt(path, "metadata is not a map of strings")
+    import torch
+
+    def is_int(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
     base = _PREFIX.size + head_len
-    end = base
+    end = 0
     out = {}
     for name, e in index.items():
-        try:
-            off, n, crc = int(e["offset"]), int(e["nbytes"]), int(e["crc32"])
-            dtype, shape = str(e["dtype"]), [int(d) for d in e["shape"]]
-        except (KeyError, TypeError, ValueError):
-            raise _corrupt(path, f"{name!r}: malformed index entry {e!r}") from None
-        if off < 0 or n < 0 or base + off + n > len(data):
+        ok = isinstance(e, dict) and all(is_int(e.get(k)) for k in ("offset", "nbytes", "crc32"))
+        ok = ok and isinstance(e.get("dtype"), str) and isinstance(e.get("shape"), list)
+        ok = ok and all(is_int(d) for d in e["shape"])
+        if not ok:
+            raise _corrupt(path, f"{name!r}: malformed index entry")
+        off, n, dtype, shape = e["offset"], e["nbytes"], e["dtype"], e["shape"]
+        if off != end:
+            raise _corrupt(path, f"{name!r}: frame at {off}, where the previous one ends at {end}")
+        if base + off + n > len(data):
             raise _corrupt(path, f"{name!r}: frame at {off}+{n} lies outside the file")
+        torch_dtype = getattr(torch, dtype, None)
+        if not isinstance(torch_dtype, torch.dtype):
+            raise _corrupt(path, f"{name!r}: unknown dtype {dtype!r}")
         frame = data[base + off : base + off + n]
-        if zlib.crc32(frame) != crc:
+        if zlib.crc32(frame) != e["crc32"]:
             raise _corrupt(path, f"{name!r}: checksum mismatch (the file is corrupted)")
         c = Compressed(frame)
         if str(c.info["dtype"]) != dtype or list(c.shape) != shape:
             raise _corrupt(path, f"{name!r}: frame holds {c.info['dtype']} {list(c.shape)}, index says {dtype} {shape}")
-        out[name] = decompress(c, device=device)
-        end = max(end, base + off + n)
-    if end != len(data):
-        raise _corrupt(path, f"{len(data) - end} bytes after the last frame")
+        size = torch.empty((), dtype=torch_dtype).element_size()
+        for d in shape:
+            size *= d
+        out[name] = decompress(c, device=device, max_nbytes=size)
+        end = off + n
+    if base + end != len(data):
+        raise _corrupt(path, f"{len(data) - base - end} bytes after the last frame")
     return (out, meta) if metadata else out

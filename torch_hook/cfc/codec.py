@@ -296,6 +296,7 @@ def _fetch_lossless(c: "PinnedCompressed", target):
     out = torch.empty(tuple(info["shape"]), dtype=getattr(torch, info["dtype"]), device=target)
     ws = torch.empty(_native.cuda_workspace_len(info["numel"]), dtype=torch.uint8, device=target)
     side.wait_stream(cur)  # frame_dev was allocated on the current stream
+    frame_dev.record_stream(side)  # and is written there: not reused before those copies end
     events = []
     with torch.cuda.stream(side):
         for a, b in zip(cuts, cuts[1:]):
@@ -303,8 +304,6 @@ def _fetch_lossless(c: "PinnedCompressed", target):
             ev = torch.cuda.Event()
             ev.record(side)
             events.append(ev)
-    # The current stream waits for every copy before anything after this call runs, so
-    # frame_dev (allocated on it) is never reused while the side stream still writes it.
     common = (target.index, cur.cuda_stream, frame_dev.data_ptr(), info["numel"], info["dtype"],
               len(info["shape"]))
     cur.wait_event(events[0])
@@ -653,9 +652,12 @@ def decompress(c: Any, device: Any = None, *, threads: int = 0, max_nbytes: Opti
     """
     torch = _torch()
     if max_nbytes is not None:
-        decoded = (
-            c.decoded_nbytes if isinstance(c, CudaCompressed) else frame_info(c)["decoded_nbytes"]
-        )
+        if isinstance(c, CudaCompressed):
+            decoded = c.decoded_nbytes
+        elif isinstance(c, PinnedCompressed):
+            decoded = c._info["decoded_nbytes"]
+        else:
+            decoded = frame_info(c)["decoded_nbytes"]
         if decoded > max_nbytes:
             raise ValueError(f"the frame decodes to {decoded} bytes, more than max_nbytes={max_nbytes}")
     if isinstance(c, PinnedCompressed):
