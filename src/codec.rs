@@ -80,6 +80,31 @@ pub(crate) fn split_groups(groups: usize, parts: usize) -> Vec<std::ops::Range<u
         .collect()
 }
 
+/// Runs `f` on `threads` contiguous ranges of `0..units` (groups, chunks), a scoped thread
+/// each when there are several, and returns the results in range order, so that what is built
+/// from them never depends on the thread count.
+pub(crate) fn map_ranges<R: Send>(
+    units: usize,
+    threads: usize,
+    f: impl Fn(std::ops::Range<usize>) -> R + Sync,
+) -> Vec<R> {
+    if threads <= 1 {
+        return vec![f(0..units)];
+    }
+    let f = &f;
+    crossbeam_utils::thread::scope(|s| {
+        let handles: Vec<_> = split_groups(units, threads)
+            .into_iter()
+            .map(|r| s.spawn(move |_| f(r)))
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+            .collect()
+    })
+    .unwrap_or_else(|p| std::panic::resume_unwind(p))
+}
+
 /// The parameters every element is quantized with.
 #[derive(Debug, Clone, Copy)]
 struct Quantizer {
@@ -288,27 +313,10 @@ pub fn compress<T: Element>(
     let threads = thread_count(opts.threads, n);
     let _span = tracing::debug_span!("compress", dtype = T::DTYPE.name(), n, threads).entered();
 
-    let parts: Vec<Part> = if threads == 1 {
-        vec![encode(data, 0, &qz)]
-    } else {
-        let ranges = split_groups(groups, threads);
-        crossbeam_utils::thread::scope(|s| {
-            let handles: Vec<_> = ranges
-                .iter()
-                .map(|r| {
-                    let lo = r.start * GROUP;
-                    let hi = (r.end * GROUP).min(n);
-                    let slice = &data[lo..hi];
-                    s.spawn(move |_| encode(slice, lo as u64, &qz))
-                })
-                .collect();
-            handles
-                .into_iter()
-                .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
-                .collect()
-        })
-        .unwrap_or_else(|p| std::panic::resume_unwind(p))
-    };
+    let parts: Vec<Part> = map_ranges(groups, threads, |r| {
+        let (lo, hi) = (r.start * GROUP, (r.end * GROUP).min(n));
+        encode(&data[lo..hi], lo as u64, &qz)
+    });
 
     let n_exc: usize = parts.iter().map(|p| p.exc_index.len()).sum();
     let planes_len: usize = parts.iter().map(|p| p.planes.len()).sum();

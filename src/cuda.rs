@@ -315,6 +315,39 @@ impl Device {
     }
 }
 
+/// A compressor's shape: at most [`MAX_NDIM`] dimensions whose product is `n`.
+fn check_shape(shape: &[u64], n: u64) -> Result<()> {
+    let prod = shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
+    if shape.len() > MAX_NDIM || prod != Some(n) {
+        return Err(Error::ShapeMismatch {
+            shape_elements: prod,
+            elements: n,
+            ndim: shape.len(),
+        });
+    }
+    Ok(())
+}
+
+/// What every decoder checks of its arguments before anything is queued: the workspace's
+/// size and the header's dimensions.
+fn check_decompress_args(args: &DecompressArgs) -> Result<()> {
+    let need_ws = workspace_len(args.n);
+    if args.workspace_len < need_ws {
+        return Err(Error::OutputSize {
+            expected: need_ws,
+            got: args.workspace_len,
+        });
+    }
+    if args.ndim > MAX_NDIM {
+        return Err(crate::FormatError::BadField {
+            field: "ndim",
+            value: args.ndim.to_string(),
+        }
+        .into());
+    }
+    Ok(())
+}
+
 /// Scan arrays for `len` values need this many u64 of block sums, all levels together.
 fn scan_sums_len(len: u64) -> u64 {
     let blocks = len.div_ceil(SCAN_BLOCK).max(1);
@@ -543,14 +576,7 @@ pub struct LosslessCompressArgs<'a> {
 pub unsafe fn compress_lossless(args: &LosslessCompressArgs<'_>) -> Result<()> {
     let n = args.n;
     let ndim = args.shape.len();
-    let prod = args.shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
-    if ndim > MAX_NDIM || prod != Some(n) {
-        return Err(Error::ShapeMismatch {
-            shape_elements: prod,
-            elements: n,
-            ndim,
-        });
-    }
+    check_shape(args.shape, n)?;
     let need_out = lossless_capacity(n, args.dtype, ndim);
     if args.out_len < need_out {
         return Err(Error::OutputSize {
@@ -707,14 +733,7 @@ fn check_lossless(args: &DecompressArgs) -> Result<()> {
             right: format!("{:?}", args.codec).to_lowercase(),
         });
     }
-    let need_ws = workspace_len(args.n);
-    if args.workspace_len < need_ws || args.ndim > MAX_NDIM {
-        return Err(Error::OutputSize {
-            expected: need_ws,
-            got: args.workspace_len,
-        });
-    }
-    Ok(())
+    check_decompress_args(args)
 }
 
 /// First half of decoding a lossless frame in parts: queues the computation of every chunk's
@@ -862,14 +881,7 @@ unsafe fn lossless_chunks_on(
 pub unsafe fn compress(args: &CompressArgs<'_>) -> Result<()> {
     let n = args.n;
     let ndim = args.shape.len();
-    let prod = args.shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
-    if ndim > MAX_NDIM || prod != Some(n) {
-        return Err(Error::ShapeMismatch {
-            shape_elements: prod,
-            elements: n,
-            ndim,
-        });
-    }
+    check_shape(args.shape, n)?;
     if !args.dtype.is_quantizable() {
         return Err(Error::NotQuantizable(args.dtype));
     }
@@ -1065,20 +1077,7 @@ pub struct DecompressArgs {
 /// [`Error::OutputSize`] for a small workspace, [`Error::Format`] for more than 8 dimensions,
 /// and CUDA errors.
 pub unsafe fn decompress(args: &DecompressArgs) -> Result<()> {
-    let need_ws = workspace_len(args.n);
-    if args.workspace_len < need_ws {
-        return Err(Error::OutputSize {
-            expected: need_ws,
-            got: args.workspace_len,
-        });
-    }
-    if args.ndim > MAX_NDIM {
-        return Err(crate::FormatError::BadField {
-            field: "ndim",
-            value: args.ndim.to_string(),
-        }
-        .into());
-    }
+    check_decompress_args(args)?;
     let _restore = ContextGuard::save()?;
     let dev = device(args.device)?;
     let stream = dev.stream(args.stream)?;

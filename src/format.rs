@@ -56,7 +56,7 @@ pub enum DType {
     Bool,
 }
 
-/// Every dtype, in the order of their codes.
+/// Every dtype, in the order of their codes (see [`DType::ALL`]).
 const DTYPES: [DType; 10] = [
     DType::F32,
     DType::BF16,
@@ -71,6 +71,9 @@ const DTYPES: [DType; 10] = [
 ];
 
 impl DType {
+    /// Every dtype, in the order of their codes in a frame header.
+    pub const ALL: [DType; 10] = DTYPES;
+
     /// Size of one element in bytes.
     pub fn size(self) -> usize {
         match self {
@@ -284,7 +287,7 @@ fn truncated(part: &'static str, needed: u64, available: u64) -> Error {
     .into()
 }
 
-fn bad_field(field: &'static str, value: impl ToString) -> Error {
+pub(crate) fn bad_field(field: &'static str, value: impl ToString) -> Error {
     FormatError::BadField {
         field,
         value: value.to_string(),
@@ -292,7 +295,7 @@ fn bad_field(field: &'static str, value: impl ToString) -> Error {
     .into()
 }
 
-fn u64_at(b: &[u8], off: usize) -> u64 {
+pub(crate) fn u64_at(b: &[u8], off: usize) -> u64 {
     let mut a = [0u8; 8];
     a.copy_from_slice(&b[off..off + 8]);
     u64::from_le_bytes(a)

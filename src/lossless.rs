@@ -18,9 +18,9 @@
 //! Chunks are independent, so work is split into contiguous ranges of chunks, one per thread,
 //! and the bytes never depend on the number of threads.
 
-use crate::codec::{finish_frame, split_groups, thread_count};
+use crate::codec::{finish_frame, map_ranges, split_groups, thread_count};
 use crate::error::{Error, FormatError, Result};
-use crate::format::{checked_shape, BoundMode, Codec, DType, Header, GROUP};
+use crate::format::{bad_field, checked_shape, u64_at, BoundMode, Codec, DType, Header, GROUP};
 
 /// Elements per chunk (the last chunk may be shorter).
 pub const CHUNK: usize = 4096;
@@ -413,27 +413,10 @@ pub fn compress_lossless_bytes(
     let threads = thread_count(opts.threads, n);
     let _span =
         tracing::debug_span!("compress_lossless", dtype = dtype.name(), n, threads).entered();
-    let parts: Vec<(Vec<u32>, Vec<u8>)> = if threads == 1 {
-        vec![encode_range(bytes, w)]
-    } else {
-        let ranges = split_groups(chunks, threads);
-        crossbeam_utils::thread::scope(|s| {
-            let handles: Vec<_> = ranges
-                .iter()
-                .map(|r| {
-                    let lo = r.start * CHUNK * w;
-                    let hi = (r.end * CHUNK * w).min(bytes.len());
-                    let slice = &bytes[lo..hi];
-                    s.spawn(move |_| encode_range(slice, w))
-                })
-                .collect();
-            handles
-                .into_iter()
-                .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
-                .collect()
-        })
-        .unwrap_or_else(|p| std::panic::resume_unwind(p))
-    };
+    let parts: Vec<(Vec<u32>, Vec<u8>)> = map_ranges(chunks, threads, |r| {
+        let (lo, hi) = (r.start * CHUNK * w, (r.end * CHUNK * w).min(bytes.len()));
+        encode_range(&bytes[lo..hi], w)
+    });
     let payload: usize = parts.iter().map(|p| p.1.len()).sum();
     let mut header = Header {
         codec: Codec::Lossless,
@@ -479,26 +462,12 @@ pub(crate) struct ChunkRef {
     pub m: usize,
 }
 
-fn bad(field: &'static str, value: impl ToString) -> Error {
-    FormatError::BadField {
-        field,
-        value: value.to_string(),
-    }
-    .into()
-}
-
 fn u16_at(b: &[u8], off: usize) -> u16 {
     u16::from_le_bytes([b[off], b[off + 1]])
 }
 
 fn u32_at(b: &[u8], off: usize) -> u32 {
     u32::from_le_bytes([b[off], b[off + 1], b[off + 2], b[off + 3]])
-}
-
-fn u64_at(b: &[u8], off: usize) -> u64 {
-    let mut a = [0u8; 8];
-    a.copy_from_slice(&b[off..off + 8]);
-    u64::from_le_bytes(a)
 }
 
 fn length_mismatch(part: &'static str, expected: usize, found: usize) -> Error {
@@ -518,18 +487,18 @@ fn check_pack(p: &[u8], m: usize, w: usize) -> Result<()> {
     }
     let x = u16_at(p, 0) as usize;
     if u16_at(p, 2) != 0 {
-        return Err(bad("pack reserved bytes", u16_at(p, 2)));
+        return Err(bad_field("pack reserved bytes", u16_at(p, 2)));
     }
     let mask = u64_at(p, 4);
     let base = u64_at(p, 12);
     if mask & !full_mask(w) != 0 {
-        return Err(bad("pack mask", format!("{mask:#x}")));
+        return Err(bad_field("pack mask", format!("{mask:#x}")));
     }
     if base & !full_mask(w) != 0 || base & mask != 0 {
-        return Err(bad("pack base", format!("{base:#x}")));
+        return Err(bad_field("pack base", format!("{base:#x}")));
     }
     if x > m {
-        return Err(bad("pack exception count", x));
+        return Err(bad_field("pack exception count", x));
     }
     let k = mask.count_ones() as usize;
     let expected = pack_size(m, w, k, x);
@@ -551,7 +520,7 @@ fn check_pack(p: &[u8], m: usize, w: usize) -> Result<()> {
                 (u32::MAX as u64) << from & u32::MAX as u64
             };
             if word & unused != 0 {
-                return Err(bad("pack fields", "bits set past the last word"));
+                return Err(bad_field("pack fields", "bits set past the last word"));
             }
         }
     }
@@ -570,7 +539,7 @@ fn check_pack(p: &[u8], m: usize, w: usize) -> Result<()> {
     }
     let vals = idx + pad4(2 * x);
     if p[idx + 2 * x..vals].iter().any(|&b| b != 0) || p[vals + w * x..].iter().any(|&b| b != 0) {
-        return Err(bad("padding", "nonzero"));
+        return Err(bad_field("padding", "nonzero"));
     }
     Ok(())
 }
@@ -586,7 +555,10 @@ fn check_bitmask(p: &[u8], m: usize) -> Result<usize> {
         let word = u32_at(p, 4 * i);
         let lanes = (m - GROUP * i).min(GROUP);
         if lanes < GROUP && word >> lanes != 0 {
-            return Err(bad("sparse bitmask", "bits set past the last element"));
+            return Err(bad_field(
+                "sparse bitmask",
+                "bits set past the last element",
+            ));
         }
         nnz += word.count_ones() as usize;
     }
@@ -595,7 +567,7 @@ fn check_bitmask(p: &[u8], m: usize) -> Result<usize> {
 
 /// Locates and checks every chunk of a lossless body of `n` words of `w` bytes.
 pub(crate) fn check_body(raw: &[u8], n: u64, w: usize) -> Result<Vec<ChunkRef>> {
-    let n = usize::try_from(n).map_err(|_| bad("element count", n))?;
+    let n = usize::try_from(n).map_err(|_| bad_field("element count", n))?;
     let chunks = n.div_ceil(CHUNK);
     let table_len = chunks
         .checked_mul(4)
@@ -606,7 +578,7 @@ pub(crate) fn check_body(raw: &[u8], n: u64, w: usize) -> Result<Vec<ChunkRef>> 
     for c in 0..chunks {
         let entry = u32_at(raw, 4 * c);
         let method = Method::from_code(entry >> LEN_BITS)
-            .ok_or_else(|| bad("chunk method", entry >> LEN_BITS))?;
+            .ok_or_else(|| bad_field("chunk method", entry >> LEN_BITS))?;
         let len = (entry & ((1 << LEN_BITS) - 1)) as usize;
         let m = (n - c * CHUNK).min(CHUNK);
         let end = offset
@@ -620,7 +592,7 @@ pub(crate) fn check_body(raw: &[u8], n: u64, w: usize) -> Result<Vec<ChunkRef>> 
                     return Err(length_mismatch("raw chunk", pad4(m * w), len));
                 }
                 if p[m * w..].iter().any(|&b| b != 0) {
-                    return Err(bad("padding", "nonzero"));
+                    return Err(bad_field("padding", "nonzero"));
                 }
             }
             Method::Pack => check_pack(p, m, w)?,
@@ -631,7 +603,7 @@ pub(crate) fn check_body(raw: &[u8], n: u64, w: usize) -> Result<Vec<ChunkRef>> 
                     return Err(length_mismatch("sparse chunk", bm + pad4(nnz * w), len));
                 }
                 if p[bm + nnz * w..].iter().any(|&b| b != 0) {
-                    return Err(bad("padding", "nonzero"));
+                    return Err(bad_field("padding", "nonzero"));
                 }
             }
             Method::SparsePack => {

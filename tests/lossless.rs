@@ -13,19 +13,6 @@ use common::{gen, Dist};
 use half::{bf16, f16};
 use rand::{Rng, SeedableRng};
 
-const ALL: [DType; 10] = [
-    DType::F32,
-    DType::BF16,
-    DType::F16,
-    DType::F64,
-    DType::U8,
-    DType::I8,
-    DType::I16,
-    DType::I32,
-    DType::I64,
-    DType::Bool,
-];
-
 fn opts() -> LosslessOptions {
     LosslessOptions::default()
 }
@@ -92,7 +79,7 @@ fn every_16_bit_pattern_comes_back() {
 
 #[test]
 fn random_bit_patterns_of_every_dtype_come_back() {
-    for (k, &dtype) in ALL.iter().enumerate() {
+    for (k, &dtype) in DType::ALL.iter().enumerate() {
         let w = dtype.size();
         for n in [
             0usize,
