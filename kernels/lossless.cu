@@ -177,17 +177,14 @@ __device__ void ll_unpack(const u8* p, u32 m, W* dst, W (*dep)[LLTable<W>::ENTRI
     __syncthreads();
 }
 
-// Each thread's exclusive prefix of nonzero words over the bitmask words before its own
-// (thread t owns bitmask word t), through shared memory.
-__device__ u32 ll_rank_base(const u8* bitmask, u32 m, u32* scratch, u32* total) {
-    u32 t = threadIdx.x;
-    u32 words = (m + CFC_GROUP - 1) / CFC_GROUP;
-    u32 c = t < words ? __popc(ll_load_u32(bitmask + 4 * t)) : 0;
-    u32 lane = t & 31, warp = t >> 5;
+// Block-wide exclusive prefix sum of one value per thread (LL_THREADS of them), through
+// scratch (a word per warp); *total gets the sum of all. Every thread of the block calls it.
+__device__ u32 ll_block_scan(u32 c, u32* scratch, u32* total) {
+    u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     u32 inc = c;
     for (int o = 1; o < 32; o <<= 1) {
         u32 v = __shfl_up_sync(CFC_FULL_MASK, inc, o);
-        if (lane >= o) inc += v;
+        if ((int)lane >= o) inc += v;
     }
     if (lane == 31) scratch[warp] = inc;
     __syncthreads();
@@ -197,8 +194,16 @@ __device__ u32 ll_rank_base(const u8* bitmask, u32 m, u32* scratch, u32* total) 
         all += scratch[w];
     }
     *total = all;
-    __syncthreads();
+    __syncthreads();  // scratch may be reused at once
     return before + inc - c;
+}
+
+// Each thread's exclusive prefix of nonzero words over the bitmask words before its own
+// (thread t owns bitmask word t).
+__device__ u32 ll_rank_base(const u8* bitmask, u32 m, u32* scratch, u32* total) {
+    u32 t = threadIdx.x;
+    u32 words = (m + CFC_GROUP - 1) / CFC_GROUP;
+    return ll_block_scan(t < words ? __popc(ll_load_u32(bitmask + 4 * t)) : 0, scratch, total);
 }
 
 template <class W>
@@ -305,6 +310,7 @@ struct LLEnc {
     u32 acc[LL_THREADS / 32][66];
     u32 gcount[LL_GROUPS];
     u32 goff[LL_GROUPS];
+    u32 excbal[LL_GROUPS];  // which words of each group are exceptions (ll_write_pack)
     u32 scratch[LL_THREADS / 32];
     u32 bitmask[LL_GROUPS];
     LLPlan plan[2];
@@ -315,21 +321,13 @@ __device__ __forceinline__ u32 ll_pack_size(u32 m, u32 w, u32 k, u32 x) {
     return LL_PACK_HEADER + 4 * ((m + 31) / 32) * k + ((2 * x + 3) & ~3u) + ((w * x + 3) & ~3u);
 }
 
-// Exclusive prefix of v[t] (t < LL_GROUPS, one per thread) into out[], through scratch.
-__device__ void ll_scan_groups(const u32* v, u32* out, u32* scratch) {
-    u32 t = threadIdx.x, lane = t & 31, warp = t >> 5;
-    u32 c = v[t];
-    u32 inc = c;
-    for (int o = 1; o < 32; o <<= 1) {
-        u32 s = __shfl_up_sync(CFC_FULL_MASK, inc, o);
-        if ((int)lane >= o) inc += s;
-    }
-    if (lane == 31) scratch[warp] = inc;
+// Exclusive prefix of v[t] (t < LL_GROUPS, one per thread) into out[], visible to the whole
+// block on return; returns the sum of all.
+__device__ u32 ll_scan_groups(const u32* v, u32* out, u32* scratch) {
+    u32 total;
+    out[threadIdx.x] = ll_block_scan(v[threadIdx.x], scratch, &total);
     __syncthreads();
-    u32 before = 0;
-    for (u32 w = 0; w < warp; w++) before += scratch[w];
-    out[t] = before + inc - c;
-    __syncthreads();
+    return total;
 }
 
 // Plans a pack block for src[0..m) into e.plan[which] (as plan_pack in src/lossless.rs).
@@ -465,7 +463,10 @@ __device__ void ll_write_pack(const W* src, u32 m, LLEnc<W>& e, int which, u8* d
         u64 v = valid ? (u64)src[i] : 0;
         bool exc = valid && (((v ^ pl.base) & ~pl.mask) != 0);
         u32 bal = __ballot_sync(CFC_FULL_MASK, exc);
-        if (lane == 0) e.gcount[g] = __popc(bal);
+        if (lane == 0) {
+            e.excbal[g] = bal;
+            e.gcount[g] = __popc(bal);
+        }
         if (k) {
             for (u32 q = lane; q < k + 2; q += 32) acc[q] = 0;
             __syncwarp();
@@ -494,11 +495,9 @@ __device__ void ll_write_pack(const W* src, u32 m, LLEnc<W>& e, int which, u8* d
     u8* vals = idx + ((2 * pl.x + 3) & ~3u);
     for (u32 g = warp; g < groups; g += LL_THREADS / 32) {
         u32 i = g * 32 + lane;
-        bool valid = i < m;
-        u64 v = valid ? (u64)src[i] : 0;
-        bool exc = valid && (((v ^ pl.base) & ~pl.mask) != 0);
-        u32 bal = __ballot_sync(CFC_FULL_MASK, exc);
-        if (exc) {
+        u32 bal = e.excbal[g];
+        if ((bal >> lane) & 1u) {
+            u64 v = (u64)src[i];
             u32 pos = e.goff[g] + __popc(bal & ((1u << lane) - 1u));
             idx[2 * pos] = (u8)i;
             idx[2 * pos + 1] = (u8)(i >> 8);
@@ -534,8 +533,7 @@ __device__ void ll_encode(const W* x, u64 n, u8* staging, u32* entries) {
         }
     }
     __syncthreads();
-    ll_scan_groups(e.gcount, e.goff, e.scratch);
-    u32 nnz = e.goff[LL_GROUPS - 1] + e.gcount[LL_GROUPS - 1];
+    u32 nnz = ll_scan_groups(e.gcount, e.goff, e.scratch);
     for (u32 g = warp; g < groups; g += LL_THREADS / 32) {
         u32 i = g * 32 + lane;
         u32 bal = e.bitmask[g];
