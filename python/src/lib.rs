@@ -518,27 +518,19 @@ fn cuda_decompress(
     ws_len: u64,
     codec: &str,
 ) -> PyResult<()> {
-    let args = cfc::cuda::DecompressArgs {
-        device,
-        stream,
-        frame: frame_ptr,
-        n: numel,
-        dtype: dtype_of(dtype)?,
-        codec: match codec {
-            "quantized" => cfc::Codec::Quantized,
-            "raw" => cfc::Codec::Raw,
-            "lossless" => cfc::Codec::Lossless,
-            other => {
-                return Err(PyValueError::new_err(format!(
-                    "codec must be 'quantized', 'raw' or 'lossless', got {other:?}"
-                )))
-            }
-        },
-        ndim,
-        out: out_ptr,
-        workspace: ws_ptr,
-        workspace_len: ws_len,
+    let codec = match codec {
+        "quantized" => cfc::Codec::Quantized,
+        "raw" => cfc::Codec::Raw,
+        "lossless" => cfc::Codec::Lossless,
+        other => {
+            return Err(PyValueError::new_err(format!(
+                "codec must be 'quantized', 'raw' or 'lossless', got {other:?}"
+            )))
+        }
     };
+    let args = decompress_args(
+        device, stream, frame_ptr, numel, dtype, codec, ndim, out_ptr, ws_ptr, ws_len,
+    )?;
     // SAFETY: as for cuda_compress; cfc.codec validates host frames (cfc::validate) before
     // uploading them, and frames made by cuda_compress are well-formed by construction.
     py.detach(|| unsafe { cfc::cuda::decompress(&args) })
@@ -561,8 +553,17 @@ fn cuda_lossless_offsets(
     ws_ptr: u64,
     ws_len: u64,
 ) -> PyResult<()> {
-    let args = lossless_args(
-        device, stream, frame_ptr, numel, dtype, ndim, 0, ws_ptr, ws_len,
+    let args = decompress_args(
+        device,
+        stream,
+        frame_ptr,
+        numel,
+        dtype,
+        cfc::Codec::Lossless,
+        ndim,
+        0,
+        ws_ptr,
+        ws_len,
     )?;
     // SAFETY: as cuda_decompress; cfc.codec checked the frame on the host (cfc.pin) and queues
     // this after the copy of its header and chunk table, on the same stream.
@@ -589,21 +590,32 @@ fn cuda_lossless_chunks(
     first: u64,
     last: u64,
 ) -> PyResult<()> {
-    let args = lossless_args(
-        device, stream, frame_ptr, numel, dtype, ndim, out_ptr, ws_ptr, ws_len,
+    let args = decompress_args(
+        device,
+        stream,
+        frame_ptr,
+        numel,
+        dtype,
+        cfc::Codec::Lossless,
+        ndim,
+        out_ptr,
+        ws_ptr,
+        ws_len,
     )?;
     // SAFETY: as cuda_lossless_offsets; the stream waits for the copy of these chunks first.
     py.detach(|| unsafe { cfc::cuda::lossless_chunks(&args, first, last) })
         .map_err(to_py)
 }
 
+/// The arguments of every decoding call (`cuda_decompress`, `cuda_lossless_*`).
 #[allow(clippy::too_many_arguments)]
-fn lossless_args(
+fn decompress_args(
     device: usize,
     stream: usize,
     frame: u64,
     n: u64,
     dtype: &str,
+    codec: cfc::Codec,
     ndim: usize,
     out: u64,
     workspace: u64,
@@ -615,7 +627,7 @@ fn lossless_args(
         frame,
         n,
         dtype: dtype_of(dtype)?,
-        codec: cfc::Codec::Lossless,
+        codec,
         ndim,
         out,
         workspace,
