@@ -244,16 +244,22 @@ def test_gpu_decodes_lossless_frames_bit_for_bit(dtype, n):
     assert bits(cfc.decompress(p, device="cuda")) == bits(x)
 
 
-@pytest.mark.gpu
-def test_gpu_decodes_every_method():
-    # raw, pack, sparse and sparse + pack chunks in one frame, in every word width.
+def four_methods(tail=0):
+    """int32 chunks that take raw, pack, sparse and sparse + pack in turn (and `tail` more
+    random words)."""
     n = 4096
     g = torch.Generator().manual_seed(5)
     raw = torch.randint(-(1 << 31), (1 << 31) - 1, (n,), generator=g, dtype=torch.int64).to(torch.int32)
     packed = (torch.randn(n, generator=g) * 0.02).view(torch.int32)
     sparse = torch.where(torch.arange(n) % 3 == 0, raw, torch.zeros_like(raw))
     relu = torch.relu(torch.randn(n, generator=g)).view(torch.int32)
-    x = torch.cat([raw, packed, sparse, relu])
+    return torch.cat([raw, packed, sparse, relu, raw[:tail]])
+
+
+@pytest.mark.gpu
+def test_gpu_decodes_every_method():
+    # raw, pack, sparse and sparse + pack chunks in one frame, in every word width.
+    x = four_methods()
     for t in (x, x.view(torch.float32), x.view(torch.int16), x.view(torch.int8), x.view(torch.int64)):
         c = cfc.compress(t, lossless=True)
         assert bits(cfc.decompress(c, device="cuda")) == bits(t)
@@ -351,13 +357,7 @@ def test_gpu_encoder_writes_the_cpu_bytes(dtype, n):
 
 @pytest.mark.gpu
 def test_gpu_encoder_every_method():
-    n = 4096
-    g = torch.Generator().manual_seed(5)
-    raw = torch.randint(-(1 << 31), (1 << 31) - 1, (n,), generator=g, dtype=torch.int64).to(torch.int32)
-    packed = (torch.randn(n, generator=g) * 0.02).view(torch.int32)
-    sparse = torch.where(torch.arange(n) % 3 == 0, raw, torch.zeros_like(raw))
-    relu = torch.relu(torch.randn(n, generator=g)).view(torch.int32)
-    x = torch.cat([raw, packed, sparse, relu, raw[:77]])
+    x = four_methods(tail=77)
     for t in (x, x.view(torch.float32), x.view(torch.int16), x.view(torch.int8), x[:-1].view(torch.int64)):
         want = bytes(cfc.compress(t, lossless=True))
         assert bytes(cfc.compress(t.cuda(), lossless=True)) == want, t.dtype
