@@ -1,14 +1,17 @@
 // The error-bounded codec on the GPU. Produces the bytes of the CPU reference (src/codec.rs,
 // docs/FORMAT.md) without any host synchronization: every size stays on the device.
 //
-// Compress: [max_abs -> params] (rel/bits modes) or set_params (abs) -> encode_groups (one warp
-// per group: width and exception count) -> exclusive scans of both (scan.cu) -> finish (header,
-// raw-or-quantized decision, frame size) -> pack (bit planes by ballot, exceptions, or the raw
-// bytes). Decompress: widths -> scan -> decode_groups -> scatter exceptions.
+// Work is cut into chunks of 8 groups (256 values), one warp each, 8 chunks to a block (a tile).
+// Where a chunk's planes go depends on the sizes of every chunk before it, so each direction
+// takes two passes: one that sizes the chunks (and, compressing, quantizes and stages their
+// planes), whose last block scans the tiles' totals, and one that moves the planes.
+//
+// Compress: [max_abs] (rel/bits modes) -> encode_chunks (quantize, widths, staged bit planes,
+// sizes) -> pack_chunks (header, raw-or-quantized decision, planes and exceptions in place, or
+// raw bytes; residuals). Decompress: decode_offsets -> decode_chunks -> scatter_exceptions.
 #include "common.cuh"
 
 #define DEFINE_FOR_DTYPES(MACRO) MACRO(f32, F32) MACRO(bf16, BF16) MACRO(f16, F16)
-// Kernels are launched with CFC_BLOCK threads (8 groups per block), scan kernels with 1024.
 
 // ---- bound parameters ----
 
@@ -47,51 +50,57 @@ __device__ void max_abs(const typename D::T* x, u64 n, CfcParams* p, const float
     }
 DEFINE_FOR_DTYPES(MAX_ABS)
 
-extern "C" __global__ void cfc_codec_reset(CfcParams* p) {
-    p->step = p->inv_step = p->eps = 0.0;
-    p->max_abs_bits = p->max_err_bits = 0;
-    p->error = p->pad = 0;
-}
-
-// mode 0 abs (value = eps), 1 rel (value = rel), 2 bits (value = bits). Mirrors
-// quantizer_for() in src/codec.rs; error 1 = the resulting eps is unusable.
-extern "C" __global__ void cfc_codec_params(CfcParams* p, u32 mode, double value) {
-    double max = __longlong_as_double((i64)p->max_abs_bits);
-    double eps, step;
-    p->error = 0;
+// The quantization parameters of mode 0 abs (value = eps), 1 rel (value = rel) or 2 bits
+// (value = bits), from the largest finite magnitude `max`. Mirrors quantizer_for() in
+// src/codec.rs; error 1 = the resulting eps is unusable. Every block of the encoder computes
+// them itself (they are a pure function of the arguments), so no kernel has to run first.
+__device__ __forceinline__ CfcParams make_params(u32 mode, double value, double max) {
+    CfcParams p;
+    p.max_abs_bits = p.max_err_bits = 0;
+    p.error = p.pad = 0;
     if (mode == 2) {
         u32 bits = (u32)value;
         double qmax = (double)((1ull << (bits - 1)) - 1);
-        step = max > 0.0 ? max / qmax : 1.0;
+        double step = max > 0.0 ? max / qmax : 1.0;
         if (!(step >= 2.2250738585072014e-308 && step <= 1.7976931348623157e308)) step = 2.2250738585072014e-308;
         while (max * (1.0 / step) > CFC_MAX_CODE) step = __longlong_as_double(__double_as_longlong(step) + 1);
-        p->step = step;
-        p->inv_step = 1.0 / step;
-        p->eps = step / 2.0;
-        return;
+        p.step = step;
+        p.inv_step = 1.0 / step;
+        p.eps = step / 2.0;
+        return p;
     }
-    eps = mode == 1 ? (max > 0.0 ? value * max : value) : value;
+    double eps = mode == 1 ? (max > 0.0 ? value * max : value) : value;
     if (!(eps >= 2.2250738585072014e-308 && eps <= 1.7976931348623157e308 / 4.0)) {
-        p->error = 1;
+        p.error = 1;
         eps = 1.0;
     }
-    step = 2.0 * eps;
-    p->step = step;
-    p->inv_step = 1.0 / step;
-    p->eps = eps;
+    p.step = 2.0 * eps;
+    p.inv_step = 1.0 / p.step;
+    p.eps = eps;
+    return p;
 }
 
-// ---- encode ----------------------------------------------------------------------------
-// Each warp takes CFC_UNROLL consecutive groups per step and issues all their independent loads
-// before using any: enough bytes in flight to approach memory bandwidth.
-#define CFC_UNROLL 4
-// Kernels walk groups with grid-stride warps (one warp = one group at a time); reductions
-// across the grid go through one atomic per block.
+// ---- quantization ------------------------------------------------------------------------
 
 // 1.5 * 2^52: (t + MAGIC) - MAGIC is rint(t) for |t| < 2^51, with the integer in the low bits
 // of t + MAGIC. The same trick as the CPU reference, cheaper than rint + conversions on the GPU
 // (needs --fmad=false, so that x * inv + MAGIC is never contracted).
 #define CFC_ROUND_MAGIC 6755399441055744.0
+
+// rint(t) as a double, and its low 32 bits as an integer (valid for |t| <= 2^31 - 1).
+__device__ __forceinline__ double round_scaled(double t, i64* q) {
+    double shifted = t + CFC_ROUND_MAGIC;
+    *q = (i64)(int)(u32)__double2loint(shifted);
+    return shifted - CFC_ROUND_MAGIC;
+}
+
+// The value a non-exception element `v` decodes to (the decode rule of docs/FORMAT.md).
+template <class D>
+__device__ __forceinline__ typename D::T quantized_value(typename D::T v, const CfcParams* p) {
+    i64 q;
+    double qf = round_scaled(D::to_f64(v) * p->inv_step, &q);
+    return D::from_f32(__double2float_rn(qf * p->step));
+}
 
 // One lane's element: its zigzag code (0 for an exception) and whether it is an exception.
 template <class D>
@@ -102,9 +111,8 @@ __device__ __forceinline__ u32 encode_lane(typename D::T v, bool valid, const Cf
     if (!valid) return 0;
     double x64 = D::to_f64(v);
     double t = x64 * p->inv_step;
-    double shifted = t + CFC_ROUND_MAGIC;
-    double qf = shifted - CFC_ROUND_MAGIC;
-    i64 q = (i64)(int)(u32)__double2loint(shifted);
+    i64 q;
+    double qf = round_scaled(t, &q);
     double dec = D::to_f64(D::from_f32(__double2float_rn(qf * p->step)));
     double err = fabs(dec - x64);
     bool ok = fabs(t) <= CFC_MAX_CODE && (fixed ? (err <= 1.7976931348623157e308) : (err <= p->eps));
@@ -113,207 +121,389 @@ __device__ __forceinline__ u32 encode_lane(typename D::T v, bool valid, const Cf
     return (u32)((q << 1) ^ (q >> 63));
 }
 
-// Pass 1: per group, width and exception count (widths go straight into the frame body) and the
-// bit planes, staged at a fixed place per group (32 words) for pass 2 to move into the frame.
-template <class D>
-__device__ void encode_groups(const typename D::T* x, u64 n, u64 groups, const CfcParams* p, u32 fixed,
-                              u8* widths, u64* words, u64* excs, u32* staging, u32* excmask,
-                              float* residual) {
+// ---- chunks and tiles ------------------------------------------------------------------
+// A chunk is CHUNK_GROUPS consecutive groups (256 values), one warp's work; a tile is the
+// TILE_CHUNKS chunks of one block; a span is SPAN_TILES tiles. Where a chunk's planes go in the
+// frame depends on every chunk before it, so each block writes its chunks' offsets within the
+// tile and the tile's totals; the last block to finish in a span turns its tiles' totals into
+// prefix sums within the span, and the last span to finish does the same over the spans. The
+// next kernel adds the three levels. No block ever waits for another.
+// Workspace layout (src/cuda.rs mirrors it, see tile_layout):
+//   0   CfcParams (48 bytes)   64  frame size (u64)   72  raw flag (u32)   80  spans done (u32)
+//   96  totals: plane words, exceptions (u64 each)
+//   112 span_done[spans] (u32)                    -- bytes 0 to 112 + 4 spans are zeroed per call
+//   then, 16-aligned: tile_words, tile_excs [tiles] and span_words, span_excs [spans] (u64):
+//   totals, then exclusive prefix sums; chunk_info[chunks] (uint4: words and exceptions before
+//   the chunk in its tile, and the chunk's own); then (compress) excmask[groups] (u32) and the
+//   staged planes (256 u32 per chunk).
+#define CHUNK_GROUPS 8
+#define CHUNK_VALUES 256
+#define TILE_CHUNKS 8
+#define TILE_THREADS 256
+#define SPAN_TILES 64
+#define WS_DONE 80
+#define WS_TOTALS 96
+#define WS_SPANS 112
+
+struct Tiles {
+    u32* done;
+    u64* totals;
+    u32* span_done;
+    u64* tile_words;
+    u64* tile_excs;
+    u64* span_words;
+    u64* span_excs;
+    uint4* chunk_info;
+    u32* excmask;
+    u32* stage;
+    u64 groups, chunks, tiles, spans;
+};
+
+__device__ __forceinline__ Tiles tiles_at(u8* ws, u64 n) {
+    Tiles s;
+    s.groups = (n + CFC_GROUP - 1) / CFC_GROUP;
+    s.chunks = (s.groups + CHUNK_GROUPS - 1) / CHUNK_GROUPS;
+    s.tiles = max((s.chunks + TILE_CHUNKS - 1) / TILE_CHUNKS, 1ull);
+    s.spans = (s.tiles + SPAN_TILES - 1) / SPAN_TILES;
+    s.done = (u32*)(ws + WS_DONE);
+    s.totals = (u64*)(ws + WS_TOTALS);
+    s.span_done = (u32*)(ws + WS_SPANS);
+    s.tile_words = (u64*)(ws + ((WS_SPANS + 4 * s.spans + 15) & ~15ull));
+    s.tile_excs = s.tile_words + s.tiles;
+    s.span_words = s.tile_excs + s.tiles;
+    s.span_excs = s.span_words + s.spans;
+    s.chunk_info = (uint4*)(s.span_excs + s.spans);  // 16-aligned: 16 (tiles + spans) bytes on
+    s.excmask = (u32*)(s.chunk_info + s.chunks);
+    s.stage = s.excmask + s.groups;
+    return s;
+}
+
+// Exclusive scan, in place, of the `len` pairs a[], b[] by one warp (contiguous runs per lane);
+// returns the totals in every lane. Reads through L2: the values were written by other blocks.
+__device__ void warp_scan_pairs(u64* a, u64* b, u64 len, u64* ta, u64* tb) {
     u32 lane = threadIdx.x & 31;
-    u64 warp = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    u64 warps = ((u64)gridDim.x * blockDim.x) >> 5;
-    if (blockIdx.x == 0 && threadIdx.x == 0) {  // the scans' totals slot
-        words[groups] = 0;
-        excs[groups] = 0;
+    u64 per = (len + 31) / 32, lo = min(lane * per, len), hi = min(lo + per, len);
+    u64 sa = 0, sb = 0;
+    for (u64 k = lo; k < hi; ++k) {
+        sa += __ldcg(&a[k]);
+        sb += __ldcg(&b[k]);
+    }
+    u64 ia = sa, ib = sb;
+    for (int o = 1; o < 32; o <<= 1) {
+        u64 x = __shfl_up_sync(CFC_FULL_MASK, ia, o), y = __shfl_up_sync(CFC_FULL_MASK, ib, o);
+        if (lane >= o) { ia += x; ib += y; }
+    }
+    *ta = __shfl_sync(CFC_FULL_MASK, ia, 31);
+    *tb = __shfl_sync(CFC_FULL_MASK, ib, 31);
+    u64 ea = ia - sa, eb = ib - sb;
+    for (u64 k = lo; k < hi; ++k) {
+        u64 x = __ldcg(&a[k]), y = __ldcg(&b[k]);
+        a[k] = ea;
+        b[k] = eb;
+        ea += x;
+        eb += y;
+    }
+}
+
+// Each block's warp 0 calls this with its chunks' (words, exceptions) in lanes 0..7: writes the
+// chunks' offsets within the tile and the tile's totals, then takes part in the span and grand
+// scans when it is the last of its span (or of all spans) to get here.
+__device__ void tile_totals(const Tiles& s, u64 tile, u32 cw, u32 ce) {
+    u32 lane = threadIdx.x & 31;
+    u32 iw = cw, ie = ce;  // inclusive scan over the tile's chunks
+    for (int o = 1; o < TILE_CHUNKS; o <<= 1) {
+        u32 a = __shfl_up_sync(CFC_FULL_MASK, iw, o), b = __shfl_up_sync(CFC_FULL_MASK, ie, o);
+        if (lane >= o) { iw += a; ie += b; }
+    }
+    u64 ch = tile * TILE_CHUNKS + lane;
+    if (lane < TILE_CHUNKS && ch < s.chunks) s.chunk_info[ch] = make_uint4(iw - cw, ie - ce, cw, ce);
+    u32 tw = __shfl_sync(CFC_FULL_MASK, iw, TILE_CHUNKS - 1), te = __shfl_sync(CFC_FULL_MASK, ie, TILE_CHUNKS - 1);
+    u64 span = tile / SPAN_TILES;
+    u64 first = span * SPAN_TILES, in_span = min(s.tiles - first, (u64)SPAN_TILES);
+    u32 last = 0;
+    if (lane == 0) {
+        s.tile_words[tile] = tw;
+        s.tile_excs[tile] = te;
+        __threadfence();  // the totals are visible before this block counts as done
+        last = atomicAdd(&s.span_done[span], 1u) == in_span - 1;
+    }
+    if (!__shfl_sync(CFC_FULL_MASK, last, 0)) return;
+    __threadfence();
+    u64 sw, se;
+    warp_scan_pairs(s.tile_words + first, s.tile_excs + first, in_span, &sw, &se);
+    if (lane == 0) {
+        s.span_words[span] = sw;
+        s.span_excs[span] = se;
+        __threadfence();
+        last = atomicAdd(s.done, 1u) == s.spans - 1;
+    }
+    if (!__shfl_sync(CFC_FULL_MASK, last, 0)) return;
+    __threadfence();
+    warp_scan_pairs(s.span_words, s.span_excs, s.spans, &sw, &se);
+    if (lane == 0) {
+        s.totals[0] = sw;
+        s.totals[1] = se;
+    }
+}
+
+// Plane words and exceptions before tile `t` (after tile_totals has run for every tile).
+__device__ __forceinline__ u64 words_before(const Tiles& s, u64 t) {
+    return s.span_words[t / SPAN_TILES] + s.tile_words[t];
+}
+__device__ __forceinline__ u64 excs_before(const Tiles& s, u64 t) {
+    return s.span_excs[t / SPAN_TILES] + s.tile_excs[t];
+}
+
+// Copies `nw` staged words to bytes [pb, pb + 4 nw) of the frame (pb at any alignment), writing
+// nothing at or past `limit`: aligned words in between, each made of two staged words (the
+// previous one from the neighbouring lane); the bytes of the partial words at either end
+// (which neighbouring chunks share) one by one. Called by one warp.
+__device__ __forceinline__ void put_words(u8* pb, const u32* staged, u32 nw, const u8* limit) {
+    const u32 lane = threadIdx.x & 31;
+    const u8* end = pb + 4 * (u64)nw;
+    if (end > limit) end = limit;
+    if (pb >= end) return;
+    const u32 sh = (u32)((u64)pb & 3);
+    u8* a0 = pb - sh;
+    const u32 count = (u32)(((u64)(end - a0) + 3) / 4);
+    u32 carry = 0;  // staged word k - 1 for lane 0
+    for (u32 base = 0; base < count; base += 32) {
+        u32 k = base + lane;
+        u32 cur = k < nw ? staged[k] : 0;
+        u32 prev = __shfl_up_sync(CFC_FULL_MASK, cur, 1);
+        if (lane == 0) prev = carry;
+        carry = __shfl_sync(CFC_FULL_MASK, cur, 31);
+        if (k >= count) continue;
+        u8* a = a0 + 4 * k;
+        if ((sh == 0 || k > 0) && a + 4 <= end) {
+            *(u32*)a = sh == 0 ? cur : __funnelshift_r(prev, cur, 8 * (4 - sh));
+        } else {
+            for (u32 bi = 0; bi < 4; ++bi) {
+                if (a + bi < pb || a + bi >= end) continue;
+                u32 o = (u32)(a + bi - pb);  // byte o of the staged words: in prev or cur
+                u32 word = (o >> 2) == k ? cur : prev;
+                a[bi] = (u8)(word >> (8 * (o & 3)));
+            }
+        }
+    }
+}
+
+// ---- encode ----------------------------------------------------------------------------
+
+// Pass 1, one chunk per warp: every value quantized once (with error feedback, x + r; the
+// compensated value is left in the residual for pass 2), widths written to the frame, bit
+// planes staged back to back in the chunk's slot, exceptions marked in excmask.
+template <class D>
+__device__ void encode_chunks(const typename D::T* __restrict__ x, u64 n, u32 mode, double value,
+                              u32 fixed, u8* body, u8* ws, float* __restrict__ residual) {
+    __shared__ u32 s_cw[TILE_CHUNKS], s_ce[TILE_CHUNKS];
+    CfcParams* pp = (CfcParams*)ws;
+    const Tiles ts = tiles_at(ws, n);
+    CfcParams P = make_params(mode, value, __longlong_as_double((i64)pp->max_abs_bits));
+    if (blockIdx.x == 0 && threadIdx.x == 0) {  // for pass 2 and the host
+        pp->step = P.step;
+        pp->inv_step = P.inv_step;
+        pp->eps = P.eps;
+        pp->error = P.error;
+    }
+    // An unusable bound (rel) is reported on the host; the residual must then stay as it was.
+    if (P.error) residual = nullptr;
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const u64 ch = (u64)blockIdx.x * TILE_CHUNKS + warp;
+    const u64 e0 = ch * CHUNK_VALUES;
+    // Values of this chunk that exist (0 for the warps past the end).
+    const u32 have = e0 >= n ? 0 : (u32)min(n - e0, (u64)CHUNK_VALUES);
+    const u32 have_groups = (have + CFC_GROUP - 1) / CFC_GROUP;
+    const typename D::T* xc = x + e0;
+    float* rc = residual ? residual + e0 : nullptr;
+
+    typename D::T v[CHUNK_GROUPS];
+    float c[CHUNK_GROUPS];
+#pragma unroll
+    for (int u = 0; u < CHUNK_GROUPS; ++u) {
+        u32 j = u * CFC_GROUP + lane;
+        v[u] = j < have ? xc[j] : typename D::T(0);
+        c[u] = rc && j < have ? rc[j] : 0.0f;
     }
     double max_err = 0.0;
-    // In registers for the whole loop; only the fields no block writes during this kernel.
-    CfcParams P;
-    P.step = p->step;
-    P.inv_step = p->inv_step;
-    P.eps = p->eps;
-    // An unusable bound (rel) is reported on the host; the residual must then stay as it was.
-    if (p->error) residual = nullptr;
-    for (u64 g0 = warp * CFC_UNROLL; g0 < groups; g0 += warps * CFC_UNROLL) {
-      typename D::T v[CFC_UNROLL];
-      float c[CFC_UNROLL];
+    u32* slot = ts.stage + ch * (CHUNK_GROUPS * 32);
+    u32 excb[CHUNK_GROUPS];
+    u32 widths_lo = 0, widths_hi = 0;  // a byte per group: groups 0-3, 4-7
+    u32 cw = 0, ce = 0;
 #pragma unroll
-      for (int u = 0; u < CFC_UNROLL; ++u) {
-        u64 i = (g0 + u) * CFC_GROUP + lane;
-        v[u] = i < n ? x[i] : typename D::T(0);
-        if (residual && i < n) {  // error feedback: compress x + r
-            c[u] = cfc_compensate(D::to_f32(v[u]), residual[i]);
+    for (int u = 0; u < CHUNK_GROUPS; ++u) {
+        u32 j = u * CFC_GROUP + lane;
+        bool valid = j < have;
+        if (rc && valid) {  // error feedback: compress x + r, keep x + r for pass 2
+            c[u] = cfc_compensate(D::to_f32(v[u]), c[u]);
             v[u] = cfc_sent_value<D>(v[u], c[u]);
+            rc[j] = c[u];
         }
-      }
-      // All lanes' codes first (independent work the compiler interleaves), then the warp votes.
-      u32 zs[CFC_UNROLL];
-      bool excs_[CFC_UNROLL];
-#pragma unroll
-      for (int u = 0; u < CFC_UNROLL; ++u) {
+        bool exc;
         double err;
-        u64 i = (g0 + u) * CFC_GROUP + lane;
-        zs[u] = encode_lane<D>(v[u], i < n, &P, fixed, &excs_[u], &err);
-        max_err = fmax(max_err, err);
-        // Keep the compensated value: pack, which knows what the frame will decode to (codes,
-        // exceptions or raw bytes), turns it into the new residual.
-        if (residual && i < n) residual[i] = c[u];
-      }
-#pragma unroll
-      for (int u = 0; u < CFC_UNROLL; ++u) {
-        u64 g = g0 + u;
-        if (g >= groups) break;  // the same for the whole warp
-        u32 z = zs[u];
-        bool exc = excs_[u];
-        u32 w = fixed ? fixed : 32 - __clz(__reduce_or_sync(CFC_FULL_MASK, z));
-        u32 exc_bits = __ballot_sync(CFC_FULL_MASK, exc);
-        u32 nexc = __popc(exc_bits);
+        u32 z = encode_lane<D>(v[u], valid, &P, fixed, &exc, &err);
+        if (fixed) max_err = fmax(max_err, err);
+        // The same for the whole warp.
+        u32 w = u >= have_groups ? 0 : fixed ? fixed : 32 - __clz(__reduce_or_sync(CFC_FULL_MASK, z));
+        excb[u] = __ballot_sync(CFC_FULL_MASK, exc);
+        // Lane b takes plane b. Four planes per round: planes at or past w are all zero (z < 2^w)
+        // and go to lanes that store nothing.
         u32 mine = 0;
-        for (u32 b = 0; b < w; ++b) {
-            u32 word = __ballot_sync(CFC_FULL_MASK, (z >> b) & 1u);
-            if (lane == b) mine = word;
+        for (u32 b = 0; b < w; b += 4) {
+            u32 p0 = __ballot_sync(CFC_FULL_MASK, (z >> b) & 1u);
+            u32 p1 = __ballot_sync(CFC_FULL_MASK, (z >> (b + 1)) & 1u);
+            u32 p2 = __ballot_sync(CFC_FULL_MASK, (z >> (b + 2)) & 1u);
+            u32 p3 = __ballot_sync(CFC_FULL_MASK, (z >> (b + 3)) & 1u);
+            u32 r = lane - b;
+            mine = r == 0 ? p0 : r == 1 ? p1 : r == 2 ? p2 : r == 3 ? p3 : mine;
         }
-        if (lane < w) staging[g * CFC_GROUP + lane] = mine;
-        if (lane == 0) {
-            widths[g] = (u8)w;
-            words[g] = w;
-            excs[g] = nexc;
-            excmask[g] = exc_bits;
-        }
-      }
+        if (lane < w) slot[cw + lane] = mine;
+        cw += w;
+        ce += __popc(excb[u]);
+        if (u < 4)
+            widths_lo |= w << (8 * u);
+        else
+            widths_hi |= w << (8 * (u - 4));
     }
-    if (fixed) block_max_to((u64*)&((CfcParams*)p)->max_err_bits, max_err);
+    if (lane < have_groups) {
+        body[ch * CHUNK_GROUPS + lane] = (u8)((lane < 4 ? widths_lo : widths_hi) >> (8 * (lane % 4)));
+        u32 mask = 0;
+#pragma unroll
+        for (int u = 0; u < CHUNK_GROUPS; ++u) mask = lane == u ? excb[u] : mask;
+        if (ce) ts.excmask[ch * CHUNK_GROUPS + lane] = mask;
+    }
+    if (lane == 0) {
+        s_cw[warp] = cw;
+        s_ce[warp] = ce;
+    }
+    if (fixed) block_max_to(&pp->max_err_bits, max_err);  // holds a __syncthreads
+    __syncthreads();
+    if (warp == 0) {
+        u32 mw = lane < TILE_CHUNKS ? s_cw[lane] : 0, me = lane < TILE_CHUNKS ? s_ce[lane] : 0;
+        tile_totals(ts, blockIdx.x, mw, me);
+    }
 }
 
-#define ENCODE_GROUPS(name, D)                                                                     \
-    extern "C" __global__ void cfc_codec_encode_groups_##name(const D::T* x, u64 n, u64 groups,    \
-            const CfcParams* p, u32 fixed, u8* widths, u64* words, u64* excs, u32* staging,         \
-            u32* excmask, float* residual) {                                                       \
-        encode_groups<D>(x, n, groups, p, fixed, widths, words, excs, staging, excmask, residual); \
+#define ENCODE_CHUNKS(name, D)                                                                     \
+    extern "C" __global__ __launch_bounds__(TILE_THREADS, 5) void cfc_codec_encode_chunks_##name(const D::T* x, u64 n, u32 mode,      \
+            double value, u32 fixed, u8* body, u8* ws, float* residual) {                          \
+        encode_chunks<D>(x, n, mode, value, fixed, body, ws, residual);                            \
     }
-DEFINE_FOR_DTYPES(ENCODE_GROUPS)
+DEFINE_FOR_DTYPES(ENCODE_CHUNKS)
 
-// After the scans: words[groups] and excs[groups] are the totals. One thread writes the header,
-// decides between the quantized and the raw body (as compress() does) and the frame size.
+// Pass 2, one chunk per warp: block 0 writes the header and the frame size; then, as the totals
+// decide (the CPU reference's rule), either the elements' raw bytes, or the chunk's staged
+// planes and its exceptions in their places. With error feedback the residual holds the
+// compensated value c and becomes c - (what the frame decodes to).
 struct Dims { u64 d[8]; };
 
-extern "C" __global__ void cfc_codec_finish(u8* out, u64 n, u64 groups, u32 dtype, u32 dsize, u32 mode,
-        u32 fixed, u32 ndim, Dims dims, const u64* words, const u64* excs, CfcParams* p,
-        u64* frame_size, u32* raw_flag) {
-    u64 header_len = 64 + 8 * (u64)ndim;
-    u64 idx_size = n <= (1ull << 32) ? 4 : 8;
-    u64 n_exc = excs[groups];
-    u64 quant_len = groups + 4 * words[groups] + n_exc * (idx_size + dsize);
-    u64 raw_len = n * dsize;
-    u32 raw = (!fixed && quant_len >= raw_len) ? 1 : 0;
-    u64 body = raw ? raw_len : quant_len;
-    double eps = fixed ? __longlong_as_double((i64)p->max_err_bits) : p->eps;
-    u8* h = out;
-    h[0] = 'C'; h[1] = 'F'; h[2] = 'C'; h[3] = 'F';
-    h[4] = 1; h[5] = (u8)raw; h[6] = (u8)dtype; h[7] = 0;
-    h[8] = (u8)mode; h[9] = (u8)ndim; h[10] = 5; h[11] = (u8)fixed;
-    h[12] = h[13] = h[14] = h[15] = 0;
-    cfc_store_le(h + 16, n, 8);
-    cfc_store_le(h + 24, (u64)__double_as_longlong(p->step), 8);
-    cfc_store_le(h + 32, (u64)__double_as_longlong(eps), 8);
-    cfc_store_le(h + 40, raw ? 0 : n_exc, 8);
-    cfc_store_le(h + 48, body, 8);
-    cfc_store_le(h + 56, body, 8);
-    for (u32 k = 0; k < ndim; ++k) cfc_store_le(h + 64 + 8 * k, dims.d[k], 8);
-    *frame_size = header_len + body;
-    *raw_flag = raw;
-}
-
-// Pass 2: staged planes move to their scanned place in the frame, exceptions (known from pass
-// 1's mask) are written; a raw frame gets the elements' bytes instead. With error feedback the
-// residual holds the compensated values c (pass 1), and becomes c - (what the frame decodes to).
 template <class D>
-__device__ void pack(const typename D::T* x, u64 n, u64 groups, const CfcParams* p, u8* body,
-                     const u64* words, const u64* excs, const u32* raw_flag, const u32* staging,
-                     const u32* excmask, float* residual) {
-    u32 lane = threadIdx.x & 31;
-    u64 warp = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    u64 warps = ((u64)gridDim.x * blockDim.x) >> 5;
-    bool raw = *raw_flag != 0;
-    u64 idx_size = n <= (1ull << 32) ? 4 : 8;
-    u8* planes = body + groups;
-    u64 n_exc = excs[groups];
-    u8* idx = planes + 4 * words[groups];
-    u8* val = idx + n_exc * idx_size;
-    double step = p->step;
-    if (p->error) residual = nullptr;  // as in encode_groups: leave the residual untouched
-    for (u64 g0 = warp * CFC_UNROLL; g0 < groups; g0 += warps * CFC_UNROLL) {
-        if (raw) {
-#pragma unroll
-            for (int u = 0; u < CFC_UNROLL; ++u) {
-                u64 i = (g0 + u) * CFC_GROUP + lane;
-                if (i >= n) continue;
-                typename D::T v = x[i];
-                if (residual) {
-                    float c = residual[i];
-                    v = cfc_sent_value<D>(v, c);
-                    residual[i] = cfc_new_residual(c, D::to_f32(v));
+__device__ void pack_chunks(const typename D::T* __restrict__ x, u64 n, u32 dtype, u32 mode, u32 fixed,
+                            u32 ndim, const Dims& dims, u8* __restrict__ out, u8* __restrict__ ws,
+                            float* __restrict__ residual) {
+    const CfcParams* pp = (const CfcParams*)ws;
+    const Tiles ts = tiles_at(ws, n);
+    const u32 size = D::SIZE;
+    const u64 groups = ts.groups;
+    const u64 header_len = 64 + 8 * (u64)ndim;
+    u8* body = out + header_len;
+    const u32 lane = threadIdx.x & 31;
+    const u64 ch = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const bool any = ch < ts.chunks;
+    const u64 tile = ch / TILE_CHUNKS;
+    // Every independent read first, so that they travel together.
+    const u64 nwords = ts.totals[0], n_exc = ts.totals[1];
+    CfcParams P;
+    P.step = pp->step;
+    P.inv_step = pp->inv_step;
+    P.eps = pp->eps;
+    const u64 max_err_bits = pp->max_err_bits;
+    if (pp->error) residual = nullptr;  // as in pass 1: leave the residual untouched
+    const uint4 info = any ? ts.chunk_info[ch] : make_uint4(0, 0, 0, 0);  // before in tile, own
+    const u64 wb = any ? words_before(ts, tile) : 0, eb = any ? excs_before(ts, tile) : 0;
+    const u64 idx_size = n <= (1ull << 32) ? 4 : 8;
+    const u64 quant_len = groups + 4 * nwords + n_exc * (idx_size + size);
+    const bool raw = !fixed && quant_len >= n * size;
+    if (any) {
+        const u64 e0 = ch * CHUNK_VALUES;
+        const u32 have = (u32)min(n - e0, (u64)CHUNK_VALUES);
+        if (!raw) {
+            // The output has room for a body smaller than the raw bytes (fixed rate excepted).
+            const u8* limit = fixed ? (const u8*)~0ull : body + n * size;
+            put_words(body + groups + 4 * (wb + info.x), ts.stage + ch * (CHUNK_GROUPS * 32), info.z, limit);
+        }
+        if (raw || residual || info.w) {
+            // Each group's first exception slot: lane u < 8 holds group u's mask and slot.
+            u32 mask_l = 0;
+            u64 first_l = 0;
+            if (!raw && info.w) {
+                u64 g = ch * CHUNK_GROUPS + lane;
+                mask_l = lane < CHUNK_GROUPS && g < groups ? ts.excmask[g] : 0;
+                u32 inc = __popc(mask_l);
+                for (int o = 1; o < CHUNK_GROUPS; o <<= 1) {
+                    u32 a = __shfl_up_sync(CFC_FULL_MASK, inc, o);
+                    if (lane >= o) inc += a;
                 }
-                cfc_store_le(body + i * D::SIZE, D::bits(v), D::SIZE);
+                first_l = eb + info.y + inc - __popc(mask_l);
             }
-            continue;
-        }
-        u64 wo[CFC_UNROLL + 1], eo[CFC_UNROLL + 1];
-#pragma unroll
-        for (int u = 0; u <= CFC_UNROLL; ++u) {
-            u64 g = min(g0 + u, groups);
-            wo[u] = words[g];
-            eo[u] = excs[g];
-        }
-        u32 st[CFC_UNROLL];
-#pragma unroll
-        for (int u = 0; u < CFC_UNROLL; ++u)
-            st[u] = g0 + u < groups && lane < wo[u + 1] - wo[u] ? staging[(g0 + u) * CFC_GROUP + lane] : 0;
-#pragma unroll
-        for (int u = 0; u < CFC_UNROLL; ++u) {
-            u64 g = g0 + u;
-            if (g >= groups) break;  // the same for the whole warp
-            u32 w = (u32)(wo[u + 1] - wo[u]);
-            if (lane < w) cfc_store_le(planes + 4 * (wo[u] + lane), st[u], 4);
-            u32 mask = eo[u + 1] != eo[u] ? excmask[g] : 0;
-            u64 i = g * CFC_GROUP + lane;
-            bool is_exc = (mask >> lane) & 1u;
-            // An exception stores the value that was compressed: x, or with feedback dtype(c).
-            typename D::T v = is_exc && !residual ? x[i] : typename D::T(0);
-            if (residual) {
-                // The code this lane sent, rebuilt from the staged planes.
-                u32 z = 0;
-                for (u32 b = 0; b < w; ++b) z |= ((__shfl_sync(CFC_FULL_MASK, st[u], b) >> lane) & 1u) << b;
-                if (i < n) {
-                    float c = residual[i];
-                    float sent;
-                    if (is_exc) {
-                        v = cfc_sent_value<D>(x[i], c);
-                        sent = D::to_f32(v);
-                    } else {
-                        i64 q = (i64)(int)((z >> 1) ^ (0u - (z & 1u)));
-                        double qf = __longlong_as_double(__double_as_longlong(CFC_ROUND_MAGIC) + q) - CFC_ROUND_MAGIC;
-                        sent = D::to_f32(D::from_f32(__double2float_rn(qf * step)));
-                    }
-                    residual[i] = cfc_new_residual(c, sent);
+            u8* idx = body + groups + 4 * nwords;
+            u8* val = idx + n_exc * idx_size;
+            const bool typed = ((u64)body % size) == 0;  // raw bytes can be stored as elements
+            const typename D::T* xc = x + e0;
+            float* rc = residual ? residual + e0 : nullptr;
+#pragma unroll 2
+            for (int u = 0; u < CHUNK_GROUPS; ++u) {
+                u32 mask = __shfl_sync(CFC_FULL_MASK, mask_l, u);
+                u64 first = __shfl_sync(CFC_FULL_MASK, first_l, u);
+                u32 j = u * CFC_GROUP + lane;
+                bool is_exc = (mask >> lane) & 1u;
+                if (j >= have || !(raw || rc || is_exc)) continue;
+                typename D::T v = xc[j];
+                if (rc) {
+                    float cv = rc[j];
+                    v = cfc_sent_value<D>(v, cv);
+                    float sent = raw || is_exc ? D::to_f32(v) : D::to_f32(quantized_value<D>(v, &P));
+                    rc[j] = cfc_new_residual(cv, sent);
+                }
+                if (raw) {
+                    if (typed)
+                        ((typename D::T*)body)[e0 + j] = v;
+                    else
+                        cfc_store_le(body + (e0 + j) * size, D::bits(v), size);
+                } else if (is_exc) {
+                    u64 k = first + __popc(mask & ((1u << lane) - 1u));
+                    cfc_store_le(idx + k * idx_size, e0 + j, (int)idx_size);
+                    cfc_store_le(val + k * size, D::bits(v), size);
                 }
             }
-            if (is_exc) {
-                u64 k = eo[u] + __popc(mask & ((1u << lane) - 1u));
-                cfc_store_le(idx + k * idx_size, i, (int)idx_size);
-                cfc_store_le(val + k * D::SIZE, D::bits(v), D::SIZE);
-            }
         }
+    }
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        u64 blen = raw ? n * size : quant_len;
+        double eps = fixed ? __longlong_as_double((i64)max_err_bits) : P.eps;
+        u8* h = out;
+        h[0] = 'C'; h[1] = 'F'; h[2] = 'C'; h[3] = 'F';
+        h[4] = 1; h[5] = (u8)raw; h[6] = (u8)dtype; h[7] = 0;
+        h[8] = (u8)mode; h[9] = (u8)ndim; h[10] = 5; h[11] = (u8)fixed;
+        h[12] = h[13] = h[14] = h[15] = 0;
+        cfc_store_le(h + 16, n, 8);
+        cfc_store_le(h + 24, (u64)__double_as_longlong(P.step), 8);
+        cfc_store_le(h + 32, (u64)__double_as_longlong(eps), 8);
+        cfc_store_le(h + 40, raw ? 0 : n_exc, 8);
+        cfc_store_le(h + 48, blen, 8);
+        cfc_store_le(h + 56, blen, 8);
+        for (u32 k = 0; k < ndim; ++k) cfc_store_le(h + 64 + 8 * k, dims.d[k], 8);
+        *(u64*)(ws + 64) = header_len + blen;
+        *(u32*)(ws + 72) = raw ? 1u : 0u;
     }
 }
 
-#define PACK(name, D)                                                                              \
-    extern "C" __global__ void cfc_codec_pack_##name(const D::T* x, u64 n, u64 groups,             \
-            const CfcParams* p, u8* body, const u64* words, const u64* excs, const u32* raw_flag,  \
-            const u32* staging, const u32* excmask, float* residual) {                             \
-        pack<D>(x, n, groups, p, body, words, excs, raw_flag, staging, excmask, residual);         \
+#define PACK_CHUNKS(name, D)                                                                       \
+    extern "C" __global__ void cfc_codec_pack_chunks_##name(const D::T* x, u64 n, u32 dtype,       \
+            u32 mode, u32 fixed, u32 ndim, Dims dims, u8* out, u8* ws, float* residual) {          \
+        pack_chunks<D>(x, n, dtype, mode, fixed, ndim, dims, out, ws, residual);                   \
     }
-DEFINE_FOR_DTYPES(PACK)
+DEFINE_FOR_DTYPES(PACK_CHUNKS)
 
 // ---- decode ------------------------------------------------------------------------------
 // The frame was checked on the host (Header::parse and the body checks of src/codec.rs), or was
@@ -324,86 +514,155 @@ DEFINE_FOR_DTYPES(PACK)
 #define HDR_STEP 24
 #define HDR_NEXC 40
 
-extern "C" __global__ void cfc_codec_widths_to_words(const u8* frame, u64 header_len, u64 groups, u64* words) {
-    u64 g = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (g == 0) words[groups] = 0;
-    if (g < groups) words[g] = frame[5] == 0 ? frame[header_len + g] : 0;
+// The aligned word at `a` (4-aligned), keeping only its bytes below `end` (the rest read as 0):
+// nothing at or past `end` is read.
+__device__ __forceinline__ u32 load_word_before(const u8* a, const u8* end) {
+    if (a + 4 <= end) return *(const u32*)a;
+    u32 v = 0;
+    for (u32 bi = 0; bi < 4 && a + bi < end; ++bi) v |= (u32)a[bi] << (8 * bi);
+    return v;
 }
 
-// One warp per group: lane b loads plane b, shuffles broadcast it, lane j rebuilds code j
-// (widths up to 64 bits). Raw frames: each lane copies its element.
-template <class D>
-__device__ void decode_groups(const u8* frame, u64 header_len, u64 n, u64 groups, const u64* words,
-                              typename D::T* out) {
-    u32 lane = threadIdx.x & 31;
-    u64 warp = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    u64 warps = ((u64)gridDim.x * blockDim.x) >> 5;
+// Pass 1 of decoding, one span (64 tiles, 512 chunks) per block, two chunks per thread: each
+// chunk's plane words from its widths, their offsets within the tile, the tiles' offsets
+// within the span, the span's total; the last span to finish scans the spans. Leaves what the
+// encoder's pass 1 leaves (exception counts are 0: the decoder does not need them).
+extern "C" __global__ void cfc_codec_decode_offsets(const u8* frame, u64 header_len, u64 n, u8* ws) {
+    __shared__ u32 s_warp[TILE_THREADS / 32];
+    if (frame[HDR_CODEC] != 0) return;  // raw: every element's place is known
+    const Tiles ts = tiles_at(ws, n);
     const u8* body = frame + header_len;
-    bool raw = frame[HDR_CODEC] != 0;
-    double step = __longlong_as_double((i64)cfc_load_le(frame + HDR_STEP, 8));
-    for (u64 g0 = warp * CFC_UNROLL; g0 < groups; g0 += warps * CFC_UNROLL) {
-        if (raw) {
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const u64 c0 = (u64)blockIdx.x * SPAN_TILES * TILE_CHUNKS + 2 * threadIdx.x;
+    u32 w0 = 0, w1 = 0;
 #pragma unroll
-            for (int u = 0; u < CFC_UNROLL; ++u) {
-                u64 i = (g0 + u) * CFC_GROUP + lane;
-                if (i < n) out[i] = D::from_bits((u32)cfc_load_le(body + i * D::SIZE, D::SIZE));
-            }
-            continue;
-        }
-        u32 w[CFC_UNROLL];
-        u64 off[CFC_UNROLL];
-#pragma unroll
-        for (int u = 0; u < CFC_UNROLL; ++u) {
-            bool in = g0 + u < groups;
-            w[u] = in ? body[g0 + u] : 0;
-            off[u] = in ? words[g0 + u] : 0;
-        }
-        u32 lo[CFC_UNROLL];
-#pragma unroll
-        for (int u = 0; u < CFC_UNROLL; ++u)
-            lo[u] = lane < w[u] ? (u32)cfc_load_le(body + groups + 4 * (off[u] + lane), 4) : 0;
-        // Codes of all groups first (warp shuffles), then the arithmetic, interleaved.
-        double qf[CFC_UNROLL];
-#pragma unroll
-        for (int u = 0; u < CFC_UNROLL; ++u) {
-            qf[u] = 0.0;
-            if (g0 + u >= groups) break;  // the same for the whole warp
-            u64 z = 0;
-            for (u32 b = 0; b < w[u] && b < 32; ++b)
-                z |= (u64)((__shfl_sync(CFC_FULL_MASK, lo[u], b) >> lane) & 1u) << b;
-            if (w[u] > 32) {  // sums of codes: up to 64 bits
-                const u8* planes = body + groups + 4 * off[u];
-                u32 hi = lane + 32 < w[u] ? (u32)cfc_load_le(planes + 4 * (lane + 32), 4) : 0;
-                for (u32 b = 32; b < w[u]; ++b)
-                    z |= (u64)((__shfl_sync(CFC_FULL_MASK, hi, b - 32) >> lane) & 1u) << b;
-                qf[u] = (double)((i64)(z >> 1) ^ -(i64)(z & 1));
-            } else {
-                // Exact (double)q for |q| < 2^51 through the same magic constant as the encoder.
-                i64 q = (i64)(z >> 1) ^ -(i64)(z & 1);
-                qf[u] = __longlong_as_double(__double_as_longlong(CFC_ROUND_MAGIC) + q) - CFC_ROUND_MAGIC;
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < CFC_UNROLL; ++u) {
-            u64 i = (g0 + u) * CFC_GROUP + lane;
-            if (g0 + u < groups && i < n) out[i] = D::from_f32(__double2float_rn(qf[u] * step));
-        }
+    for (u32 k = 0; k < CHUNK_GROUPS; ++k) {
+        u64 g = c0 * CHUNK_GROUPS + k;
+        if (g < ts.groups) w0 += body[g];
+        if (g + CHUNK_GROUPS < ts.groups) w1 += body[g + CHUNK_GROUPS];
+    }
+    // A tile is 4 threads: scan within it, then over the warp's 8 tiles, then over the warps.
+    u32 pair = w0 + w1, in_tile = pair;
+    for (int o = 1; o < 4; o <<= 1) {
+        u32 a = __shfl_up_sync(CFC_FULL_MASK, in_tile, o);
+        if ((lane & 3) >= o) in_tile += a;
+    }
+    u32 tile_total = __shfl_sync(CFC_FULL_MASK, in_tile, lane | 3);
+    if (c0 < ts.chunks) ts.chunk_info[c0] = make_uint4(in_tile - pair, 0, w0, 0);
+    if (c0 + 1 < ts.chunks) ts.chunk_info[c0 + 1] = make_uint4(in_tile - pair + w0, 0, w1, 0);
+    u32 in_warp = (lane & 3) == 3 ? tile_total : 0;
+    for (int o = 1; o < 32; o <<= 1) {
+        u32 a = __shfl_up_sync(CFC_FULL_MASK, in_warp, o);
+        if (lane >= o) in_warp += a;
+    }
+    if (lane == 31) s_warp[warp] = in_warp;
+    __syncthreads();
+    u32 before = 0, span_total = 0;
+    for (u32 k = 0; k < TILE_THREADS / 32; ++k) {
+        before += k < warp ? s_warp[k] : 0;
+        span_total += s_warp[k];
+    }
+    u64 tile = (u64)blockIdx.x * SPAN_TILES + threadIdx.x / 4;
+    if ((lane & 3) == 3 && tile < ts.tiles) {
+        ts.tile_words[tile] = before + in_warp - tile_total;
+        ts.tile_excs[tile] = 0;
+    }
+    if (warp != 0) return;
+    u32 last = 0;
+    if (lane == 0) {
+        ts.span_words[blockIdx.x] = span_total;
+        ts.span_excs[blockIdx.x] = 0;
+        __threadfence();  // the span's total is visible before it counts as done
+        last = atomicAdd(ts.done, 1u) == ts.spans - 1;
+    }
+    if (!__shfl_sync(CFC_FULL_MASK, last, 0)) return;
+    __threadfence();
+    u64 sw, se;
+    warp_scan_pairs(ts.span_words, ts.span_excs, ts.spans, &sw, &se);
+    if (lane == 0) {
+        ts.totals[0] = sw;
+        ts.totals[1] = se;
     }
 }
 
-#define DECODE_GROUPS(name, D)                                                                     \
-    extern "C" __global__ void cfc_codec_decode_groups_##name(const u8* frame, u64 header_len,     \
-            u64 n, u64 groups, const u64* words, D::T* out) {                                      \
-        decode_groups<D>(frame, header_len, n, groups, words, out);                                \
-    }
-DEFINE_FOR_DTYPES(DECODE_GROUPS)
-
+// Pass 2, one chunk per warp: the chunk's planes copied, realigned, to the warp's part of
+// shared memory, then each group's codes rebuilt (widths up to 64 bits: frames of summed codes)
+// and its values written. Raw frames: the elements are copied.
 template <class D>
-__device__ void scatter_exceptions(const u8* frame, u64 header_len, u64 n, u64 groups, const u64* words,
+__device__ void decode_chunks(const u8* frame, u64 header_len, u64 n, u8* ws, typename D::T* __restrict__ out) {
+    __shared__ u32 stage[TILE_CHUNKS][CHUNK_GROUPS * 64];
+    const Tiles ts = tiles_at(ws, n);
+    const u8* body = frame + header_len;
+    const u64 groups = ts.groups;
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const u64 ch = (u64)blockIdx.x * TILE_CHUNKS + warp;
+    if (ch >= ts.chunks) return;
+    const u64 e0 = ch * CHUNK_VALUES;
+    const u32 have = (u32)min(n - e0, (u64)CHUNK_VALUES);
+    typename D::T* oc = out + e0;
+    if (frame[HDR_CODEC] != 0) {
+        bool typed = ((u64)body % D::SIZE) == 0;
+        for (u32 j = lane; j < have; j += 32)
+            oc[j] = typed ? ((const typename D::T*)body)[e0 + j]
+                          : D::from_bits((u32)cfc_load_le(body + (e0 + j) * D::SIZE, D::SIZE));
+        return;
+    }
+    // Widths of the chunk's groups (lane u < 8 has group u's) and where each group's planes start.
+    u32 wl = lane < CHUNK_GROUPS && ch * CHUNK_GROUPS + lane < groups ? body[ch * CHUNK_GROUPS + lane] : 0;
+    u32 inc = wl;
+    for (int o = 1; o < CHUNK_GROUPS; o <<= 1) {
+        u32 a = __shfl_up_sync(CFC_FULL_MASK, inc, o);
+        if (lane >= o) inc += a;
+    }
+    const u32 nw = __shfl_sync(CFC_FULL_MASK, inc, CHUNK_GROUPS - 1);
+    const uint4 info = ts.chunk_info[ch];
+    const u8* pb = body + groups + 4 * (words_before(ts, ch / TILE_CHUNKS) + info.x);
+    const u8* end = pb + 4 * (u64)nw;
+    const u32 sh = (u32)((u64)pb & 3);
+    const u8* a0 = pb - sh;  // still inside the frame: the widths come before
+    u32* st = stage[warp];
+    for (u32 k = lane; k < nw; k += 32) {
+        u32 lo = *(const u32*)(a0 + 4 * k);
+        st[k] = sh == 0 ? lo : __funnelshift_r(lo, load_word_before(a0 + 4 * k + 4, end), 8 * sh);
+    }
+    __syncwarp();
+    const double step = __longlong_as_double((i64)cfc_load_le(frame + HDR_STEP, 8));
+#pragma unroll
+    for (int u = 0; u < CHUNK_GROUPS; ++u) {
+        u32 w = __shfl_sync(CFC_FULL_MASK, wl, u);
+        const u32* planes = st + __shfl_sync(CFC_FULL_MASK, inc - wl, u);
+        u32 j = u * CFC_GROUP + lane;
+        double qf;
+        if (w <= 32) {
+            u32 z = 0;
+            for (u32 b = 0; b < w; ++b) z |= ((planes[b] >> lane) & 1u) << b;
+            // Exact (double)q for |q| < 2^51 through the same magic constant as the encoder.
+            i64 q = (i64)(z >> 1) ^ -(i64)(z & 1);
+            qf = __longlong_as_double(__double_as_longlong(CFC_ROUND_MAGIC) + q) - CFC_ROUND_MAGIC;
+        } else {  // sums of codes: up to 64 bits
+            u64 z = 0;
+            for (u32 b = 0; b < w; ++b) z |= (u64)((planes[b] >> lane) & 1u) << b;
+            qf = (double)((i64)(z >> 1) ^ -(i64)(z & 1));
+        }
+        if (j < have) oc[j] = D::from_f32(__double2float_rn(qf * step));
+    }
+}
+
+#define DECODE_CHUNKS(name, D)                                                                     \
+    extern "C" __global__ void cfc_codec_decode_chunks_##name(const u8* frame, u64 header_len,     \
+            u64 n, u8* ws, D::T* out) {                                                            \
+        decode_chunks<D>(frame, header_len, n, ws, out);                                           \
+    }
+DEFINE_FOR_DTYPES(DECODE_CHUNKS)
+
+// After decode_chunks (which wrote code 0's value there): every exception's stored bits.
+template <class D>
+__device__ void scatter_exceptions(const u8* frame, u64 header_len, u64 n, u64 groups, const u64* nwords,
                                    typename D::T* out) {
     u64 n_exc = frame[HDR_CODEC] == 0 ? cfc_load_le(frame + HDR_NEXC, 8) : 0;
+    if (n_exc == 0) return;
     u64 idx_size = n <= (1ull << 32) ? 4 : 8;
-    const u8* idx = frame + header_len + groups + 4 * words[groups];
+    const u8* idx = frame + header_len + groups + 4 * *nwords;
     const u8* val = idx + n_exc * idx_size;
     for (u64 k = (u64)blockIdx.x * blockDim.x + threadIdx.x; k < n_exc; k += (u64)gridDim.x * blockDim.x) {
         u64 i = cfc_load_le(idx + k * idx_size, (int)idx_size);
@@ -413,7 +672,7 @@ __device__ void scatter_exceptions(const u8* frame, u64 header_len, u64 n, u64 g
 
 #define SCATTER(name, D)                                                                           \
     extern "C" __global__ void cfc_codec_scatter_exceptions_##name(const u8* frame, u64 header_len, \
-            u64 n, u64 groups, const u64* words, D::T* out) {                                      \
-        scatter_exceptions<D>(frame, header_len, n, groups, words, out);                           \
+            u64 n, u64 groups, const u64* nwords, D::T* out) {                                     \
+        scatter_exceptions<D>(frame, header_len, n, groups, nwords, out);                          \
     }
 DEFINE_FOR_DTYPES(SCATTER)

@@ -21,8 +21,17 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
-/// Threads per block of the codec kernels (8 groups of 32).
+/// Threads per block of the codec kernels (8 warps; `TILE_THREADS` in `kernels/codec.cu`).
 const BLOCK: u32 = 256;
+/// Groups per chunk (one warp), chunks per tile (one block), tiles per span, and the workspace
+/// offset of the spans' counters: `CHUNK_GROUPS`, `TILE_CHUNKS`, `SPAN_TILES` and `WS_SPANS` in
+/// `kernels/codec.cu`, whose comment gives the whole layout.
+const CHUNK_GROUPS: u64 = 8;
+const TILE_CHUNKS: u64 = 8;
+const SPAN_TILES: u64 = 64;
+const WS_SPANS: u64 = 112;
+/// Workspace offset of the plane words' total (u64), after the last block of a pass.
+const WS_TOTAL_WORDS: u64 = 96;
 /// Values per block of the scan kernels (must match `SCAN_BLOCK` in `kernels/scan.cu`).
 const SCAN_BLOCK: u64 = 1024;
 /// Workspace bytes before the scan arrays: `CfcParams` (48 bytes, room for 64), the frame size
@@ -30,7 +39,7 @@ const SCAN_BLOCK: u64 = 1024;
 const WS_HEADER: u64 = 80;
 /// Offset in the workspace of the compressed frame's size (a u64 written on the device).
 pub const FRAME_SIZE_OFFSET: u64 = 64;
-/// Offset in the workspace of the raw-frame flag (u32) that `finish` sets for `pack`.
+/// Offset in the workspace of the raw-frame flag (u32) that the compressors' `finish` sets.
 const RAW_FLAG_OFFSET: u64 = 72;
 /// Offset in the workspace of the bound error flag (u32; nonzero: rel gave an unusable eps).
 pub const BOUND_ERROR_OFFSET: u64 = 40;
@@ -54,17 +63,12 @@ struct Device {
 
 /// Every kernel one compress or decompress of a dtype launches, looked up once.
 struct Kernels {
-    reset: CudaFunction,
-    params: CudaFunction,
     max_abs: CudaFunction,
     encode: CudaFunction,
-    finish: CudaFunction,
     pack: CudaFunction,
-    to_words: CudaFunction,
+    offsets: CudaFunction,
     decode: CudaFunction,
     scatter: CudaFunction,
-    scan_block: CudaFunction,
-    scan_add: CudaFunction,
 }
 
 /// Restores the calling thread's current CUDA context when dropped. Binding a device's context
@@ -288,17 +292,12 @@ impl Device {
         }
         let (c, d) = (Family::Codec, Some(dtype));
         let k = Arc::new(Kernels {
-            reset: self.function(c, "reset", None)?,
-            params: self.function(c, "params", None)?,
             max_abs: self.function(c, "max_abs", d)?,
-            encode: self.function(c, "encode_groups", d)?,
-            finish: self.function(c, "finish", None)?,
-            pack: self.function(c, "pack", d)?,
-            to_words: self.function(c, "widths_to_words", None)?,
-            decode: self.function(c, "decode_groups", d)?,
+            encode: self.function(c, "encode_chunks", d)?,
+            pack: self.function(c, "pack_chunks", d)?,
+            offsets: self.function(c, "decode_offsets", None)?,
+            decode: self.function(c, "decode_chunks", d)?,
             scatter: self.function(c, "scatter_exceptions", d)?,
-            scan_block: self.function(Family::Scan, "block", None)?,
-            scan_add: self.function(Family::Scan, "add", None)?,
         });
         self.kernels
             .lock()
@@ -358,19 +357,62 @@ fn scan_sums_len(len: u64) -> u64 {
     }
 }
 
-/// Workspace bytes [`decompress`] needs for `n` elements.
+/// How the codec kernels cut `n` elements, and where their state lies in a workspace (the
+/// layout in `kernels/codec.cu`).
+struct TileLayout {
+    /// Tiles: blocks of 8 chunks of 8 groups (at least one, which writes an empty frame);
+    /// spans: 64 tiles (the decoder's first pass takes one per block).
+    tiles: u64,
+    spans: u64,
+    /// Bytes zeroed before each call: parameters, counters and the spans' counters.
+    zeroed: u64,
+    /// End of what decoding needs; compressing also needs exception masks and staged planes.
+    decode_end: u64,
+    compress_end: u64,
+}
+
+fn tile_layout(n: u64) -> TileLayout {
+    let groups = groups_for(n);
+    let chunks = groups.div_ceil(CHUNK_GROUPS);
+    let tiles = chunks.div_ceil(TILE_CHUNKS).max(1);
+    let spans = tiles.div_ceil(SPAN_TILES);
+    let zeroed = WS_SPANS + 4 * spans;
+    // Tile and span sums (u64 pairs), then 16 bytes of chunk information per chunk.
+    let decode_end = zeroed.div_ceil(16) * 16 + 16 * (tiles + spans) + 16 * chunks;
+    TileLayout {
+        tiles,
+        spans,
+        zeroed,
+        decode_end,
+        compress_end: decode_end
+            + 4 * groups
+            + 4 * crate::format::GROUP as u64 * CHUNK_GROUPS * chunks,
+    }
+}
+
+/// Workspace bytes [`decompress`] needs for `n` elements: the chunk offsets of the quantized
+/// decoder, or those of the lossless one, whichever is larger.
 pub fn workspace_len(n: u64) -> u64 {
-    let slots = groups_for(n) + 1;
-    WS_HEADER + 8 * (2 * slots + 2 * scan_sums_len(slots))
+    let chunks = n.div_ceil(crate::lossless::CHUNK as u64);
+    let lossless = WS_HEADER + 8 * (chunks + 1 + scan_sums_len(chunks + 1));
+    tile_layout(n).decode_end.max(lossless)
 }
 
-/// Workspace bytes [`compress`] needs for `n` elements: [`workspace_len`] plus room to stage
-/// 32 bit planes per group (as many bytes as `n` float32 values) and each group's exception mask.
+/// Workspace bytes [`compress`] needs for `n` elements: the chunks' offsets, each group's
+/// exception mask, and room to stage every chunk's bit planes (up to 32 words per group).
 pub fn compress_workspace_len(n: u64) -> u64 {
-    workspace_len(n) + 4 * (GROUP_U64 + 1) * groups_for(n)
+    tile_layout(n).compress_end
 }
 
-const GROUP_U64: u64 = crate::format::GROUP as u64;
+/// Zeroes the first `len` bytes of the workspace at `ws` on `stream` (an asynchronous memset).
+///
+/// # Safety
+/// `ws` must be a device address valid for `len` bytes until the queued work completes.
+unsafe fn zero(stream: &CudaStream, ws: u64, len: u64) -> Result<()> {
+    // SAFETY: this function's contract; the stream is live for the call.
+    unsafe { cudarc::driver::result::memset_d8_async(ws, 0, len as usize, stream.cu_stream()) }
+        .map_err(driver_err)
+}
 
 /// Bytes of output buffer that always suffice for a frame of `n` elements compressed on the
 /// device (the frame's real size is written to the workspace).
@@ -917,32 +959,15 @@ pub unsafe fn compress(args: &CompressArgs<'_>) -> Result<()> {
     let dev = device(args.device)?;
     let stream = dev.stream(args.stream)?;
     let k = dev.kernels(args.dtype)?;
-    let groups = groups_for(n);
-    let slots = groups + 1;
-    let params = args.workspace;
-    let frame_size = args.workspace + FRAME_SIZE_OFFSET;
-    let raw_flag = args.workspace + RAW_FLAG_OFFSET;
-    let words = args.workspace + WS_HEADER;
-    let excs = words + 8 * slots;
-    let sums_words = excs + 8 * slots;
-    let sums_excs = sums_words + 8 * scan_sums_len(slots);
-    let staging = args.workspace + workspace_len(n);
-    let excmask = staging + 4 * GROUP_U64 * groups;
+    let layout = tile_layout(n);
     let header_len = (FIXED_HEADER_LEN + 8 * ndim) as u64;
-    let body = args.out + header_len;
     let mode_code = match mode {
         BoundMode::Abs => 0u32,
         BoundMode::Rel => 1,
         _ => 2,
     };
-    let one = LaunchConfig {
-        grid_dim: (1, 1, 1),
-        block_dim: (1, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    let warps = launch_cfg((groups * 32).min(dev.grid_blocks * BLOCK as u64), BLOCK);
-    let c = Family::Codec;
     let elements = launch_cfg(n.min(dev.grid_blocks * BLOCK as u64), BLOCK);
+    let one_tile_each = launch_cfg(layout.tiles * BLOCK as u64, BLOCK);
     let mut dims = [0u64; MAX_NDIM];
     dims[..ndim].copy_from_slice(args.shape);
     // Checked above: one of the three float types.
@@ -951,86 +976,72 @@ pub unsafe fn compress(args: &CompressArgs<'_>) -> Result<()> {
         DType::BF16 => 1,
         _ => 2,
     };
-    let (input, residual) = (Arg::Ptr(args.input), Arg::Ptr(args.residual));
-    let (params_a, words_a, excs_a) = (Arg::Ptr(params), Arg::Ptr(words), Arg::Ptr(excs));
-    let (n_a, groups_a, fixed_a) = (Arg::U64(n), Arg::U64(groups), Arg::U32(fixed));
+    let (input, residual, ws) = (
+        Arg::Ptr(args.input),
+        Arg::Ptr(args.residual),
+        Arg::Ptr(args.workspace),
+    );
+    let (n_a, fixed_a) = (Arg::U64(n), Arg::U32(fixed));
     // SAFETY: (every launch below) pointers are the caller's device buffers, whose sizes were
     // checked above against `compress_workspace_len` and `compress_capacity`, and the residual
     // (if any) holds `n` floats by this function's contract; `launch` checks each argument list
     // against the kernel's signature.
     unsafe {
-        launch(&stream, &k.reset, c, "reset", one, &[params_a])?;
+        zero(&stream, args.workspace, layout.zeroed)?;
         if mode != BoundMode::Abs {
+            let max_abs = [input, n_a, ws, residual];
             launch(
                 &stream,
                 &k.max_abs,
-                c,
+                Family::Codec,
                 "max_abs",
                 elements,
-                &[input, n_a, params_a, residual],
+                &max_abs,
             )?;
         }
-        let set = [params_a, Arg::U32(mode_code), Arg::F64(value)];
-        launch(&stream, &k.params, c, "params", one, &set)?;
         let encode = [
             input,
             n_a,
-            groups_a,
-            params_a,
+            Arg::U32(mode_code),
+            Arg::F64(value),
             fixed_a,
-            Arg::Ptr(body),
-            words_a,
-            excs_a,
-            Arg::Ptr(staging),
-            Arg::Ptr(excmask),
+            Arg::Ptr(args.out + header_len),
+            ws,
             residual,
         ];
-        launch(&stream, &k.encode, c, "encode_groups", warps, &encode)?;
-        scan(
-            &k.scan_block,
-            &k.scan_add,
+        launch(
             &stream,
-            words,
-            slots,
-            sums_words,
+            &k.encode,
+            Family::Codec,
+            "encode_chunks",
+            one_tile_each,
+            &encode,
         )?;
-        scan(&k.scan_block, &k.scan_add, &stream, excs, slots, sums_excs)?;
-        let finish = [
-            Arg::Ptr(args.out),
+        let pack = [
+            input,
             n_a,
-            groups_a,
             Arg::U32(dtype_code),
-            Arg::U32(args.dtype.size() as u32),
             Arg::U32(mode_code),
             fixed_a,
             Arg::U32(ndim as u32),
             Arg::Dims(Dims(dims)),
-            words_a,
-            excs_a,
-            params_a,
-            Arg::Ptr(frame_size),
-            Arg::Ptr(raw_flag),
-        ];
-        launch(&stream, &k.finish, c, "finish", one, &finish)?;
-        let pack = [
-            input,
-            n_a,
-            groups_a,
-            params_a,
-            Arg::Ptr(body),
-            words_a,
-            excs_a,
-            Arg::Ptr(raw_flag),
-            Arg::Ptr(staging),
-            Arg::Ptr(excmask),
+            Arg::Ptr(args.out),
+            ws,
             residual,
         ];
-        launch(&stream, &k.pack, c, "pack", warps, &pack)?;
+        launch(
+            &stream,
+            &k.pack,
+            Family::Codec,
+            "pack_chunks",
+            one_tile_each,
+            &pack,
+        )?;
     }
     Ok(())
 }
 
-/// The shape as the `Dims` struct of `cfc_codec_finish`.
+/// The shape as the `Dims` struct of the `finish` kernels.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 struct Dims([u64; MAX_NDIM]);
@@ -1090,22 +1101,20 @@ pub unsafe fn decompress(args: &DecompressArgs) -> Result<()> {
         return Err(Error::NotQuantizable(args.dtype));
     }
     let k = dev.kernels(args.dtype)?;
-    let groups = groups_for(args.n);
-    let slots = groups + 1;
-    let words = args.workspace + WS_HEADER;
-    let sums = words + 16 * slots;
-    let header_len = (FIXED_HEADER_LEN + 8 * args.ndim) as u64;
     let n = args.n;
-    let c = Family::Codec;
-    let warps = launch_cfg((groups * 32).min(dev.grid_blocks * BLOCK as u64), BLOCK);
+    let layout = tile_layout(n);
+    let header_len = (FIXED_HEADER_LEN + 8 * args.ndim) as u64;
     let frame = Arg::Ptr(args.frame);
-    let (hl, n_a, groups_a) = (Arg::U64(header_len), Arg::U64(n), Arg::U64(groups));
-    let decode = [
+    let (hl, n_a, ws) = (Arg::U64(header_len), Arg::U64(n), Arg::Ptr(args.workspace));
+    let offsets = [frame, hl, n_a, ws];
+    let decode = [frame, hl, n_a, ws, Arg::Ptr(args.out)];
+    let nwords = args.workspace + WS_TOTAL_WORDS;
+    let scatter = [
         frame,
-        hl,
-        n_a,
-        groups_a,
-        Arg::Ptr(words),
+        Arg::U64(header_len),
+        Arg::U64(n),
+        Arg::U64(groups_for(n)),
+        Arg::Ptr(nwords),
         Arg::Ptr(args.out),
     ];
     // SAFETY: (every launch below) the frame was checked on the host or written by `compress`,
@@ -1113,25 +1122,34 @@ pub unsafe fn decompress(args: &DecompressArgs) -> Result<()> {
     // exceptions lie within it; the workspace size was checked above; `launch` checks each
     // argument list against the kernel's signature.
     unsafe {
-        let to_words = [frame, hl, groups_a, Arg::Ptr(words)];
+        zero(&stream, args.workspace, layout.zeroed)?;
+        let one_tile_each = launch_cfg(layout.tiles * BLOCK as u64, BLOCK);
+        let one_span_each = launch_cfg(layout.spans * BLOCK as u64, BLOCK);
         launch(
             &stream,
-            &k.to_words,
-            c,
-            "widths_to_words",
-            launch_cfg(slots, BLOCK),
-            &to_words,
+            &k.offsets,
+            Family::Codec,
+            "decode_offsets",
+            one_span_each,
+            &offsets,
         )?;
-        scan(&k.scan_block, &k.scan_add, &stream, words, slots, sums)?;
-        launch(&stream, &k.decode, c, "decode_groups", warps, &decode)?;
-        let exc_cfg = launch_cfg(n.min(1 << 20), BLOCK);
+        launch(
+            &stream,
+            &k.decode,
+            Family::Codec,
+            "decode_chunks",
+            one_tile_each,
+            &decode,
+        )?;
+        // Exceptions are rare: a small grid walks them (and returns at once when there are none).
+        let exc_cfg = launch_cfg(n.min(1 << 16), BLOCK);
         launch(
             &stream,
             &k.scatter,
-            c,
+            Family::Codec,
             "scatter_exceptions",
             exc_cfg,
-            &decode,
+            &scatter,
         )?;
     }
     Ok(())

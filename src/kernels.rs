@@ -61,39 +61,29 @@ use Ty::{Dims, Ptr, F64, U32, U64};
 /// against the `.cu` sources, so an argument list can never silently disagree with a kernel.
 pub(crate) const SIGNATURES: &[(Family, &str, bool, &[Ty])] = &[
     (Family::Codec, "max_abs", true, &[Ptr, U64, Ptr, Ptr]),
-    (Family::Codec, "reset", false, &[Ptr]),
-    (Family::Codec, "params", false, &[Ptr, U32, F64]),
     (
         Family::Codec,
-        "encode_groups",
+        "encode_chunks",
         true,
-        &[Ptr, U64, U64, Ptr, U32, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr],
+        &[Ptr, U64, U32, F64, U32, Ptr, Ptr, Ptr],
     ),
     (
         Family::Codec,
-        "finish",
-        false,
-        &[
-            Ptr, U64, U64, U32, U32, U32, U32, U32, Dims, Ptr, Ptr, Ptr, Ptr, Ptr,
-        ],
-    ),
-    (
-        Family::Codec,
-        "pack",
+        "pack_chunks",
         true,
-        &[Ptr, U64, U64, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr],
+        &[Ptr, U64, U32, U32, U32, U32, Dims, Ptr, Ptr, Ptr],
     ),
     (
         Family::Codec,
-        "widths_to_words",
+        "decode_offsets",
         false,
         &[Ptr, U64, U64, Ptr],
     ),
     (
         Family::Codec,
-        "decode_groups",
+        "decode_chunks",
         true,
-        &[Ptr, U64, U64, U64, Ptr, Ptr],
+        &[Ptr, U64, U64, Ptr, Ptr],
     ),
     (
         Family::Codec,
@@ -223,8 +213,10 @@ mod tests {
     fn every_kernel_in_the_sources_has_a_signature() {
         for family in [Family::Codec, Family::Scan, Family::Lossless] {
             let src = family.source();
-            for (i, _) in src.match_indices("__global__ void ") {
-                let rest = &src[i + "__global__ void ".len()..];
+            for (i, _) in src.match_indices("__global__ ") {
+                // `__global__ [__launch_bounds__(...)] void name(`
+                let rest = &src[i..];
+                let rest = &rest[rest.find("void ").expect("a kernel returns void") + 5..];
                 let name = &rest[..rest.find('(').expect("a parameter list")];
                 let op = name
                     .trim_start_matches(&format!("cfc_{}_", family.name()))
@@ -240,8 +232,8 @@ mod tests {
     #[test]
     fn dtype_kernels_are_named_after_the_dtype() {
         assert_eq!(
-            kernel_name(Family::Codec, "pack", Some(DType::BF16)),
-            "cfc_codec_pack_bf16"
+            kernel_name(Family::Codec, "decode_chunks", Some(DType::BF16)),
+            "cfc_codec_decode_chunks_bf16"
         );
         assert_eq!(kernel_name(Family::Scan, "add", None), "cfc_scan_add");
     }
