@@ -1,7 +1,7 @@
 // The error-bounded codec on the GPU. Produces the bytes of the CPU reference (src/codec.rs,
 // docs/FORMAT.md) without any host synchronization: every size stays on the device.
 //
-// Work is cut into chunks of 8 groups (256 values), one warp each, 8 chunks to a block (a tile).
+// Work is cut into chunks of 8 groups (256 values), 32 chunks to a tile (one encoder block).
 // Where a chunk's planes go depends on the sizes of every chunk before it, so each direction
 // takes two passes: one that sizes the chunks (and, compressing, quantizes and stages their
 // planes), whose last block scans the tiles' totals, and one that moves the planes.
@@ -118,12 +118,13 @@ __device__ __forceinline__ u32 encode_lane(typename D::T v, bool valid, const Cf
     bool ok = fabs(t) <= CFC_MAX_CODE && (fixed ? (err <= 1.7976931348623157e308) : (err <= p->eps));
     if (!ok) { *exc = true; return 0; }
     *err_out = err;
-    return (u32)((q << 1) ^ (q >> 63));
+    int q32 = (int)q;  // |q| <= 2^31 - 1 here, so the zigzag code fits 32 bits
+    return ((u32)q32 << 1) ^ (u32)(q32 >> 31);
 }
 
 // ---- chunks and tiles ------------------------------------------------------------------
-// A chunk is CHUNK_GROUPS consecutive groups (256 values), one warp's work; a tile is the
-// TILE_CHUNKS chunks of one block; a span is SPAN_TILES tiles. Where a chunk's planes go in the
+// A chunk is CHUNK_GROUPS consecutive groups (256 values); a tile is the TILE_CHUNKS chunks of
+// one encoder block (each warp takes WARP_CHUNKS of them); a span is SPAN_TILES tiles. Where a chunk's planes go in the
 // frame depends on every chunk before it, so each block writes its chunks' offsets within the
 // tile and the tile's totals; the last block to finish in a span turns its tiles' totals into
 // prefix sums within the span, and the last span to finish does the same over the spans. The
@@ -138,9 +139,10 @@ __device__ __forceinline__ u32 encode_lane(typename D::T v, bool valid, const Cf
 //   staged planes (256 u32 per chunk).
 #define CHUNK_GROUPS 8
 #define CHUNK_VALUES 256
-#define TILE_CHUNKS 8
+#define WARP_CHUNKS 4
+#define TILE_CHUNKS 32  // TILE_THREADS / 32 warps x WARP_CHUNKS: one lane of warp 0 per chunk
 #define TILE_THREADS 256
-#define SPAN_TILES 64
+#define SPAN_TILES 16
 #define WS_DONE 80
 #define WS_TOTALS 96
 #define WS_SPANS 112
@@ -205,7 +207,7 @@ __device__ void warp_scan_pairs(u64* a, u64* b, u64 len, u64* ta, u64* tb) {
     }
 }
 
-// Each block's warp 0 calls this with its chunks' (words, exceptions) in lanes 0..7: writes the
+// Each block's warp 0 calls this with its chunks' (words, exceptions), one per lane: writes the
 // chunks' offsets within the tile and the tile's totals, then takes part in the span and grand
 // scans when it is the last of its span (or of all spans) to get here.
 __device__ void tile_totals(const Tiles& s, u64 tile, u32 cw, u32 ce) {
@@ -257,8 +259,10 @@ __device__ __forceinline__ u64 excs_before(const Tiles& s, u64 t) {
 // Copies `nw` staged words to bytes [pb, pb + 4 nw) of the frame (pb at any alignment), writing
 // nothing at or past `limit`: aligned words in between, each made of two staged words (the
 // previous one from the neighbouring lane); the bytes of the partial words at either end
-// (which neighbouring chunks share) one by one. Called by one warp.
-__device__ __forceinline__ void put_words(u8* pb, const u32* staged, u32 nw, const u8* limit) {
+// (which neighbouring chunks share) one by one. Called by one warp; `first_round` is each lane's
+// staged[lane] (0 at or past nw), loaded by the caller ahead of time.
+__device__ __forceinline__ void put_words(u8* pb, const u32* staged, u32 nw, const u8* limit,
+                                          u32 first_round) {
     const u32 lane = threadIdx.x & 31;
     const u8* end = pb + 4 * (u64)nw;
     if (end > limit) end = limit;
@@ -269,7 +273,7 @@ __device__ __forceinline__ void put_words(u8* pb, const u32* staged, u32 nw, con
     u32 carry = 0;  // staged word k - 1 for lane 0
     for (u32 base = 0; base < count; base += 32) {
         u32 k = base + lane;
-        u32 cur = k < nw ? staged[k] : 0;
+        u32 cur = base == 0 ? first_round : k < nw ? staged[k] : 0;
         u32 prev = __shfl_up_sync(CFC_FULL_MASK, cur, 1);
         if (lane == 0) prev = carry;
         carry = __shfl_sync(CFC_FULL_MASK, cur, 31);
@@ -293,6 +297,24 @@ __device__ __forceinline__ void put_words(u8* pb, const u32* staged, u32 nw, con
 // Pass 1, one chunk per warp: every value quantized once (with error feedback, x + r; the
 // compensated value is left in the residual for pass 2), widths written to the frame, bit
 // planes staged back to back in the chunk's slot, exceptions marked in excmask.
+// The values of chunk `ch` a lane holds (value u*32 + lane of the chunk), 0 past the end.
+template <class D>
+__device__ __forceinline__ void load_chunk(const typename D::T* __restrict__ x, u64 n, u64 ch,
+                                           typename D::T* v) {
+    const u64 e0 = ch * CHUNK_VALUES;
+    const u32 have = e0 >= n ? 0 : (u32)min(n - e0, (u64)CHUNK_VALUES);
+    const u32 lane = threadIdx.x & 31;
+#pragma unroll
+    for (int u = 0; u < CHUNK_GROUPS; ++u) {
+        u32 j = u * CFC_GROUP + lane;
+        v[u] = j < have ? x[e0 + j] : typename D::T(0);
+    }
+}
+
+// Pass 1, WARP_CHUNKS chunks per warp (the next chunk's values load while one is coded): every
+// value quantized once (with error feedback, x + r; the compensated value is left in the
+// residual for pass 2), widths written to the frame, bit planes staged back to back in the
+// chunk's slot, exceptions marked in excmask; then the tile's sizes (tile_totals).
 template <class D>
 __device__ void encode_chunks(const typename D::T* __restrict__ x, u64 n, u32 mode, double value,
                               u32 fixed, u8* body, u8* ws, float* __restrict__ residual) {
@@ -309,79 +331,76 @@ __device__ void encode_chunks(const typename D::T* __restrict__ x, u64 n, u32 mo
     // An unusable bound (rel) is reported on the host; the residual must then stay as it was.
     if (P.error) residual = nullptr;
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const u64 ch = (u64)blockIdx.x * TILE_CHUNKS + warp;
-    const u64 e0 = ch * CHUNK_VALUES;
-    // Values of this chunk that exist (0 for the warps past the end).
-    const u32 have = e0 >= n ? 0 : (u32)min(n - e0, (u64)CHUNK_VALUES);
-    const u32 have_groups = (have + CFC_GROUP - 1) / CFC_GROUP;
-    const typename D::T* xc = x + e0;
-    float* rc = residual ? residual + e0 : nullptr;
-
-    typename D::T v[CHUNK_GROUPS];
-    float c[CHUNK_GROUPS];
-#pragma unroll
-    for (int u = 0; u < CHUNK_GROUPS; ++u) {
-        u32 j = u * CFC_GROUP + lane;
-        v[u] = j < have ? xc[j] : typename D::T(0);
-        c[u] = rc && j < have ? rc[j] : 0.0f;
-    }
+    const u64 ch0 = (u64)blockIdx.x * TILE_CHUNKS + warp * WARP_CHUNKS;
     double max_err = 0.0;
-    u32* slot = ts.stage + ch * (CHUNK_GROUPS * 32);
-    u32 excb[CHUNK_GROUPS];
-    u32 widths_lo = 0, widths_hi = 0;  // a byte per group: groups 0-3, 4-7
-    u32 cw = 0, ce = 0;
+    typename D::T v[CHUNK_GROUPS];
+    load_chunk<D>(x, n, ch0, v);
+    for (u32 k = 0; k < WARP_CHUNKS; ++k) {
+        const u64 ch = ch0 + k;
+        const u64 e0 = ch * CHUNK_VALUES;
+        // Values of this chunk that exist (0 for the warps past the end).
+        const u32 have = e0 >= n ? 0 : (u32)min(n - e0, (u64)CHUNK_VALUES);
+        const u32 have_groups = (have + CFC_GROUP - 1) / CFC_GROUP;
+        typename D::T next[CHUNK_GROUPS];
+        if (k + 1 < WARP_CHUNKS) load_chunk<D>(x, n, ch + 1, next);
+        float* rc = residual ? residual + e0 : nullptr;
+        u32* slot = ts.stage + ch * (CHUNK_GROUPS * 32);
+        u32 excb[CHUNK_GROUPS];
+        u32 widths_lo = 0, widths_hi = 0;  // a byte per group: groups 0-3, 4-7
+        u32 cw = 0, ce = 0;
 #pragma unroll
-    for (int u = 0; u < CHUNK_GROUPS; ++u) {
-        u32 j = u * CFC_GROUP + lane;
-        bool valid = j < have;
-        if (rc && valid) {  // error feedback: compress x + r, keep x + r for pass 2
-            c[u] = cfc_compensate(D::to_f32(v[u]), c[u]);
-            v[u] = cfc_sent_value<D>(v[u], c[u]);
-            rc[j] = c[u];
+        for (int u = 0; u < CHUNK_GROUPS; ++u) {
+            u32 j = u * CFC_GROUP + lane;
+            bool valid = j < have;
+            typename D::T vu = v[u];
+            if (rc && valid) {  // error feedback: compress x + r, keep x + r for pass 2
+                float cu = cfc_compensate(D::to_f32(vu), rc[j]);
+                vu = cfc_sent_value<D>(vu, cu);
+                rc[j] = cu;
+            }
+            bool exc;
+            double err;
+            u32 z = encode_lane<D>(vu, valid, &P, fixed, &exc, &err);
+            if (fixed) max_err = fmax(max_err, err);
+            // The same for the whole warp.
+            u32 w = u >= have_groups ? 0 : fixed ? fixed : 32 - __clz(__reduce_or_sync(CFC_FULL_MASK, z));
+            excb[u] = __ballot_sync(CFC_FULL_MASK, exc);
+            // Lane b takes plane b. Four planes per round: planes at or past w are all zero
+            // (z < 2^w) and go to lanes that store nothing.
+            u32 mine = 0;
+            for (u32 b = 0; b < w; b += 4) {
+                u32 p0 = __ballot_sync(CFC_FULL_MASK, (z >> b) & 1u);
+                u32 p1 = __ballot_sync(CFC_FULL_MASK, (z >> (b + 1)) & 1u);
+                u32 p2 = __ballot_sync(CFC_FULL_MASK, (z >> (b + 2)) & 1u);
+                u32 p3 = __ballot_sync(CFC_FULL_MASK, (z >> (b + 3)) & 1u);
+                u32 r = lane - b;
+                mine = r == 0 ? p0 : r == 1 ? p1 : r == 2 ? p2 : r == 3 ? p3 : mine;
+            }
+            if (lane < w) slot[cw + lane] = mine;
+            cw += w;
+            ce += __popc(excb[u]);
+            if (u < 4)
+                widths_lo |= w << (8 * u);
+            else
+                widths_hi |= w << (8 * (u - 4));
         }
-        bool exc;
-        double err;
-        u32 z = encode_lane<D>(v[u], valid, &P, fixed, &exc, &err);
-        if (fixed) max_err = fmax(max_err, err);
-        // The same for the whole warp.
-        u32 w = u >= have_groups ? 0 : fixed ? fixed : 32 - __clz(__reduce_or_sync(CFC_FULL_MASK, z));
-        excb[u] = __ballot_sync(CFC_FULL_MASK, exc);
-        // Lane b takes plane b. Four planes per round: planes at or past w are all zero (z < 2^w)
-        // and go to lanes that store nothing.
-        u32 mine = 0;
-        for (u32 b = 0; b < w; b += 4) {
-            u32 p0 = __ballot_sync(CFC_FULL_MASK, (z >> b) & 1u);
-            u32 p1 = __ballot_sync(CFC_FULL_MASK, (z >> (b + 1)) & 1u);
-            u32 p2 = __ballot_sync(CFC_FULL_MASK, (z >> (b + 2)) & 1u);
-            u32 p3 = __ballot_sync(CFC_FULL_MASK, (z >> (b + 3)) & 1u);
-            u32 r = lane - b;
-            mine = r == 0 ? p0 : r == 1 ? p1 : r == 2 ? p2 : r == 3 ? p3 : mine;
-        }
-        if (lane < w) slot[cw + lane] = mine;
-        cw += w;
-        ce += __popc(excb[u]);
-        if (u < 4)
-            widths_lo |= w << (8 * u);
-        else
-            widths_hi |= w << (8 * (u - 4));
-    }
-    if (lane < have_groups) {
-        body[ch * CHUNK_GROUPS + lane] = (u8)((lane < 4 ? widths_lo : widths_hi) >> (8 * (lane % 4)));
-        u32 mask = 0;
+        if (lane < have_groups) {
+            body[ch * CHUNK_GROUPS + lane] = (u8)((lane < 4 ? widths_lo : widths_hi) >> (8 * (lane % 4)));
+            u32 mask = 0;
 #pragma unroll
-        for (int u = 0; u < CHUNK_GROUPS; ++u) mask = lane == u ? excb[u] : mask;
-        if (ce) ts.excmask[ch * CHUNK_GROUPS + lane] = mask;
-    }
-    if (lane == 0) {
-        s_cw[warp] = cw;
-        s_ce[warp] = ce;
+            for (int u = 0; u < CHUNK_GROUPS; ++u) mask = lane == u ? excb[u] : mask;
+            if (ce) ts.excmask[ch * CHUNK_GROUPS + lane] = mask;
+        }
+        if (lane == 0) {
+            s_cw[warp * WARP_CHUNKS + k] = cw;
+            s_ce[warp * WARP_CHUNKS + k] = ce;
+        }
+#pragma unroll
+        for (int u = 0; u < CHUNK_GROUPS; ++u) v[u] = next[u];
     }
     if (fixed) block_max_to(&pp->max_err_bits, max_err);  // holds a __syncthreads
     __syncthreads();
-    if (warp == 0) {
-        u32 mw = lane < TILE_CHUNKS ? s_cw[lane] : 0, me = lane < TILE_CHUNKS ? s_ce[lane] : 0;
-        tile_totals(ts, blockIdx.x, mw, me);
-    }
+    if (warp == 0) tile_totals(ts, blockIdx.x, s_cw[lane], s_ce[lane]);
 }
 
 #define ENCODE_CHUNKS(name, D)                                                                     \
@@ -391,10 +410,11 @@ __device__ void encode_chunks(const typename D::T* __restrict__ x, u64 n, u32 mo
     }
 DEFINE_FOR_DTYPES(ENCODE_CHUNKS)
 
-// Pass 2, one chunk per warp: block 0 writes the header and the frame size; then, as the totals
-// decide (the CPU reference's rule), either the elements' raw bytes, or the chunk's staged
-// planes and its exceptions in their places. With error feedback the residual holds the
-// compensated value c and becomes c - (what the frame decodes to).
+// Pass 2, with the geometry of pass 1 (a tile per block): block 0 writes the header and the
+// frame size; then, for each chunk, as the totals decide (the CPU reference's rule), either the
+// elements' raw bytes, or the chunk's staged planes and its exceptions in their places. With
+// error feedback the residual holds the compensated value c and becomes c - (what the frame
+// decodes to).
 struct Dims { u64 d[8]; };
 
 template <class D>
@@ -407,10 +427,9 @@ __device__ void pack_chunks(const typename D::T* __restrict__ x, u64 n, u32 dtyp
     const u64 groups = ts.groups;
     const u64 header_len = 64 + 8 * (u64)ndim;
     u8* body = out + header_len;
-    const u32 lane = threadIdx.x & 31;
-    const u64 ch = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    const bool any = ch < ts.chunks;
-    const u64 tile = ch / TILE_CHUNKS;
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const u64 ch0 = (u64)blockIdx.x * TILE_CHUNKS + warp * WARP_CHUNKS;  // as encode_chunks
+    const u64 tile = blockIdx.x;
     // Every independent read first, so that they travel together.
     const u64 nwords = ts.totals[0], n_exc = ts.totals[1];
     CfcParams P;
@@ -419,62 +438,73 @@ __device__ void pack_chunks(const typename D::T* __restrict__ x, u64 n, u32 dtyp
     P.eps = pp->eps;
     const u64 max_err_bits = pp->max_err_bits;
     if (pp->error) residual = nullptr;  // as in pass 1: leave the residual untouched
-    const uint4 info = any ? ts.chunk_info[ch] : make_uint4(0, 0, 0, 0);  // before in tile, own
+    const bool any = ch0 < ts.chunks;
     const u64 wb = any ? words_before(ts, tile) : 0, eb = any ? excs_before(ts, tile) : 0;
+    uint4 info[WARP_CHUNKS];  // x, y: words and exceptions before the chunk in its tile; z, w: own
+    u32 first_round[WARP_CHUNKS];
+#pragma unroll
+    for (int k = 0; k < WARP_CHUNKS; ++k) {
+        bool in = ch0 + k < ts.chunks;
+        info[k] = in ? ts.chunk_info[ch0 + k] : make_uint4(0, 0, 0, 0);
+        first_round[k] = in ? ts.stage[(ch0 + k) * (CHUNK_GROUPS * 32) + lane] : 0;  // in the slot
+    }
     const u64 idx_size = n <= (1ull << 32) ? 4 : 8;
     const u64 quant_len = groups + 4 * nwords + n_exc * (idx_size + size);
     const bool raw = !fixed && quant_len >= n * size;
-    if (any) {
+#pragma unroll 1
+    for (int k = 0; k < WARP_CHUNKS; ++k) {
+        const u64 ch = ch0 + k;
+        if (ch >= ts.chunks) break;  // the same for the whole warp
         const u64 e0 = ch * CHUNK_VALUES;
         const u32 have = (u32)min(n - e0, (u64)CHUNK_VALUES);
         if (!raw) {
             // The output has room for a body smaller than the raw bytes (fixed rate excepted).
             const u8* limit = fixed ? (const u8*)~0ull : body + n * size;
-            put_words(body + groups + 4 * (wb + info.x), ts.stage + ch * (CHUNK_GROUPS * 32), info.z, limit);
+            put_words(body + groups + 4 * (wb + info[k].x), ts.stage + ch * (CHUNK_GROUPS * 32), info[k].z,
+                      limit, lane < info[k].z ? first_round[k] : 0);
         }
-        if (raw || residual || info.w) {
-            // Each group's first exception slot: lane u < 8 holds group u's mask and slot.
-            u32 mask_l = 0;
-            u64 first_l = 0;
-            if (!raw && info.w) {
-                u64 g = ch * CHUNK_GROUPS + lane;
-                mask_l = lane < CHUNK_GROUPS && g < groups ? ts.excmask[g] : 0;
-                u32 inc = __popc(mask_l);
-                for (int o = 1; o < CHUNK_GROUPS; o <<= 1) {
-                    u32 a = __shfl_up_sync(CFC_FULL_MASK, inc, o);
-                    if (lane >= o) inc += a;
-                }
-                first_l = eb + info.y + inc - __popc(mask_l);
+        if (!(raw || residual || info[k].w)) continue;
+        // Each group's first exception slot: lane u < 8 holds group u's mask and slot.
+        u32 mask_l = 0;
+        u64 first_l = 0;
+        if (!raw && info[k].w) {
+            u64 g = ch * CHUNK_GROUPS + lane;
+            mask_l = lane < CHUNK_GROUPS && g < groups ? ts.excmask[g] : 0;
+            u32 inc = __popc(mask_l);
+            for (int o = 1; o < CHUNK_GROUPS; o <<= 1) {
+                u32 a = __shfl_up_sync(CFC_FULL_MASK, inc, o);
+                if (lane >= o) inc += a;
             }
-            u8* idx = body + groups + 4 * nwords;
-            u8* val = idx + n_exc * idx_size;
-            const bool typed = ((u64)body % size) == 0;  // raw bytes can be stored as elements
-            const typename D::T* xc = x + e0;
-            float* rc = residual ? residual + e0 : nullptr;
+            first_l = eb + info[k].y + inc - __popc(mask_l);
+        }
+        u8* idx = body + groups + 4 * nwords;
+        u8* val = idx + n_exc * idx_size;
+        const bool typed = ((u64)body % size) == 0;  // raw bytes can be stored as elements
+        const typename D::T* xc = x + e0;
+        float* rc = residual ? residual + e0 : nullptr;
 #pragma unroll 2
-            for (int u = 0; u < CHUNK_GROUPS; ++u) {
-                u32 mask = __shfl_sync(CFC_FULL_MASK, mask_l, u);
-                u64 first = __shfl_sync(CFC_FULL_MASK, first_l, u);
-                u32 j = u * CFC_GROUP + lane;
-                bool is_exc = (mask >> lane) & 1u;
-                if (j >= have || !(raw || rc || is_exc)) continue;
-                typename D::T v = xc[j];
-                if (rc) {
-                    float cv = rc[j];
-                    v = cfc_sent_value<D>(v, cv);
-                    float sent = raw || is_exc ? D::to_f32(v) : D::to_f32(quantized_value<D>(v, &P));
-                    rc[j] = cfc_new_residual(cv, sent);
-                }
-                if (raw) {
-                    if (typed)
-                        ((typename D::T*)body)[e0 + j] = v;
-                    else
-                        cfc_store_le(body + (e0 + j) * size, D::bits(v), size);
-                } else if (is_exc) {
-                    u64 k = first + __popc(mask & ((1u << lane) - 1u));
-                    cfc_store_le(idx + k * idx_size, e0 + j, (int)idx_size);
-                    cfc_store_le(val + k * size, D::bits(v), size);
-                }
+        for (int u = 0; u < CHUNK_GROUPS; ++u) {
+            u32 mask = __shfl_sync(CFC_FULL_MASK, mask_l, u);
+            u64 first = __shfl_sync(CFC_FULL_MASK, first_l, u);
+            u32 j = u * CFC_GROUP + lane;
+            bool is_exc = (mask >> lane) & 1u;
+            if (j >= have || !(raw || rc || is_exc)) continue;
+            typename D::T v = xc[j];
+            if (rc) {
+                float cv = rc[j];
+                v = cfc_sent_value<D>(v, cv);
+                float sent = raw || is_exc ? D::to_f32(v) : D::to_f32(quantized_value<D>(v, &P));
+                rc[j] = cfc_new_residual(cv, sent);
+            }
+            if (raw) {
+                if (typed)
+                    ((typename D::T*)body)[e0 + j] = v;
+                else
+                    cfc_store_le(body + (e0 + j) * size, D::bits(v), size);
+            } else if (is_exc) {
+                u64 q = first + __popc(mask & ((1u << lane) - 1u));
+                cfc_store_le(idx + q * idx_size, e0 + j, (int)idx_size);
+                cfc_store_le(val + q * size, D::bits(v), size);
             }
         }
     }
@@ -523,7 +553,7 @@ __device__ __forceinline__ u32 load_word_before(const u8* a, const u8* end) {
     return v;
 }
 
-// Pass 1 of decoding, one span (64 tiles, 512 chunks) per block, two chunks per thread: each
+// Pass 1 of decoding, one span (512 chunks) per block, two chunks per thread: each
 // chunk's plane words from its widths, their offsets within the tile, the tiles' offsets
 // within the span, the span's total; the last span to finish scans the spans. Leaves what the
 // encoder's pass 1 leaves (exception counts are 0: the decoder does not need them).
@@ -541,16 +571,17 @@ extern "C" __global__ void cfc_codec_decode_offsets(const u8* frame, u64 header_
         if (g < ts.groups) w0 += body[g];
         if (g + CHUNK_GROUPS < ts.groups) w1 += body[g + CHUNK_GROUPS];
     }
-    // A tile is 4 threads: scan within it, then over the warp's 8 tiles, then over the warps.
+    // A tile is TPT threads: scan within it, then over the warp's tiles, then over the warps.
+    const u32 TPT = TILE_CHUNKS / 2;
     u32 pair = w0 + w1, in_tile = pair;
-    for (int o = 1; o < 4; o <<= 1) {
+    for (u32 o = 1; o < TPT; o <<= 1) {
         u32 a = __shfl_up_sync(CFC_FULL_MASK, in_tile, o);
-        if ((lane & 3) >= o) in_tile += a;
+        if ((lane % TPT) >= o) in_tile += a;
     }
-    u32 tile_total = __shfl_sync(CFC_FULL_MASK, in_tile, lane | 3);
+    u32 tile_total = __shfl_sync(CFC_FULL_MASK, in_tile, lane | (TPT - 1));
     if (c0 < ts.chunks) ts.chunk_info[c0] = make_uint4(in_tile - pair, 0, w0, 0);
     if (c0 + 1 < ts.chunks) ts.chunk_info[c0 + 1] = make_uint4(in_tile - pair + w0, 0, w1, 0);
-    u32 in_warp = (lane & 3) == 3 ? tile_total : 0;
+    u32 in_warp = lane % TPT == TPT - 1 ? tile_total : 0;
     for (int o = 1; o < 32; o <<= 1) {
         u32 a = __shfl_up_sync(CFC_FULL_MASK, in_warp, o);
         if (lane >= o) in_warp += a;
@@ -562,8 +593,8 @@ extern "C" __global__ void cfc_codec_decode_offsets(const u8* frame, u64 header_
         before += k < warp ? s_warp[k] : 0;
         span_total += s_warp[k];
     }
-    u64 tile = (u64)blockIdx.x * SPAN_TILES + threadIdx.x / 4;
-    if ((lane & 3) == 3 && tile < ts.tiles) {
+    u64 tile = (u64)blockIdx.x * SPAN_TILES + threadIdx.x / TPT;
+    if (lane % TPT == TPT - 1 && tile < ts.tiles) {
         ts.tile_words[tile] = before + in_warp - tile_total;
         ts.tile_excs[tile] = 0;
     }
@@ -590,12 +621,12 @@ extern "C" __global__ void cfc_codec_decode_offsets(const u8* frame, u64 header_
 // and its values written. Raw frames: the elements are copied.
 template <class D>
 __device__ void decode_chunks(const u8* frame, u64 header_len, u64 n, u8* ws, typename D::T* __restrict__ out) {
-    __shared__ u32 stage[TILE_CHUNKS][CHUNK_GROUPS * 64];
+    __shared__ u32 stage[TILE_THREADS / 32][CHUNK_GROUPS * 64];  // a part per warp
     const Tiles ts = tiles_at(ws, n);
     const u8* body = frame + header_len;
     const u64 groups = ts.groups;
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const u64 ch = (u64)blockIdx.x * TILE_CHUNKS + warp;
+    const u64 ch = (u64)blockIdx.x * (TILE_THREADS / 32) + warp;  // a chunk per warp
     if (ch >= ts.chunks) return;
     const u64 e0 = ch * CHUNK_VALUES;
     const u32 have = (u32)min(n - e0, (u64)CHUNK_VALUES);

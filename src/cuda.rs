@@ -27,8 +27,8 @@ const BLOCK: u32 = 256;
 /// offset of the spans' counters: `CHUNK_GROUPS`, `TILE_CHUNKS`, `SPAN_TILES` and `WS_SPANS` in
 /// `kernels/codec.cu`, whose comment gives the whole layout.
 const CHUNK_GROUPS: u64 = 8;
-const TILE_CHUNKS: u64 = 8;
-const SPAN_TILES: u64 = 64;
+const TILE_CHUNKS: u64 = 32;
+const SPAN_TILES: u64 = 16;
 const WS_SPANS: u64 = 112;
 /// Workspace offset of the plane words' total (u64), after the last block of a pass.
 const WS_TOTAL_WORDS: u64 = 96;
@@ -360,10 +360,12 @@ fn scan_sums_len(len: u64) -> u64 {
 /// How the codec kernels cut `n` elements, and where their state lies in a workspace (the
 /// layout in `kernels/codec.cu`).
 struct TileLayout {
-    /// Tiles: blocks of 8 chunks of 8 groups (at least one, which writes an empty frame);
-    /// spans: 64 tiles (the decoder's first pass takes one per block).
+    /// Tiles: 32 chunks of 8 groups, one block of the encoder's passes (at least one, which
+    /// writes an empty frame); spans: 16 tiles (one block of the decoder's first pass); the
+    /// blocks of the decoder's second pass, which takes a chunk per warp.
     tiles: u64,
     spans: u64,
+    chunk_blocks: u64,
     /// Bytes zeroed before each call: parameters, counters and the spans' counters.
     zeroed: u64,
     /// End of what decoding needs; compressing also needs exception masks and staged planes.
@@ -382,6 +384,7 @@ fn tile_layout(n: u64) -> TileLayout {
     TileLayout {
         tiles,
         spans,
+        chunk_blocks: chunks.div_ceil(BLOCK as u64 / 32).max(1),
         zeroed,
         decode_end,
         compress_end: decode_end
@@ -1123,7 +1126,7 @@ pub unsafe fn decompress(args: &DecompressArgs) -> Result<()> {
     // argument list against the kernel's signature.
     unsafe {
         zero(&stream, args.workspace, layout.zeroed)?;
-        let one_tile_each = launch_cfg(layout.tiles * BLOCK as u64, BLOCK);
+        let one_chunk_per_warp = launch_cfg(layout.chunk_blocks * BLOCK as u64, BLOCK);
         let one_span_each = launch_cfg(layout.spans * BLOCK as u64, BLOCK);
         launch(
             &stream,
@@ -1138,7 +1141,7 @@ pub unsafe fn decompress(args: &DecompressArgs) -> Result<()> {
             &k.decode,
             Family::Codec,
             "decode_chunks",
-            one_tile_each,
+            one_chunk_per_warp,
             &decode,
         )?;
         // Exceptions are rare: a small grid walks them (and returns at once when there are none).
