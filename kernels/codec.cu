@@ -123,12 +123,13 @@ __device__ __forceinline__ u32 encode_lane(typename D::T v, bool valid, const Cf
 }
 
 // ---- chunks and tiles ------------------------------------------------------------------
-// A chunk is CHUNK_GROUPS consecutive groups (256 values); a tile is the TILE_CHUNKS chunks of
-// one encoder block (each warp takes WARP_CHUNKS of them); a span is SPAN_TILES tiles. Where a chunk's planes go in the
-// frame depends on every chunk before it, so each block writes its chunks' offsets within the
-// tile and the tile's totals; the last block to finish in a span turns its tiles' totals into
-// prefix sums within the span, and the last span to finish does the same over the spans. The
-// next kernel adds the three levels. No block ever waits for another.
+// A chunk is CHUNK_GROUPS consecutive groups (256 values); a tile is the chunks of one encoder
+// block, each of its 8 warps taking `wc` of them (1 or 4, so 8 or 32 chunks a tile; the
+// decoder's tiles are always TILE_CHUNKS); a span is SPAN_TILES tiles. Where a chunk's planes go
+// in the frame depends on every chunk before it, so each block writes its chunks' offsets
+// within the tile and the tile's totals; the last block to finish in a span turns its tiles'
+// totals into prefix sums within the span, and the last span to finish does the same over the
+// spans. The next kernel adds the three levels. No block ever waits for another.
 // Workspace layout (src/cuda.rs mirrors it, see tile_layout):
 //   0   CfcParams (48 bytes)   64  frame size (u64)   72  raw flag (u32)   80  spans done (u32)
 //   96  totals: plane words, exceptions (u64 each)
@@ -139,7 +140,7 @@ __device__ __forceinline__ u32 encode_lane(typename D::T v, bool valid, const Cf
 //   staged planes (256 u32 per chunk).
 #define CHUNK_GROUPS 8
 #define CHUNK_VALUES 256
-#define WARP_CHUNKS 4
+#define WARP_CHUNKS 4   // at most: the host picks 1 (small inputs: more blocks) or 4
 #define TILE_CHUNKS 32  // TILE_THREADS / 32 warps x WARP_CHUNKS: one lane of warp 0 per chunk
 #define TILE_THREADS 256
 #define SPAN_TILES 16
@@ -159,13 +160,15 @@ struct Tiles {
     u32* excmask;
     u32* stage;
     u64 groups, chunks, tiles, spans;
+    u32 tile_chunks;
 };
 
-__device__ __forceinline__ Tiles tiles_at(u8* ws, u64 n) {
+__device__ __forceinline__ Tiles tiles_at(u8* ws, u64 n, u32 tile_chunks) {
     Tiles s;
+    s.tile_chunks = tile_chunks;
     s.groups = (n + CFC_GROUP - 1) / CFC_GROUP;
     s.chunks = (s.groups + CHUNK_GROUPS - 1) / CHUNK_GROUPS;
-    s.tiles = max((s.chunks + TILE_CHUNKS - 1) / TILE_CHUNKS, 1ull);
+    s.tiles = max((s.chunks + tile_chunks - 1) / tile_chunks, 1ull);
     s.spans = (s.tiles + SPAN_TILES - 1) / SPAN_TILES;
     s.done = (u32*)(ws + WS_DONE);
     s.totals = (u64*)(ws + WS_TOTALS);
@@ -212,14 +215,15 @@ __device__ void warp_scan_pairs(u64* a, u64* b, u64 len, u64* ta, u64* tb) {
 // scans when it is the last of its span (or of all spans) to get here.
 __device__ void tile_totals(const Tiles& s, u64 tile, u32 cw, u32 ce) {
     u32 lane = threadIdx.x & 31;
+    const u32 tc = s.tile_chunks;
     u32 iw = cw, ie = ce;  // inclusive scan over the tile's chunks
-    for (int o = 1; o < TILE_CHUNKS; o <<= 1) {
+    for (u32 o = 1; o < tc; o <<= 1) {
         u32 a = __shfl_up_sync(CFC_FULL_MASK, iw, o), b = __shfl_up_sync(CFC_FULL_MASK, ie, o);
         if (lane >= o) { iw += a; ie += b; }
     }
-    u64 ch = tile * TILE_CHUNKS + lane;
-    if (lane < TILE_CHUNKS && ch < s.chunks) s.chunk_info[ch] = make_uint4(iw - cw, ie - ce, cw, ce);
-    u32 tw = __shfl_sync(CFC_FULL_MASK, iw, TILE_CHUNKS - 1), te = __shfl_sync(CFC_FULL_MASK, ie, TILE_CHUNKS - 1);
+    u64 ch = tile * tc + lane;
+    if (lane < tc && ch < s.chunks) s.chunk_info[ch] = make_uint4(iw - cw, ie - ce, cw, ce);
+    u32 tw = __shfl_sync(CFC_FULL_MASK, iw, tc - 1), te = __shfl_sync(CFC_FULL_MASK, ie, tc - 1);
     u64 span = tile / SPAN_TILES;
     u64 first = span * SPAN_TILES, in_span = min(s.tiles - first, (u64)SPAN_TILES);
     u32 last = 0;
@@ -311,16 +315,16 @@ __device__ __forceinline__ void load_chunk(const typename D::T* __restrict__ x, 
     }
 }
 
-// Pass 1, WARP_CHUNKS chunks per warp (the next chunk's values load while one is coded): every
+// Pass 1, `wc` chunks per warp (the next chunk's values load while one is coded): every
 // value quantized once (with error feedback, x + r; the compensated value is left in the
 // residual for pass 2), widths written to the frame, bit planes staged back to back in the
 // chunk's slot, exceptions marked in excmask; then the tile's sizes (tile_totals).
 template <class D>
 __device__ void encode_chunks(const typename D::T* __restrict__ x, u64 n, u32 mode, double value,
-                              u32 fixed, u8* body, u8* ws, float* __restrict__ residual) {
+                              u32 fixed, u8* body, u8* ws, float* __restrict__ residual, u32 wc) {
     __shared__ u32 s_cw[TILE_CHUNKS], s_ce[TILE_CHUNKS];
     CfcParams* pp = (CfcParams*)ws;
-    const Tiles ts = tiles_at(ws, n);
+    const Tiles ts = tiles_at(ws, n, (TILE_THREADS / 32) * wc);
     CfcParams P = make_params(mode, value, __longlong_as_double((i64)pp->max_abs_bits));
     if (blockIdx.x == 0 && threadIdx.x == 0) {  // for pass 2 and the host
         pp->step = P.step;
@@ -331,18 +335,18 @@ __device__ void encode_chunks(const typename D::T* __restrict__ x, u64 n, u32 mo
     // An unusable bound (rel) is reported on the host; the residual must then stay as it was.
     if (P.error) residual = nullptr;
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const u64 ch0 = (u64)blockIdx.x * TILE_CHUNKS + warp * WARP_CHUNKS;
+    const u64 ch0 = (u64)blockIdx.x * ts.tile_chunks + warp * wc;
     double max_err = 0.0;
     typename D::T v[CHUNK_GROUPS];
     load_chunk<D>(x, n, ch0, v);
-    for (u32 k = 0; k < WARP_CHUNKS; ++k) {
+    for (u32 k = 0; k < wc; ++k) {
         const u64 ch = ch0 + k;
         const u64 e0 = ch * CHUNK_VALUES;
         // Values of this chunk that exist (0 for the warps past the end).
         const u32 have = e0 >= n ? 0 : (u32)min(n - e0, (u64)CHUNK_VALUES);
         const u32 have_groups = (have + CFC_GROUP - 1) / CFC_GROUP;
         typename D::T next[CHUNK_GROUPS];
-        if (k + 1 < WARP_CHUNKS) load_chunk<D>(x, n, ch + 1, next);
+        if (k + 1 < wc) load_chunk<D>(x, n, ch + 1, next);
         float* rc = residual ? residual + e0 : nullptr;
         u32* slot = ts.stage + ch * (CHUNK_GROUPS * 32);
         u32 excb[CHUNK_GROUPS];
@@ -365,16 +369,20 @@ __device__ void encode_chunks(const typename D::T* __restrict__ x, u64 n, u32 mo
             // The same for the whole warp.
             u32 w = u >= have_groups ? 0 : fixed ? fixed : 32 - __clz(__reduce_or_sync(CFC_FULL_MASK, z));
             excb[u] = __ballot_sync(CFC_FULL_MASK, exc);
-            // Lane b takes plane b. Four planes per round: planes at or past w are all zero
-            // (z < 2^w) and go to lanes that store nothing.
-            u32 mine = 0;
-            for (u32 b = 0; b < w; b += 4) {
+            // Lane b takes plane b: four planes per round, then one at a time (widths are
+            // mostly small).
+            u32 mine = 0, b = 0;
+            for (; b + 4 <= w; b += 4) {
                 u32 p0 = __ballot_sync(CFC_FULL_MASK, (z >> b) & 1u);
                 u32 p1 = __ballot_sync(CFC_FULL_MASK, (z >> (b + 1)) & 1u);
                 u32 p2 = __ballot_sync(CFC_FULL_MASK, (z >> (b + 2)) & 1u);
                 u32 p3 = __ballot_sync(CFC_FULL_MASK, (z >> (b + 3)) & 1u);
                 u32 r = lane - b;
                 mine = r == 0 ? p0 : r == 1 ? p1 : r == 2 ? p2 : r == 3 ? p3 : mine;
+            }
+            for (; b < w; ++b) {
+                u32 p0 = __ballot_sync(CFC_FULL_MASK, (z >> b) & 1u);
+                mine = lane == b ? p0 : mine;
             }
             if (lane < w) slot[cw + lane] = mine;
             cw += w;
@@ -392,21 +400,24 @@ __device__ void encode_chunks(const typename D::T* __restrict__ x, u64 n, u32 mo
             if (ce) ts.excmask[ch * CHUNK_GROUPS + lane] = mask;
         }
         if (lane == 0) {
-            s_cw[warp * WARP_CHUNKS + k] = cw;
-            s_ce[warp * WARP_CHUNKS + k] = ce;
+            s_cw[warp * wc + k] = cw;
+            s_ce[warp * wc + k] = ce;
         }
 #pragma unroll
         for (int u = 0; u < CHUNK_GROUPS; ++u) v[u] = next[u];
     }
     if (fixed) block_max_to(&pp->max_err_bits, max_err);  // holds a __syncthreads
     __syncthreads();
-    if (warp == 0) tile_totals(ts, blockIdx.x, s_cw[lane], s_ce[lane]);
+    if (warp == 0) {
+        bool in = lane < ts.tile_chunks;
+        tile_totals(ts, blockIdx.x, in ? s_cw[lane] : 0, in ? s_ce[lane] : 0);
+    }
 }
 
 #define ENCODE_CHUNKS(name, D)                                                                     \
     extern "C" __global__ __launch_bounds__(TILE_THREADS, 5) void cfc_codec_encode_chunks_##name(const D::T* x, u64 n, u32 mode,      \
-            double value, u32 fixed, u8* body, u8* ws, float* residual) {                          \
-        encode_chunks<D>(x, n, mode, value, fixed, body, ws, residual);                            \
+            double value, u32 fixed, u8* body, u8* ws, float* residual, u32 wc) {                  \
+        encode_chunks<D>(x, n, mode, value, fixed, body, ws, residual, wc);                        \
     }
 DEFINE_FOR_DTYPES(ENCODE_CHUNKS)
 
@@ -420,15 +431,15 @@ struct Dims { u64 d[8]; };
 template <class D>
 __device__ void pack_chunks(const typename D::T* __restrict__ x, u64 n, u32 dtype, u32 mode, u32 fixed,
                             u32 ndim, const Dims& dims, u8* __restrict__ out, u8* __restrict__ ws,
-                            float* __restrict__ residual) {
+                            float* __restrict__ residual, u32 wc) {
     const CfcParams* pp = (const CfcParams*)ws;
-    const Tiles ts = tiles_at(ws, n);
+    const Tiles ts = tiles_at(ws, n, (TILE_THREADS / 32) * wc);
     const u32 size = D::SIZE;
     const u64 groups = ts.groups;
     const u64 header_len = 64 + 8 * (u64)ndim;
     u8* body = out + header_len;
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const u64 ch0 = (u64)blockIdx.x * TILE_CHUNKS + warp * WARP_CHUNKS;  // as encode_chunks
+    const u64 ch0 = (u64)blockIdx.x * ts.tile_chunks + warp * wc;  // as encode_chunks
     const u64 tile = blockIdx.x;
     // Every independent read first, so that they travel together.
     const u64 nwords = ts.totals[0], n_exc = ts.totals[1];
@@ -444,17 +455,17 @@ __device__ void pack_chunks(const typename D::T* __restrict__ x, u64 n, u32 dtyp
     u32 first_round[WARP_CHUNKS];
 #pragma unroll
     for (int k = 0; k < WARP_CHUNKS; ++k) {
-        bool in = ch0 + k < ts.chunks;
+        bool in = k < wc && ch0 + k < ts.chunks;
         info[k] = in ? ts.chunk_info[ch0 + k] : make_uint4(0, 0, 0, 0);
         first_round[k] = in ? ts.stage[(ch0 + k) * (CHUNK_GROUPS * 32) + lane] : 0;  // in the slot
     }
     const u64 idx_size = n <= (1ull << 32) ? 4 : 8;
     const u64 quant_len = groups + 4 * nwords + n_exc * (idx_size + size);
     const bool raw = !fixed && quant_len >= n * size;
-#pragma unroll 1
-    for (int k = 0; k < WARP_CHUNKS; ++k) {
+#pragma unroll
+    for (u32 k = 0; k < WARP_CHUNKS; ++k) {  // unrolled: info[k] stays in registers
         const u64 ch = ch0 + k;
-        if (ch >= ts.chunks) break;  // the same for the whole warp
+        if (k >= wc || ch >= ts.chunks) break;  // the same for the whole warp
         const u64 e0 = ch * CHUNK_VALUES;
         const u32 have = (u32)min(n - e0, (u64)CHUNK_VALUES);
         if (!raw) {
@@ -530,8 +541,8 @@ __device__ void pack_chunks(const typename D::T* __restrict__ x, u64 n, u32 dtyp
 
 #define PACK_CHUNKS(name, D)                                                                       \
     extern "C" __global__ void cfc_codec_pack_chunks_##name(const D::T* x, u64 n, u32 dtype,       \
-            u32 mode, u32 fixed, u32 ndim, Dims dims, u8* out, u8* ws, float* residual) {          \
-        pack_chunks<D>(x, n, dtype, mode, fixed, ndim, dims, out, ws, residual);                   \
+            u32 mode, u32 fixed, u32 ndim, Dims dims, u8* out, u8* ws, float* residual, u32 wc) {  \
+        pack_chunks<D>(x, n, dtype, mode, fixed, ndim, dims, out, ws, residual, wc);               \
     }
 DEFINE_FOR_DTYPES(PACK_CHUNKS)
 
@@ -560,7 +571,7 @@ __device__ __forceinline__ u32 load_word_before(const u8* a, const u8* end) {
 extern "C" __global__ void cfc_codec_decode_offsets(const u8* frame, u64 header_len, u64 n, u8* ws) {
     __shared__ u32 s_warp[TILE_THREADS / 32];
     if (frame[HDR_CODEC] != 0) return;  // raw: every element's place is known
-    const Tiles ts = tiles_at(ws, n);
+    const Tiles ts = tiles_at(ws, n, TILE_CHUNKS);
     const u8* body = frame + header_len;
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const u64 c0 = (u64)blockIdx.x * SPAN_TILES * TILE_CHUNKS + 2 * threadIdx.x;
@@ -622,7 +633,7 @@ extern "C" __global__ void cfc_codec_decode_offsets(const u8* frame, u64 header_
 template <class D>
 __device__ void decode_chunks(const u8* frame, u64 header_len, u64 n, u8* ws, typename D::T* __restrict__ out) {
     __shared__ u32 stage[TILE_THREADS / 32][CHUNK_GROUPS * 64];  // a part per warp
-    const Tiles ts = tiles_at(ws, n);
+    const Tiles ts = tiles_at(ws, n, TILE_CHUNKS);
     const u8* body = frame + header_len;
     const u64 groups = ts.groups;
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;

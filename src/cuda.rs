@@ -23,9 +23,10 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 /// Threads per block of the codec kernels (8 warps; `TILE_THREADS` in `kernels/codec.cu`).
 const BLOCK: u32 = 256;
-/// Groups per chunk (one warp), chunks per tile (one block), tiles per span, and the workspace
-/// offset of the spans' counters: `CHUNK_GROUPS`, `TILE_CHUNKS`, `SPAN_TILES` and `WS_SPANS` in
-/// `kernels/codec.cu`, whose comment gives the whole layout.
+/// Groups per chunk, chunks per tile of the decoder (the encoder's tiles are 8 or 32 chunks, see
+/// [`compress`]), tiles per span, and the workspace offset of the spans' counters:
+/// `CHUNK_GROUPS`, `TILE_CHUNKS`, `SPAN_TILES` and `WS_SPANS` in `kernels/codec.cu`, whose
+/// comment gives the whole layout.
 const CHUNK_GROUPS: u64 = 8;
 const TILE_CHUNKS: u64 = 32;
 const SPAN_TILES: u64 = 16;
@@ -360,9 +361,9 @@ fn scan_sums_len(len: u64) -> u64 {
 /// How the codec kernels cut `n` elements, and where their state lies in a workspace (the
 /// layout in `kernels/codec.cu`).
 struct TileLayout {
-    /// Tiles: 32 chunks of 8 groups, one block of the encoder's passes (at least one, which
-    /// writes an empty frame); spans: 16 tiles (one block of the decoder's first pass); the
-    /// blocks of the decoder's second pass, which takes a chunk per warp.
+    /// Tiles: `tile_chunks` chunks of 8 groups, one block of the encoder's passes (at least one,
+    /// which writes an empty frame); spans: 16 tiles (one block of the decoder's first pass);
+    /// the blocks of the decoder's second pass, which takes a chunk per warp.
     tiles: u64,
     spans: u64,
     chunk_blocks: u64,
@@ -373,10 +374,10 @@ struct TileLayout {
     compress_end: u64,
 }
 
-fn tile_layout(n: u64) -> TileLayout {
+fn tile_layout(n: u64, tile_chunks: u64) -> TileLayout {
     let groups = groups_for(n);
     let chunks = groups.div_ceil(CHUNK_GROUPS);
-    let tiles = chunks.div_ceil(TILE_CHUNKS).max(1);
+    let tiles = chunks.div_ceil(tile_chunks).max(1);
     let spans = tiles.div_ceil(SPAN_TILES);
     let zeroed = WS_SPANS + 4 * spans;
     // Tile and span sums (u64 pairs), then 16 bytes of chunk information per chunk.
@@ -398,13 +399,18 @@ fn tile_layout(n: u64) -> TileLayout {
 pub fn workspace_len(n: u64) -> u64 {
     let chunks = n.div_ceil(crate::lossless::CHUNK as u64);
     let lossless = WS_HEADER + 8 * (chunks + 1 + scan_sums_len(chunks + 1));
-    tile_layout(n).decode_end.max(lossless)
+    tile_layout(n, TILE_CHUNKS).decode_end.max(lossless)
 }
+
+/// Chunks per encoder tile that need the most workspace (the most tiles).
+const SMALLEST_TILE: u64 = WARPS;
+/// Warps per block of the codec kernels.
+const WARPS: u64 = BLOCK as u64 / 32;
 
 /// Workspace bytes [`compress`] needs for `n` elements: the chunks' offsets, each group's
 /// exception mask, and room to stage every chunk's bit planes (up to 32 words per group).
 pub fn compress_workspace_len(n: u64) -> u64 {
-    tile_layout(n).compress_end
+    tile_layout(n, SMALLEST_TILE).compress_end
 }
 
 /// Zeroes the first `len` bytes of the workspace at `ws` on `stream` (an asynchronous memset).
@@ -962,7 +968,15 @@ pub unsafe fn compress(args: &CompressArgs<'_>) -> Result<()> {
     let dev = device(args.device)?;
     let stream = dev.stream(args.stream)?;
     let k = dev.kernels(args.dtype)?;
-    let layout = tile_layout(n);
+    // Each warp of the encoder takes 4 chunks (the next one's values load while one is coded)
+    // when that still gives every SM a few waves of blocks, else 1 (more blocks for small inputs).
+    let chunks = groups_for(n).div_ceil(CHUNK_GROUPS);
+    let wc = if chunks / (4 * WARPS) >= 2 * dev.grid_blocks {
+        4
+    } else {
+        1
+    };
+    let layout = tile_layout(n, WARPS * wc);
     let header_len = (FIXED_HEADER_LEN + 8 * ndim) as u64;
     let mode_code = match mode {
         BoundMode::Abs => 0u32,
@@ -1011,6 +1025,7 @@ pub unsafe fn compress(args: &CompressArgs<'_>) -> Result<()> {
             Arg::Ptr(args.out + header_len),
             ws,
             residual,
+            Arg::U32(wc as u32),
         ];
         launch(
             &stream,
@@ -1031,6 +1046,7 @@ pub unsafe fn compress(args: &CompressArgs<'_>) -> Result<()> {
             Arg::Ptr(args.out),
             ws,
             residual,
+            Arg::U32(wc as u32),
         ];
         launch(
             &stream,
@@ -1105,7 +1121,7 @@ pub unsafe fn decompress(args: &DecompressArgs) -> Result<()> {
     }
     let k = dev.kernels(args.dtype)?;
     let n = args.n;
-    let layout = tile_layout(n);
+    let layout = tile_layout(n, TILE_CHUNKS);
     let header_len = (FIXED_HEADER_LEN + 8 * args.ndim) as u64;
     let frame = Arg::Ptr(args.frame);
     let (hl, n_a, ws) = (Arg::U64(header_len), Arg::U64(n), Arg::Ptr(args.workspace));

@@ -65,13 +65,13 @@ pub(crate) const SIGNATURES: &[(Family, &str, bool, &[Ty])] = &[
         Family::Codec,
         "encode_chunks",
         true,
-        &[Ptr, U64, U32, F64, U32, Ptr, Ptr, Ptr],
+        &[Ptr, U64, U32, F64, U32, Ptr, Ptr, Ptr, U32],
     ),
     (
         Family::Codec,
         "pack_chunks",
         true,
-        &[Ptr, U64, U32, U32, U32, U32, Dims, Ptr, Ptr, Ptr],
+        &[Ptr, U64, U32, U32, U32, U32, Dims, Ptr, Ptr, Ptr, U32],
     ),
     (
         Family::Codec,

@@ -152,3 +152,37 @@ def test_gpu_unusable_rel_bound_is_reported_and_leaves_the_residual():
 def test_gpu_numpy_residual_for_a_cuda_tensor_is_refused():
     with pytest.raises(TypeError, match="residual"):
         cfc.compress(torch.randn(10, device="cuda"), eps=1e-3, residual=np.zeros(10, np.float32))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("feedback", [False, True], ids=["plain", "feedback"])
+@pytest.mark.parametrize("n", [33, 4097, (1 << 18) + 5])
+def test_gpu_compress_writes_nothing_past_the_capacity_or_workspace(dtype, feedback, n):
+    """Frames whose quantized body would outgrow the raw bytes (a tiny eps) are written raw: the
+    planes that do not fit must not be written past the output's capacity either. Guard bytes
+    after the output and the workspace (and before them) must come back untouched."""
+    from cfc import _native
+
+    guard = 4096
+    x = awkward(n, dtype, seed=n).cuda()
+    bound = {"eps": 1e-9}
+    cap = _native.cuda_compress_capacity(n, str(dtype).split(".")[1], 1, **bound)
+    ws_len = _native.cuda_workspace_len(n, compress=True)
+    out = torch.full((guard + cap + guard,), 0xAB, dtype=torch.uint8, device="cuda")
+    ws = torch.full((guard + ws_len + guard,), 0xCD, dtype=torch.uint8, device="cuda")
+    r = (torch.randn(n, generator=torch.Generator().manual_seed(n)) * 1e-3).cuda() if feedback else None
+    stream = torch.cuda.current_stream()
+    _native.cuda_compress(
+        0, stream.cuda_stream, x.data_ptr(), n, str(dtype).split(".")[1], [n],
+        out.data_ptr() + guard, cap, ws.data_ptr() + guard, ws_len, **bound,
+        residual_ptr=0 if r is None else r.data_ptr(),
+    )
+    torch.cuda.synchronize()
+    for buf, fill, length in ((out, 0xAB, cap), (ws, 0xCD, ws_len)):
+        assert bool((buf[:guard] == fill).all()), "written before the buffer"
+        assert bool((buf[guard + length:] == fill).all()), "written past the buffer"
+    size = int(ws[guard + _native.CUDA_FRAME_SIZE_OFFSET : guard + _native.CUDA_FRAME_SIZE_OFFSET + 8]
+               .cpu().numpy().view(np.int64)[0])
+    rc = None if r is None else (torch.randn(n, generator=torch.Generator().manual_seed(n)) * 1e-3)
+    want = bytes(cfc.compress(x.cpu(), **bound, **({} if rc is None else {"residual": rc})))
+    assert bytes(out[guard : guard + size].cpu().numpy()) == want
