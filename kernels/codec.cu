@@ -298,9 +298,6 @@ __device__ __forceinline__ void put_words(u8* pb, const u32* staged, u32 nw, con
 
 // ---- encode ----------------------------------------------------------------------------
 
-// Pass 1, one chunk per warp: every value quantized once (with error feedback, x + r; the
-// compensated value is left in the residual for pass 2), widths written to the frame, bit
-// planes staged back to back in the chunk's slot, exceptions marked in excmask.
 // The values of chunk `ch` a lane holds (value u*32 + lane of the chunk), 0 past the end.
 template <class D>
 __device__ __forceinline__ void load_chunk(const typename D::T* __restrict__ x, u64 n, u64 ch,
@@ -345,7 +342,7 @@ __device__ void encode_chunks(const typename D::T* __restrict__ x, u64 n, u32 mo
         // Values of this chunk that exist (0 for the warps past the end).
         const u32 have = e0 >= n ? 0 : (u32)min(n - e0, (u64)CHUNK_VALUES);
         const u32 have_groups = (have + CFC_GROUP - 1) / CFC_GROUP;
-        typename D::T next[CHUNK_GROUPS];
+        typename D::T next[CHUNK_GROUPS];  // the next chunk's values (unused after the last)
         if (k + 1 < wc) load_chunk<D>(x, n, ch + 1, next);
         float* rc = residual ? residual + e0 : nullptr;
         u32* slot = ts.stage + ch * (CHUNK_GROUPS * 32);
@@ -415,8 +412,10 @@ __device__ void encode_chunks(const typename D::T* __restrict__ x, u64 n, u32 mo
 }
 
 #define ENCODE_CHUNKS(name, D)                                                                     \
-    extern "C" __global__ __launch_bounds__(TILE_THREADS, 5) void cfc_codec_encode_chunks_##name(const D::T* x, u64 n, u32 mode,      \
-            double value, u32 fixed, u8* body, u8* ws, float* residual, u32 wc) {                  \
+    /* 48 registers: 5 blocks per SM */                                                         \
+    extern "C" __global__ __launch_bounds__(TILE_THREADS, 5) void cfc_codec_encode_chunks_##name(  \
+            const D::T* x, u64 n, u32 mode, double value, u32 fixed, u8* body, u8* ws,             \
+            float* residual, u32 wc) {                                                             \
         encode_chunks<D>(x, n, mode, value, fixed, body, ws, residual, wc);                        \
     }
 DEFINE_FOR_DTYPES(ENCODE_CHUNKS)

@@ -40,7 +40,7 @@ const SCAN_BLOCK: u64 = 1024;
 const WS_HEADER: u64 = 80;
 /// Offset in the workspace of the compressed frame's size (a u64 written on the device).
 pub const FRAME_SIZE_OFFSET: u64 = 64;
-/// Offset in the workspace of the raw-frame flag (u32) that the compressors' `finish` sets.
+/// Offset in the workspace of the raw-frame flag (u32) that the compressors write.
 const RAW_FLAG_OFFSET: u64 = 72;
 /// Offset in the workspace of the bound error flag (u32; nonzero: rel gave an unusable eps).
 pub const BOUND_ERROR_OFFSET: u64 = 40;
