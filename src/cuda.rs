@@ -619,7 +619,8 @@ pub struct LosslessCompressArgs<'a> {
 ///
 /// # Safety
 /// Every pointer must be a device address on `args.device` valid for its stated length until
-/// the work queued on `args.stream` completes; `input` must not overlap `out` or `workspace`.
+/// the work queued on `args.stream` completes; `input`, `out`, `workspace` and `residual` must not
+/// overlap one another.
 ///
 /// # Errors
 /// [`Error::ShapeMismatch`], [`Error::OutputSize`] for bad arguments (checked before anything
@@ -923,7 +924,8 @@ unsafe fn lossless_chunks_on(
 ///
 /// # Safety
 /// Every pointer must be a device address on `args.device` valid for its stated length until
-/// the work queued on `args.stream` completes; `input` must not overlap `out` or `workspace`.
+/// the work queued on `args.stream` completes; `input`, `out`, `workspace` and `residual` must not
+/// overlap one another.
 ///
 /// # Errors
 /// [`Error::InvalidBound`], [`Error::ShapeMismatch`], [`Error::OutputSize`] for bad arguments
