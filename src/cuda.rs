@@ -619,8 +619,8 @@ pub struct LosslessCompressArgs<'a> {
 ///
 /// # Safety
 /// Every pointer must be a device address on `args.device` valid for its stated length until
-/// the work queued on `args.stream` completes; `input`, `out`, `workspace` and `residual` must not
-/// overlap one another.
+/// the work queued on `args.stream` completes; `input`, `out` and `workspace` must not overlap
+/// one another.
 ///
 /// # Errors
 /// [`Error::ShapeMismatch`], [`Error::OutputSize`] for bad arguments (checked before anything
