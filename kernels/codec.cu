@@ -94,11 +94,12 @@ __device__ __forceinline__ double round_scaled(double t, i64* q) {
     return shifted - CFC_ROUND_MAGIC;
 }
 
-// The value a non-exception element `v` decodes to (the decode rule of docs/FORMAT.md).
+// The quantize rule of docs/FORMAT.md for a value x64 (as f64): t = x64 / step (as x64 * inv_step),
+// its rounded code q, and the value q decodes to.
 template <class D>
-__device__ __forceinline__ typename D::T quantized_value(typename D::T v, const CfcParams* p) {
-    i64 q;
-    double qf = round_scaled(D::to_f64(v) * p->inv_step, &q);
+__device__ __forceinline__ typename D::T quantize(double x64, const CfcParams* p, double* t, i64* q) {
+    *t = x64 * p->inv_step;
+    double qf = round_scaled(*t, q);
     return D::from_f32(__double2float_rn(qf * p->step));
 }
 
@@ -109,11 +110,9 @@ __device__ __forceinline__ u32 encode_lane(typename D::T v, bool valid, const Cf
     *exc = false;
     *err_out = 0.0;
     if (!valid) return 0;
-    double x64 = D::to_f64(v);
-    double t = x64 * p->inv_step;
+    double x64 = D::to_f64(v), t;
     i64 q;
-    double qf = round_scaled(t, &q);
-    double dec = D::to_f64(D::from_f32(__double2float_rn(qf * p->step)));
+    double dec = D::to_f64(quantize<D>(x64, p, &t, &q));
     double err = fabs(dec - x64);
     bool ok = fabs(t) <= CFC_MAX_CODE && (fixed ? (err <= 1.7976931348623157e308) : (err <= p->eps));
     if (!ok) { *exc = true; return 0; }
@@ -503,7 +502,9 @@ __device__ void pack_chunks(const typename D::T* __restrict__ x, u64 n, u32 dtyp
             if (rc) {
                 float cv = rc[j];
                 v = cfc_sent_value<D>(v, cv);
-                float sent = raw || is_exc ? D::to_f32(v) : D::to_f32(quantized_value<D>(v, &P));
+                double t;
+                i64 q;
+                float sent = raw || is_exc ? D::to_f32(v) : D::to_f32(quantize<D>(D::to_f64(v), &P, &t, &q));
                 rc[j] = cfc_new_residual(cv, sent);
             }
             if (raw) {
