@@ -192,11 +192,7 @@ __device__ void warp_scan_pairs(u64* a, u64* b, u64 len, u64* ta, u64* tb) {
         sa += __ldcg(&a[k]);
         sb += __ldcg(&b[k]);
     }
-    u64 ia = sa, ib = sb;
-    for (int o = 1; o < 32; o <<= 1) {
-        u64 x = __shfl_up_sync(CFC_FULL_MASK, ia, o), y = __shfl_up_sync(CFC_FULL_MASK, ib, o);
-        if (lane >= o) { ia += x; ib += y; }
-    }
+    u64 ia = cfc_lane_prefix_sum(sa), ib = cfc_lane_prefix_sum(sb);
     *ta = __shfl_sync(CFC_FULL_MASK, ia, 31);
     *tb = __shfl_sync(CFC_FULL_MASK, ib, 31);
     u64 ea = ia - sa, eb = ib - sb;
@@ -215,11 +211,8 @@ __device__ void warp_scan_pairs(u64* a, u64* b, u64 len, u64* ta, u64* tb) {
 __device__ void tile_totals(const Tiles& s, u64 tile, u32 cw, u32 ce) {
     u32 lane = threadIdx.x & 31;
     const u32 tc = s.tile_chunks;
-    u32 iw = cw, ie = ce;  // inclusive scan over the tile's chunks
-    for (u32 o = 1; o < tc; o <<= 1) {
-        u32 a = __shfl_up_sync(CFC_FULL_MASK, iw, o), b = __shfl_up_sync(CFC_FULL_MASK, ie, o);
-        if (lane >= o) { iw += a; ie += b; }
-    }
+    // Inclusive sums over the tile's chunks (lanes past tc hold nothing that is used).
+    u32 iw = cfc_lane_prefix_sum(cw, tc), ie = cfc_lane_prefix_sum(ce, tc);
     u64 ch = tile * tc + lane;
     if (lane < tc && ch < s.chunks) s.chunk_info[ch] = make_uint4(iw - cw, ie - ce, cw, ce);
     u32 tw = __shfl_sync(CFC_FULL_MASK, iw, tc - 1), te = __shfl_sync(CFC_FULL_MASK, ie, tc - 1);
@@ -249,6 +242,12 @@ __device__ void tile_totals(const Tiles& s, u64 tile, u32 cw, u32 ce) {
         s.totals[0] = sw;
         s.totals[1] = se;
     }
+}
+
+// Values of chunk `ch` that exist: CHUNK_VALUES, fewer in the last chunk, 0 past the end.
+__device__ __forceinline__ u32 chunk_values(u64 n, u64 ch) {
+    u64 e0 = ch * CHUNK_VALUES;
+    return e0 >= n ? 0 : (u32)min(n - e0, (u64)CHUNK_VALUES);
 }
 
 // Plane words and exceptions before tile `t` (after tile_totals has run for every tile).
@@ -302,7 +301,7 @@ template <class D>
 __device__ __forceinline__ void load_chunk(const typename D::T* __restrict__ x, u64 n, u64 ch,
                                            typename D::T* v) {
     const u64 e0 = ch * CHUNK_VALUES;
-    const u32 have = e0 >= n ? 0 : (u32)min(n - e0, (u64)CHUNK_VALUES);
+    const u32 have = chunk_values(n, ch);
     const u32 lane = threadIdx.x & 31;
 #pragma unroll
     for (int u = 0; u < CHUNK_GROUPS; ++u) {
@@ -338,8 +337,7 @@ __device__ void encode_chunks(const typename D::T* __restrict__ x, u64 n, u32 mo
     for (u32 k = 0; k < wc; ++k) {
         const u64 ch = ch0 + k;
         const u64 e0 = ch * CHUNK_VALUES;
-        // Values of this chunk that exist (0 for the warps past the end).
-        const u32 have = e0 >= n ? 0 : (u32)min(n - e0, (u64)CHUNK_VALUES);
+        const u32 have = chunk_values(n, ch);  // 0 for the warps past the end
         const u32 have_groups = (have + CFC_GROUP - 1) / CFC_GROUP;
         typename D::T next[CHUNK_GROUPS];  // the next chunk's values (unused after the last)
         if (k + 1 < wc) load_chunk<D>(x, n, ch + 1, next);
@@ -424,8 +422,6 @@ DEFINE_FOR_DTYPES(ENCODE_CHUNKS)
 // elements' raw bytes, or the chunk's staged planes and its exceptions in their places. With
 // error feedback the residual holds the compensated value c and becomes c - (what the frame
 // decodes to).
-struct Dims { u64 d[8]; };
-
 template <class D>
 __device__ void pack_chunks(const typename D::T* __restrict__ x, u64 n, u32 dtype, u32 mode, u32 fixed,
                             u32 ndim, const Dims& dims, u8* __restrict__ out, u8* __restrict__ ws,
@@ -465,7 +461,7 @@ __device__ void pack_chunks(const typename D::T* __restrict__ x, u64 n, u32 dtyp
         const u64 ch = ch0 + k;
         if (k >= wc || ch >= ts.chunks) break;  // the same for the whole warp
         const u64 e0 = ch * CHUNK_VALUES;
-        const u32 have = (u32)min(n - e0, (u64)CHUNK_VALUES);
+        const u32 have = chunk_values(n, ch);
         if (!raw) {
             // The output has room for a body smaller than the raw bytes (fixed rate excepted).
             const u8* limit = fixed ? (const u8*)~0ull : body + n * size;
@@ -479,11 +475,7 @@ __device__ void pack_chunks(const typename D::T* __restrict__ x, u64 n, u32 dtyp
         if (!raw && info[k].w) {
             u64 g = ch * CHUNK_GROUPS + lane;
             mask_l = lane < CHUNK_GROUPS && g < groups ? ts.excmask[g] : 0;
-            u32 inc = __popc(mask_l);
-            for (int o = 1; o < CHUNK_GROUPS; o <<= 1) {
-                u32 a = __shfl_up_sync(CFC_FULL_MASK, inc, o);
-                if (lane >= o) inc += a;
-            }
+            u32 inc = cfc_lane_prefix_sum((u32)__popc(mask_l), CHUNK_GROUPS);
             first_l = eb + info[k].y + inc - __popc(mask_l);
         }
         u8* idx = body + groups + 4 * nwords;
@@ -521,19 +513,9 @@ __device__ void pack_chunks(const typename D::T* __restrict__ x, u64 n, u32 dtyp
     }
     if (blockIdx.x == 0 && threadIdx.x == 0) {
         u64 blen = raw ? n * size : quant_len;
-        double eps = fixed ? __longlong_as_double((i64)max_err_bits) : P.eps;
-        u8* h = out;
-        h[0] = 'C'; h[1] = 'F'; h[2] = 'C'; h[3] = 'F';
-        h[4] = 1; h[5] = (u8)raw; h[6] = (u8)dtype; h[7] = 0;
-        h[8] = (u8)mode; h[9] = (u8)ndim; h[10] = 5; h[11] = (u8)fixed;
-        h[12] = h[13] = h[14] = h[15] = 0;
-        cfc_store_le(h + 16, n, 8);
-        cfc_store_le(h + 24, (u64)__double_as_longlong(P.step), 8);
-        cfc_store_le(h + 32, (u64)__double_as_longlong(eps), 8);
-        cfc_store_le(h + 40, raw ? 0 : n_exc, 8);
-        cfc_store_le(h + 48, blen, 8);
-        cfc_store_le(h + 56, blen, 8);
-        for (u32 k = 0; k < ndim; ++k) cfc_store_le(h + 64 + 8 * k, dims.d[k], 8);
+        u64 eps = fixed ? max_err_bits : (u64)__double_as_longlong(P.eps);
+        cfc_write_header(out, raw ? 1 : 0, dtype, mode, fixed, n, (u64)__double_as_longlong(P.step), eps,
+                         raw ? 0 : n_exc, blen, ndim, dims);
         *(u64*)(ws + 64) = header_len + blen;
         *(u32*)(ws + 72) = raw ? 1u : 0u;
     }
@@ -584,19 +566,11 @@ extern "C" __global__ void cfc_codec_decode_offsets(const u8* frame, u64 header_
     }
     // A tile is TPT threads: scan within it, then over the warp's tiles, then over the warps.
     const u32 TPT = TILE_CHUNKS / 2;
-    u32 pair = w0 + w1, in_tile = pair;
-    for (u32 o = 1; o < TPT; o <<= 1) {
-        u32 a = __shfl_up_sync(CFC_FULL_MASK, in_tile, o);
-        if ((lane % TPT) >= o) in_tile += a;
-    }
+    u32 pair = w0 + w1, in_tile = cfc_lane_prefix_sum(pair, TPT);
     u32 tile_total = __shfl_sync(CFC_FULL_MASK, in_tile, lane | (TPT - 1));
     if (c0 < ts.chunks) ts.chunk_info[c0] = make_uint4(in_tile - pair, 0, w0, 0);
     if (c0 + 1 < ts.chunks) ts.chunk_info[c0 + 1] = make_uint4(in_tile - pair + w0, 0, w1, 0);
-    u32 in_warp = lane % TPT == TPT - 1 ? tile_total : 0;
-    for (int o = 1; o < 32; o <<= 1) {
-        u32 a = __shfl_up_sync(CFC_FULL_MASK, in_warp, o);
-        if (lane >= o) in_warp += a;
-    }
+    u32 in_warp = cfc_lane_prefix_sum(lane % TPT == TPT - 1 ? tile_total : 0u);
     if (lane == 31) s_warp[warp] = in_warp;
     __syncthreads();
     u32 before = 0, span_total = 0;
@@ -640,7 +614,7 @@ __device__ void decode_chunks(const u8* frame, u64 header_len, u64 n, u8* ws, ty
     const u64 ch = (u64)blockIdx.x * (TILE_THREADS / 32) + warp;  // a chunk per warp
     if (ch >= ts.chunks) return;
     const u64 e0 = ch * CHUNK_VALUES;
-    const u32 have = (u32)min(n - e0, (u64)CHUNK_VALUES);
+    const u32 have = chunk_values(n, ch);
     typename D::T* oc = out + e0;
     if (frame[HDR_CODEC] != 0) {
         bool typed = ((u64)body % D::SIZE) == 0;
@@ -651,11 +625,7 @@ __device__ void decode_chunks(const u8* frame, u64 header_len, u64 n, u8* ws, ty
     }
     // Widths of the chunk's groups (lane u < 8 has group u's) and where each group's planes start.
     u32 wl = lane < CHUNK_GROUPS && ch * CHUNK_GROUPS + lane < groups ? body[ch * CHUNK_GROUPS + lane] : 0;
-    u32 inc = wl;
-    for (int o = 1; o < CHUNK_GROUPS; o <<= 1) {
-        u32 a = __shfl_up_sync(CFC_FULL_MASK, inc, o);
-        if (lane >= o) inc += a;
-    }
+    u32 inc = cfc_lane_prefix_sum(wl, CHUNK_GROUPS);
     const u32 nw = __shfl_sync(CFC_FULL_MASK, inc, CHUNK_GROUPS - 1);
     const uint4 info = ts.chunk_info[ch];
     const u8* pb = body + groups + 4 * (words_before(ts, ch / TILE_CHUNKS) + info.x);

@@ -89,6 +89,18 @@ __device__ __forceinline__ typename D::T cfc_dequantize(i64 q, double step) {
     return D::from_f32(__double2float_rn((double)q * step));
 }
 
+// Inclusive sum of `v` over the lanes of this lane's run of `width` lanes (a power of two up to
+// 32), up to and including this lane. Every lane of the warp must call it.
+template <class I>
+__device__ __forceinline__ I cfc_lane_prefix_sum(I v, unsigned width = 32) {
+    unsigned lane = threadIdx.x & 31;
+    for (unsigned o = 1; o < width; o <<= 1) {
+        I a = __shfl_up_sync(CFC_FULL_MASK, v, o);
+        if ((lane & (width - 1)) >= o) v += a;
+    }
+    return v;
+}
+
 // Little-endian stores/loads of `nbytes` at any alignment (frame fields are not aligned).
 __device__ __forceinline__ void cfc_store_le(u8* p, u64 v, int nbytes) {
     for (int k = 0; k < nbytes; ++k) p[k] = (u8)(v >> (8 * k));
@@ -97,4 +109,24 @@ __device__ __forceinline__ u64 cfc_load_le(const u8* p, int nbytes) {
     u64 v = 0;
     for (int k = 0; k < nbytes; ++k) v |= ((u64)p[k]) << (8 * k);
     return v;
+}
+
+// A frame's shape, passed to kernels by value.
+struct Dims { u64 d[8]; };
+
+// A frame header (docs/FORMAT.md) at `h`: 64 bytes, then 8 per dimension. `step` and `eps` are
+// the f64 fields' bits.
+__device__ inline void cfc_write_header(u8* h, u32 codec, u32 dtype, u32 mode, u32 bits, u64 n, u64 step,
+                                        u64 eps, u64 n_exc, u64 body_len, u32 ndim, const Dims& dims) {
+    h[0] = 'C'; h[1] = 'F'; h[2] = 'C'; h[3] = 'F';
+    h[4] = 1; h[5] = (u8)codec; h[6] = (u8)dtype; h[7] = 0;
+    h[8] = (u8)mode; h[9] = (u8)ndim; h[10] = 5; h[11] = (u8)bits;
+    h[12] = h[13] = h[14] = h[15] = 0;
+    cfc_store_le(h + 16, n, 8);
+    cfc_store_le(h + 24, step, 8);
+    cfc_store_le(h + 32, eps, 8);
+    cfc_store_le(h + 40, n_exc, 8);
+    cfc_store_le(h + 48, body_len, 8);
+    cfc_store_le(h + 56, body_len, 8);  // raw_body_len: no zstd stage on the device
+    for (u32 k = 0; k < ndim; ++k) cfc_store_le(h + 64 + 8 * k, dims.d[k], 8);
 }

@@ -181,11 +181,7 @@ __device__ void ll_unpack(const u8* p, u32 m, W* dst, W (*dep)[LLTable<W>::ENTRI
 // scratch (a word per warp); *total gets the sum of all. Every thread of the block calls it.
 __device__ u32 ll_block_scan(u32 c, u32* scratch, u32* total) {
     u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    u32 inc = c;
-    for (int o = 1; o < 32; o <<= 1) {
-        u32 v = __shfl_up_sync(CFC_FULL_MASK, inc, o);
-        if ((int)lane >= o) inc += v;
-    }
+    u32 inc = cfc_lane_prefix_sum(c);
     if (lane == 31) scratch[warp] = inc;
     __syncthreads();
     u32 before = 0, all = 0;
@@ -596,8 +592,6 @@ extern "C" __global__ void cfc_lossless_entry_lengths(const u32* entries, u64 ch
     if (c < chunks) words[c] = entries[c] & LL_LEN_MASK;
 }
 
-struct Dims { u64 d[8]; };  // the shape, by value (as in codec.cu)
-
 // After the scan (words[chunks] = all payloads): the header, and the raw-or-lossless choice.
 extern "C" __global__ void cfc_lossless_finish(u8* out, u64 n, u64 chunks, u32 dtype, u32 dsize, u32 ndim,
                                                Dims dims, const u64* words, u64* frame_size, u32* raw_flag) {
@@ -606,18 +600,8 @@ extern "C" __global__ void cfc_lossless_finish(u8* out, u64 n, u64 chunks, u32 d
     u64 raw_len = n * dsize;
     u32 raw = lossless_len >= raw_len ? 1 : 0;
     u64 body = raw ? raw_len : lossless_len;
-    u8* h = out;
-    h[0] = 'C'; h[1] = 'F'; h[2] = 'C'; h[3] = 'F';
-    h[4] = 1; h[5] = raw ? 1 : 2; h[6] = (u8)dtype; h[7] = 0;
-    h[8] = 4; h[9] = (u8)ndim; h[10] = 5; h[11] = 0;
-    h[12] = h[13] = h[14] = h[15] = 0;
-    cfc_store_le(h + 16, n, 8);
-    cfc_store_le(h + 24, 0x3ff0000000000000ull, 8);  // step 1.0
-    cfc_store_le(h + 32, 0, 8);                      // eps 0
-    cfc_store_le(h + 40, 0, 8);
-    cfc_store_le(h + 48, body, 8);
-    cfc_store_le(h + 56, body, 8);
-    for (u32 k = 0; k < ndim; ++k) cfc_store_le(h + 64 + 8 * k, dims.d[k], 8);
+    // Mode 4 (lossless), step 1.0, eps 0, no exceptions.
+    cfc_write_header(out, raw ? 1 : 2, dtype, 4, 0, n, 0x3ff0000000000000ull, 0, 0, body, ndim, dims);
     *frame_size = header_len + body;
     *raw_flag = raw;
 }

@@ -10,20 +10,11 @@ extern "C" __global__ void cfc_scan_block(u64* data, u64 len, u64* block_sums) {
     u64 i = (u64)blockIdx.x * SCAN_BLOCK + threadIdx.x;
     u64 v = i < len ? data[i] : 0;
     u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    u64 inc = v;
-    for (int o = 1; o < 32; o <<= 1) {
-        u64 t = __shfl_up_sync(CFC_FULL_MASK, inc, o);
-        if (lane >= o) inc += t;
-    }
+    u64 inc = cfc_lane_prefix_sum(v);
     if (lane == 31) warp_sums[warp] = inc;
     __syncthreads();
     if (warp == 0) {
-        u64 s = warp_sums[lane];
-        for (int o = 1; o < 32; o <<= 1) {
-            u64 t = __shfl_up_sync(CFC_FULL_MASK, s, o);
-            if (lane >= o) s += t;
-        }
-        warp_sums[lane] = s;  // inclusive scan of warp totals
+        warp_sums[lane] = cfc_lane_prefix_sum(warp_sums[lane]);  // inclusive scan of warp totals
     }
     __syncthreads();
     u64 before = warp == 0 ? 0 : warp_sums[warp - 1];
