@@ -601,6 +601,35 @@ extern "C" __global__ void cfc_codec_decode_offsets(const u8* frame, u64 header_
     }
 }
 
+// This lane's code in a group of width `w` (up to 64) whose planes are at `planes`.
+__device__ __forceinline__ i64 lane_code(const u32* planes, u32 w) {
+    const u32 lane = threadIdx.x & 31;
+    u64 z = 0;
+    for (u32 b = 0; b < w; ++b) z |= (u64)((planes[b] >> lane) & 1u) << b;
+    return (i64)(z >> 1) ^ -(i64)(z & 1);
+}
+
+// One warp copies chunk `ch`'s planes (decode_offsets has run), realigned, to `st` (up to 64
+// words per group). Lane u < 8 gets group u's width in *wl and, in *inc, the plane words up to
+// and including that group (so group u's planes are st[inc - wl, inc)).
+__device__ __forceinline__ void stage_chunk_planes(const u8* body, const Tiles& ts, u64 ch, u32* st, u32* wl,
+                                                   u32* inc) {
+    const u32 lane = threadIdx.x & 31;
+    *wl = lane < CHUNK_GROUPS && ch * CHUNK_GROUPS + lane < ts.groups ? body[ch * CHUNK_GROUPS + lane] : 0;
+    *inc = cfc_lane_prefix_sum(*wl, CHUNK_GROUPS);
+    const u32 nw = __shfl_sync(CFC_FULL_MASK, *inc, CHUNK_GROUPS - 1);
+    const uint4 info = ts.chunk_info[ch];
+    const u8* pb = body + ts.groups + 4 * (words_before(ts, ch / TILE_CHUNKS) + info.x);
+    const u8* end = pb + 4 * (u64)nw;
+    const u32 sh = (u32)((u64)pb & 3);
+    const u8* a0 = pb - sh;  // still inside the frame: the widths come before
+    for (u32 k = lane; k < nw; k += 32) {
+        u32 lo = *(const u32*)(a0 + 4 * k);
+        st[k] = sh == 0 ? lo : __funnelshift_r(lo, load_word_before(a0 + 4 * k + 4, end), 8 * sh);
+    }
+    __syncwarp();
+}
+
 // Pass 2, one chunk per warp: the chunk's planes copied, realigned, to the warp's part of
 // shared memory, then each group's codes rebuilt (widths up to 64 bits: frames of summed codes)
 // and its values written. Raw frames: the elements are copied.
@@ -609,7 +638,6 @@ __device__ void decode_chunks(const u8* frame, u64 header_len, u64 n, u8* ws, ty
     __shared__ u32 stage[TILE_THREADS / 32][CHUNK_GROUPS * 64];  // a part per warp
     const Tiles ts = tiles_at(ws, n, TILE_CHUNKS);
     const u8* body = frame + header_len;
-    const u64 groups = ts.groups;
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const u64 ch = (u64)blockIdx.x * (TILE_THREADS / 32) + warp;  // a chunk per warp
     if (ch >= ts.chunks) return;
@@ -623,21 +651,9 @@ __device__ void decode_chunks(const u8* frame, u64 header_len, u64 n, u8* ws, ty
                           : D::from_bits((u32)cfc_load_le(body + (e0 + j) * D::SIZE, D::SIZE));
         return;
     }
-    // Widths of the chunk's groups (lane u < 8 has group u's) and where each group's planes start.
-    u32 wl = lane < CHUNK_GROUPS && ch * CHUNK_GROUPS + lane < groups ? body[ch * CHUNK_GROUPS + lane] : 0;
-    u32 inc = cfc_lane_prefix_sum(wl, CHUNK_GROUPS);
-    const u32 nw = __shfl_sync(CFC_FULL_MASK, inc, CHUNK_GROUPS - 1);
-    const uint4 info = ts.chunk_info[ch];
-    const u8* pb = body + groups + 4 * (words_before(ts, ch / TILE_CHUNKS) + info.x);
-    const u8* end = pb + 4 * (u64)nw;
-    const u32 sh = (u32)((u64)pb & 3);
-    const u8* a0 = pb - sh;  // still inside the frame: the widths come before
-    u32* st = stage[warp];
-    for (u32 k = lane; k < nw; k += 32) {
-        u32 lo = *(const u32*)(a0 + 4 * k);
-        st[k] = sh == 0 ? lo : __funnelshift_r(lo, load_word_before(a0 + 4 * k + 4, end), 8 * sh);
-    }
-    __syncwarp();
+    u32 wl, inc;
+    const u32* st = stage[warp];
+    stage_chunk_planes(body, ts, ch, stage[warp], &wl, &inc);
     const double step = __longlong_as_double((i64)cfc_load_le(frame + HDR_STEP, 8));
 #pragma unroll
     for (int u = 0; u < CHUNK_GROUPS; ++u) {
@@ -652,9 +668,7 @@ __device__ void decode_chunks(const u8* frame, u64 header_len, u64 n, u8* ws, ty
             i64 q = (i64)(z >> 1) ^ -(i64)(z & 1);
             qf = __longlong_as_double(__double_as_longlong(CFC_ROUND_MAGIC) + q) - CFC_ROUND_MAGIC;
         } else {  // sums of codes: up to 64 bits
-            u64 z = 0;
-            for (u32 b = 0; b < w; ++b) z |= (u64)((planes[b] >> lane) & 1u) << b;
-            qf = (double)((i64)(z >> 1) ^ -(i64)(z & 1));
+            qf = (double)lane_code(planes, w);
         }
         if (j < have) oc[j] = D::from_f32(__double2float_rn(qf * step));
     }
@@ -688,3 +702,243 @@ __device__ void scatter_exceptions(const u8* frame, u64 header_len, u64 n, u64 g
         scatter_exceptions<D>(frame, header_len, n, groups, nwords, out);                          \
     }
 DEFINE_FOR_DTYPES(SCATTER)
+
+// ---- sums of frames ----------------------------------------------------------------------
+// The device side of src/sum.rs (Codes::sum, then Codes::to_frame without zstd), for frames of
+// one dtype and length, checked on the host or written by the kernels above. Part after part, in
+// order: [zero the counters] decode_offsets -> sum_exceptions -> sum_codes, which add the part's
+// codes into `acc` (i64) and its decoded values into `total` (f64, read at the end only where
+// some part holds an exception: the CPU reference's exception value). Then the sum is packed as
+// the encoder packs a tensor, in two passes over chunks, from the codes: [zero the counters]
+// sum_sizes -> sum_pack. The masks hold a bit per element: the exceptions of the part being
+// added (`part_mask`, zeroed before each part) and of any part so far (`union_mask`). The
+// workspace's CfcParams carry the step (the first part's), eps (the parts' eps added in order)
+// and the error bits below; a frame with an error gets size 0.
+#define HDR_EPS 32
+#define SUM_STEPS_DIFFER 1u
+#define SUM_OVERFLOW 2u
+
+// The bits a sum's exception stores for the f64 total of the parts' values there (sum_bits in
+// src/sum.rs): rounded to f32, then to the dtype; NaN as the quiet NaN, whatever its payload.
+template <class D>
+__device__ __forceinline__ u32 sum_value_bits(double total) {
+    float f = isnan(total) ? __int_as_float(0x7fc00000) : __double2float_rn(total);
+    return D::bits(D::from_f32(f));
+}
+
+// A part's header fields (thread 0), then its exceptions: their bits in the masks, their values
+// into `total`. Exception indices are strictly increasing, so no two threads share an element.
+template <class D>
+__device__ void sum_exceptions(const u8* frame, u64 header_len, u64 n, u64 groups, u8* ws, u32* part_mask,
+                               u32* union_mask, double* total, u32 first) {
+    CfcParams* pp = (CfcParams*)ws;
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        const u64 step = cfc_load_le(frame + HDR_STEP, 8);
+        const double eps = __longlong_as_double((i64)cfc_load_le(frame + HDR_EPS, 8));
+        if (first) {
+            pp->step = __longlong_as_double((i64)step);
+            pp->eps = 0.0 + eps;
+        } else {
+            if ((u64)__double_as_longlong(pp->step) != step) pp->error |= SUM_STEPS_DIFFER;
+            pp->eps += eps;
+        }
+    }
+    const u64 n_exc = frame[HDR_CODEC] == 0 ? cfc_load_le(frame + HDR_NEXC, 8) : 0;
+    if (n_exc == 0) return;
+    const u64 idx_size = n <= (1ull << 32) ? 4 : 8;
+    const u64 nwords = ((const u64*)(ws + WS_TOTALS))[0];  // decode_offsets' total
+    const u8* idx = frame + header_len + groups + 4 * nwords;
+    const u8* val = idx + n_exc * idx_size;
+    for (u64 k = (u64)blockIdx.x * blockDim.x + threadIdx.x; k < n_exc; k += (u64)gridDim.x * blockDim.x) {
+        u64 i = cfc_load_le(idx + k * idx_size, (int)idx_size);
+        if (i >= n) continue;
+        u32 bit = 1u << (i % CFC_GROUP);
+        atomicOr(&part_mask[i / CFC_GROUP], bit);
+        atomicOr(&union_mask[i / CFC_GROUP], bit);
+        double v = D::to_f64(D::from_bits((u32)cfc_load_le(val + k * D::SIZE, D::SIZE)));
+        total[i] = (first ? 0.0 : total[i]) + v;
+    }
+}
+
+#define SUM_EXCEPTIONS(name, D)                                                                    \
+    extern "C" __global__ void cfc_codec_sum_exceptions_##name(const u8* frame, u64 header_len,    \
+            u64 n, u64 groups, u8* ws, u32* part_mask, u32* union_mask, double* total, u32 first) { \
+        sum_exceptions<D>(frame, header_len, n, groups, ws, part_mask, union_mask, total, first);  \
+    }
+DEFINE_FOR_DTYPES(SUM_EXCEPTIONS)
+
+// A part's codes into `acc` (0 where the part holds an exception: the CPU reference's codes),
+// and its decoded values into `total` where it does not, one chunk per warp (after
+// sum_exceptions). A raw part adds code 0 and every element's value, and marks every element
+// in the union.
+template <class D>
+__device__ void sum_codes(const u8* frame, u64 header_len, u64 n, u8* ws, const u32* part_mask, u32* union_mask,
+                          i64* acc, double* total, u32 first) {
+    __shared__ u32 stage[TILE_THREADS / 32][CHUNK_GROUPS * 64];  // a part per warp
+    const Tiles ts = tiles_at(ws, n, TILE_CHUNKS);
+    const u8* body = frame + header_len;
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const u64 ch = (u64)blockIdx.x * (TILE_THREADS / 32) + warp;
+    if (ch >= ts.chunks) return;
+    const u64 e0 = ch * CHUNK_VALUES;
+    const u32 have = chunk_values(n, ch);
+    const bool raw = frame[HDR_CODEC] != 0;
+    u32 wl = 0, inc = 0, mask_l = 0;
+    if (!raw) {
+        stage_chunk_planes(body, ts, ch, stage[warp], &wl, &inc);
+        if (lane < CHUNK_GROUPS && ch * CHUNK_GROUPS + lane < ts.groups) mask_l = part_mask[ch * CHUNK_GROUPS + lane];
+    }
+    const double step = __longlong_as_double((i64)cfc_load_le(frame + HDR_STEP, 8));
+    bool overflow = false;
+    for (int u = 0; u < CHUNK_GROUPS; ++u) {
+        const u32 j = u * CFC_GROUP + lane;
+        const u64 e = e0 + j;
+        const bool valid = j < have;
+        i64 q = 0;
+        bool exc = true;  // its value is added by sum_exceptions (raw: below)
+        if (raw) {
+            u32 all = __ballot_sync(CFC_FULL_MASK, valid);
+            if (valid) {
+                typename D::T v = D::from_bits((u32)cfc_load_le(body + e * D::SIZE, D::SIZE));
+                total[e] = (first ? 0.0 : total[e]) + D::to_f64(v);
+            }
+            if (lane == 0 && all) union_mask[ch * CHUNK_GROUPS + u] |= all;
+        } else {
+            const u32 w = __shfl_sync(CFC_FULL_MASK, wl, u);
+            const u32 mask = __shfl_sync(CFC_FULL_MASK, mask_l, u);
+            exc = (mask >> lane) & 1u;
+            q = lane_code(stage[warp] + __shfl_sync(CFC_FULL_MASK, inc - wl, u), w);
+            if (exc) q = 0;
+        }
+        if (!valid) continue;
+        i64 s = q;
+        if (!first) {
+            i64 a = acc[e];
+            s = (i64)((u64)a + (u64)q);
+            overflow |= ((a ^ s) & (q ^ s)) < 0;  // both operands' sign differs from the sum's
+        }
+        acc[e] = s;
+        if (!exc) total[e] = (first ? 0.0 : total[e]) + D::to_f64(cfc_dequantize<D>(q, step));
+    }
+    if (__any_sync(CFC_FULL_MASK, overflow) && lane == 0) atomicOr(&((CfcParams*)ws)->error, SUM_OVERFLOW);
+}
+
+#define SUM_CODES(name, D)                                                                         \
+    extern "C" __global__ void cfc_codec_sum_codes_##name(const u8* frame, u64 header_len, u64 n,  \
+            u8* ws, const u32* part_mask, u32* union_mask, i64* acc, double* total, u32 first) {    \
+        sum_codes<D>(frame, header_len, n, ws, part_mask, union_mask, acc, total, first);          \
+    }
+DEFINE_FOR_DTYPES(SUM_CODES)
+
+// Zigzag code of this lane's element of group u of chunk `ch` in the sum: 0 past the end and
+// where the sum holds an exception (`mask` is the group's union mask).
+__device__ __forceinline__ u64 sum_zigzag(const i64* acc, u64 e0, u32 have, int u, u32 mask) {
+    const u32 lane = threadIdx.x & 31;
+    const u32 j = u * CFC_GROUP + lane;
+    if (j >= have || ((mask >> lane) & 1u)) return 0;
+    i64 q = acc[e0 + j];
+    return ((u64)q << 1) ^ (u64)(q >> 63);
+}
+
+// Pass 1 of packing a sum, a chunk per warp (tiles of 8 chunks): the widths, into the frame, and
+// the chunks' plane words and exceptions (tile_totals).
+extern "C" __global__ void cfc_codec_sum_sizes(const i64* acc, u64 n, u8* body, u8* ws, const u32* union_mask) {
+    __shared__ u32 s_cw[TILE_THREADS / 32], s_ce[TILE_THREADS / 32];
+    const Tiles ts = tiles_at(ws, n, TILE_THREADS / 32);
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const u64 ch = (u64)blockIdx.x * ts.tile_chunks + warp;
+    const u64 e0 = ch * CHUNK_VALUES;
+    const u32 have = chunk_values(n, ch);  // 0 for the warps past the end
+    const u32 have_groups = (have + CFC_GROUP - 1) / CFC_GROUP;
+    const u32 mask_l = lane < have_groups ? union_mask[ch * CHUNK_GROUPS + lane] : 0;
+    u32 cw = 0, ce = 0, mine = 0;
+    for (int u = 0; u < CHUNK_GROUPS; ++u) {
+        u32 mask = __shfl_sync(CFC_FULL_MASK, mask_l, u);
+        u64 z = sum_zigzag(acc, e0, have, u, mask);
+        u32 hi = __reduce_or_sync(CFC_FULL_MASK, (u32)(z >> 32)), lo = __reduce_or_sync(CFC_FULL_MASK, (u32)z);
+        u32 w = hi ? 64 - __clz(hi) : 32 - __clz(lo);
+        if (lane == u) mine = w;
+        cw += w;
+        ce += __popc(mask);
+    }
+    if (lane < have_groups) body[ch * CHUNK_GROUPS + lane] = (u8)mine;
+    if (lane == 0) {
+        s_cw[warp] = cw;
+        s_ce[warp] = ce;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        bool in = lane < ts.tile_chunks;
+        tile_totals(ts, blockIdx.x, in ? s_cw[lane] : 0, in ? s_ce[lane] : 0);
+    }
+}
+
+// Pass 2 of packing a sum, with the geometry of pass 1: each chunk's planes built in the warp's
+// shared memory and written at their place, its exceptions (values from `total`) in theirs;
+// block 0 writes the header and the frame size (0 on an error).
+template <class D>
+__device__ void sum_pack(const i64* acc, const double* total, u64 n, u32 dtype, u32 ndim, const Dims& dims,
+                         u8* __restrict__ out, u8* ws, const u32* union_mask) {
+    __shared__ u32 stage[TILE_THREADS / 32][CHUNK_GROUPS * 64];  // a part per warp
+    const CfcParams* pp = (const CfcParams*)ws;
+    const Tiles ts = tiles_at(ws, n, TILE_THREADS / 32);
+    const u32 size = D::SIZE;
+    const u64 groups = ts.groups, header_len = 64 + 8 * (u64)ndim;
+    u8* body = out + header_len;
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const u64 ch = (u64)blockIdx.x * ts.tile_chunks + warp;
+    const u64 nwords = ts.totals[0], n_exc = ts.totals[1];
+    const u64 idx_size = n <= (1ull << 32) ? 4 : 8;
+    if (ch < ts.chunks) {
+        const u64 e0 = ch * CHUNK_VALUES;
+        const u32 have = chunk_values(n, ch);
+        const uint4 info = ts.chunk_info[ch];
+        const u64 g = ch * CHUNK_GROUPS + lane;
+        const u32 wl = lane < CHUNK_GROUPS && g < groups ? body[g] : 0;
+        const u32 mask_l = lane < CHUNK_GROUPS && g < groups ? union_mask[g] : 0;
+        const u32 inc = cfc_lane_prefix_sum(wl, CHUNK_GROUPS);
+        u32* st = stage[warp];
+        for (int u = 0; u < CHUNK_GROUPS; ++u) {
+            const u32 w = __shfl_sync(CFC_FULL_MASK, wl, u);
+            const u32 at = __shfl_sync(CFC_FULL_MASK, inc - wl, u);
+            const u64 z = sum_zigzag(acc, e0, have, u, __shfl_sync(CFC_FULL_MASK, mask_l, u));
+            for (u32 b = 0; b < w; ++b) {  // plane b: bit b of every lane's code
+                u32 plane = __ballot_sync(CFC_FULL_MASK, (z >> b) & 1u);
+                if (lane == 0) st[at + b] = plane;
+            }
+        }
+        __syncwarp();
+        put_words(body + groups + 4 * (words_before(ts, blockIdx.x) + info.x), st, info.z, (const u8*)~0ull,
+                  lane < info.z ? st[lane] : 0);
+        if (info.w) {
+            // Each group's first exception slot: lane u < 8 holds group u's.
+            const u32 inc_e = cfc_lane_prefix_sum((u32)__popc(mask_l), CHUNK_GROUPS);
+            const u64 first_l = excs_before(ts, blockIdx.x) + info.y + inc_e - __popc(mask_l);
+            u8* idx = body + groups + 4 * nwords;
+            u8* val = idx + n_exc * idx_size;
+            for (int u = 0; u < CHUNK_GROUPS; ++u) {
+                const u32 mask = __shfl_sync(CFC_FULL_MASK, mask_l, u);
+                const u64 first = __shfl_sync(CFC_FULL_MASK, first_l, u);
+                if (!((mask >> lane) & 1u)) continue;
+                const u64 e = e0 + u * CFC_GROUP + lane;
+                const u64 slot = first + __popc(mask & ((1u << lane) - 1u));
+                cfc_store_le(idx + slot * idx_size, e, (int)idx_size);
+                cfc_store_le(val + slot * size, sum_value_bits<D>(total[e]), size);
+            }
+        }
+    }
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        const u64 blen = groups + 4 * nwords + n_exc * (idx_size + size);
+        cfc_write_header(out, 0, dtype, 3, 0, n, (u64)__double_as_longlong(pp->step),
+                         (u64)__double_as_longlong(pp->eps), n_exc, blen, ndim, dims);
+        *(u64*)(ws + 64) = pp->error ? 0 : header_len + blen;
+        *(u32*)(ws + 72) = 0u;
+    }
+}
+
+#define SUM_PACK(name, D)                                                                          \
+    extern "C" __global__ void cfc_codec_sum_pack_##name(const i64* acc, const double* total, u64 n, \
+            u32 dtype, u32 ndim, Dims dims, u8* out, u8* ws, const u32* union_mask) {              \
+        sum_pack<D>(acc, total, n, dtype, ndim, dims, out, ws, union_mask);                        \
+    }
+DEFINE_FOR_DTYPES(SUM_PACK)

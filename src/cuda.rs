@@ -31,6 +31,9 @@ const CHUNK_GROUPS: u64 = 8;
 const TILE_CHUNKS: u64 = 32;
 const SPAN_TILES: u64 = 16;
 const WS_SPANS: u64 = 112;
+/// Start of the counters zeroed between the parts of a sum (the parameters before them carry
+/// the sum's step, eps and errors from part to part).
+const WS_COUNTERS: u64 = 64;
 /// Workspace offset of the plane words' total (u64), after the last block of a pass.
 const WS_TOTAL_WORDS: u64 = 96;
 /// Values per block of the scan kernels (must match `SCAN_BLOCK` in `kernels/scan.cu`).
@@ -70,6 +73,10 @@ struct Kernels {
     offsets: CudaFunction,
     decode: CudaFunction,
     scatter: CudaFunction,
+    sum_exceptions: CudaFunction,
+    sum_codes: CudaFunction,
+    sum_sizes: CudaFunction,
+    sum_pack: CudaFunction,
 }
 
 /// Restores the calling thread's current CUDA context when dropped. Binding a device's context
@@ -299,6 +306,10 @@ impl Device {
             offsets: self.function(c, "decode_offsets", None)?,
             decode: self.function(c, "decode_chunks", d)?,
             scatter: self.function(c, "scatter_exceptions", d)?,
+            sum_exceptions: self.function(c, "sum_exceptions", d)?,
+            sum_codes: self.function(c, "sum_codes", d)?,
+            sum_sizes: self.function(c, "sum_sizes", None)?,
+            sum_pack: self.function(c, "sum_pack", d)?,
         });
         self.kernels
             .lock()
@@ -1171,6 +1182,230 @@ pub unsafe fn decompress(args: &DecompressArgs) -> Result<()> {
             "scatter_exceptions",
             exc_cfg,
             &scatter,
+        )?;
+    }
+    Ok(())
+}
+
+/// Where [`sum`] keeps its state in a workspace: the chunk offsets of the decoder and of the
+/// packer (the packer's tiles of 8 chunks need the larger layout), then the exception masks,
+/// the code sums and the value sums.
+struct SumLayout {
+    tiles: TileLayout,
+    union_mask: u64,
+    part_mask: u64,
+    acc: u64,
+    total: u64,
+    end: u64,
+}
+
+fn sum_layout(n: u64) -> SumLayout {
+    let tiles = tile_layout(n, SMALLEST_TILE);
+    let masks = 4 * groups_for(n);
+    let union_mask = tiles.decode_end.div_ceil(16) * 16;
+    let part_mask = union_mask + masks;
+    let acc = (part_mask + masks).div_ceil(16) * 16;
+    let total = acc + 8 * n;
+    SumLayout {
+        tiles,
+        union_mask,
+        part_mask,
+        acc,
+        total,
+        end: total + 8 * n,
+    }
+}
+
+/// Workspace bytes [`sum`] needs for frames of `n` elements: the decoder's and packer's
+/// offsets, two bits per element of exception masks, and 16 bytes per element for the sums of
+/// codes (i64) and of values (f64).
+pub fn sum_workspace_len(n: u64) -> u64 {
+    sum_layout(n).end
+}
+
+/// Bytes of output that always suffice for the sum of frames of `n` elements: widths up to 64
+/// bits, and every element possibly an exception (the frame's real size goes to the workspace).
+pub fn sum_capacity(n: u64, dtype: DType, ndim: usize) -> u64 {
+    let header = (FIXED_HEADER_LEN + 8 * ndim) as u64;
+    header + groups_for(n) * (1 + 4 * 64) + n * (index_size_for(n) as u64 + dtype.size() as u64)
+}
+
+/// Arguments of [`sum`]; pointers are device addresses on `device`.
+#[derive(Debug, Clone)]
+pub struct SumArgs<'a> {
+    /// Device ordinal.
+    pub device: usize,
+    /// A `CUstream` of the device's primary context; all work is queued on it.
+    pub stream: usize,
+    /// The frames to add, in order: quantized or raw frames (not lossless ones, not with a
+    /// zstd stage) of `n` elements of `dtype` with `shape`, checked on the host or written by
+    /// [`compress`] or [`sum`].
+    pub frames: &'a [u64],
+    /// Element count of every frame.
+    pub n: u64,
+    /// Element type of every frame.
+    pub dtype: DType,
+    /// Dimensions of every frame (product `n`); the sum gets them too.
+    pub shape: &'a [u64],
+    /// Output buffer, at least [`sum_capacity`] bytes.
+    pub out: u64,
+    /// Its size.
+    pub out_len: u64,
+    /// Workspace, at least [`sum_workspace_len`] bytes. The frame's size is written at
+    /// [`FRAME_SIZE_OFFSET`] (0 when the sum failed) and the failure at
+    /// [`BOUND_ERROR_OFFSET`] (a u32: [`SUM_STEPS_DIFFER`] and/or [`SUM_OVERFLOW`]).
+    pub workspace: u64,
+    /// Its size.
+    pub workspace_len: u64,
+}
+
+/// Error bit of [`sum`]: the frames' steps are not all the same.
+pub const SUM_STEPS_DIFFER: u32 = 1;
+/// Error bit of [`sum`]: a sum of codes leaves the 64-bit range.
+pub const SUM_OVERFLOW: u32 = 2;
+
+/// Queues the element-wise sum of frames into one frame of mode `sum`, with the bytes that
+/// [`crate::sum_frames`] (without zstd) gives for the same frames, without waiting for the GPU.
+/// Frames whose steps differ, or whose codes overflow, are known on the device only: the
+/// workspace then reports them (see [`SumArgs::workspace`]) and the frame's size is 0.
+///
+/// # Safety
+/// Pointers must be device addresses on `args.device`, valid until the queued work completes;
+/// every frame must be as [`SumArgs::frames`] says (the kernels read what their headers and
+/// widths say).
+///
+/// # Errors
+/// [`Error::Incompatible`] for no frames, [`Error::NotQuantizable`], [`Error::ShapeMismatch`],
+/// [`Error::OutputSize`] for small buffers (all checked before anything is queued), and CUDA
+/// errors.
+pub unsafe fn sum(args: &SumArgs<'_>) -> Result<()> {
+    let n = args.n;
+    let ndim = args.shape.len();
+    if args.frames.is_empty() {
+        return Err(Error::Incompatible {
+            what: "count",
+            left: "at least one frame".into(),
+            right: "none".into(),
+        });
+    }
+    if !args.dtype.is_quantizable() {
+        return Err(Error::NotQuantizable(args.dtype));
+    }
+    check_shape(args.shape, n)?;
+    let need_out = sum_capacity(n, args.dtype, ndim);
+    if args.out_len < need_out {
+        return Err(Error::OutputSize {
+            expected: need_out,
+            got: args.out_len,
+        });
+    }
+    let layout = sum_layout(n);
+    if args.workspace_len < layout.end {
+        return Err(Error::OutputSize {
+            expected: layout.end,
+            got: args.workspace_len,
+        });
+    }
+    let _restore = ContextGuard::save()?;
+    let dev = device(args.device)?;
+    let stream = dev.stream(args.stream)?;
+    let k = dev.kernels(args.dtype)?;
+    let groups = groups_for(n);
+    let header_len = (FIXED_HEADER_LEN + 8 * ndim) as u64;
+    let decoding = tile_layout(n, TILE_CHUNKS);
+    let ws = args.workspace;
+    let (ws_a, n_a, hl) = (Arg::Ptr(ws), Arg::U64(n), Arg::U64(header_len));
+    let (union_a, part_a) = (
+        Arg::Ptr(ws + layout.union_mask),
+        Arg::Ptr(ws + layout.part_mask),
+    );
+    let (acc_a, total_a) = (Arg::Ptr(ws + layout.acc), Arg::Ptr(ws + layout.total));
+    let counters = layout.tiles.zeroed;
+    let mut dims = [0u64; MAX_NDIM];
+    dims[..ndim].copy_from_slice(args.shape);
+    let dtype_code = match args.dtype {
+        DType::F32 => 0u32,
+        DType::BF16 => 1,
+        _ => 2,
+    };
+    // SAFETY: (every call below) the workspace and output sizes were checked above against
+    // `sum_layout` and `sum_capacity`; the frames are as this function's contract says, so their
+    // widths, planes and exceptions lie within them; `launch` checks each argument list
+    // against the kernel's signature.
+    unsafe {
+        // Parameters (step, eps, errors) and counters, and the union of the exceptions; the
+        // part's mask and the counters again before each later part.
+        zero(&stream, ws, counters)?;
+        zero(&stream, ws + layout.union_mask, 4 * groups)?;
+        for (p, &frame) in args.frames.iter().enumerate() {
+            if p > 0 {
+                zero(&stream, ws + WS_COUNTERS, counters - WS_COUNTERS)?;
+            }
+            zero(&stream, ws + layout.part_mask, 4 * groups)?;
+            let (f, first) = (Arg::Ptr(frame), Arg::U32(u32::from(p == 0)));
+            launch(
+                &stream,
+                &k.offsets,
+                Family::Codec,
+                "decode_offsets",
+                launch_cfg(decoding.spans * BLOCK as u64, BLOCK),
+                &[f, hl, n_a, ws_a],
+            )?;
+            launch(
+                &stream,
+                &k.sum_exceptions,
+                Family::Codec,
+                "sum_exceptions",
+                launch_cfg(n.min(1 << 16), BLOCK),
+                &[
+                    f,
+                    hl,
+                    n_a,
+                    Arg::U64(groups),
+                    ws_a,
+                    part_a,
+                    union_a,
+                    total_a,
+                    first,
+                ],
+            )?;
+            launch(
+                &stream,
+                &k.sum_codes,
+                Family::Codec,
+                "sum_codes",
+                launch_cfg(decoding.chunk_blocks * BLOCK as u64, BLOCK),
+                &[f, hl, n_a, ws_a, part_a, union_a, acc_a, total_a, first],
+            )?;
+        }
+        zero(&stream, ws + WS_COUNTERS, counters - WS_COUNTERS)?;
+        let one_tile_each = launch_cfg(layout.tiles.tiles * BLOCK as u64, BLOCK);
+        launch(
+            &stream,
+            &k.sum_sizes,
+            Family::Codec,
+            "sum_sizes",
+            one_tile_each,
+            &[acc_a, n_a, Arg::Ptr(args.out + header_len), ws_a, union_a],
+        )?;
+        let pack = [
+            acc_a,
+            total_a,
+            n_a,
+            Arg::U32(dtype_code),
+            Arg::U32(ndim as u32),
+            Arg::Dims(Dims(dims)),
+            Arg::Ptr(args.out),
+            ws_a,
+            union_a,
+        ];
+        launch(
+            &stream,
+            &k.sum_pack,
+            Family::Codec,
+            "sum_pack",
+            one_tile_each,
+            &pack,
         )?;
     }
     Ok(())

@@ -91,6 +91,30 @@ pub(crate) const SIGNATURES: &[(Family, &str, bool, &[Ty])] = &[
         true,
         &[Ptr, U64, U64, U64, Ptr, Ptr],
     ),
+    (
+        Family::Codec,
+        "sum_exceptions",
+        true,
+        &[Ptr, U64, U64, U64, Ptr, Ptr, Ptr, Ptr, U32],
+    ),
+    (
+        Family::Codec,
+        "sum_codes",
+        true,
+        &[Ptr, U64, U64, Ptr, Ptr, Ptr, Ptr, Ptr, U32],
+    ),
+    (
+        Family::Codec,
+        "sum_sizes",
+        false,
+        &[Ptr, U64, Ptr, Ptr, Ptr],
+    ),
+    (
+        Family::Codec,
+        "sum_pack",
+        true,
+        &[Ptr, Ptr, U64, U32, U32, Dims, Ptr, Ptr, Ptr],
+    ),
     (Family::Lossless, "lengths", false, &[Ptr, U64, U64, Ptr]),
     (
         Family::Lossless,

@@ -209,8 +209,9 @@ impl Codes {
     /// Element-wise sum of several code sets quantized with the same step.
     ///
     /// Codes add as integers, exactly. Where any part holds an exception, the result holds an
-    /// exception whose value is the `f64` sum of every part's decoded value there, rounded to
-    /// the element type: NaN and infinities propagate as IEEE arithmetic says. The result's
+    /// exception whose value is the `f64` sum of every part's decoded value there (in part
+    /// order), rounded to `f32` and then to the element type: NaN and infinities propagate as
+    /// IEEE arithmetic says, a NaN being stored as the quiet NaN of the element type. The result's
     /// `eps` is the sum of the parts' bounds.
     ///
     /// # Errors
@@ -278,9 +279,9 @@ impl Codes {
                 total += p.value(i as usize, bits);
             }
             let bits = match first.dtype {
-                DType::F32 => (total as f32).to_bits(),
-                DType::BF16 => bf16::from_f64(total).to_bits() as u32,
-                DType::F16 => f16::from_f64(total).to_bits() as u32,
+                DType::F32 => sum_bits::<f32>(total),
+                DType::BF16 => sum_bits::<bf16>(total),
+                DType::F16 => sum_bits::<f16>(total),
                 // `Codes::check` refused every other dtype above.
                 _ => f32::NAN.to_bits(),
             };
@@ -297,6 +298,19 @@ impl Codes {
             exceptions,
         })
     }
+}
+
+/// The bits an exception of a sum stores for the `f64` total of the parts' values: the total
+/// rounded to `f32`, then to the element type (the roundings of the decode rule, which the GPU
+/// makes alike); a NaN total is stored as the quiet NaN `f32::NAN` converted, since IEEE
+/// arithmetic leaves a NaN's payload to the machine.
+fn sum_bits<T: Element>(total: f64) -> u32 {
+    let f = if total.is_nan() {
+        f32::NAN
+    } else {
+        total as f32
+    };
+    T::from_f32(f).to_bits32()
 }
 
 /// Sums frames quantized with the same step into one frame (see [`Codes::sum`]).

@@ -503,3 +503,32 @@ fn hand_built_codes_are_checked_before_use() {
         }
     }
 }
+
+#[test]
+fn an_exception_sum_is_rounded_through_f32_and_a_nan_is_the_quiet_nan() {
+    // NaN payloads are the machine's business in IEEE arithmetic: a NaN sum is stored as the
+    // dtype's quiet NaN (what the GPU writes too), whatever the parts' payloads and signs.
+    let payload = f32::from_bits(0xffc0_1234); // negative, with a payload
+    let mut a = vec![0.0f32; 64];
+    let b = vec![0.0f32; 64];
+    a[3] = payload;
+    let o = CompressOptions::new(Bound::Abs(0.25));
+    let fa = compress(&a, &[64], &o).expect("ok");
+    let fb = compress(&b, &[64], &o).expect("ok");
+    let (_, y) = decompress::<f32>(&sum_frames(&[&fa, &fb], None).expect("sums")).expect("ok");
+    assert_eq!(y[3].to_bits(), 0x7fc0_0000);
+    // bfloat16: 1 + 2^-8 + 2^-24 (exact in f64) would round up to 1 + 2^-7 in one step; the sum
+    // takes the decode rule's route, to f32 first (1 + 2^-8: a tie, to even), then to bfloat16
+    // (again a tie, to even: 1.0).
+    let part = |bits: u32| Codes {
+        dtype: DType::BF16,
+        shape: vec![2],
+        step: 1.0,
+        eps: 0.5,
+        codes: vec![0, 1],
+        exceptions: vec![(0, bits)],
+    };
+    let s = Codes::sum(&[part(0x3f80), part(0x3b80), part(0x3380)]).expect("sums");
+    assert_eq!(s.exceptions, vec![(0, 0x3f80)]);
+    assert_eq!(s.codes, vec![0, 3]);
+}

@@ -421,6 +421,53 @@ fn cuda_lossless_sizes(numel: u64, dtype: &str, ndim: usize) -> PyResult<(u64, u
     ))
 }
 
+/// Output and workspace bytes of a sum of frames on the device.
+#[pyfunction]
+fn cuda_sum_sizes(numel: u64, dtype: &str, ndim: usize) -> PyResult<(u64, u64)> {
+    Ok((
+        cfc::cuda::sum_capacity(numel, dtype_of(dtype)?, ndim),
+        cfc::cuda::sum_workspace_len(numel),
+    ))
+}
+
+/// Queues the sum of device-resident frames (quantized or raw, made by cuda_compress or
+/// cuda_sum, or checked on the host) into one frame of mode `sum` (returns before the GPU
+/// finishes; the frame's size, and any failure, are written to the workspace).
+#[pyfunction]
+#[pyo3(signature = (device, stream, frame_ptrs, numel, dtype, shape, out_ptr, out_len, ws_ptr, ws_len))]
+#[allow(clippy::too_many_arguments)]
+fn cuda_sum(
+    py: Python<'_>,
+    device: usize,
+    stream: usize,
+    frame_ptrs: Vec<u64>,
+    numel: u64,
+    dtype: &str,
+    shape: Vec<u64>,
+    out_ptr: u64,
+    out_len: u64,
+    ws_ptr: u64,
+    ws_len: u64,
+) -> PyResult<()> {
+    let args = cfc::cuda::SumArgs {
+        device,
+        stream,
+        frames: &frame_ptrs,
+        n: numel,
+        dtype: dtype_of(dtype)?,
+        shape: &shape,
+        out: out_ptr,
+        out_len,
+        workspace: ws_ptr,
+        workspace_len: ws_len,
+    };
+    // SAFETY: as cuda_decompress: cfc.codec passes frames written by the GPU codec (it refuses
+    // lossless ones), of `numel` elements of `dtype`, and buffers it keeps alive until the
+    // stream's work is done.
+    py.detach(|| unsafe { cfc::cuda::sum(&args) })
+        .map_err(to_py)
+}
+
 /// Queues lossless compression of device memory on a CUDA stream (returns before the GPU
 /// finishes; the frame's size is written to the workspace).
 #[pyfunction]
@@ -672,6 +719,10 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda_compress_lossless, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_lossless_offsets, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_lossless_chunks, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_sum_sizes, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_sum, m)?)?;
+    m.add("CUDA_SUM_STEPS_DIFFER", cfc::cuda::SUM_STEPS_DIFFER)?;
+    m.add("CUDA_SUM_OVERFLOW", cfc::cuda::SUM_OVERFLOW)?;
     m.add("CUDA_FRAME_SIZE_OFFSET", cfc::cuda::FRAME_SIZE_OFFSET)?;
     m.add("CUDA_BOUND_ERROR_OFFSET", cfc::cuda::BOUND_ERROR_OFFSET)?;
     Ok(())

@@ -205,3 +205,95 @@ def test_gpu_large_input_matches_cpu(dtype, feedback):
     if feedback:
         assert torch.equal(kw_gpu["residual"].cpu(), kw_cpu["residual"])
     assert same_bits(cfc.decompress(want, device="cuda"), cfc.decompress(want))
+
+
+# ---- sums of frames: codes added in an integer accumulator on the GPU ----
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("parts", [1, 2, 5])
+@pytest.mark.parametrize("n", [1, 33, 1000, (1 << 20) + 7])
+def test_gpu_sum_is_the_cpu_sums_bytes(dtype, parts, n):
+    """Parts with NaN, infinities and outliers (exceptions in some parts only): the GPU's sum
+    frame is the CPU reference's, byte for byte, and decodes alike."""
+    xs = [awkward(n, dtype, seed=100 * parts + i) for i in range(parts)]
+    got = cfc.sum_compressed([cfc.compress(x.cuda(), eps=1e-3) for x in xs])
+    assert isinstance(got, cfc.CudaCompressed)
+    want = cfc.sum_compressed([cfc.compress(x, eps=1e-3) for x in xs])
+    assert bytes(got) == bytes(want)
+    assert same_bits(cfc.decompress(got), cfc.decompress(want))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_sum_with_a_raw_part(dtype):
+    """A part stored raw (every code out of range) adds its values as exceptions everywhere."""
+    n = 5000
+    g = torch.Generator().manual_seed(7)
+    raw = (torch.randn(n, generator=g) * 1e8).to(dtype)
+    assert cfc.frame_info(cfc.compress(raw, eps=1e-3))["codec"] == "raw"
+    xs = [awkward(n, dtype, seed=1), raw, awkward(n, dtype, seed=2)]
+    got = cfc.sum_compressed([cfc.compress(x.cuda(), eps=1e-3) for x in xs])
+    want = cfc.sum_compressed([cfc.compress(x, eps=1e-3) for x in xs])
+    assert bytes(got) == bytes(want)
+
+
+def test_gpu_sum_of_sums_reaches_64_bit_codes_then_overflows():
+    """Doubling a sum again and again: widths past 32 bits, the same bytes as the CPU at every
+    step, until the codes leave the 64-bit range, which both report."""
+    x = torch.linspace(-2000.0, 2000.0, 300)
+    c_cpu, c_gpu = cfc.compress(x, eps=1e-3), cfc.compress(x.cuda(), eps=1e-3)
+    wide = False
+    for _ in range(64):
+        try:
+            c_cpu = cfc.sum_compressed([c_cpu, c_cpu])
+        except cfc.CfcError as e:
+            assert "overflow" in str(e)
+            with pytest.raises(cfc.CfcError, match="64-bit"):
+                cfc.sum_compressed([c_gpu, c_gpu]).nbytes
+            break
+        c_gpu = cfc.sum_compressed([c_gpu, c_gpu])
+        assert bytes(c_gpu) == bytes(c_cpu)
+        wide |= max(np.frombuffer(bytes(c_cpu)[72 : 72 + 10], dtype=np.uint8)) > 32
+    else:
+        pytest.fail("the codes never overflowed")
+    assert wide
+
+
+@pytest.mark.parametrize("k", [0.3, 0.1])
+def test_gpu_sum_of_real_gradients(grads, k):
+    for name, g in grads.items():
+        x = torch.from_numpy(g)
+        eps = k * float(np.sqrt(np.mean(g.astype(np.float64) ** 2)))
+        xs = [x, x * 0.5, -x + 1e-3]
+        got = cfc.sum_compressed([cfc.compress(v.cuda(), eps=eps) for v in xs])
+        want = cfc.sum_compressed([cfc.compress(v, eps=eps) for v in xs])
+        assert bytes(got) == bytes(want), name
+        exact = (xs[0].double() + xs[1].double() + xs[2].double()).cuda()
+        assert (cfc.decompress(got).double() - exact).abs().max().item() <= 3 * eps * (1 + 1e-6)
+
+
+def test_gpu_sum_refuses_what_does_not_add():
+    a = cfc.compress(torch.randn(100, device="cuda"), eps=1e-3)
+    b = cfc.compress(torch.randn(100, device="cuda"), eps=2e-3)
+    s = cfc.sum_compressed([a, b])  # different steps: known on the device only
+    with pytest.raises(cfc.CfcError, match="steps"):
+        s.nbytes
+    with pytest.raises(cfc.CfcError, match="steps"):
+        cfc.decompress(s)
+    with pytest.raises(TypeError, match="not both"):
+        cfc.sum_compressed([a, a.to_host()])
+    with pytest.raises(ValueError, match="zstd"):
+        cfc.sum_compressed([a, a], zstd=True)
+    with pytest.raises(TypeError, match="bfloat16"):
+        cfc.sum_compressed([a, cfc.compress(torch.randn(100, device="cuda").bfloat16(), eps=1e-3)])
+    with pytest.raises(cfc.CfcError, match="shapes"):
+        cfc.sum_compressed([a, cfc.compress(torch.randn(10, 10, device="cuda"), eps=1e-3)])
+    with pytest.raises(ValueError, match="lossless"):
+        cfc.sum_compressed([a, cfc.compress(torch.randn(100, device="cuda"), lossless=True)])
+
+
+def test_gpu_sum_returns_before_the_gpu_finishes():
+    cs = [cfc.compress(torch.randn(1 << 20, device="cuda"), eps=1e-3) for _ in range(3)]
+    torch.cuda._sleep(200_000_000)
+    s = cfc.sum_compressed(cs)
+    assert not s._event.query(), "the sum waited for the GPU"
+    assert s.nbytes > 64

@@ -7,6 +7,8 @@ __version__: str
 FORMAT_VERSION: int
 CUDA_FRAME_SIZE_OFFSET: int
 CUDA_BOUND_ERROR_OFFSET: int
+CUDA_SUM_STEPS_DIFFER: int
+CUDA_SUM_OVERFLOW: int
 
 class CfcError(Exception): ...
 class FormatError(CfcError): ...
@@ -94,6 +96,19 @@ def cuda_decompress(
     ws_ptr: int,
     ws_len: int,
     codec: str = "quantized",
+) -> None: ...
+def cuda_sum_sizes(numel: int, dtype: str, ndim: int) -> Tuple[int, int]: ...
+def cuda_sum(
+    device: int,
+    stream: int,
+    frame_ptrs: Sequence[int],
+    numel: int,
+    dtype: str,
+    shape: Sequence[int],
+    out_ptr: int,
+    out_len: int,
+    ws_ptr: int,
+    ws_len: int,
 ) -> None: ...
 def cuda_lossless_sizes(numel: int, dtype: str, ndim: int) -> Tuple[int, int]: ...
 def cuda_compress_lossless(

@@ -350,7 +350,7 @@ class CudaCompressed:
         self._err_host = torch.zeros(1, dtype=torch.int32, pin_memory=True)
         with torch.cuda.stream(stream):  # the copies and the event follow the kernels
             self._size_host.copy_(self.size_tensor, non_blocking=True)
-            if mode == "rel":
+            if mode in ("rel", "sum"):  # failures known on the device only
                 off = _native.CUDA_BOUND_ERROR_OFFSET
                 self._err_host.copy_(ws[off : off + 4].view(torch.int32), non_blocking=True)
         self._event = torch.cuda.Event()
@@ -380,10 +380,17 @@ class CudaCompressed:
         return _torch_dtype(self._dtype)
 
     def synchronize(self) -> None:
-        """Wait until the frame is written; raise if its bound turned out unusable (``rel``)."""
+        """Wait until the frame is written; raise if its bound turned out unusable (``rel``) or
+        its frames could not be added (:func:`sum_compressed`)."""
         self._event.synchronize()
-        if int(self._err_host[0]) != 0:
+        err = int(self._err_host[0])
+        if err == 0:
+            return
+        if self._mode != "sum":
             raise ValueError("invalid rel: rel x max|x| is outside the usable range of f64")
+        if err & _native.CUDA_SUM_STEPS_DIFFER:
+            raise _native.CfcError("the frames have different steps: only frames compressed with the same eps add")
+        raise _native.CfcError("a sum of codes leaves the 64-bit range")
 
     @property
     def nbytes(self) -> int:
@@ -681,8 +688,8 @@ def decompress(c: Any, device: Any = None, *, threads: int = 0, max_nbytes: Opti
         if target.type == "cuda" and target.index is None:
             target = torch.device("cuda", torch.cuda.current_device())
         if target == c.device:
-            if c._mode == "rel":
-                c.synchronize()  # reports an unusable rel bound instead of decoding garbage
+            if c._mode in ("rel", "sum"):
+                c.synchronize()  # reports an unusable rel bound or a failed sum instead of decoding garbage
             codec = "lossless" if c._mode == "lossless" else "quantized"  # raw frames: read on the GPU
             return _decompress_cuda(c._out, c.numel, c._dtype, c._shape, len(c._shape), after=c._event, codec=codec)
         c = c.to_host()
@@ -746,19 +753,71 @@ def frame_info(c: Any) -> Dict[str, Any]:
     return _native.frame_info(_frame_buffer(c))
 
 
-def sum_compressed(items: Iterable[Any], *, zstd: Union[bool, int] = False) -> Compressed:
+def sum_compressed(items: Iterable[Any], *, zstd: Union[bool, int] = False) -> Union[Compressed, CudaCompressed]:
     """Element-wise sum of frames quantized with the same step, adding integer codes exactly.
 
     Frames compressed with the same absolute ``eps`` share a step. The result decodes to the
     sum of the originals within the sum of the bounds (plus one rounding to the dtype); NaN
     and infinities propagate.
 
+    :class:`CudaCompressed` frames (all on one GPU) are added on that GPU: the codes go into an
+    integer accumulator and the sum is packed there, with the bytes the host would write, and
+    nothing waits for the GPU. The result is then a :class:`CudaCompressed` whose steps and
+    overflow are checked when it is first waited for (``nbytes``, ``bytes()``, ``decompress``).
+
     Raises:
-        TypeError: the frames have different dtypes.
+        TypeError: the frames have different dtypes, or mix CUDA and host frames.
+        ValueError: CUDA frames with ``zstd``, on different devices, or lossless ones.
         cfc.CfcError: different shapes or steps, or codes that overflow 64 bits.
     """
+    items = list(items)
+    cuda = [isinstance(c, CudaCompressed) for c in items]
+    if any(cuda):
+        if not all(cuda):
+            raise TypeError("sum_compressed takes CUDA frames or host frames, not both")
+        if zstd:
+            raise ValueError("the zstd stage is not available on the GPU: sum the frames on the host")
+        return _sum_cuda(items)
     frames = [_frame_buffer(c) for c in items]
     return Compressed(_native.sum_frames(frames, zstd_level=_zstd_level(zstd)))
+
+
+def _sum_cuda(items) -> CudaCompressed:
+    """:func:`sum_compressed` of :class:`CudaCompressed` frames, checked as the host checks."""
+    first = items[0]
+    for c in items:
+        if c._mode == "lossless":
+            raise ValueError("lossless frames hold no codes to add on the GPU: sum bytes(c) on the host")
+        if c.device != first.device:
+            raise ValueError(f"frames on {first.device} and {c.device}: move them to one GPU first")
+        if c._dtype != first._dtype:
+            raise TypeError(f"frames of {first._dtype} and {c._dtype} cannot be added")
+        if c._shape != first._shape:
+            raise _native.CfcError(f"frames of shapes {first._shape} and {c._shape} cannot be added")
+    return _sum_frames_cuda([c._out for c in items], first._dtype, first._shape, after=[c._event for c in items])
+
+
+def _sum_frames_cuda(frames, dtype: str, shape, after=(), capacity: int = 0) -> CudaCompressed:
+    """Sum device-resident frames of ``dtype`` and ``shape`` (quantized or raw, written by the
+    GPU codec or checked on the host) on the current stream, after the events ``after``; the
+    output holds at least ``capacity`` bytes."""
+    import torch
+
+    dev = frames[0].device
+    n = int(np.prod(shape, dtype=np.int64))
+    cap, ws_len = _native.cuda_sum_sizes(n, dtype, len(shape))
+    out = torch.empty(max(cap, capacity), dtype=torch.uint8, device=dev)
+    ws = torch.empty(ws_len, dtype=torch.uint8, device=dev)
+    stream = torch.cuda.current_stream(dev)
+    for e in after:
+        stream.wait_event(e)  # made on another stream: wait for it on the GPU
+    for f in frames:
+        f.record_stream(stream)
+    _native.cuda_sum(
+        dev.index, stream.cuda_stream, [f.data_ptr() for f in frames], n, dtype, list(shape),
+        out.data_ptr(), out.numel(), ws.data_ptr(), ws_len,
+    )
+    return CudaCompressed(out, ws, dtype, tuple(shape), "sum", stream)
 
 
 def fixed_rate_size(shape: Iterable[int], bits: int) -> int:
