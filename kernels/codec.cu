@@ -550,7 +550,7 @@ __device__ __forceinline__ u32 load_word_before(const u8* a, const u8* end) {
 // chunk's plane words from its widths, their offsets within the tile, the tiles' offsets
 // within the span, the span's total; the last span to finish scans the spans. Leaves what the
 // encoder's pass 1 leaves (exception counts are 0: the decoder does not need them).
-extern "C" __global__ void cfc_codec_decode_offsets(const u8* frame, u64 header_len, u64 n, u8* ws) {
+__device__ void decode_offsets(const u8* frame, u64 header_len, u64 n, u8* ws) {
     __shared__ u32 s_warp[TILE_THREADS / 32];
     if (frame[HDR_CODEC] != 0) return;  // raw: every element's place is known
     const Tiles ts = tiles_at(ws, n, TILE_CHUNKS);
@@ -599,6 +599,10 @@ extern "C" __global__ void cfc_codec_decode_offsets(const u8* frame, u64 header_
         ts.totals[0] = sw;
         ts.totals[1] = se;
     }
+}
+
+extern "C" __global__ void cfc_codec_decode_offsets(const u8* frame, u64 header_len, u64 n, u8* ws) {
+    decode_offsets(frame, header_len, n, ws);
 }
 
 // This lane's code in a group of width `w` (up to 64) whose planes are at `planes`.
@@ -705,15 +709,16 @@ DEFINE_FOR_DTYPES(SCATTER)
 
 // ---- sums of frames ----------------------------------------------------------------------
 // The device side of src/sum.rs (Codes::sum, then Codes::to_frame without zstd), for frames of
-// one dtype and length, checked on the host or written by the kernels above. Part after part, in
-// order: [zero the counters] decode_offsets -> sum_exceptions -> sum_codes, which add the part's
-// codes into `acc` (i64) and its decoded values into `total` (f64, read at the end only where
-// some part holds an exception: the CPU reference's exception value). Then the sum is packed as
-// the encoder packs a tensor, in two passes over chunks, from the codes: [zero the counters]
-// sum_sizes -> sum_pack. The masks hold a bit per element: the exceptions of the part being
-// added (`part_mask`, zeroed before each part) and of any part so far (`union_mask`). The
-// workspace's CfcParams carry the step (the first part's), eps (the parts' eps added in order)
-// and the error bits below; a frame with an error gets size 0.
+// one dtype and length, checked on the host or written by the kernels above. sum_offsets finds
+// where every part's chunks lie (decode_offsets, a part per grid row, each in its own region of
+// the workspace); sum_chunks then takes a chunk of the sum per warp and, part after part in
+// order, adds the part's codes into registers (0 where the part holds an exception, which its
+// sorted exception list tells), and writes the sum's widths, codes (`acc`, i64) and exception
+// mask, and the chunk's sizes (tile_totals). Where any part holds an exception, sum_values adds
+// every part's decoded value there in f64, in part order, and keeps the bits the sum stores
+// (`value_bits`). sum_pack writes the frame, as the encoder's pass 2 does. The workspace's
+// CfcParams carry the step (the first part's), eps (the parts' eps added in order) and the
+// error bits below; a frame with an error gets size 0.
 #define HDR_EPS 32
 #define SUM_STEPS_DIFFER 1u
 #define SUM_OVERFLOW 2u
@@ -726,142 +731,165 @@ __device__ __forceinline__ u32 sum_value_bits(double total) {
     return D::bits(D::from_f32(f));
 }
 
-// A part's header fields (thread 0), then its exceptions: their bits in the masks, their values
-// into `total`. Exception indices are strictly increasing, so no two threads share an element.
-template <class D>
-__device__ void sum_exceptions(const u8* frame, u64 header_len, u64 n, u64 groups, u8* ws, u32* part_mask,
-                               u32* union_mask, double* total, u32 first) {
-    CfcParams* pp = (CfcParams*)ws;
-    if (blockIdx.x == 0 && threadIdx.x == 0) {
-        const u64 step = cfc_load_le(frame + HDR_STEP, 8);
-        const double eps = __longlong_as_double((i64)cfc_load_le(frame + HDR_EPS, 8));
-        if (first) {
-            pp->step = __longlong_as_double((i64)step);
-            pp->eps = 0.0 + eps;
-        } else {
-            if ((u64)__double_as_longlong(pp->step) != step) pp->error |= SUM_STEPS_DIFFER;
-            pp->eps += eps;
-        }
-    }
-    const u64 n_exc = frame[HDR_CODEC] == 0 ? cfc_load_le(frame + HDR_NEXC, 8) : 0;
-    if (n_exc == 0) return;
-    const u64 idx_size = n <= (1ull << 32) ? 4 : 8;
-    const u64 nwords = ((const u64*)(ws + WS_TOTALS))[0];  // decode_offsets' total
-    const u8* idx = frame + header_len + groups + 4 * nwords;
-    const u8* val = idx + n_exc * idx_size;
-    for (u64 k = (u64)blockIdx.x * blockDim.x + threadIdx.x; k < n_exc; k += (u64)gridDim.x * blockDim.x) {
-        u64 i = cfc_load_le(idx + k * idx_size, (int)idx_size);
-        if (i >= n) continue;
-        u32 bit = 1u << (i % CFC_GROUP);
-        atomicOr(&part_mask[i / CFC_GROUP], bit);
-        atomicOr(&union_mask[i / CFC_GROUP], bit);
-        double v = D::to_f64(D::from_bits((u32)cfc_load_le(val + k * D::SIZE, D::SIZE)));
-        total[i] = (first ? 0.0 : total[i]) + v;
-    }
+// Addresses of up to 8 parts' frames (`count`), from the launch's arguments into `table` (a
+// Dims is eight u64 passed by value): the sum's kernels read the frames through the table.
+extern "C" __global__ void cfc_codec_sum_table(u64* table, Dims batch, u32 count) {
+    if (threadIdx.x < count) table[threadIdx.x] = batch.d[threadIdx.x];
 }
 
-#define SUM_EXCEPTIONS(name, D)                                                                    \
-    extern "C" __global__ void cfc_codec_sum_exceptions_##name(const u8* frame, u64 header_len,    \
-            u64 n, u64 groups, u8* ws, u32* part_mask, u32* union_mask, double* total, u32 first) { \
-        sum_exceptions<D>(frame, header_len, n, groups, ws, part_mask, union_mask, total, first);  \
-    }
-DEFINE_FOR_DTYPES(SUM_EXCEPTIONS)
-
-// A part's codes into `acc` (0 where the part holds an exception: the CPU reference's codes),
-// and its decoded values into `total` where it does not, one chunk per warp (after
-// sum_exceptions). A raw part adds code 0 and every element's value, and marks every element
-// in the union.
-template <class D>
-__device__ void sum_codes(const u8* frame, u64 header_len, u64 n, u8* ws, const u32* part_mask, u32* union_mask,
-                          i64* acc, double* total, u32 first) {
-    __shared__ u32 stage[TILE_THREADS / 32][CHUNK_GROUPS * 64];  // a part per warp
-    const Tiles ts = tiles_at(ws, n, TILE_CHUNKS);
-    const u8* body = frame + header_len;
-    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const u64 ch = (u64)blockIdx.x * (TILE_THREADS / 32) + warp;
-    if (ch >= ts.chunks) return;
-    const u64 e0 = ch * CHUNK_VALUES;
-    const u32 have = chunk_values(n, ch);
-    const bool raw = frame[HDR_CODEC] != 0;
-    u32 wl = 0, inc = 0, mask_l = 0;
-    if (!raw) {
-        stage_chunk_planes(body, ts, ch, stage[warp], &wl, &inc);
-        if (lane < CHUNK_GROUPS && ch * CHUNK_GROUPS + lane < ts.groups) mask_l = part_mask[ch * CHUNK_GROUPS + lane];
-    }
-    const double step = __longlong_as_double((i64)cfc_load_le(frame + HDR_STEP, 8));
-    bool overflow = false;
-    for (int u = 0; u < CHUNK_GROUPS; ++u) {
-        const u32 j = u * CFC_GROUP + lane;
-        const u64 e = e0 + j;
-        const bool valid = j < have;
-        i64 q = 0;
-        bool exc = true;  // its value is added by sum_exceptions (raw: below)
-        if (raw) {
-            u32 all = __ballot_sync(CFC_FULL_MASK, valid);
-            if (valid) {
-                typename D::T v = D::from_bits((u32)cfc_load_le(body + e * D::SIZE, D::SIZE));
-                total[e] = (first ? 0.0 : total[e]) + D::to_f64(v);
-            }
-            if (lane == 0 && all) union_mask[ch * CHUNK_GROUPS + u] |= all;
-        } else {
-            const u32 w = __shfl_sync(CFC_FULL_MASK, wl, u);
-            const u32 mask = __shfl_sync(CFC_FULL_MASK, mask_l, u);
-            exc = (mask >> lane) & 1u;
-            q = lane_code(stage[warp] + __shfl_sync(CFC_FULL_MASK, inc - wl, u), w);
-            if (exc) q = 0;
-        }
-        if (!valid) continue;
-        i64 s = q;
-        if (!first) {
-            i64 a = acc[e];
-            s = (i64)((u64)a + (u64)q);
-            overflow |= ((a ^ s) & (q ^ s)) < 0;  // both operands' sign differs from the sum's
-        }
-        acc[e] = s;
-        if (!exc) total[e] = (first ? 0.0 : total[e]) + D::to_f64(cfc_dequantize<D>(q, step));
-    }
-    if (__any_sync(CFC_FULL_MASK, overflow) && lane == 0) atomicOr(&((CfcParams*)ws)->error, SUM_OVERFLOW);
+// Every part's chunk offsets: part blockIdx.y's frame, in its region of `stride` bytes at `parts`.
+extern "C" __global__ void cfc_codec_sum_offsets(const u64* frames, u64 header_len, u64 n, u8* parts, u64 stride) {
+    decode_offsets((const u8*)frames[blockIdx.y], header_len, n, parts + blockIdx.y * stride);
 }
 
-#define SUM_CODES(name, D)                                                                         \
-    extern "C" __global__ void cfc_codec_sum_codes_##name(const u8* frame, u64 header_len, u64 n,  \
-            u8* ws, const u32* part_mask, u32* union_mask, i64* acc, double* total, u32 first) {    \
-        sum_codes<D>(frame, header_len, n, ws, part_mask, union_mask, acc, total, first);          \
+// First k in [0, count) whose exception index is >= i (count if none): exception indices are
+// strictly increasing (checked on the host, or written so by the encoder).
+__device__ __forceinline__ u64 exception_at_or_after(const u8* idx, u64 idx_size, u64 count, u64 i) {
+    u64 lo = 0, hi = count;
+    while (lo < hi) {
+        u64 mid = (lo + hi) / 2;
+        if (cfc_load_le(idx + mid * idx_size, (int)idx_size) < i) lo = mid + 1; else hi = mid;
     }
-DEFINE_FOR_DTYPES(SUM_CODES)
+    return lo;
+}
 
-// Zigzag code of this lane's element of group u of chunk `ch` in the sum: 0 past the end and
-// where the sum holds an exception (`mask` is the group's union mask).
-__device__ __forceinline__ u64 sum_zigzag(const i64* acc, u64 e0, u32 have, int u, u32 mask) {
+// One part's view of chunk `ch` for this warp: the codes of the lanes' elements (group u in
+// q[u]), and in *exc bit u whether the part stores that element as an exception (raw parts:
+// all), with the stored bits in exc_bits[u]. Stages the planes in `st` (the warp's shared memory)
+// and uses `s_mask` (8 words of the warp's shared memory).
+template <class D>
+__device__ __forceinline__ void part_chunk(const u8* frame, u64 header_len, u64 n, u8* ws, u64 ch, u32 have,
+                                           u32* st, u32* s_mask, i64* q, u32* exc, u32* exc_bits,
+                                           bool want_bits) {
     const u32 lane = threadIdx.x & 31;
-    const u32 j = u * CFC_GROUP + lane;
-    if (j >= have || ((mask >> lane) & 1u)) return 0;
-    i64 q = acc[e0 + j];
-    return ((u64)q << 1) ^ (u64)(q >> 63);
+    const u8* body = frame + header_len;
+    const u64 e0 = ch * CHUNK_VALUES;
+    *exc = 0;
+    if (frame[HDR_CODEC] != 0) {  // raw: every element stored as it is
+#pragma unroll
+        for (int u = 0; u < CHUNK_GROUPS; ++u) {
+            u32 j = u * CFC_GROUP + lane;
+            q[u] = 0;
+            if (j < have) {
+                *exc |= 1u << u;
+                if (want_bits) exc_bits[u] = (u32)cfc_load_le(body + (e0 + j) * D::SIZE, D::SIZE);
+            }
+        }
+        return;
+    }
+    const Tiles ts = tiles_at(ws, n, TILE_CHUNKS);
+    u32 wl, inc;
+    stage_chunk_planes(body, ts, ch, st, &wl, &inc);
+#pragma unroll
+    for (int u = 0; u < CHUNK_GROUPS; ++u)
+        q[u] = lane_code(st + __shfl_sync(CFC_FULL_MASK, inc - wl, u), __shfl_sync(CFC_FULL_MASK, wl, u));
+    const u64 n_exc = cfc_load_le(frame + HDR_NEXC, 8);
+    if (n_exc == 0) return;
+    // The part's exceptions in this chunk: a run of its sorted list, marked in s_mask.
+    const u64 idx_size = n <= (1ull << 32) ? 4 : 8;
+    const u64 groups = ts.groups;
+    u64 nwords = 0;  // the part's plane words: the last chunk's offset and size
+    {
+        const uint4 last = ts.chunk_info[ts.chunks - 1];
+        nwords = words_before(ts, (ts.chunks - 1) / TILE_CHUNKS) + last.x + last.z;
+    }
+    const u8* idx = body + groups + 4 * nwords;
+    const u8* val = idx + n_exc * idx_size;
+    if (lane < CHUNK_GROUPS) s_mask[lane] = 0;
+    __syncwarp();
+    const u64 k0 = exception_at_or_after(idx, idx_size, n_exc, e0);
+    for (u64 k = k0 + lane; k < n_exc; k += 32) {
+        u64 i = cfc_load_le(idx + k * idx_size, (int)idx_size);
+        if (i >= e0 + have) break;
+        atomicOr(&s_mask[(i - e0) / CFC_GROUP], 1u << ((i - e0) % CFC_GROUP));
+    }
+    __syncwarp();
+#pragma unroll
+    for (int u = 0; u < CHUNK_GROUPS; ++u) {
+        if (!((s_mask[u] >> lane) & 1u)) continue;
+        *exc |= 1u << u;
+        q[u] = 0;
+        if (want_bits) {
+            u64 k = exception_at_or_after(idx, idx_size, n_exc, e0 + u * CFC_GROUP + lane);
+            exc_bits[u] = (u32)cfc_load_le(val + k * D::SIZE, D::SIZE);
+        }
+    }
+    __syncwarp();  // s_mask is reused by the next part
 }
 
-// Pass 1 of packing a sum, a chunk per warp (tiles of 8 chunks): the widths, into the frame, and
-// the chunks' plane words and exceptions (tile_totals).
-extern "C" __global__ void cfc_codec_sum_sizes(const i64* acc, u64 n, u8* body, u8* ws, const u32* union_mask) {
+// The sum, a chunk per warp in tiles of 8 chunks (pass 1 of packing it; see above).
+template <class D>
+__device__ void sum_chunks(const u64* frames, u32 parts, u64 header_len, u64 n, u8* part_ws, u64 stride,
+                           i64* acc, u32* union_mask, u8* body, u8* ws) {
+    __shared__ u32 stage[TILE_THREADS / 32][CHUNK_GROUPS * 64];  // a part per warp
+    __shared__ u32 s_masks[TILE_THREADS / 32][CHUNK_GROUPS];
     __shared__ u32 s_cw[TILE_THREADS / 32], s_ce[TILE_THREADS / 32];
+    CfcParams* pp = (CfcParams*)ws;
     const Tiles ts = tiles_at(ws, n, TILE_THREADS / 32);
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (blockIdx.x == 0 && threadIdx.x == 0) {  // the header fields every part must agree on
+        const u64 step = cfc_load_le((const u8*)frames[0] + HDR_STEP, 8);
+        double eps = 0.0;
+        u32 err = 0;
+        for (u32 p = 0; p < parts; ++p) {
+            const u8* f = (const u8*)frames[p];
+            if (cfc_load_le(f + HDR_STEP, 8) != step) err |= SUM_STEPS_DIFFER;
+            eps += __longlong_as_double((i64)cfc_load_le(f + HDR_EPS, 8));
+        }
+        pp->step = __longlong_as_double((i64)step);
+        pp->eps = eps;
+        atomicOr(&pp->error, err);
+    }
     const u64 ch = (u64)blockIdx.x * ts.tile_chunks + warp;
-    const u64 e0 = ch * CHUNK_VALUES;
     const u32 have = chunk_values(n, ch);  // 0 for the warps past the end
     const u32 have_groups = (have + CFC_GROUP - 1) / CFC_GROUP;
-    const u32 mask_l = lane < have_groups ? union_mask[ch * CHUNK_GROUPS + lane] : 0;
-    u32 cw = 0, ce = 0, mine = 0;
-    for (int u = 0; u < CHUNK_GROUPS; ++u) {
-        u32 mask = __shfl_sync(CFC_FULL_MASK, mask_l, u);
-        u64 z = sum_zigzag(acc, e0, have, u, mask);
-        u32 hi = __reduce_or_sync(CFC_FULL_MASK, (u32)(z >> 32)), lo = __reduce_or_sync(CFC_FULL_MASK, (u32)z);
-        u32 w = hi ? 64 - __clz(hi) : 32 - __clz(lo);
-        if (lane == u) mine = w;
-        cw += w;
-        ce += __popc(mask);
+    u32 cw = 0, ce = 0;
+    if (have) {
+        const u64 e0 = ch * CHUNK_VALUES;
+        i64 sum[CHUNK_GROUPS], q[CHUNK_GROUPS];
+        u32 exc_bits[CHUNK_GROUPS];  // unused: no bits asked for
+        u32 any_exc = 0;  // bit u: some part stores this lane's element of group u as an exception
+        bool overflow = false;
+#pragma unroll
+        for (int u = 0; u < CHUNK_GROUPS; ++u) sum[u] = 0;
+        for (u32 p = 0; p < parts; ++p) {
+            u32 exc;
+            part_chunk<D>((const u8*)frames[p], header_len, n, part_ws + p * stride, ch, have, stage[warp],
+                          s_masks[warp], q, &exc, exc_bits, false);
+            any_exc |= exc;
+#pragma unroll
+            for (int u = 0; u < CHUNK_GROUPS; ++u) {
+                i64 s = (i64)((u64)sum[u] + (u64)q[u]);
+                overflow |= ((sum[u] ^ s) & (q[u] ^ s)) < 0;  // both operands' sign differs from the sum's
+                sum[u] = s;
+            }
+        }
+        if (__any_sync(CFC_FULL_MASK, overflow) && lane == 0) atomicOr(&pp->error, SUM_OVERFLOW);
+        u32 mine = 0, my_mask = 0;
+#pragma unroll
+        for (int u = 0; u < CHUNK_GROUPS; ++u) {
+            const u32 j = u * CFC_GROUP + lane;
+            const bool is_exc = (any_exc >> u) & 1u;
+            const u32 mask = __ballot_sync(CFC_FULL_MASK, is_exc);
+            const u64 z = j < have && !is_exc ? ((u64)sum[u] << 1) ^ (u64)(sum[u] >> 63) : 0;
+            const u32 hi = __reduce_or_sync(CFC_FULL_MASK, (u32)(z >> 32));
+            const u32 lo = __reduce_or_sync(CFC_FULL_MASK, (u32)z);
+            const u32 w = hi ? 64 - __clz(hi) : 32 - __clz(lo);
+            if (lane == u) {
+                mine = w;
+                my_mask = mask;
+            }
+            if (u < have_groups) {
+                cw += w;
+                ce += __popc(mask);
+            }
+            if (j < have) acc[e0 + j] = is_exc ? 0 : sum[u];
+        }
+        if (lane < have_groups) {
+            body[ch * CHUNK_GROUPS + lane] = (u8)mine;
+            union_mask[ch * CHUNK_GROUPS + lane] = my_mask;
+        }
     }
-    if (lane < have_groups) body[ch * CHUNK_GROUPS + lane] = (u8)mine;
     if (lane == 0) {
         s_cw[warp] = cw;
         s_ce[warp] = ce;
@@ -873,11 +901,68 @@ extern "C" __global__ void cfc_codec_sum_sizes(const i64* acc, u64 n, u8* body, 
     }
 }
 
-// Pass 2 of packing a sum, with the geometry of pass 1: each chunk's planes built in the warp's
-// shared memory and written at their place, its exceptions (values from `total`) in theirs;
+// Where the sum holds an exception (after sum_chunks): every part's decoded value there, added
+// in f64 in part order, and the bits the sum stores, a chunk per warp (chunks without any
+// exception return at once).
+template <class D>
+__device__ void sum_values(const u64* frames, u32 parts, u64 header_len, u64 n, u8* part_ws, u64 stride,
+                           const u32* union_mask, u32* value_bits) {
+    __shared__ u32 stage[TILE_THREADS / 32][CHUNK_GROUPS * 64];  // a part per warp
+    __shared__ u32 s_masks[TILE_THREADS / 32][CHUNK_GROUPS];
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const u64 ch = (u64)blockIdx.x * (TILE_THREADS / 32) + warp;
+    const u32 have = chunk_values(n, ch);
+    const u32 have_groups = (have + CFC_GROUP - 1) / CFC_GROUP;
+    const u32 mask_l = lane < have_groups ? union_mask[ch * CHUNK_GROUPS + lane] : 0;
+    if (!__any_sync(CFC_FULL_MASK, mask_l)) return;
+    u32 mine = 0;  // bit u: the sum stores this lane's element of group u as an exception
+#pragma unroll
+    for (int u = 0; u < CHUNK_GROUPS; ++u) mine |= ((__shfl_sync(CFC_FULL_MASK, mask_l, u) >> lane) & 1u) << u;
+    double total[CHUNK_GROUPS];
+    i64 q[CHUNK_GROUPS];
+    u32 exc_bits[CHUNK_GROUPS];
+#pragma unroll
+    for (int u = 0; u < CHUNK_GROUPS; ++u) total[u] = 0.0;
+    for (u32 p = 0; p < parts; ++p) {
+        const u8* f = (const u8*)frames[p];
+        const double step = __longlong_as_double((i64)cfc_load_le(f + HDR_STEP, 8));
+        u32 exc;
+        part_chunk<D>(f, header_len, n, part_ws + p * stride, ch, have, stage[warp], s_masks[warp], q, &exc,
+                      exc_bits, true);
+#pragma unroll
+        for (int u = 0; u < CHUNK_GROUPS; ++u) {
+            if (!((mine >> u) & 1u)) continue;
+            total[u] += (exc >> u) & 1u ? D::to_f64(D::from_bits(exc_bits[u])) : D::to_f64(cfc_dequantize<D>(q[u], step));
+        }
+    }
+    const u64 e0 = ch * CHUNK_VALUES;
+#pragma unroll
+    for (int u = 0; u < CHUNK_GROUPS; ++u)
+        if ((mine >> u) & 1u) value_bits[e0 + u * CFC_GROUP + lane] = sum_value_bits<D>(total[u]);
+}
+
+#define SUM_VALUES(name, D)                                                                        \
+    extern "C" __global__ void cfc_codec_sum_values_##name(const u64* frames, u32 parts,           \
+            u64 header_len, u64 n, u8* part_ws, u64 stride, const u32* union_mask,                 \
+            u32* value_bits) {                                                                     \
+        sum_values<D>(frames, parts, header_len, n, part_ws, stride, union_mask, value_bits);      \
+    }
+DEFINE_FOR_DTYPES(SUM_VALUES)
+
+#define SUM_CHUNKS(name, D)                                                                        \
+    /* at most 80 registers: 3 blocks per SM */                                                 \
+    extern "C" __global__ __launch_bounds__(TILE_THREADS, 3) void cfc_codec_sum_chunks_##name(const u64* frames, u32 parts,           \
+            u64 header_len, u64 n, u8* part_ws, u64 stride, i64* acc, u32* union_mask, u8* body,   \
+            u8* ws) {                                                                              \
+        sum_chunks<D>(frames, parts, header_len, n, part_ws, stride, acc, union_mask, body, ws);   \
+    }
+DEFINE_FOR_DTYPES(SUM_CHUNKS)
+
+// Pass 2 of packing a sum, with the geometry of sum_chunks: each chunk's planes built in the
+// warp's shared memory and written at their place, its exceptions (`value_bits`) in theirs;
 // block 0 writes the header and the frame size (0 on an error).
 template <class D>
-__device__ void sum_pack(const i64* acc, const double* total, u64 n, u32 dtype, u32 ndim, const Dims& dims,
+__device__ void sum_pack(const i64* acc, const u32* value_bits, u64 n, u32 dtype, u32 ndim, const Dims& dims,
                          u8* __restrict__ out, u8* ws, const u32* union_mask) {
     __shared__ u32 stage[TILE_THREADS / 32][CHUNK_GROUPS * 64];  // a part per warp
     const CfcParams* pp = (const CfcParams*)ws;
@@ -898,10 +983,13 @@ __device__ void sum_pack(const i64* acc, const double* total, u64 n, u32 dtype, 
         const u32 mask_l = lane < CHUNK_GROUPS && g < groups ? union_mask[g] : 0;
         const u32 inc = cfc_lane_prefix_sum(wl, CHUNK_GROUPS);
         u32* st = stage[warp];
+#pragma unroll
         for (int u = 0; u < CHUNK_GROUPS; ++u) {
             const u32 w = __shfl_sync(CFC_FULL_MASK, wl, u);
             const u32 at = __shfl_sync(CFC_FULL_MASK, inc - wl, u);
-            const u64 z = sum_zigzag(acc, e0, have, u, __shfl_sync(CFC_FULL_MASK, mask_l, u));
+            const u32 j = u * CFC_GROUP + lane;
+            const i64 q = j < have ? acc[e0 + j] : 0;  // 0 at the sum's exceptions
+            const u64 z = ((u64)q << 1) ^ (u64)(q >> 63);
             for (u32 b = 0; b < w; ++b) {  // plane b: bit b of every lane's code
                 u32 plane = __ballot_sync(CFC_FULL_MASK, (z >> b) & 1u);
                 if (lane == 0) st[at + b] = plane;
@@ -923,7 +1011,7 @@ __device__ void sum_pack(const i64* acc, const double* total, u64 n, u32 dtype, 
                 const u64 e = e0 + u * CFC_GROUP + lane;
                 const u64 slot = first + __popc(mask & ((1u << lane) - 1u));
                 cfc_store_le(idx + slot * idx_size, e, (int)idx_size);
-                cfc_store_le(val + slot * size, sum_value_bits<D>(total[e]), size);
+                cfc_store_le(val + slot * size, value_bits[e], size);
             }
         }
     }
@@ -937,8 +1025,8 @@ __device__ void sum_pack(const i64* acc, const double* total, u64 n, u32 dtype, 
 }
 
 #define SUM_PACK(name, D)                                                                          \
-    extern "C" __global__ void cfc_codec_sum_pack_##name(const i64* acc, const double* total, u64 n, \
-            u32 dtype, u32 ndim, Dims dims, u8* out, u8* ws, const u32* union_mask) {              \
-        sum_pack<D>(acc, total, n, dtype, ndim, dims, out, ws, union_mask);                        \
+    extern "C" __global__ void cfc_codec_sum_pack_##name(const i64* acc, const u32* value_bits,     \
+            u64 n, u32 dtype, u32 ndim, Dims dims, u8* out, u8* ws, const u32* union_mask) {       \
+        sum_pack<D>(acc, value_bits, n, dtype, ndim, dims, out, ws, union_mask);                   \
     }
 DEFINE_FOR_DTYPES(SUM_PACK)

@@ -31,9 +31,6 @@ const CHUNK_GROUPS: u64 = 8;
 const TILE_CHUNKS: u64 = 32;
 const SPAN_TILES: u64 = 16;
 const WS_SPANS: u64 = 112;
-/// Start of the counters zeroed between the parts of a sum (the parameters before them carry
-/// the sum's step, eps and errors from part to part).
-const WS_COUNTERS: u64 = 64;
 /// Workspace offset of the plane words' total (u64), after the last block of a pass.
 const WS_TOTAL_WORDS: u64 = 96;
 /// Values per block of the scan kernels (must match `SCAN_BLOCK` in `kernels/scan.cu`).
@@ -73,9 +70,10 @@ struct Kernels {
     offsets: CudaFunction,
     decode: CudaFunction,
     scatter: CudaFunction,
-    sum_exceptions: CudaFunction,
-    sum_codes: CudaFunction,
-    sum_sizes: CudaFunction,
+    sum_table: CudaFunction,
+    sum_offsets: CudaFunction,
+    sum_chunks: CudaFunction,
+    sum_values: CudaFunction,
     sum_pack: CudaFunction,
 }
 
@@ -306,9 +304,10 @@ impl Device {
             offsets: self.function(c, "decode_offsets", None)?,
             decode: self.function(c, "decode_chunks", d)?,
             scatter: self.function(c, "scatter_exceptions", d)?,
-            sum_exceptions: self.function(c, "sum_exceptions", d)?,
-            sum_codes: self.function(c, "sum_codes", d)?,
-            sum_sizes: self.function(c, "sum_sizes", None)?,
+            sum_table: self.function(c, "sum_table", None)?,
+            sum_offsets: self.function(c, "sum_offsets", None)?,
+            sum_chunks: self.function(c, "sum_chunks", d)?,
+            sum_values: self.function(c, "sum_values", d)?,
             sum_pack: self.function(c, "sum_pack", d)?,
         });
         self.kernels
@@ -1187,40 +1186,49 @@ pub unsafe fn decompress(args: &DecompressArgs) -> Result<()> {
     Ok(())
 }
 
-/// Where [`sum`] keeps its state in a workspace: the chunk offsets of the decoder and of the
-/// packer (the packer's tiles of 8 chunks need the larger layout), then the exception masks,
-/// the code sums and the value sums.
+/// Where [`sum`] keeps its state in a workspace: the packer's chunk offsets (tiles of 8 chunks),
+/// the sum's exception mask, codes (i64) and exception values (u32 bits), the table of the
+/// parts' frame addresses, and a region per part for its chunk offsets.
 struct SumLayout {
     tiles: TileLayout,
     union_mask: u64,
-    part_mask: u64,
     acc: u64,
-    total: u64,
+    value_bits: u64,
+    table: u64,
+    parts: u64,
+    /// Bytes of each part's region, and of the counters at its start zeroed before use.
+    part_stride: u64,
+    part_zeroed: u64,
     end: u64,
 }
 
-fn sum_layout(n: u64) -> SumLayout {
+fn sum_layout(n: u64, parts: u64) -> SumLayout {
     let tiles = tile_layout(n, SMALLEST_TILE);
-    let masks = 4 * groups_for(n);
+    let part = tile_layout(n, TILE_CHUNKS);
     let union_mask = tiles.decode_end.div_ceil(16) * 16;
-    let part_mask = union_mask + masks;
-    let acc = (part_mask + masks).div_ceil(16) * 16;
-    let total = acc + 8 * n;
+    let acc = (union_mask + 4 * groups_for(n)).div_ceil(16) * 16;
+    let value_bits = acc + 8 * n;
+    let table = (value_bits + 4 * n).div_ceil(16) * 16;
+    let parts_at = (table + 8 * parts).div_ceil(16) * 16;
+    let part_stride = part.decode_end.div_ceil(16) * 16;
     SumLayout {
         tiles,
         union_mask,
-        part_mask,
         acc,
-        total,
-        end: total + 8 * n,
+        value_bits,
+        table,
+        parts: parts_at,
+        part_stride,
+        part_zeroed: part.zeroed,
+        end: parts_at + parts * part_stride,
     }
 }
 
-/// Workspace bytes [`sum`] needs for frames of `n` elements: the decoder's and packer's
-/// offsets, two bits per element of exception masks, and 16 bytes per element for the sums of
-/// codes (i64) and of values (f64).
-pub fn sum_workspace_len(n: u64) -> u64 {
-    sum_layout(n).end
+/// Workspace bytes [`sum`] needs for `parts` frames of `n` elements: the sum's codes (8 bytes
+/// per element), exception values (4) and mask, and every part's chunk offsets (about 0.07 bytes
+/// per element each).
+pub fn sum_workspace_len(n: u64, parts: u64) -> u64 {
+    sum_layout(n, parts).end
 }
 
 /// Bytes of output that always suffice for the sum of frames of `n` elements: widths up to 64
@@ -1281,11 +1289,19 @@ pub const SUM_OVERFLOW: u32 = 2;
 pub unsafe fn sum(args: &SumArgs<'_>) -> Result<()> {
     let n = args.n;
     let ndim = args.shape.len();
-    if args.frames.is_empty() {
+    let parts = args.frames.len() as u64;
+    if parts == 0 {
         return Err(Error::Incompatible {
             what: "count",
             left: "at least one frame".into(),
             right: "none".into(),
+        });
+    }
+    if parts > u32::MAX as u64 {
+        return Err(Error::Incompatible {
+            what: "count",
+            left: "at most 2^32 - 1 frames".into(),
+            right: parts.to_string(),
         });
     }
     if !args.dtype.is_quantizable() {
@@ -1299,7 +1315,7 @@ pub unsafe fn sum(args: &SumArgs<'_>) -> Result<()> {
             got: args.out_len,
         });
     }
-    let layout = sum_layout(n);
+    let layout = sum_layout(n, parts);
     if args.workspace_len < layout.end {
         return Err(Error::OutputSize {
             expected: layout.end,
@@ -1310,17 +1326,14 @@ pub unsafe fn sum(args: &SumArgs<'_>) -> Result<()> {
     let dev = device(args.device)?;
     let stream = dev.stream(args.stream)?;
     let k = dev.kernels(args.dtype)?;
-    let groups = groups_for(n);
     let header_len = (FIXED_HEADER_LEN + 8 * ndim) as u64;
     let decoding = tile_layout(n, TILE_CHUNKS);
     let ws = args.workspace;
     let (ws_a, n_a, hl) = (Arg::Ptr(ws), Arg::U64(n), Arg::U64(header_len));
-    let (union_a, part_a) = (
-        Arg::Ptr(ws + layout.union_mask),
-        Arg::Ptr(ws + layout.part_mask),
-    );
-    let (acc_a, total_a) = (Arg::Ptr(ws + layout.acc), Arg::Ptr(ws + layout.total));
-    let counters = layout.tiles.zeroed;
+    let table = Arg::Ptr(ws + layout.table);
+    let (parts_a, stride) = (Arg::Ptr(ws + layout.parts), Arg::U64(layout.part_stride));
+    let union_a = Arg::Ptr(ws + layout.union_mask);
+    let (acc_a, bits_a) = (Arg::Ptr(ws + layout.acc), Arg::Ptr(ws + layout.value_bits));
     let mut dims = [0u64; MAX_NDIM];
     dims[..ndim].copy_from_slice(args.shape);
     let dtype_code = match args.dtype {
@@ -1328,69 +1341,88 @@ pub unsafe fn sum(args: &SumArgs<'_>) -> Result<()> {
         DType::BF16 => 1,
         _ => 2,
     };
+    let one_tile_each = launch_cfg(layout.tiles.tiles * BLOCK as u64, BLOCK);
     // SAFETY: (every call below) the workspace and output sizes were checked above against
     // `sum_layout` and `sum_capacity`; the frames are as this function's contract says, so their
     // widths, planes and exceptions lie within them; `launch` checks each argument list
     // against the kernel's signature.
     unsafe {
-        // Parameters (step, eps, errors) and counters, and the union of the exceptions; the
-        // part's mask and the counters again before each later part.
-        zero(&stream, ws, counters)?;
-        zero(&stream, ws + layout.union_mask, 4 * groups)?;
-        for (p, &frame) in args.frames.iter().enumerate() {
-            if p > 0 {
-                zero(&stream, ws + WS_COUNTERS, counters - WS_COUNTERS)?;
-            }
-            zero(&stream, ws + layout.part_mask, 4 * groups)?;
-            let (f, first) = (Arg::Ptr(frame), Arg::U32(u32::from(p == 0)));
-            launch(
+        zero(&stream, ws, layout.tiles.zeroed)?;
+        for p in 0..parts {
+            zero(
                 &stream,
-                &k.offsets,
-                Family::Codec,
-                "decode_offsets",
-                launch_cfg(decoding.spans * BLOCK as u64, BLOCK),
-                &[f, hl, n_a, ws_a],
-            )?;
-            launch(
-                &stream,
-                &k.sum_exceptions,
-                Family::Codec,
-                "sum_exceptions",
-                launch_cfg(n.min(1 << 16), BLOCK),
-                &[
-                    f,
-                    hl,
-                    n_a,
-                    Arg::U64(groups),
-                    ws_a,
-                    part_a,
-                    union_a,
-                    total_a,
-                    first,
-                ],
-            )?;
-            launch(
-                &stream,
-                &k.sum_codes,
-                Family::Codec,
-                "sum_codes",
-                launch_cfg(decoding.chunk_blocks * BLOCK as u64, BLOCK),
-                &[f, hl, n_a, ws_a, part_a, union_a, acc_a, total_a, first],
+                ws + layout.parts + p * layout.part_stride,
+                layout.part_zeroed,
             )?;
         }
-        zero(&stream, ws + WS_COUNTERS, counters - WS_COUNTERS)?;
-        let one_tile_each = launch_cfg(layout.tiles.tiles * BLOCK as u64, BLOCK);
+        // The frames' addresses, 8 to a launch (no host memory is copied, so nothing waits).
+        for (b, batch) in args.frames.chunks(MAX_NDIM).enumerate() {
+            let mut eight = [0u64; MAX_NDIM];
+            eight[..batch.len()].copy_from_slice(batch);
+            launch(
+                &stream,
+                &k.sum_table,
+                Family::Codec,
+                "sum_table",
+                launch_cfg(32, 32),
+                &[
+                    Arg::Ptr(ws + layout.table + 8 * (b * MAX_NDIM) as u64),
+                    Arg::Dims(Dims(eight)),
+                    Arg::U32(batch.len() as u32),
+                ],
+            )?;
+        }
+        let mut offsets = launch_cfg(decoding.spans * BLOCK as u64, BLOCK);
+        offsets.grid_dim.1 = parts as u32;
         launch(
             &stream,
-            &k.sum_sizes,
+            &k.sum_offsets,
             Family::Codec,
-            "sum_sizes",
+            "sum_offsets",
+            offsets,
+            &[table, hl, n_a, parts_a, stride],
+        )?;
+        let chunks = [
+            table,
+            Arg::U32(parts as u32),
+            hl,
+            n_a,
+            parts_a,
+            stride,
+            acc_a,
+            union_a,
+            Arg::Ptr(args.out + header_len),
+            ws_a,
+        ];
+        launch(
+            &stream,
+            &k.sum_chunks,
+            Family::Codec,
+            "sum_chunks",
             one_tile_each,
-            &[acc_a, n_a, Arg::Ptr(args.out + header_len), ws_a, union_a],
+            &chunks,
+        )?;
+        let values = [
+            table,
+            Arg::U32(parts as u32),
+            hl,
+            n_a,
+            parts_a,
+            stride,
+            union_a,
+            bits_a,
+        ];
+        launch(
+            &stream,
+            &k.sum_values,
+            Family::Codec,
+            "sum_values",
+            one_tile_each,
+            &values,
         )?;
         let pack = [
             acc_a,
-            total_a,
+            bits_a,
             n_a,
             Arg::U32(dtype_code),
             Arg::U32(ndim as u32),

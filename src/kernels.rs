@@ -91,23 +91,24 @@ pub(crate) const SIGNATURES: &[(Family, &str, bool, &[Ty])] = &[
         true,
         &[Ptr, U64, U64, U64, Ptr, Ptr],
     ),
+    (Family::Codec, "sum_table", false, &[Ptr, Dims, U32]),
     (
         Family::Codec,
-        "sum_exceptions",
-        true,
-        &[Ptr, U64, U64, U64, Ptr, Ptr, Ptr, Ptr, U32],
-    ),
-    (
-        Family::Codec,
-        "sum_codes",
-        true,
-        &[Ptr, U64, U64, Ptr, Ptr, Ptr, Ptr, Ptr, U32],
-    ),
-    (
-        Family::Codec,
-        "sum_sizes",
+        "sum_offsets",
         false,
-        &[Ptr, U64, Ptr, Ptr, Ptr],
+        &[Ptr, U64, U64, Ptr, U64],
+    ),
+    (
+        Family::Codec,
+        "sum_chunks",
+        true,
+        &[Ptr, U32, U64, U64, Ptr, U64, Ptr, Ptr, Ptr, Ptr],
+    ),
+    (
+        Family::Codec,
+        "sum_values",
+        true,
+        &[Ptr, U32, U64, U64, Ptr, U64, Ptr, Ptr],
     ),
     (
         Family::Codec,

@@ -421,12 +421,12 @@ fn cuda_lossless_sizes(numel: u64, dtype: &str, ndim: usize) -> PyResult<(u64, u
     ))
 }
 
-/// Output and workspace bytes of a sum of frames on the device.
+/// Output and workspace bytes of a sum of `parts` frames on the device.
 #[pyfunction]
-fn cuda_sum_sizes(numel: u64, dtype: &str, ndim: usize) -> PyResult<(u64, u64)> {
+fn cuda_sum_sizes(numel: u64, dtype: &str, ndim: usize, parts: u64) -> PyResult<(u64, u64)> {
     Ok((
         cfc::cuda::sum_capacity(numel, dtype_of(dtype)?, ndim),
-        cfc::cuda::sum_workspace_len(numel),
+        cfc::cuda::sum_workspace_len(numel, parts),
     ))
 }
 

@@ -210,7 +210,7 @@ def test_gpu_large_input_matches_cpu(dtype, feedback):
 # ---- sums of frames: codes added in an integer accumulator on the GPU ----
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("parts", [1, 2, 5])
+@pytest.mark.parametrize("parts", [1, 2, 5, 11])
 @pytest.mark.parametrize("n", [1, 33, 1000, (1 << 20) + 7])
 def test_gpu_sum_is_the_cpu_sums_bytes(dtype, parts, n):
     """Parts with NaN, infinities and outliers (exceptions in some parts only): the GPU's sum

@@ -805,7 +805,7 @@ def _sum_frames_cuda(frames, dtype: str, shape, after=(), capacity: int = 0) -> 
 
     dev = frames[0].device
     n = int(np.prod(shape, dtype=np.int64))
-    cap, ws_len = _native.cuda_sum_sizes(n, dtype, len(shape))
+    cap, ws_len = _native.cuda_sum_sizes(n, dtype, len(shape), len(frames))
     out = torch.empty(max(cap, capacity), dtype=torch.uint8, device=dev)
     ws = torch.empty(ws_len, dtype=torch.uint8, device=dev)
     stream = torch.cuda.current_stream(dev)

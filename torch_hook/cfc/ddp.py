@@ -26,8 +26,9 @@ Two engines, chosen by where the bucket lives:
     decodes every frame on the GPU and averages them in float32 in rank order.
   - *reduce-scatter* (3 ranks or more): the bucket is cut into one shard per rank, every shard
     compressed with one step shared by all ranks; shard ``j`` of every rank goes to rank ``j``
-    (all-to-all), which sums the decoded codes (an exact sum: values on one grid), compresses
-    the sum again with the same step (lossless: the sum is on the grid) and all-gathers it.
+    (all-to-all), which adds the frames' codes in an integer accumulator on the GPU (an exact
+    sum, packed as one frame with no second rounding, :func:`cfc.sum_compressed`) and
+    all-gathers it.
     A rank receives about ``2 (n-1)/n`` times a compressed bucket instead of ``n - 1`` times
     (a ring all-reduce's ranks receive ``2 (n-1)/n`` times the plain bucket).
 
@@ -53,7 +54,8 @@ import time
 from typing import Any, Dict, List, Optional, Tuple
 
 import cfc
-from cfc.codec import _decompress_cuda
+from cfc import _native
+from cfc.codec import _decompress_cuda, _sum_frames_cuda
 
 __all__ = ["CfcState", "cfc_hook"]
 
@@ -1062,9 +1064,10 @@ class _ShardExchange:
     to rank ``j`` (all-to-all), in a slot sized from the bucket's earlier frames; a 24-byte
     tail carries the frame's size, the largest frame size of its sender (so every rank sees the
     largest frame of all and all decide alike whether to send again) and the sender's sum of
-    squares. Rank ``j`` decodes and sums its shard (the sum is on the grid: compressing it
-    again with the same ``eps`` keeps it exactly, up to float32 rounding), and the sums of all
-    shards are all-gathered (:class:`_FrameExchange`) and decoded by every rank.
+    squares. Rank ``j`` adds the codes of every rank's frame of its shard as integers, in rank
+    order, and packs the sum as one frame (on the GPU, the bytes of :func:`cfc.sum_compressed`:
+    exact, with no second quantization), and the sums of all shards are all-gathered
+    (:class:`_FrameExchange`) and decoded by every rank.
 
     The constructor queues the compression and the all-to-all; :meth:`send_sum` waits for the
     sizes, sums the shard and queues the all-gather of the sums; :meth:`receive_sums` waits
@@ -1072,9 +1075,7 @@ class _ShardExchange:
     after the next bucket's launch and ``receive_sums`` after the one after that, so the next
     bucket is on the wire while it waits. Bounds hold as for the all-gather: each rank's
     rounding error is at most ``eps`` per element (its residual keeps it), so the average is
-    within ``eps``. (Where the sum leaves the grid the second compression may add up to
-    ``eps / world`` more: past about 2^22 steps, where float32 cannot hold every point of the
-    grid; elements a rank's frame stores exactly leave the grid too, but their own error is 0.)
+    within ``eps``, up to the float32 roundings of decoding the sum and dividing it.
     """
 
     TAIL = 24  # bytes after each slot: frame size, sender's largest frame, sender's sum of squares
@@ -1087,7 +1088,7 @@ class _ShardExchange:
         world, n, dev = state.world, buf.numel(), buf.device
         self.n, self.L = n, -(-n // world)
         self.bounds = [(j * self.L, min((j + 1) * self.L, n)) for j in range(world)]
-        # Frames of float32 values: decoded, they sum on the grid (a bf16 decode would round).
+        # Frames of float32 values, whatever the bucket's dtype: the sum is decoded once, to float32.
         x = buf.reshape(-1) if buf.dtype == torch.float32 else buf.reshape(-1).float()
         ss = torch.zeros((), dtype=torch.float64, device=dev)
         if state.bound_kind == "rms":
@@ -1140,7 +1141,7 @@ class _ShardExchange:
         return rows
 
     def send_sum(self) -> None:
-        """Decode and sum this rank's shard and queue the all-gather of the sums. Waits for the
+        """Add the codes of this rank's shard and queue the all-gather of the sums. Waits for the
         shard's frame sizes (this thread only)."""
         import torch
         import torch.distributed as dist
@@ -1182,16 +1183,16 @@ class _ShardExchange:
         a, b = self.bounds[rank]
         if broken:
             logger.error("cfc: rank %d received shard frame sizes %s for %d elements", rank, mine, b - a)
-            total = torch.zeros(self.L, dtype=torch.float32, device=dev)
+            parts = [cfc.compress(torch.zeros(b - a, device=dev), eps=self.eps)._out]
         else:
-            acc = None
-            for i in range(world):  # rank order: the same bits on every rank
-                y = _decompress_cuda(rows[i], b - a, "float32", (b - a,), 1)
-                acc = y if acc is None else acc.add_(y)
-            total = acc if b - a == self.L else torch.cat([acc, acc.new_zeros(self.L - (b - a))])
-        summed = cfc.compress(total, eps=self.eps)
+            parts = [rows[i] for i in range(world)]
+        # The codes of every rank's frame of this shard, added in an integer accumulator in rank
+        # order and packed as one frame (the same bytes on any rank). Every rank's sum frame has
+        # the capacity of the longest shard's, so that all check the sizes alike.
+        cap = _native.cuda_sum_sizes(self.L, "float32", 1, world)[0]
+        summed = _sum_frames_cuda(parts, "float32", (b - a,), capacity=cap)
         if broken:
-            summed.size_tensor.fill_(0)  # after the compression, on this stream
+            summed.size_tensor.fill_(0)  # after the sum, on this stream
         self.sums = _FrameExchange(state, ("sum", self.index), summed, self.L)
         self.sent = sent
         self.frames = self.got = None  # sent and summed: free them before the sums arrive
@@ -1202,8 +1203,8 @@ class _ShardExchange:
         frames, sent = self.sums.finish()
         flat, world = self.buf.view(-1), self.state.world
         for j, (a, b) in enumerate(self.bounds):
-            y = _decompress_cuda(frames[j], self.L, "float32", (self.L,), 1)
-            flat[a:b].copy_(y[: b - a].div_(world))
+            y = _decompress_cuda(frames[j], b - a, "float32", (b - a,), 1)
+            flat[a:b].copy_(y.div_(world))
         return self.sent + sent
 
 
