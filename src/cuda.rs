@@ -680,8 +680,6 @@ pub unsafe fn compress_lossless(args: &LosslessCompressArgs<'_>) -> Result<()> {
     let entries = sums + 8 * scan_sums_len(chunks + 1);
     let staging = entries + 8 * chunks.div_ceil(2);
     let header_len = (FIXED_HEADER_LEN + 8 * ndim) as u64;
-    let mut dims = [0u64; MAX_NDIM];
-    dims[..ndim].copy_from_slice(args.shape);
     let per_chunk = |threads: u32| LaunchConfig {
         grid_dim: (chunks.clamp(1, i32::MAX as u64) as u32, 1, 1),
         block_dim: (threads, 1, 1),
@@ -738,7 +736,7 @@ pub unsafe fn compress_lossless(args: &LosslessCompressArgs<'_>) -> Result<()> {
                 Arg::U32(args.dtype.code() as u32),
                 Arg::U32(w as u32),
                 Arg::U32(ndim as u32),
-                Arg::Dims(Dims(dims)),
+                Arg::Dims(Dims::of(args.shape)),
                 Arg::Ptr(words),
                 Arg::Ptr(frame_size),
                 Arg::Ptr(raw_flag),
@@ -997,14 +995,6 @@ pub unsafe fn compress(args: &CompressArgs<'_>) -> Result<()> {
     };
     let elements = launch_cfg(n.min(dev.grid_blocks * BLOCK as u64), BLOCK);
     let one_tile_each = launch_cfg(layout.tiles * BLOCK as u64, BLOCK);
-    let mut dims = [0u64; MAX_NDIM];
-    dims[..ndim].copy_from_slice(args.shape);
-    // Checked above: one of the three float types.
-    let dtype_code = match args.dtype {
-        DType::F32 => 0u32,
-        DType::BF16 => 1,
-        _ => 2,
-    };
     let (input, residual, ws) = (
         Arg::Ptr(args.input),
         Arg::Ptr(args.residual),
@@ -1050,11 +1040,11 @@ pub unsafe fn compress(args: &CompressArgs<'_>) -> Result<()> {
         let pack = [
             input,
             n_a,
-            Arg::U32(dtype_code),
+            Arg::U32(args.dtype.code() as u32),
             Arg::U32(mode_code),
             fixed_a,
             Arg::U32(ndim as u32),
-            Arg::Dims(Dims(dims)),
+            Arg::Dims(Dims::of(args.shape)),
             Arg::Ptr(args.out),
             ws,
             residual,
@@ -1076,6 +1066,15 @@ pub unsafe fn compress(args: &CompressArgs<'_>) -> Result<()> {
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 struct Dims([u64; MAX_NDIM]);
+
+impl Dims {
+    /// A shape of at most [`MAX_NDIM`] dimensions (checked by the caller), zero-padded.
+    fn of(shape: &[u64]) -> Dims {
+        let mut d = [0u64; MAX_NDIM];
+        d[..shape.len()].copy_from_slice(shape);
+        Dims(d)
+    }
+}
 
 // SAFETY: `Dims` is `repr(C)`, plain old data, with the layout of `struct Dims { u64 d[8]; }`.
 unsafe impl cudarc::driver::DeviceRepr for Dims {}
@@ -1267,6 +1266,10 @@ pub struct SumArgs<'a> {
     pub workspace_len: u64,
 }
 
+/// Most frames one [`sum`] takes: `sum_offsets` gives each its own row of the grid, whose
+/// second dimension CUDA caps at 65535.
+pub const MAX_SUM_PARTS: u64 = 65535;
+
 /// Error bit of [`sum`]: the frames' steps are not all the same.
 pub const SUM_STEPS_DIFFER: u32 = 1;
 /// Error bit of [`sum`]: a sum of codes leaves the 64-bit range.
@@ -1297,10 +1300,10 @@ pub unsafe fn sum(args: &SumArgs<'_>) -> Result<()> {
             right: "none".into(),
         });
     }
-    if parts > u32::MAX as u64 {
+    if parts > MAX_SUM_PARTS {
         return Err(Error::Incompatible {
             what: "count",
-            left: "at most 2^32 - 1 frames".into(),
+            left: format!("at most {MAX_SUM_PARTS} frames"),
             right: parts.to_string(),
         });
     }
@@ -1334,13 +1337,6 @@ pub unsafe fn sum(args: &SumArgs<'_>) -> Result<()> {
     let (parts_a, stride) = (Arg::Ptr(ws + layout.parts), Arg::U64(layout.part_stride));
     let union_a = Arg::Ptr(ws + layout.union_mask);
     let (acc_a, bits_a) = (Arg::Ptr(ws + layout.acc), Arg::Ptr(ws + layout.value_bits));
-    let mut dims = [0u64; MAX_NDIM];
-    dims[..ndim].copy_from_slice(args.shape);
-    let dtype_code = match args.dtype {
-        DType::F32 => 0u32,
-        DType::BF16 => 1,
-        _ => 2,
-    };
     let one_tile_each = launch_cfg(layout.tiles.tiles * BLOCK as u64, BLOCK);
     // SAFETY: (every call below) the workspace and output sizes were checked above against
     // `sum_layout` and `sum_capacity`; the frames are as this function's contract says, so their
@@ -1424,9 +1420,9 @@ pub unsafe fn sum(args: &SumArgs<'_>) -> Result<()> {
             acc_a,
             bits_a,
             n_a,
-            Arg::U32(dtype_code),
+            Arg::U32(args.dtype.code() as u32),
             Arg::U32(ndim as u32),
-            Arg::Dims(Dims(dims)),
+            Arg::Dims(Dims::of(args.shape)),
             Arg::Ptr(args.out),
             ws_a,
             union_a,

@@ -31,3 +31,11 @@ def test_every_stub_exists_and_every_public_name_has_a_stub():
 def test_cuda_calls_without_cuda_raise_a_clear_error():
     with pytest.raises(cfc.CfcError, match="CUDA"):
         native.cuda_compress(0, 0, 0, 0, "float32", [0], 0, 1 << 12, 0, 1 << 12, eps=1e-3)
+
+
+def test_cuda_sum_checks_its_frame_count_before_touching_a_device():
+    # sum_offsets gives each frame a row of the grid, which CUDA caps at 65535 rows.
+    with pytest.raises(cfc.CfcError, match="at most 65535 frames"):
+        native.cuda_sum(0, 0, [0] * 65536, 1, "float32", [1], 0, 1 << 20, 0, 1 << 30)
+    with pytest.raises(cfc.CfcError, match="at least one frame"):
+        native.cuda_sum(0, 0, [], 1, "float32", [1], 0, 1 << 20, 0, 1 << 30)
