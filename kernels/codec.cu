@@ -958,6 +958,75 @@ DEFINE_FOR_DTYPES(SUM_VALUES)
     }
 DEFINE_FOR_DTYPES(SUM_CHUNKS)
 
+// ---- decoded sums (unpack + add + scale + write the output dtype) -------------------------
+// The average at the end of an all-reduce in one pass: frames of one dtype and length (each with
+// its own step), checked on the host or written by the kernels above, decoded and added element
+// by element, scaled, and written in the output dtype, a chunk per warp after sum_offsets:
+//   out[i] = O(s * (v_0[i] + v_1[i] + ...))
+// where v_p[i] is what decompress gives for frame p (its dtype's value, exceptions included),
+// widened to f32, and the sum runs in f32 in part order from v_0 (so -0.0 stays -0.0). The
+// product is skipped when s is 1: one frame then decodes to decompress's values, into any of
+// the three output dtypes (NaN payloads are not kept: f32 arithmetic and the f16 widening
+// make any NaN the canonical one). Nothing but the output is written: the average of an
+// all-reduce needs no decoded copy of each rank's frame.
+template <class D, class O>
+__device__ void decode_sum(const u64* frames, u32 parts, u64 header_len, u64 n, u8* part_ws, u64 stride,
+                           float scale, typename O::T* __restrict__ out) {
+    __shared__ u32 stage[TILE_THREADS / 32][CHUNK_GROUPS * 64];  // a part per warp
+    __shared__ u32 s_masks[TILE_THREADS / 32][CHUNK_GROUPS];
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const u64 ch = (u64)blockIdx.x * (TILE_THREADS / 32) + warp;
+    const u32 have = chunk_values(n, ch);
+    if (have == 0) return;  // the whole warp: past the end
+    float acc[CHUNK_GROUPS];
+    i64 q[CHUNK_GROUPS];
+    u32 exc_bits[CHUNK_GROUPS];
+    for (u32 p = 0; p < parts; ++p) {
+        const u8* f = (const u8*)frames[p];
+        const double step = __longlong_as_double((i64)cfc_load_le(f + HDR_STEP, 8));
+        u32 exc;
+        part_chunk<D>(f, header_len, n, part_ws + p * stride, ch, have, stage[warp], s_masks[warp], q, &exc,
+                      exc_bits, true);
+#pragma unroll
+        for (int u = 0; u < CHUNK_GROUPS; ++u) {
+            const typename D::T v = (exc >> u) & 1u ? D::from_bits(exc_bits[u]) : cfc_dequantize<D>(q[u], step);
+            const float x = D::to_f32(v);
+            acc[u] = p == 0 ? x : acc[u] + x;
+        }
+    }
+    typename O::T* oc = out + ch * CHUNK_VALUES;
+#pragma unroll
+    for (int u = 0; u < CHUNK_GROUPS; ++u) {
+        const u32 j = u * CFC_GROUP + lane;
+        if (j < have) oc[j] = O::from_f32(scale == 1.0f ? acc[u] : acc[u] * scale);
+    }
+}
+
+#define DECODE_SUM_TO_F32(name, D)                                                                 \
+    /* at most 80 registers: 3 blocks per SM */                                                    \
+    extern "C" __global__ __launch_bounds__(TILE_THREADS, 3)                                       \
+    void cfc_codec_decode_sum_to_f32_##name(const u64* frames, u32 parts,                          \
+            u64 header_len, u64 n, u8* part_ws, u64 stride, double scale, float* out) {            \
+        decode_sum<D, F32>(frames, parts, header_len, n, part_ws, stride, (float)scale, out);      \
+    }
+#define DECODE_SUM_TO_BF16(name, D)                                                                \
+    /* at most 80 registers: 3 blocks per SM */                                                    \
+    extern "C" __global__ __launch_bounds__(TILE_THREADS, 3)                                       \
+    void cfc_codec_decode_sum_to_bf16_##name(const u64* frames, u32 parts,                         \
+            u64 header_len, u64 n, u8* part_ws, u64 stride, double scale, u16* out) {              \
+        decode_sum<D, BF16>(frames, parts, header_len, n, part_ws, stride, (float)scale, out);     \
+    }
+#define DECODE_SUM_TO_F16(name, D)                                                                 \
+    /* at most 80 registers: 3 blocks per SM */                                                    \
+    extern "C" __global__ __launch_bounds__(TILE_THREADS, 3)                                       \
+    void cfc_codec_decode_sum_to_f16_##name(const u64* frames, u32 parts,                          \
+            u64 header_len, u64 n, u8* part_ws, u64 stride, double scale, u16* out) {              \
+        decode_sum<D, F16>(frames, parts, header_len, n, part_ws, stride, (float)scale, out);      \
+    }
+DEFINE_FOR_DTYPES(DECODE_SUM_TO_F32)
+DEFINE_FOR_DTYPES(DECODE_SUM_TO_BF16)
+DEFINE_FOR_DTYPES(DECODE_SUM_TO_F16)
+
 // Pass 2 of packing a sum, with the geometry of sum_chunks: each chunk's planes built in the
 // warp's shared memory and written at their place, its exceptions (`value_bits`) in theirs;
 // block 0 writes the header and the frame size (0 on an error).

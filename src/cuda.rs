@@ -75,6 +75,8 @@ struct Kernels {
     sum_chunks: CudaFunction,
     sum_values: CudaFunction,
     sum_pack: CudaFunction,
+    /// `decode_sum_to_<o>`, by output dtype: f32, bf16, f16.
+    decode_sum: [CudaFunction; 3],
 }
 
 /// Restores the calling thread's current CUDA context when dropped. Binding a device's context
@@ -309,6 +311,11 @@ impl Device {
             sum_chunks: self.function(c, "sum_chunks", d)?,
             sum_values: self.function(c, "sum_values", d)?,
             sum_pack: self.function(c, "sum_pack", d)?,
+            decode_sum: [
+                self.function(c, "decode_sum_to_f32", d)?,
+                self.function(c, "decode_sum_to_bf16", d)?,
+                self.function(c, "decode_sum_to_f16", d)?,
+            ],
         });
         self.kernels
             .lock()
@@ -1437,4 +1444,243 @@ pub unsafe fn sum(args: &SumArgs<'_>) -> Result<()> {
         )?;
     }
     Ok(())
+}
+
+/// Where [`decode_sum`] keeps its state in a workspace: the table of the frames' addresses, then
+/// a region per frame for its chunk offsets.
+fn decode_sum_layout(n: u64, parts: u64) -> (u64, u64, u64) {
+    let regions = (8 * parts).div_ceil(16) * 16;
+    let stride = tile_layout(n, TILE_CHUNKS).decode_end.div_ceil(16) * 16;
+    (regions, stride, regions + parts * stride)
+}
+
+/// Workspace bytes [`decode_sum`] needs for `parts` frames of `n` elements (about 0.07 bytes
+/// per element and frame: each frame's chunk offsets).
+pub fn decode_sum_workspace_len(n: u64, parts: u64) -> u64 {
+    decode_sum_layout(n, parts).2
+}
+
+/// Arguments of [`decode_sum`]; pointers are device addresses on `device`.
+#[derive(Debug, Clone)]
+pub struct DecodeSumArgs<'a> {
+    /// Device ordinal.
+    pub device: usize,
+    /// A `CUstream` of the device's primary context; all work is queued on it.
+    pub stream: usize,
+    /// The frames to add, in order: quantized or raw frames (not lossless ones, not with a
+    /// zstd stage) of `n` elements of `dtype` in `ndim` dimensions, checked on the host or
+    /// written by [`compress`] or [`sum`]. Each may have its own step.
+    pub frames: &'a [u64],
+    /// Element count of every frame.
+    pub n: u64,
+    /// Element type of every frame.
+    pub dtype: DType,
+    /// Dimensions in every frame's header (sets the header's length).
+    pub ndim: usize,
+    /// What the sum is multiplied by before it is written (an f32; e.g. `1 / world` for an
+    /// average). 1 writes the sum itself.
+    pub scale: f32,
+    /// Output: `n` elements of `out_dtype` (float32, bfloat16 or float16).
+    pub out: u64,
+    /// Element type of the output.
+    pub out_dtype: DType,
+    /// Workspace, at least [`decode_sum_workspace_len`] bytes.
+    pub workspace: u64,
+    /// Its size.
+    pub workspace_len: u64,
+}
+
+/// Queues the decoded sum of frames, scaled and written in another dtype, in one pass that
+/// writes nothing but the output: `out[i] = scale * (v_0[i] + v_1[i] + ...)`, where `v_p[i]`
+/// is what [`decompress`] gives for frame `p`, widened to f32; the sum runs in f32 in frame
+/// order from `v_0[i]`, and the product (skipped when `scale` is 1) is rounded to f32, then
+/// to `out_dtype` (to nearest even). NaN stays NaN, but its payload is not kept. One frame
+/// with `scale` 1 gives [`decompress`]'s values, in any output dtype. Nothing waits for the
+/// GPU.
+///
+/// # Safety
+/// Pointers must be device addresses on `args.device`, valid until the queued work completes;
+/// every frame must be as [`DecodeSumArgs::frames`] says (the kernels read what their headers
+/// and widths say), and `out` must hold `n` elements of `out_dtype`.
+///
+/// # Errors
+/// [`Error::Incompatible`] for no frames or more than [`MAX_SUM_PARTS`],
+/// [`Error::NotQuantizable`] for a dtype other than float32, bfloat16 or float16,
+/// [`Error::Format`] for more than 8 dimensions, [`Error::OutputSize`] for a small workspace
+/// (all checked before anything is queued), and CUDA errors.
+pub unsafe fn decode_sum(args: &DecodeSumArgs<'_>) -> Result<()> {
+    let (n, parts) = (args.n, args.frames.len() as u64);
+    if parts == 0 || parts > MAX_SUM_PARTS {
+        return Err(Error::Incompatible {
+            what: "count",
+            left: format!("1 to {MAX_SUM_PARTS} frames"),
+            right: parts.to_string(),
+        });
+    }
+    for d in [args.dtype, args.out_dtype] {
+        if !d.is_quantizable() {
+            return Err(Error::NotQuantizable(d));
+        }
+    }
+    if args.ndim > MAX_NDIM {
+        return Err(crate::FormatError::BadField {
+            field: "ndim",
+            value: args.ndim.to_string(),
+        }
+        .into());
+    }
+    let (table_len, stride, need) = decode_sum_layout(n, parts);
+    if args.workspace_len < need {
+        return Err(Error::OutputSize {
+            expected: need,
+            got: args.workspace_len,
+        });
+    }
+    if n == 0 {
+        return Ok(());
+    }
+    let _restore = ContextGuard::save()?;
+    let dev = device(args.device)?;
+    let stream = dev.stream(args.stream)?;
+    let k = dev.kernels(args.dtype)?;
+    let (to, op) = match args.out_dtype {
+        DType::F32 => (&k.decode_sum[0], "decode_sum_to_f32"),
+        DType::BF16 => (&k.decode_sum[1], "decode_sum_to_bf16"),
+        _ => (&k.decode_sum[2], "decode_sum_to_f16"),
+    };
+    let header_len = (FIXED_HEADER_LEN + 8 * args.ndim) as u64;
+    let decoding = tile_layout(n, TILE_CHUNKS);
+    let ws = args.workspace;
+    let table = Arg::Ptr(ws);
+    let (regions, stride_a) = (Arg::Ptr(ws + table_len), Arg::U64(stride));
+    // SAFETY: (every call below) the workspace size was checked above against
+    // `decode_sum_layout`; the frames and the output are as this function's contract says, so
+    // the frames' widths, planes and exceptions lie within them; `launch` checks each argument
+    // list against the kernel's signature.
+    unsafe {
+        // Every frame's counters (and the rest of its region: one memset for all frames).
+        zero(&stream, ws + table_len, parts * stride)?;
+        for (b, batch) in args.frames.chunks(MAX_NDIM).enumerate() {
+            let mut eight = [0u64; MAX_NDIM];
+            eight[..batch.len()].copy_from_slice(batch);
+            launch(
+                &stream,
+                &k.sum_table,
+                Family::Codec,
+                "sum_table",
+                launch_cfg(32, 32),
+                &[
+                    Arg::Ptr(ws + 8 * (b * MAX_NDIM) as u64),
+                    Arg::Dims(Dims(eight)),
+                    Arg::U32(batch.len() as u32),
+                ],
+            )?;
+        }
+        let mut offsets = launch_cfg(decoding.spans * BLOCK as u64, BLOCK);
+        offsets.grid_dim.1 = parts as u32;
+        let (hl, n_a) = (Arg::U64(header_len), Arg::U64(n));
+        launch(
+            &stream,
+            &k.sum_offsets,
+            Family::Codec,
+            "sum_offsets",
+            offsets,
+            &[table, hl, n_a, regions, stride_a],
+        )?;
+        let one_chunk_per_warp = launch_cfg(decoding.chunk_blocks * BLOCK as u64, BLOCK);
+        let sum = [
+            table,
+            Arg::U32(parts as u32),
+            hl,
+            n_a,
+            regions,
+            stride_a,
+            Arg::F64(args.scale as f64),
+            Arg::Ptr(args.out),
+        ];
+        launch(&stream, to, Family::Codec, op, one_chunk_per_warp, &sum)?;
+    }
+    Ok(())
+}
+
+/// Arguments of [`copy_rows`]: `rows` rows of `width` bytes, from `src` (rows `src_pitch` bytes
+/// apart) to `dst` (rows `dst_pitch` apart). Each side is device memory of `device` or pinned
+/// host memory (unified addressing tells which).
+#[derive(Debug, Clone, Copy)]
+pub struct CopyRowsArgs {
+    /// Device ordinal.
+    pub device: usize,
+    /// A `CUstream` of the device's primary context; the copy is queued on it.
+    pub stream: usize,
+    /// First byte read.
+    pub src: u64,
+    /// Bytes from one source row to the next (at least `width` when `rows > 1`).
+    pub src_pitch: u64,
+    /// First byte written.
+    pub dst: u64,
+    /// Bytes from one destination row to the next (at least `width` when `rows > 1`).
+    pub dst_pitch: u64,
+    /// Bytes per row.
+    pub width: u64,
+    /// Rows.
+    pub rows: u64,
+}
+
+/// Queues a strided copy (one driver call), without waiting: e.g. the size that trails each
+/// rank's slot in a frame exchange, straight from the device rows to pinned host memory.
+/// Replaces the several tensor operations (slice, dense copy, view, copy) PyTorch needs for
+/// the same, which cost host time on every bucket of every step.
+///
+/// # Safety
+/// Both ranges must be valid device addresses on `args.device` or pinned host memory, for
+/// every byte of every row, until the queued copy completes.
+///
+/// # Errors
+/// [`Error::Cuda`] for a pitch smaller than the width (checked before anything is queued) and
+/// from the driver.
+pub unsafe fn copy_rows(args: &CopyRowsArgs) -> Result<()> {
+    if args.rows > 1 && (args.src_pitch < args.width || args.dst_pitch < args.width) {
+        return Err(Error::Cuda(format!(
+            "copy_rows: the pitches ({} and {}) must be at least the width ({})",
+            args.src_pitch, args.dst_pitch, args.width
+        )));
+    }
+    if args.rows == 0 || args.width == 0 {
+        return Ok(());
+    }
+    let _restore = ContextGuard::save()?;
+    let dev = device(args.device)?;
+    let stream = dev.stream(args.stream)?;
+    if args.rows == 1 {
+        // SAFETY: as below; one contiguous range on each side.
+        return unsafe {
+            sys::cuMemcpyAsync(args.dst, args.src, args.width as usize, stream.cu_stream())
+        }
+        .result()
+        .map_err(driver_err);
+    }
+    let unified = sys::CUmemorytype::CU_MEMORYTYPE_UNIFIED;
+    let copy = sys::CUDA_MEMCPY2D {
+        srcXInBytes: 0,
+        srcY: 0,
+        srcMemoryType: unified,
+        srcHost: std::ptr::null(),
+        srcDevice: args.src,
+        srcArray: std::ptr::null_mut(),
+        srcPitch: args.src_pitch.max(args.width) as usize,
+        dstXInBytes: 0,
+        dstY: 0,
+        dstMemoryType: unified,
+        dstHost: std::ptr::null_mut(),
+        dstDevice: args.dst,
+        dstArray: std::ptr::null_mut(),
+        dstPitch: args.dst_pitch.max(args.width) as usize,
+        WidthInBytes: args.width as usize,
+        Height: args.rows as usize,
+    };
+    // SAFETY: the descriptor is fully initialised and lives for the call; the ranges are valid
+    // until the copy completes (this function's contract); the stream is live for the call.
+    unsafe { sys::cuMemcpy2DAsync_v2(&copy, stream.cu_stream()) }
+        .result()
+        .map_err(driver_err)
 }

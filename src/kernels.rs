@@ -112,6 +112,24 @@ pub(crate) const SIGNATURES: &[(Family, &str, bool, &[Ty])] = &[
     ),
     (
         Family::Codec,
+        "decode_sum_to_f32",
+        true,
+        &[Ptr, U32, U64, U64, Ptr, U64, F64, Ptr],
+    ),
+    (
+        Family::Codec,
+        "decode_sum_to_bf16",
+        true,
+        &[Ptr, U32, U64, U64, Ptr, U64, F64, Ptr],
+    ),
+    (
+        Family::Codec,
+        "decode_sum_to_f16",
+        true,
+        &[Ptr, U32, U64, U64, Ptr, U64, F64, Ptr],
+    ),
+    (
+        Family::Codec,
         "sum_pack",
         true,
         &[Ptr, Ptr, U64, U32, U32, Dims, Ptr, Ptr, Ptr],

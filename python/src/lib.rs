@@ -468,6 +468,83 @@ fn cuda_sum(
         .map_err(to_py)
 }
 
+/// Workspace bytes of `cuda_decode_sum` for `parts` frames of `numel` elements.
+#[pyfunction]
+fn cuda_decode_sum_workspace_len(numel: u64, parts: u64) -> u64 {
+    cfc::cuda::decode_sum_workspace_len(numel, parts)
+}
+
+/// Queues the decoded sum of device-resident frames, times `scale`, written as `out_dtype`
+/// (returns before the GPU finishes).
+#[pyfunction]
+#[pyo3(signature = (device, stream, frame_ptrs, numel, dtype, ndim, scale, out_ptr, out_dtype, ws_ptr, ws_len))]
+#[allow(clippy::too_many_arguments)]
+fn cuda_decode_sum(
+    py: Python<'_>,
+    device: usize,
+    stream: usize,
+    frame_ptrs: Vec<u64>,
+    numel: u64,
+    dtype: &str,
+    ndim: usize,
+    scale: f32,
+    out_ptr: u64,
+    out_dtype: &str,
+    ws_ptr: u64,
+    ws_len: u64,
+) -> PyResult<()> {
+    let args = cfc::cuda::DecodeSumArgs {
+        device,
+        stream,
+        frames: &frame_ptrs,
+        n: numel,
+        dtype: dtype_of(dtype)?,
+        ndim,
+        scale,
+        out: out_ptr,
+        out_dtype: dtype_of(out_dtype)?,
+        workspace: ws_ptr,
+        workspace_len: ws_len,
+    };
+    // SAFETY: as cuda_sum: cfc passes frames written by the GPU codec, of `numel` elements of
+    // `dtype`, an output of `numel` elements of `out_dtype`, and buffers it keeps alive until
+    // the stream's work is done.
+    py.detach(|| unsafe { cfc::cuda::decode_sum(&args) })
+        .map_err(to_py)
+}
+
+/// Queues a strided copy between device memory and/or pinned host memory: `rows` rows of
+/// `width` bytes (returns before the GPU finishes).
+#[pyfunction]
+#[pyo3(signature = (device, stream, src, src_pitch, dst, dst_pitch, width, rows))]
+#[allow(clippy::too_many_arguments)]
+fn cuda_copy_rows(
+    py: Python<'_>,
+    device: usize,
+    stream: usize,
+    src: u64,
+    src_pitch: u64,
+    dst: u64,
+    dst_pitch: u64,
+    width: u64,
+    rows: u64,
+) -> PyResult<()> {
+    let args = cfc::cuda::CopyRowsArgs {
+        device,
+        stream,
+        src,
+        src_pitch,
+        dst,
+        dst_pitch,
+        width,
+        rows,
+    };
+    // SAFETY: cfc passes the addresses of tensors (device or pinned) it keeps alive until the
+    // stream's work is done, with pitches and widths inside them.
+    py.detach(|| unsafe { cfc::cuda::copy_rows(&args) })
+        .map_err(to_py)
+}
+
 /// Queues lossless compression of device memory on a CUDA stream (returns before the GPU
 /// finishes; the frame's size is written to the workspace).
 #[pyfunction]
@@ -721,6 +798,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda_lossless_chunks, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_sum_sizes, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_sum, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_decode_sum_workspace_len, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_decode_sum, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_copy_rows, m)?)?;
     m.add("CUDA_SUM_STEPS_DIFFER", cfc::cuda::SUM_STEPS_DIFFER)?;
     m.add("CUDA_SUM_OVERFLOW", cfc::cuda::SUM_OVERFLOW)?;
     m.add("CUDA_FRAME_SIZE_OFFSET", cfc::cuda::FRAME_SIZE_OFFSET)?;

@@ -297,3 +297,98 @@ def test_gpu_sum_returns_before_the_gpu_finishes():
     s = cfc.sum_compressed(cs)
     assert not s._event.query(), "the sum waited for the GPU"
     assert s.nbytes > 64
+
+
+# ---- decoded sums: unpack, add, scale and write the output dtype in one pass ----
+
+def _decoded_sum_reference(cs, scale, out_dtype):
+    """What the all-reduce's average did before the fused kernel: decode each frame, add in
+    float32 in order, multiply, convert."""
+    acc = None
+    for c in cs:
+        y = cfc.decompress(c).float()
+        acc = y if acc is None else acc + y
+    if scale != 1.0:
+        acc = acc * scale
+    return acc.to(out_dtype)
+
+
+def same_values(got, want):
+    """The same bits, except that a NaN only has to be a NaN."""
+    assert got.shape == want.shape and got.dtype == want.dtype
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(got), nan)
+    keep = ~nan
+    return torch.equal(got[keep].view(INT_VIEW[got.dtype]), want[keep].view(INT_VIEW[want.dtype]))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("out_dtype", DTYPES)
+@pytest.mark.parametrize("parts", [1, 2, 3, 9])
+@pytest.mark.parametrize("n", [1, 33, 1000, (1 << 20) + 7])
+def test_gpu_decoded_sum_is_the_frames_decoded_and_added(dtype, out_dtype, parts, n):
+    """Frames with different steps, NaN, infinities and outliers (exceptions in some frames
+    only): the fused kernel writes what decoding each frame and adding them gives."""
+    from cfc.codec import _decode_sum_cuda
+
+    xs = [awkward(n, dtype, seed=10 * parts + i).cuda() for i in range(parts)]
+    cs = [cfc.compress(x, eps=1e-3 * (i + 1)) for i, x in enumerate(xs)]
+    for scale in (1.0, float(np.float32(1) / np.float32(3)), 0.5):
+        out = torch.full((n,), 7.0, dtype=out_dtype, device="cuda")
+        _decode_sum_cuda([c._out for c in cs], n, dtype.__repr__()[6:], out, scale)
+        assert same_values(out, _decoded_sum_reference(cs, scale, out_dtype)), scale
+
+
+@pytest.mark.parametrize("out_dtype", DTYPES)
+def test_gpu_decoded_sum_of_sum_frames(grads, out_dtype):
+    """The reduce-scatter's last step: a frame of summed codes (64-bit widths possible),
+    decoded, divided by the world size and written in the bucket's dtype."""
+    from cfc.codec import _decode_sum_cuda
+
+    for name, g in grads.items():
+        x = torch.from_numpy(g).cuda()
+        eps = 0.3 * float(x.double().pow(2).mean().sqrt())
+        s = cfc.sum_compressed([cfc.compress(v, eps=eps) for v in (x, 0.5 * x, -x)])
+        scale = float(np.float32(1) / np.float32(3))
+        out = torch.empty(x.numel(), dtype=out_dtype, device="cuda")
+        _decode_sum_cuda([s._out], x.numel(), "float32", out, scale)
+        assert same_values(out, _decoded_sum_reference([s], scale, out_dtype)), name
+
+
+def test_gpu_decoded_sum_writes_only_its_output():
+    n, guard = 5000, 4096
+    cs = [cfc.compress(awkward(n, torch.float32, seed=i).cuda(), eps=1e-3) for i in range(2)]
+    out = torch.full((2 * n + 2 * guard,), 0xAB, dtype=torch.uint8, device="cuda")  # bfloat16 out
+    ws_len = cfc._native.cuda_decode_sum_workspace_len(n, 2)
+    ws = torch.full((ws_len + 2 * guard,), 0xCD, dtype=torch.uint8, device="cuda")
+    stream = torch.cuda.current_stream()
+    cfc._native.cuda_decode_sum(
+        0, stream.cuda_stream, [c._out.data_ptr() for c in cs], n, "float32", 1, 0.5,
+        out.data_ptr() + guard, "bfloat16", ws.data_ptr() + guard, ws_len,
+    )
+    torch.cuda.synchronize()
+    for buf, fill, length in ((out, 0xAB, 2 * n), (ws, 0xCD, ws_len)):
+        assert bool((buf[:guard] == fill).all()), "written before the buffer"
+        assert bool((buf[guard + length:] == fill).all()), "written past the buffer"
+    got = out[guard : guard + 2 * n].view(torch.bfloat16)
+    assert same_values(got, _decoded_sum_reference(cs, 0.5, torch.bfloat16))
+    with pytest.raises(ValueError, match="bytes"):
+        cfc._native.cuda_decode_sum(
+            0, stream.cuda_stream, [c._out.data_ptr() for c in cs], n, "float32", 1, 0.5,
+            out.data_ptr(), "bfloat16", ws.data_ptr(), ws_len - 1,
+        )
+
+
+def test_gpu_copy_rows_between_device_and_pinned_memory():
+    """The strided copies of the frame exchange: a column of every row to pinned host memory,
+    and one contiguous range on the device."""
+    rows, row, at = 5, 1000, 992
+    src = torch.randint(0, 256, (rows, row), dtype=torch.uint8, device="cuda")
+    host = torch.zeros(rows, 8, dtype=torch.uint8, pin_memory=True)
+    stream = torch.cuda.current_stream().cuda_stream
+    cfc._native.cuda_copy_rows(0, stream, src.data_ptr() + at, row, host.data_ptr(), 8, 8, rows)
+    dev = torch.zeros(row + 8, dtype=torch.uint8, device="cuda")
+    cfc._native.cuda_copy_rows(0, stream, src.data_ptr() + row, row, dev.data_ptr() + 8, row, row, 1)
+    torch.cuda.synchronize()
+    assert torch.equal(host, src[:, at : at + 8].cpu())
+    assert torch.equal(dev[8:], src[1]) and not dev[:8].any()

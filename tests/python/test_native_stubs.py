@@ -39,3 +39,14 @@ def test_cuda_sum_checks_its_frame_count_before_touching_a_device():
         native.cuda_sum(0, 0, [0] * 65536, 1, "float32", [1], 0, 1 << 20, 0, 1 << 30)
     with pytest.raises(cfc.CfcError, match="at least one frame"):
         native.cuda_sum(0, 0, [], 1, "float32", [1], 0, 1 << 20, 0, 1 << 30)
+
+
+def test_cuda_decode_sum_and_copy_rows_check_their_arguments_before_touching_a_device():
+    with pytest.raises(cfc.CfcError, match="1 to 65535 frames"):
+        native.cuda_decode_sum(0, 0, [], 1, "float32", 1, 1.0, 0, "float32", 0, 1 << 20)
+    with pytest.raises(TypeError, match="float64"):
+        native.cuda_decode_sum(0, 0, [0], 1, "float32", 1, 1.0, 0, "float64", 0, 1 << 20)
+    with pytest.raises(ValueError, match="10 bytes"):
+        native.cuda_decode_sum(0, 0, [0], 1 << 20, "float32", 1, 1.0, 0, "float32", 0, 10)
+    with pytest.raises(cfc.CfcError, match="pitch"):
+        native.cuda_copy_rows(0, 0, 0, 4, 0, 8, 8, 2)

@@ -110,6 +110,23 @@ def cuda_sum(
     ws_ptr: int,
     ws_len: int,
 ) -> None: ...
+def cuda_decode_sum_workspace_len(numel: int, parts: int) -> int: ...
+def cuda_decode_sum(
+    device: int,
+    stream: int,
+    frame_ptrs: Sequence[int],
+    numel: int,
+    dtype: str,
+    ndim: int,
+    scale: float,
+    out_ptr: int,
+    out_dtype: str,
+    ws_ptr: int,
+    ws_len: int,
+) -> None: ...
+def cuda_copy_rows(
+    device: int, stream: int, src: int, src_pitch: int, dst: int, dst_pitch: int, width: int, rows: int
+) -> None: ...
 def cuda_lossless_sizes(numel: int, dtype: str, ndim: int) -> Tuple[int, int]: ...
 def cuda_compress_lossless(
     device: int,

@@ -330,6 +330,10 @@ def pin(c: Any) -> PinnedCompressed:
     return PinnedCompressed(t, info)
 
 
+# Bytes of a GPU frame's workspace copied to the host: the error word through the frame's size.
+_HOST_SPAN = _native.CUDA_FRAME_SIZE_OFFSET + 8 - _native.CUDA_BOUND_ERROR_OFFSET
+
+
 class CudaCompressed:
     """A frame being written by the GPU: returned by :func:`compress` for CUDA tensors.
 
@@ -339,22 +343,27 @@ class CudaCompressed:
     :func:`decompress` decodes on the GPU without waiting at all.
     """
 
-    __slots__ = ("_out", "_ws", "_size_host", "_err_host", "_event", "_dtype", "_shape", "_mode")
+    __slots__ = ("_out", "_ws", "_host", "_event", "_dtype", "_shape", "_mode")
 
     def __init__(self, out, ws, dtype: str, shape: Tuple[int, ...], mode: str, stream):
+        """``stream``: the device's current stream, on which the kernels were queued (the copy
+        below goes to the current stream, behind them)."""
         import torch
 
         self._out, self._ws = out, ws
         self._dtype, self._shape, self._mode = dtype, shape, mode
-        self._size_host = torch.empty(1, dtype=torch.int64, pin_memory=True)
-        self._err_host = torch.zeros(1, dtype=torch.int32, pin_memory=True)
-        with torch.cuda.stream(stream):  # the copies and the event follow the kernels
-            self._size_host.copy_(self.size_tensor, non_blocking=True)
-            if mode in ("rel", "sum"):  # failures known on the device only
-                off = _native.CUDA_BOUND_ERROR_OFFSET
-                self._err_host.copy_(ws[off : off + 4].view(torch.int32), non_blocking=True)
+        # The workspace's error word (u32) through the frame's size (u64) in one copy: each
+        # costs host time on every call (the all-reduce makes one frame per bucket and step).
+        self._host = torch.empty(_HOST_SPAN, dtype=torch.uint8, pin_memory=True)
+        off = _native.CUDA_BOUND_ERROR_OFFSET
+        self._host.copy_(ws[off : off + _HOST_SPAN], non_blocking=True)
         self._event = torch.cuda.Event()
         self._event.record(stream)
+
+    def _host_word(self, offset: int, nbytes: int) -> int:
+        """The workspace's little-endian word at ``offset``, as copied (after the event)."""
+        at = offset - _native.CUDA_BOUND_ERROR_OFFSET
+        return int.from_bytes(self._host.numpy()[at : at + nbytes].tobytes(), "little")
 
     @property
     def size_tensor(self):
@@ -383,7 +392,8 @@ class CudaCompressed:
         """Wait until the frame is written; raise if its bound turned out unusable (``rel``) or
         its frames could not be added (:func:`sum_compressed`)."""
         self._event.synchronize()
-        err = int(self._err_host[0])
+        # failures known on the device only (other modes' workspaces hold no error word)
+        err = self._host_word(_native.CUDA_BOUND_ERROR_OFFSET, 4) if self._mode in ("rel", "sum") else 0
         if err == 0:
             return
         if self._mode != "sum":
@@ -396,7 +406,7 @@ class CudaCompressed:
     def nbytes(self) -> int:
         """Size of the frame in bytes (waits for the GPU)."""
         self.synchronize()
-        return int(self._size_host[0])
+        return self._host_word(_native.CUDA_FRAME_SIZE_OFFSET, 8)
 
     @property
     def frame(self):
@@ -818,6 +828,25 @@ def _sum_frames_cuda(frames, dtype: str, shape, after=(), capacity: int = 0) -> 
         out.data_ptr(), out.numel(), ws.data_ptr(), ws_len,
     )
     return CudaCompressed(out, ws, dtype, tuple(shape), "sum", stream)
+
+
+def _decode_sum_cuda(frames, numel: int, dtype: str, out, scale: float = 1.0, ndim: int = 1) -> None:
+    """Write ``scale`` times the sum of the frames' decoded values into ``out`` (a contiguous
+    CUDA tensor of ``numel`` float32, bfloat16 or float16 elements), on the current stream, in
+    one pass that reads only the frames: ``ndim``-dimensional frames of ``numel`` elements of
+    ``dtype`` (quantized or raw, written by the GPU codec or checked on the host), each with its
+    own step. Each frame's value is what :func:`decompress` gives, widened to float32; they are
+    added in float32 in order and multiplied by ``scale`` (a float32; skipped when it is 1)."""
+    import torch
+
+    dev = out.device
+    ws_len = _native.cuda_decode_sum_workspace_len(numel, len(frames))
+    ws = torch.empty(ws_len, dtype=torch.uint8, device=dev)
+    stream = torch.cuda.current_stream(dev)
+    _native.cuda_decode_sum(
+        dev.index, stream.cuda_stream, [f.data_ptr() for f in frames], numel, dtype, ndim, scale,
+        out.data_ptr(), str(out.dtype)[6:], ws.data_ptr(), ws_len,
+    )
 
 
 def fixed_rate_size(shape: Iterable[int], bits: int) -> int:

@@ -53,9 +53,11 @@ import threading
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
+import numpy as np
+
 import cfc
 from cfc import _native
-from cfc.codec import _decompress_cuda, _sum_frames_cuda
+from cfc.codec import _decode_sum_cuda, _sum_frames_cuda
 
 __all__ = ["CfcState", "cfc_hook"]
 
@@ -195,7 +197,7 @@ class CfcState:
         self._fast_step = (-1, False)  # (step, whether its CUDA buckets all go out plainly)
         self._worker: Optional[_CommThread] = None
         self._lock = threading.Lock()
-        self._max_err_dev: Dict[Any, Any] = {}  # device -> 0-d tensor, read by stats()
+        self._max_err_dev: Dict[Any, List[Any]] = {}  # device -> 0-d tensors, read by stats()
         self._reset_counters()
 
     def _setup(self) -> None:
@@ -432,8 +434,7 @@ class CfcState:
             "resends": 0,
             "direct_buckets": 0,
         }
-        for t in self._max_err_dev.values():
-            t.zero_()
+        self._max_err_dev.clear()  # (the callers hold the lock, or no other thread exists yet)
 
     def stats(self) -> Dict[str, float]:
         """Counters since the start (or :meth:`reset_stats`), as a plain dict.
@@ -459,7 +460,11 @@ class CfcState:
         if self._worker is not None:
             self._worker.drain()
         s = dict(self._stats)
-        for t in self._max_err_dev.values():
+        import torch
+
+        with self._lock:
+            maxima = [torch.stack(held).amax() for held in self._max_err_dev.values() if held]
+        for t in maxima:
             s["max_error"] = max(s["max_error"], float(t))
         s["step"] = self.step
         s["ratio"] = s["bytes_uncompressed"] / s["bytes_sent"] if s["bytes_sent"] else 0.0
@@ -1003,11 +1008,9 @@ def _gpu_launch(state: CfcState, stream, index, buf, r, compress, trial, ready):
     def finish():
         t1 = time.perf_counter()
         frames, sent = exchange.finish()
-        acc = None
-        for j in range(world):  # the same order on every rank: the same bits everywhere
-            y = _decompress_cuda(frames[j], n, c._dtype, (n,), 1)
-            acc = y.float() if acc is None else acc.add_(y)
-        buf.copy_(acc.div_(world).view(buf.shape))
+        # Every rank's frame decoded and added in rank order (the same bits on every rank),
+        # divided and written into the bucket, in one pass.
+        _decode_sum_cuda(frames, n, c._dtype, buf.view(-1), _reciprocal(world))
         _note_max_error(state, buf, r)
         busy[0] += time.perf_counter() - t1
         account(True, sent, float(kw["eps"]) if "eps" in kw else c.eps)  # c.eps: the frame's
@@ -1023,9 +1026,19 @@ def _note_max_error(state: CfcState, buf, r) -> None:
     import torch
 
     if r is not None and r.numel():
-        held = state._max_err_dev.get(buf.device)
-        amax = r.abs().max()
-        state._max_err_dev[buf.device] = amax if held is None else torch.maximum(held, amax)
+        # One reduction per bucket (abs, max and a running maximum were three operations'
+        # host time); the maxima are kept and folded into one every 32 buckets.
+        amax = torch.linalg.vector_norm(r, float("inf"))
+        with state._lock:
+            held = state._max_err_dev.setdefault(buf.device, [])
+            held.append(amax)
+            if len(held) >= 32:
+                held[:] = [torch.stack(held).amax()]
+
+
+def _reciprocal(world: int) -> float:
+    """1 / world rounded to float32, as torch's ``div_(world)`` multiplies by it on the GPU."""
+    return float(np.float32(1.0) / np.float32(world))
 
 
 def _reduce_scatter(state: CfcState, n: int) -> bool:
@@ -1201,10 +1214,9 @@ class _ShardExchange:
         """Decode every shard's sum into the bucket (averaged). Returns the bytes this rank
         sent in both exchanges. Waits for the sums' sizes (this thread only)."""
         frames, sent = self.sums.finish()
-        flat, world = self.buf.view(-1), self.state.world
-        for j, (a, b) in enumerate(self.bounds):
-            y = _decompress_cuda(frames[j], b - a, "float32", (b - a,), 1)
-            flat[a:b].copy_(y.div_(world))
+        flat, scale = self.buf.view(-1), _reciprocal(self.state.world)
+        for j, (a, b) in enumerate(self.bounds):  # decoded, divided, written in the bucket's dtype
+            _decode_sum_cuda([frames[j]], b - a, "float32", flat[a:b], scale)
         return self.sent + sent
 
 
@@ -1226,23 +1238,31 @@ class _FrameExchange:
 
         self.state, self.index, self.c, self.n = state, index, c, n
         world, dev = state.world, c.device
+        stream = torch.cuda.current_stream(dev).cuda_stream
+        self.sizes_host = torch.empty(world, dtype=torch.int64, pin_memory=True)
         self.slot = state._slots.get(index)
         if self.slot is not None:
             slot = self.slot = min(self.slot, c._out.numel())
-            send = torch.empty(slot + 8, dtype=torch.uint8, device=dev)
-            send[:slot].copy_(c._out[:slot])
-            send[slot:].copy_(c.size_tensor.reshape(1).view(torch.uint8))
-            self.got = torch.empty(world * (slot + 8), dtype=torch.uint8, device=dev).view(world, slot + 8)
+            row = slot + 8
+            # The slot: the frame's first bytes, then its size (from the compressor's workspace).
+            # Driver copies, as the size's copy to the host below: each tensor operation they
+            # replace costs host time on every bucket of every step.
+            send = torch.empty(row, dtype=torch.uint8, device=dev)
+            size_at = c._ws.data_ptr() + _native.CUDA_FRAME_SIZE_OFFSET
+            _native.cuda_copy_rows(dev.index, stream, c._out.data_ptr(), slot, send.data_ptr(), row, slot, 1)
+            _native.cuda_copy_rows(dev.index, stream, size_at, 8, send.data_ptr() + slot, 8, 8, 1)
+            self.got = torch.empty(world * row, dtype=torch.uint8, device=dev).view(world, row)
             dist.all_gather_into_tensor(self.got.view(-1), send, group=state.group)
-            tail = self.got[:, slot:].clone(memory_format=torch.contiguous_format)  # a copy, as above
-            sizes_dev = tail.view(torch.int64).view(-1)
+            # Every rank's size, from the end of its row to the host, now, behind this exchange
+            # only: read later, it must not wait for the next bucket's exchange, queued on the
+            # same stream in between.
+            _native.cuda_copy_rows(
+                dev.index, stream, self.got.data_ptr() + slot, row, self.sizes_host.data_ptr(), 8, 8, world
+            )
         else:
             sizes_dev = torch.empty(world, dtype=torch.int64, device=dev)
             dist.all_gather_into_tensor(sizes_dev, c.size_tensor.reshape(1), group=state.group)
-        # The sizes go to the host now, behind this exchange only: read later, they must not
-        # wait for the next bucket's exchange, queued on the same stream in between.
-        self.sizes_host = torch.empty(world, dtype=torch.int64, pin_memory=True)
-        self.sizes_host.copy_(sizes_dev, non_blocking=True)
+            self.sizes_host.copy_(sizes_dev, non_blocking=True)
         self.sizes_ready = torch.cuda.Event()
         self.sizes_ready.record()
 
