@@ -1026,8 +1026,8 @@ def _note_max_error(state: CfcState, buf, r) -> None:
     import torch
 
     if r is not None and r.numel():
-        # One reduction per bucket (abs, max and a running maximum were three operations'
-        # host time); the maxima are kept and folded into one every 32 buckets.
+        # One reduction per bucket, kept and folded into one every 32 buckets: a running
+        # maximum would cost two more tensor operations' host time on every bucket.
         amax = torch.linalg.vector_norm(r, float("inf"))
         with state._lock:
             held = state._max_err_dev.setdefault(buf.device, [])
