@@ -817,6 +817,21 @@ __device__ __forceinline__ void part_chunk(const u8* frame, u64 header_len, u64 
     __syncwarp();  // s_mask is reused by the next part
 }
 
+// One part's decoded values of this lane's elements of chunk `ch` (group u in v[u]), what
+// decompress gives: the stored bits where the part holds an exception, else its code times its
+// step (part_chunk's staging and s_mask use).
+template <class D>
+__device__ __forceinline__ void part_values(const u8* frame, u64 header_len, u64 n, u8* ws, u64 ch, u32 have,
+                                            u32* st, u32* s_mask, typename D::T* v) {
+    const double step = __longlong_as_double((i64)cfc_load_le(frame + HDR_STEP, 8));
+    i64 q[CHUNK_GROUPS];
+    u32 exc, exc_bits[CHUNK_GROUPS];
+    part_chunk<D>(frame, header_len, n, ws, ch, have, st, s_mask, q, &exc, exc_bits, true);
+#pragma unroll
+    for (int u = 0; u < CHUNK_GROUPS; ++u)
+        v[u] = (exc >> u) & 1u ? D::from_bits(exc_bits[u]) : cfc_dequantize<D>(q[u], step);
+}
+
 // The sum, a chunk per warp in tiles of 8 chunks (pass 1 of packing it; see above).
 template <class D>
 __device__ void sum_chunks(const u64* frames, u32 parts, u64 header_len, u64 n, u8* part_ws, u64 stride,
@@ -919,21 +934,15 @@ __device__ void sum_values(const u64* frames, u32 parts, u64 header_len, u64 n, 
 #pragma unroll
     for (int u = 0; u < CHUNK_GROUPS; ++u) mine |= ((__shfl_sync(CFC_FULL_MASK, mask_l, u) >> lane) & 1u) << u;
     double total[CHUNK_GROUPS];
-    i64 q[CHUNK_GROUPS];
-    u32 exc_bits[CHUNK_GROUPS];
+    typename D::T v[CHUNK_GROUPS];
 #pragma unroll
     for (int u = 0; u < CHUNK_GROUPS; ++u) total[u] = 0.0;
     for (u32 p = 0; p < parts; ++p) {
-        const u8* f = (const u8*)frames[p];
-        const double step = __longlong_as_double((i64)cfc_load_le(f + HDR_STEP, 8));
-        u32 exc;
-        part_chunk<D>(f, header_len, n, part_ws + p * stride, ch, have, stage[warp], s_masks[warp], q, &exc,
-                      exc_bits, true);
+        part_values<D>((const u8*)frames[p], header_len, n, part_ws + p * stride, ch, have, stage[warp],
+                       s_masks[warp], v);
 #pragma unroll
-        for (int u = 0; u < CHUNK_GROUPS; ++u) {
-            if (!((mine >> u) & 1u)) continue;
-            total[u] += (exc >> u) & 1u ? D::to_f64(D::from_bits(exc_bits[u])) : D::to_f64(cfc_dequantize<D>(q[u], step));
-        }
+        for (int u = 0; u < CHUNK_GROUPS; ++u)
+            if ((mine >> u) & 1u) total[u] += D::to_f64(v[u]);
     }
     const u64 e0 = ch * CHUNK_VALUES;
 #pragma unroll
@@ -979,20 +988,12 @@ __device__ void decode_sum(const u64* frames, u32 parts, u64 header_len, u64 n, 
     const u32 have = chunk_values(n, ch);
     if (have == 0) return;  // the whole warp: past the end
     float acc[CHUNK_GROUPS];
-    i64 q[CHUNK_GROUPS];
-    u32 exc_bits[CHUNK_GROUPS];
+    typename D::T v[CHUNK_GROUPS];
     for (u32 p = 0; p < parts; ++p) {
-        const u8* f = (const u8*)frames[p];
-        const double step = __longlong_as_double((i64)cfc_load_le(f + HDR_STEP, 8));
-        u32 exc;
-        part_chunk<D>(f, header_len, n, part_ws + p * stride, ch, have, stage[warp], s_masks[warp], q, &exc,
-                      exc_bits, true);
+        part_values<D>((const u8*)frames[p], header_len, n, part_ws + p * stride, ch, have, stage[warp],
+                       s_masks[warp], v);
 #pragma unroll
-        for (int u = 0; u < CHUNK_GROUPS; ++u) {
-            const typename D::T v = (exc >> u) & 1u ? D::from_bits(exc_bits[u]) : cfc_dequantize<D>(q[u], step);
-            const float x = D::to_f32(v);
-            acc[u] = p == 0 ? x : acc[u] + x;
-        }
+        for (int u = 0; u < CHUNK_GROUPS; ++u) acc[u] = p == 0 ? D::to_f32(v[u]) : acc[u] + D::to_f32(v[u]);
     }
     typename O::T* oc = out + ch * CHUNK_VALUES;
 #pragma unroll

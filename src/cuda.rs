@@ -1282,6 +1282,63 @@ pub const SUM_STEPS_DIFFER: u32 = 1;
 /// Error bit of [`sum`]: a sum of codes leaves the 64-bit range.
 pub const SUM_OVERFLOW: u32 = 2;
 
+/// Queues what [`sum`] and [`decode_sum`] both start with: the frames' addresses into the table
+/// at `table`, 8 to a launch (no host memory is copied, so nothing waits), then every frame's
+/// chunk offsets (`sum_offsets`, a frame per grid row) into its region of `stride` bytes at
+/// `regions`, whose counters must be zero.
+///
+/// # Safety
+/// The table must hold 8 bytes per frame and each region `stride` bytes (at least the decoder's
+/// `decode_end` for `n` elements), valid until the queued work completes; the frames are as
+/// [`SumArgs::frames`] says.
+#[allow(clippy::too_many_arguments)]
+unsafe fn part_offsets(
+    stream: &CudaStream,
+    k: &Kernels,
+    frames: &[u64],
+    table: u64,
+    regions: u64,
+    stride: u64,
+    header_len: u64,
+    n: u64,
+) -> Result<()> {
+    // SAFETY: (both launches) this function's contract; `launch` checks each argument list.
+    unsafe {
+        for (b, batch) in frames.chunks(MAX_NDIM).enumerate() {
+            let mut eight = [0u64; MAX_NDIM];
+            eight[..batch.len()].copy_from_slice(batch);
+            launch(
+                stream,
+                &k.sum_table,
+                Family::Codec,
+                "sum_table",
+                launch_cfg(32, 32),
+                &[
+                    Arg::Ptr(table + 8 * (b * MAX_NDIM) as u64),
+                    Arg::Dims(Dims(eight)),
+                    Arg::U32(batch.len() as u32),
+                ],
+            )?;
+        }
+        let mut offsets = launch_cfg(tile_layout(n, TILE_CHUNKS).spans * BLOCK as u64, BLOCK);
+        offsets.grid_dim.1 = frames.len() as u32;
+        launch(
+            stream,
+            &k.sum_offsets,
+            Family::Codec,
+            "sum_offsets",
+            offsets,
+            &[
+                Arg::Ptr(table),
+                Arg::U64(header_len),
+                Arg::U64(n),
+                Arg::Ptr(regions),
+                Arg::U64(stride),
+            ],
+        )
+    }
+}
+
 /// Queues the element-wise sum of frames into one frame of mode `sum`, with the bytes that
 /// [`crate::sum_frames`] (without zstd) gives for the same frames, without waiting for the GPU.
 /// Frames whose steps differ, or whose codes overflow, are known on the device only: the
@@ -1337,7 +1394,6 @@ pub unsafe fn sum(args: &SumArgs<'_>) -> Result<()> {
     let stream = dev.stream(args.stream)?;
     let k = dev.kernels(args.dtype)?;
     let header_len = (FIXED_HEADER_LEN + 8 * ndim) as u64;
-    let decoding = tile_layout(n, TILE_CHUNKS);
     let ws = args.workspace;
     let (ws_a, n_a, hl) = (Arg::Ptr(ws), Arg::U64(n), Arg::U64(header_len));
     let table = Arg::Ptr(ws + layout.table);
@@ -1358,32 +1414,15 @@ pub unsafe fn sum(args: &SumArgs<'_>) -> Result<()> {
                 layout.part_zeroed,
             )?;
         }
-        // The frames' addresses, 8 to a launch (no host memory is copied, so nothing waits).
-        for (b, batch) in args.frames.chunks(MAX_NDIM).enumerate() {
-            let mut eight = [0u64; MAX_NDIM];
-            eight[..batch.len()].copy_from_slice(batch);
-            launch(
-                &stream,
-                &k.sum_table,
-                Family::Codec,
-                "sum_table",
-                launch_cfg(32, 32),
-                &[
-                    Arg::Ptr(ws + layout.table + 8 * (b * MAX_NDIM) as u64),
-                    Arg::Dims(Dims(eight)),
-                    Arg::U32(batch.len() as u32),
-                ],
-            )?;
-        }
-        let mut offsets = launch_cfg(decoding.spans * BLOCK as u64, BLOCK);
-        offsets.grid_dim.1 = parts as u32;
-        launch(
+        part_offsets(
             &stream,
-            &k.sum_offsets,
-            Family::Codec,
-            "sum_offsets",
-            offsets,
-            &[table, hl, n_a, parts_a, stride],
+            &k,
+            args.frames,
+            ws + layout.table,
+            ws + layout.parts,
+            layout.part_stride,
+            header_len,
+            n,
         )?;
         let chunks = [
             table,
@@ -1560,33 +1599,17 @@ pub unsafe fn decode_sum(args: &DecodeSumArgs<'_>) -> Result<()> {
     unsafe {
         // Every frame's counters (and the rest of its region: one memset for all frames).
         zero(&stream, ws + table_len, parts * stride)?;
-        for (b, batch) in args.frames.chunks(MAX_NDIM).enumerate() {
-            let mut eight = [0u64; MAX_NDIM];
-            eight[..batch.len()].copy_from_slice(batch);
-            launch(
-                &stream,
-                &k.sum_table,
-                Family::Codec,
-                "sum_table",
-                launch_cfg(32, 32),
-                &[
-                    Arg::Ptr(ws + 8 * (b * MAX_NDIM) as u64),
-                    Arg::Dims(Dims(eight)),
-                    Arg::U32(batch.len() as u32),
-                ],
-            )?;
-        }
-        let mut offsets = launch_cfg(decoding.spans * BLOCK as u64, BLOCK);
-        offsets.grid_dim.1 = parts as u32;
-        let (hl, n_a) = (Arg::U64(header_len), Arg::U64(n));
-        launch(
+        part_offsets(
             &stream,
-            &k.sum_offsets,
-            Family::Codec,
-            "sum_offsets",
-            offsets,
-            &[table, hl, n_a, regions, stride_a],
+            &k,
+            args.frames,
+            ws,
+            ws + table_len,
+            stride,
+            header_len,
+            n,
         )?;
+        let (hl, n_a) = (Arg::U64(header_len), Arg::U64(n));
         let one_chunk_per_warp = launch_cfg(decoding.chunk_blocks * BLOCK as u64, BLOCK);
         let sum = [
             table,
