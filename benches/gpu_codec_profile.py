@@ -1,7 +1,7 @@
 """Three compress + decompress calls of 256 MB of float32 (the tiled gradient vectors, eps =
 0.1 x RMS) on the GPU, for a profiler:
 
-    ncu -k regex:"encode_chunks|pack_chunks|decode_chunks|decode_offsets" \\
+    ncu -k regex:"encode_groups|pack_chunks|decode_chunks|decode_offsets" \\
         --launch-skip 4 --launch-count 4 \\
         --metrics gpu__time_duration.sum,smsp__inst_executed.sum,\\
 sm__warps_active.avg.pct_of_peak_sustained_active,sm__throughput.avg.pct_of_peak_sustained_elapsed \\

@@ -6,7 +6,7 @@
 // takes two passes: one that sizes the chunks (and, compressing, quantizes and stages their
 // planes), whose last block scans the tiles' totals, and one that moves the planes.
 //
-// Compress: [max_abs] (rel/bits modes) -> encode_chunks (quantize, widths, staged bit planes,
+// Compress: [max_abs] (rel/bits modes) -> encode_groups (quantize, widths, staged bit planes,
 // sizes) -> pack_chunks (header, raw-or-quantized decision, planes and exceptions in place, or
 // raw bytes; residuals). Decompress: decode_offsets -> decode_chunks -> scatter_exceptions.
 #include "common.cuh"
@@ -103,28 +103,70 @@ __device__ __forceinline__ typename D::T quantize(double x64, const CfcParams* p
     return D::from_f32(__double2float_rn(qf * p->step));
 }
 
-// One lane's element: its zigzag code (0 for an exception) and whether it is an exception.
-template <class D>
-__device__ __forceinline__ u32 encode_lane(typename D::T v, bool valid, const CfcParams* p, u32 fixed,
-                                           bool* exc, double* err_out) {
-    *exc = false;
-    *err_out = 0.0;
-    if (!valid) return 0;
-    double x64 = D::to_f64(v), t;
+// One value's zigzag code (0 for an exception) and whether it is an exception. `f` is the value
+// as float32 (exact for every dtype). FIXED (fixed rate): any finite error is accepted, and the
+// error goes to *err_out for the frame's max error.
+template <class D, bool FIXED>
+__device__ __forceinline__ u32 encode_value(float f, const CfcParams& p, bool* exc, double* err_out) {
+    double x64 = (double)f, t;
     i64 q;
-    double dec = D::to_f64(quantize<D>(x64, p, &t, &q));
+    double dec = D::to_f64(quantize<D>(x64, &p, &t, &q));
     double err = fabs(dec - x64);
-    bool ok = fabs(t) <= CFC_MAX_CODE && (fixed ? (err <= 1.7976931348623157e308) : (err <= p->eps));
-    if (!ok) { *exc = true; return 0; }
-    *err_out = err;
-    int q32 = (int)q;  // |q| <= 2^31 - 1 here, so the zigzag code fits 32 bits
-    return ((u32)q32 << 1) ^ (u32)(q32 >> 31);
+    bool ok = fabs(t) <= CFC_MAX_CODE && (FIXED ? (err <= 1.7976931348623157e308) : (err <= p.eps));
+    *exc = !ok;
+    if (FIXED) *err_out = ok ? err : 0.0;
+    int q32 = (int)q;  // |q| <= 2^31 - 1 when ok, so the zigzag code fits 32 bits
+    return ok ? ((u32)q32 << 1) ^ (u32)(q32 >> 31) : 0u;
+}
+
+// ---- bit planes --------------------------------------------------------------------------
+// A group's planes are the transpose of its 32 codes seen as a 32 x w bit matrix. One thread
+// builds them a byte of every code at a time ("slice" s: bits 8s to 8s + 7), with bit-matrix
+// transposes instead of a shift and a mask per bit.
+
+// Transpose of an 8 x 8 bit matrix held as byte r = row r, bit c = column c: three rounds of
+// swapping the off-diagonal 1 x 1, 2 x 2 and 4 x 4 blocks.
+__device__ __forceinline__ u64 transpose_bits_8x8(u64 x) {
+    u64 t;
+    t = (x ^ (x >> 7)) & 0x00AA00AA00AA00AAull;
+    x ^= t ^ (t << 7);
+    t = (x ^ (x >> 14)) & 0x0000CCCC0000CCCCull;
+    x ^= t ^ (t << 14);
+    t = (x ^ (x >> 28)) & 0x00000000F0F0F0F0ull;
+    x ^= t ^ (t << 28);
+    return x;
+}
+
+// Transpose of a 4 x 4 byte matrix (rows r0..r3, byte c = column c): c[k] = column k.
+__device__ __forceinline__ void transpose_bytes_4x4(u32 r0, u32 r1, u32 r2, u32 r3, u32* c) {
+    u32 t0 = __byte_perm(r0, r1, 0x6240), t1 = __byte_perm(r0, r1, 0x7351);
+    u32 t2 = __byte_perm(r2, r3, 0x6240), t3 = __byte_perm(r2, r3, 0x7351);
+    c[0] = __byte_perm(t0, t2, 0x5410);
+    c[1] = __byte_perm(t1, t3, 0x5410);
+    c[2] = __byte_perm(t0, t2, 0x7632);
+    c[3] = __byte_perm(t1, t3, 0x7632);
+}
+
+// Planes 8s..8s+7 of 32 codes, from `w`: byte p of w[m] is byte s of code 4m + p. Bit j of
+// plane[b] is bit 8s + b of code j. Codes 8q..8q+7 form an 8 x 8 bit matrix (rows: codes),
+// whose transpose has plane b's byte q as its row b; the 4 x 4 byte transposes then put each
+// plane's four bytes together.
+__device__ __forceinline__ void slice_planes(const u32* w, u32* plane) {
+    u32 lo[4], hi[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+        u64 t = transpose_bits_8x8((u64)w[2 * q] | ((u64)w[2 * q + 1] << 32));
+        lo[q] = (u32)t;
+        hi[q] = (u32)(t >> 32);
+    }
+    transpose_bytes_4x4(lo[0], lo[1], lo[2], lo[3], plane);
+    transpose_bytes_4x4(hi[0], hi[1], hi[2], hi[3], plane + 4);
 }
 
 // ---- chunks and tiles ------------------------------------------------------------------
-// A chunk is CHUNK_GROUPS consecutive groups (256 values); a tile is the chunks of one encoder
-// block, each of its 8 warps taking `wc` of them (1 or 4, so 8 or 32 chunks a tile; the
-// decoder's tiles are always TILE_CHUNKS); a span is SPAN_TILES tiles. Where a chunk's planes go
+// A chunk is CHUNK_GROUPS consecutive groups (256 values); a compress tile is 8 wc chunks (wc 1
+// or 4), one block of the encoder (a thread per group) and of the packer (8 warps taking wc
+// chunks each); the decoder's tiles are always TILE_CHUNKS; a span is SPAN_TILES tiles. Where a chunk's planes go
 // in the frame depends on every chunk before it, so each block writes its chunks' offsets
 // within the tile and the tile's totals; the last block to finish in a span turns its tiles'
 // totals into prefix sums within the span, and the last span to finish does the same over the
@@ -296,32 +338,61 @@ __device__ __forceinline__ void put_words(u8* pb, const u32* staged, u32 nw, con
 
 // ---- encode ----------------------------------------------------------------------------
 
-// The values of chunk `ch` a lane holds (value u*32 + lane of the chunk), 0 past the end.
-template <class D>
-__device__ __forceinline__ void load_chunk(const typename D::T* __restrict__ x, u64 n, u64 ch,
-                                           typename D::T* v) {
-    const u64 e0 = ch * CHUNK_VALUES;
-    const u32 have = chunk_values(n, ch);
-    const u32 lane = threadIdx.x & 31;
+// One thread's group: its 32 values in `row` (shared memory) are replaced by their codes; the
+// OR of the codes, the exception mask, the codes' low bytes as slice_planes wants them and, at
+// fixed rate, the largest error.
+template <class D, bool FIXED>
+__device__ __forceinline__ void code_group(u32* row, const CfcParams& P, u32* acc, u32* excm, u32* w8,
+                                           double* max_err) {
 #pragma unroll
-    for (int u = 0; u < CHUNK_GROUPS; ++u) {
-        u32 j = u * CFC_GROUP + lane;
-        v[u] = j < have ? x[e0 + j] : typename D::T(0);
+    for (int j = 0; j < CFC_GROUP; ++j) {
+        bool exc;
+        double err;
+        u32 z = encode_value<D, FIXED>(__uint_as_float(row[j]), P, &exc, &err);
+        if (FIXED) *max_err = fmax(*max_err, err);
+        *acc |= z;
+        *excm |= (u32)exc << j;
+        row[j] = z;  // for the planes past the first 8, rarely needed
+        const int m = j / 4, b = j % 4;
+        w8[m] = b == 0 ? z : __byte_perm(w8[m], z, b == 1 ? 0x3240 : b == 2 ? 0x3410 : 0x4210);
     }
 }
 
-// Pass 1, `wc` chunks per warp (the next chunk's values load while one is coded): every
-// value quantized once (with error feedback, x + r; the compensated value is left in the
-// residual for pass 2), widths written to the frame, bit planes staged back to back in the
-// chunk's slot, exceptions marked in excmask; then the tile's sizes (tile_totals).
+// Stages the COUNT values v[0..COUNT) as float32 into s_row[0..COUNT); with error feedback (r,
+// their residuals, not null) the values sent for x + r, and x + r kept in r for pass 2.
+template <class D, int COUNT>
+__device__ __forceinline__ void stage_values(const typename D::T* v, float* r, float* s_row) {
+#pragma unroll
+    for (int c = 0; c < COUNT; ++c) {
+        typename D::T x = v[c];
+        if (r) {
+            float comp = cfc_compensate(D::to_f32(x), r[c]);
+            x = cfc_sent_value<D>(x, comp);
+            r[c] = comp;
+        }
+        s_row[c] = D::to_f32(x);
+    }
+}
+
+// Pass 1, a thread per group (a tile of 8 wc chunks is a block of 64 wc threads): the tile's
+// values are staged in shared memory (with error feedback x + r, the compensated value being
+// left in the residual for pass 2; zeros past the end, which code to 0), then each thread
+// quantizes its group once, writes its width to the frame, stages its bit planes back to back
+// in its chunk's slot after those of the groups before it, and its exceptions in excmask; then
+// the tile's sizes (tile_totals). A group's 32 values are a row of 33 floats in shared memory,
+// so that both the coalesced staging and each thread's walk along its row are free of bank
+// conflicts.
+#define STAGE_ROW 33
 template <class D>
-__device__ void encode_chunks(const typename D::T* __restrict__ x, u64 n, u32 mode, double value,
-                              u32 fixed, u8* body, u8* ws, float* __restrict__ residual, u32 wc) {
+__device__ void encode_groups(const typename D::T* __restrict__ x, u64 n, u32 mode, double value,
+                              u32 fixed, u8* body, u8* ws, float* __restrict__ residual) {
+    extern __shared__ float s_vals[];  // blockDim.x rows of STAGE_ROW
     __shared__ u32 s_cw[TILE_CHUNKS], s_ce[TILE_CHUNKS];
     CfcParams* pp = (CfcParams*)ws;
-    const Tiles ts = tiles_at(ws, n, (TILE_THREADS / 32) * wc);
+    const u32 threads = blockDim.x, tid = threadIdx.x;
+    const Tiles ts = tiles_at(ws, n, threads / CHUNK_GROUPS);
     CfcParams P = make_params(mode, value, __longlong_as_double((i64)pp->max_abs_bits));
-    if (blockIdx.x == 0 && threadIdx.x == 0) {  // for pass 2 and the host
+    if (blockIdx.x == 0 && tid == 0) {  // for pass 2 and the host
         pp->step = P.step;
         pp->inv_step = P.inv_step;
         pp->eps = P.eps;
@@ -329,93 +400,93 @@ __device__ void encode_chunks(const typename D::T* __restrict__ x, u64 n, u32 mo
     }
     // An unusable bound (rel) is reported on the host; the residual must then stay as it was.
     if (P.error) residual = nullptr;
-    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const u64 ch0 = (u64)blockIdx.x * ts.tile_chunks + warp * wc;
-    double max_err = 0.0;
-    typename D::T v[CHUNK_GROUPS];
-    load_chunk<D>(x, n, ch0, v);
-    for (u32 k = 0; k < wc; ++k) {
-        const u64 ch = ch0 + k;
-        const u64 e0 = ch * CHUNK_VALUES;
-        const u32 have = chunk_values(n, ch);  // 0 for the warps past the end
-        const u32 have_groups = (have + CFC_GROUP - 1) / CFC_GROUP;
-        typename D::T next[CHUNK_GROUPS];  // the next chunk's values (unused after the last)
-        if (k + 1 < wc) load_chunk<D>(x, n, ch + 1, next);
-        float* rc = residual ? residual + e0 : nullptr;
-        u32* slot = ts.stage + ch * (CHUNK_GROUPS * 32);
-        u32 excb[CHUNK_GROUPS];
-        u32 widths_lo = 0, widths_hi = 0;  // a byte per group: groups 0-3, 4-7
-        u32 cw = 0, ce = 0;
+    const u64 first = (u64)blockIdx.x * threads * CFC_GROUP;  // the tile's first value
+    const u32 tile_values = threads * CFC_GROUP;
+    const u32 have = first >= n ? 0 : (u32)min(n - first, (u64)tile_values);
+    const typename D::T* xt = x + first;
+    float* rt = residual ? residual + first : nullptr;
+    // 16-byte loads (V values each) where the whole tile exists and the pointers allow it.
+    constexpr u32 V = 16 / sizeof(typename D::T);
+    if (have == tile_values && (u64)xt % 16 == 0 && (u64)rt % 16 == 0) {
+#pragma unroll 4
+        for (u32 k = 0; k < CFC_GROUP / V; ++k) {
+            const u32 i0 = (k * threads + tid) * V;  // V values of one row
+            uint4 raw = ((const uint4*)xt)[k * threads + tid];
+            float4 r4[V / 4];
+            if (rt)
 #pragma unroll
-        for (int u = 0; u < CHUNK_GROUPS; ++u) {
-            u32 j = u * CFC_GROUP + lane;
-            bool valid = j < have;
-            typename D::T vu = v[u];
-            if (rc && valid) {  // error feedback: compress x + r, keep x + r for pass 2
-                float cu = cfc_compensate(D::to_f32(vu), rc[j]);
-                vu = cfc_sent_value<D>(vu, cu);
-                rc[j] = cu;
-            }
-            bool exc;
-            double err;
-            u32 z = encode_lane<D>(vu, valid, &P, fixed, &exc, &err);
-            if (fixed) max_err = fmax(max_err, err);
-            // The same for the whole warp.
-            u32 w = u >= have_groups ? 0 : fixed ? fixed : 32 - __clz(__reduce_or_sync(CFC_FULL_MASK, z));
-            excb[u] = __ballot_sync(CFC_FULL_MASK, exc);
-            // Lane b takes plane b: four planes per round, then one at a time (widths are
-            // mostly small).
-            u32 mine = 0, b = 0;
-            for (; b + 4 <= w; b += 4) {
-                u32 p0 = __ballot_sync(CFC_FULL_MASK, (z >> b) & 1u);
-                u32 p1 = __ballot_sync(CFC_FULL_MASK, (z >> (b + 1)) & 1u);
-                u32 p2 = __ballot_sync(CFC_FULL_MASK, (z >> (b + 2)) & 1u);
-                u32 p3 = __ballot_sync(CFC_FULL_MASK, (z >> (b + 3)) & 1u);
-                u32 r = lane - b;
-                mine = r == 0 ? p0 : r == 1 ? p1 : r == 2 ? p2 : r == 3 ? p3 : mine;
-            }
-            for (; b < w; ++b) {
-                u32 p0 = __ballot_sync(CFC_FULL_MASK, (z >> b) & 1u);
-                mine = lane == b ? p0 : mine;
-            }
-            if (lane < w) slot[cw + lane] = mine;
-            cw += w;
-            ce += __popc(excb[u]);
-            if (u < 4)
-                widths_lo |= w << (8 * u);
+                for (u32 c = 0; c < V / 4; ++c) r4[c] = ((const float4*)(rt + i0))[c];
+            stage_values<D, V>((const typename D::T*)&raw, rt ? (float*)r4 : nullptr,
+                               s_vals + (i0 / CFC_GROUP) * STAGE_ROW + i0 % CFC_GROUP);
+            if (rt)
+#pragma unroll
+                for (u32 c = 0; c < V / 4; ++c) ((float4*)(rt + i0))[c] = r4[c];
+        }
+    } else {  // one value at a time; zeros past the end (they code to 0, with no exception)
+#pragma unroll 4
+        for (u32 k = 0; k < CFC_GROUP; ++k) {
+            const u32 i = k * threads + tid;
+            float* s_at = s_vals + (i / CFC_GROUP) * STAGE_ROW + i % CFC_GROUP;
+            if (i < have)
+                stage_values<D, 1>(xt + i, rt ? rt + i : nullptr, s_at);
             else
-                widths_hi |= w << (8 * (u - 4));
+                *s_at = 0.0f;
         }
-        if (lane < have_groups) {
-            body[ch * CHUNK_GROUPS + lane] = (u8)((lane < 4 ? widths_lo : widths_hi) >> (8 * (lane % 4)));
-            u32 mask = 0;
+    }
+    __syncthreads();
+    const u64 g = (u64)blockIdx.x * threads + tid;  // this thread's group
+    u32* row = (u32*)s_vals + tid * STAGE_ROW;      // its values, then its codes
+    u32 acc = 0, excm = 0, w8[8];  // w8: the low bytes of the codes (see slice_planes)
+    double max_err = 0.0;
+    if (fixed)
+        code_group<D, true>(row, P, &acc, &excm, w8, &max_err);
+    else
+        code_group<D, false>(row, P, &acc, &excm, w8, &max_err);
+    const bool exists = g < ts.groups;
+    const u32 w = !exists ? 0 : fixed ? fixed : 32 - __clz(acc);
+    // The 8 lanes of a chunk: where this group's planes start in the slot, the chunk's totals.
+    const u32 iw = cfc_lane_prefix_sum(w, CHUNK_GROUPS);
+    const u32 ie = cfc_lane_prefix_sum((u32)__popc(excm), CHUNK_GROUPS);
+    const u32 cw = __shfl_sync(CFC_FULL_MASK, iw, CHUNK_GROUPS - 1, CHUNK_GROUPS);
+    const u32 ce = __shfl_sync(CFC_FULL_MASK, ie, CHUNK_GROUPS - 1, CHUNK_GROUPS);
+    if (exists) {
+        body[g] = (u8)w;
+        if (ce) ts.excmask[g] = excm;
+    }
+    if (tid % CHUNK_GROUPS == CHUNK_GROUPS - 1) {
+        s_cw[tid / CHUNK_GROUPS] = cw;
+        s_ce[tid / CHUNK_GROUPS] = ce;
+    }
+    u32* slot = ts.stage + (g / CHUNK_GROUPS) * (CHUNK_GROUPS * 32) + (iw - w);
+    for (u32 s = 0; 8 * s < w; ++s) {
+        if (s > 0) {  // byte s of every code, from the row
+            const u32 sel = s | (s + 4) << 4;
 #pragma unroll
-            for (int u = 0; u < CHUNK_GROUPS; ++u) mask = lane == u ? excb[u] : mask;
-            if (ce) ts.excmask[ch * CHUNK_GROUPS + lane] = mask;
+            for (int m = 0; m < 8; ++m)
+                w8[m] = __byte_perm(__byte_perm(row[4 * m], row[4 * m + 1], sel),
+                                    __byte_perm(row[4 * m + 2], row[4 * m + 3], sel), 0x5410);
         }
-        if (lane == 0) {
-            s_cw[warp * wc + k] = cw;
-            s_ce[warp * wc + k] = ce;
-        }
+        u32 plane[8];
+        slice_planes(w8, plane);
 #pragma unroll
-        for (int u = 0; u < CHUNK_GROUPS; ++u) v[u] = next[u];
+        for (u32 b = 0; b < 8; ++b)
+            if (8 * s + b < w) slot[8 * s + b] = plane[b];
     }
     if (fixed) block_max_to(&pp->max_err_bits, max_err);  // holds a __syncthreads
     __syncthreads();
-    if (warp == 0) {
-        bool in = lane < ts.tile_chunks;
-        tile_totals(ts, blockIdx.x, in ? s_cw[lane] : 0, in ? s_ce[lane] : 0);
+    if (tid < 32) {
+        bool in = tid < ts.tile_chunks;
+        tile_totals(ts, blockIdx.x, in ? s_cw[tid] : 0, in ? s_ce[tid] : 0);
     }
 }
 
-#define ENCODE_CHUNKS(name, D)                                                                     \
-    /* 48 registers: 5 blocks per SM */                                                         \
-    extern "C" __global__ __launch_bounds__(TILE_THREADS, 5) void cfc_codec_encode_chunks_##name(  \
+#define ENCODE_GROUPS(name, D)                                                                     \
+    extern "C" __global__ __launch_bounds__(TILE_THREADS, 4) void cfc_codec_encode_groups_##name(  \
             const D::T* x, u64 n, u32 mode, double value, u32 fixed, u8* body, u8* ws,             \
-            float* residual, u32 wc) {                                                             \
-        encode_chunks<D>(x, n, mode, value, fixed, body, ws, residual, wc);                        \
+            float* residual) {                                                                     \
+        encode_groups<D>(x, n, mode, value, fixed, body, ws, residual);                            \
     }
-DEFINE_FOR_DTYPES(ENCODE_CHUNKS)
+DEFINE_FOR_DTYPES(ENCODE_GROUPS)
 
 // Pass 2, with the geometry of pass 1 (a tile per block): block 0 writes the header and the
 // frame size; then, for each chunk, as the totals decide (the CPU reference's rule), either the
@@ -433,7 +504,7 @@ __device__ void pack_chunks(const typename D::T* __restrict__ x, u64 n, u32 dtyp
     const u64 header_len = 64 + 8 * (u64)ndim;
     u8* body = out + header_len;
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const u64 ch0 = (u64)blockIdx.x * ts.tile_chunks + warp * wc;  // as encode_chunks
+    const u64 ch0 = (u64)blockIdx.x * ts.tile_chunks + warp * wc;  // the chunks of encode_groups' threads 8 k .. 8 k + 7
     const u64 tile = blockIdx.x;
     // Every independent read first, so that they travel together.
     const u64 nwords = ts.totals[0], n_exc = ts.totals[1];

@@ -31,6 +31,9 @@ const CHUNK_GROUPS: u64 = 8;
 const TILE_CHUNKS: u64 = 32;
 const SPAN_TILES: u64 = 16;
 const WS_SPANS: u64 = 112;
+/// Shared memory of each encoder thread: its group's 32 values in a row of `STAGE_ROW` (33)
+/// floats (`kernels/codec.cu`).
+const ENCODER_ROW_BYTES: u32 = 33 * 4;
 /// Workspace offset of the plane words' total (u64), after the last block of a pass.
 const WS_TOTAL_WORDS: u64 = 96;
 /// Values per block of the scan kernels (must match `SCAN_BLOCK` in `kernels/scan.cu`).
@@ -301,7 +304,7 @@ impl Device {
         let (c, d) = (Family::Codec, Some(dtype));
         let k = Arc::new(Kernels {
             max_abs: self.function(c, "max_abs", d)?,
-            encode: self.function(c, "encode_chunks", d)?,
+            encode: self.function(c, "encode_groups", d)?,
             pack: self.function(c, "pack_chunks", d)?,
             offsets: self.function(c, "decode_offsets", None)?,
             decode: self.function(c, "decode_chunks", d)?,
@@ -985,8 +988,10 @@ pub unsafe fn compress(args: &CompressArgs<'_>) -> Result<()> {
     let dev = device(args.device)?;
     let stream = dev.stream(args.stream)?;
     let k = dev.kernels(args.dtype)?;
-    // Each warp of the encoder takes 4 chunks (the next one's values load while one is coded)
-    // when that still gives every SM a few waves of blocks, else 1 (more blocks for small inputs).
+    // A tile is 8 `wc` chunks: the packer's warps take `wc` chunks each, 4 when that still gives
+    // every SM a few waves of blocks, else 1 (more blocks for small inputs); the encoder runs a
+    // thread per group, so 64 `wc` threads per tile, each with a row of its group's values in
+    // shared memory.
     let chunks = groups_for(n).div_ceil(CHUNK_GROUPS);
     let wc = if chunks / (4 * WARPS) >= 2 * dev.grid_blocks {
         4
@@ -1002,6 +1007,11 @@ pub unsafe fn compress(args: &CompressArgs<'_>) -> Result<()> {
     };
     let elements = launch_cfg(n.min(dev.grid_blocks * BLOCK as u64), BLOCK);
     let one_tile_each = launch_cfg(layout.tiles * BLOCK as u64, BLOCK);
+    let encoder_threads = (WARPS * wc * CHUNK_GROUPS) as u32;
+    let encoder_tiles = LaunchConfig {
+        shared_mem_bytes: encoder_threads * ENCODER_ROW_BYTES,
+        ..launch_cfg(layout.tiles * encoder_threads as u64, encoder_threads)
+    };
     let (input, residual, ws) = (
         Arg::Ptr(args.input),
         Arg::Ptr(args.residual),
@@ -1034,14 +1044,13 @@ pub unsafe fn compress(args: &CompressArgs<'_>) -> Result<()> {
             Arg::Ptr(args.out + header_len),
             ws,
             residual,
-            Arg::U32(wc as u32),
         ];
         launch(
             &stream,
             &k.encode,
             Family::Codec,
-            "encode_chunks",
-            one_tile_each,
+            "encode_groups",
+            encoder_tiles,
             &encode,
         )?;
         let pack = [

@@ -63,9 +63,9 @@ pub(crate) const SIGNATURES: &[(Family, &str, bool, &[Ty])] = &[
     (Family::Codec, "max_abs", true, &[Ptr, U64, Ptr, Ptr]),
     (
         Family::Codec,
-        "encode_chunks",
+        "encode_groups",
         true,
-        &[Ptr, U64, U32, F64, U32, Ptr, Ptr, Ptr, U32],
+        &[Ptr, U64, U32, F64, U32, Ptr, Ptr, Ptr],
     ),
     (
         Family::Codec,
