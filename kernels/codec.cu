@@ -178,7 +178,7 @@ __device__ __forceinline__ void slice_planes(const u32* w, u32* plane) {
 //   then, 16-aligned: tile_words, tile_excs [tiles] and span_words, span_excs [spans] (u64):
 //   totals, then exclusive prefix sums; chunk_info[chunks] (uint4: words and exceptions before
 //   the chunk in its tile, and the chunk's own); then (compress) excmask[groups] (u32) and the
-//   staged planes (256 u32 per chunk).
+//   staged planes (room for 256 u32 per chunk; each tile's planes back to back in its room).
 #define CHUNK_GROUPS 8
 #define CHUNK_VALUES 256
 #define WARP_CHUNKS 4   // at most: the host picks 1 (small inputs: more blocks) or 4
@@ -300,20 +300,44 @@ __device__ __forceinline__ u64 excs_before(const Tiles& s, u64 t) {
     return s.span_excs[t / SPAN_TILES] + s.tile_excs[t];
 }
 
+// Aligned word k of the copy of staged words to bytes [pb, end) of the frame (a0 = pb rounded
+// down to 4, sh = pb - a0): made of staged words k - 1 (prev) and k (cur). A word that the copy
+// covers only in part (at either end, shared with the neighbouring copies) is written byte by
+// byte, only its bytes in [pb, end).
+__device__ __forceinline__ void put_word(u8* pb, const u8* end, u32 sh, u32 k, u32 prev, u32 cur) {
+    u8* a = pb - sh + 4 * k;
+    if ((sh == 0 || k > 0) && a + 4 <= end) {
+        *(u32*)a = sh == 0 ? cur : __funnelshift_r(prev, cur, 8 * (4 - sh));
+    } else {
+        for (u32 bi = 0; bi < 4; ++bi) {
+            if (a + bi < pb || a + bi >= end) continue;
+            u32 o = (u32)(a + bi - pb);  // byte o of the staged words: in prev or cur
+            u32 word = (o >> 2) == k ? cur : prev;
+            a[bi] = (u8)(word >> (8 * (o & 3)));
+        }
+    }
+}
+
+// The aligned words that a copy of `nw` staged words to bytes [pb, pb + 4 nw) covers, writing
+// nothing at or past `limit`: sets *end and *sh (see put_word) and returns their count.
+__device__ __forceinline__ u32 copy_words_span(u8* pb, u32 nw, const u8* limit, const u8** end, u32* sh) {
+    *end = pb + 4 * (u64)nw;
+    if (*end > limit) *end = limit;
+    if (pb >= *end) return 0;
+    *sh = (u32)((u64)pb & 3);
+    return (u32)(((u64)(*end - (pb - *sh)) + 3) / 4);
+}
+
 // Copies `nw` staged words to bytes [pb, pb + 4 nw) of the frame (pb at any alignment), writing
-// nothing at or past `limit`: aligned words in between, each made of two staged words (the
-// previous one from the neighbouring lane); the bytes of the partial words at either end
-// (which neighbouring chunks share) one by one. Called by one warp; `first_round` is each lane's
-// staged[lane] (0 at or past nw), loaded by the caller ahead of time.
+// nothing at or past `limit`. Called by one warp; `first_round` is each lane's staged[lane] (0
+// at or past nw), loaded by the caller ahead of time; the previous word comes from the
+// neighbouring lane.
 __device__ __forceinline__ void put_words(u8* pb, const u32* staged, u32 nw, const u8* limit,
                                           u32 first_round) {
     const u32 lane = threadIdx.x & 31;
-    const u8* end = pb + 4 * (u64)nw;
-    if (end > limit) end = limit;
-    if (pb >= end) return;
-    const u32 sh = (u32)((u64)pb & 3);
-    u8* a0 = pb - sh;
-    const u32 count = (u32)(((u64)(end - a0) + 3) / 4);
+    const u8* end;
+    u32 sh;
+    const u32 count = copy_words_span(pb, nw, limit, &end, &sh);
     u32 carry = 0;  // staged word k - 1 for lane 0
     for (u32 base = 0; base < count; base += 32) {
         u32 k = base + lane;
@@ -321,18 +345,18 @@ __device__ __forceinline__ void put_words(u8* pb, const u32* staged, u32 nw, con
         u32 prev = __shfl_up_sync(CFC_FULL_MASK, cur, 1);
         if (lane == 0) prev = carry;
         carry = __shfl_sync(CFC_FULL_MASK, cur, 31);
-        if (k >= count) continue;
-        u8* a = a0 + 4 * k;
-        if ((sh == 0 || k > 0) && a + 4 <= end) {
-            *(u32*)a = sh == 0 ? cur : __funnelshift_r(prev, cur, 8 * (4 - sh));
-        } else {
-            for (u32 bi = 0; bi < 4; ++bi) {
-                if (a + bi < pb || a + bi >= end) continue;
-                u32 o = (u32)(a + bi - pb);  // byte o of the staged words: in prev or cur
-                u32 word = (o >> 2) == k ? cur : prev;
-                a[bi] = (u8)(word >> (8 * (o & 3)));
-            }
-        }
+        if (k < count) put_word(pb, end, sh, k, prev, cur);
+    }
+}
+
+// The same, by a whole block, each thread loading both words it needs.
+__device__ __forceinline__ void put_words_block(u8* pb, const u32* staged, u32 nw, const u8* limit) {
+    const u8* end;
+    u32 sh;
+    const u32 count = copy_words_span(pb, nw, limit, &end, &sh);
+    for (u32 k = threadIdx.x; k < count; k += blockDim.x) {
+        u32 cur = k < nw ? staged[k] : 0, prev = k > 0 ? staged[k - 1] : 0;
+        put_word(pb, end, sh, k, prev, cur);
     }
 }
 
@@ -387,7 +411,7 @@ template <class D>
 __device__ void encode_groups(const typename D::T* __restrict__ x, u64 n, u32 mode, double value,
                               u32 fixed, u8* body, u8* ws, float* __restrict__ residual) {
     extern __shared__ float s_vals[];  // blockDim.x rows of STAGE_ROW
-    __shared__ u32 s_cw[TILE_CHUNKS], s_ce[TILE_CHUNKS];
+    __shared__ u32 s_cw[TILE_CHUNKS], s_ce[TILE_CHUNKS], s_cwo[32];
     CfcParams* pp = (CfcParams*)ws;
     const u32 threads = blockDim.x, tid = threadIdx.x;
     const Tiles ts = tiles_at(ws, n, threads / CHUNK_GROUPS);
@@ -457,7 +481,15 @@ __device__ void encode_groups(const typename D::T* __restrict__ x, u64 n, u32 mo
         s_cw[tid / CHUNK_GROUPS] = cw;
         s_ce[tid / CHUNK_GROUPS] = ce;
     }
-    u32* slot = ts.stage + (g / CHUNK_GROUPS) * (CHUNK_GROUPS * 32) + (iw - w);
+    __syncthreads();
+    if (tid < 32) {  // where each chunk's planes start among the tile's
+        u32 v = tid < ts.tile_chunks ? s_cw[tid] : 0;
+        s_cwo[tid] = cfc_lane_prefix_sum(v) - v;
+    }
+    __syncthreads();
+    // The tile's planes are staged back to back, so that pass 2 moves them in one piece.
+    u32* slot = ts.stage + (u64)blockIdx.x * ts.tile_chunks * (CHUNK_GROUPS * 32) + s_cwo[tid / CHUNK_GROUPS] +
+                (iw - w);
     for (u32 s = 0; 8 * s < w; ++s) {
         if (s > 0) {  // byte s of every code, from the row
             const u32 sel = s | (s + 4) << 4;
@@ -488,9 +520,10 @@ __device__ void encode_groups(const typename D::T* __restrict__ x, u64 n, u32 mo
     }
 DEFINE_FOR_DTYPES(ENCODE_GROUPS)
 
-// Pass 2, with the geometry of pass 1 (a tile per block): block 0 writes the header and the
-// frame size; then, for each chunk, as the totals decide (the CPU reference's rule), either the
-// elements' raw bytes, or the chunk's staged planes and its exceptions in their places. With
+// Pass 2, with the tiles of pass 1 (a tile per block, its 8 warps taking wc chunks each): block 0
+// writes the header and the frame size; then, as the totals decide (the CPU reference's rule),
+// either the elements' raw bytes, or the tile's staged planes (by the whole block) and each
+// chunk's exceptions in their places. With
 // error feedback the residual holds the compensated value c and becomes c - (what the frame
 // decodes to).
 template <class D>
@@ -514,31 +547,33 @@ __device__ void pack_chunks(const typename D::T* __restrict__ x, u64 n, u32 dtyp
     P.eps = pp->eps;
     const u64 max_err_bits = pp->max_err_bits;
     if (pp->error) residual = nullptr;  // as in pass 1: leave the residual untouched
-    const bool any = ch0 < ts.chunks;
-    const u64 wb = any ? words_before(ts, tile) : 0, eb = any ? excs_before(ts, tile) : 0;
-    uint4 info[WARP_CHUNKS];  // x, y: words and exceptions before the chunk in its tile; z, w: own
-    u32 first_round[WARP_CHUNKS];
-#pragma unroll
-    for (int k = 0; k < WARP_CHUNKS; ++k) {
-        bool in = k < wc && ch0 + k < ts.chunks;
-        info[k] = in ? ts.chunk_info[ch0 + k] : make_uint4(0, 0, 0, 0);
-        first_round[k] = in ? ts.stage[(ch0 + k) * (CHUNK_GROUPS * 32) + lane] : 0;  // in the slot
-    }
     const u64 idx_size = n <= (1ull << 32) ? 4 : 8;
     const u64 quant_len = groups + 4 * nwords + n_exc * (idx_size + size);
     const bool raw = !fixed && quant_len >= n * size;
+    const u64 tile_ch0 = tile * ts.tile_chunks;
+    const uint4 last = tile_ch0 < ts.chunks ? ts.chunk_info[min(tile_ch0 + ts.tile_chunks, ts.chunks) - 1]
+                                            : make_uint4(0, 0, 0, 0);
+    if (!raw && tile_ch0 < ts.chunks) {  // the tile's planes, staged back to back, in one piece
+        // The output has room for a body smaller than the raw bytes (fixed rate excepted).
+        const u8* limit = fixed ? (const u8*)~0ull : body + n * size;
+        put_words_block(body + groups + 4 * words_before(ts, tile), ts.stage + tile_ch0 * (CHUNK_GROUPS * 32),
+                        last.x + last.z, limit);
+    }
+    // Then, chunk by chunk, what the tile has besides planes: raw bytes, residuals, exceptions.
+    const bool any = ch0 < ts.chunks && (raw || residual || last.y + last.w);
+    const u64 eb = any ? excs_before(ts, tile) : 0;
+    uint4 info[WARP_CHUNKS];  // x, y: words and exceptions before the chunk in its tile; z, w: own
+#pragma unroll
+    for (int k = 0; k < WARP_CHUNKS; ++k) {
+        bool in = any && k < wc && ch0 + k < ts.chunks;
+        info[k] = in ? ts.chunk_info[ch0 + k] : make_uint4(0, 0, 0, 0);
+    }
 #pragma unroll
     for (u32 k = 0; k < WARP_CHUNKS; ++k) {  // unrolled: info[k] stays in registers
         const u64 ch = ch0 + k;
-        if (k >= wc || ch >= ts.chunks) break;  // the same for the whole warp
+        if (!any || k >= wc || ch >= ts.chunks) break;  // the same for the whole warp
         const u64 e0 = ch * CHUNK_VALUES;
         const u32 have = chunk_values(n, ch);
-        if (!raw) {
-            // The output has room for a body smaller than the raw bytes (fixed rate excepted).
-            const u8* limit = fixed ? (const u8*)~0ull : body + n * size;
-            put_words(body + groups + 4 * (wb + info[k].x), ts.stage + ch * (CHUNK_GROUPS * 32), info[k].z,
-                      limit, lane < info[k].z ? first_round[k] : 0);
-        }
         if (!(raw || residual || info[k].w)) continue;
         // Each group's first exception slot: lane u < 8 holds group u's mask and slot.
         u32 mask_l = 0;
