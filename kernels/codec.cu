@@ -166,9 +166,9 @@ __device__ __forceinline__ void slice_planes(const u32* w, u32* plane) {
 // ---- chunks and tiles ------------------------------------------------------------------
 // A chunk is CHUNK_GROUPS consecutive groups (256 values); a compress tile is 8 wc chunks (wc 1
 // or 4), one block of the encoder (a thread per group) and of the packer (8 warps taking wc
-// chunks each); the decoder's tiles are always TILE_CHUNKS; a span is SPAN_TILES tiles. Where a chunk's planes go
-// in the frame depends on every chunk before it, so each block writes its chunks' offsets
-// within the tile and the tile's totals; the last block to finish in a span turns its tiles'
+// chunks each); the decoder's tiles are always TILE_CHUNKS; a span is SPAN_TILES tiles. Where a
+// chunk's planes go in the frame depends on every chunk before it, so each block writes its
+// chunks' offsets within the tile and the tile's totals; the last block to finish in a span turns its tiles'
 // totals into prefix sums within the span, and the last span to finish does the same over the
 // spans. The next kernel adds the three levels. No block ever waits for another.
 // Workspace layout (src/cuda.rs mirrors it, see tile_layout):
@@ -488,8 +488,8 @@ __device__ void encode_groups(const typename D::T* __restrict__ x, u64 n, u32 mo
     }
     __syncthreads();
     // The tile's planes are staged back to back, so that pass 2 moves them in one piece.
-    u32* slot = ts.stage + (u64)blockIdx.x * ts.tile_chunks * (CHUNK_GROUPS * 32) + s_cwo[tid / CHUNK_GROUPS] +
-                (iw - w);
+    u32* slot = ts.stage + (u64)blockIdx.x * ts.tile_chunks * (CHUNK_GROUPS * 32) +
+                s_cwo[tid / CHUNK_GROUPS] + (iw - w);
     for (u32 s = 0; 8 * s < w; ++s) {
         if (s > 0) {  // byte s of every code, from the row
             const u32 sel = s | (s + 4) << 4;
@@ -537,7 +537,8 @@ __device__ void pack_chunks(const typename D::T* __restrict__ x, u64 n, u32 dtyp
     const u64 header_len = 64 + 8 * (u64)ndim;
     u8* body = out + header_len;
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const u64 ch0 = (u64)blockIdx.x * ts.tile_chunks + warp * wc;  // the chunks of encode_groups' threads 8 k .. 8 k + 7
+    // This warp's chunks (those of encode_groups' threads 8 k to 8 k + 7 for chunk k).
+    const u64 ch0 = (u64)blockIdx.x * ts.tile_chunks + warp * wc;
     const u64 tile = blockIdx.x;
     // Every independent read first, so that they travel together.
     const u64 nwords = ts.totals[0], n_exc = ts.totals[1];
