@@ -401,9 +401,9 @@ __device__ __forceinline__ void stage_values(const typename D::T* v, float* r, f
 // Pass 1, a thread per group (a tile of 8 wc chunks is a block of 64 wc threads): the tile's
 // values are staged in shared memory (with error feedback x + r, the compensated value being
 // left in the residual for pass 2; zeros past the end, which code to 0), then each thread
-// quantizes its group once, writes its width to the frame, stages its bit planes back to back
-// in its chunk's slot after those of the groups before it, and its exceptions in excmask; then
-// the tile's sizes (tile_totals). A group's 32 values are a row of 33 floats in shared memory,
+// quantizes its group once, writes its width to the frame, stages its bit planes right after
+// those of the groups before it in the tile, and its exceptions in excmask; then the tile's
+// sizes (tile_totals). A group's 32 values are a row of 33 floats in shared memory,
 // so that both the coalesced staging and each thread's walk along its row are free of bank
 // conflicts.
 #define STAGE_ROW 33
