@@ -540,7 +540,8 @@ __device__ void pack_chunks(const typename D::T* __restrict__ x, u64 n, u32 dtyp
     // This warp's chunks (those of encode_groups' threads 8 k to 8 k + 7 for chunk k).
     const u64 ch0 = (u64)blockIdx.x * ts.tile_chunks + warp * wc;
     const u64 tile = blockIdx.x;
-    // Every independent read first, so that they travel together.
+    // The totals and parameters first, read together (the chunks' own entries are read only
+    // where a chunk needs more than its planes).
     const u64 nwords = ts.totals[0], n_exc = ts.totals[1];
     CfcParams P;
     P.step = pp->step;

@@ -112,19 +112,16 @@ def test_gpu_views_at_any_alignment_match_cpu(dtype, feedback, offset):
     n = (1 << 16) + 5
     x = awkward(n + offset, dtype, seed=offset).cuda()[offset:]
     assert x.data_ptr() % 16 != 0
-    kwargs = {"eps": 1e-3}
+    on_cpu, on_gpu = {"eps": 1e-3}, {"eps": 1e-3}
     if feedback:
         r0 = torch.randn(n + offset, generator=torch.Generator().manual_seed(offset)) * 1e-3
-        r_gpu = r0.cuda()[offset:]
-        r_cpu = r0[offset:].clone()
-        assert r_gpu.data_ptr() % 16 != 0
-        want = bytes(cfc.compress(x.cpu(), residual=r_cpu, **kwargs))
-        got = bytes(cfc.compress(x, residual=r_gpu, **kwargs))
-        assert torch.equal(r_gpu.cpu().view(torch.int32), r_cpu.view(torch.int32))
-    else:
-        want = bytes(cfc.compress(x.cpu(), **kwargs))
-        got = bytes(cfc.compress(x, **kwargs))
+        on_cpu["residual"], on_gpu["residual"] = r0[offset:].clone(), r0.cuda()[offset:]
+        assert on_gpu["residual"].data_ptr() % 16 != 0
+    want = bytes(cfc.compress(x.cpu(), **on_cpu))
+    got = bytes(cfc.compress(x, **on_gpu))
     assert got == want
+    if feedback:
+        assert torch.equal(on_gpu["residual"].cpu().view(torch.int32), on_cpu["residual"].view(torch.int32))
 
 
 def test_cuda_error_feedback_running_sum():
