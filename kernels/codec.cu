@@ -119,6 +119,42 @@ __device__ __forceinline__ u32 encode_value(float f, const CfcParams& p, bool* e
     return ok ? ((u32)q32 << 1) ^ (u32)(q32 >> 31) : 0u;
 }
 
+// ---- float32 codes in float32 arithmetic ----------------------------------------------------
+// For a float32 input in the bounded modes (not fixed rate), encode_value's f64 rule can be
+// replaced by a few float32 operations wherever they provably give the same code, and the
+// bound test is then implied. With t32 = RN32(f * inv32), inv32 = RN32(inv_step) (RN = round
+// to nearest, ties to even), r = rint(t32) and d = |t32 - r| (exact), the value is "sure" when
+//     d < RN32(0.5 - 2^-22 - |t32| 2^-20)                              (one fused multiply-add)
+// and then:
+// - code: t32 is within |t32| 2^-22 + 2^-149 of the reference's t = RN64(f * inv_step), so t is
+//   within less than 1/2 of r: rint(t) = r, never a tie, and |t| < 2^19 is in range;
+// - bound: f / step is within |t32| 2^-22.9 of t32, so |f - r step| <= step (0.5 - 2^-22 + 2^-26
+//   - |t32| 2^-20.6), and the decoded value, r * step rounded to f64 then to f32, is within
+//   |r| step 2^-23.9 of r step; together |dec - f| < eps (1 - 2^-22) + 2^-150 < eps. So the
+//   value is no exception and its code is zigzag(r).
+// NaN, infinities, |t32| >= 2^19 and values within the margin are not sure (about one in 10^7
+// of the gradient vectors at 0.1 x RMS); a group with any of them is staged again and coded by
+// encode_value. The route is off where inv_step or eps lies outside [2^-100, 2^100], where the
+// relative bounds above would not hold. bfloat16 and float16 keep encode_value: their decoded
+// values are rounded to the dtype, so the bound test is not implied there.
+__device__ __forceinline__ bool f32_route_on(const CfcParams& p) {
+    return !p.error && p.inv_step >= 0x1p-100 && p.inv_step <= 0x1p100 && p.eps >= 0x1p-100 && p.eps <= 0x1p100;
+}
+
+// 1.5 * 2^23: (t + M) - M is rint(t) for |t| < 2^22, and the bits of t + M minus those of M
+// are that integer.
+#define CFC_ROUND_MAGIC_F32 12582912.0f
+
+// The zigzag code of f by the float32 route, and whether it is sure (see above).
+__device__ __forceinline__ u32 f32_code(float f, float inv, bool* sure) {
+    const float t = f * inv;
+    const float s = t + CFC_ROUND_MAGIC_F32;
+    const float r = s - CFC_ROUND_MAGIC_F32;
+    const int q = __float_as_int(s) - __float_as_int(CFC_ROUND_MAGIC_F32);
+    *sure = fabsf(t - r) < __fmaf_rn(fabsf(t), -0x1p-20f, 0.5f - 0x1p-22f);  // false for NaN
+    return ((u32)q << 1) ^ (u32)(q >> 31);
+}
+
 // ---- bit planes --------------------------------------------------------------------------
 // A group's planes are the transpose of its 32 codes seen as a 32 x w bit matrix. One thread
 // builds them a byte of every code at a time ("slice" s: bits 8s to 8s + 7), with bit-matrix
@@ -382,6 +418,24 @@ __device__ __forceinline__ void code_group(u32* row, const CfcParams& P, u32* ac
     }
 }
 
+// code_group for float32 in the bounded modes, by the float32 route: no value is an exception.
+// The codes are not written back to the row (the slices past the first recompute them from
+// the values, see encode_groups). Returns false when it was unsure of any value: the caller
+// then stages the group again and codes it with code_group.
+__device__ __forceinline__ bool code_group_f32(const u32* row, float inv, u32* acc, u32* w8) {
+    bool all_sure = true;
+#pragma unroll
+    for (int j = 0; j < CFC_GROUP; ++j) {
+        bool sure;
+        const u32 z = f32_code(__uint_as_float(row[j]), inv, &sure);
+        all_sure = all_sure && sure;
+        *acc |= z;
+        const int m = j / 4, b = j % 4;
+        w8[m] = b == 0 ? z : __byte_perm(w8[m], z, b == 1 ? 0x3240 : b == 2 ? 0x3410 : 0x4210);
+    }
+    return all_sure;
+}
+
 // Stages the COUNT values v[0..COUNT) as float32 into s_row[0..COUNT); with error feedback (r,
 // their residuals, not null) the values sent for x + r, and x + r kept in r for pass 2.
 template <class D, int COUNT>
@@ -395,6 +449,18 @@ __device__ __forceinline__ void stage_values(const typename D::T* v, float* r, f
             r[c] = comp;
         }
         s_row[c] = D::to_f32(x);
+    }
+}
+
+// Stages group g's values into its row again, one value at a time, as stage_values did (with
+// error feedback the residual now holds the compensated value); zeros past the end.
+template <class D>
+__device__ void restage_group(u32* row, const typename D::T* x, const float* residual, u64 g, u64 n) {
+    for (u32 j = 0; j < CFC_GROUP; ++j) {
+        const u64 i = g * CFC_GROUP + j;
+        float v = 0.0f;
+        if (i < n) v = D::to_f32(residual ? cfc_sent_value<D>(x[i], residual[i]) : x[i]);
+        row[j] = __float_as_uint(v);
     }
 }
 
@@ -462,10 +528,23 @@ __device__ void encode_groups(const typename D::T* __restrict__ x, u64 n, u32 mo
     u32* row = (u32*)s_vals + tid * STAGE_ROW;      // its values, then its codes
     u32 acc = 0, excm = 0, w8[8];  // w8: the low bytes of the codes (see slice_planes)
     double max_err = 0.0;
-    if (fixed)
+    // The row holds the codes after code_group; after code_group_f32 it still holds the values.
+    // (The route is the same for every thread of the launch: no divergence.)
+    bool codes_in_row = true;
+    const float inv32 = __double2float_rn(P.inv_step);
+    if (fixed) {
         code_group<D, true>(row, P, &acc, &excm, w8, &max_err);
-    else
+    } else if (D::SIZE == 4 && f32_route_on(P)) {  // float32 (the only 4-byte dtype)
+        if (code_group_f32(row, inv32, &acc, w8)) {
+            codes_in_row = false;
+        } else {  // not sure of some value: the f64 rule for the whole group
+            acc = 0;
+            restage_group<D>(row, x, residual, g, n);
+            code_group<D, false>(row, P, &acc, &excm, w8, &max_err);
+        }
+    } else {
         code_group<D, false>(row, P, &acc, &excm, w8, &max_err);
+    }
     const bool exists = g < ts.groups;
     const u32 w = !exists ? 0 : fixed ? fixed : 32 - __clz(acc);
     // The 8 lanes of a chunk: where this group's planes start in the slot, the chunk's totals.
@@ -492,6 +571,14 @@ __device__ void encode_groups(const typename D::T* __restrict__ x, u64 n, u32 mo
                 s_cwo[tid / CHUNK_GROUPS] + (iw - w);
     for (u32 s = 0; 8 * s < w; ++s) {
         if (s > 0) {  // byte s of every code, from the row
+            if (!codes_in_row) {  // the float32 route left the values there: code them again
+#pragma unroll
+                for (int j = 0; j < CFC_GROUP; ++j) {
+                    bool sure;  // (it was, the first time)
+                    row[j] = f32_code(__uint_as_float(row[j]), inv32, &sure);
+                }
+                codes_in_row = true;
+            }
             const u32 sel = s | (s + 4) << 4;
 #pragma unroll
             for (int m = 0; m < 8; ++m)

@@ -124,6 +124,46 @@ def test_gpu_views_at_any_alignment_match_cpu(dtype, feedback, offset):
         assert torch.equal(on_gpu["residual"].cpu().view(torch.int32), on_cpu["residual"].view(torch.int32))
 
 
+def near_boundaries(n, dtype, eps, seed):
+    """Values that sit where a float32 quantize rule could round differently from the f64
+    reference: a few ulps around half-integer multiples of the step (code ties), around codes
+    plus or minus eps (the bound test), codes near 2^19 and beyond, and random bits."""
+    rng = np.random.default_rng(seed)
+    step = 2.0 * eps
+    kind = rng.integers(0, 5, n)
+    k = rng.integers(-(1 << 12), 1 << 12, n).astype(np.float64)
+    big = rng.integers(1 << 18, 1 << 21, n).astype(np.float64) * rng.choice([-1.0, 1.0], n)
+    v = np.select(
+        [kind == 0, kind == 1, kind == 2, kind == 3],
+        [(k + 0.5) * step, k * step + eps, k * step - eps, (big + 0.5) * step],
+        rng.standard_normal(n) * step * 8,
+    ).astype(np.float32)
+    nudged = v.view(np.int32) + rng.integers(-4, 5, n).astype(np.int32)
+    v = np.where(rng.random(n) < 0.02, rng.integers(0, 1 << 32, n, dtype=np.uint64).astype(np.uint32).view(np.int32),
+                 nudged).view(np.float32)
+    return torch.from_numpy(v.copy()).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+# A generic f64 eps, one that makes the step a float32, a power of two, and two outside the
+# range where the encoder uses its float32 route at all.
+@pytest.mark.parametrize("eps", [0.1 * 0.7071067811865476, float(np.float32(0.0371)), 2.0**-7, 1e-35, 1e35],
+                         ids=["f64", "f32", "pow2", "tiny", "huge"])
+@pytest.mark.parametrize("feedback", [False, True], ids=["plain", "feedback"])
+def test_gpu_values_at_rounding_boundaries_match_cpu(dtype, eps, feedback):
+    n = (1 << 17) + 3
+    x = near_boundaries(n, dtype, eps, seed=len(str(eps)))
+    on_cpu, on_gpu = {"eps": eps}, {"eps": eps}
+    if feedback:
+        r0 = torch.randn(n, generator=torch.Generator().manual_seed(5)) * (eps / 4)
+        on_cpu["residual"], on_gpu["residual"] = r0.clone(), r0.cuda()
+    want = bytes(cfc.compress(x, **on_cpu))
+    got = bytes(cfc.compress(x.cuda(), **on_gpu))
+    assert got == want
+    if feedback:
+        assert torch.equal(on_gpu["residual"].cpu().view(torch.int32), on_cpu["residual"].view(torch.int32))
+
+
 def test_cuda_error_feedback_running_sum():
     eps = 2e-4
     residual = torch.zeros(1 << 16, device="cuda")
