@@ -133,8 +133,8 @@ __device__ __forceinline__ u32 encode_value(float f, const CfcParams& p, bool* e
 //   |r| step 2^-23.9 of r step; together |dec - f| < eps (1 - 2^-22) + 2^-150 < eps. So the
 //   value is no exception and its code is zigzag(r).
 // NaN, infinities, |t32| >= 2^19 and values within the margin are not sure (about one in 10^7
-// of the gradient vectors at 0.1 x RMS); a group with any of them is staged again and coded by
-// encode_value. The route is off where inv_step or eps lies outside [2^-100, 2^100], where the
+// of the gradient vectors at 0.1 x RMS); a group with any of them is coded by encode_value
+// (code_group_f64). The route is off where inv_step or eps lies outside [2^-100, 2^100], where the
 // relative bounds above would not hold. bfloat16 and float16 keep encode_value: their decoded
 // values are rounded to the dtype, so the bound test is not implied there.
 __device__ __forceinline__ bool f32_route_on(const CfcParams& p) {
@@ -421,7 +421,7 @@ __device__ __forceinline__ void code_group(u32* row, const CfcParams& P, u32* ac
 // code_group for float32 in the bounded modes, by the float32 route: no value is an exception.
 // The codes are not written back to the row (the slices past the first recompute them from
 // the values, see encode_groups). Returns false when it was unsure of any value: the caller
-// then stages the group again and codes it with code_group.
+// then codes the group, whose values are still in the row, by the f64 rule.
 __device__ __forceinline__ bool code_group_f32(const u32* row, float inv, u32* acc, u32* w8) {
     bool all_sure = true;
 #pragma unroll
@@ -452,16 +452,30 @@ __device__ __forceinline__ void stage_values(const typename D::T* v, float* r, f
     }
 }
 
-// Stages group g's values into its row again, one value at a time, as stage_values did (with
-// error feedback the residual now holds the compensated value); zeros past the end.
+// What coding a group by the f64 rule yields besides its codes (left in the row).
+struct GroupCoded {
+    u32 acc, excm;
+    double max_err;
+};
+
+// code_group, out of line, for what is rare with float32 input: fixed rate, a group the float32
+// route was unsure of (it leaves the values in the row), a bound outside the route's range.
+// Keeping these out of the encoder's body keeps that body small, which matters for small
+// inputs, where every SM runs it once from a cold instruction cache. The caller gathers the
+// codes' low bytes from the row.
 template <class D>
-__device__ void restage_group(u32* row, const typename D::T* x, const float* residual, u64 g, u64 n) {
-    for (u32 j = 0; j < CFC_GROUP; ++j) {
-        const u64 i = g * CFC_GROUP + j;
-        float v = 0.0f;
-        if (i < n) v = D::to_f32(residual ? cfc_sent_value<D>(x[i], residual[i]) : x[i]);
-        row[j] = __float_as_uint(v);
-    }
+__device__ __noinline__ GroupCoded code_group_f64(u32* row, double step, double inv_step, double eps, u32 fixed) {
+    CfcParams P;
+    P.step = step;
+    P.inv_step = inv_step;
+    P.eps = eps;
+    GroupCoded r = {0u, 0u, 0.0};
+    u32 w8[8];  // not used: the caller gathers them
+    if (fixed)
+        code_group<D, true>(row, P, &r.acc, &r.excm, w8, &r.max_err);
+    else
+        code_group<D, false>(row, P, &r.acc, &r.excm, w8, &r.max_err);
+    return r;
 }
 
 // Pass 1, a thread per group (a tile of 8 wc chunks is a block of 64 wc threads): the tile's
@@ -532,18 +546,19 @@ __device__ void encode_groups(const typename D::T* __restrict__ x, u64 n, u32 mo
     // (The route is the same for every thread of the launch: no divergence.)
     bool codes_in_row = true;
     const float inv32 = __double2float_rn(P.inv_step);
-    if (fixed) {
-        code_group<D, true>(row, P, &acc, &excm, w8, &max_err);
-    } else if (D::SIZE == 4 && f32_route_on(P)) {  // float32 (the only 4-byte dtype)
-        if (code_group_f32(row, inv32, &acc, w8)) {
-            codes_in_row = false;
-        } else {  // not sure of some value: the f64 rule for the whole group
-            acc = 0;
-            restage_group<D>(row, x, residual, g, n);
-            code_group<D, false>(row, P, &acc, &excm, w8, &max_err);
-        }
+    if (D::SIZE == 4 && !fixed && f32_route_on(P) && code_group_f32(row, inv32, &acc, w8)) {
+        codes_in_row = false;  // float32 (the only 4-byte dtype), every value sure
+    } else if (D::SIZE == 4 || fixed) {
+        const GroupCoded c = code_group_f64<D>(row, P.step, P.inv_step, P.eps, fixed);
+        acc = c.acc;
+        excm = c.excm;
+        max_err = c.max_err;
+#pragma unroll
+        for (int m = 0; m < 8; ++m)  // byte 0 of codes 4m .. 4m + 3
+            w8[m] = __byte_perm(__byte_perm(row[4 * m], row[4 * m + 1], 0x40),
+                                __byte_perm(row[4 * m + 2], row[4 * m + 3], 0x40), 0x5410);
     } else {
-        code_group<D, false>(row, P, &acc, &excm, w8, &max_err);
+        code_group<D, false>(row, P, &acc, &excm, w8, &max_err);  // bfloat16, float16
     }
     const bool exists = g < ts.groups;
     const u32 w = !exists ? 0 : fixed ? fixed : 32 - __clz(acc);

@@ -277,6 +277,16 @@ _FETCH_PIECE = 12 << 20
 _COPY_STREAMS: Dict[int, Any] = {}
 
 
+def _copy_stream(device):
+    """A side stream per device for copies that must not wait behind the caller's stream."""
+    import torch
+
+    side = _COPY_STREAMS.get(device.index)
+    if side is None:
+        side = _COPY_STREAMS.setdefault(device.index, torch.cuda.Stream(device))
+    return side
+
+
 def _fetch_lossless(c: "PinnedCompressed", target):
     """Copy a pinned lossless frame to ``target`` in pieces on a side stream, and decode each
     piece on the current stream once it has arrived (the first piece carries the header and
@@ -289,9 +299,7 @@ def _fetch_lossless(c: "PinnedCompressed", target):
     bounds = [round(i * chunks / pieces) for i in range(pieces + 1)]
     cuts = [0] + [int(ends[b - 1]) for b in bounds[1:]]
     cur = torch.cuda.current_stream(target)
-    side = _COPY_STREAMS.get(target.index)
-    if side is None:
-        side = _COPY_STREAMS.setdefault(target.index, torch.cuda.Stream(target))
+    side = _copy_stream(target)
     frame_dev = torch.empty(c.nbytes, dtype=torch.uint8, device=target)
     out = torch.empty(tuple(info["shape"]), dtype=getattr(torch, info["dtype"]), device=target)
     ws = torch.empty(_native.cuda_workspace_len(info["numel"]), dtype=torch.uint8, device=target)
@@ -338,30 +346,42 @@ class CudaCompressed:
     """A frame being written by the GPU: returned by :func:`compress` for CUDA tensors.
 
     Compression was only queued on the tensor's current stream; nothing has waited for the GPU.
-    The frame's size stays on the device (:attr:`size_tensor`) and is copied asynchronously to
-    pinned host memory: :attr:`nbytes`, ``bytes(c)`` and :meth:`to_host` wait for it, and
-    :func:`decompress` decodes on the GPU without waiting at all.
+    The frame's size stays on the device (:attr:`size_tensor`); :attr:`nbytes`, ``bytes(c)`` and
+    :meth:`to_host` wait for the kernels and copy it to the host then, and :func:`decompress`
+    decodes on the GPU without waiting at all.
     """
 
     __slots__ = ("_out", "_ws", "_host", "_event", "_dtype", "_shape", "_mode")
 
     def __init__(self, out, ws, dtype: str, shape: Tuple[int, ...], mode: str, stream):
-        """``stream``: the device's current stream, on which the kernels were queued (the copy
-        below goes to the current stream, behind them)."""
+        """``stream``: the device's current stream, on which the kernels were queued."""
         import torch
 
         self._out, self._ws = out, ws
         self._dtype, self._shape, self._mode = dtype, shape, mode
-        # The workspace's error word (u32) through the frame's size (u64) in one copy: each
-        # costs host time on every call (the all-reduce makes one frame per bucket and step).
-        self._host = torch.empty(_HOST_SPAN, dtype=torch.uint8, pin_memory=True)
-        off = _native.CUDA_BOUND_ERROR_OFFSET
-        self._host.copy_(ws[off : off + _HOST_SPAN], non_blocking=True)
+        # The size is copied to the host only when asked for: a copy queued behind every frame
+        # would cost each call a device-to-host transfer (most of a 1 MB call's GPU time) and
+        # the host time to queue it, and the all-reduce reads the sizes on the device.
+        self._host = None
         self._event = torch.cuda.Event()
         self._event.record(stream)
 
     def _host_word(self, offset: int, nbytes: int) -> int:
-        """The workspace's little-endian word at ``offset``, as copied (after the event)."""
+        """The workspace's little-endian word at ``offset``, once the kernels are done (the
+        error word through the frame's size are copied together, the first time)."""
+        if self._host is None:
+            import torch
+
+            host = torch.empty(_HOST_SPAN, dtype=torch.uint8, pin_memory=True)
+            side = _copy_stream(self._ws.device)  # not the caller's stream: wait for this frame only
+            side.wait_event(self._event)
+            off = _native.CUDA_BOUND_ERROR_OFFSET
+            with torch.cuda.stream(side):
+                host.copy_(self._ws[off : off + _HOST_SPAN], non_blocking=True)
+                copied = torch.cuda.Event()
+                copied.record(side)
+            copied.synchronize()
+            self._host = host
         at = offset - _native.CUDA_BOUND_ERROR_OFFSET
         return int.from_bytes(self._host.numpy()[at : at + nbytes].tobytes(), "little")
 
