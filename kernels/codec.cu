@@ -262,24 +262,49 @@ __device__ __forceinline__ Tiles tiles_at(u8* ws, u64 n, u32 tile_chunks) {
 
 // Exclusive scan, in place, of the `len` pairs a[], b[] by one warp (contiguous runs per lane);
 // returns the totals in every lane. Reads through L2: the values were written by other blocks.
+// This runs at the very end of a pass, by the last block only, so its L2 round trips add
+// straight to the pass's time: each lane reads its run SCAN_BATCH entries at a time, all in
+// flight together, and keeps them for the writes when the run fits one batch (up to 32 x
+// SCAN_BATCH = 256 spans: 128 MB of float32 for the encoder).
+#define SCAN_BATCH 8
 __device__ void warp_scan_pairs(u64* a, u64* b, u64 len, u64* ta, u64* tb) {
     u32 lane = threadIdx.x & 31;
     u64 per = (len + 31) / 32, lo = min(lane * per, len), hi = min(lo + per, len);
-    u64 sa = 0, sb = 0;
-    for (u64 k = lo; k < hi; ++k) {
-        sa += __ldcg(&a[k]);
-        sb += __ldcg(&b[k]);
+    u64 sa = 0, sb = 0, va[SCAN_BATCH], vb[SCAN_BATCH];
+    for (u64 k0 = lo; k0 < hi; k0 += SCAN_BATCH) {
+#pragma unroll
+        for (u32 u = 0; u < SCAN_BATCH; ++u) {
+            va[u] = k0 + u < hi ? __ldcg(&a[k0 + u]) : 0;
+            vb[u] = k0 + u < hi ? __ldcg(&b[k0 + u]) : 0;
+        }
+#pragma unroll
+        for (u32 u = 0; u < SCAN_BATCH; ++u) {
+            sa += va[u];
+            sb += vb[u];
+        }
     }
     u64 ia = cfc_lane_prefix_sum(sa), ib = cfc_lane_prefix_sum(sb);
     *ta = __shfl_sync(CFC_FULL_MASK, ia, 31);
     *tb = __shfl_sync(CFC_FULL_MASK, ib, 31);
     u64 ea = ia - sa, eb = ib - sb;
-    for (u64 k = lo; k < hi; ++k) {
-        u64 x = __ldcg(&a[k]), y = __ldcg(&b[k]);
-        a[k] = ea;
-        b[k] = eb;
-        ea += x;
-        eb += y;
+    const bool kept = per <= SCAN_BATCH;  // va, vb still hold this lane's whole run
+    for (u64 k0 = lo; k0 < hi; k0 += SCAN_BATCH) {
+        if (!kept) {
+#pragma unroll
+            for (u32 u = 0; u < SCAN_BATCH; ++u) {
+                va[u] = k0 + u < hi ? __ldcg(&a[k0 + u]) : 0;
+                vb[u] = k0 + u < hi ? __ldcg(&b[k0 + u]) : 0;
+            }
+        }
+#pragma unroll
+        for (u32 u = 0; u < SCAN_BATCH; ++u) {
+            if (k0 + u < hi) {
+                a[k0 + u] = ea;
+                b[k0 + u] = eb;
+            }
+            ea += va[u];
+            eb += vb[u];
+        }
     }
 }
 
