@@ -568,7 +568,8 @@ __device__ void encode_groups(const typename D::T* __restrict__ x, u64 n, u32 mo
     u32 acc = 0, excm = 0, w8[8];  // w8: the low bytes of the codes (see slice_planes)
     double max_err = 0.0;
     // The row holds the codes after code_group; after code_group_f32 it still holds the values.
-    // (The route is the same for every thread of the launch: no divergence.)
+    // (Whether the route is on is the same for the whole launch; only a group it is unsure of
+    // takes another branch.)
     bool codes_in_row = true;
     const float inv32 = __double2float_rn(P.inv_step);
     if (D::SIZE == 4 && !fixed && f32_route_on(P) && code_group_f32(row, inv32, &acc, w8)) {
