@@ -267,16 +267,22 @@ __device__ __forceinline__ Tiles tiles_at(u8* ws, u64 n, u32 tile_chunks) {
 // flight together, and keeps them for the writes when the run fits one batch (up to 32 x
 // SCAN_BATCH = 256 spans: 128 MB of float32 for the encoder).
 #define SCAN_BATCH 8
+
+// Entries k0 .. k0 + SCAN_BATCH - 1 of a[] and b[] (0 at or past hi), all loads in flight at once.
+__device__ __forceinline__ void load_scan_batch(const u64* a, const u64* b, u64 k0, u64 hi, u64* va, u64* vb) {
+#pragma unroll
+    for (u32 u = 0; u < SCAN_BATCH; ++u) {
+        va[u] = k0 + u < hi ? __ldcg(&a[k0 + u]) : 0;
+        vb[u] = k0 + u < hi ? __ldcg(&b[k0 + u]) : 0;
+    }
+}
+
 __device__ void warp_scan_pairs(u64* a, u64* b, u64 len, u64* ta, u64* tb) {
     u32 lane = threadIdx.x & 31;
     u64 per = (len + 31) / 32, lo = min(lane * per, len), hi = min(lo + per, len);
     u64 sa = 0, sb = 0, va[SCAN_BATCH], vb[SCAN_BATCH];
     for (u64 k0 = lo; k0 < hi; k0 += SCAN_BATCH) {
-#pragma unroll
-        for (u32 u = 0; u < SCAN_BATCH; ++u) {
-            va[u] = k0 + u < hi ? __ldcg(&a[k0 + u]) : 0;
-            vb[u] = k0 + u < hi ? __ldcg(&b[k0 + u]) : 0;
-        }
+        load_scan_batch(a, b, k0, hi, va, vb);
 #pragma unroll
         for (u32 u = 0; u < SCAN_BATCH; ++u) {
             sa += va[u];
@@ -289,13 +295,7 @@ __device__ void warp_scan_pairs(u64* a, u64* b, u64 len, u64* ta, u64* tb) {
     u64 ea = ia - sa, eb = ib - sb;
     const bool kept = per <= SCAN_BATCH;  // va, vb still hold this lane's whole run
     for (u64 k0 = lo; k0 < hi; k0 += SCAN_BATCH) {
-        if (!kept) {
-#pragma unroll
-            for (u32 u = 0; u < SCAN_BATCH; ++u) {
-                va[u] = k0 + u < hi ? __ldcg(&a[k0 + u]) : 0;
-                vb[u] = k0 + u < hi ? __ldcg(&b[k0 + u]) : 0;
-            }
-        }
+        if (!kept) load_scan_batch(a, b, k0, hi, va, vb);
 #pragma unroll
         for (u32 u = 0; u < SCAN_BATCH; ++u) {
             if (k0 + u < hi) {
