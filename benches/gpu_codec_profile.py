@@ -7,6 +7,9 @@
 sm__warps_active.avg.pct_of_peak_sustained_active,sm__throughput.avg.pct_of_peak_sustained_elapsed \\
         python benches/gpu_codec_profile.py --grads DIR [--mb 256]
 
+The stall reasons quoted in docs/perf-notes.md come from the same command with
+``--section WarpStateStats --section SchedulerStats`` and ``--mb 1``.
+
 The first calls compile the kernels; the last decode is checked against the bound.
 """
 
