@@ -841,12 +841,43 @@ extern "C" __global__ void cfc_codec_decode_offsets(const u8* frame, u64 header_
     decode_offsets(frame, header_len, n, ws);
 }
 
-// This lane's code in a group of width `w` (up to 64) whose planes are at `planes`.
-__device__ __forceinline__ i64 lane_code(const u32* planes, u32 w) {
-    const u32 lane = threadIdx.x & 31;
+// Code `i` of a group of width `w` (up to 64) whose planes are at `planes`, one bit at a time
+// (frames of summed codes, whose widths can pass 32; coded frames' widths never do).
+__device__ __forceinline__ i64 code_at(const u32* planes, u32 w, u32 i) {
     u64 z = 0;
-    for (u32 b = 0; b < w; ++b) z |= (u64)((planes[b] >> lane) & 1u) << b;
+    for (u32 b = 0; b < w; ++b) z |= (u64)((planes[b] >> i) & 1u) << b;
     return (i64)(z >> 1) ^ -(i64)(z & 1);
+}
+
+// This lane's code in a group of width `w` (up to 64): code `lane`.
+__device__ __forceinline__ i64 lane_code(const u32* planes, u32 w) { return code_at(planes, w, threadIdx.x & 31); }
+
+// The zigzag codes 8k .. 8k + 7 of a group of width w <= 32 whose planes are at `planes`, into
+// z[0..8), a byte of every code at a time: byte k of planes 8s .. 8s + 7 is an 8 x 8 bit
+// matrix (row b: bit 8s + b of the 8 codes) whose transpose holds code i's byte s as its row i.
+// The inverse of slice_planes, for 8 codes.
+__device__ __forceinline__ void unslice_codes(const u32* planes, u32 w, u32 k, u32* z) {
+    const u32 sel = k | (k + 4) << 4;  // byte k of the first and of the second word
+#pragma unroll
+    for (u32 i = 0; i < 8; ++i) z[i] = 0;
+#pragma unroll
+    for (u32 s = 0; s < 4; ++s) {
+        if (8 * s >= w) break;
+        u32 p[8];
+#pragma unroll
+        for (u32 b = 0; b < 8; ++b) p[b] = 8 * s + b < w ? planes[8 * s + b] : 0u;
+        const u32 lo = __byte_perm(__byte_perm(p[0], p[1], sel), __byte_perm(p[2], p[3], sel), 0x5410);
+        const u32 hi = __byte_perm(__byte_perm(p[4], p[5], sel), __byte_perm(p[6], p[7], sel), 0x5410);
+        const u64 t = transpose_bits_8x8((u64)lo | ((u64)hi << 32));
+        const u32 tl = (u32)t, th = (u32)(t >> 32);
+        // Byte i of t into byte s of z[i] (the other bytes of z[i] kept).
+#pragma unroll
+        for (u32 i = 0; i < 8; ++i) {
+            const u32 from = 4 + (i % 4);  // byte i % 4 of the second operand
+            const u32 keep = 0x3210u & ~(0xfu << (4 * s));
+            z[i] = __byte_perm(z[i], i < 4 ? tl : th, keep | from << (4 * s));
+        }
+    }
 }
 
 // One warp copies chunk `ch`'s planes (decode_offsets has run), realigned, to `st` (up to 64
@@ -870,9 +901,30 @@ __device__ __forceinline__ void stage_chunk_planes(const u8* body, const Tiles& 
     __syncwarp();
 }
 
+// Up to 8 decoded values v[0..cnt) to dst: 16-byte stores where all 8 exist and dst allows.
+template <class D>
+__device__ __forceinline__ void store_8(typename D::T* dst, const typename D::T* v, u32 cnt) {
+    if (cnt == 8 && (u64)dst % 16 == 0) {
+        u32 b[8];
+#pragma unroll
+        for (u32 i = 0; i < 8; ++i) b[i] = D::bits(v[i]);
+        if (D::SIZE == 4) {
+            ((uint4*)dst)[0] = make_uint4(b[0], b[1], b[2], b[3]);
+            ((uint4*)dst)[1] = make_uint4(b[4], b[5], b[6], b[7]);
+        } else {
+            *(uint4*)dst = make_uint4(b[0] | b[1] << 16, b[2] | b[3] << 16, b[4] | b[5] << 16, b[6] | b[7] << 16);
+        }
+        return;
+    }
+#pragma unroll
+    for (u32 i = 0; i < 8; ++i)
+        if (i < cnt) dst[i] = v[i];
+}
+
 // Pass 2, one chunk per warp: the chunk's planes copied, realigned, to the warp's part of
-// shared memory, then each group's codes rebuilt (widths up to 64 bits: frames of summed codes)
-// and its values written. Raw frames: the elements are copied.
+// shared memory; then 4 lanes per group, each rebuilding 8 consecutive codes a byte at a time
+// (unslice_codes) and writing their values together. Widths past 32 (frames of summed codes,
+// up to 64 bits) take one bit at a time. Raw frames: the elements are copied.
 template <class D>
 __device__ void decode_chunks(const u8* frame, u64 header_len, u64 n, u8* ws, typename D::T* __restrict__ out) {
     __shared__ u32 stage[TILE_THREADS / 32][CHUNK_GROUPS * 64];  // a part per warp
@@ -895,23 +947,26 @@ __device__ void decode_chunks(const u8* frame, u64 header_len, u64 n, u8* ws, ty
     const u32* st = stage[warp];
     stage_chunk_planes(body, ts, ch, stage[warp], &wl, &inc);
     const double step = __longlong_as_double((i64)cfc_load_le(frame + HDR_STEP, 8));
+    const u32 u = lane / 4, k = lane % 4;  // this lane: codes 8k .. 8k + 7 of group u
+    const u32 w = __shfl_sync(CFC_FULL_MASK, wl, u);
+    const u32* planes = st + __shfl_sync(CFC_FULL_MASK, inc - wl, u);
+    const u32 j0 = u * CFC_GROUP + 8 * k;  // the first of them in the chunk
+    typename D::T v[8];
+    if (w <= 32) {
+        u32 z[8];
+        unslice_codes(planes, w, k, z);
 #pragma unroll
-    for (int u = 0; u < CHUNK_GROUPS; ++u) {
-        u32 w = __shfl_sync(CFC_FULL_MASK, wl, u);
-        const u32* planes = st + __shfl_sync(CFC_FULL_MASK, inc - wl, u);
-        u32 j = u * CFC_GROUP + lane;
-        double qf;
-        if (w <= 32) {
-            u32 z = 0;
-            for (u32 b = 0; b < w; ++b) z |= ((planes[b] >> lane) & 1u) << b;
+        for (u32 i = 0; i < 8; ++i) {
             // Exact (double)q for |q| < 2^51 through the same magic constant as the encoder.
-            i64 q = (i64)(z >> 1) ^ -(i64)(z & 1);
-            qf = __longlong_as_double(__double_as_longlong(CFC_ROUND_MAGIC) + q) - CFC_ROUND_MAGIC;
-        } else {  // sums of codes: up to 64 bits
-            qf = (double)lane_code(planes, w);
+            const i64 q = (int)(z[i] >> 1) ^ -(int)(z[i] & 1);
+            const double qf = __longlong_as_double(__double_as_longlong(CFC_ROUND_MAGIC) + q) - CFC_ROUND_MAGIC;
+            v[i] = D::from_f32(__double2float_rn(qf * step));
         }
-        if (j < have) oc[j] = D::from_f32(__double2float_rn(qf * step));
+    } else {  // sums of codes: up to 64 bits
+#pragma unroll
+        for (u32 i = 0; i < 8; ++i) v[i] = D::from_f32(__double2float_rn((double)code_at(planes, w, 8 * k + i) * step));
     }
+    store_8<D>(oc + j0, v, j0 >= have ? 0 : min(have - j0, 8u));
 }
 
 #define DECODE_CHUNKS(name, D)                                                                     \
