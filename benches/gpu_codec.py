@@ -7,7 +7,10 @@ of the whole call (every kernel launch and the asynchronous size copy), after wa
 calls are bound by the host's launch time; the "gpu us" columns give the GPU's own time per
 call, measured with the host kept ahead (calls queued behind a spinning kernel).
 
-    python benches/gpu_codec.py [--sizes 1,4,16,64,256,1024] [--json out.json]
+    python benches/gpu_codec.py [--sizes 1,4,16,64,256,1024] [--json out.json] [--feedback]
+
+``--feedback`` compresses with error feedback (a float32 residual read and updated in place by
+every call; the compress floor then counts its 8 bytes per element).
 """
 
 from __future__ import annotations
@@ -82,11 +85,13 @@ def main() -> None:
     ap.add_argument("--ks", default="0.1", help="eps as multiples of RMS")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--json", type=pathlib.Path)
+    ap.add_argument("--feedback", action="store_true", help="compress with a residual (error feedback)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     base = load_grads(args.grads).to(dev)
     rms = base.double().pow(2).mean().sqrt().item()
-    print(f"cfc {cfc.__version__} on {torch.cuda.get_device_name()} ; torch {torch.__version__}")
+    print(f"cfc {cfc.__version__} on {torch.cuda.get_device_name()} ; torch {torch.__version__}"
+          f" ; error feedback {'on' if args.feedback else 'off'}")
     rows = []
     header = (f"{'MB':>6} {'eps/RMS':>7} {'ratio':>7} {'comp GB/s':>10} {'decomp GB/s':>11} "
               f"{'copy GB/s':>10} {'comp floor':>10} {'decomp floor':>12} {'comp us':>8} {'decomp us':>9} "
@@ -97,24 +102,25 @@ def main() -> None:
         x = base.repeat(n // base.numel() + 1)[:n].contiguous()
         nbytes = n * 4
         y = torch.empty_like(x)
+        fb = {"residual": torch.zeros_like(x)} if args.feedback else {}
         copy = event_median(lambda: y.copy_(x), args.iters)
         copy_bw = 2 * nbytes / copy  # bytes read + written per second
         for k in [float(v) for v in args.ks.split(",")]:
             eps = k * rms
             for _ in range(3):
-                c = cfc.compress(x, eps=eps)
+                c = cfc.compress(x, eps=eps, **fb)
                 cfc.decompress(c)
             torch.cuda.synchronize()
-            tc = event_median(lambda: cfc.compress(x, eps=eps), args.iters)
-            c = cfc.compress(x, eps=eps)
+            tc = event_median(lambda: cfc.compress(x, eps=eps, **fb), args.iters)
+            c = cfc.compress(x, eps=eps, **fb)
             size = c.nbytes
             td = event_median(lambda: cfc.decompress(c), args.iters)
-            call = wall_median(lambda: cfc.compress(x, eps=eps), args.iters)
-            gc = gpu_median(lambda: cfc.compress(x, eps=eps), args.iters)
+            call = wall_median(lambda: cfc.compress(x, eps=eps, **fb), args.iters)
+            gc = gpu_median(lambda: cfc.compress(x, eps=eps, **fb), args.iters)
             gd = gpu_median(lambda: cfc.decompress(c), args.iters)
-            # Floors: compress reads the input and writes the frame; decompress reads the frame
-            # and writes the output.
-            comp_floor = (nbytes + size) / copy_bw
+            # Floors: compress reads the input (and the residual, which it writes back) and
+            # writes the frame; decompress reads the frame and writes the output.
+            comp_floor = (nbytes + size + (2 * nbytes if args.feedback else 0)) / copy_bw
             decomp_floor = (size + nbytes) / copy_bw
             row = dict(mb=mb, k=k, ratio=nbytes / size, compress_gbs=nbytes / tc / 1e9,
                        decompress_gbs=nbytes / td / 1e9, copy_gbs=copy_bw / 1e9,
@@ -126,7 +132,7 @@ def main() -> None:
                   f"{row['copy_gbs']:>10.1f} {row['compress_floor_gbs']:>10.1f} {row['decompress_floor_gbs']:>12.1f} "
                   f"{row['compress_us']:>8.1f} {row['decompress_us']:>9.1f} {row['compress_call_us']:>8.1f} "
                   f"{row['compress_gpu_us']:>11.1f} {row['decompress_gpu_us']:>13.1f}", flush=True)
-        del x, y
+        x = y = fb = c = None  # the GPU memory goes back before the next size
         torch.cuda.empty_cache()
     # Ratio on the five vectors, each compressed alone, as ANCHORS.md measured the original.
     print("\nRatio on the five gradient vectors (GPU, no CPU stage) vs the original cuda_float_compress (GPU + CPU zstd):")

@@ -199,6 +199,45 @@ __device__ __forceinline__ void slice_planes(const u32* w, u32* plane) {
     transpose_bytes_4x4(hi[0], hi[1], hi[2], hi[3], plane + 4);
 }
 
+// Code `i` of a group of width `w` (up to 64) whose planes are at `planes`, one bit at a time
+// (frames of summed codes, whose widths can pass 32; coded frames' widths never do).
+__device__ __forceinline__ i64 code_at(const u32* planes, u32 w, u32 i) {
+    u64 z = 0;
+    for (u32 b = 0; b < w; ++b) z |= (u64)((planes[b] >> i) & 1u) << b;
+    return (i64)(z >> 1) ^ -(i64)(z & 1);
+}
+
+// This lane's code in a group of width `w` (up to 64): code `lane`.
+__device__ __forceinline__ i64 lane_code(const u32* planes, u32 w) { return code_at(planes, w, threadIdx.x & 31); }
+
+// The zigzag codes 8k .. 8k + 7 of a group of width w <= 32 whose planes are at `planes`, into
+// z[0..8), a byte of every code at a time: byte k of planes 8s .. 8s + 7 is an 8 x 8 bit
+// matrix (row b: bit 8s + b of the 8 codes) whose transpose holds code i's byte s as its row i.
+// The inverse of slice_planes, for 8 codes.
+__device__ __forceinline__ void unslice_codes(const u32* planes, u32 w, u32 k, u32* z) {
+    const u32 sel = k | (k + 4) << 4;  // byte k of the first and of the second word
+#pragma unroll
+    for (u32 i = 0; i < 8; ++i) z[i] = 0;
+#pragma unroll
+    for (u32 s = 0; s < 4; ++s) {
+        if (8 * s >= w) break;
+        u32 p[8];
+#pragma unroll
+        for (u32 b = 0; b < 8; ++b) p[b] = 8 * s + b < w ? planes[8 * s + b] : 0u;
+        const u32 lo = __byte_perm(__byte_perm(p[0], p[1], sel), __byte_perm(p[2], p[3], sel), 0x5410);
+        const u32 hi = __byte_perm(__byte_perm(p[4], p[5], sel), __byte_perm(p[6], p[7], sel), 0x5410);
+        const u64 t = transpose_bits_8x8((u64)lo | ((u64)hi << 32));
+        const u32 tl = (u32)t, th = (u32)(t >> 32);
+        // Byte i of t into byte s of z[i] (the other bytes of z[i] kept).
+#pragma unroll
+        for (u32 i = 0; i < 8; ++i) {
+            const u32 from = 4 + (i % 4);  // byte i % 4 of the second operand
+            const u32 keep = 0x3210u & ~(0xfu << (4 * s));
+            z[i] = __byte_perm(z[i], i < 4 ? tl : th, keep | from << (4 * s));
+        }
+    }
+}
+
 // ---- chunks and tiles ------------------------------------------------------------------
 // A chunk is CHUNK_GROUPS consecutive groups (256 values); a compress tile is 8 wc chunks (wc 1
 // or 4), one block of the encoder (a thread per group) and of the packer (8 warps taking wc
@@ -214,7 +253,8 @@ __device__ __forceinline__ void slice_planes(const u32* w, u32* plane) {
 //   then, 16-aligned: tile_words, tile_excs [tiles] and span_words, span_excs [spans] (u64):
 //   totals, then exclusive prefix sums; chunk_info[chunks] (uint4: words and exceptions before
 //   the chunk in its tile, and the chunk's own); then (compress) excmask[groups] (u32) and the
-//   staged planes (room for 256 u32 per chunk; each tile's planes back to back in its room).
+//   staged planes (room for 256 u32 per chunk; each tile's planes back to back in its room);
+//   then, with error feedback, cvals[32 groups] (f32) and gw[groups] (u8).
 #define CHUNK_GROUPS 8
 #define CHUNK_VALUES 256
 #define WARP_CHUNKS 4   // at most: the host picks 1 (small inputs: more blocks) or 4
@@ -224,6 +264,7 @@ __device__ __forceinline__ void slice_planes(const u32* w, u32* plane) {
 #define WS_DONE 80
 #define WS_TOTALS 96
 #define WS_SPANS 112
+#define GW_KEPT 0x80u  // in gw: the group's compensated values are in cvals
 
 struct Tiles {
     u32* done;
@@ -236,6 +277,8 @@ struct Tiles {
     uint4* chunk_info;
     u32* excmask;
     u32* stage;
+    float* cvals;  // with error feedback: compensated values, where kept (GW_KEPT)
+    u8* gw;        // with error feedback: each group's width, | GW_KEPT where its c are kept
     u64 groups, chunks, tiles, spans;
     u32 tile_chunks;
 };
@@ -257,6 +300,8 @@ __device__ __forceinline__ Tiles tiles_at(u8* ws, u64 n, u32 tile_chunks) {
     s.chunk_info = (uint4*)(s.span_excs + s.spans);  // 16-aligned: 16 (tiles + spans) bytes on
     s.excmask = (u32*)(s.chunk_info + s.chunks);
     s.stage = s.excmask + s.groups;
+    s.cvals = (float*)(s.stage + s.chunks * CHUNK_VALUES);
+    s.gw = (u8*)(s.cvals + s.groups * CFC_GROUP);
     return s;
 }
 
@@ -462,19 +507,50 @@ __device__ __forceinline__ bool code_group_f32(const u32* row, float inv, u32* a
 }
 
 // Stages the COUNT values v[0..COUNT) as float32 into s_row[0..COUNT); with error feedback (r,
-// their residuals, not null) the values sent for x + r, and x + r kept in r for pass 2.
+// their residuals, not null) the values sent for x + r, and the compensated values x + r into
+// c_row[0..COUNT).
 template <class D, int COUNT>
-__device__ __forceinline__ void stage_values(const typename D::T* v, float* r, float* s_row) {
+__device__ __forceinline__ void stage_values(const typename D::T* v, const float* r, float* s_row, float* c_row) {
 #pragma unroll
     for (int c = 0; c < COUNT; ++c) {
         typename D::T x = v[c];
         if (r) {
             float comp = cfc_compensate(D::to_f32(x), r[c]);
             x = cfc_sent_value<D>(x, comp);
-            r[c] = comp;
+            c_row[c] = comp;
         }
         s_row[c] = D::to_f32(x);
     }
+}
+
+// With error feedback, after a group is coded: its new residuals, c - (what the frame decodes
+// to), replace the codes (or values) in `row`; `crow` holds the compensated values c. Returns
+// whether pass 2 could fail to rebuild some c as decoded + residual (an exception, whose value
+// is not decoded, or a subtraction that was not exact), in which case the caller keeps the
+// group's c in the workspace. Pass 2 needs c only for the raw bytes of a frame that falls back
+// to raw, and for exceptions' values.
+template <class D>
+__device__ __noinline__ bool group_residuals(u32* row, const float* crow, bool codes_in_row, float inv32,
+                                                double step, u32 excm) {
+    bool keep = excm != 0;
+#pragma unroll 4
+    for (int j = 0; j < CFC_GROUP; ++j) {
+        bool sure;
+        const u32 z = codes_in_row ? row[j] : f32_code(__uint_as_float(row[j]), inv32, &sure);
+        const float c = crow[j];
+        float d;
+        if ((excm >> j) & 1u) {
+            d = D::to_f32(D::from_f32(c));  // sent as it is (c is not finite where x was not)
+        } else {
+            const i64 q = (int)(z >> 1) ^ -(int)(z & 1);
+            const double qf = __longlong_as_double(__double_as_longlong(CFC_ROUND_MAGIC) + q) - CFC_ROUND_MAGIC;
+            d = D::to_f32(D::from_f32(__double2float_rn(qf * step)));
+        }
+        const float rn = cfc_new_residual(c, d);
+        keep = keep || __float_as_uint(d + rn) != __float_as_uint(c);
+        row[j] = __float_as_uint(rn);
+    }
+    return keep;
 }
 
 // What coding a group by the f64 rule yields besides its codes (left in the row).
@@ -504,18 +580,19 @@ __device__ __noinline__ GroupCoded code_group_f64(u32* row, double step, double 
 }
 
 // Pass 1, a thread per group (a tile of 8 wc chunks is a block of 64 wc threads): the tile's
-// values are staged in shared memory (with error feedback x + r, the compensated value being
-// left in the residual for pass 2; zeros past the end, which code to 0), then each thread
-// quantizes its group once, writes its width to the frame, stages its bit planes right after
-// those of the groups before it in the tile, and its exceptions in excmask; then the tile's
-// sizes (tile_totals). A group's 32 values are a row of 33 floats in shared memory,
-// so that both the coalesced staging and each thread's walk along its row are free of bank
-// conflicts.
+// values are staged in shared memory (with error feedback the values sent for x + r, and x + r
+// itself in a second row; zeros past the end, which code to 0), then each thread quantizes its
+// group once, writes its width to the frame, stages its bit planes right after those of the
+// groups before it in the tile, and its exceptions in excmask; with error feedback it also
+// works out the new residuals, which the block writes back in the order it read them (the
+// residual is read and written once, here). Then the tile's sizes (tile_totals). A group's 32
+// values are a row of 33 floats in shared memory, so that both the coalesced staging and each
+// thread's walk along its row are free of bank conflicts.
 #define STAGE_ROW 33
 template <class D>
 __device__ void encode_groups(const typename D::T* __restrict__ x, u64 n, u32 mode, double value,
                               u32 fixed, u8* body, u8* ws, float* __restrict__ residual) {
-    extern __shared__ float s_vals[];  // blockDim.x rows of STAGE_ROW
+    extern __shared__ float s_vals[];  // blockDim.x rows of STAGE_ROW (twice that with a residual)
     __shared__ u32 s_cw[TILE_CHUNKS], s_ce[TILE_CHUNKS], s_cwo[32];
     CfcParams* pp = (CfcParams*)ws;
     const u32 threads = blockDim.x, tid = threadIdx.x;
@@ -534,32 +611,33 @@ __device__ void encode_groups(const typename D::T* __restrict__ x, u64 n, u32 mo
     const u32 have = first >= n ? 0 : (u32)min(n - first, (u64)tile_values);
     const typename D::T* xt = x + first;
     float* rt = residual ? residual + first : nullptr;
+    float* s_comp = s_vals + threads * STAGE_ROW;  // with a residual: the compensated values
     // 16-byte loads (V values each) where the whole tile exists and the pointers allow it.
     constexpr u32 V = 16 / sizeof(typename D::T);
-    if (have == tile_values && (u64)xt % 16 == 0 && (u64)rt % 16 == 0) {
+    const bool whole = have == tile_values && (u64)xt % 16 == 0 && (u64)rt % 16 == 0;
+    if (whole) {
 #pragma unroll 4
         for (u32 k = 0; k < CFC_GROUP / V; ++k) {
             const u32 i0 = (k * threads + tid) * V;  // V values of one row
+            const u32 at = (i0 / CFC_GROUP) * STAGE_ROW + i0 % CFC_GROUP;
             uint4 raw = ((const uint4*)xt)[k * threads + tid];
             float4 r4[V / 4];
             if (rt)
 #pragma unroll
                 for (u32 c = 0; c < V / 4; ++c) r4[c] = ((const float4*)(rt + i0))[c];
-            stage_values<D, V>((const typename D::T*)&raw, rt ? (float*)r4 : nullptr,
-                               s_vals + (i0 / CFC_GROUP) * STAGE_ROW + i0 % CFC_GROUP);
-            if (rt)
-#pragma unroll
-                for (u32 c = 0; c < V / 4; ++c) ((float4*)(rt + i0))[c] = r4[c];
+            stage_values<D, V>((const typename D::T*)&raw, rt ? (const float*)r4 : nullptr, s_vals + at, s_comp + at);
         }
     } else {  // one value at a time; zeros past the end (they code to 0, with no exception)
 #pragma unroll 4
         for (u32 k = 0; k < CFC_GROUP; ++k) {
             const u32 i = k * threads + tid;
-            float* s_at = s_vals + (i / CFC_GROUP) * STAGE_ROW + i % CFC_GROUP;
+            const u32 at = (i / CFC_GROUP) * STAGE_ROW + i % CFC_GROUP;
             if (i < have)
-                stage_values<D, 1>(xt + i, rt ? rt + i : nullptr, s_at);
+                stage_values<D, 1>(xt + i, rt ? rt + i : nullptr, s_vals + at, s_comp + at);
+            else if (rt)
+                s_vals[at] = s_comp[at] = 0.0f;
             else
-                *s_at = 0.0f;
+                s_vals[at] = 0.0f;
         }
     }
     __syncthreads();
@@ -632,8 +710,32 @@ __device__ void encode_groups(const typename D::T* __restrict__ x, u64 n, u32 mo
         for (u32 b = 0; b < 8; ++b)
             if (8 * s + b < w) slot[8 * s + b] = plane[b];
     }
+    if (rt) {  // the new residuals, into the row; c kept where pass 2 may need it
+        const bool keep = group_residuals<D>(row, s_comp + tid * STAGE_ROW, codes_in_row, inv32, P.step, excm);
+        if (exists) {
+            ts.gw[g] = (u8)(w | (keep ? GW_KEPT : 0u));
+            if (keep)
+                for (u32 j = 0; j < CFC_GROUP; ++j) ts.cvals[g * CFC_GROUP + j] = s_comp[tid * STAGE_ROW + j];
+        }
+    }
     if (fixed) block_max_to(&pp->max_err_bits, max_err);  // holds a __syncthreads
     __syncthreads();
+    if (rt) {  // written back as they were read
+        if (whole) {
+#pragma unroll 4
+            for (u32 k = 0; k < CFC_GROUP / 4; ++k) {
+                const u32 i0 = (k * threads + tid) * 4;
+                const float* at = s_vals + (i0 / CFC_GROUP) * STAGE_ROW + i0 % CFC_GROUP;
+                ((float4*)rt)[k * threads + tid] = make_float4(at[0], at[1], at[2], at[3]);
+            }
+        } else {
+#pragma unroll 4
+            for (u32 k = 0; k < CFC_GROUP; ++k) {
+                const u32 i = k * threads + tid;
+                if (i < have) rt[i] = s_vals[(i / CFC_GROUP) * STAGE_ROW + i % CFC_GROUP];
+            }
+        }
+    }
     if (tid < 32) {
         bool in = tid < ts.tile_chunks;
         tile_totals(ts, blockIdx.x, in ? s_cw[tid] : 0, in ? s_ce[tid] : 0);
@@ -648,12 +750,48 @@ __device__ void encode_groups(const typename D::T* __restrict__ x, u64 n, u32 mo
     }
 DEFINE_FOR_DTYPES(ENCODE_GROUPS)
 
+// pack_chunks' work for chunk `ch` of a frame that falls back to raw, with error feedback (rare,
+// so out of line): each compensated value c is rebuilt as decoded + residual from the staged
+// planes (pass 1 checked that this gives c back exactly) or read where pass 1 kept it; then the
+// value sent for it as raw bytes, and the residual a raw frame leaves. `words_in_tile`: the
+// chunk's first staged plane word among its tile's.
+template <class D>
+__device__ __forceinline__ void raw_chunk_with_feedback(const typename D::T* x, const Tiles& ts, u64 ch, u32 words_in_tile,
+                                                     u32 have, u8* body, float* residual, double step, bool typed) {
+    const u32 lane = threadIdx.x & 31;
+    const u64 g0 = ch * CHUNK_GROUPS, e0 = ch * CHUNK_VALUES;
+    // Lane u < 8: group u's width, whether its c are kept, where its planes start.
+    const u32 gw_l = lane < CHUNK_GROUPS && g0 + lane < ts.groups ? ts.gw[g0 + lane] : 0;
+    const u32 wl = gw_l & ~GW_KEPT, inc = cfc_lane_prefix_sum(wl, CHUNK_GROUPS);
+    const u32* planes_l = ts.stage + (ch / ts.tile_chunks) * ts.tile_chunks * (CHUNK_GROUPS * 32) + words_in_tile + inc - wl;
+    for (u32 u = 0; u < CHUNK_GROUPS; ++u) {
+        const u32 gwu = __shfl_sync(CFC_FULL_MASK, gw_l, u);
+        const u32* planes = (const u32*)__shfl_sync(CFC_FULL_MASK, (u64)planes_l, u);
+        const u32 j = u * CFC_GROUP + lane;
+        if (j >= have) continue;
+        float c;
+        if (gwu & GW_KEPT) {
+            c = ts.cvals[e0 + j];
+        } else {
+            const i64 q = code_at(planes, gwu, lane);
+            c = D::to_f32(cfc_dequantize<D>(q, step)) + residual[e0 + j];
+        }
+        const typename D::T v = cfc_sent_value<D>(x[e0 + j], c);
+        residual[e0 + j] = cfc_new_residual(c, D::to_f32(v));
+        if (typed)
+            ((typename D::T*)body)[e0 + j] = v;
+        else
+            cfc_store_le(body + (e0 + j) * D::SIZE, D::bits(v), D::SIZE);
+    }
+}
+
 // Pass 2, with the tiles of pass 1 (a tile per block, its 8 warps taking wc chunks each): block 0
 // writes the header and the frame size; then, as the totals decide (the CPU reference's rule),
 // either the elements' raw bytes, or the tile's staged planes (by the whole block) and each
-// chunk's exceptions in their places. With
-// error feedback the residual holds the compensated value c and becomes c - (what the frame
-// decodes to).
+// chunk's exceptions in their places. With error feedback pass 1 has written the residuals a
+// quantized frame leaves, and kept the compensated values c of groups with exceptions (whose
+// values are sent as they are); only a frame that falls back to raw rewrites the residuals,
+// each c being rebuilt as decoded + residual from the staged planes, or read where kept.
 template <class D>
 __device__ void pack_chunks(const typename D::T* __restrict__ x, u64 n, u32 dtype, u32 mode, u32 fixed,
                             u32 ndim, const Dims& dims, u8* __restrict__ out, u8* __restrict__ ws,
@@ -689,8 +827,13 @@ __device__ void pack_chunks(const typename D::T* __restrict__ x, u64 n, u32 dtyp
         put_words_block(body + groups + 4 * words_before(ts, tile), ts.stage + tile_ch0 * (CHUNK_GROUPS * 32),
                         last.x + last.z, limit);
     }
-    // Then, chunk by chunk, what the tile has besides planes: raw bytes, residuals, exceptions.
-    const bool any = ch0 < ts.chunks && (raw || residual || last.y + last.w);
+    // Then, chunk by chunk, what the tile has besides planes: raw bytes (and residuals), exceptions.
+    const bool typed = ((u64)body % size) == 0;  // raw bytes can be stored as elements
+    if (raw && residual)  // (on its own, so that the loop below keeps its registers)
+        for (u32 k = 0; k < wc && ch0 + k < ts.chunks; ++k)
+            raw_chunk_with_feedback<D>(x, ts, ch0 + k, ts.chunk_info[ch0 + k].x, chunk_values(n, ch0 + k), body,
+                                       residual, P.step, typed);
+    const bool any = ch0 < ts.chunks && (raw || last.y + last.w) && !(raw && residual);
     const u64 eb = any ? excs_before(ts, tile) : 0;
     uint4 info[WARP_CHUNKS];  // x, y: words and exceptions before the chunk in its tile; z, w: own
 #pragma unroll
@@ -704,11 +847,11 @@ __device__ void pack_chunks(const typename D::T* __restrict__ x, u64 n, u32 dtyp
         if (!any || k >= wc || ch >= ts.chunks) break;  // the same for the whole warp
         const u64 e0 = ch * CHUNK_VALUES;
         const u32 have = chunk_values(n, ch);
-        if (!(raw || residual || info[k].w)) continue;
+        if (!(raw || info[k].w)) continue;
         // Each group's first exception slot: lane u < 8 holds group u's mask and slot.
         u32 mask_l = 0;
         u64 first_l = 0;
-        if (!raw && info[k].w) {
+        if (!raw) {
             u64 g = ch * CHUNK_GROUPS + lane;
             mask_l = lane < CHUNK_GROUPS && g < groups ? ts.excmask[g] : 0;
             u32 inc = cfc_lane_prefix_sum((u32)__popc(mask_l), CHUNK_GROUPS);
@@ -716,7 +859,6 @@ __device__ void pack_chunks(const typename D::T* __restrict__ x, u64 n, u32 dtyp
         }
         u8* idx = body + groups + 4 * nwords;
         u8* val = idx + n_exc * idx_size;
-        const bool typed = ((u64)body % size) == 0;  // raw bytes can be stored as elements
         const typename D::T* xc = x + e0;
         float* rc = residual ? residual + e0 : nullptr;
 #pragma unroll 2
@@ -725,16 +867,9 @@ __device__ void pack_chunks(const typename D::T* __restrict__ x, u64 n, u32 dtyp
             u64 first = __shfl_sync(CFC_FULL_MASK, first_l, u);
             u32 j = u * CFC_GROUP + lane;
             bool is_exc = (mask >> lane) & 1u;
-            if (j >= have || !(raw || rc || is_exc)) continue;
+            if (j >= have || !(raw || is_exc)) continue;
             typename D::T v = xc[j];
-            if (rc) {
-                float cv = rc[j];
-                v = cfc_sent_value<D>(v, cv);
-                double t;
-                i64 q;
-                float sent = raw || is_exc ? D::to_f32(v) : D::to_f32(quantize<D>(D::to_f64(v), &P, &t, &q));
-                rc[j] = cfc_new_residual(cv, sent);
-            }
+            if (rc) v = cfc_sent_value<D>(v, ts.cvals[e0 + j]);  // an exception's c is kept
             if (raw) {
                 if (typed)
                     ((typename D::T*)body)[e0 + j] = v;
@@ -839,45 +974,6 @@ __device__ void decode_offsets(const u8* frame, u64 header_len, u64 n, u8* ws) {
 
 extern "C" __global__ void cfc_codec_decode_offsets(const u8* frame, u64 header_len, u64 n, u8* ws) {
     decode_offsets(frame, header_len, n, ws);
-}
-
-// Code `i` of a group of width `w` (up to 64) whose planes are at `planes`, one bit at a time
-// (frames of summed codes, whose widths can pass 32; coded frames' widths never do).
-__device__ __forceinline__ i64 code_at(const u32* planes, u32 w, u32 i) {
-    u64 z = 0;
-    for (u32 b = 0; b < w; ++b) z |= (u64)((planes[b] >> i) & 1u) << b;
-    return (i64)(z >> 1) ^ -(i64)(z & 1);
-}
-
-// This lane's code in a group of width `w` (up to 64): code `lane`.
-__device__ __forceinline__ i64 lane_code(const u32* planes, u32 w) { return code_at(planes, w, threadIdx.x & 31); }
-
-// The zigzag codes 8k .. 8k + 7 of a group of width w <= 32 whose planes are at `planes`, into
-// z[0..8), a byte of every code at a time: byte k of planes 8s .. 8s + 7 is an 8 x 8 bit
-// matrix (row b: bit 8s + b of the 8 codes) whose transpose holds code i's byte s as its row i.
-// The inverse of slice_planes, for 8 codes.
-__device__ __forceinline__ void unslice_codes(const u32* planes, u32 w, u32 k, u32* z) {
-    const u32 sel = k | (k + 4) << 4;  // byte k of the first and of the second word
-#pragma unroll
-    for (u32 i = 0; i < 8; ++i) z[i] = 0;
-#pragma unroll
-    for (u32 s = 0; s < 4; ++s) {
-        if (8 * s >= w) break;
-        u32 p[8];
-#pragma unroll
-        for (u32 b = 0; b < 8; ++b) p[b] = 8 * s + b < w ? planes[8 * s + b] : 0u;
-        const u32 lo = __byte_perm(__byte_perm(p[0], p[1], sel), __byte_perm(p[2], p[3], sel), 0x5410);
-        const u32 hi = __byte_perm(__byte_perm(p[4], p[5], sel), __byte_perm(p[6], p[7], sel), 0x5410);
-        const u64 t = transpose_bits_8x8((u64)lo | ((u64)hi << 32));
-        const u32 tl = (u32)t, th = (u32)(t >> 32);
-        // Byte i of t into byte s of z[i] (the other bytes of z[i] kept).
-#pragma unroll
-        for (u32 i = 0; i < 8; ++i) {
-            const u32 from = 4 + (i % 4);  // byte i % 4 of the second operand
-            const u32 keep = 0x3210u & ~(0xfu << (4 * s));
-            z[i] = __byte_perm(z[i], i < 4 ? tl : th, keep | from << (4 * s));
-        }
-    }
 }
 
 // One warp copies chunk `ch`'s planes (decode_offsets has run), realigned, to `st` (up to 64

@@ -302,9 +302,18 @@ impl Device {
             return Ok(k.clone());
         }
         let (c, d) = (Family::Codec, Some(dtype));
+        let encode = self.function(c, "encode_groups", d)?;
+        // With error feedback the encoder's rows take twice the shared memory, past the 48 KiB
+        // that a launch may ask for without opting in.
+        encode
+            .set_attribute(
+                sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                (2 * BLOCK * ENCODER_ROW_BYTES) as i32,
+            )
+            .map_err(driver_err)?;
         let k = Arc::new(Kernels {
             max_abs: self.function(c, "max_abs", d)?,
-            encode: self.function(c, "encode_groups", d)?,
+            encode,
             pack: self.function(c, "pack_chunks", d)?,
             offsets: self.function(c, "decode_offsets", None)?,
             decode: self.function(c, "decode_chunks", d)?,
@@ -392,6 +401,8 @@ struct TileLayout {
     /// End of what decoding needs; compressing also needs exception masks and staged planes.
     decode_end: u64,
     compress_end: u64,
+    /// Bytes past `compress_end` that error feedback needs (compensated values, widths).
+    feedback_len: u64,
 }
 
 fn tile_layout(n: u64, tile_chunks: u64) -> TileLayout {
@@ -411,6 +422,7 @@ fn tile_layout(n: u64, tile_chunks: u64) -> TileLayout {
         compress_end: decode_end
             + 4 * groups
             + 4 * crate::format::GROUP as u64 * CHUNK_GROUPS * chunks,
+        feedback_len: (4 * crate::format::GROUP as u64 + 1) * groups,
     }
 }
 
@@ -428,9 +440,12 @@ const SMALLEST_TILE: u64 = WARPS;
 const WARPS: u64 = BLOCK as u64 / 32;
 
 /// Workspace bytes [`compress`] needs for `n` elements: the chunks' offsets, each group's
-/// exception mask, and room to stage every chunk's bit planes (up to 32 words per group).
-pub fn compress_workspace_len(n: u64) -> u64 {
-    tile_layout(n, SMALLEST_TILE).compress_end
+/// exception mask, and room to stage every chunk's bit planes (up to 32 words per group); with
+/// error feedback (`feedback`), also room for the compensated values of the groups whose
+/// values the second pass could not rebuild otherwise, and each group's width.
+pub fn compress_workspace_len(n: u64, feedback: bool) -> u64 {
+    let layout = tile_layout(n, SMALLEST_TILE);
+    layout.compress_end + if feedback { layout.feedback_len } else { 0 }
 }
 
 /// Zeroes the first `len` bytes of the workspace at `ws` on `stream` (an asynchronous memset).
@@ -480,7 +495,7 @@ pub struct CompressArgs<'a> {
     pub out: u64,
     /// Its size.
     pub out_len: u64,
-    /// Workspace, at least [`compress_workspace_len`] bytes.
+    /// Workspace, at least [`compress_workspace_len`] bytes (`feedback`: a residual is given).
     pub workspace: u64,
     /// Its size.
     pub workspace_len: u64,
@@ -977,7 +992,7 @@ pub unsafe fn compress(args: &CompressArgs<'_>) -> Result<()> {
             got: args.out_len,
         });
     }
-    let need_ws = compress_workspace_len(n);
+    let need_ws = compress_workspace_len(n, args.residual != 0);
     if args.workspace_len < need_ws {
         return Err(Error::OutputSize {
             expected: need_ws,
@@ -1008,8 +1023,10 @@ pub unsafe fn compress(args: &CompressArgs<'_>) -> Result<()> {
     let elements = launch_cfg(n.min(dev.grid_blocks * BLOCK as u64), BLOCK);
     let one_tile_each = launch_cfg(layout.tiles * BLOCK as u64, BLOCK);
     let encoder_threads = (WARPS * wc * CHUNK_GROUPS) as u32;
+    // A row of values per thread, and with error feedback a row of compensated values.
+    let rows = if args.residual != 0 { 2 } else { 1 };
     let encoder_tiles = LaunchConfig {
-        shared_mem_bytes: encoder_threads * ENCODER_ROW_BYTES,
+        shared_mem_bytes: rows * encoder_threads * ENCODER_ROW_BYTES,
         ..launch_cfg(layout.tiles * encoder_threads as u64, encoder_threads)
     };
     let (input, residual, ws) = (

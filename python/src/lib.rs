@@ -381,12 +381,13 @@ fn cuda_supported(device: usize) -> bool {
     cfc::cuda::supported(device)
 }
 
-/// Workspace bytes the CUDA codec needs for `numel` elements (compressing needs more).
+/// Workspace bytes the CUDA codec needs for `numel` elements (compressing needs more, and more
+/// again with error feedback).
 #[pyfunction]
-#[pyo3(signature = (numel, *, compress=false))]
-fn cuda_workspace_len(numel: u64, compress: bool) -> u64 {
+#[pyo3(signature = (numel, *, compress=false, feedback=false))]
+fn cuda_workspace_len(numel: u64, compress: bool, feedback: bool) -> u64 {
     if compress {
-        cfc::cuda::compress_workspace_len(numel)
+        cfc::cuda::compress_workspace_len(numel, feedback)
     } else {
         cfc::cuda::workspace_len(numel)
     }

@@ -228,7 +228,7 @@ def test_gpu_compress_writes_nothing_past_the_capacity_or_workspace(dtype, feedb
     x = awkward(n, dtype, seed=n).cuda()
     bound = {"eps": 1e-9}
     cap = _native.cuda_compress_capacity(n, str(dtype).split(".")[1], 1, **bound)
-    ws_len = _native.cuda_workspace_len(n, compress=True)
+    ws_len = _native.cuda_workspace_len(n, compress=True, feedback=feedback)
     out = torch.full((guard + cap + guard,), 0xAB, dtype=torch.uint8, device="cuda")
     ws = torch.full((guard + ws_len + guard,), 0xCD, dtype=torch.uint8, device="cuda")
     r = (torch.randn(n, generator=torch.Generator().manual_seed(n)) * 1e-3).cuda() if feedback else None

@@ -503,7 +503,8 @@ def _compress_cuda(t, name: str, shape, eps, rel, bits, residual=None) -> CudaCo
     n = t.numel()
     cap = _native.cuda_compress_capacity(n, name, len(shape), eps=eps, rel=rel, bits=bits)
     out = torch.empty(cap, dtype=torch.uint8, device=dev)
-    ws = torch.empty(_native.cuda_workspace_len(n, compress=True), dtype=torch.uint8, device=dev)
+    ws = torch.empty(_native.cuda_workspace_len(n, compress=True, feedback=residual is not None),
+                     dtype=torch.uint8, device=dev)
     stream = torch.cuda.current_stream(dev)
     _native.cuda_compress(
         dev.index, stream.cuda_stream, t.data_ptr(), n, name, list(shape),
