@@ -455,13 +455,17 @@ __device__ __forceinline__ void put_words(u8* pb, const u32* staged, u32 nw, con
     }
 }
 
-// The same, by a whole block, each thread loading both words it needs.
-__device__ __forceinline__ void put_words_block(u8* pb, const u32* staged, u32 nw, const u8* limit) {
+// The same, by a whole block, each thread loading both words it needs; the caller has loaded
+// the first round's (staged[threadIdx.x] and the word before it, 0 where there is none) ahead
+// of time.
+__device__ __forceinline__ void put_words_block(u8* pb, const u32* staged, u32 nw, const u8* limit, u32 cur0,
+                                                u32 prev0) {
     const u8* end;
     u32 sh;
     const u32 count = copy_words_span(pb, nw, limit, &end, &sh);
     for (u32 k = threadIdx.x; k < count; k += blockDim.x) {
-        u32 cur = k < nw ? staged[k] : 0, prev = k > 0 ? staged[k - 1] : 0;
+        u32 cur = k == threadIdx.x ? cur0 : k < nw ? staged[k] : 0;
+        u32 prev = k == threadIdx.x ? prev0 : staged[k - 1];
         put_word(pb, end, sh, k, prev, cur);
     }
 }
@@ -806,8 +810,19 @@ __device__ void pack_chunks(const typename D::T* __restrict__ x, u64 n, u32 dtyp
     // This warp's chunks (those of encode_groups' threads 8 k to 8 k + 7 for chunk k).
     const u64 ch0 = (u64)blockIdx.x * ts.tile_chunks + warp * wc;
     const u64 tile = blockIdx.x;
-    // The totals and parameters first, read together (the chunks' own entries are read only
-    // where a chunk needs more than its planes).
+    const u64 tile_ch0 = tile * ts.tile_chunks;
+    const bool tile_in = tile_ch0 < ts.chunks;
+    // Every load the tile's copy of planes needs is issued here, together, before any of them
+    // decides anything: the totals and parameters, the tile's sizes and offset, and its first
+    // staged words (which lie in the tile's room whatever the totals say; past its planes they
+    // are not used). Blocks are short, so one round trip instead of three matters. (The
+    // chunks' own entries are read only where a chunk needs more than its planes.)
+    const u32* staged = ts.stage + tile_ch0 * (CHUNK_GROUPS * 32);
+    const u32 room = tile_in ? (u32)(min(tile_ch0 + ts.tile_chunks, ts.chunks) - tile_ch0) * CHUNK_VALUES : 0;
+    const u32 k0 = threadIdx.x;
+    const u32 cur0 = k0 < room ? staged[k0] : 0, prev0 = k0 > 0 && k0 <= room ? staged[k0 - 1] : 0;
+    const uint4 last = tile_in ? ts.chunk_info[min(tile_ch0 + ts.tile_chunks, ts.chunks) - 1] : make_uint4(0, 0, 0, 0);
+    const u64 tile_wb = tile_in ? words_before(ts, tile) : 0;
     const u64 nwords = ts.totals[0], n_exc = ts.totals[1];
     CfcParams P;
     P.step = pp->step;
@@ -818,14 +833,10 @@ __device__ void pack_chunks(const typename D::T* __restrict__ x, u64 n, u32 dtyp
     const u64 idx_size = n <= (1ull << 32) ? 4 : 8;
     const u64 quant_len = groups + 4 * nwords + n_exc * (idx_size + size);
     const bool raw = !fixed && quant_len >= n * size;
-    const u64 tile_ch0 = tile * ts.tile_chunks;
-    const uint4 last = tile_ch0 < ts.chunks ? ts.chunk_info[min(tile_ch0 + ts.tile_chunks, ts.chunks) - 1]
-                                            : make_uint4(0, 0, 0, 0);
-    if (!raw && tile_ch0 < ts.chunks) {  // the tile's planes, staged back to back, in one piece
+    if (!raw && tile_in) {  // the tile's planes, staged back to back, in one piece
         // The output has room for a body smaller than the raw bytes (fixed rate excepted).
         const u8* limit = fixed ? (const u8*)~0ull : body + n * size;
-        put_words_block(body + groups + 4 * words_before(ts, tile), ts.stage + tile_ch0 * (CHUNK_GROUPS * 32),
-                        last.x + last.z, limit);
+        put_words_block(body + groups + 4 * tile_wb, staged, last.x + last.z, limit, cur0, prev0);
     }
     // Then, chunk by chunk, what the tile has besides planes: raw bytes (and residuals), exceptions.
     const bool typed = ((u64)body % size) == 0;  // raw bytes can be stored as elements

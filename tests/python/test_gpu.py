@@ -104,6 +104,31 @@ def test_gpu_error_feedback_matches_cpu_bits(dtype, bound, n):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_raw_frame_with_feedback_rebuilds_every_compensated_value(dtype):
+    """With error feedback the encoder writes the residuals a quantized frame leaves; a frame
+    that then falls back to raw needs each compensated value c again, and the packer rebuilds
+    it as decoded + residual where that is exact. Where it is not, here c = -0.0 (x and r both
+    -0.0: decoded +0.0 plus residual -0.0 gives +0.0), in a group with no exception, the encoder
+    must have kept c, or the raw bytes lose the sign."""
+    n = 64 * 32
+    g = torch.Generator().manual_seed(3)
+    x = (torch.rand(n, generator=g) - 0.5).to(torch.float64)
+    x[n // 2:] = 1e4  # exceptions everywhere in the second half: the frame is written raw
+    zeros = torch.tensor([5, 37, 100, 101, 700])
+    x[zeros] = -0.0
+    x = x.to(dtype)
+    r0 = torch.randn(n, generator=g) * 1e-3
+    r0[zeros] = -0.0
+    eps = 2.0**-32
+    r_cpu, r_gpu = r0.clone(), r0.cuda()
+    want = bytes(cfc.compress(x, eps=eps, residual=r_cpu))
+    assert cfc.frame_info(want)["codec"] == "raw"
+    got = bytes(cfc.compress(x.cuda(), eps=eps, residual=r_gpu))
+    assert got == want
+    assert torch.equal(r_gpu.cpu().view(torch.int32), r_cpu.view(torch.int32))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("feedback", [False, True], ids=["plain", "feedback"])
 @pytest.mark.parametrize("offset", [1, 3])
 def test_gpu_views_at_any_alignment_match_cpu(dtype, feedback, offset):
