@@ -7,8 +7,9 @@
 // planes), whose last block scans the tiles' totals, and one that moves the planes.
 //
 // Compress: [max_abs] (rel/bits modes) -> encode_groups (quantize, widths, staged bit planes,
-// sizes) -> pack_chunks (header, raw-or-quantized decision, planes and exceptions in place, or
-// raw bytes; residuals). Decompress: decode_offsets -> decode_chunks -> scatter_exceptions.
+// sizes, new residuals) -> pack_chunks (header, raw-or-quantized decision, planes and exceptions
+// in place, or raw bytes and the residuals they leave). Decompress: decode_offsets ->
+// decode_chunks -> scatter_exceptions.
 #include "common.cuh"
 
 #define DEFINE_FOR_DTYPES(MACRO) MACRO(f32, F32) MACRO(bf16, BF16) MACRO(f16, F16)
