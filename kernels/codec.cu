@@ -536,7 +536,7 @@ __device__ __forceinline__ void stage_values(const typename D::T* v, const float
 // to raw, and for exceptions' values.
 template <class D>
 __device__ __noinline__ bool group_residuals(u32* row, const float* crow, bool codes_in_row, float inv32,
-                                                double step, u32 excm) {
+                                             double step, u32 excm) {
     bool keep = excm != 0;
 #pragma unroll 4
     for (int j = 0; j < CFC_GROUP; ++j) {
@@ -755,14 +755,16 @@ __device__ void encode_groups(const typename D::T* __restrict__ x, u64 n, u32 mo
     }
 DEFINE_FOR_DTYPES(ENCODE_GROUPS)
 
-// pack_chunks' work for chunk `ch` of a frame that falls back to raw, with error feedback (rare,
-// so out of line): each compensated value c is rebuilt as decoded + residual from the staged
-// planes (pass 1 checked that this gives c back exactly) or read where pass 1 kept it; then the
-// value sent for it as raw bytes, and the residual a raw frame leaves. `words_in_tile`: the
-// chunk's first staged plane word among its tile's.
+// pack_chunks' work for chunk `ch` of a frame that falls back to raw, with error feedback (rare;
+// run from a loop of its own, so that the common loop keeps its registers): each compensated
+// value c is rebuilt as decoded + residual from the staged planes (pass 1 checked that this
+// gives c back exactly) or read where pass 1 kept it; then the value sent for it as raw bytes,
+// and the residual a raw frame leaves. `words_in_tile`: the chunk's first staged plane word
+// among its tile's.
 template <class D>
-__device__ __forceinline__ void raw_chunk_with_feedback(const typename D::T* x, const Tiles& ts, u64 ch, u32 words_in_tile,
-                                                     u32 have, u8* body, float* residual, double step, bool typed) {
+__device__ __forceinline__ void raw_chunk_with_feedback(const typename D::T* x, const Tiles& ts, u64 ch,
+                                                        u32 words_in_tile, u32 have, u8* body, float* residual,
+                                                        double step, bool typed) {
     const u32 lane = threadIdx.x & 31;
     const u64 g0 = ch * CHUNK_GROUPS, e0 = ch * CHUNK_VALUES;
     // Lane u < 8: group u's width, whether its c are kept, where its planes start.
