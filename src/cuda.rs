@@ -303,8 +303,9 @@ impl Device {
         }
         let (c, d) = (Family::Codec, Some(dtype));
         let encode = self.function(c, "encode_groups", d)?;
-        // With error feedback the encoder's rows take twice the shared memory, past the 48 KiB
-        // that a launch may ask for without opting in.
+        // With error feedback the encoder's rows take twice the shared memory (66 KiB), past the
+        // 48 KiB that a launch may ask for without opting in; every supported GPU (compute
+        // capability 8.0 and up) allows at least 99 KiB.
         encode
             .set_attribute(
                 sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
