@@ -3,7 +3,9 @@
 The configuration of ``../shared/docs/ANCHORS.md`` (d=1024, 12 layers, vocab 32000, T=256,
 batch 8 per GPU, bf16 autocast, AdamW). Every hook runs in the same process group, one after
 the other, with ``noop`` (no communication: the floor) first and last; each is reported as its
-median step time and as a ratio to noop's. Run under torchrun with one GPU per process::
+median step time and as a ratio to noop's. ``allreduce`` is DDP's built-in all-reduce (no
+hook); ``allreduce-py`` is the same all-reduce as a Python comm hook (PyTorch's
+``allreduce_hook``), which shows what running any Python hook costs. Run under torchrun with one GPU per process::
 
     torchrun --standalone --nproc_per_node=2 benches/ddp_step_time.py --steps 30
 
@@ -45,6 +47,10 @@ def register(ddp, name):
     state = None
     if name == "noop":
         ddp.register_comm_hook(None, debugging_hooks.noop_hook)
+    elif name == "allreduce-py":
+        # PyTorch's all-reduce as a Python comm hook: what any Python hook costs, against
+        # "allreduce" (DDP's built-in all-reduce, no hook)
+        ddp.register_comm_hook(None, default_hooks.allreduce_hook)
     elif name == "fp16":
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
     elif name == "bf16":
