@@ -104,6 +104,15 @@ __device__ __forceinline__ typename D::T quantize(double x64, const CfcParams* p
     return D::from_f32(__double2float_rn(qf * p->step));
 }
 
+// The value zigzag code z (< 2^32, so |q| < 2^31) decodes to: cfc_dequantize's rule, with
+// (double)q exact through the same magic constant as the encoder instead of a conversion.
+template <class D>
+__device__ __forceinline__ typename D::T decode_zigzag32(u32 z, double step) {
+    const i64 q = (int)(z >> 1) ^ -(int)(z & 1);
+    const double qf = __longlong_as_double(__double_as_longlong(CFC_ROUND_MAGIC) + q) - CFC_ROUND_MAGIC;
+    return D::from_f32(__double2float_rn(qf * step));
+}
+
 // One value's zigzag code (0 for an exception) and whether it is an exception. `f` is the value
 // as float32 (exact for every dtype). FIXED (fixed rate): any finite error is accepted, and the
 // error goes to *err_out for the frame's max error.
@@ -547,9 +556,7 @@ __device__ __noinline__ bool group_residuals(u32* row, const float* crow, bool c
         if ((excm >> j) & 1u) {
             d = D::to_f32(D::from_f32(c));  // sent as it is (c is not finite where x was not)
         } else {
-            const i64 q = (int)(z >> 1) ^ -(int)(z & 1);
-            const double qf = __longlong_as_double(__double_as_longlong(CFC_ROUND_MAGIC) + q) - CFC_ROUND_MAGIC;
-            d = D::to_f32(D::from_f32(__double2float_rn(qf * step)));
+            d = D::to_f32(decode_zigzag32<D>(z, step));
         }
         const float rn = cfc_new_residual(c, d);
         keep = keep || __float_as_uint(d + rn) != __float_as_uint(c);
@@ -1066,12 +1073,7 @@ __device__ void decode_chunks(const u8* frame, u64 header_len, u64 n, u8* ws, ty
         u32 z[8];
         unslice_codes(planes, w, k, z);
 #pragma unroll
-        for (u32 i = 0; i < 8; ++i) {
-            // Exact (double)q for |q| < 2^51 through the same magic constant as the encoder.
-            const i64 q = (int)(z[i] >> 1) ^ -(int)(z[i] & 1);
-            const double qf = __longlong_as_double(__double_as_longlong(CFC_ROUND_MAGIC) + q) - CFC_ROUND_MAGIC;
-            v[i] = D::from_f32(__double2float_rn(qf * step));
-        }
+        for (u32 i = 0; i < 8; ++i) v[i] = decode_zigzag32<D>(z[i], step);
     } else {  // sums of codes: up to 64 bits
 #pragma unroll
         for (u32 i = 0; i < 8; ++i) v[i] = D::from_f32(__double2float_rn((double)code_at(planes, w, 8 * k + i) * step));
