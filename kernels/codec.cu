@@ -601,6 +601,8 @@ __device__ __noinline__ GroupCoded code_group_f64(u32* row, double step, double 
 // values are a row of 33 floats in shared memory, so that both the coalesced staging and each
 // thread's walk along its row are free of bank conflicts.
 #define STAGE_ROW 33
+// Where value i of a tile sits in the shared-memory rows: row i / 32, column i % 32.
+__device__ __forceinline__ u32 stage_at(u32 i) { return (i / CFC_GROUP) * STAGE_ROW + i % CFC_GROUP; }
 template <class D>
 __device__ void encode_groups(const typename D::T* __restrict__ x, u64 n, u32 mode, double value,
                               u32 fixed, u8* body, u8* ws, float* __restrict__ residual) {
@@ -631,7 +633,7 @@ __device__ void encode_groups(const typename D::T* __restrict__ x, u64 n, u32 mo
 #pragma unroll 4
         for (u32 k = 0; k < CFC_GROUP / V; ++k) {
             const u32 i0 = (k * threads + tid) * V;  // V values of one row
-            const u32 at = (i0 / CFC_GROUP) * STAGE_ROW + i0 % CFC_GROUP;
+            const u32 at = stage_at(i0);
             uint4 raw = ((const uint4*)xt)[k * threads + tid];
             float4 r4[V / 4];
             if (rt)
@@ -643,7 +645,7 @@ __device__ void encode_groups(const typename D::T* __restrict__ x, u64 n, u32 mo
 #pragma unroll 4
         for (u32 k = 0; k < CFC_GROUP; ++k) {
             const u32 i = k * threads + tid;
-            const u32 at = (i / CFC_GROUP) * STAGE_ROW + i % CFC_GROUP;
+            const u32 at = stage_at(i);
             if (i < have)
                 stage_values<D, 1>(xt + i, rt ? rt + i : nullptr, s_vals + at, s_comp + at);
             else if (rt)
@@ -737,14 +739,14 @@ __device__ void encode_groups(const typename D::T* __restrict__ x, u64 n, u32 mo
 #pragma unroll 4
             for (u32 k = 0; k < CFC_GROUP / 4; ++k) {
                 const u32 i0 = (k * threads + tid) * 4;
-                const float* at = s_vals + (i0 / CFC_GROUP) * STAGE_ROW + i0 % CFC_GROUP;
+                const float* at = s_vals + stage_at(i0);
                 ((float4*)rt)[k * threads + tid] = make_float4(at[0], at[1], at[2], at[3]);
             }
         } else {
 #pragma unroll 4
             for (u32 k = 0; k < CFC_GROUP; ++k) {
                 const u32 i = k * threads + tid;
-                if (i < have) rt[i] = s_vals[(i / CFC_GROUP) * STAGE_ROW + i % CFC_GROUP];
+                if (i < have) rt[i] = s_vals[stage_at(i)];
             }
         }
     }
