@@ -264,7 +264,7 @@ __device__ __forceinline__ void unslice_codes(const u32* planes, u32 w, u32 k, u
 //   totals, then exclusive prefix sums; chunk_info[chunks] (uint4: words and exceptions before
 //   the chunk in its tile, and the chunk's own); then (compress) excmask[groups] (u32) and the
 //   staged planes (room for 256 u32 per chunk; each tile's planes back to back in its room);
-//   then, with error feedback, cvals[32 groups] (f32) and gw[groups] (u8).
+//   then, with error feedback, cvals[32 groups] (f32: 32 per group) and gw[groups] (u8).
 #define CHUNK_GROUPS 8
 #define CHUNK_VALUES 256
 #define WARP_CHUNKS 4   // at most: the host picks 1 (small inputs: more blocks) or 4
