@@ -54,7 +54,15 @@ fn driver_err(e: cudarc::driver::DriverError) -> Error {
 
 /// Whether the CUDA driver library can be loaded and sees at least one device.
 pub fn available() -> bool {
-    driver_present().is_ok() && CudaContext::device_count().is_ok_and(|n| n > 0)
+    device_count() > 0
+}
+
+/// Devices the driver sees (0 without a driver).
+pub fn device_count() -> usize {
+    if driver_present().is_err() {
+        return 0;
+    }
+    CudaContext::device_count().map_or(0, |n| n.max(0) as usize)
 }
 
 struct Device {
@@ -175,6 +183,22 @@ fn device(ordinal: usize) -> Result<Arc<Device>> {
     });
     devices[ordinal] = Some(d.clone());
     Ok(d)
+}
+
+/// The primary context of device `ordinal` (the one PyTorch uses), made current on this thread:
+/// cfc's collectives allocate their buffers and streams in it, and so may their callers.
+///
+/// # Errors
+/// [`Error::CudaUnavailable`] without a driver, [`Error::Cuda`] for a bad ordinal.
+pub fn context(ordinal: usize) -> Result<Arc<CudaContext>> {
+    let d = device(ordinal)?;
+    d.ctx.bind_to_thread().map_err(driver_err)?;
+    Ok(d.ctx.clone())
+}
+
+/// A caller's raw stream of device `ordinal`, borrowed (see `Device::stream`).
+pub(crate) fn borrowed_stream(ordinal: usize, raw: usize) -> Result<Arc<CudaStream>> {
+    device(ordinal)?.stream(raw)
 }
 
 /// Directories holding `cuda_fp16.h`, tried in order: `CFC_CUDA_INCLUDE`, `CUDA_HOME`,

@@ -88,6 +88,11 @@ pub enum Error {
     },
     /// The transport of a collective failed (a peer is gone, a link broke).
     Transport(String),
+    /// The NCCL library cannot be loaded (where it was looked for, and why each failed).
+    NcclUnavailable(String),
+    /// An NCCL call failed, or an NCCL collective made no progress within its timeout (the
+    /// communicator is then aborted); carries NCCL's own message.
+    Nccl(String),
     /// The zstd stage failed while compressing.
     Zstd(std::io::Error),
     /// The error-bounded codec was asked to quantize a dtype other than float32, bfloat16 or
@@ -188,6 +193,8 @@ impl fmt::Display for Error {
                 write!(f, "rank {peer} did not answer within {seconds} s")
             }
             Error::Transport(e) => write!(f, "transport failed: {e}"),
+            Error::NcclUnavailable(why) => write!(f, "NCCL is not available: {why}"),
+            Error::Nccl(e) => write!(f, "NCCL: {e}"),
             Error::CudaUnavailable(why) => write!(f, "CUDA is not available: {why}"),
             Error::Cuda(e) => write!(f, "CUDA error: {e}"),
             Error::Nvrtc { log } => write!(f, "NVRTC failed to compile cfc's kernels: {log}"),

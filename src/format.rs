@@ -126,7 +126,7 @@ impl DType {
         DTYPES.iter().position(|&d| d == self).expect("listed") as u8
     }
 
-    fn from_code(c: u8) -> Option<DType> {
+    pub(crate) fn from_code(c: u8) -> Option<DType> {
         DTYPES.get(c as usize).copied()
     }
 }

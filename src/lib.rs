@@ -25,9 +25,15 @@ mod element;
 mod error;
 mod feedback;
 pub mod format;
+#[cfg(feature = "cuda")]
+pub mod gpu_allreduce;
+#[cfg(feature = "cuda")]
+mod gpu_memory;
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 mod kernels;
 pub mod lossless;
+#[cfg(feature = "cuda")]
+pub mod nccl;
 mod sum;
 
 pub use bitplane::{unzigzag, zigzag};

@@ -1,0 +1,438 @@
+//! The compressed all-reduce of data that lives on the GPU, over NCCL.
+//!
+//! Each rank compresses its buffer on the device with error feedback (the [`crate::cuda`]
+//! codec: the bytes of the CPU codec), the frames are all-gathered with NCCL, and every rank
+//! decodes and adds all frames in rank order in one pass that writes the average (or the sum)
+//! over its input: the same bits on every rank. This is the all-gather variant of
+//! [`crate::collective`]; with frames compressed at one bound, the result is within `eps` of
+//! the exact average (each rank's rounding error is at most `eps`, and its residual carries
+//! that error into the next call).
+//!
+//! Frame sizes depend on the data, and NCCL needs byte counts on the host. Each frame travels
+//! in a slot sized from the chunk's previous frames (6% and 256 bytes above the largest), after
+//! a 16-byte row head that holds its size; the host reads every rank's size once the exchange
+//! is done, and a frame too big for its slot (every rank sees it) is sent again, whole. The
+//! first call sends only the heads and then the frames: two exchanges.
+//!
+//! Large buffers are cut into chunks (`chunk_numel` elements). All chunks are compressed on the
+//! caller's stream and exchanged on a stream of the reducer's own, one behind the other, so
+//! the exchange of one chunk overlaps the compression of the next; decoding follows, on the
+//! caller's stream. [`GpuAllReducer::allreduce`] returns once every exchange is done and the
+//! decoding is queued: it waits for the frame sizes, never for the decoding.
+
+use crate::collective::AllReduceReport;
+use crate::cuda;
+use crate::error::{Error, Result};
+use crate::format::{DType, FIXED_HEADER_LEN};
+use crate::gpu_memory::{driver_err, DeviceBuffer, PinnedBuffer};
+use crate::nccl::Communicator;
+use crate::Bound;
+use cudarc::driver::{result, CudaEvent, CudaStream};
+use std::sync::Arc;
+
+/// Bytes before each frame in its row: the frame's size (u64), then padding, so that frames
+/// stay 16-byte aligned.
+const ROW_HEAD: u64 = 16;
+
+/// Options of [`GpuAllReducer::allreduce`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GpuAllReduceOptions {
+    /// Each rank's quantization bound; only `Bound::Abs(eps)` (all ranks on one grid).
+    pub bound: Bound,
+    /// Divide the sum by the number of ranks (by multiplying with `1 / world` rounded to f32).
+    pub average: bool,
+    /// Error feedback: keep what each rank's quantization drops and add it to its next call.
+    pub feedback: bool,
+    /// Elements per chunk.
+    pub chunk_numel: u64,
+}
+
+impl GpuAllReduceOptions {
+    /// An average with error feedback, in chunks of 16 Mi elements.
+    pub fn new(eps: f64) -> GpuAllReduceOptions {
+        GpuAllReduceOptions {
+            bound: Bound::Abs(eps),
+            average: true,
+            feedback: true,
+            chunk_numel: 1 << 24,
+        }
+    }
+}
+
+/// One chunk's place in the buffers.
+struct Chunk {
+    /// First element and element count.
+    start: u64,
+    len: u64,
+    /// Frame capacity (bytes, a multiple of 16).
+    cap: u64,
+    /// Offsets of its row in `rows` and of its rows in `recv`.
+    row_at: u64,
+    recv_at: u64,
+    /// Frame bytes its next exchange carries (0: sizes only).
+    slot: u64,
+}
+
+/// Everything sized for one (buffer, options) that all ranks agreed on.
+struct Plan {
+    descriptor: Vec<u8>,
+    chunks: Vec<Chunk>,
+    rows: DeviceBuffer,
+    recv: DeviceBuffer,
+    workspace: DeviceBuffer,
+    sum_workspace: DeviceBuffer,
+    residual: Option<DeviceBuffer>,
+    sizes: PinnedBuffer,
+}
+
+/// One rank's compressed all-reduce of GPU buffers, with its error-feedback residuals.
+///
+/// Every rank calls [`GpuAllReducer::allreduce`] with the same size, dtype and options, in the
+/// same order. The first call with new ones checks that (one small exchange): ranks that
+/// disagree all get [`Error::RankMismatch`]. The residuals are kept while the size and options
+/// stay the same; a call with others starts afresh.
+pub struct GpuAllReducer {
+    comm: Communicator,
+    stream: Arc<CudaStream>,
+    plan: Option<Plan>,
+}
+
+impl std::fmt::Debug for GpuAllReducer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GpuAllReducer")
+            .field("comm", &self.comm)
+            .finish()
+    }
+}
+
+/// The options and buffer every rank must agree on.
+fn descriptor(n: u64, dtype: DType, eps: f64, o: &GpuAllReduceOptions) -> Vec<u8> {
+    let mut d = Vec::with_capacity(32);
+    d.extend_from_slice(&n.to_le_bytes());
+    d.push(dtype.code());
+    d.push(o.average as u8);
+    d.push(o.feedback as u8);
+    d.push(0);
+    d.extend_from_slice(&eps.to_le_bytes());
+    d.extend_from_slice(&o.chunk_numel.to_le_bytes());
+    d.resize(32, 0);
+    d
+}
+
+/// A descriptor in words (it may come from a peer: nothing in it is trusted).
+fn describe(d: &[u8]) -> String {
+    let u64_at = |o: usize| u64::from_le_bytes(d[o..o + 8].try_into().unwrap_or([0; 8]));
+    if d.len() != 32 {
+        return format!("a descriptor of {} bytes", d.len());
+    }
+    let dtype = DType::from_code(d[8]).map_or("?", |t| t.name());
+    format!(
+        "{} x {dtype}, eps={:e}, average={}, feedback={}, chunk={}",
+        u64_at(0),
+        f64::from_bits(u64_at(12)),
+        d[9] != 0,
+        d[10] != 0,
+        u64_at(20)
+    )
+}
+
+fn round16(x: u64) -> u64 {
+    x.div_ceil(16) * 16
+}
+
+impl GpuAllReducer {
+    /// A reducer over `comm`, with a stream of its own for the exchanges.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`].
+    pub fn new(comm: Communicator) -> Result<GpuAllReducer> {
+        let stream = comm.context().new_stream().map_err(driver_err)?;
+        Ok(GpuAllReducer {
+            comm,
+            stream,
+            plan: None,
+        })
+    }
+
+    /// The communicator (e.g. to change its timeout, or for a plain all-reduce).
+    pub fn communicator(&mut self) -> &mut Communicator {
+        &mut self.comm
+    }
+
+    /// Every rank's descriptor, compared on every rank.
+    fn agree(&mut self, mine: &[u8]) -> Result<()> {
+        let world = self.comm.world();
+        let ctx = self.comm.context().clone();
+        let buf = DeviceBuffer::new(&ctx, 32 * (world + 1))?;
+        let cu = self.stream.cu_stream();
+        // SAFETY: `buf` holds the descriptor and every rank's; the stream is waited for before
+        // `mine` and `buf` go away.
+        unsafe {
+            result::memcpy_htod_async(buf.ptr(), mine, cu).map_err(driver_err)?;
+            self.comm.all_gather(buf.ptr(), buf.ptr() + 32, 32, cu)?;
+        }
+        self.comm.wait(&self.stream)?;
+        let mut all = vec![0u8; 32 * world];
+        // SAFETY: the stream is idle; `all` has room for every descriptor.
+        unsafe { result::memcpy_dtoh_sync(&mut all, buf.ptr() + 32) }.map_err(driver_err)?;
+        let first = &all[..32];
+        if let Some(j) = (1..world).find(|&j| &all[32 * j..32 * (j + 1)] != first) {
+            return Err(Error::RankMismatch {
+                what: format!("rank 0 has {}", describe(first)),
+                theirs: format!("rank {j} has {}", describe(&all[32 * j..32 * (j + 1)])),
+            });
+        }
+        Ok(())
+    }
+
+    fn plan(&mut self, n: u64, dtype: DType, eps: f64, o: &GpuAllReduceOptions) -> Result<()> {
+        let d = descriptor(n, dtype, eps, o);
+        if self.plan.as_ref().is_some_and(|p| p.descriptor == d) {
+            return Ok(());
+        }
+        self.plan = None; // its buffers go before the new ones are made
+        self.agree(&d)?;
+        let world = self.comm.world() as u64;
+        let ctx = self.comm.context().clone();
+        let step = o.chunk_numel.max(1);
+        let mut chunks = Vec::new();
+        let (mut rows_len, mut recv_len, mut ws_len, mut sum_ws_len) = (0u64, 0u64, 0u64, 0u64);
+        let mut start = 0;
+        while start < n {
+            let len = step.min(n - start);
+            let cap = round16(cuda::compress_capacity(len, dtype, 1, o.bound));
+            chunks.push(Chunk {
+                start,
+                len,
+                cap,
+                row_at: rows_len,
+                recv_at: recv_len,
+                slot: 0,
+            });
+            rows_len += ROW_HEAD + cap;
+            recv_len += world * (ROW_HEAD + cap);
+            ws_len = ws_len.max(cuda::compress_workspace_len(len, o.feedback));
+            sum_ws_len = sum_ws_len.max(cuda::decode_sum_workspace_len(len, world));
+            start += len;
+        }
+        let residual = if o.feedback && n > 0 {
+            let r = DeviceBuffer::new(&ctx, 4 * n as usize)?;
+            // SAFETY: `r` holds `4 n` bytes; a synchronous memset, done when it returns.
+            unsafe { result::memset_d8_sync(r.ptr(), 0, r.len()) }.map_err(driver_err)?;
+            Some(r)
+        } else {
+            None
+        };
+        self.plan = Some(Plan {
+            descriptor: d,
+            rows: DeviceBuffer::new(&ctx, rows_len as usize)?,
+            recv: DeviceBuffer::new(&ctx, recv_len as usize)?,
+            workspace: DeviceBuffer::new(&ctx, ws_len as usize)?,
+            sum_workspace: DeviceBuffer::new(&ctx, sum_ws_len as usize)?,
+            sizes: PinnedBuffer::new(&ctx, 8 * chunks.len().max(1) * world as usize)?,
+            chunks,
+            residual,
+        });
+        Ok(())
+    }
+
+    /// Averages (or sums) `n` elements of `dtype` at device address `data` over all ranks, in
+    /// place, compressed. Compression and decoding are queued on `stream` (a raw `CUstream` of
+    /// the communicator's device, e.g. PyTorch's current stream): the result is there once
+    /// `stream` reaches this point. Waits for the exchanges (the frame sizes), not for the
+    /// decoding.
+    ///
+    /// # Safety
+    /// `data` must be a device address of the communicator's device valid for `n` elements of
+    /// `dtype` until the queued work completes; `stream` a live stream of the device's primary
+    /// context.
+    ///
+    /// # Errors
+    /// [`Error::InvalidBound`] (only absolute bounds), [`Error::NotQuantizable`],
+    /// [`Error::RankMismatch`] (on every rank), [`Error::Nccl`] (NCCL's message, or a peer
+    /// that stopped: after the communicator's timeout), [`Error::Transport`] for frame sizes
+    /// that no rank could have sent, CUDA errors.
+    pub unsafe fn allreduce(
+        &mut self,
+        stream: usize,
+        data: u64,
+        n: u64,
+        dtype: DType,
+        opts: &GpuAllReduceOptions,
+    ) -> Result<AllReduceReport> {
+        let eps = match opts.bound {
+            Bound::Abs(e) => {
+                crate::codec::check_abs_bound(e, "eps")?;
+                e
+            }
+            _ => {
+                return Err(Error::InvalidBound {
+                    what: "bound",
+                    reason: "the GPU all-reduce takes an absolute bound (eps), the one grid \
+                             every rank's frame is decoded on"
+                        .into(),
+                })
+            }
+        };
+        if !dtype.is_quantizable() {
+            return Err(Error::NotQuantizable(dtype));
+        }
+        let world = self.comm.world();
+        if world as u64 > cuda::MAX_SUM_PARTS {
+            return Err(Error::Transport(format!(
+                "the GPU all-reduce adds at most {} frames; the communicator has {world} ranks",
+                cuda::MAX_SUM_PARTS
+            )));
+        }
+        let device = self.comm.device();
+        let caller = cuda::borrowed_stream(device, stream)?;
+        let result = self.run(&caller, stream, data, n, dtype, eps, opts);
+        if result.is_err() {
+            self.plan = None; // the next call agrees afresh (residuals start at zero)
+        }
+        result
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn run(
+        &mut self,
+        caller: &Arc<CudaStream>,
+        stream: usize,
+        data: u64,
+        n: u64,
+        dtype: DType,
+        eps: f64,
+        opts: &GpuAllReduceOptions,
+    ) -> Result<AllReduceReport> {
+        // The caller's earlier work on `stream` (what wrote `data`) comes first for the
+        // agreement's exchange too, on this reducer's stream.
+        self.stream
+            .wait(&caller.record_event(None).map_err(driver_err)?)
+            .map_err(driver_err)?;
+        self.plan(n, dtype, eps, opts)?;
+        let (world, device) = (self.comm.world() as u64, self.comm.device());
+        let size = dtype.size() as u64;
+        let ring = 2 * (world - 1) * (n * size).div_ceil(world);
+        let comm_cu = self.stream.cu_stream();
+        let plan = self.plan.as_mut().expect("planned above");
+        let mut sent = 0u64;
+        // 1. Every chunk compressed (caller's stream) and its rows all-gathered (own stream).
+        let mut gathered: Vec<CudaEvent> = Vec::with_capacity(plan.chunks.len());
+        for (c, ch) in plan.chunks.iter().enumerate() {
+            let row = plan.rows.ptr() + ch.row_at;
+            let args = cuda::CompressArgs {
+                device,
+                stream,
+                input: data + ch.start * size,
+                n: ch.len,
+                dtype,
+                shape: &[ch.len],
+                bound: Bound::Abs(eps),
+                out: row + ROW_HEAD,
+                out_len: ch.cap,
+                workspace: plan.workspace.ptr(),
+                workspace_len: plan.workspace.len() as u64,
+                residual: plan.residual.as_ref().map_or(0, |r| r.ptr() + 4 * ch.start),
+            };
+            let row_len = ROW_HEAD + ch.slot;
+            let recv = plan.recv.ptr() + ch.recv_at;
+            // SAFETY: every buffer was sized for this chunk by `plan`; `data` is the caller's
+            // (this function's contract); the workspace is reused by the next chunk only after
+            // the size was copied out of it, in the order of the caller's stream.
+            unsafe {
+                cuda::compress(&args)?;
+                cuda::copy_rows(&cuda::CopyRowsArgs {
+                    device,
+                    stream,
+                    src: plan.workspace.ptr() + cuda::FRAME_SIZE_OFFSET,
+                    src_pitch: 8,
+                    dst: row,
+                    dst_pitch: 8,
+                    width: 8,
+                    rows: 1,
+                })?;
+                let compressed = caller.record_event(None).map_err(driver_err)?;
+                self.stream.wait(&compressed).map_err(driver_err)?;
+                self.comm.all_gather(row, recv, row_len as usize, comm_cu)?;
+                cuda::copy_rows(&cuda::CopyRowsArgs {
+                    device,
+                    stream: comm_cu as usize,
+                    src: recv,
+                    src_pitch: row_len,
+                    dst: plan.sizes.addr() + 8 * c as u64 * world,
+                    dst_pitch: 8,
+                    width: 8,
+                    rows: world,
+                })?;
+            }
+            sent += (world - 1) * row_len;
+            gathered.push(self.stream.record_event(None).map_err(driver_err)?);
+        }
+        // 2. Each chunk's sizes read, its frames sent again if one outgrew the slot, and
+        // every frame decoded and added into the chunk.
+        let min_frame = (FIXED_HEADER_LEN + 8) as u64;
+        let scale = if opts.average {
+            1.0f32 / world as f32
+        } else {
+            1.0
+        };
+        for (c, ch) in plan.chunks.iter_mut().enumerate() {
+            self.comm.wait_event(&gathered[c])?;
+            let sizes: Vec<u64> = (0..world as usize)
+                .map(|j| plan.sizes.u64_at(c * world as usize + j))
+                .collect();
+            if sizes.iter().any(|&s| s < min_frame || s > ch.cap) {
+                return Err(Error::Transport(format!(
+                    "ranks sent frame sizes {sizes:?} for a chunk of {} elements (at most {})",
+                    ch.len, ch.cap
+                )));
+            }
+            let largest = sizes.iter().copied().max().unwrap_or(0);
+            let recv = plan.recv.ptr() + ch.recv_at;
+            let mut row_len = ROW_HEAD + ch.slot;
+            let mut arrived = None;
+            if largest > ch.slot {
+                row_len = ROW_HEAD + round16(largest);
+                let row = plan.rows.ptr() + ch.row_at;
+                // SAFETY: `recv` holds `world` rows of the chunk's full capacity.
+                unsafe { self.comm.all_gather(row, recv, row_len as usize, comm_cu)? };
+                sent += (world - 1) * row_len;
+                arrived = Some(self.stream.record_event(None).map_err(driver_err)?);
+            }
+            ch.slot = round16(largest + largest / 16 + 256).min(ch.cap);
+            let frames: Vec<u64> = (0..world).map(|j| recv + j * row_len + ROW_HEAD).collect();
+            // Decoding waits for this chunk's exchange only, not for the later chunks'.
+            caller
+                .wait(arrived.as_ref().unwrap_or(&gathered[c]))
+                .map_err(driver_err)?;
+            // SAFETY: every frame was written by `compress` on some rank (sizes checked above
+            // against the capacity, the same on every rank by the agreement); `data` is the
+            // caller's.
+            unsafe {
+                cuda::decode_sum(&cuda::DecodeSumArgs {
+                    device,
+                    stream,
+                    frames: &frames,
+                    n: ch.len,
+                    dtype,
+                    ndim: 1,
+                    scale,
+                    out: data + ch.start * size,
+                    out_dtype: dtype,
+                    workspace: plan.sum_workspace.ptr(),
+                    workspace_len: plan.sum_workspace.len() as u64,
+                })?;
+            }
+        }
+        Ok(AllReduceReport {
+            eps,
+            bound: if opts.average {
+                eps
+            } else {
+                world as f64 * eps
+            },
+            bytes_sent: sent,
+            bytes_uncompressed: ring,
+        })
+    }
+}

@@ -1,0 +1,124 @@
+//! Memory that cfc allocates itself: device buffers and pinned host buffers.
+//!
+//! Only cfc's own collectives ([`crate::nccl`], [`crate::gpu_allreduce`]) use them, for staging
+//! buffers that belong to no caller. The codec in [`crate::cuda`] never allocates: it works in
+//! the caller's memory.
+
+use crate::error::{Error, Result};
+use cudarc::driver::{result, CudaContext};
+use std::sync::Arc;
+
+pub(crate) fn driver_err(e: cudarc::driver::DriverError) -> Error {
+    Error::Cuda(format!("{e:?}"))
+}
+
+/// `len` bytes of device memory in `ctx`, freed on drop.
+pub(crate) struct DeviceBuffer {
+    ctx: Arc<CudaContext>,
+    ptr: u64,
+    len: usize,
+}
+
+impl DeviceBuffer {
+    /// Allocates `len` bytes (none for 0: the address is then 0).
+    pub(crate) fn new(ctx: &Arc<CudaContext>, len: usize) -> Result<DeviceBuffer> {
+        ctx.bind_to_thread().map_err(driver_err)?;
+        let ptr = if len == 0 {
+            0
+        } else {
+            // SAFETY: the context is current on this thread; the memory is freed once, on drop.
+            unsafe { result::malloc_sync(len) }.map_err(|e| {
+                Error::Cuda(format!(
+                    "could not allocate {len} bytes on the device: {e:?}"
+                ))
+            })?
+        };
+        Ok(DeviceBuffer {
+            ctx: ctx.clone(),
+            ptr,
+            len,
+        })
+    }
+
+    /// The device address.
+    pub(crate) fn ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// Its size in bytes.
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        if self.ptr == 0 {
+            return;
+        }
+        // SAFETY: `ptr` came from `malloc_sync` in this context and is freed exactly once;
+        // `cuMemFree` waits for work that may still use it.
+        let freed = self
+            .ctx
+            .bind_to_thread()
+            .and_then(|()| unsafe { result::free_sync(self.ptr) });
+        if let Err(e) = freed {
+            tracing::warn!(error = ?e, bytes = self.len, "could not free device memory");
+        }
+    }
+}
+
+/// `len` bytes of page-locked host memory (so that a copy from the device is queued, not
+/// waited for), freed on drop.
+pub(crate) struct PinnedBuffer {
+    ctx: Arc<CudaContext>,
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the buffer is plain host memory owned by this value alone; the raw pointer is only
+// read through `&self` / written through `&mut self`.
+unsafe impl Send for PinnedBuffer {}
+
+impl PinnedBuffer {
+    /// Allocates `len` bytes (at least one), zeroed.
+    pub(crate) fn new(ctx: &Arc<CudaContext>, len: usize) -> Result<PinnedBuffer> {
+        ctx.bind_to_thread().map_err(driver_err)?;
+        let len = len.max(1);
+        // SAFETY: the context is current; the memory is freed once, on drop.
+        let ptr = unsafe { result::malloc_host(len, 0) }.map_err(driver_err)? as *mut u8;
+        // SAFETY: `ptr` points to `len` writable bytes just allocated.
+        unsafe { std::ptr::write_bytes(ptr, 0, len) };
+        Ok(PinnedBuffer {
+            ctx: ctx.clone(),
+            ptr,
+            len,
+        })
+    }
+
+    /// The host address, as the driver's copies take it.
+    pub(crate) fn addr(&self) -> u64 {
+        self.ptr as u64
+    }
+
+    /// The little-endian u64 at word `i`, as the device last wrote it (the caller has waited
+    /// for the copy that wrote it).
+    pub(crate) fn u64_at(&self, i: usize) -> u64 {
+        assert!(8 * (i + 1) <= self.len, "pinned read past the end");
+        // SAFETY: in bounds (checked above); the memory is initialised (zeroed at allocation).
+        unsafe { std::ptr::read_unaligned(self.ptr.add(8 * i) as *const u64) }
+    }
+}
+
+impl Drop for PinnedBuffer {
+    fn drop(&mut self) {
+        // SAFETY: `ptr` came from `malloc_host` and is freed exactly once.
+        let freed = self
+            .ctx
+            .bind_to_thread()
+            .and_then(|()| unsafe { result::free_host(self.ptr as *mut std::ffi::c_void) });
+        if let Err(e) = freed {
+            tracing::warn!(error = ?e, "could not free pinned memory");
+        }
+    }
+}
