@@ -159,11 +159,8 @@ impl Library {
     pub fn version(&self) -> Result<(u32, u32, u32)> {
         let mut v: c_int = 0;
         // SAFETY: a valid out pointer.
-        self.check(
-            unsafe { (self.get_version)(&mut v) },
-            "ncclGetVersion",
-            None,
-        )?;
+        let code = unsafe { (self.get_version)(&mut v) };
+        self.check(code, "ncclGetVersion", None)?;
         let v = v.max(0) as u32;
         // NCCL_VERSION(X, Y, Z) = X * 10000 + Y * 100 + Z since 2.9.
         Ok((v / 10000, (v / 100) % 100, v % 100))

@@ -12,11 +12,16 @@
 //! all-reduce of float32, and the largest error of a first call (zero residuals) over the
 //! bound. The codec of each rank uses every core (as a training process would), while the
 //! plain sum runs on the rank's thread: on a machine with fewer cores than ranks the times
-//! mostly measure CPU contention. GPUs and NCCL: `torchrun --nproc_per_node=N -m cfc.bench`
-//! (the Python package).
+//! mostly measure CPU contention.
+//!
+//! With `--gpu N` (a build with the `cuda` feature) it drives N local GPUs instead, a thread
+//! each, over NCCL: plain `ncclAllReduce` of float32 and of bfloat16 against
+//! [`cfc::gpu_allreduce::GpuAllReducer`] (see `gpu.rs`). `torchrun --nproc_per_node=N -m
+//! cfc.bench` (the Python package) compares the same through PyTorch.
 //!
 //! Run: `cargo run --release --bin cfc-bench -- [--ranks 2,4,8] [--sizes 1M,4M,16M]
-//! [--bounds 0.3,0.1] [--iters 5] [--grads DIR] [--json FILE]`
+//! [--bounds 0.3,0.1] [--iters 5] [--grads DIR] [--json FILE]`, or with the GPUs
+//! `cargo run --release --features cuda --bin cfc-bench -- --gpu 2 [--chunk-mb 64] ...`
 
 use cfc::collective::{allreduce, Algorithm, AllReduceOptions, InProcess, Transport};
 use cfc::Bound;
@@ -25,13 +30,15 @@ use std::path::PathBuf;
 use std::sync::Barrier;
 use std::time::{Duration, Instant};
 
-#[path = "../../examples/shared/grads.rs"]
+#[cfg(feature = "cuda")]
+mod gpu;
+#[path = "../../../examples/shared/grads.rs"]
 mod grads;
 
 const USAGE: &str = "usage: cfc-bench [--ranks 2,4,8] [--sizes 1M,4M,16M] [--bounds 0.3,0.1] \
-[--iters 5] [--grads DIR] [--json FILE]
-Compressed all-reduce against an uncompressed one over threads (in-process transport, CPU).
-For GPUs over NCCL: torchrun --nproc_per_node=N -m cfc.bench";
+[--iters 5] [--grads DIR] [--json FILE] [--gpu N [--chunk-mb 64]]
+Compressed all-reduce against an uncompressed one over threads (in-process transport, CPU),
+or with --gpu N over NCCL on N local GPUs, a thread each (a build with the cuda feature).";
 
 struct Args {
     ranks: Vec<usize>,
@@ -40,6 +47,10 @@ struct Args {
     iters: usize,
     grads: Option<PathBuf>,
     json: Option<PathBuf>,
+    /// GPUs to drive over NCCL (0: the CPU benchmark).
+    gpus: usize,
+    /// Bytes per chunk of the GPU all-reduce.
+    chunk_bytes: usize,
 }
 
 fn parse_size(s: &str) -> Result<usize, String> {
@@ -74,6 +85,8 @@ fn parse_args() -> Result<Args, String> {
         iters: 5,
         grads: None,
         json: None,
+        gpus: 0,
+        chunk_bytes: 64 << 20,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -111,6 +124,21 @@ fn parse_args() -> Result<Args, String> {
             }
             "--grads" => a.grads = Some(value.into()),
             "--json" => a.json = Some(value.into()),
+            "--gpu" => {
+                a.gpus = value
+                    .parse()
+                    .ok()
+                    .filter(|&g| (1..=64).contains(&g))
+                    .ok_or("--gpu needs a GPU count (1 to 64)")?
+            }
+            "--chunk-mb" => {
+                a.chunk_bytes = value
+                    .parse::<f64>()
+                    .ok()
+                    .filter(|m| *m > 0.0 && *m <= 65536.0)
+                    .map(|m| (m * (1 << 20) as f64) as usize)
+                    .ok_or("--chunk-mb needs a positive size in MB")?
+            }
             other => return Err(format!("unknown option {other}\n{USAGE}")),
         }
     }
@@ -294,6 +322,19 @@ fn main() {
             std::process::exit(2);
         }
     };
+    if args.gpus > 0 {
+        #[cfg(feature = "cuda")]
+        let outcome = gpu::run(&args, &base, rms, &source);
+        #[cfg(not(feature = "cuda"))]
+        let outcome: Result<(), String> = Err("this cfc-bench was built without the cuda \
+            feature: cargo build --release --features cuda --bin cfc-bench"
+            .into());
+        if let Err(e) = outcome {
+            eprintln!("cfc-bench: {e}");
+            std::process::exit(1);
+        }
+        return;
+    }
     let mut methods: Vec<(String, Option<AllReduceOptions>)> = vec![("plain".into(), None)];
     for &b in &args.bounds {
         for (tag, algorithm) in [

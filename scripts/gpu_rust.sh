@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# On a GPU machine (no Rust there): the Rust side's NCCL tests (tests/nccl.rs) and
+# `cfc-bench --gpu`, built here beforehand and carried in .carry/ (scripts/build_gpu_carry.sh).
+# PARTS picks what runs (default: "tests nvlink socket"); SIZES, ITERS, BOUNDS, CHUNK_MB and
+# GPUS pass on. Output under $OUT.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+source scripts/gpu_setup.sh
+# The standalone binaries find NCCL and NVRTC themselves: pip's NCCL (the one PyTorch uses)
+# by path, NVRTC from the CUDA toolkit.
+CFC_NCCL_LIBRARY=$(python3 -c "import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], 'lib', 'libnccl.so.2'))")
+export CFC_NCCL_LIBRARY CFC_REQUIRE_GPU=1
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+PARTS=${PARTS:-tests nvlink socket}
+ARGS="--gpu ${GPUS:-2} --grads .carry/grads --sizes ${SIZES:-16M,64M,256M} --bounds ${BOUNDS:-0.3} --iters ${ITERS:-20} --chunk-mb ${CHUNK_MB:-64}"
+for part in $PARTS; do case $part in
+  tests) timeout 300 .carry/nccl-tests --test-threads=1 2>&1 | tail -20 | tee "$OUT/rust_nccl_tests.log" ;;
+  nvlink) timeout 300 .carry/cfc-bench $ARGS --json "$OUT/cfc_bench_nvlink.json" | tee "$OUT/cfc_bench_nvlink.md" ;;
+  socket) env $SOCK timeout 400 .carry/cfc-bench $ARGS --json "$OUT/cfc_bench_socket.json" | tee "$OUT/cfc_bench_socket.md" ;;
+esac; done

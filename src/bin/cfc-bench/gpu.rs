@@ -1,0 +1,355 @@
+//! `cfc-bench --gpu N`: plain NCCL against cfc's GPU all-reduce, one thread per local GPU.
+//!
+//! Every rank's input is the bench's data tiled from its own offset (as on the CPU). For each
+//! size it times, in this order and on the same communicators:
+//!
+//! * `nccl-fp32`: `ncclAllReduce` (average) of the float32 buffer;
+//! * `nccl-bf16`: the same of a bfloat16 copy (the cast is not timed);
+//! * `cfc@B`: [`GpuAllReducer`] with eps = B x the data's RMS and error feedback.
+//!
+//! Each timed call starts from the same input (copied in, not timed) after every rank's thread
+//! has met at a barrier, and ends when the rank's stream is done (the result is on the device).
+//! The time of a call is the slowest rank's; the table gives the median. The first call of
+//! each method is not timed (NCCL's and NVRTC's set-up; for cfc the first exchange, which sizes
+//! the slots): it is the one whose error is checked, against the exact average of the inputs
+//! computed on the host, with zero residuals. "call" is the median time until
+//! `allreduce` returned to the caller, before the decoding on the GPU is done.
+//!
+//! NCCL picks its transport as usual: over NVLink between GPUs of one host, or over TCP with
+//! `NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_NET=Socket` (what `scripts/gpu_setup.sh` calls
+//! `$SOCK`), the stand-in for a network.
+
+use super::{label, rank_input, Args};
+use cfc::gpu_allreduce::{GpuAllReduceOptions, GpuAllReducer};
+use cfc::nccl::{Communicator, UniqueId};
+use cfc::DType;
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
+use std::io::{IsTerminal, Write};
+use std::sync::{Arc, Barrier, Mutex};
+use std::time::Instant;
+
+struct Row {
+    size: usize,
+    method: String,
+    seconds: f64,
+    call_seconds: Option<f64>,
+    bytes_sent: u64,
+    max_err_over_eps: Option<f64>,
+}
+
+/// One method's per-rank results: per-call seconds (and until the call returned), bytes sent,
+/// largest error of the first call over eps (rank 0 only).
+type Timing = (Vec<f64>, Vec<f64>, u64, Option<f64>);
+
+enum Method {
+    Plain(DType),
+    Cfc(f64),
+}
+
+fn name(m: &Method) -> String {
+    match m {
+        Method::Plain(DType::F32) => "nccl-fp32".into(),
+        Method::Plain(_) => "nccl-bf16".into(),
+        Method::Cfc(b) => format!("cfc@{b}"),
+    }
+}
+
+fn err(e: impl std::fmt::Display) -> String {
+    e.to_string()
+}
+
+fn ptr(d: &CudaSlice<u8>, s: &Arc<CudaStream>) -> u64 {
+    d.device_ptr(s).0
+}
+
+/// Times every method at one size on this rank. Rank 0 also checks the first cfc call's error.
+#[allow(clippy::too_many_arguments)]
+fn one_size(
+    reducer: &mut GpuAllReducer,
+    stream: &Arc<CudaStream>,
+    barrier: &Barrier,
+    methods: &[Method],
+    x: &[f32],
+    exact: Option<&[f64]>,
+    rms: f64,
+    iters: usize,
+    chunk_numel: u64,
+) -> Result<Vec<Timing>, String> {
+    let n = x.len();
+    let f32_bytes: Vec<u8> = x.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let bf16_bytes: Vec<u8> = x
+        .iter()
+        .flat_map(|&v| half::bf16::from_f32(v).to_le_bytes())
+        .collect();
+    let pristine = [
+        stream.clone_htod(&f32_bytes).map_err(err)?,
+        stream.clone_htod(&bf16_bytes).map_err(err)?,
+    ];
+    let mut work = [
+        stream.alloc_zeros::<u8>(f32_bytes.len()).map_err(err)?,
+        stream.alloc_zeros::<u8>(bf16_bytes.len()).map_err(err)?,
+    ];
+    drop((f32_bytes, bf16_bytes));
+    let cu = stream.cu_stream();
+    let mut out = Vec::new();
+    for m in methods {
+        let k = match m {
+            Method::Plain(DType::BF16) => 1,
+            _ => 0,
+        };
+        let (mut times, mut calls, mut sent, mut max_err) = (Vec::new(), Vec::new(), 0, None);
+        for i in 0..=iters {
+            stream
+                .memcpy_dtod(&pristine[k], &mut work[k])
+                .map_err(err)?;
+            stream.synchronize().map_err(err)?;
+            barrier.wait();
+            let t0 = Instant::now();
+            let data = ptr(&work[k], stream);
+            let returned = match m {
+                Method::Plain(dtype) => {
+                    // SAFETY: `work[k]` holds `n` elements of `dtype` on this rank's device.
+                    unsafe {
+                        reducer
+                            .communicator()
+                            .all_reduce(data, data, n, *dtype, true, cu)
+                    }
+                    .map_err(err)?;
+                    None
+                }
+                Method::Cfc(b) => {
+                    let opts = GpuAllReduceOptions {
+                        chunk_numel,
+                        ..GpuAllReduceOptions::new(b * rms)
+                    };
+                    // SAFETY: `work[0]` holds `n` float32 on this rank's device, read back
+                    // below on the same stream.
+                    let report = unsafe {
+                        reducer.allreduce(cu as usize, data, n as u64, DType::F32, &opts)
+                    }
+                    .map_err(err)?;
+                    sent = report.bytes_sent;
+                    Some(t0.elapsed().as_secs_f64())
+                }
+            };
+            reducer.communicator().wait(stream).map_err(err)?;
+            let dt = t0.elapsed().as_secs_f64();
+            if i == 0 {
+                if let (Method::Cfc(b), Some(exact)) = (m, exact) {
+                    let y: Vec<u8> = stream.clone_dtoh(&work[0]).map_err(err)?;
+                    let eps = b * rms;
+                    max_err = Some(
+                        y.chunks_exact(4)
+                            .zip(exact)
+                            .map(|(c, &e)| {
+                                (f32::from_le_bytes([c[0], c[1], c[2], c[3]]) as f64 - e).abs()
+                                    / eps
+                            })
+                            .fold(0.0, f64::max),
+                    );
+                }
+            } else {
+                times.push(dt);
+                if let Some(r) = returned {
+                    calls.push(r);
+                }
+            }
+        }
+        out.push((times, calls, sent, max_err));
+    }
+    Ok(out)
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Runs the GPU benchmark and prints its table (and JSON with `--json`).
+pub fn run(args: &Args, base: &[f32], rms: f64, source: &str) -> Result<(), String> {
+    let world = args.gpus;
+    let have = cfc::cuda::device_count();
+    if have < world {
+        return Err(format!(
+            "--gpu {world}: only {have} CUDA devices are visible"
+        ));
+    }
+    let nccl = cfc::nccl::library().map_err(err)?;
+    let (major, minor, patch) = nccl.version().map_err(err)?;
+    let mut methods = vec![Method::Plain(DType::F32), Method::Plain(DType::BF16)];
+    methods.extend(args.bounds.iter().map(|&b| Method::Cfc(b)));
+    let id = UniqueId::new().map_err(err)?;
+    let barrier = Barrier::new(world);
+    let total = args.sizes.len();
+    let show = std::io::stderr().is_terminal();
+    let progress = Mutex::new(0usize);
+    // Per size: the exact average, for rank 0's check of the first compressed call.
+    let per_rank: Vec<Result<Vec<Vec<Timing>>, String>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..world)
+            .map(|rank| {
+                let (barrier, methods, id, progress) = (&barrier, &methods, &id, &progress);
+                s.spawn(move || -> Result<Vec<Vec<Timing>>, String> {
+                    // A rank that fails would leave the others at the barrier: end the process.
+                    let fail = |e: String| -> ! {
+                        eprintln!("cfc-bench: rank {rank}: {e}");
+                        std::process::exit(1)
+                    };
+                    let comm =
+                        Communicator::new(rank, id, rank, world).unwrap_or_else(|e| fail(err(e)));
+                    let stream = comm.context().new_stream().unwrap_or_else(|e| fail(err(e)));
+                    let mut reducer = GpuAllReducer::new(comm).unwrap_or_else(|e| fail(err(e)));
+                    let mut all = Vec::new();
+                    for &size in &args.sizes {
+                        let n = size / 4;
+                        let x = rank_input(base, rank, n);
+                        let exact: Option<Vec<f64>> = (rank == 0).then(|| {
+                            let inputs: Vec<Vec<f32>> =
+                                (0..world).map(|r| rank_input(base, r, n)).collect();
+                            (0..n)
+                                .map(|i| {
+                                    inputs.iter().map(|v| v[i] as f64).sum::<f64>() / world as f64
+                                })
+                                .collect()
+                        });
+                        let chunk = (args.chunk_bytes / 4).max(1) as u64;
+                        let t = one_size(
+                            &mut reducer,
+                            &stream,
+                            barrier,
+                            methods,
+                            &x,
+                            exact.as_deref(),
+                            rms,
+                            args.iters,
+                            chunk,
+                        )
+                        .unwrap_or_else(|e| fail(e));
+                        all.push(t);
+                        if rank == 0 && show {
+                            let mut done = progress.lock().unwrap_or_else(|p| p.into_inner());
+                            *done += 1;
+                            let filled = 30 * *done / total;
+                            eprint!(
+                                "\r[{}{}] {}/{total} {}",
+                                "#".repeat(filled),
+                                ".".repeat(30 - filled),
+                                *done,
+                                label(size)
+                            );
+                            if *done == total {
+                                eprintln!();
+                            }
+                        }
+                    }
+                    Ok(all)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|_| Err("a rank panicked".into())))
+            .collect()
+    });
+    let per_rank = per_rank.into_iter().collect::<Result<Vec<_>, _>>()?;
+    let mut rows = Vec::new();
+    for (si, &size) in args.sizes.iter().enumerate() {
+        for (mi, m) in methods.iter().enumerate() {
+            let runs: Vec<&Timing> = per_rank.iter().map(|r| &r[si][mi]).collect();
+            let slowest = (0..args.iters)
+                .map(|i| runs.iter().map(|r| r.0[i]).fold(0.0, f64::max))
+                .collect();
+            let call = (!runs[0].1.is_empty()).then(|| {
+                median(
+                    (0..args.iters)
+                        .map(|i| runs.iter().map(|r| r.1[i]).fold(0.0, f64::max))
+                        .collect(),
+                )
+            });
+            let ring = 2 * (world as u64 - 1) * (size as u64).div_ceil(world as u64);
+            let plain_bytes = match m {
+                Method::Plain(DType::F32) => ring,
+                Method::Plain(_) => ring / 2,
+                Method::Cfc(_) => runs[0].2,
+            };
+            rows.push(Row {
+                size,
+                method: name(m),
+                seconds: median(slowest),
+                call_seconds: call,
+                bytes_sent: plain_bytes,
+                max_err_over_eps: runs[0].3,
+            });
+        }
+    }
+    let env = |k: &str| std::env::var(k).unwrap_or_else(|_| "-".into());
+    println!(
+        "all-reduce (average) on {world} GPUs over NCCL {major}.{minor}.{patch} \
+         (NCCL_P2P_DISABLE={} NCCL_SHM_DISABLE={} NCCL_NET={}); medians of {}, the slowest \
+         rank's; cfc chunks of {}; data: {source}, RMS {rms:.3e}",
+        env("NCCL_P2P_DISABLE"),
+        env("NCCL_SHM_DISABLE"),
+        env("NCCL_NET"),
+        args.iters,
+        label(args.chunk_bytes)
+    );
+    println!(
+        "| size | method | time ms | algbw GB/s | busbw GB/s | vs fp32 | vs bf16 | bytes vs ring fp32 | max err / eps | call returns ms |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|---|");
+    let bus = 2.0 * (world as f64 - 1.0) / world as f64;
+    for r in &rows {
+        let base_of = |m: &str| {
+            rows.iter()
+                .find(|p| p.size == r.size && p.method == m)
+                .map_or(r.seconds, |p| p.seconds)
+        };
+        let ring = 2 * (world as u64 - 1) * (r.size as u64).div_ceil(world as u64);
+        let algbw = r.size as f64 / r.seconds / 1e9;
+        println!(
+            "| {} | {} | {:.3} | {algbw:.1} | {:.1} | {:.2}x | {:.2}x | {} | {} | {} |",
+            label(r.size),
+            r.method,
+            r.seconds * 1e3,
+            algbw * bus,
+            base_of("nccl-fp32") / r.seconds,
+            base_of("nccl-bf16") / r.seconds,
+            if ring == 0 {
+                "-".into()
+            } else {
+                format!("{:.2}x fewer", ring as f64 / r.bytes_sent.max(1) as f64)
+            },
+            r.max_err_over_eps
+                .map_or("-".to_string(), |e| format!("{e:.3}")),
+            r.call_seconds
+                .map_or("-".to_string(), |c| format!("{:.3}", c * 1e3)),
+        );
+    }
+    if let Some(path) = &args.json {
+        let body: Vec<String> = rows
+            .iter()
+            .map(|r| {
+                format!(
+                    "{{\"gpus\": {world}, \"size\": {}, \"method\": \"{}\", \"seconds\": {:e}, \
+                     \"call_seconds\": {}, \"bytes_sent\": {}, \"max_err_over_eps\": {}}}",
+                    r.size,
+                    r.method,
+                    r.seconds,
+                    r.call_seconds.map_or("null".into(), |c| format!("{c:e}")),
+                    r.bytes_sent,
+                    r.max_err_over_eps
+                        .map_or("null".into(), |e| format!("{e:e}"))
+                )
+            })
+            .collect();
+        let text = format!(
+            "{{\"iters\": {}, \"rms\": {rms:e}, \"nccl\": \"{major}.{minor}.{patch}\", \
+             \"rows\": [\n{}\n]}}\n",
+            args.iters,
+            body.join(",\n")
+        );
+        std::fs::File::create(path)
+            .and_then(|mut f| f.write_all(text.as_bytes()))
+            .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+    }
+    Ok(())
+}
