@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On a GPU machine (no Rust there): the Rust side's NCCL tests (tests/nccl.rs) and
 # `cfc-bench --gpu`, built here beforehand and carried in .carry/ (scripts/build_gpu_carry.sh).
-# PARTS picks what runs (default: "tests nvlink socket"); SIZES, ITERS, BOUNDS, CHUNK_MB and
+# PARTS picks what runs (default: "tests nvlink socket"; "chunks" reruns NVLink with 16 and
+# 256 MB chunks); SIZES, ITERS, BOUNDS, CHUNK_MB and
 # GPUS pass on. Output under $OUT.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -16,5 +17,7 @@ ARGS="--gpu ${GPUS:-2} --grads .carry/grads --sizes ${SIZES:-16M,64M,256M} --bou
 for part in $PARTS; do case $part in
   tests) timeout 300 .carry/nccl-tests --test-threads=1 2>&1 | tail -20 | tee "$OUT/rust_nccl_tests.log" ;;
   nvlink) timeout 300 .carry/cfc-bench $ARGS --json "$OUT/cfc_bench_nvlink.json" | tee "$OUT/cfc_bench_nvlink.md" ;;
+  chunks) for mb in 16 256; do timeout 300 .carry/cfc-bench ${ARGS/--chunk-mb ${CHUNK_MB:-64}/--chunk-mb $mb} \
+            | tee "$OUT/cfc_bench_nvlink_chunk${mb}.md"; done ;;
   socket) env $SOCK timeout 400 .carry/cfc-bench $ARGS --json "$OUT/cfc_bench_socket.json" | tee "$OUT/cfc_bench_socket.md" ;;
 esac; done

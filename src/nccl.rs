@@ -51,12 +51,32 @@ struct RawUniqueId {
     internal: [c_char; 128],
 }
 
+/// `ncclConfig_t` as NCCL 2.17 laid it out. NCCL reads a config by its own `size` and
+/// `version` fields and gives every field a newer release added its default, so this prefix
+/// is understood by every release since 2.17.
+#[repr(C)]
+struct RawConfig {
+    size: usize,
+    magic: u32,
+    version: u32,
+    blocking: c_int,
+    cga_cluster_size: c_int,
+    min_ctas: c_int,
+    max_ctas: c_int,
+    net_name: *const c_char,
+}
+
+/// `NCCL_CONFIG_UNDEF_INT`: let NCCL choose.
+const CONFIG_UNDEF: c_int = c_int::MIN;
+
 /// The entry points cfc calls, looked up once.
 pub struct Library {
     path: String,
     get_version: unsafe extern "C" fn(*mut c_int) -> NcclResult,
     get_unique_id: unsafe extern "C" fn(*mut RawUniqueId) -> NcclResult,
-    comm_init_rank: unsafe extern "C" fn(*mut RawComm, c_int, RawUniqueId, c_int) -> NcclResult,
+    comm_init_rank_config:
+        unsafe extern "C" fn(*mut RawComm, c_int, RawUniqueId, c_int, *mut RawConfig) -> NcclResult,
+    comm_finalize: unsafe extern "C" fn(RawComm) -> NcclResult,
     comm_destroy: unsafe extern "C" fn(RawComm) -> NcclResult,
     comm_abort: unsafe extern "C" fn(RawComm) -> NcclResult,
     comm_get_async_error: unsafe extern "C" fn(RawComm, *mut NcclResult) -> NcclResult,
@@ -130,7 +150,8 @@ impl Library {
             path: path.to_string(),
             get_version: sym!("ncclGetVersion"),
             get_unique_id: sym!("ncclGetUniqueId"),
-            comm_init_rank: sym!("ncclCommInitRank"),
+            comm_init_rank_config: sym!("ncclCommInitRankConfig"),
+            comm_finalize: sym!("ncclCommFinalize"),
             comm_destroy: sym!("ncclCommDestroy"),
             comm_abort: sym!("ncclCommAbort"),
             comm_get_async_error: sym!("ncclCommGetAsyncError"),
@@ -349,11 +370,25 @@ impl Communicator {
         let uid = RawUniqueId {
             internal: id.0.map(|b| b as c_char),
         };
-        // SAFETY: valid out pointer; the device's context is current on this thread
+        // Non-blocking: every call returns at once and is then polled, so that a wait for a
+        // peer (here for all to join; later a connection made at the first collective) can
+        // end in a timeout instead of blocking this thread for good.
+        let mut config = RawConfig {
+            size: std::mem::size_of::<RawConfig>(),
+            magic: 0xcafe_beef,
+            version: 21700,
+            blocking: 0,
+            cga_cluster_size: CONFIG_UNDEF,
+            min_ctas: CONFIG_UNDEF,
+            max_ctas: CONFIG_UNDEF,
+            net_name: std::ptr::null(),
+        };
+        // SAFETY: valid out pointer and config; the device's context is current on this thread
         // (`context` binds it), which NCCL takes as the communicator's device.
-        let code = unsafe { (nccl.comm_init_rank)(&mut raw, world as c_int, uid, rank as c_int) };
-        nccl.check(code, "ncclCommInitRank", None)?;
-        Ok(Communicator {
+        let code = unsafe {
+            (nccl.comm_init_rank_config)(&mut raw, world as c_int, uid, rank as c_int, &mut config)
+        };
+        let mut comm = Communicator {
             nccl,
             raw,
             ctx,
@@ -362,7 +397,15 @@ impl Communicator {
             world,
             timeout: default_timeout(),
             broken: None,
-        })
+        };
+        if raw.is_null() {
+            comm.check(code, "ncclCommInitRankConfig")?;
+            return Err(Error::Nccl(
+                "ncclCommInitRankConfig gave no communicator".into(),
+            ));
+        }
+        comm.settle(code, "ncclCommInitRankConfig")?;
+        Ok(comm)
     }
 
     /// This rank.
@@ -412,6 +455,53 @@ impl Communicator {
         self.nccl.check(code, call, Some(self.raw))
     }
 
+    /// Waits until the call that returned `code` has finished on the host (a non-blocking
+    /// communicator returns `ncclInProgress` while it waits, e.g. for a peer to connect),
+    /// polling NCCL's asynchronous state. An error, or the timeout, aborts the communicator.
+    fn settle(&mut self, code: NcclResult, call: &str) -> Result<()> {
+        if code != NCCL_IN_PROGRESS {
+            return match self.check(code, call) {
+                Ok(()) => Ok(()),
+                Err(e) => Err(self.abort_with(e.to_string())),
+            };
+        }
+        let t0 = Instant::now();
+        let mut polls = 0u32;
+        loop {
+            let mut state: NcclResult = NCCL_SUCCESS;
+            // SAFETY: a live communicator and a valid out pointer.
+            let got = unsafe { (self.nccl.comm_get_async_error)(self.raw, &mut state) };
+            self.check(got, "ncclCommGetAsyncError")?;
+            match state {
+                NCCL_SUCCESS => return Ok(()),
+                NCCL_IN_PROGRESS => {}
+                failed => {
+                    let why = self
+                        .check(failed, call)
+                        .err()
+                        .map_or_else(String::new, |e| e.to_string());
+                    return Err(self.abort_with(why));
+                }
+            }
+            if t0.elapsed() > self.timeout {
+                let why = format!(
+                    "rank {} of {}: {call} made no progress within {:.1} s (a peer is gone or \
+                     stalled); the communicator was aborted",
+                    self.rank,
+                    self.world,
+                    self.timeout.as_secs_f64()
+                );
+                return Err(self.abort_with(why));
+            }
+            polls += 1;
+            if polls < 2000 {
+                std::hint::spin_loop();
+            } else {
+                std::thread::sleep(Duration::from_micros(50));
+            }
+        }
+    }
+
     /// Queues an all-reduce of `count` elements of `dtype` from `send` to `recv` (they may be
     /// the same), summed or averaged (`average`), on `stream`.
     ///
@@ -452,7 +542,7 @@ impl Communicator {
                 stream,
             )
         };
-        self.check(code, "ncclAllReduce")
+        self.settle(code, "ncclAllReduce")
     }
 
     /// Queues an all-gather of `bytes` bytes from every rank: rank `j`'s land at
@@ -483,7 +573,7 @@ impl Communicator {
                 stream,
             )
         };
-        self.check(code, "ncclAllGather")
+        self.settle(code, "ncclAllGather")
     }
 
     /// Queues, as one group, a send of `sends[j]` (address, bytes) to every rank `j` and a
@@ -542,8 +632,9 @@ impl Communicator {
         }
         // The group is always closed, even after a failed call inside it.
         // SAFETY: no arguments; closes the group opened above.
-        let end = self.check(unsafe { (nccl.group_end)() }, "ncclGroupEnd");
-        first_err.and(end)
+        let end = unsafe { (nccl.group_end)() };
+        let settled = self.settle(end, "ncclGroupEnd");
+        first_err.and(settled)
     }
 
     /// Waits until `stream` has done everything queued on it so far, polling the stream and
@@ -585,8 +676,8 @@ impl Communicator {
             }
             if t0.elapsed() > self.timeout {
                 let why = format!(
-                    "rank {} of {}: no progress within {:.1} s (a peer is gone or stalled); the \
-                     communicator was aborted",
+                    "rank {} of {}: the queued work made no progress within {:.1} s (a peer is \
+                     gone or stalled); the communicator was aborted",
                     self.rank,
                     self.world,
                     self.timeout.as_secs_f64()
@@ -630,8 +721,14 @@ impl Drop for Communicator {
             return;
         }
         let _ = self.ctx.bind_to_thread();
-        // SAFETY: a live communicator, destroyed once; NCCL waits for its pending work.
-        let _ = unsafe { (self.nccl.comm_destroy)(self.raw) };
+        // Finalize (which a non-blocking communicator does in the background: polled, within
+        // the timeout), then free; a communicator that cannot finalize is aborted instead.
+        // SAFETY: a live communicator.
+        let code = unsafe { (self.nccl.comm_finalize)(self.raw) };
+        if self.settle(code, "ncclCommFinalize").is_ok() {
+            // SAFETY: a live, finalized communicator, destroyed once.
+            let _ = unsafe { (self.nccl.comm_destroy)(self.raw) };
+        }
     }
 }
 
