@@ -2,7 +2,8 @@
 # On a GPU machine (no Rust there): the Rust side's NCCL tests (tests/nccl.rs) and
 # `cfc-bench --gpu`, built here beforehand and carried in .carry/ (scripts/build_gpu_carry.sh).
 # PARTS picks what runs (default: "tests nvlink socket"; "chunks" reruns NVLink with 16 and
-# 256 MB chunks; "py" runs `python -m cfc.bench` over NVLink, the same all-reduce through PyTorch); SIZES, ITERS, BOUNDS, CHUNK_MB and
+# 256 MB chunks; "py" runs `python -m cfc.bench` over NVLink, the same all-reduce through PyTorch;
+# "blocking" reruns NVLink with blocking NCCL communicators, CFC_NCCL_BLOCKING=1); SIZES, ITERS, BOUNDS, CHUNK_MB and
 # GPUS pass on. Output under $OUT.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -20,6 +21,7 @@ for part in $PARTS; do case $part in
          timeout 60 .carry/nccl-tests --exact a_peer_that_never_comes_is_an_error_after_the_timeout 2>&1 | tail -6 | tee -a "$OUT/rust_nccl_tests.log" ;;
   nvlink) timeout 300 .carry/cfc-bench $ARGS --json "$OUT/cfc_bench_nvlink.json" | tee "$OUT/cfc_bench_nvlink.md" ;;
   py) SIZES=${SIZES:-16M,64M,256M} PARTS=nvlink ITERS=${ITERS:-20} bash scripts/gpu_allreduce.sh 2>&1 | tail -12 ;;
+  blocking) CFC_NCCL_BLOCKING=1 timeout 300 .carry/cfc-bench $ARGS | tee "$OUT/cfc_bench_nvlink_blocking.md" ;;
   chunks) for mb in 16 256; do timeout 300 .carry/cfc-bench ${ARGS/--chunk-mb ${CHUNK_MB:-64}/--chunk-mb $mb} \
             | tee "$OUT/cfc_bench_nvlink_chunk${mb}.md"; done ;;
   socket) env $SOCK timeout 400 .carry/cfc-bench $ARGS --json "$OUT/cfc_bench_socket.json" | tee "$OUT/cfc_bench_socket.md" ;;

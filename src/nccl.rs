@@ -372,12 +372,14 @@ impl Communicator {
         };
         // Non-blocking: every call returns at once and is then polled, so that a wait for a
         // peer (here for all to join; later a connection made at the first collective) can
-        // end in a timeout instead of blocking this thread for good.
+        // end in a timeout instead of blocking this thread for good. `CFC_NCCL_BLOCKING=1`
+        // makes NCCL's calls block instead (only the waits for the GPU then time out).
+        let blocking = std::env::var("CFC_NCCL_BLOCKING").is_ok_and(|v| v == "1");
         let mut config = RawConfig {
             size: std::mem::size_of::<RawConfig>(),
             magic: 0xcafe_beef,
             version: 21700,
-            blocking: 0,
+            blocking: blocking as c_int,
             cga_cluster_size: CONFIG_UNDEF,
             min_ctas: CONFIG_UNDEF,
             max_ctas: CONFIG_UNDEF,
