@@ -14,7 +14,7 @@ CFC_NCCL_LIBRARY=$(python3 -c "import nvidia.nccl, os; print(os.path.join(list(n
 export CFC_NCCL_LIBRARY CFC_REQUIRE_GPU=1
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 PARTS=${PARTS:-tests nvlink socket}
-ARGS="--gpu ${GPUS:-2} --grads .carry/grads --sizes ${SIZES:-16M,64M,256M} --bounds ${BOUNDS:-0.3} --iters ${ITERS:-20} --chunk-mb ${CHUNK_MB:-64}"
+ARGS="--gpu ${GPUS:-2} --grads .carry/grads --sizes ${SIZES:-16M,64M,256M} --bounds ${BOUNDS:-0.3} --iters ${ITERS:-20} --chunk-mb ${CHUNK_MB:-256}"
 for part in $PARTS; do case $part in
   tests) timeout 200 .carry/nccl-tests --test-threads=1 --skip a_peer_that_never_comes 2>&1 | tail -20 | tee "$OUT/rust_nccl_tests.log"
          # the one that waits for a timeout on purpose, on its own (bounded if it hangs)
@@ -22,7 +22,7 @@ for part in $PARTS; do case $part in
   nvlink) timeout 300 .carry/cfc-bench $ARGS --json "$OUT/cfc_bench_nvlink.json" | tee "$OUT/cfc_bench_nvlink.md" ;;
   py) SIZES=${SIZES:-16M,64M,256M} PARTS=nvlink ITERS=${ITERS:-20} bash scripts/gpu_allreduce.sh 2>&1 | tail -12 ;;
   blocking) CFC_NCCL_BLOCKING=1 timeout 300 .carry/cfc-bench $ARGS | tee "$OUT/cfc_bench_nvlink_blocking.md" ;;
-  chunks) for mb in 16 256; do timeout 300 .carry/cfc-bench ${ARGS/--chunk-mb ${CHUNK_MB:-64}/--chunk-mb $mb} \
+  chunks) for mb in 16 256; do timeout 300 .carry/cfc-bench ${ARGS/--chunk-mb ${CHUNK_MB:-256}/--chunk-mb $mb} \
             | tee "$OUT/cfc_bench_nvlink_chunk${mb}.md"; done ;;
   socket) env $SOCK timeout 400 .carry/cfc-bench $ARGS --json "$OUT/cfc_bench_socket.json" | tee "$OUT/cfc_bench_socket.md" ;;
 esac; done

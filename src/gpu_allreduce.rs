@@ -48,13 +48,15 @@ pub struct GpuAllReduceOptions {
 }
 
 impl GpuAllReduceOptions {
-    /// An average with error feedback, in chunks of 16 Mi elements.
+    /// An average with error feedback, in chunks of 64 Mi elements (256 MB of float32: over
+    /// NVLink, 256 MB chunks took 1.05-1.14 ms for 256 MB against 1.16-1.24 ms with 64 MB
+    /// chunks and 2.4 ms with 16 MB ones, `docs/perf-notes.md`; over sockets they were as fast).
     pub fn new(eps: f64) -> GpuAllReduceOptions {
         GpuAllReduceOptions {
             bound: Bound::Abs(eps),
             average: true,
             feedback: true,
-            chunk_numel: 1 << 24,
+            chunk_numel: 1 << 26,
         }
     }
 }

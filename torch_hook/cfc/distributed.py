@@ -114,8 +114,8 @@ def all_reduce(
 
     if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu":
         raise ValueError(
-            "cfc.distributed.all_reduce takes CPU tensors (the NCCL transport for CUDA tensors "
-            "is not in this release)"
+            "cfc.distributed.all_reduce takes CPU tensors; CUDA tensors go through "
+            "cfc.distributed.AllReducer (compressed on the GPU, exchanged over NCCL)"
         )
     data, name, shape = _tensor_bytes(tensor)
     r = None

@@ -21,7 +21,7 @@
 //!
 //! Run: `cargo run --release --bin cfc-bench -- [--ranks 2,4,8] [--sizes 1M,4M,16M]
 //! [--bounds 0.3,0.1] [--iters 5] [--grads DIR] [--json FILE]`, or with the GPUs
-//! `cargo run --release --features cuda --bin cfc-bench -- --gpu 2 [--chunk-mb 64] ...`
+//! `cargo run --release --features cuda --bin cfc-bench -- --gpu 2 [--chunk-mb 256] ...`
 
 use cfc::collective::{allreduce, Algorithm, AllReduceOptions, InProcess, Transport};
 use cfc::Bound;
@@ -36,7 +36,7 @@ mod gpu;
 mod grads;
 
 const USAGE: &str = "usage: cfc-bench [--ranks 2,4,8] [--sizes 1M,4M,16M] [--bounds 0.3,0.1] \
-[--iters 5] [--grads DIR] [--json FILE] [--gpu N [--chunk-mb 64]]
+[--iters 5] [--grads DIR] [--json FILE] [--gpu N [--chunk-mb 256]]
 Compressed all-reduce against an uncompressed one over threads (in-process transport, CPU),
 or with --gpu N over NCCL on N local GPUs, a thread each (a build with the cuda feature).";
 
@@ -86,7 +86,7 @@ fn parse_args() -> Result<Args, String> {
         grads: None,
         json: None,
         gpus: 0,
-        chunk_bytes: 64 << 20,
+        chunk_bytes: 256 << 20,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
