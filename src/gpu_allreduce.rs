@@ -92,7 +92,9 @@ struct Plan {
 /// Every rank calls [`GpuAllReducer::allreduce`] with the same size, dtype and options, in the
 /// same order. The first call with new ones checks that (one small exchange): ranks that
 /// disagree all get [`Error::RankMismatch`]. The residuals are kept while the size and options
-/// stay the same; a call with others starts afresh.
+/// stay the same; a call with others starts afresh. The bound may change from call to call
+/// and differ between ranks (each frame carries its step): the average is then within the
+/// mean of the ranks' bounds, and the report gives this rank's.
 pub struct GpuAllReducer {
     comm: Communicator,
     stream: Arc<CudaStream>,
@@ -107,15 +109,16 @@ impl std::fmt::Debug for GpuAllReducer {
     }
 }
 
-/// The options and buffer every rank must agree on.
-fn descriptor(n: u64, dtype: DType, eps: f64, o: &GpuAllReduceOptions) -> Vec<u8> {
+/// The buffer and options every rank must agree on. Not the bound: each frame carries its own
+/// step and `decode_sum` adds frames of any steps, so a bound that changes from call to call
+/// (e.g. a multiple of the data's RMS) keeps the residuals and needs no new agreement.
+fn descriptor(n: u64, dtype: DType, o: &GpuAllReduceOptions) -> Vec<u8> {
     let mut d = Vec::with_capacity(32);
     d.extend_from_slice(&n.to_le_bytes());
     d.push(dtype.code());
     d.push(o.average as u8);
     d.push(o.feedback as u8);
     d.push(0);
-    d.extend_from_slice(&eps.to_le_bytes());
     d.extend_from_slice(&o.chunk_numel.to_le_bytes());
     d.resize(32, 0);
     d
@@ -129,12 +132,11 @@ fn describe(d: &[u8]) -> String {
     }
     let dtype = DType::from_code(d[8]).map_or("?", |t| t.name());
     format!(
-        "{} x {dtype}, eps={:e}, average={}, feedback={}, chunk={}",
+        "{} x {dtype}, average={}, feedback={}, chunk={}",
         u64_at(0),
-        f64::from_bits(u64_at(12)),
         d[9] != 0,
         d[10] != 0,
-        u64_at(20)
+        u64_at(12)
     )
 }
 
@@ -187,8 +189,8 @@ impl GpuAllReducer {
         Ok(())
     }
 
-    fn plan(&mut self, n: u64, dtype: DType, eps: f64, o: &GpuAllReduceOptions) -> Result<()> {
-        let d = descriptor(n, dtype, eps, o);
+    fn plan(&mut self, n: u64, dtype: DType, o: &GpuAllReduceOptions) -> Result<()> {
+        let d = descriptor(n, dtype, o);
         if self.plan.as_ref().is_some_and(|p| p.descriptor == d) {
             return Ok(());
         }
@@ -311,7 +313,7 @@ impl GpuAllReducer {
         self.stream
             .wait(&caller.record_event(None).map_err(driver_err)?)
             .map_err(driver_err)?;
-        self.plan(n, dtype, eps, opts)?;
+        self.plan(n, dtype, opts)?;
         let (world, device) = (self.comm.world() as u64, self.comm.device());
         let size = dtype.size() as u64;
         let ring = 2 * (world - 1) * (n * size).div_ceil(world);

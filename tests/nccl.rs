@@ -330,7 +330,9 @@ fn error_feedback_makes_the_running_mean_converge_on_the_gpu() {
         let mut first_err = 0f64;
         for call in 0..calls {
             let d = upload(&stream, &x, DType::F32);
-            let opts = GpuAllReduceOptions::new(eps);
+            // A bound that changes from call to call (as a multiple of the RMS would) keeps
+            // the residuals: were they reset, every call would give the same rounded values.
+            let opts = GpuAllReduceOptions::new(eps * (1.0 - 0.05 * (call % 2) as f64));
             reduce(&mut reducer, &stream, &d, DType::F32, &opts).unwrap();
             let y = download(&stream, &d, DType::F32);
             for (s, v) in sum.iter_mut().zip(&y) {
