@@ -48,7 +48,7 @@ const RAW_FLAG_OFFSET: u64 = 72;
 /// Offset in the workspace of the bound error flag (u32; nonzero: rel gave an unusable eps).
 pub const BOUND_ERROR_OFFSET: u64 = 40;
 
-fn driver_err(e: cudarc::driver::DriverError) -> Error {
+pub(crate) fn driver_err(e: cudarc::driver::DriverError) -> Error {
     Error::Cuda(format!("{e:?}"))
 }
 

@@ -22,9 +22,10 @@
 
 use crate::collective::AllReduceReport;
 use crate::cuda;
+use crate::cuda::driver_err;
 use crate::error::{Error, Result};
 use crate::format::{DType, FIXED_HEADER_LEN};
-use crate::gpu_memory::{driver_err, DeviceBuffer, PinnedBuffer};
+use crate::gpu_memory::{DeviceBuffer, PinnedBuffer};
 use crate::nccl::Communicator;
 use crate::Bound;
 use cudarc::driver::{result, CudaEvent, CudaStream};

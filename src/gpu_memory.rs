@@ -4,13 +4,10 @@
 //! buffers that belong to no caller. The codec in [`crate::cuda`] never allocates: it works in
 //! the caller's memory.
 
+use crate::cuda::driver_err;
 use crate::error::{Error, Result};
 use cudarc::driver::{result, CudaContext};
 use std::sync::Arc;
-
-pub(crate) fn driver_err(e: cudarc::driver::DriverError) -> Error {
-    Error::Cuda(format!("{e:?}"))
-}
 
 /// `len` bytes of device memory in `ctx`, freed on drop.
 pub(crate) struct DeviceBuffer {

@@ -20,8 +20,9 @@
 //! lives on the GPU.
 
 use crate::collective::Transport;
+use crate::cuda::driver_err;
 use crate::error::{Error, Result};
-use crate::gpu_memory::{driver_err, DeviceBuffer};
+use crate::gpu_memory::DeviceBuffer;
 use crate::DType;
 use cudarc::driver::{result, sys, CudaContext, CudaEvent, CudaStream};
 use std::ffi::{c_char, c_int, c_void, CStr};
@@ -467,27 +468,39 @@ impl Communicator {
                 Err(e) => Err(self.abort_with(e.to_string())),
             };
         }
+        self.poll(call, |c| Ok(c.async_state(call)? == NCCL_SUCCESS))
+    }
+
+    /// NCCL's asynchronous state of the communicator: `ncclSuccess` or `ncclInProgress`; a
+    /// failure (reported as one of `what`) aborts the communicator and is returned.
+    fn async_state(&mut self, what: &str) -> Result<NcclResult> {
+        let mut state: NcclResult = NCCL_SUCCESS;
+        // SAFETY: a live communicator and a valid out pointer.
+        let got = unsafe { (self.nccl.comm_get_async_error)(self.raw, &mut state) };
+        self.check(got, "ncclCommGetAsyncError")?;
+        if state != NCCL_SUCCESS && state != NCCL_IN_PROGRESS {
+            let why = self
+                .check(state, what)
+                .err()
+                .map_or_else(String::new, |e| e.to_string());
+            return Err(self.abort_with(why));
+        }
+        Ok(state)
+    }
+
+    /// Calls `done` until it says so (or fails), within the timeout: past it, `what` "made no
+    /// progress" and the communicator is aborted. Spins briefly first (a collective usually
+    /// ends within microseconds of its data), then leaves the core to others.
+    fn poll(&mut self, what: &str, mut done: impl FnMut(&mut Self) -> Result<bool>) -> Result<()> {
         let t0 = Instant::now();
         let mut polls = 0u32;
         loop {
-            let mut state: NcclResult = NCCL_SUCCESS;
-            // SAFETY: a live communicator and a valid out pointer.
-            let got = unsafe { (self.nccl.comm_get_async_error)(self.raw, &mut state) };
-            self.check(got, "ncclCommGetAsyncError")?;
-            match state {
-                NCCL_SUCCESS => return Ok(()),
-                NCCL_IN_PROGRESS => {}
-                failed => {
-                    let why = self
-                        .check(failed, call)
-                        .err()
-                        .map_or_else(String::new, |e| e.to_string());
-                    return Err(self.abort_with(why));
-                }
+            if done(self)? {
+                return Ok(());
             }
             if t0.elapsed() > self.timeout {
                 let why = format!(
-                    "rank {} of {}: {call} made no progress within {:.1} s (a peer is gone or \
+                    "rank {} of {}: {what} made no progress within {:.1} s (a peer is gone or \
                      stalled); the communicator was aborted",
                     self.rank,
                     self.world,
@@ -659,42 +672,13 @@ impl Communicator {
     /// As [`Communicator::wait`].
     pub fn wait_event(&mut self, event: &CudaEvent) -> Result<()> {
         self.usable()?;
-        let t0 = Instant::now();
-        let mut polls = 0u32;
-        loop {
+        self.poll("the queued work", |c| {
             if event.try_is_complete().map_err(driver_err)? {
-                return Ok(());
+                return Ok(true);
             }
-            let mut async_err: NcclResult = NCCL_SUCCESS;
-            // SAFETY: a live communicator and a valid out pointer.
-            let code = unsafe { (self.nccl.comm_get_async_error)(self.raw, &mut async_err) };
-            self.check(code, "ncclCommGetAsyncError")?;
-            if async_err != NCCL_SUCCESS && async_err != NCCL_IN_PROGRESS {
-                let why = self
-                    .check(async_err, "an NCCL collective")
-                    .err()
-                    .map_or_else(String::new, |e| e.to_string());
-                return Err(self.abort_with(why));
-            }
-            if t0.elapsed() > self.timeout {
-                let why = format!(
-                    "rank {} of {}: the queued work made no progress within {:.1} s (a peer is \
-                     gone or stalled); the communicator was aborted",
-                    self.rank,
-                    self.world,
-                    self.timeout.as_secs_f64()
-                );
-                return Err(self.abort_with(why));
-            }
-            // Spin briefly (a collective usually ends within microseconds of its data), then
-            // leave the core to others.
-            polls += 1;
-            if polls < 2000 {
-                std::hint::spin_loop();
-            } else {
-                std::thread::sleep(Duration::from_micros(50));
-            }
-        }
+            c.async_state("an NCCL collective")?;
+            Ok(false)
+        })
     }
 
     /// Leaves the communicator at once, without waiting for its peers (as a rank that gives
