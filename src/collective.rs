@@ -89,6 +89,13 @@ pub struct AllReduceReport {
     pub bytes_uncompressed: u64,
 }
 
+/// Bytes each rank sends in a ring all-reduce of `nbytes` over `world` ranks: what every
+/// compressed all-reduce is compared with.
+pub fn ring_bytes(nbytes: u64, world: usize) -> u64 {
+    let world = world.max(1) as u64;
+    2 * (world - 1) * nbytes.div_ceil(world)
+}
+
 /// The options and buffer every rank must agree on, as sent in the agreement round.
 fn descriptor<T: Element>(
     n: usize,
@@ -253,7 +260,7 @@ pub fn allreduce<T: Element, X: Transport + ?Sized>(
             eps * world as f64
         },
         bytes_sent: sent,
-        bytes_uncompressed: 2 * (world as u64 - 1) * (n as u64 * size).div_ceil(world as u64),
+        bytes_uncompressed: ring_bytes(n as u64 * size, world),
     };
     Ok((out, report))
 }

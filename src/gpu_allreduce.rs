@@ -317,7 +317,7 @@ impl GpuAllReducer {
         self.plan(n, dtype, opts)?;
         let (world, device) = (self.comm.world() as u64, self.comm.device());
         let size = dtype.size() as u64;
-        let ring = 2 * (world - 1) * (n * size).div_ceil(world);
+        let ring = crate::collective::ring_bytes(n * size, world as usize);
         let comm_cu = self.stream.cu_stream();
         let plan = self.plan.as_mut().expect("planned above");
         let mut sent = 0u64;

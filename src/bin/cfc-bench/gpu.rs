@@ -20,6 +20,7 @@
 //! `$SOCK`), the stand-in for a network.
 
 use super::{label, rank_input, Args};
+use cfc::collective::ring_bytes;
 use cfc::gpu_allreduce::{GpuAllReduceOptions, GpuAllReducer};
 use cfc::nccl::{Communicator, UniqueId};
 use cfc::DType;
@@ -265,7 +266,7 @@ pub fn run(args: &Args, base: &[f32], rms: f64, source: &str) -> Result<(), Stri
                         .collect(),
                 )
             });
-            let ring = 2 * (world as u64 - 1) * (size as u64).div_ceil(world as u64);
+            let ring = ring_bytes(size as u64, world);
             let plain_bytes = match m {
                 Method::Plain(DType::F32) => ring,
                 Method::Plain(_) => ring / 2,
@@ -303,7 +304,7 @@ pub fn run(args: &Args, base: &[f32], rms: f64, source: &str) -> Result<(), Stri
                 .find(|p| p.size == r.size && p.method == m)
                 .map_or(r.seconds, |p| p.seconds)
         };
-        let ring = 2 * (world as u64 - 1) * (r.size as u64).div_ceil(world as u64);
+        let ring = ring_bytes(r.size as u64, world);
         let algbw = r.size as f64 / r.seconds / 1e9;
         println!(
             "| {} | {} | {:.3} | {algbw:.1} | {:.1} | {:.2}x | {:.2}x | {} | {} | {} |",

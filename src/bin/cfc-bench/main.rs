@@ -23,7 +23,7 @@
 //! [--bounds 0.3,0.1] [--iters 5] [--grads DIR] [--json FILE]`, or with the GPUs
 //! `cargo run --release --features cuda --bin cfc-bench -- --gpu 2 [--chunk-mb 256] ...`
 
-use cfc::collective::{allreduce, Algorithm, AllReduceOptions, InProcess, Transport};
+use cfc::collective::{allreduce, ring_bytes, Algorithm, AllReduceOptions, InProcess, Transport};
 use cfc::Bound;
 use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
@@ -362,7 +362,7 @@ fn main() {
                 .map(|i| inputs.iter().map(|x| x[i] as f64).sum::<f64>() / world as f64)
                 .collect();
             drop(inputs);
-            let ring_bytes = 2 * (world as u64 - 1) * (size as u64).div_ceil(world as u64);
+            let ring_bytes = ring_bytes(size as u64, world);
             for (name, o) in &methods {
                 let (seconds, sent, err) = measure(world, &base, n, args.iters, *o, &exact);
                 rows.push(Row {
