@@ -51,6 +51,25 @@ __device__ void max_abs(const typename D::T* x, u64 n, CfcParams* p, const float
     }
 DEFINE_FOR_DTYPES(MAX_ABS)
 
+// Error feedback ahead of an uncompressed send (the GPU all-reduce falling back to NCCL's own
+// all-reduce): x = dtype(x + r) and r = 0, so what earlier compressed calls dropped goes out
+// with this one. The rounding of x + r to a 16-bit dtype is not kept: a plain send of that
+// dtype rounds the same way, and keeping it would cost this pass on every later plain call.
+template <class D>
+__device__ void fold_residual(typename D::T* x, u64 n, float* residual) {
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
+        typename D::T xi = x[i];
+        x[i] = cfc_sent_value<D>(xi, cfc_compensate(D::to_f32(xi), residual[i]));
+        residual[i] = 0.0f;
+    }
+}
+
+#define FOLD_RESIDUAL(name, D)                                                                     \
+    extern "C" __global__ void cfc_codec_fold_residual_##name(D::T* x, u64 n, float* residual) {   \
+        fold_residual<D>(x, n, residual);                                                          \
+    }
+DEFINE_FOR_DTYPES(FOLD_RESIDUAL)
+
 // The quantization parameters of mode 0 abs (value = eps), 1 rel (value = rel) or 2 bits
 // (value = bits), from the largest finite magnitude `max`. Mirrors quantizer_for() in
 // src/codec.rs; error 1 = the resulting eps is unusable. Every block of the encoder computes

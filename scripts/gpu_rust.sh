@@ -4,7 +4,7 @@
 # PARTS picks what runs (default: "tests nvlink socket"; "chunks" reruns NVLink with 16 and
 # 256 MB chunks; "py" runs `python -m cfc.bench` over NVLink, the same all-reduce through PyTorch;
 # "blocking" reruns NVLink with blocking NCCL communicators, CFC_NCCL_BLOCKING=1); SIZES, ITERS, BOUNDS, CHUNK_MB and
-# GPUS pass on. Output under $OUT.
+# GPUS pass on. Output under $OUT (tables, JSON, PNG: the PNG is drawn by the carried wheel).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source scripts/gpu_setup.sh
@@ -19,10 +19,10 @@ for part in $PARTS; do case $part in
   tests) timeout 200 .carry/nccl-tests --test-threads=1 --skip a_peer_that_never_comes 2>&1 | tail -20 | tee "$OUT/rust_nccl_tests.log"
          # the one that waits for a timeout on purpose, on its own (bounded if it hangs)
          timeout 60 .carry/nccl-tests --exact a_peer_that_never_comes_is_an_error_after_the_timeout 2>&1 | tail -6 | tee -a "$OUT/rust_nccl_tests.log" ;;
-  nvlink) timeout 300 .carry/cfc-bench $ARGS --json "$OUT/cfc_bench_nvlink.json" | tee "$OUT/cfc_bench_nvlink.md" ;;
+  nvlink) timeout 300 .carry/cfc-bench $ARGS --json "$OUT/cfc_bench_nvlink.json" --png "$OUT/cfc_bench_nvlink.png" | tee "$OUT/cfc_bench_nvlink.md" ;;
   py) SIZES=${SIZES:-16M,64M,256M} PARTS=nvlink ITERS=${ITERS:-20} bash scripts/gpu_allreduce.sh 2>&1 | tail -12 ;;
   blocking) CFC_NCCL_BLOCKING=1 timeout 300 .carry/cfc-bench $ARGS | tee "$OUT/cfc_bench_nvlink_blocking.md" ;;
   chunks) for mb in 16 256; do timeout 300 .carry/cfc-bench ${ARGS/--chunk-mb ${CHUNK_MB:-256}/--chunk-mb $mb} \
             | tee "$OUT/cfc_bench_nvlink_chunk${mb}.md"; done ;;
-  socket) env $SOCK timeout 400 .carry/cfc-bench $ARGS --json "$OUT/cfc_bench_socket.json" | tee "$OUT/cfc_bench_socket.md" ;;
+  socket) env $SOCK timeout 400 .carry/cfc-bench $ARGS --json "$OUT/cfc_bench_socket.json" --png "$OUT/cfc_bench_socket.png" | tee "$OUT/cfc_bench_socket.md" ;;
 esac; done

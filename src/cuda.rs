@@ -76,6 +76,7 @@ struct Device {
 /// Every kernel one compress or decompress of a dtype launches, looked up once.
 struct Kernels {
     max_abs: CudaFunction,
+    fold: CudaFunction,
     encode: CudaFunction,
     pack: CudaFunction,
     offsets: CudaFunction,
@@ -338,6 +339,7 @@ impl Device {
             .map_err(driver_err)?;
         let k = Arc::new(Kernels {
             max_abs: self.function(c, "max_abs", d)?,
+            fold: self.function(c, "fold_residual", d)?,
             encode,
             pack: self.function(c, "pack_chunks", d)?,
             offsets: self.function(c, "decode_offsets", None)?,
@@ -1675,6 +1677,42 @@ pub unsafe fn decode_sum(args: &DecodeSumArgs<'_>) -> Result<()> {
         launch(&stream, to, Family::Codec, op, one_chunk_per_warp, &sum)?;
     }
     Ok(())
+}
+
+/// Queues `x = dtype(x + r)`, `r = 0` over `n` elements of `dtype` at `data` and their float32
+/// residuals at `residual`, on `stream` of device `ordinal`: error feedback for a call that sends `data` without
+/// compressing it (the GPU all-reduce's fallback to NCCL's own all-reduce). Non-finite values
+/// are left as they are and their residuals dropped, as the compressor does.
+///
+/// # Safety
+/// `data` must hold `n` elements of `dtype` and `residual` `n` float32, both device memory of
+/// `ordinal`, until the queued work completes; `stream` a live stream of the device's primary
+/// context.
+///
+/// # Errors
+/// [`Error::NotQuantizable`] for a dtype other than float32, bfloat16 and float16; CUDA errors.
+pub unsafe fn fold_residual(
+    ordinal: usize,
+    stream: usize,
+    data: u64,
+    n: u64,
+    dtype: DType,
+    residual: u64,
+) -> Result<()> {
+    if !dtype.is_quantizable() {
+        return Err(Error::NotQuantizable(dtype));
+    }
+    if n == 0 {
+        return Ok(());
+    }
+    let _restore = ContextGuard::save()?;
+    let dev = device(ordinal)?;
+    let stream = dev.stream(stream)?;
+    let k = dev.kernels(dtype)?;
+    let cfg = launch_cfg(n.min(dev.grid_blocks * BLOCK as u64), BLOCK);
+    let args = [Arg::Ptr(data), Arg::U64(n), Arg::Ptr(residual)];
+    // SAFETY: this function's contract; `launch` checks the arguments against the signature.
+    unsafe { launch(&stream, &k.fold, Family::Codec, "fold_residual", cfg, &args) }
 }
 
 /// Arguments of [`copy_rows`]: `rows` rows of `width` bytes, from `src` (rows `src_pitch` bytes

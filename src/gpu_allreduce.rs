@@ -19,6 +19,11 @@
 //! the exchange of one chunk overlaps the compression of the next; decoding follows, on the
 //! caller's stream. [`GpuAllReducer::allreduce`] returns once every exchange is done and the
 //! decoding is queued: it waits for the frame sizes, never for the decoding.
+//!
+//! Where compression does not pay (a fast link such as NVLink, a small buffer), the reducer
+//! can give way to NCCL's own all-reduce ([`Fallback`]): always, or after timing both ways on
+//! the first calls with a buffer ([`Fallback::Auto`]). Error feedback survives the switch: the
+//! residuals are added to the input before it goes out uncompressed.
 
 use crate::collective::AllReduceReport;
 use crate::cuda;
@@ -35,6 +40,40 @@ use std::sync::Arc;
 /// stay 16-byte aligned.
 const ROW_HEAD: u64 = 16;
 
+/// When [`GpuAllReducer::allreduce`] sends its input uncompressed, with NCCL's own all-reduce.
+///
+/// An uncompressed call first adds the residuals of earlier compressed calls to the input (and
+/// clears them), so what they dropped still reaches the result; its report has `eps` and
+/// `bound` 0 (the result is NCCL's, exact but for its rounding).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fallback {
+    /// Always compress.
+    Never,
+    /// Never compress: e.g. for warm-up steps, or to compare.
+    Always,
+    /// Try both, then keep the faster. The first `2 * trials` calls with a buffer alternate
+    /// compressed and uncompressed, each timed from the call to its result on the device, after
+    /// the ranks have lined up (so a rank that arrives late does not count against a way);
+    /// then the ranks exchange their times and all take the way whose slowest rank's best time
+    /// was lower, for as long as the size and options stay the same. `trials` of 0 counts as 1;
+    /// the first compressed call also sizes the slots and may compile the kernels, so 2 or more
+    /// give a fairer choice.
+    Auto {
+        /// Timed calls of each way.
+        trials: u32,
+    },
+}
+
+impl Fallback {
+    fn code(self) -> (u8, u32) {
+        match self {
+            Fallback::Never => (0, 0),
+            Fallback::Always => (1, 0),
+            Fallback::Auto { trials } => (2, trials.max(1)),
+        }
+    }
+}
+
 /// Options of [`GpuAllReducer::allreduce`].
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct GpuAllReduceOptions {
@@ -46,18 +85,22 @@ pub struct GpuAllReduceOptions {
     pub feedback: bool,
     /// Elements per chunk.
     pub chunk_numel: u64,
+    /// When to send the input uncompressed instead.
+    pub fallback: Fallback,
 }
 
 impl GpuAllReduceOptions {
     /// An average with error feedback, in chunks of 64 Mi elements (256 MB of float32: over
     /// NVLink, 256 MB chunks took 1.05-1.14 ms for 256 MB against 1.16-1.24 ms with 64 MB
-    /// chunks and 2.4 ms with 16 MB ones, `docs/perf-notes.md`; over sockets they were as fast).
+    /// chunks and 2.4 ms with 16 MB ones, `docs/perf-notes.md`; over sockets they were as fast),
+    /// always compressed.
     pub fn new(eps: f64) -> GpuAllReduceOptions {
         GpuAllReduceOptions {
             bound: Bound::Abs(eps),
             average: true,
             feedback: true,
             chunk_numel: 1 << 26,
+            fallback: Fallback::Never,
         }
     }
 }
@@ -76,6 +119,19 @@ struct Chunk {
     slot: u64,
 }
 
+/// How a plan's calls go.
+enum Way {
+    Compress,
+    Plain,
+    /// [`Fallback::Auto`]'s trial: the seconds of each timed call so far, and how many of each
+    /// way it takes.
+    Trial {
+        compressed: Vec<f64>,
+        plain: Vec<f64>,
+        trials: usize,
+    },
+}
+
 /// Everything sized for one (buffer, options) that all ranks agreed on.
 struct Plan {
     descriptor: Vec<u8>,
@@ -86,6 +142,10 @@ struct Plan {
     sum_workspace: DeviceBuffer,
     residual: Option<DeviceBuffer>,
     sizes: PinnedBuffer,
+    way: Way,
+    /// Whether the residuals may hold something (a compressed call since they were last added
+    /// to an uncompressed one).
+    residual_dirty: bool,
 }
 
 /// One rank's compressed all-reduce of GPU buffers, with its error-feedback residuals.
@@ -95,7 +155,8 @@ struct Plan {
 /// disagree all get [`Error::RankMismatch`]. The residuals are kept while the size and options
 /// stay the same; a call with others starts afresh. The bound may change from call to call
 /// and differ between ranks (each frame carries its step): the average is then within the
-/// mean of the ranks' bounds, and the report gives this rank's.
+/// mean of the ranks' bounds, and the report gives this rank's. With a [`Fallback`], calls
+/// may go out uncompressed instead, the same way on every rank.
 pub struct GpuAllReducer {
     comm: Communicator,
     stream: Arc<CudaStream>,
@@ -121,6 +182,10 @@ fn descriptor(n: u64, dtype: DType, o: &GpuAllReduceOptions) -> Vec<u8> {
     d.push(o.feedback as u8);
     d.push(0);
     d.extend_from_slice(&o.chunk_numel.to_le_bytes());
+    let (fallback, trials) = o.fallback.code();
+    d.push(fallback);
+    d.extend_from_slice(&[0; 3]);
+    d.extend_from_slice(&trials.to_le_bytes());
     d.resize(32, 0);
     d
 }
@@ -132,13 +197,28 @@ fn describe(d: &[u8]) -> String {
         return format!("a descriptor of {} bytes", d.len());
     }
     let dtype = DType::from_code(d[8]).map_or("?", |t| t.name());
+    let trials = u32::from_le_bytes([d[24], d[25], d[26], d[27]]);
+    let fallback = match d[20] {
+        0 => "never".to_string(),
+        1 => "always".to_string(),
+        2 => format!("auto ({trials} trials)"),
+        other => format!("? ({other})"),
+    };
     format!(
-        "{} x {dtype}, average={}, feedback={}, chunk={}",
+        "{} x {dtype}, average={}, feedback={}, chunk={}, fallback={fallback}",
         u64_at(0),
         d[9] != 0,
         d[10] != 0,
         u64_at(12)
     )
+}
+
+/// [`Fallback::Auto`]'s choice, the same on every rank: every rank's best time of each way
+/// (`[compressed, plain]`, in rank order), and whether to compress. The way whose slowest
+/// rank was faster wins; compressed on a tie.
+fn compress_wins(best: &[[f64; 2]]) -> bool {
+    let slowest = |k: usize| best.iter().map(|b| b[k]).fold(0.0, f64::max);
+    slowest(0) <= slowest(1)
 }
 
 fn round16(x: u64) -> u64 {
@@ -228,6 +308,15 @@ impl GpuAllReducer {
         } else {
             None
         };
+        let way = match o.fallback {
+            Fallback::Never => Way::Compress,
+            Fallback::Always => Way::Plain,
+            Fallback::Auto { trials } => Way::Trial {
+                compressed: Vec::new(),
+                plain: Vec::new(),
+                trials: trials.max(1) as usize,
+            },
+        };
         self.plan = Some(Plan {
             descriptor: d,
             rows: DeviceBuffer::new(&ctx, rows_len as usize)?,
@@ -237,7 +326,84 @@ impl GpuAllReducer {
             sizes: PinnedBuffer::new(&ctx, 8 * chunks.len().max(1) * world as usize)?,
             chunks,
             residual,
+            way,
+            residual_dirty: false,
         });
+        Ok(())
+    }
+
+    /// Whether calls with the current buffer and options are compressed: `None` before the
+    /// first call and while [`Fallback::Auto`] is still trying both ways.
+    pub fn compressing(&self) -> Option<bool> {
+        match self.plan.as_ref().map(|p| &p.way) {
+            Some(Way::Compress) => Some(true),
+            Some(Way::Plain) => Some(false),
+            _ => None,
+        }
+    }
+
+    /// A small exchange that every rank waits for: `mine` (16 bytes) from every rank, in rank
+    /// order. Waits for the caller's earlier work first.
+    fn exchange16(&mut self, caller: &Arc<CudaStream>, mine: [u8; 16]) -> Result<Vec<u8>> {
+        self.comm.wait(caller)?;
+        let world = self.comm.world();
+        let buf = DeviceBuffer::new(self.comm.context(), 16 * (world + 1))?;
+        let cu = self.stream.cu_stream();
+        // SAFETY: `buf` holds this rank's 16 bytes and every rank's; the stream is waited for
+        // before `mine` and `buf` go away.
+        unsafe {
+            result::memcpy_htod_async(buf.ptr(), &mine, cu).map_err(driver_err)?;
+            self.comm.all_gather(buf.ptr(), buf.ptr() + 16, 16, cu)?;
+        }
+        self.comm.wait(&self.stream)?;
+        let mut all = vec![0u8; 16 * world];
+        // SAFETY: the stream is idle; `all` has room for every rank's bytes.
+        unsafe { result::memcpy_dtoh_sync(&mut all, buf.ptr() + 16) }.map_err(driver_err)?;
+        Ok(all)
+    }
+
+    /// Files a trial call's time; after the last one, every rank's best times are exchanged
+    /// and the way chosen.
+    fn record_trial(
+        &mut self,
+        caller: &Arc<CudaStream>,
+        compressed: bool,
+        seconds: f64,
+    ) -> Result<()> {
+        let Some(Plan {
+            way:
+                Way::Trial {
+                    compressed: c,
+                    plain: p,
+                    trials,
+                },
+            ..
+        }) = self.plan.as_mut()
+        else {
+            return Ok(());
+        };
+        if compressed {
+            c.push(seconds)
+        } else {
+            p.push(seconds)
+        }
+        if c.len() < *trials || p.len() < *trials {
+            return Ok(());
+        }
+        let best = |v: &[f64]| v.iter().copied().fold(f64::INFINITY, f64::min);
+        let mut mine = [0u8; 16];
+        mine[..8].copy_from_slice(&best(c).to_le_bytes());
+        mine[8..].copy_from_slice(&best(p).to_le_bytes());
+        let all = self.exchange16(caller, mine)?;
+        let f64_at = |o: usize| f64::from_le_bytes(all[o..o + 8].try_into().unwrap_or([0; 8]));
+        let times: Vec<[f64; 2]> = (0..all.len() / 16)
+            .map(|j| [f64_at(16 * j), f64_at(16 * j + 8)])
+            .collect();
+        let compress = compress_wins(&times);
+        tracing::debug!(?times, compress, "fallback trial done");
+        if let Some(plan) = self.plan.as_mut() {
+            plan.way = if compress { Way::Compress } else { Way::Plain };
+        }
         Ok(())
     }
 
@@ -315,11 +481,101 @@ impl GpuAllReducer {
             .wait(&caller.record_event(None).map_err(driver_err)?)
             .map_err(driver_err)?;
         self.plan(n, dtype, opts)?;
+        let (compress, trial) = match &self.plan.as_ref().expect("planned above").way {
+            Way::Compress => (true, false),
+            Way::Plain => (false, false),
+            Way::Trial {
+                compressed, plain, ..
+            } => (compressed.len() <= plain.len(), true),
+        };
+        if !trial {
+            return if compress {
+                self.compressed(caller, stream, data, n, dtype, eps, opts)
+            } else {
+                self.plain(caller, stream, data, n, dtype, opts)
+            };
+        }
+        // A timed trial call: every rank starts it together, and it ends with the result.
+        self.exchange16(caller, [0; 16])?;
+        let t0 = std::time::Instant::now();
+        let report = if compress {
+            self.compressed(caller, stream, data, n, dtype, eps, opts)?
+        } else {
+            self.plain(caller, stream, data, n, dtype, opts)?
+        };
+        self.comm.wait(caller)?;
+        self.record_trial(caller, compress, t0.elapsed().as_secs_f64())?;
+        Ok(report)
+    }
+
+    /// One call with NCCL's all-reduce of the input, residuals added first.
+    fn plain(
+        &mut self,
+        caller: &Arc<CudaStream>,
+        stream: usize,
+        data: u64,
+        n: u64,
+        dtype: DType,
+        opts: &GpuAllReduceOptions,
+    ) -> Result<AllReduceReport> {
+        let world = self.comm.world();
+        let plan = self.plan.as_mut().expect("planned by run");
+        if plan.residual_dirty {
+            if let Some(r) = &plan.residual {
+                // SAFETY: `data` holds `n` elements of `dtype` (this call's contract) and the
+                // residual `n` float32, on the communicator's device.
+                unsafe {
+                    cuda::fold_residual(self.comm.device(), stream, data, n, dtype, r.ptr())?
+                };
+            }
+            plan.residual_dirty = false;
+        }
+        // On the reducer's stream like every exchange of this communicator, behind the
+        // caller's work (the fold included); the caller's later work waits for it.
+        self.stream
+            .wait(&caller.record_event(None).map_err(driver_err)?)
+            .map_err(driver_err)?;
+        // SAFETY: `data` holds `n` elements of `dtype` until the queued work completes.
+        unsafe {
+            self.comm.all_reduce(
+                data,
+                data,
+                n as usize,
+                dtype,
+                opts.average,
+                self.stream.cu_stream(),
+            )?
+        };
+        caller
+            .wait(&self.stream.record_event(None).map_err(driver_err)?)
+            .map_err(driver_err)?;
+        let ring = crate::collective::ring_bytes(n * dtype.size() as u64, world);
+        Ok(AllReduceReport {
+            eps: 0.0,
+            bound: 0.0,
+            bytes_sent: ring,
+            bytes_uncompressed: ring,
+        })
+    }
+
+    /// One compressed call.
+    #[allow(clippy::too_many_arguments)]
+    fn compressed(
+        &mut self,
+        caller: &Arc<CudaStream>,
+        stream: usize,
+        data: u64,
+        n: u64,
+        dtype: DType,
+        eps: f64,
+        opts: &GpuAllReduceOptions,
+    ) -> Result<AllReduceReport> {
         let (world, device) = (self.comm.world() as u64, self.comm.device());
         let size = dtype.size() as u64;
         let ring = crate::collective::ring_bytes(n * size, world as usize);
         let comm_cu = self.stream.cu_stream();
-        let plan = self.plan.as_mut().expect("planned above");
+        let plan = self.plan.as_mut().expect("planned by run");
+        plan.residual_dirty |= plan.residual.is_some();
         let mut sent = 0u64;
         // 1. Every chunk compressed (caller's stream) and its rows all-gathered (own stream).
         let mut gathered: Vec<CudaEvent> = Vec::with_capacity(plan.chunks.len());
@@ -439,5 +695,46 @@ impl GpuAllReducer {
             bytes_sent: sent,
             bytes_uncompressed: ring,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_way_whose_slowest_rank_was_faster_wins() {
+        // Rank 1 is slow compressed: its time decides, though rank 0 found compression faster.
+        assert!(!compress_wins(&[[1.0, 2.0], [3.0, 2.5]]));
+        assert!(compress_wins(&[[1.0, 2.0], [1.5, 2.5]]));
+        assert!(compress_wins(&[[2.0, 2.0]]), "a tie compresses");
+        assert!(!compress_wins(&[[2.0, 1.0], [0.5, 1.0]]));
+    }
+
+    #[test]
+    fn descriptors_tell_fallbacks_apart_and_name_them() {
+        let o = GpuAllReduceOptions::new(0.1);
+        let auto = GpuAllReduceOptions {
+            fallback: Fallback::Auto { trials: 3 },
+            ..o
+        };
+        let d = descriptor(10, DType::F32, &auto);
+        assert_ne!(d, descriptor(10, DType::F32, &o));
+        assert_eq!(d.len(), 32);
+        assert!(
+            describe(&d).ends_with("fallback=auto (3 trials)"),
+            "{}",
+            describe(&d)
+        );
+        let always = GpuAllReduceOptions {
+            fallback: Fallback::Always,
+            ..o
+        };
+        assert!(describe(&descriptor(10, DType::BF16, &always)).contains("fallback=always"));
+        // The bound is not part of it.
+        assert_eq!(
+            descriptor(10, DType::F32, &o),
+            descriptor(10, DType::F32, &GpuAllReduceOptions::new(0.2))
+        );
     }
 }

@@ -61,6 +61,7 @@ use Ty::{Dims, Ptr, F64, U32, U64};
 /// against the `.cu` sources, so an argument list can never silently disagree with a kernel.
 pub(crate) const SIGNATURES: &[(Family, &str, bool, &[Ty])] = &[
     (Family::Codec, "max_abs", true, &[Ptr, U64, Ptr, Ptr]),
+    (Family::Codec, "fold_residual", true, &[Ptr, U64, Ptr]),
     (
         Family::Codec,
         "encode_groups",

@@ -63,3 +63,63 @@ fn bad_options_are_refused() {
         );
     }
 }
+
+/// Whether `python3` (what `--png` runs) has the cfc package and matplotlib, as in the
+/// environment `scripts/test.sh` makes.
+fn python_can_plot() -> bool {
+    Command::new("python3")
+        .args(["-c", "import cfc.bench, matplotlib"])
+        .output()
+        .is_ok_and(|o| o.status.success())
+}
+
+#[test]
+fn png_is_drawn_from_the_json_by_the_python_package() {
+    if !python_can_plot() {
+        eprintln!("skipped: python3 lacks cfc or matplotlib (scripts/test.sh installs both)");
+        return;
+    }
+    let png = std::env::temp_dir().join(format!("cfc-bench-{}.png", std::process::id()));
+    let json = png.with_extension("json");
+    let out = bench()
+        .args([
+            "--ranks", "2", "--sizes", "64K,128K", "--bounds", "0.3", "--iters", "1",
+        ])
+        .arg("--png")
+        .arg(&png)
+        .output()
+        .expect("cfc-bench runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let head = std::fs::read(&png).expect("png written");
+    assert!(head.starts_with(b"\x89PNG\r\n\x1a\n"), "not a PNG");
+    assert!(json.is_file(), "the JSON goes next to the PNG");
+    std::fs::remove_file(&png).ok();
+    std::fs::remove_file(&json).ok();
+}
+
+#[test]
+fn a_png_that_cannot_be_drawn_is_an_error_that_keeps_the_json() {
+    let png = std::env::temp_dir().join(format!("cfc-bench-nopy-{}.png", std::process::id()));
+    let json = png.with_extension("json");
+    let out = bench()
+        .env("CFC_PYTHON", "/nonexistent/python3")
+        .args([
+            "--ranks", "1", "--sizes", "64K", "--bounds", "0.3", "--iters", "1",
+        ])
+        .arg("--png")
+        .arg(&png)
+        .output()
+        .expect("cfc-bench runs");
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("cannot draw") && err.contains("/nonexistent/python3"),
+        "{err}"
+    );
+    assert!(json.is_file(), "the figures are still in the JSON");
+    std::fs::remove_file(&json).ok();
+}

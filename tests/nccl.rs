@@ -7,7 +7,7 @@
 #![cfg(feature = "cuda")]
 
 use cfc::collective::{allreduce, AllReduceOptions, InProcess, Transport};
-use cfc::gpu_allreduce::{GpuAllReduceOptions, GpuAllReducer};
+use cfc::gpu_allreduce::{Fallback, GpuAllReduceOptions, GpuAllReducer};
 use cfc::nccl::{Communicator, Library, NcclTransport, UniqueId};
 use cfc::{Bound, DType, Error};
 use cudarc::driver::{CudaSlice, DevicePtr};
@@ -418,4 +418,141 @@ fn a_peer_that_never_comes_is_an_error_after_the_timeout() {
     assert!(*waited >= Duration::from_secs(3) && *waited < Duration::from_secs(30));
     let e = again.as_ref().unwrap_err();
     assert!(e.to_string().contains("aborted"), "{e}");
+}
+
+#[test]
+fn an_uncompressed_call_sends_what_the_compressed_ones_dropped() {
+    if !two_gpus() {
+        return;
+    }
+    // Fallback::Auto's trial alternates compressed and plain calls, compressed first. The plain
+    // call adds the residuals of the compressed one to its input, so the two results together
+    // are the exact sum of the two averages (but for float32 rounding), not off by the first
+    // call's rounding; and after the trial both ranks go the same way.
+    let (n, eps) = (60_001, 0.05);
+    let scale = |call: usize| 1.0 + 0.25 * call as f32;
+    let got = on_two_gpus(|rank, comm| {
+        let stream = comm.context().new_stream().unwrap();
+        let mut reducer = GpuAllReducer::new(comm).unwrap();
+        let opts = GpuAllReduceOptions {
+            fallback: Fallback::Auto { trials: 2 },
+            ..GpuAllReduceOptions::new(eps)
+        };
+        let mut out = Vec::new();
+        for call in 0..5 {
+            if call < 4 {
+                assert_eq!(reducer.compressing(), None, "call {call}: still trying");
+            }
+            let d = upload(&stream, &rank_data(rank, n, scale(call)), DType::F32);
+            let report = reduce(&mut reducer, &stream, &d, DType::F32, &opts).unwrap();
+            out.push((download(&stream, &d, DType::F32), report));
+        }
+        (out, reducer.compressing())
+    });
+    assert!(got[0].1.is_some(), "no choice after the trial");
+    assert_eq!(got[0].1, got[1].1, "the ranks chose differently");
+    let exact = |call: usize| -> Vec<f64> {
+        let (x0, x1) = (rank_data(0, n, scale(call)), rank_data(1, n, scale(call)));
+        (0..n)
+            .map(|i| (x0[i] as f64 + x1[i] as f64) / 2.0)
+            .collect()
+    };
+    let out = &got[0].0;
+    for (call, (y, report)) in out.iter().enumerate().take(4) {
+        let plain = call % 2 == 1;
+        assert_eq!(report.eps == 0.0, plain, "call {call}: {report:?}");
+        assert!(
+            plain || report.bytes_sent < report.bytes_uncompressed / 4,
+            "{report:?}"
+        );
+        let e = exact(call);
+        let worst = (0..n).map(|i| (y[i] - e[i]).abs()).fold(0.0, f64::max);
+        if plain {
+            // Off by what the call before dropped, which this one makes up for.
+            assert!(worst <= eps * 1.001 + 1e-5, "call {call}: {worst}");
+        } else {
+            assert!(
+                worst > eps / 4.0 && worst <= eps * 1.001 + 1e-5,
+                "call {call}: {worst}"
+            );
+        }
+    }
+    for pair in [0, 2] {
+        let (e0, e1) = (exact(pair), exact(pair + 1));
+        let worst = (0..n)
+            .map(|i| (out[pair].0[i] + out[pair + 1].0[i] - e0[i] - e1[i]).abs())
+            .fold(0.0, f64::max);
+        assert!(
+            worst < 2e-5,
+            "calls {pair} and {}: the sum is off by {worst}",
+            pair + 1
+        );
+    }
+    for rank in 0..2 {
+        assert!(
+            got[rank].0[4]
+                .0
+                .iter()
+                .map(|v| v.to_bits())
+                .eq(got[0].0[4].0.iter().map(|v| v.to_bits())),
+            "ranks differ after the choice"
+        );
+    }
+}
+
+#[test]
+fn fallback_always_is_ncclallreduce_and_ranks_must_agree_on_it() {
+    if !two_gpus() {
+        return;
+    }
+    let n = 30_011;
+    for dtype in [DType::F32, DType::BF16] {
+        let got = on_two_gpus(|rank, comm| {
+            let stream = comm.context().new_stream().unwrap();
+            let mut reducer = GpuAllReducer::new(comm).unwrap();
+            let x = rank_data(rank, n, 1.0);
+            let (d, plain) = (upload(&stream, &x, dtype), upload(&stream, &x, dtype));
+            let opts = GpuAllReduceOptions {
+                fallback: Fallback::Always,
+                ..GpuAllReduceOptions::new(0.01)
+            };
+            let report = reduce(&mut reducer, &stream, &d, dtype, &opts).unwrap();
+            let (ptr, _sync) = plain.device_ptr(&stream);
+            // SAFETY: `plain` holds `n` elements of `dtype` on this device, downloaded below
+            // on the same stream.
+            unsafe {
+                reducer
+                    .communicator()
+                    .all_reduce(ptr, ptr, n, dtype, true, stream.cu_stream())
+                    .unwrap()
+            };
+            (
+                stream.clone_dtoh(&d).unwrap(),
+                stream.clone_dtoh(&plain).unwrap(),
+                report,
+                reducer.compressing(),
+            )
+        });
+        for (rank, (y, plain, report, way)) in got.iter().enumerate() {
+            assert!(y == plain, "{dtype:?} rank {rank}: not NCCL's result");
+            assert_eq!(report.eps, 0.0);
+            assert_eq!(*way, Some(false));
+        }
+    }
+    // One rank compressing and the other not would exchange nonsense: both are told.
+    let got = on_two_gpus(|rank, comm| {
+        let stream = comm.context().new_stream().unwrap();
+        let mut reducer = GpuAllReducer::new(comm).unwrap();
+        let d = upload(&stream, &rank_data(rank, 1000, 1.0), DType::F32);
+        let opts = GpuAllReduceOptions {
+            fallback: [Fallback::Never, Fallback::Auto { trials: 2 }][rank],
+            ..GpuAllReduceOptions::new(0.01)
+        };
+        reduce(&mut reducer, &stream, &d, DType::F32, &opts).map(|_| ())
+    });
+    for g in got {
+        let e = g.unwrap_err();
+        assert!(matches!(e, Error::RankMismatch { .. }), "{e:?}");
+        assert!(e.to_string().contains("fallback=auto (2 trials)"), "{e}");
+    }
 }

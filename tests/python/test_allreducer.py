@@ -354,3 +354,26 @@ def test_bench_compares_the_two_algorithms(tmp_path, grads):
         assert 0 < rows[m]["max_err_over_eps"] <= 1 + 1e-6 and rows[m]["ratio"] > 3, rows[m]
     bad = subprocess.run(base + ["--algorithms", "ring"], capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and "--algorithms takes" in bad.stdout + bad.stderr
+
+
+def test_bench_plots_a_json_of_the_rust_benchmark(tmp_path):
+    pytest.importorskip("matplotlib")
+    import cfc.bench
+    # The shape `cfc-bench --gpu 2 --json` writes (two rows per method), and a malformed one.
+    rows = [
+        {"gpus": 2, "size": s, "method": m, "seconds": t, "call_seconds": None, "bytes_sent": 1,
+         "max_err_over_eps": None}
+        for s in (16 << 20, 64 << 20)
+        for m, t in (("nccl-fp32", 1e-4 * (s >> 20)), ("cfc-auto@0.3 (plain)", 1.1e-4 * (s >> 20)))
+    ]
+    src = tmp_path / "gpu.json"
+    src.write_text(json.dumps({"iters": 20, "rms": 1e-3, "nccl": "2.28.3", "rows": rows}))
+    png = tmp_path / "gpu.png"
+    result = cfc.bench.main(["--plot", str(src), "--png", str(png)])
+    assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+    assert result["world"] == 2 and result["transport"] == "NCCL 2.28.3"
+    assert abs(result["rows"][0]["algbw_GBps"] - (16 << 20) / 1.6e-3 / 1e9) < 1e-9
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"rows": [{"size": 1}]}))
+    with pytest.raises(SystemExit, match="needs rows with size and method"):
+        cfc.bench.main(["--plot", str(bad), "--png", str(tmp_path / "x.png")])

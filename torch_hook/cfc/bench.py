@@ -28,6 +28,10 @@ all-reduce of float32 sends to the bytes cfc sent, how soon the call returned to
 the largest error of a first call (zero residuals) over the bound (for ``cfc-auto`` that call
 is the trial's first, plain one). ``--json`` and ``--png`` keep the figures.
 
+``python -m cfc.bench --plot FILE.json --png FILE.png`` draws the PNG of a JSON written
+earlier, by this benchmark or by the Rust one (``cfc-bench --json``; ``cfc-bench --png``
+calls this), with no process group.
+
 The input: the gradient vectors in ``--grads`` (``.npy`` float32), each scaled to their median
 RMS (so one bound suits them all, as in a bucket of similar layers), concatenated and tiled;
 each rank starts at another offset. Without ``--grads``, heavy-tailed random numbers.
@@ -156,7 +160,15 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     p.add_argument("--label", default=None, help="transport name for the table (default: guessed)")
     p.add_argument("--json", default=None)
     p.add_argument("--png", default=None)
+    p.add_argument("--plot", default=None, metavar="JSON", help="only draw --png from this JSON (of either benchmark)")
     args = p.parse_args(argv)
+    if args.plot:
+        if not args.png:
+            p.error("--plot needs --png")
+        with open(args.plot) as f:
+            result = _normalise(json.load(f))
+        _plot(result, args.png)
+        return result
 
     import torch
     import torch.distributed as dist
@@ -315,6 +327,31 @@ def _table(result: Dict[str, Any]) -> str:
             f"{r['call_seconds'] * 1e3:.3f} | {err} |"
         )
     return "\n".join(lines)
+
+
+def _normalise(result: Dict[str, Any]) -> Dict[str, Any]:
+    """A JSON of ``cfc-bench`` (rows with ``seconds``, and ``ranks`` on the CPU or ``gpus``)
+    in the shape ``_plot`` reads; this benchmark's own JSON passes unchanged."""
+    rows = result.get("rows")
+    if not isinstance(rows, list) or not all(isinstance(r, dict) and "size" in r and "method" in r for r in rows):
+        raise SystemExit("not a benchmark JSON: it needs rows with size and method")
+    out = dict(result)
+    out["rows"] = []
+    for r in rows:
+        r = dict(r)
+        if "algbw_GBps" not in r:
+            if not r.get("seconds"):
+                raise SystemExit(f"a row without algbw_GBps or seconds: {r}")
+            r["algbw_GBps"] = r["size"] / r["seconds"] / 1e9
+        if "ranks" in r and "gpus" not in r:  # cfc-bench's CPU mode: one curve per rank count
+            r["method"] = f"{r['method']}, {r['ranks']} ranks"
+        out["rows"].append(r)
+    first = out["rows"][0] if out["rows"] else {}
+    ranks = sorted({r["ranks"] for r in rows if "ranks" in r})
+    out.setdefault("world", first.get("gpus", ", ".join(map(str, ranks)) or "?"))
+    out.setdefault("device", "GPUs" if "gpus" in first else "CPU threads")
+    out.setdefault("transport", f"NCCL {result['nccl']}" if "nccl" in result else "in-process")
+    return out
 
 
 def _plot(result: Dict[str, Any], path: str) -> None:

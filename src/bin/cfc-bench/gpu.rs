@@ -5,7 +5,9 @@
 //!
 //! * `nccl-fp32`: `ncclAllReduce` (average) of the float32 buffer;
 //! * `nccl-bf16`: the same of a bfloat16 copy (the cast is not timed);
-//! * `cfc@B`: [`GpuAllReducer`] with eps = B x the data's RMS and error feedback.
+//! * `cfc@B`: [`GpuAllReducer`] with eps = B x the data's RMS and error feedback;
+//! * `cfc-auto@B`: the same with [`Fallback::Auto`]: the reducer times both ways on its first
+//!   calls (3 of each, not timed here) and keeps the faster, which the table names.
 //!
 //! Each timed call starts from the same input (copied in, not timed) after every rank's thread
 //! has met at a barrier, and ends when the rank's stream is done (the result is on the device).
@@ -21,7 +23,7 @@
 
 use super::{label, rank_input, Args};
 use cfc::collective::ring_bytes;
-use cfc::gpu_allreduce::{GpuAllReduceOptions, GpuAllReducer};
+use cfc::gpu_allreduce::{Fallback, GpuAllReduceOptions, GpuAllReducer};
 use cfc::nccl::{Communicator, UniqueId};
 use cfc::DType;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
@@ -39,19 +41,25 @@ struct Row {
 }
 
 /// One method's per-rank results: per-call seconds (and until the call returned), bytes sent,
-/// largest error of the first call over eps (rank 0 only).
-type Timing = (Vec<f64>, Vec<f64>, u64, Option<f64>);
+/// largest error of the first call over eps (rank 0 only), and for `cfc-auto` whether the
+/// reducer chose to compress.
+type Timing = (Vec<f64>, Vec<f64>, u64, Option<f64>, Option<bool>);
 
 enum Method {
     Plain(DType),
-    Cfc(f64),
+    /// The bound (x RMS), and whether with [`Fallback::Auto`].
+    Cfc(f64, bool),
 }
+
+/// Timed calls of each way in `cfc-auto`'s trial.
+const TRIALS: u32 = 3;
 
 fn name(m: &Method) -> String {
     match m {
         Method::Plain(DType::F32) => "nccl-fp32".into(),
         Method::Plain(_) => "nccl-bf16".into(),
-        Method::Cfc(b) => format!("cfc@{b}"),
+        Method::Cfc(b, false) => format!("cfc@{b}"),
+        Method::Cfc(b, true) => format!("cfc-auto@{b}"),
     }
 }
 
@@ -99,7 +107,12 @@ fn one_size(
             _ => 0,
         };
         let (mut times, mut calls, mut sent, mut max_err) = (Vec::new(), Vec::new(), 0, None);
-        for i in 0..=iters {
+        // Untimed: the first call (set-up; its error is checked), and cfc-auto's trial.
+        let untimed = match m {
+            Method::Cfc(_, true) => 2 * TRIALS as usize,
+            _ => 1,
+        };
+        for i in 0..iters + untimed {
             stream
                 .memcpy_dtod(&pristine[k], &mut work[k])
                 .map_err(err)?;
@@ -118,9 +131,14 @@ fn one_size(
                     .map_err(err)?;
                     None
                 }
-                Method::Cfc(b) => {
+                Method::Cfc(b, auto) => {
                     let opts = GpuAllReduceOptions {
                         chunk_numel,
+                        fallback: if *auto {
+                            Fallback::Auto { trials: TRIALS }
+                        } else {
+                            Fallback::Never
+                        },
                         ..GpuAllReduceOptions::new(b * rms)
                     };
                     // SAFETY: `work[0]` holds `n` float32 on this rank's device, read back
@@ -136,7 +154,8 @@ fn one_size(
             reducer.communicator().wait(stream).map_err(err)?;
             let dt = t0.elapsed().as_secs_f64();
             if i == 0 {
-                if let (Method::Cfc(b), Some(exact)) = (m, exact) {
+                // (cfc-auto's trial starts with a compressed call.)
+                if let (Method::Cfc(b, _), Some(exact)) = (m, exact) {
                     let y: Vec<u8> = stream.clone_dtoh(&work[0]).map_err(err)?;
                     let eps = b * rms;
                     max_err = Some(
@@ -149,14 +168,17 @@ fn one_size(
                             .fold(0.0, f64::max),
                     );
                 }
-            } else {
+            } else if i >= untimed {
                 times.push(dt);
                 if let Some(r) = returned {
                     calls.push(r);
                 }
             }
         }
-        out.push((times, calls, sent, max_err));
+        let chosen = matches!(m, Method::Cfc(_, true))
+            .then(|| reducer.compressing())
+            .flatten();
+        out.push((times, calls, sent, max_err, chosen));
     }
     Ok(out)
 }
@@ -178,7 +200,8 @@ pub fn run(args: &Args, base: &[f32], rms: f64, source: &str) -> Result<(), Stri
     let nccl = cfc::nccl::library().map_err(err)?;
     let (major, minor, patch) = nccl.version().map_err(err)?;
     let mut methods = vec![Method::Plain(DType::F32), Method::Plain(DType::BF16)];
-    methods.extend(args.bounds.iter().map(|&b| Method::Cfc(b)));
+    methods.extend(args.bounds.iter().map(|&b| Method::Cfc(b, false)));
+    methods.extend(args.bounds.iter().map(|&b| Method::Cfc(b, true)));
     let id = UniqueId::new().map_err(err)?;
     let barrier = Barrier::new(world);
     let total = args.sizes.len();
@@ -270,11 +293,16 @@ pub fn run(args: &Args, base: &[f32], rms: f64, source: &str) -> Result<(), Stri
             let plain_bytes = match m {
                 Method::Plain(DType::F32) => ring,
                 Method::Plain(_) => ring / 2,
-                Method::Cfc(_) => runs[0].2,
+                Method::Cfc(..) => runs[0].2,
+            };
+            let chose = match runs[0].4 {
+                Some(true) => " (compressed)",
+                Some(false) => " (plain)",
+                None => "",
             };
             rows.push(Row {
                 size,
-                method: name(m),
+                method: format!("{}{chose}", name(m)),
                 seconds: median(slowest),
                 call_seconds: call,
                 bytes_sent: plain_bytes,
@@ -351,6 +379,9 @@ pub fn run(args: &Args, base: &[f32], rms: f64, source: &str) -> Result<(), Stri
         std::fs::File::create(path)
             .and_then(|mut f| f.write_all(text.as_bytes()))
             .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+        if let Some(png) = &args.png {
+            super::draw_png(path, png)?;
+        }
     }
     Ok(())
 }

@@ -20,8 +20,12 @@
 //! cfc.bench` (the Python package) compares the same through PyTorch.
 //!
 //! Run: `cargo run --release --bin cfc-bench -- [--ranks 2,4,8] [--sizes 1M,4M,16M]
-//! [--bounds 0.3,0.1] [--iters 5] [--grads DIR] [--json FILE]`, or with the GPUs
+//! [--bounds 0.3,0.1] [--iters 5] [--grads DIR] [--json FILE] [--png FILE]`, or with the GPUs
 //! `cargo run --release --features cuda --bin cfc-bench -- --gpu 2 [--chunk-mb 256] ...`
+//!
+//! `--png` draws the JSON's algbw against size with `python3 -m cfc.bench --plot` (the Python
+//! package and matplotlib; `CFC_PYTHON` names another interpreter): one plotting code for both
+//! benchmarks. Without `--json`, the JSON goes next to the PNG.
 
 use cfc::collective::{allreduce, ring_bytes, Algorithm, AllReduceOptions, InProcess, Transport};
 use cfc::Bound;
@@ -36,7 +40,7 @@ mod gpu;
 mod grads;
 
 const USAGE: &str = "usage: cfc-bench [--ranks 2,4,8] [--sizes 1M,4M,16M] [--bounds 0.3,0.1] \
-[--iters 5] [--grads DIR] [--json FILE] [--gpu N [--chunk-mb 256]]
+[--iters 5] [--grads DIR] [--json FILE] [--png FILE] [--gpu N [--chunk-mb 256]]
 Compressed all-reduce against an uncompressed one over threads (in-process transport, CPU),
 or with --gpu N over NCCL on N local GPUs, a thread each (a build with the cuda feature).";
 
@@ -47,6 +51,8 @@ struct Args {
     iters: usize,
     grads: Option<PathBuf>,
     json: Option<PathBuf>,
+    /// Where to draw the JSON's figures (through `python3 -m cfc.bench --plot`).
+    png: Option<PathBuf>,
     /// GPUs to drive over NCCL (0: the CPU benchmark).
     gpus: usize,
     /// Bytes per chunk of the GPU all-reduce.
@@ -85,6 +91,7 @@ fn parse_args() -> Result<Args, String> {
         iters: 5,
         grads: None,
         json: None,
+        png: None,
         gpus: 0,
         chunk_bytes: 256 << 20,
     };
@@ -124,6 +131,7 @@ fn parse_args() -> Result<Args, String> {
             }
             "--grads" => a.grads = Some(value.into()),
             "--json" => a.json = Some(value.into()),
+            "--png" => a.png = Some(value.into()),
             "--gpu" => {
                 a.gpus = value
                     .parse()
@@ -142,7 +150,38 @@ fn parse_args() -> Result<Args, String> {
             other => return Err(format!("unknown option {other}\n{USAGE}")),
         }
     }
+    if a.json.is_none() {
+        a.json = a.png.as_ref().map(|p| p.with_extension("json"));
+    }
     Ok(a)
+}
+
+/// Draws `png` from the JSON at `json` with the Python package's plotting code.
+fn draw_png(json: &std::path::Path, png: &std::path::Path) -> Result<(), String> {
+    let python = std::env::var("CFC_PYTHON").unwrap_or_else(|_| "python3".into());
+    let out = std::process::Command::new(&python)
+        .args(["-m", "cfc.bench", "--plot"])
+        .arg(json)
+        .arg("--png")
+        .arg(png)
+        .output()
+        .map_err(|e| {
+            format!(
+                "cannot draw {}: {python} did not start ({e})",
+                png.display()
+            )
+        })?;
+    let why = String::from_utf8_lossy(&out.stderr);
+    if !out.status.success() || !png.is_file() {
+        return Err(format!(
+            "cannot draw {} with `{python} -m cfc.bench --plot` (it needs the cfc Python package \
+             and matplotlib; the figures are in {}): {}",
+            png.display(),
+            json.display(),
+            why.trim()
+        ));
+    }
+    Ok(())
 }
 
 /// The data every rank tiles: the gradient vectors, each scaled to their median RMS (one bound
@@ -448,6 +487,12 @@ fn main() {
         if let Err(e) = std::fs::File::create(path).and_then(|mut f| f.write_all(text.as_bytes())) {
             eprintln!("cfc-bench: cannot write {}: {e}", path.display());
             std::process::exit(1);
+        }
+        if let Some(png) = &args.png {
+            if let Err(e) = draw_png(path, png) {
+                eprintln!("cfc-bench: {e}");
+                std::process::exit(1);
+            }
         }
     }
 }
