@@ -53,7 +53,9 @@ pub enum Fallback {
     Always,
     /// Try both, then keep the faster. The first `2 * trials` calls with a buffer alternate
     /// compressed and uncompressed, each timed from the call to its result on the device, after
-    /// the ranks have lined up (so a rank that arrives late does not count against a way);
+    /// the ranks have lined up (so a rank that arrives late does not count against a way; an
+    /// uncompressed call adds the residuals before that, untimed, as only the first one after
+    /// the trial would);
     /// then the ranks exchange their times and all take the way whose slowest rank's best time
     /// was lower, for as long as the size and options stay the same. `trials` of 0 counts as 1;
     /// the first compressed call also sizes the slots and may compile the kernels, so 2 or more
@@ -496,6 +498,11 @@ impl GpuAllReducer {
             };
         }
         // A timed trial call: every rank starts it together, and it ends with the result.
+        // An uncompressed one adds the residuals first, untimed: only the first call after
+        // compressed ones does that, and every one in the trial would.
+        if !compress {
+            self.fold(stream, data, n, dtype)?;
+        }
         self.exchange16(caller, [0; 16])?;
         let t0 = std::time::Instant::now();
         let report = if compress {
@@ -519,17 +526,7 @@ impl GpuAllReducer {
         opts: &GpuAllReduceOptions,
     ) -> Result<AllReduceReport> {
         let world = self.comm.world();
-        let plan = self.plan.as_mut().expect("planned by run");
-        if plan.residual_dirty {
-            if let Some(r) = &plan.residual {
-                // SAFETY: `data` holds `n` elements of `dtype` (this call's contract) and the
-                // residual `n` float32, on the communicator's device.
-                unsafe {
-                    cuda::fold_residual(self.comm.device(), stream, data, n, dtype, r.ptr())?
-                };
-            }
-            plan.residual_dirty = false;
-        }
+        self.fold(stream, data, n, dtype)?;
         // On the reducer's stream like every exchange of this communicator, behind the
         // caller's work (the fold included); the caller's later work waits for it.
         self.stream
@@ -556,6 +553,22 @@ impl GpuAllReducer {
             bytes_sent: ring,
             bytes_uncompressed: ring,
         })
+    }
+
+    /// Adds the residuals to the input on `stream`, if a compressed call may have left any.
+    fn fold(&mut self, stream: usize, data: u64, n: u64, dtype: DType) -> Result<()> {
+        let plan = self.plan.as_mut().expect("planned by run");
+        if plan.residual_dirty {
+            if let Some(r) = &plan.residual {
+                // SAFETY: `data` holds `n` elements of `dtype` (the call's contract) and the
+                // residual `n` float32, on the communicator's device.
+                unsafe {
+                    cuda::fold_residual(self.comm.device(), stream, data, n, dtype, r.ptr())?
+                };
+            }
+            plan.residual_dirty = false;
+        }
+        Ok(())
     }
 
     /// One compressed call.

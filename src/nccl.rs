@@ -489,16 +489,19 @@ impl Communicator {
     }
 
     /// Calls `done` until it says so (or fails), within the timeout: past it, `what` "made no
-    /// progress" and the communicator is aborted. Spins briefly first (a collective usually
-    /// ends within microseconds of its data), then leaves the core to others.
+    /// progress" and the communicator is aborted. Spins for the first few milliseconds (a
+    /// collective, or a non-blocking communicator's launch, usually ends within microseconds;
+    /// sleeping between polls would add the sleep's granularity, tens of microseconds, to every
+    /// call), then leaves the core to others.
     fn poll(&mut self, what: &str, mut done: impl FnMut(&mut Self) -> Result<bool>) -> Result<()> {
+        const SPIN: Duration = Duration::from_millis(5);
         let t0 = Instant::now();
-        let mut polls = 0u32;
         loop {
             if done(self)? {
                 return Ok(());
             }
-            if t0.elapsed() > self.timeout {
+            let waited = t0.elapsed();
+            if waited > self.timeout {
                 let why = format!(
                     "rank {} of {}: {what} made no progress within {:.1} s (a peer is gone or \
                      stalled); the communicator was aborted",
@@ -508,8 +511,7 @@ impl Communicator {
                 );
                 return Err(self.abort_with(why));
             }
-            polls += 1;
-            if polls < 2000 {
+            if waited < SPIN {
                 std::hint::spin_loop();
             } else {
                 std::thread::sleep(Duration::from_micros(50));

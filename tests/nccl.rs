@@ -461,8 +461,9 @@ fn an_uncompressed_call_sends_what_the_compressed_ones_dropped() {
     for (call, (y, report)) in out.iter().enumerate().take(4) {
         let plain = call % 2 == 1;
         assert_eq!(report.eps == 0.0, plain, "call {call}: {report:?}");
+        // (The first compressed call sends the frame sizes, then the frames.)
         assert!(
-            plain || report.bytes_sent < report.bytes_uncompressed / 4,
+            plain || report.bytes_sent < report.bytes_uncompressed / 2,
             "{report:?}"
         );
         let e = exact(call);
