@@ -4,7 +4,7 @@
 # time DDP steps of the 217M LM with every hook, over NVLink and over the socket transport.
 # PARTS picks what runs (default: "tests train spread nvlink socket"; spread trains again with
 # another seed, to show how far two plain runs differ; parity trains both hooks once per seed of
-# SEEDS, default "0 1 2", for a comparison over seeds). NPROC (default 2) sets the processes of
+# SEEDS, default "0 1 2", for a comparison over seeds; TRAIN_HOOKS and RMS pass on). NPROC (default 2) sets the processes of
 # the step-time runs. Logs go under $OUT.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -19,8 +19,8 @@ for part in $PARTS; do case $part in
            --steps ${TRAIN_STEPS:-1000} --d-model 256 --layers 4 --heads 8 --batch 32 --seq 256 --out "$OUT/ddp_train" \
            2>&1 | grep -v "^\s*\[" | tail -8 | tee "$OUT/ddp_train.log" ;;
   parity) for seed in ${SEEDS:-0 1 2}; do timeout 300 torchrun --standalone --nproc_per_node=2 examples/ddp_train.py \
-           --hook allreduce,cfc --seed $seed --steps ${TRAIN_STEPS:-1000} --d-model 256 --layers 4 --heads 8 --batch 32 \
-           --seq 256 --out "$OUT/ddp_parity_seed$seed" 2>&1 | grep -v "^\s*\[" | tail -5 | tee "$OUT/ddp_parity_seed$seed.log"; done ;;
+           --hook ${TRAIN_HOOKS:-allreduce,cfc} --rms ${RMS:-0.3} --seed $seed --steps ${TRAIN_STEPS:-1000} --d-model 256 --layers 4 --heads 8 --batch 32 \
+           --seq 256 --out "$OUT/ddp_parity_seed$seed" 2>&1 | grep -v "^\s*\[" | tail -6 | tee "$OUT/ddp_parity_seed$seed.log"; done ;;
   spread) timeout 300 torchrun --standalone --nproc_per_node=2 examples/ddp_train.py --hook allreduce,cfc --seed 1 \
            --steps ${TRAIN_STEPS:-1000} --d-model 256 --layers 4 --heads 8 --batch 32 --seq 256 --out "$OUT/ddp_train_seed1" \
            2>&1 | grep -v "^\s*\[" | tail -5 | tee "$OUT/ddp_train_seed1.log" ;;
