@@ -1680,9 +1680,10 @@ pub unsafe fn decode_sum(args: &DecodeSumArgs<'_>) -> Result<()> {
 }
 
 /// Queues `x = dtype(x + r)`, `r = 0` over `n` elements of `dtype` at `data` and their float32
-/// residuals at `residual`, on `stream` of device `ordinal`: error feedback for a call that sends `data` without
-/// compressing it (the GPU all-reduce's fallback to NCCL's own all-reduce). Non-finite values
-/// are left as they are and their residuals dropped, as the compressor does.
+/// residuals at `residual`, on `stream` of device `ordinal`: error feedback for a call that
+/// sends `data` without compressing it (the GPU all-reduce's fallback to NCCL's own
+/// all-reduce). Non-finite values are left as they are and their residuals dropped, as the
+/// compressor does.
 ///
 /// # Safety
 /// `data` must hold `n` elements of `dtype` and `residual` `n` float32, both device memory of

@@ -52,14 +52,13 @@ pub enum Fallback {
     /// Never compress: e.g. for warm-up steps, or to compare.
     Always,
     /// Try both, then keep the faster. The first `2 * trials` calls with a buffer alternate
-    /// compressed and uncompressed, each timed from the call to its result on the device, after
-    /// the ranks have lined up (so a rank that arrives late does not count against a way; an
-    /// uncompressed call adds the residuals before that, untimed, as only the first one after
-    /// the trial would);
-    /// then the ranks exchange their times and all take the way whose slowest rank's best time
-    /// was lower, for as long as the size and options stay the same. `trials` of 0 counts as 1;
-    /// the first compressed call also sizes the slots and may compile the kernels, so 2 or more
-    /// give a fairer choice.
+    /// compressed and uncompressed, each timed from the call to its result on the device after
+    /// the ranks have lined up, so that a rank arriving late does not count against a way. (An
+    /// uncompressed trial call adds the residuals before its timing starts: after the trial
+    /// only the first uncompressed call does that.) Then the ranks exchange their times and all
+    /// take the way whose slowest rank's best time was lower, for as long as the size and
+    /// options stay the same. `trials` of 0 counts as 1; the first compressed call also sizes
+    /// the slots and may compile the kernels, so 2 or more give a fairer choice.
     Auto {
         /// Timed calls of each way.
         trials: u32,
@@ -144,6 +143,8 @@ struct Plan {
     sum_workspace: DeviceBuffer,
     residual: Option<DeviceBuffer>,
     sizes: PinnedBuffer,
+    /// 16 bytes per rank and this rank's: [`GpuAllReducer::exchange16`].
+    probe: DeviceBuffer,
     way: Way,
     /// Whether the residuals may hold something (a compressed call since they were last added
     /// to an uncompressed one).
@@ -326,6 +327,7 @@ impl GpuAllReducer {
             workspace: DeviceBuffer::new(&ctx, ws_len as usize)?,
             sum_workspace: DeviceBuffer::new(&ctx, sum_ws_len as usize)?,
             sizes: PinnedBuffer::new(&ctx, 8 * chunks.len().max(1) * world as usize)?,
+            probe: DeviceBuffer::new(&ctx, 16 * (world as usize + 1))?,
             chunks,
             residual,
             way,
@@ -344,23 +346,23 @@ impl GpuAllReducer {
         }
     }
 
-    /// A small exchange that every rank waits for: `mine` (16 bytes) from every rank, in rank
-    /// order. Waits for the caller's earlier work first.
+    /// A small exchange of the trial that every rank waits for: `mine` (16 bytes) from every
+    /// rank, in rank order. Waits for the caller's earlier work first.
     fn exchange16(&mut self, caller: &Arc<CudaStream>, mine: [u8; 16]) -> Result<Vec<u8>> {
         self.comm.wait(caller)?;
         let world = self.comm.world();
-        let buf = DeviceBuffer::new(self.comm.context(), 16 * (world + 1))?;
+        let buf = self.plan.as_ref().expect("planned by run").probe.ptr();
         let cu = self.stream.cu_stream();
-        // SAFETY: `buf` holds this rank's 16 bytes and every rank's; the stream is waited for
-        // before `mine` and `buf` go away.
+        // SAFETY: the plan's probe holds this rank's 16 bytes and every rank's; the stream is
+        // waited for before `mine` goes away, and before the probe is used again.
         unsafe {
-            result::memcpy_htod_async(buf.ptr(), &mine, cu).map_err(driver_err)?;
-            self.comm.all_gather(buf.ptr(), buf.ptr() + 16, 16, cu)?;
+            result::memcpy_htod_async(buf, &mine, cu).map_err(driver_err)?;
+            self.comm.all_gather(buf, buf + 16, 16, cu)?;
         }
         self.comm.wait(&self.stream)?;
         let mut all = vec![0u8; 16 * world];
         // SAFETY: the stream is idle; `all` has room for every rank's bytes.
-        unsafe { result::memcpy_dtoh_sync(&mut all, buf.ptr() + 16) }.map_err(driver_err)?;
+        unsafe { result::memcpy_dtoh_sync(&mut all, buf + 16) }.map_err(driver_err)?;
         Ok(all)
     }
 
@@ -410,10 +412,11 @@ impl GpuAllReducer {
     }
 
     /// Averages (or sums) `n` elements of `dtype` at device address `data` over all ranks, in
-    /// place, compressed. Compression and decoding are queued on `stream` (a raw `CUstream` of
-    /// the communicator's device, e.g. PyTorch's current stream): the result is there once
-    /// `stream` reaches this point. Waits for the exchanges (the frame sizes), not for the
-    /// decoding.
+    /// place, compressed (or, as `opts.fallback` says, with NCCL's own all-reduce). Compression
+    /// and decoding are queued on `stream` (a raw `CUstream` of the communicator's device, e.g.
+    /// PyTorch's current stream): the result is there once `stream` reaches this point. Waits
+    /// for the exchanges (the frame sizes), not for the decoding; an uncompressed call waits for
+    /// nothing, and a call of [`Fallback::Auto`]'s trial for its result.
     ///
     /// # Safety
     /// `data` must be a device address of the communicator's device valid for `n` elements of
