@@ -760,6 +760,155 @@ fn decompress_args(
     })
 }
 
+/// A new NCCL unique id, as hex: one rank makes it and hands it to the others (e.g. over
+/// torch.distributed), who all pass it to `NcclAllReducer`. Loads NCCL: `CFC_NCCL_LIBRARY` if
+/// set, else `libnccl.so.2` or `libnccl.so` (pip's `nvidia-nccl` is found through torch's
+/// loaded copy only if the loader's path has it).
+#[pyfunction]
+fn nccl_unique_id(py: Python<'_>) -> PyResult<String> {
+    py.detach(cfc::nccl::UniqueId::new)
+        .map(|id| id.to_hex())
+        .map_err(to_py)
+}
+
+/// The version of the NCCL library cfc loads, as (major, minor, patch).
+#[pyfunction]
+fn nccl_version() -> PyResult<(u32, u32, u32)> {
+    cfc::nccl::library()
+        .and_then(|l| l.version())
+        .map_err(to_py)
+}
+
+/// cfc's GPU all-reduce over an NCCL communicator of its own (`cfc::gpu_allreduce`), run by
+/// the Rust core: compression with error feedback, the exchange of frames and their decoding,
+/// with no Python in between. `cfc.distributed.NcclAllReducer` is the user-facing wrapper.
+#[pyclass(module = "cfc._native")]
+struct NcclAllReducer {
+    // A Mutex only for `Sync` (a communicator's handles are raw pointers); the methods take
+    // `&mut self`, so it is never contended.
+    inner: std::sync::Mutex<Option<cfc::gpu_allreduce::GpuAllReducer>>,
+}
+
+impl NcclAllReducer {
+    fn reducer(&mut self) -> &mut Option<cfc::gpu_allreduce::GpuAllReducer> {
+        self.inner.get_mut().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+#[pymethods]
+impl NcclAllReducer {
+    /// Joins the communicator of `unique_id` (hex, from `nccl_unique_id`) as `rank` of
+    /// `world` on CUDA device `device`; waits until every rank has joined (NCCL's rule), at
+    /// most `timeout` seconds (default: `CFC_NCCL_TIMEOUT`, else 300) for it and every later
+    /// wait.
+    #[new]
+    #[pyo3(signature = (device, unique_id, rank, world, *, timeout=None))]
+    fn new(
+        py: Python<'_>,
+        device: usize,
+        unique_id: &str,
+        rank: usize,
+        world: usize,
+        timeout: Option<f64>,
+    ) -> PyResult<Self> {
+        let id = cfc::nccl::UniqueId::from_hex(unique_id).map_err(to_py)?;
+        if let Some(t) = timeout {
+            if !(t > 0.0 && t.is_finite()) {
+                return Err(PyValueError::new_err(format!(
+                    "timeout must be a positive number of seconds, got {t}"
+                )));
+            }
+        }
+        let reducer = py
+            .detach(|| {
+                let mut comm = cfc::nccl::Communicator::new(device, &id, rank, world)?;
+                if let Some(t) = timeout {
+                    comm.set_timeout(std::time::Duration::from_secs_f64(t));
+                }
+                cfc::gpu_allreduce::GpuAllReducer::new(comm)
+            })
+            .map_err(to_py)?;
+        Ok(NcclAllReducer {
+            inner: std::sync::Mutex::new(Some(reducer)),
+        })
+    }
+
+    /// Averages (or sums) `numel` elements of `dtype` at device address `data_ptr` in place
+    /// over all ranks, queued on the raw CUDA stream `stream`; see
+    /// `cfc::gpu_allreduce::GpuAllReducer::allreduce`. `fallback`: "never", "always" or
+    /// "auto" (`trials` timed calls of each way first). Returns this call's report: eps,
+    /// bound, bytes_sent, bytes_uncompressed and compressed.
+    #[pyo3(signature = (stream, data_ptr, numel, dtype, *, eps, average=true, feedback=true, chunk_numel=1 << 26, fallback="never", trials=3))]
+    #[allow(clippy::too_many_arguments)]
+    fn allreduce<'py>(
+        &mut self,
+        py: Python<'py>,
+        stream: usize,
+        data_ptr: u64,
+        numel: u64,
+        dtype: &str,
+        eps: f64,
+        average: bool,
+        feedback: bool,
+        chunk_numel: u64,
+        fallback: &str,
+        trials: u32,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        use cfc::gpu_allreduce::{Fallback, GpuAllReduceOptions};
+        let dtype = dtype_of(dtype)?;
+        let fallback = match fallback {
+            "never" => Fallback::Never,
+            "always" => Fallback::Always,
+            "auto" => Fallback::Auto { trials },
+            other => {
+                return Err(PyValueError::new_err(format!(
+                    "fallback must be \"never\", \"always\" or \"auto\", got {other:?}"
+                )))
+            }
+        };
+        if chunk_numel == 0 {
+            return Err(PyValueError::new_err("chunk_numel must be at least 1"));
+        }
+        let reducer = self
+            .reducer()
+            .as_mut()
+            .ok_or_else(|| CfcError::new_err("this NcclAllReducer was closed"))?;
+        let opts = GpuAllReduceOptions {
+            bound: cfc::Bound::Abs(eps),
+            average,
+            feedback,
+            chunk_numel,
+            fallback,
+        };
+        let report = py
+            // SAFETY: the Python package passes a live, contiguous CUDA tensor of `numel`
+            // elements of `dtype` on the communicator's device, and that device's current
+            // stream, and keeps the tensor referenced (work on it is queued on that stream).
+            .detach(|| unsafe { reducer.allreduce(stream, data_ptr, numel, dtype, &opts) })
+            .map_err(to_py)?;
+        let d = PyDict::new(py);
+        d.set_item("eps", report.eps)?;
+        d.set_item("bound", report.bound)?;
+        d.set_item("bytes_sent", report.bytes_sent)?;
+        d.set_item("bytes_uncompressed", report.bytes_uncompressed)?;
+        // An uncompressed call reports eps 0.
+        d.set_item("compressed", report.eps > 0.0)?;
+        Ok(d)
+    }
+
+    /// Whether calls with the current size and options are compressed (None before the first
+    /// call and during the "auto" trial).
+    fn compressing(&mut self) -> Option<bool> {
+        self.reducer().as_ref().and_then(|r| r.compressing())
+    }
+
+    /// Leaves the communicator (NCCL finalizes it; waits for this rank's queued work).
+    fn close(&mut self, py: Python<'_>) {
+        let inner = self.reducer().take();
+        py.detach(move || drop(inner));
+    }
+}
+
 fn init_logging() {
     // `CFC_LOG=debug` (any tracing-subscriber filter) turns on cfc's own log lines on stderr.
     if let Ok(filter) = std::env::var("CFC_LOG") {
@@ -802,6 +951,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda_decode_sum_workspace_len, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_decode_sum, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_copy_rows, m)?)?;
+    m.add_function(wrap_pyfunction!(nccl_unique_id, m)?)?;
+    m.add_function(wrap_pyfunction!(nccl_version, m)?)?;
+    m.add_class::<NcclAllReducer>()?;
     m.add("CUDA_SUM_STEPS_DIFFER", cfc::cuda::SUM_STEPS_DIFFER)?;
     m.add("CUDA_SUM_OVERFLOW", cfc::cuda::SUM_OVERFLOW)?;
     m.add("CUDA_FRAME_SIZE_OFFSET", cfc::cuda::FRAME_SIZE_OFFSET)?;

@@ -222,6 +222,68 @@ def _worker(rank, world, init_file, scenario, device, algorithm=None):
             # abort the process in its destructors); as after any such failure in a job, the
             # processes end here, without destroy_process_group.
             os._exit(0)
+        elif scenario == "native":
+            # cfc.distributed.NcclAllReducer: the Rust core's all-reduce, over a communicator of
+            # its own; chunks of 3000 elements, so 10000 values take four.
+            chunk_mb = 3000 * 4 / 2**20
+            nr = cfc.distributed.NcclAllReducer(eps=EPS, chunk_mb=chunk_mb, timeout=60)
+            assert nr.compressing() is None
+
+            def alike(t):  # the same bits on every rank
+                everyone = [torch.empty_like(t) for _ in range(world)]
+                dist.all_gather(everyone, t)
+                return all(torch.equal(e, t) for e in everyone)
+
+            for call in range(3):
+                x = data(rank, call, 10000).to(dev)
+                report = nr(x)
+                assert report["compressed"] and report["eps"] == EPS, report
+                if call == 0:
+                    check_close(x, exact_average(0, 10000, world), EPS)
+                else:  # slots sized by the first call: the frames' bytes only
+                    assert report["bytes_sent"] * 3 < report["bytes_uncompressed"], report
+                assert alike(x)
+            assert nr.compressing() is True
+            # error feedback: the mean of 8 results of the same input converges on the average
+            fb = cfc.distributed.NcclAllReducer(eps=EPS, chunk_mb=chunk_mb)
+            total = torch.zeros(10000, dtype=torch.float64)
+            for _ in range(8):
+                x = data(rank, 9, 10000).to(dev)
+                fb(x)
+                total += x.double().cpu()
+            err = (total / 8 - exact_average(9, 10000, world)).abs().max().item()
+            assert err < 1.5 * EPS / 8 + 1e-9, err
+            # bf16, in place
+            xb = data(rank, 7, 5000).bfloat16().reshape(50, 100).to(dev)
+            assert nr(xb)["compressed"] and xb.shape == (50, 100) and alike(xb)
+            # fallback="always": NCCL's own average, as torch.distributed computes it
+            plain = cfc.distributed.NcclAllReducer(eps=EPS, fallback="always")
+            x = data(rank, 3, 10000).to(dev)
+            expect = x.clone()
+            dist.all_reduce(expect, op=dist.ReduceOp.AVG)
+            report = plain(x)
+            assert not report["compressed"] and report["eps"] == 0, report
+            assert torch.allclose(x, expect, rtol=1e-6, atol=0), (x - expect).abs().max()
+            # fallback="auto": after 2 x 2 trial calls every rank goes the same way
+            auto = cfc.distributed.NcclAllReducer(rms=0.3, fallback="auto", trials=2)
+            for _ in range(5):
+                auto(data(rank, 4, 1 << 20).to(dev))
+            way = auto.compressing()
+            assert way is not None
+            assert alike(torch.tensor([float(way)], device=dev))
+            # ranks that disagree on the size all get an error, and the reducer still works
+            with pytest.raises(cfc.CfcError, match="1000 x float32"):
+                nr(data(rank, 5, 1000 + 24 * rank).to(dev))
+            x = data(rank, 6, 10000).to(dev)
+            nr(x)
+            check_close(x, exact_average(6, 10000, world), EPS)
+            for bad, err in ((x.cpu(), ValueError), (x.double(), TypeError), (x[::2], ValueError)):
+                with pytest.raises(err):
+                    nr(bad)
+            for r in (nr, fb, plain, auto):
+                r.close()
+            with pytest.raises(cfc.CfcError, match="closed"):
+                nr(x)
         elif scenario == "returns_early":
             # The caller's thread does not wait for the GPU: with the stream held up by a
             # half-second kernel queued before it, the call still returns at once. (16 chunks:
@@ -302,6 +364,40 @@ def test_a_corrupt_shard_size_stops_every_rank(tmp_path):
 def test_the_call_returns_before_the_gpu_is_done(tmp_path):
     two_gpus()
     spawn(tmp_path, "returns_early", "cuda")
+
+
+@pytest.mark.gpu
+def test_nccl_all_reducer(tmp_path):
+    two_gpus()
+    spawn(tmp_path, "native", "cuda")
+
+
+def test_nccl_all_reducer_checks_its_options_and_needs_cuda():
+    for kw, err in (({}, "exactly one"), ({"eps": 1e-3, "rms": 0.3}, "exactly one"),
+                    ({"eps": -1.0}, "positive"), ({"eps": 1e-3, "fallback": True}, "fallback"),
+                    ({"eps": 1e-3, "trials": 0}, "trials")):
+        with pytest.raises(ValueError, match=err):
+            cfc.distributed.NcclAllReducer(**kw)
+    if not torch.cuda.is_available():
+        with pytest.raises(cfc.CfcError, match="needs CUDA"):
+            cfc.distributed.NcclAllReducer(eps=1e-3)
+
+
+def test_native_nccl_entry_points_fail_clearly_before_touching_a_device():
+    native = cfc._native
+    with pytest.raises(cfc.CfcError, match="(?i)hex|id"):
+        native.NcclAllReducer(0, "not hex", 0, 2)
+    good = "00" * 128
+    with pytest.raises(cfc.CfcError, match="rank 2 of 2"):
+        native.NcclAllReducer(0, good, 2, 2)
+    with pytest.raises(ValueError, match="timeout"):
+        native.NcclAllReducer(0, good, 0, 2, timeout=-1.0)
+    # A missing NCCL library is an error that names where it looked (in a fresh process:
+    # the library, once found, stays loaded).
+    code = "import cfc._native as n\ntry:\n    n.nccl_unique_id()\nexcept n.CfcError as e:\n    print('CfcError:', e)\n"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "CFC_NCCL_LIBRARY": "/nonexistent/libnccl.so.2"})
+    assert r.returncode == 0 and "CfcError:" in r.stdout and "/nonexistent/libnccl.so.2" in r.stdout, r
 
 
 def test_all_reducer_rejects_bad_tensors():

@@ -128,6 +128,29 @@ def cuda_copy_rows(
     device: int, stream: int, src: int, src_pitch: int, dst: int, dst_pitch: int, width: int, rows: int
 ) -> None: ...
 def cuda_lossless_sizes(numel: int, dtype: str, ndim: int) -> Tuple[int, int]: ...
+def nccl_unique_id() -> str: ...
+def nccl_version() -> Tuple[int, int, int]: ...
+
+class NcclAllReducer:
+    def __init__(
+        self, device: int, unique_id: str, rank: int, world: int, *, timeout: Optional[float] = None
+    ) -> None: ...
+    def allreduce(
+        self,
+        stream: int,
+        data_ptr: int,
+        numel: int,
+        dtype: str,
+        *,
+        eps: float,
+        average: bool = True,
+        feedback: bool = True,
+        chunk_numel: int = 1 << 26,
+        fallback: str = "never",
+        trials: int = 3,
+    ) -> Dict[str, Any]: ...
+    def compressing(self) -> Optional[bool]: ...
+    def close(self) -> None: ...
 def cuda_compress_lossless(
     device: int,
     stream: int,

@@ -18,7 +18,10 @@ For each size it times, on the same data in the same process group:
   automatic choice, named ``cfc@B``);
 * ``cfc-auto@B`` (``--auto``): the same with ``fallback="auto"``: each chunk is timed both ways
   during the warm-up calls and then takes the faster (plain NCCL where compressing does not
-  pay, e.g. over NVLink).
+  pay, e.g. over NVLink);
+* ``cfc-native@B`` (``--native``, CUDA only): :class:`cfc.distributed.NcclAllReducer`, the same
+  GPU codec run entirely by the Rust core over its own NCCL communicator (and
+  ``cfc-native-auto@B`` with ``--auto``: its ``fallback="auto"``, the trial in the warm-up).
 
 Each iteration starts from the same input, after a tiny all-reduce that lines the ranks up;
 its time runs until the result is on the device, and the slowest rank's counts. The table
@@ -154,6 +157,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--chunk-mb", type=float, default=64.0, help="cfc chunk size (MB of float32)")
     p.add_argument("--auto", action="store_true", help='also cfc with fallback="auto" at the first bound')
+    p.add_argument("--native", action="store_true", help="also cfc.distributed.NcclAllReducer (CUDA)")
     p.add_argument("--algorithms", default="", help="comma list of all-gather, reduce-scatter (default: cfc's choice)")
     p.add_argument("--grads", default=None, help="folder of .npy gradient vectors")
     p.add_argument("--cpu", action="store_true", help="CPU tensors over gloo, even with GPUs")
@@ -215,6 +219,13 @@ def _run(args, dev, rank: int, world: int) -> Dict[str, Any]:
     if args.auto and bounds:
         trial = cfc.CfcState(eps=bounds[0] * rms, warmup_steps=0, min_compress_numel=0, fallback="auto")
         reducers[f"cfc-auto@{bounds[0]:g}"] = cfc.distributed.AllReducer(trial, chunk_numel=chunk)
+    natives = {}
+    if args.native and cuda:
+        natives = {f"cfc-native@{b:g}": cfc.distributed.NcclAllReducer(eps=b * rms, chunk_mb=args.chunk_mb) for b in bounds}
+        if args.auto and bounds:
+            natives[f"cfc-native-auto@{bounds[0]:g}"] = cfc.distributed.NcclAllReducer(
+                eps=bounds[0] * rms, chunk_mb=args.chunk_mb, fallback="auto"
+            )
     avg = dist.ReduceOp.AVG if cuda else None
 
     def all_reduce_avg(t):
@@ -235,7 +246,7 @@ def _run(args, dev, rank: int, world: int) -> Dict[str, Any]:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return t.tolist()
 
-    methods = ["fp32", "bf16"] + list(reducers)
+    methods = ["fp32", "bf16"] + list(reducers) + list(natives)
     progress = _Progress(len(sizes) * len(methods), rank == 0)
     rows: List[Dict[str, Any]] = []
     for nbytes in sizes:
@@ -252,6 +263,20 @@ def _run(args, dev, rank: int, world: int) -> Dict[str, Any]:
                 buf = src.clone()
                 t = _measure(lambda: all_reduce_avg(buf), lambda: buf.copy_(src), sync, align, iters, args.warmup, slowest)
                 row.update(t, ratio=1.0 if m == "fp32" else 2.0)
+            elif m in natives:
+                nr = natives[m]
+                y = x.clone()
+                nr(y)  # a first call with this size: zero residuals (and the trial's first call)
+                sync()
+                err = torch.tensor([(y.double() - exact).abs().max().item()], dtype=torch.float64, device=dev)
+                dist.all_reduce(err, op=dist.ReduceOp.MAX)
+                buf = x.clone()
+                reports: List[Dict[str, Any]] = []
+                warm = max(args.warmup, 2 * nr.trials if nr.fallback == "auto" else 0)
+                t = _measure(lambda: reports.append(nr(buf)), lambda: buf.copy_(x), sync, align, iters, warm, slowest)
+                last = reports[-1]
+                row.update(t, ratio=last["bytes_uncompressed"] / last["bytes_sent"], eps=nr.eps,
+                           max_err_over_eps=err.item() / nr.eps, compressed=last["compressed"])
             else:
                 reducer = reducers[m]
                 eps = reducer.state.bound

@@ -13,16 +13,20 @@ Example::
 :class:`AllReducer` averages whole tensors, CPU or CUDA, on :func:`cfc.cfc_hook`'s engines: a
 CUDA tensor is cut into chunks that are compressed, exchanged over NCCL and decoded one behind
 the other on a comm thread, and the call returns before the GPU has finished.
+
+:class:`NcclAllReducer` averages CUDA tensors with the same GPU codec run entirely by the Rust
+core (``cfc::gpu_allreduce``) over an NCCL communicator of its own: less host time per call.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, Dict, List, Optional, Tuple
 
 from cfc import _native
 from cfc.codec import _addr, _check_residual, _tensor_bytes
 
-__all__ = ["AllReducer", "Pending", "TorchTransport", "all_reduce"]
+__all__ = ["AllReducer", "NcclAllReducer", "Pending", "TorchTransport", "all_reduce"]
 
 
 class TorchTransport:
@@ -287,3 +291,134 @@ class AllReducer:
         ]
         self._pending = Pending(tensor, futures)
         return self._pending
+
+
+class NcclAllReducer:
+    """Compressed average of CUDA tensors run entirely by cfc's Rust core, over an NCCL
+    communicator of its own.
+
+    Each call compresses the tensor on the GPU with error feedback, all-gathers the frames
+    with NCCL and decodes and averages them in one kernel, in chunks (``cfc::gpu_allreduce``;
+    ``cfc-bench --gpu`` measures the same code). No Python runs between those steps, so it
+    has less host overhead than :class:`AllReducer` (which runs :func:`cfc.cfc_hook`'s
+    engine); it takes only CUDA tensors and an absolute bound per call. The call returns once
+    the frames are exchanged; the result is on the device when the current stream gets there.
+
+    The communicator is made at construction: rank 0 of ``group`` makes an NCCL id and
+    broadcasts it over ``group`` (so construction is a collective of ``group``), and every rank
+    joins on its current CUDA device. NCCL is loaded by path (``CFC_NCCL_LIBRARY``, else
+    ``libnccl.so.2`` / ``libnccl.so`` on the loader's path). A peer that stops answering is an
+    error after ``timeout`` seconds, not a hang.
+
+    Args:
+        group: the process group whose ranks take part (default: the world). Any backend.
+        eps: the absolute bound per call, or
+        rms: the bound as a multiple of the tensor's RMS, measured at each call (one wait for
+            the current stream, to read it).
+        error_feedback: keep what rounding drops and add it to the next call with the same
+            size and dtype.
+        fallback: ``False`` (always compress), ``"always"`` (NCCL's own all-reduce, after adding
+            the residuals), or ``"auto"``: the first ``2 * trials`` calls with a tensor size time
+            both ways and every rank keeps the faster (plain over NVLink, compressed over a
+            network, as measured in ``docs/perf-notes.md``).
+        trials: timed calls of each way for ``fallback="auto"``.
+        chunk_mb: MB of float32 per chunk.
+        timeout: seconds any wait may last (default: ``CFC_NCCL_TIMEOUT``, else 300).
+
+    Example::
+
+        >>> # xdoctest: +SKIP (needs an initialised process group and GPUs)
+        >>> reducer = cfc.distributed.NcclAllReducer(rms=0.3, fallback="auto")
+        >>> report = reducer(grad)  # grad is averaged in place
+    """
+
+    def __init__(
+        self,
+        group: Any = None,
+        *,
+        eps: Optional[float] = None,
+        rms: Optional[float] = None,
+        error_feedback: bool = True,
+        fallback: Any = False,
+        trials: int = 3,
+        chunk_mb: float = 256.0,
+        timeout: Optional[float] = None,
+    ):
+        import torch
+        import torch.distributed as dist
+
+        if (eps is None) == (rms is None):
+            raise ValueError("give exactly one of eps= or rms=")
+        bound = eps if eps is not None else rms
+        if not (isinstance(bound, (int, float)) and math.isfinite(bound) and bound > 0):
+            raise ValueError(f"the bound must be a positive number, got {bound!r}")
+        if fallback not in (False, "always", "auto"):
+            raise ValueError(f'fallback must be False, "always" or "auto", got {fallback!r}')
+        if trials < 1:
+            raise ValueError(f"trials must be >= 1, got {trials}")
+        if not chunk_mb > 0:
+            raise ValueError(f"chunk_mb must be positive, got {chunk_mb}")
+        if not torch.cuda.is_available():
+            raise _native.CfcError("NcclAllReducer needs CUDA: no CUDA device is visible")
+        self.eps, self.rms = eps, rms
+        self.error_feedback = bool(error_feedback)
+        self.fallback = "never" if fallback is False else fallback
+        self.trials = int(trials)
+        self.chunk_numel = max(1, int(chunk_mb * (1 << 20)) // 4)
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        group = group if group is not None else dist.group.WORLD
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        # Rank 0's id, or the reason it has none (so that no rank waits for an id never sent).
+        box: List[Any] = [None]
+        if rank == 0:
+            try:
+                box[0] = ("id", _native.nccl_unique_id())
+            except _native.CfcError as e:
+                box[0] = ("error", str(e))
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+        kind, value = box[0]
+        if kind != "id":
+            raise _native.CfcError(f"rank 0 could not make an NCCL id: {value}")
+        self._native = _native.NcclAllReducer(self.device.index, value, rank, world, timeout=timeout)
+
+    def __call__(self, tensor: Any) -> Dict[str, Any]:
+        """Average ``tensor`` (a contiguous float32/bf16/fp16 CUDA tensor on this rank's device)
+        in place. Returns the call's report: ``eps``, ``bound``, ``bytes_sent``,
+        ``bytes_uncompressed`` and ``compressed``."""
+        import torch
+
+        if not isinstance(tensor, torch.Tensor) or tensor.dtype not in (
+            torch.float32, torch.bfloat16, torch.float16
+        ):
+            got = tensor.dtype if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+            raise TypeError(f"NcclAllReducer takes float32, bfloat16 or float16 tensors, got {got}")
+        if tensor.device != self.device:
+            raise ValueError(f"NcclAllReducer works on {self.device}; the tensor is on {tensor.device}")
+        if not tensor.is_contiguous():
+            raise ValueError("NcclAllReducer averages in place: give it a contiguous tensor")
+        eps = self.eps
+        if eps is None:
+            v = torch.nan_to_num(tensor.float(), nan=0.0, posinf=0.0, neginf=0.0)
+            rms = math.sqrt(float(torch.dot(v.view(-1), v.view(-1))) / max(1, v.numel()))
+            eps = self.rms * rms if rms > 0 else 1e-30
+        return self._native.allreduce(
+            torch.cuda.current_stream(self.device).cuda_stream,
+            tensor.data_ptr(),
+            tensor.numel(),
+            str(tensor.dtype).replace("torch.", ""),
+            eps=float(eps),
+            average=True,
+            feedback=self.error_feedback,
+            chunk_numel=self.chunk_numel,
+            fallback=self.fallback,
+            trials=self.trials,
+        )
+
+    def compressing(self) -> Optional[bool]:
+        """Whether calls with the last size are compressed (None before a first call and
+        during ``fallback="auto"``'s trial)."""
+        return self._native.compressing()
+
+    def close(self) -> None:
+        """Leave the communicator (also done when the reducer is collected)."""
+        self._native.close()
