@@ -762,8 +762,8 @@ fn decompress_args(
 
 /// A new NCCL unique id, as hex: one rank makes it and hands it to the others (e.g. over
 /// torch.distributed), who all pass it to `NcclAllReducer`. Loads NCCL: `CFC_NCCL_LIBRARY` if
-/// set, else `libnccl.so.2` or `libnccl.so` (pip's `nvidia-nccl` is found through torch's
-/// loaded copy only if the loader's path has it).
+/// set, else `libnccl.so.2` or `libnccl.so` (once torch has loaded pip's `libnccl.so.2`, that
+/// name finds torch's copy).
 #[pyfunction]
 fn nccl_unique_id(py: Python<'_>) -> PyResult<String> {
     py.detach(cfc::nccl::UniqueId::new)
