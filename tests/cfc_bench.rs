@@ -64,10 +64,10 @@ fn bad_options_are_refused() {
     }
 }
 
-/// Whether `python3` (what `--png` runs) has the cfc package and matplotlib, as in the
-/// environment `scripts/test.sh` makes.
+/// Whether the interpreter `--png` runs (`CFC_PYTHON`, else `python3`) has the cfc package
+/// and matplotlib, as in the environment `scripts/test.sh` makes.
 fn python_can_plot() -> bool {
-    Command::new("python3")
+    Command::new(std::env::var("CFC_PYTHON").unwrap_or_else(|_| "python3".into()))
         .args(["-c", "import cfc.bench, matplotlib"])
         .output()
         .is_ok_and(|o| o.status.success())

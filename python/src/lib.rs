@@ -359,12 +359,20 @@ fn allreduce<'py>(
     let (values, report) = py
         .detach(|| cfc::collective::allreduce_bytes(&mut t, input, dtype, residual, &opts))
         .map_err(to_py)?;
+    Ok((PyByteArray::new(py, &values), report_dict(py, &report)?))
+}
+
+/// An all-reduce's report as the dict both Python entry points return.
+fn report_dict<'py>(
+    py: Python<'py>,
+    report: &cfc::collective::AllReduceReport,
+) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
     d.set_item("eps", report.eps)?;
     d.set_item("bound", report.bound)?;
     d.set_item("bytes_sent", report.bytes_sent)?;
     d.set_item("bytes_uncompressed", report.bytes_uncompressed)?;
-    Ok((PyByteArray::new(py, &values), d))
+    Ok(d)
 }
 
 // ---- CUDA: device pointers from torch tensors the Python package keeps alive ----------------
@@ -886,11 +894,7 @@ impl NcclAllReducer {
             // stream, and keeps the tensor referenced (work on it is queued on that stream).
             .detach(|| unsafe { reducer.allreduce(stream, data_ptr, numel, dtype, &opts) })
             .map_err(to_py)?;
-        let d = PyDict::new(py);
-        d.set_item("eps", report.eps)?;
-        d.set_item("bound", report.bound)?;
-        d.set_item("bytes_sent", report.bytes_sent)?;
-        d.set_item("bytes_uncompressed", report.bytes_uncompressed)?;
+        let d = report_dict(py, &report)?;
         // An uncompressed call reports eps 0.
         d.set_item("compressed", report.eps > 0.0)?;
         Ok(d)

@@ -402,9 +402,10 @@ class NcclAllReducer:
             raise ValueError("NcclAllReducer averages in place: give it a contiguous tensor")
         eps = self.eps
         if eps is None:
-            v = torch.nan_to_num(tensor.float(), nan=0.0, posinf=0.0, neginf=0.0)
-            rms = math.sqrt(float(torch.dot(v.view(-1), v.view(-1))) / max(1, v.numel()))
-            eps = self.rms * rms if rms > 0 else 1e-30
+            from cfc.ddp import _finite_sumsq, _rms_eps
+
+            rms = math.sqrt(float(_finite_sumsq(tensor)) / max(1, tensor.numel()))
+            eps = _rms_eps(self.rms, rms)
         return self._native.allreduce(
             torch.cuda.current_stream(self.device).cuda_stream,
             tensor.data_ptr(),
