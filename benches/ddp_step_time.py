@@ -1,13 +1,20 @@
 """DDP step time of a 217M-parameter transformer LM with PyTorch's built-in hooks and cfc_hook.
 
 The configuration of ``../shared/docs/ANCHORS.md`` (d=1024, 12 layers, vocab 32000, T=256,
-batch 8 per GPU, bf16 autocast, AdamW). Every hook runs in the same process group, one after
-the other, with ``noop`` (no communication: the floor) first and last; each is reported as its
-median step time and as a ratio to noop's. ``allreduce`` is DDP's built-in all-reduce (no
-hook); ``allreduce-py`` is the same all-reduce as a Python comm hook (PyTorch's
-``allreduce_hook``), which shows what running any Python hook costs. Run under torchrun with one GPU per process::
+batch 8 per GPU, bf16 autocast, AdamW). ``noop`` (no communication) is the floor; each hook is
+reported as its median step time and as a ratio to noop's. ``allreduce`` is DDP's built-in
+all-reduce (no hook); ``allreduce-py`` is the same all-reduce as a Python comm hook (PyTorch's
+``allreduce_hook``), which shows what running any Python hook costs.
 
-    torchrun --standalone --nproc_per_node=2 benches/ddp_step_time.py --steps 30
+Step times of one machine drift by tens of percent over a minute (the steps of this model are
+bound by the host's kernel launches), so by default every hook's model is built first and the
+hooks then take turns: ``--rounds`` rounds of ``--block`` steps each, the order rotating from
+round to round. The table gives each hook's median over rounds, the middle half of its rounds,
+and its time over ``--base``'s (default ``allreduce``) in the same round, as a median over
+rounds. ``--sequential`` times one hook after the other instead, step by step. Run under
+torchrun with one GPU per process::
+
+    torchrun --standalone --nproc_per_node=2 benches/ddp_step_time.py --steps 50
 
 For the socket transport, set NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1
 NCCL_NET=Socket NCCL_SOCKET_IFNAME=lo. ``--json FILE`` writes the per-step times.
@@ -73,84 +80,153 @@ def register(ddp, name):
     return state
 
 
-def run(name, rank, steps, warmup):
-    """``name`` is a hook, optionally with ``:capN`` for DDP buckets of N MB (default 25)."""
-    hook, _, cap = name.partition(":cap")
-    torch.manual_seed(0)
-    model = LM().cuda()
-    ddp = DDP(model, device_ids=[rank], bucket_cap_mb=float(cap) if cap else None)
-    state = register(ddp, hook)
-    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
-    g = torch.Generator(device="cuda").manual_seed(rank)
+class Runner:
+    """One hook's DDP model, optimizer and batches. ``name`` is a hook, optionally with
+    ``:capN`` for DDP buckets of N MB (default 25)."""
 
-    def step():
-        t = torch.randint(0, VOCAB, (B, T), device="cuda", generator=g)
+    def __init__(self, name, rank):
+        hook, _, cap = name.partition(":cap")
+        self.name = name
+        torch.manual_seed(0)
+        self.model = LM().cuda()
+        self.ddp = DDP(self.model, device_ids=[rank], bucket_cap_mb=float(cap) if cap else None)
+        self.state = register(self.ddp, hook)
+        self.opt = torch.optim.AdamW(self.ddp.parameters(), lr=1e-4)
+        self.gen = torch.Generator(device="cuda").manual_seed(rank)
+
+    def step(self):
+        t = torch.randint(0, VOCAB, (B, T), device="cuda", generator=self.gen)
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = nn.functional.cross_entropy(ddp(t).flatten(0, 1).float(), t.flatten())
+            loss = nn.functional.cross_entropy(self.ddp(t).flatten(0, 1).float(), t.flatten())
         loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
 
-    for _ in range(warmup):
-        step()
-    if state is not None:
-        state.reset_stats()
-    times = []
-    for _ in range(steps):
+    def timed(self, steps):
+        """Seconds per step of ``steps`` steps run back to back (the GPU may work on one step
+        while the host queues the next, as in training), from a synchronized start to the
+        last step's end."""
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        step()
+        for _ in range(steps):
+            self.step()
         torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    extra = {}
-    if state is not None:
-        s = state.stats()
-        extra = {k: s[k] for k in ("ratio", "max_error", "eps", "compressed_buckets", "plain_buckets", "direct_buckets")}
-    nparams = sum(p.numel() for p in model.parameters())
-    return times, extra, nparams
+        return (time.perf_counter() - t0) / steps
+
+    def extra(self):
+        if self.state is None:
+            return {}
+        s = self.state.stats()
+        return {k: s[k] for k in ("ratio", "max_error", "eps", "compressed_buckets", "plain_buckets", "direct_buckets")}
+
+
+def slowest(times):
+    """Each time, as the slowest rank's: a step is as slow as its slowest rank."""
+    t = torch.tensor(times, device="cuda", dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def sequential(names, rank, args):
+    """Each hook in turn: build it, warm it up, time ``--steps`` steps one by one, free it."""
+    rows = []
+    for name in names:
+        r = Runner(name, rank)
+        for _ in range(args.warmup):
+            r.step()
+        if r.state is not None:
+            r.state.reset_stats()
+        times = slowest([r.timed(1) for _ in range(args.steps)])
+        rows.append({"hook": name, "times": times, **r.extra()})
+        del r
+        torch.cuda.empty_cache()
+        if rank == 0:
+            print(f"  {args.label} {name}: median {1e3 * statistics.median(times):.1f} ms {rows[-1]}", flush=True)
+    return rows
+
+
+def interleaved(names, rank, args):
+    """Every hook's model at once; then ``--rounds`` rounds, each running every hook for
+    ``--block`` steps, in an order that rotates from round to round. Drift of the machine
+    over the run (clocks, other load on the host) then reaches every hook alike, and the
+    hooks' times of one round can be compared pairwise."""
+    runners = [Runner(n, rank) for n in names]
+    for r in runners:
+        for _ in range(args.warmup):
+            r.step()
+        if r.state is not None:
+            r.state.reset_stats()
+    blocks = [[0.0] * args.rounds for _ in runners]
+    for k in range(args.rounds):
+        for j in range(len(runners)):
+            i = (j + k) % len(runners)
+            blocks[i][k] = runners[i].timed(args.block)
+    rows = []
+    for r, times in zip(runners, blocks):
+        rows.append({"hook": r.name, "times": slowest(times), **r.extra()})
+    return rows
 
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("hooks", nargs="*", default=["noop", "allreduce", "fp16", "bf16", "powersgd4", "cfc", "cfc-auto", "noop"])
-    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("hooks", nargs="*", default=["noop", "allreduce", "fp16", "bf16", "powersgd4", "cfc", "cfc-auto"])
+    p.add_argument("--steps", type=int, default=30, help="timed steps per hook (sequential: one at a time)")
     p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--sequential", action="store_true",
+                   help="one hook after the other, each timed step by step (default: interleaved rounds)")
+    p.add_argument("--rounds", type=int, default=0, help="interleaved rounds (default: steps / block)")
+    p.add_argument("--block", type=int, default=5, help="steps per hook and round (interleaved)")
+    p.add_argument("--base", default="allreduce", help="the hook the last column compares against, round by round")
     p.add_argument("--label", default=os.environ.get("LABEL", ""))
     p.add_argument("--json", default=None)
-    p.add_argument("--watchdog", type=float, default=180, help="seconds a hook may take (0: no limit)")
+    p.add_argument("--watchdog", type=float, default=600, help="seconds the whole run may take (0: no limit)")
     args = p.parse_args()
+    args.rounds = args.rounds or max(1, args.steps // args.block)
     dist.init_process_group("nccl")
     rank = dist.get_rank()
     torch.cuda.set_device(rank)
-    rows = []
-    for name in args.hooks:
-        if args.watchdog:  # a hook that hangs prints every thread's stack and ends the run
-            faulthandler.dump_traceback_later(args.watchdog, exit=True)
-        times, extra, nparams = run(name, rank, args.steps, args.warmup)
-        faulthandler.cancel_dump_traceback_later()
-        torch.cuda.empty_cache()  # the last hook's model is gone
-        t = torch.tensor(times, device="cuda")
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step is as slow as its slowest rank
-        times = t.tolist()
-        rows.append({"hook": name, "median_ms": 1e3 * statistics.median(times), "times": times, **extra})
-        if rank == 0:
-            print(f"  {args.label} {name}: median {rows[-1]['median_ms']:.1f} ms {extra}", flush=True)
+    if args.watchdog:  # a hook that hangs prints every thread's stack and ends the run
+        faulthandler.dump_traceback_later(args.watchdog, exit=True)
+    rows = sequential(args.hooks, rank, args) if args.sequential else interleaved(args.hooks, rank, args)
+    faulthandler.cancel_dump_traceback_later()
+    nparams = sum(p.numel() for p in LM().parameters())
+    for r in rows:
+        r["median_ms"] = 1e3 * statistics.median(r["times"])
     if rank == 0:
-        noop = [r["median_ms"] for r in rows if r["hook"] == "noop"]
-        floor = min(noop) if noop else None
-        print(f"\nDDP step time, {nparams / 1e6:.0f}M-parameter LM, {dist.get_world_size()} GPUs, {args.label}: "
-              f"median of {args.steps} steps after {args.warmup}")
-        print("| hook | median step | x noop | ratio (bytes) | max error / eps |")
-        print("|---|---|---|---|---|")
-        for r in rows:
-            x = f"{r['median_ms'] / floor:.2f}x" if floor else "-"
-            ratio = f"{r['ratio']:.1f}x" if "ratio" in r else "-"
-            err = f"{r['max_error'] / r['eps']:.2f}" if r.get("eps") else "-"
-            print(f"| {r['hook']} | {r['median_ms']:.1f} ms | {x} | {ratio} | {err} |")
+        report(rows, nparams, args)
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"label": args.label, "rows": rows}, f, indent=1)
+                json.dump({"label": args.label, "mode": "sequential" if args.sequential else "interleaved",
+                           "block": None if args.sequential else args.block, "rows": rows}, f, indent=1)
     dist.destroy_process_group()
+
+
+def report(rows, nparams, args):
+    noop = [r["median_ms"] for r in rows if r["hook"] == "noop"]
+    floor = min(noop) if noop else None
+    base = next((r for r in rows if r["hook"] == args.base), None)
+    if args.sequential:
+        how = f"median of {args.steps} steps after {args.warmup}, one hook after the other"
+    else:
+        how = (f"{args.rounds} interleaved rounds of {args.block} steps per hook after {args.warmup}; "
+               f"median over rounds; spread = the middle half of the rounds")
+    print(f"\nDDP step time, {nparams / 1e6:.0f}M-parameter LM, {dist.get_world_size()} GPUs, {args.label}: {how}")
+    pair = f" x {args.base} (paired) |" if base is not None and not args.sequential else ""
+    print(f"| hook | median step | spread | x noop |{pair} ratio (bytes) | max error / eps |")
+    print("|---|---|---|---|" + ("---|" if pair else "") + "---|---|")
+    for r in rows:
+        q = statistics.quantiles(r["times"], n=4) if len(r["times"]) > 1 else [r["times"][0]] * 3
+        spread = f"{1e3 * q[0]:.1f}-{1e3 * q[2]:.1f} ms"
+        x = f"{r['median_ms'] / floor:.2f}x" if floor else "-"
+        ratio = f"{r['ratio']:.1f}x" if "ratio" in r else "-"
+        err = f"{r['max_error'] / r['eps']:.2f}" if r.get("eps") else "-"
+        cols = f"| {r['hook']} | {r['median_ms']:.1f} ms | {spread} | {x} |"
+        if pair:
+            # the hook's time over the base's in the same round, median over rounds: drift
+            # between rounds cancels
+            ratios = [a / b for a, b in zip(r["times"], base["times"])]
+            cols += f" {statistics.median(ratios):.3f}x |"
+        print(f"{cols} {ratio} | {err} |")
 
 
 if __name__ == "__main__":

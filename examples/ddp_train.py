@@ -6,16 +6,26 @@ and the CPU otherwise::
 
     torchrun --standalone --nproc_per_node=2 examples/ddp_train.py --hook allreduce,cfc --steps 200
 
-Several hooks (comma-separated) train one after the other from the same initial weights on the
-same batches, and the run ends with a table: final loss of each (mean of the last 10% of steps)
-against the first hook's, bytes sent per step, throughput. ``--out DIR`` writes the loss curves
-as JSON, and as a PNG when matplotlib is installed.
+Several hooks (comma-separated; ``cfc@0.1`` is cfc with ``rms=0.1``) train one after the
+other from the same initial weights on the same batches, and the run ends with a table per
+hook: the final training loss (mean of the last 10% of steps) and the held-out loss (bytes of
+the corpus's last 5%, never trained on, scored at the end), each against the first hook's;
+bytes sent per step; throughput. ``--out DIR`` writes the loss curves as JSON, and as a PNG
+when matplotlib is installed.
+
+The recipe is a usual one for LMs: AdamW, a 20-step warm-up, cosine decay to a tenth of the
+learning rate at the last step (``--schedule``), the gradient norm clipped at 1 (``--clip``).
+``--deterministic`` makes two runs of one hook give the same losses bit for bit (deterministic
+kernels, attention by its plain math form), so that a difference between hooks is the hooks'
+own and not the GPU's scheduling.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
 import os
 import sys
 import sysconfig
@@ -71,7 +81,8 @@ class LM(nn.Module):
 
 
 def register(ddp: DDP, hook: str, args):
-    """Registers a hook; returns the cfc state (None for PyTorch's hooks)."""
+    """Registers a hook; returns the cfc state (None for PyTorch's hooks). ``cfc@X`` is cfc
+    with ``rms=X`` (default ``--rms``)."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
     if hook == "fp16":
@@ -81,8 +92,12 @@ def register(ddp: DDP, hook: str, args):
     elif hook == "powersgd":
         st = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=4, start_powerSGD_iter=2)
         ddp.register_comm_hook(st, powerSGD_hook.powerSGD_hook)
-    elif hook == "cfc":
-        state = cfc.CfcState(rms=args.rms)
+    elif hook == "cfc" or hook.startswith("cfc@"):
+        try:
+            rms = float(hook[4:]) if hook.startswith("cfc@") else args.rms
+        except ValueError:
+            raise SystemExit(f"cfc@X needs a number X (rms), got {hook!r}") from None
+        state = cfc.CfcState(rms=rms)
         ddp.register_comm_hook(state, cfc.cfc_hook)
         return state
     elif hook != "allreduce":
@@ -98,25 +113,63 @@ def bar(i: int, n: int, text: str) -> None:
     sys.stderr.flush()
 
 
-def train(hook: str, data: torch.Tensor, dev: torch.device, args) -> dict:
+def batch(data: torch.Tensor, gen: torch.Generator, args) -> torch.Tensor:
+    """``args.batch`` random windows of ``args.seq + 1`` bytes."""
+    starts = torch.randint(0, data.numel() - args.seq - 1, (args.batch,), generator=gen)
+    return data[starts[:, None] + torch.arange(args.seq + 1)].long()
+
+
+@torch.no_grad()
+def held_out_loss(model: nn.Module, heldout: torch.Tensor, dev: torch.device, args) -> float:
+    """Mean loss on ``args.eval_batches`` fixed batches of held-out bytes (the same for every
+    hook, seed and step), split over the ranks."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    gen = torch.Generator().manual_seed(1234)
+    total = torch.zeros(2, dtype=torch.float64, device=dev)
+    for i in range(args.eval_batches):
+        chunk = batch(heldout, gen, args)
+        if i % world != rank:
+            continue
+        chunk = chunk.to(dev)
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
+            logits = model(chunk[:, :-1])
+        loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), chunk[:, 1:].flatten(), reduction="sum")
+        total += torch.stack([loss.double(), torch.tensor(chunk[:, 1:].numel(), dtype=torch.float64, device=dev)])
+    dist.all_reduce(total)
+    return (total[0] / total[1]).item()
+
+
+def lr_factor(step: int, args) -> float:
+    """The learning rate's multiplier at ``step``: linear warm-up over 20 steps, then constant
+    or a cosine decay to 0.1 at the last step."""
+    if step < 20:
+        return (step + 1) / 20
+    if args.schedule == "constant":
+        return 1.0
+    done = (step - 20) / max(1, args.steps - 21)
+    return 0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, done)))
+
+
+def train(hook: str, data: torch.Tensor, heldout: torch.Tensor, dev: torch.device, args) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(args.seed)
     model = LM(args.d_model, args.layers, args.heads, args.seq).to(dev)
     ddp = DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None)
     state = register(ddp, hook, args)
     opt = torch.optim.AdamW(ddp.parameters(), lr=args.lr, weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, args))
     gen = torch.Generator().manual_seed(args.seed * 1000 + rank)  # the same batches for every hook
-    losses, tokens, t0 = [], 0, time.perf_counter()
+    every = args.eval_every or max(1, args.steps // 10)
+    losses, evals, tokens, t0 = [], [], 0, time.perf_counter()
     for step in range(args.steps):
-        starts = torch.randint(0, data.numel() - args.seq - 1, (args.batch,), generator=gen)
-        idx = starts[:, None] + torch.arange(args.seq + 1)
-        chunk = data[idx].long().to(dev, non_blocking=True)
+        chunk = batch(data, gen, args).to(dev, non_blocking=True)
         x, y = chunk[:, :-1], chunk[:, 1:]
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
             logits = ddp(x)
         loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
         loss.backward()
+        if args.clip > 0:
+            torch.nn.utils.clip_grad_norm_(ddp.parameters(), args.clip)
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
@@ -124,15 +177,17 @@ def train(hook: str, data: torch.Tensor, dev: torch.device, args) -> dict:
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         losses.append(mean.item() / world)
+        if args.eval_batches and ((step + 1) % every == 0 or step == args.steps - 1):
+            evals.append((step + 1, held_out_loss(model, heldout, dev, args)))
         if rank == 0 and (step % 5 == 4 or step == args.steps - 1):
             rate = tokens / (time.perf_counter() - t0)
             bar(step + 1, args.steps, f"{hook}: loss {losses[-1]:.3f}, {rate / 1e3:.1f}k tok/s")
-    seconds = time.perf_counter() - t0
+    seconds = time.perf_counter() - t0  # includes the held-out scoring
     if args.save is not None and rank == 0:
         # The trained weights, for examples/compress_model.py (the last hook's model wins).
         args.save.parent.mkdir(parents=True, exist_ok=True)
         torch.save({k: v.cpu() for k, v in model.state_dict().items()}, args.save)
-    out = {"hook": hook, "losses": losses, "seconds": seconds, "tokens_per_s": tokens / seconds}
+    out = {"hook": hook, "losses": losses, "held_out": evals, "seconds": seconds, "tokens_per_s": tokens / seconds}
     if state is not None:
         s = state.stats()
         out["cfc"] = {k: s[k] for k in ("ratio", "bytes_sent", "bytes_uncompressed", "max_error", "eps", "compressed_buckets", "plain_buckets")}
@@ -150,6 +205,13 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--rms", type=float, default=0.3, help="cfc's bound, relative to the bucket's RMS")
+    p.add_argument("--schedule", choices=("cosine", "constant"), default="cosine",
+                   help="learning rate after the warm-up: cosine decay to 0.1 x --lr, or constant")
+    p.add_argument("--clip", type=float, default=1.0, help="clip the gradient norm at this (0: no clipping)")
+    p.add_argument("--eval-batches", type=int, default=8, help="held-out batches per scoring (0: none)")
+    p.add_argument("--eval-every", type=int, default=0, help="score held-out bytes every N steps (default: steps / 10)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="deterministic kernels: two runs of one hook give the same losses bit for bit")
     p.add_argument("--corpus-mb", type=float, default=16.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None, help="directory for losses.json and losses.png")
@@ -158,6 +220,10 @@ def main() -> None:
 
     if "RANK" not in os.environ:
         raise SystemExit("run under torchrun, e.g. torchrun --standalone --nproc_per_node=2 " + sys.argv[0])
+    if args.deterministic:
+        # cuBLAS needs this before its first use to pick deterministic reductions
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
     use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= int(os.environ["LOCAL_WORLD_SIZE"])
     if use_cuda:
         dev = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
@@ -168,19 +234,33 @@ def main() -> None:
     dist.init_process_group("nccl" if use_cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     data = corpus(int(args.corpus_mb * 2**20))
+    split = data.numel() - data.numel() // 20  # the last 5%: held out
+    data, heldout = data[:split], data[split:]
     if rank == 0:
-        print(f"corpus: {data.numel() / 2**20:.1f} MiB of the standard library's .py files; "
+        print(f"corpus: {(data.numel() + heldout.numel()) / 2**20:.1f} MiB of the standard library's .py files "
+              f"(the last 5% held out); "
               f"{world} ranks on {'NCCL/' + torch.cuda.get_device_name(dev) if use_cuda else 'gloo/CPU'}", flush=True)
-    results = [train(h.strip(), data, dev, args) for h in args.hook.split(",")]
+    attention = contextlib.nullcontext()
+    if args.deterministic:  # the fused attention kernels' backward passes accumulate in any order
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        attention = sdpa_kernel(SDPBackend.MATH)
+    with attention:
+        results = [train(h.strip(), data, heldout, dev, args) for h in args.hook.split(",")]
 
     if rank == 0:
         tail = max(1, args.steps // 10)
-        base = sum(results[0]["losses"][-tail:]) / tail
-        print(f"\n{'hook':<10} {'final loss':>10} {'vs ' + results[0]['hook']:>14} {'tok/s':>10} {'bytes/step':>12} {'fewer bytes':>12}")
         for r in results:
-            final = sum(r["losses"][-tail:]) / tail
-            r["final_loss"] = final
-            line = f"{r['hook']:<10} {final:>10.4f} {100 * (final - base) / base:>+13.2f}% {r['tokens_per_s']:>10.0f}"
+            r["final_loss"] = sum(r["losses"][-tail:]) / tail
+            r["final_held_out"] = r["held_out"][-1][1] if r["held_out"] else math.nan
+        first = results[0]
+        vs = "vs " + first["hook"]
+        print(f"\n{'hook':<10} {'final loss':>10} {vs:>14} {'held-out':>10} {vs:>14} {'tok/s':>10} "
+              f"{'bytes/step':>12} {'fewer bytes':>12}")
+        for r in results:
+            line = (f"{r['hook']:<10} {r['final_loss']:>10.4f} {100 * (r['final_loss'] / first['final_loss'] - 1):>+13.2f}% "
+                    f"{r['final_held_out']:>10.4f} {100 * (r['final_held_out'] / first['final_held_out'] - 1):>+13.2f}% "
+                    f"{r['tokens_per_s']:>10.0f}")
             if "cfc" in r:
                 c = r["cfc"]
                 line += f" {c['bytes_sent'] / args.steps:>12.0f} {c['ratio']:>11.1f}x"
@@ -196,7 +276,11 @@ def main() -> None:
 
                 fig, ax = plt.subplots(figsize=(7, 4))
                 for r in results:
-                    ax.plot(r["losses"], label=r["hook"], linewidth=1)
+                    line, = ax.plot(r["losses"], label=r["hook"], linewidth=1, alpha=0.8)
+                    if r["held_out"]:
+                        steps, held = zip(*r["held_out"])
+                        ax.plot(steps, held, "o--", color=line.get_color(), markersize=3, linewidth=1,
+                                label=f"{r['hook']} (held-out)")
                 ax.set_xlabel("step")
                 ax.set_ylabel("training loss (nats/byte)")
                 ax.set_ylim(top=min(6.0, max(max(r["losses"]) for r in results)))

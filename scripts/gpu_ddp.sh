@@ -3,14 +3,16 @@
 # DDP hook's tests over NCCL, train the byte-level LM with plain all-reduce and cfc_hook, then
 # time DDP steps of the 217M LM with every hook, over NVLink and over the socket transport.
 # PARTS picks what runs (default: "tests train spread nvlink socket"; spread trains again with
-# another seed, to show how far two plain runs differ; parity trains both hooks once per seed of
-# SEEDS, default "0 1 2", for a comparison over seeds; TRAIN_HOOKS and RMS pass on). NPROC (default 2) sets the processes of
-# the step-time runs. Logs go under $OUT.
+# another seed, to show how far two plain runs differ; parity trains deterministically, once per
+# seed of SEEDS (default "0 1 2"), plain all-reduce, cfc at 0.3 and 0.1 x RMS and PyTorch's bf16
+# hook (TRAIN_HOOKS), plus plain again on the first seed, and prints benches/parity_table.py's
+# table; RMS passes on). NPROC (default 2) sets the processes of the step-time runs, STEPS their
+# timed steps per hook (interleaved rounds of 5). Logs go under $OUT.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source scripts/gpu_setup.sh
 PARTS=${PARTS:-tests train spread nvlink socket}
-STEPS=${STEPS:-30}
+STEPS=${STEPS:-50}
 NPROC=${NPROC:-2}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 for part in $PARTS; do case $part in
@@ -18,9 +20,12 @@ for part in $PARTS; do case $part in
   train) timeout 400 torchrun --standalone --nproc_per_node=2 examples/ddp_train.py --hook allreduce,cfc \
            --steps ${TRAIN_STEPS:-1000} --d-model 256 --layers 4 --heads 8 --batch 32 --seq 256 --out "$OUT/ddp_train" \
            2>&1 | grep -v "^\s*\[" | tail -8 | tee "$OUT/ddp_train.log" ;;
-  parity) for seed in ${SEEDS:-0 1 2}; do timeout 300 torchrun --standalone --nproc_per_node=2 examples/ddp_train.py \
-           --hook ${TRAIN_HOOKS:-allreduce,cfc} --rms ${RMS:-0.3} --seed $seed --steps ${TRAIN_STEPS:-1000} --d-model 256 --layers 4 --heads 8 --batch 32 \
-           --seq 256 --out "$OUT/ddp_parity_seed$seed" 2>&1 | grep -v "^\s*\[" | tail -6 | tee "$OUT/ddp_parity_seed$seed.log"; done ;;
+  parity) first=1; for seed in ${SEEDS:-0 1 2}; do
+           hooks=${TRAIN_HOOKS:-allreduce,cfc,cfc@0.1,bf16}; [ $first = 1 ] && hooks+=",allreduce"; first=0
+           timeout 400 torchrun --standalone --nproc_per_node=2 examples/ddp_train.py --deterministic \
+           --hook $hooks --rms ${RMS:-0.3} --seed $seed --steps ${TRAIN_STEPS:-1000} --d-model 256 --layers 4 --heads 8 --batch 32 \
+           --seq 256 --out "$OUT/ddp_parity_seed$seed" 2>&1 | grep -v "^\s*\[" | tail -8 | tee "$OUT/ddp_parity_seed$seed.log"; done
+         python3 benches/parity_table.py "$OUT"/ddp_parity_seed*/losses.json | tee "$OUT/ddp_parity.md" ;;
   spread) timeout 300 torchrun --standalone --nproc_per_node=2 examples/ddp_train.py --hook allreduce,cfc --seed 1 \
            --steps ${TRAIN_STEPS:-1000} --d-model 256 --layers 4 --heads 8 --batch 32 --seq 256 --out "$OUT/ddp_train_seed1" \
            2>&1 | grep -v "^\s*\[" | tail -5 | tee "$OUT/ddp_train_seed1.log" ;;

@@ -538,3 +538,30 @@ def test_comm_thread_runs_each_later_stage_after_the_next_launch(monkeypatch):
     assert "launch F" not in log  # nothing more runs once a stage failed
     with pytest.raises(CfcError, match="E failed"):
         later.wait()
+
+
+def test_training_example_reruns_bit_for_bit_and_scores_held_out_bytes(tmp_path):
+    """examples/ddp_train.py with --deterministic: two runs of plain all-reduce give the same
+    losses bit for bit (so a gap between hooks is the hooks' own); cfc@X sets the bound; the
+    held-out loss is scored every --eval-every steps and at the end."""
+    import json
+    import pathlib
+    import subprocess
+    import sys
+
+    example = pathlib.Path(__file__).resolve().parents[2] / "examples" / "ddp_train.py"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(example),
+        "--hook", "allreduce,cfc@0.2,allreduce,cfc@0.05", "--steps", "10", "--d-model", "32", "--layers", "1",
+        "--heads", "2", "--batch", "4", "--seq", "32", "--corpus-mb", "1", "--eval-every", "4",
+        "--eval-batches", "3", "--deterministic", "--out", str(tmp_path),
+    ]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    plain, comp, again, finer = json.loads((tmp_path / "losses.json").read_text())["results"]
+    assert plain["losses"] == again["losses"] and plain["held_out"] == again["held_out"]
+    assert [s for s, _ in plain["held_out"]] == [4, 8, 10]
+    assert all(math.isfinite(v) and 0 < v < 6 for _, v in plain["held_out"])
+    assert comp["losses"] != plain["losses"] and comp["cfc"]["ratio"] > 3
+    assert finer["cfc"]["ratio"] < comp["cfc"]["ratio"]  # a finer bound sends more
+    assert "held-out" in r.stdout and "cfc@0.2" in r.stdout
