@@ -8,8 +8,8 @@ all-reduce (no hook); ``allreduce-py`` is the same all-reduce as a Python comm h
 
 Step times of one machine drift by tens of percent over a minute (the steps of this model are
 bound by the host's kernel launches), so by default every hook's model is built first and the
-hooks then take turns: ``--rounds`` rounds of ``--block`` steps each, the order rotating from
-round to round. The table gives each hook's median over rounds, the middle half of its rounds,
+hooks then take turns: ``--rounds`` rounds of ``--block`` steps each, in a new random order
+every round. A hook named twice gets two models: an A/A comparison that shows the noise. The table gives each hook's median over rounds, the middle half of its rounds,
 and its time over ``--base``'s (default ``allreduce``) in the same round, as a median over
 rounds. ``--sequential`` times one hook after the other instead, step by step. Run under
 torchrun with one GPU per process::
@@ -24,6 +24,7 @@ import argparse
 import faulthandler
 import json
 import os
+import random
 import statistics
 import time
 
@@ -69,12 +70,18 @@ def register(ddp, name):
         )
         ddp.register_comm_hook(st, powerSGD_hook.powerSGD_hook)
     elif name.startswith("cfc"):
-        # cfc, cfc-auto (fallback="auto"), cfc@0.1 (rms=0.1), cfc-ag / cfc-rs (the all-gather or
-        # the reduce-scatter; default: cfc's choice); any hook:capN sets bucket_cap_mb
+        # cfc; cfc-auto: fallback="auto" through cfc.register_comm_hook (which keeps DDP's
+        # built-in all-reduce where its probe finds compression does not pay); cfc-auto-hook:
+        # fallback="auto" with the hook always registered (its per-bucket choice only);
+        # cfc@0.1: rms=0.1; cfc-ag / cfc-rs: the all-gather or the reduce-scatter (default:
+        # cfc's choice); any hook:capN sets bucket_cap_mb
         rms = float(name.split("@")[1]) if "@" in name else 0.3
         algorithm = "all-gather" if "-ag" in name else "reduce-scatter" if "-rs" in name else None
         state = cfc.CfcState(rms=rms, fallback="auto" if "auto" in name else False, algorithm=algorithm)
-        ddp.register_comm_hook(state, cfc.cfc_hook)
+        if "auto" in name and "hook" not in name:
+            cfc.register_comm_hook(ddp, state)
+        else:
+            ddp.register_comm_hook(state, cfc.cfc_hook)
     elif name != "allreduce":
         raise SystemExit(f"unknown hook {name}")
     return state
@@ -116,8 +123,13 @@ class Runner:
     def extra(self):
         if self.state is None:
             return {}
+        out = {}
+        if self.state.probe is not None:
+            out["probe"] = self.state.probe
+            if not self.state.probe["registered"]:
+                return out  # DDP's own all-reduce: the state saw nothing
         s = self.state.stats()
-        return {k: s[k] for k in ("ratio", "max_error", "eps", "compressed_buckets", "plain_buckets", "direct_buckets")}
+        return {**out, **{k: s[k] for k in ("ratio", "max_error", "eps", "compressed_buckets", "plain_buckets", "direct_buckets")}}
 
 
 def slowest(times):
@@ -147,7 +159,7 @@ def sequential(names, rank, args):
 
 def interleaved(names, rank, args):
     """Every hook's model at once; then ``--rounds`` rounds, each running every hook for
-    ``--block`` steps, in an order that rotates from round to round. Drift of the machine
+    ``--block`` steps, in a new random order each round. Drift of the machine
     over the run (clocks, other load on the host) then reaches every hook alike, and the
     hooks' times of one round can be compared pairwise."""
     runners = [Runner(n, rank) for n in names]
@@ -157,13 +169,14 @@ def interleaved(names, rank, args):
         if r.state is not None:
             r.state.reset_stats()
     blocks = [[0.0] * args.rounds for _ in runners]
+    order = random.Random(0)  # the same on every rank
     for k in range(args.rounds):
-        for j in range(len(runners)):
-            i = (j + k) % len(runners)
+        for i in order.sample(range(len(runners)), len(runners)):
             blocks[i][k] = runners[i].timed(args.block)
     rows = []
     for r, times in zip(runners, blocks):
-        rows.append({"hook": r.name, "times": slowest(times), **r.extra()})
+        n = sum(row["hook"].split(" ")[0] == r.name for row in rows)
+        rows.append({"hook": r.name if n == 0 else f"{r.name} ({n + 1})", "times": slowest(times), **r.extra()})
     return rows
 
 
@@ -219,6 +232,10 @@ def report(rows, nparams, args):
         spread = f"{1e3 * q[0]:.1f}-{1e3 * q[2]:.1f} ms"
         x = f"{r['median_ms'] / floor:.2f}x" if floor else "-"
         ratio = f"{r['ratio']:.1f}x" if "ratio" in r else "-"
+        if "probe" in r:  # what cfc.register_comm_hook measured, and chose
+            p = r["probe"]
+            ratio += (f" (probe: plain {1e3 * p['plain_seconds']:.2f} / cfc {1e3 * p['compressed_seconds']:.2f} ms"
+                      f" -> {'cfc_hook' if p['registered'] else 'built-in all-reduce'})")
         err = f"{r['max_error'] / r['eps']:.2f}" if r.get("eps") else "-"
         cols = f"| {r['hook']} | {r['median_ms']:.1f} ms | {spread} | {x} |"
         if pair:

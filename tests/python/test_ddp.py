@@ -349,10 +349,64 @@ def reduce_scatter(rank, world, out):
             assert shards == (algorithm == "reduce-scatter"), state._slots
 
 
+def register(rank, world, out):
+    """cfc.register_comm_hook: without fallback="auto", or on CPU buckets, the hook goes on
+    directly. With it on CUDA buckets a probe of the largest bucket decides first: this
+    model's (64 Ki elements) is far faster plain over any GPU link, so DDP keeps its built-in
+    all-reduce and trains bit for bit as with no hook at all."""
+    import cfc
+
+    state = CfcState(warmup_steps=1)
+    ddp, opt = make()
+    assert cfc.register_comm_hook(ddp, state) and state.probe is None
+    train(ddp, opt, rank, 3)
+    assert state.stats()["compressed_buckets"] > 0
+
+    auto = CfcState(fallback="auto", trial_steps=2)
+    ddp, opt = make()
+    chosen = cfc.register_comm_hook(ddp, auto)
+    if DEV.type == "cpu":
+        assert chosen and auto.probe is None
+        return
+    p = auto.probe
+    assert p["numel"] == max(q.numel() for q in ddp.module.parameters()) and p["dtype"] == "float32", p
+    assert 0 < p["plain_seconds"] < math.inf and 0 < p["compressed_seconds"] < math.inf, p
+    assert chosen == p["registered"] == (p["compressed_seconds"] < p["plain_seconds"]), p
+    assert same_on_all_ranks(torch.tensor([float(chosen)], device=DEV))
+    assert not chosen, f"compression of {p['numel']} elements should not pay over a GPU link: {p}"
+    losses = train(ddp, opt, rank, 3)
+    ref, ref_opt = make()
+    assert losses == train(ref, ref_opt, rank, 3)
+
+
+def register_sockets(rank, world, out):
+    """Over the socket transport a 64 MB bucket is several times faster compressed: the probe
+    registers cfc_hook, and training compresses."""
+    import cfc
+
+    torch.manual_seed(0)
+    model = nn.Linear(4096, 4096).to(DEV)
+    ddp = DDP(model)
+    state = CfcState(fallback="auto", trial_steps=2, warmup_steps=1)
+    assert cfc.register_comm_hook(ddp, state), state.probe
+    p = state.probe
+    assert p["numel"] == model.weight.numel() and p["compressed_seconds"] < p["plain_seconds"], p
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    for step in range(4):  # warm-up, trial (2), one step as the trial chose
+        x = torch.randn(32, 4096, device=DEV, generator=torch.Generator(device=DEV).manual_seed(step * 10 + rank))
+        ddp(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    s = state.stats()
+    assert s["compressed_buckets"] >= 2 and s["ratio"] > 3, s
+    for q in ddp.parameters():
+        assert same_on_all_ranks(q.detach())
+
+
 SCENARIOS = {
     f.__name__: f
     for f in (parity, resume, overflow, accumulate, variants, mismatch, fallback, slots, reduce_scatter,
-              trial_timing, plain_after_trial)
+              trial_timing, plain_after_trial, register, register_sockets)
 }
 
 
@@ -396,12 +450,21 @@ def test_training_parity_with_8x_fewer_bytes(tmp_path, device):
 @pytest.mark.parametrize(
     "scenario",
     ["resume", "overflow", "accumulate", "variants", "mismatch", "fallback", "slots", "reduce_scatter",
-     "trial_timing", "plain_after_trial"],
+     "trial_timing", "plain_after_trial", "register"],
 )
 def test_hook(tmp_path, scenario, device):
     if device == "cuda":
         two_gpus()
     spawn(tmp_path, scenario, device=device)
+
+
+@pytest.mark.gpu
+def test_register_comm_hook_finds_compression_pays_over_sockets(tmp_path, monkeypatch):
+    two_gpus()
+    for k, v in {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_IB_DISABLE": "1",
+                 "NCCL_NET": "Socket", "NCCL_SOCKET_IFNAME": "lo"}.items():
+        monkeypatch.setenv(k, v)
+    spawn(tmp_path, "register_sockets", device="cuda")
 
 
 def test_state_options_are_checked(tmp_path):

@@ -18,7 +18,7 @@ Example::
 from cfc._native import CfcError, FormatError, FORMAT_VERSION, __version__
 from cfc._native import cuda_available
 from cfc import distributed
-from cfc.ddp import CfcState, cfc_hook
+from cfc.ddp import CfcState, cfc_hook, register_comm_hook
 from cfc.codec import (
     Compressed,
     CudaCompressed,
@@ -50,6 +50,7 @@ __all__ = [
     "frame_info",
     "load",
     "pin",
+    "register_comm_hook",
     "save",
     "sum_compressed",
 ]

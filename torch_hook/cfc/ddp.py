@@ -59,7 +59,7 @@ import cfc
 from cfc import _native
 from cfc.codec import _decode_sum_cuda, _sum_frames_cuda
 
-__all__ = ["CfcState", "cfc_hook"]
+__all__ = ["CfcState", "cfc_hook", "register_comm_hook"]
 
 logger = logging.getLogger("cfc")
 
@@ -184,6 +184,9 @@ class CfcState:
         self._saved_layouts: Dict[int, tuple] = {}  # bucket -> ordinals, from a checkpoint
         self._decisions: Dict[int, bool] = {}  # bucket -> compress? (fallback="auto")
         self._trial: Dict[int, Dict[str, List[float]]] = {}
+        self._trial_times: Dict[int, Tuple[float, float]] = {}  # bucket -> (plain, compressed), all ranks'
+        # What register_comm_hook's probe found (None: no probe ran)
+        self.probe: Optional[Dict[str, Any]] = None
         self._trial_device: Any = None
         # bucket (or ("shard", bucket), ("sum", bucket) for the reduce-scatter's two
         # exchanges) -> bytes per rank in the frame exchange
@@ -379,7 +382,7 @@ class CfcState:
         if self._worker is not None:
             self._worker.drain()
         for d in (self._residuals, self._where, self._pending, self._layouts, self._decisions,
-                  self._trial, self._slots, self._rms, self._unflushed):
+                  self._trial, self._trial_times, self._slots, self._rms, self._unflushed):
             d.clear()
         self._origin = self.step
 
@@ -409,6 +412,7 @@ class CfcState:
         dist.all_reduce(times, op=dist.ReduceOp.MAX, group=self.group if group is None else group)
         for k, (plain, comp) in zip(keys, times.cpu().tolist()):
             self._decisions[k] = comp < plain
+            self._trial_times[k] = (plain, comp)
         self._trial.clear()
         logger.info("cfc: buckets compressed after the trial: %s", self._decisions)
 
@@ -656,6 +660,85 @@ def cfc_hook(state, bucket):  # no annotations: DDP checks them against its own 
     return _cpu_bucket(state, bucket, buf, parts, scatter)
 
 
+def register_comm_hook(ddp, state: Optional[CfcState] = None) -> bool:
+    """Register :func:`cfc_hook` on a ``DistributedDataParallel`` model, unless it measurably
+    cannot pay on this link. Returns whether it registered the hook.
+
+    Any Python comm hook costs host time on every bucket, even one that only calls NCCL's
+    all-reduce: on links fast enough that compression never pays (NVLink), the fastest hook is
+    no hook. So with ``state.fallback == "auto"`` and CUDA parameters, this first runs the
+    hook's own trial on one bucket of the size DDP's largest bucket will have (``bucket_cap_mb``
+    or the largest parameter, random values of the parameters' dtype, the slowest rank's time
+    deciding, as in training): if plain all-reduce was faster, nothing is registered and DDP
+    keeps its built-in all-reduce; otherwise :func:`cfc_hook` is registered and its own trial
+    then decides bucket by bucket. What the probe measured is in ``state.probe``. In every
+    other case (no ``fallback="auto"``, CPU parameters) it registers the hook directly.
+
+    Call it on every rank, after ``init_process_group`` (the probe is collective, and ranks
+    with different options all get a ``cfc.CfcError``). ``state`` defaults to ``CfcState()``;
+    its process group defaults to DDP's. Frameworks that register the hook themselves
+    (Lightning's ``DDPStrategy(ddp_comm_hook=...)``) get the per-bucket choice only.
+
+    Example::
+
+        >>> # xdoctest: +SKIP (needs an initialised process group and GPUs)
+        >>> state = cfc.CfcState(fallback="auto")
+        >>> cfc.register_comm_hook(ddp_model, state)  # False over NVLink: DDP's own all-reduce
+    """
+    import torch
+    import torch.distributed as dist
+
+    from cfc.distributed import AllReducer
+
+    state = state if state is not None else CfcState()
+    if not isinstance(state, CfcState):
+        raise TypeError(f"state must be a cfc.CfcState, got {type(state).__name__}")
+    if state.process_group is None and state.group is None:
+        state.process_group = ddp.process_group
+    params = [p for p in ddp.module.parameters() if p.requires_grad]
+    if state.fallback != "auto" or not params or not params[0].is_cuda or state.group is not None:
+        ddp.register_comm_hook(state, cfc_hook)
+        return True
+
+    # The probe: a state of the same options (its warm-up: one plain call, to set NCCL up;
+    # at least two timed calls each way, since the first compressed one also compiles the
+    # kernels), on a bucket of the largest size DDP will make. It runs over DDP's process group itself
+    # (nothing else uses it now), so no communicator is made or destroyed for it.
+    if not dist.is_initialized():
+        raise RuntimeError("cfc.register_comm_hook needs an initialised torch.distributed process group")
+    probe = CfcState(
+        state.process_group, **{state.bound_kind: state.bound}, error_feedback=state.error_feedback,
+        warmup_steps=1, min_compress_numel=state.min_compress_numel, fallback="auto",
+        trial_steps=max(4, state.trial_steps), algorithm=state.algorithm, timeout=state.timeout,
+    )
+    pg = state.process_group
+    probe.process_group = probe.group = pg
+    probe.rank, probe.world = dist.get_rank(pg), dist.get_world_size(pg)
+    probe._nccl = "nccl" in str(dist.get_backend(pg))
+    dev, dtype = params[0].device, params[0].dtype
+    cap = max(1, ddp.bucket_bytes_cap // params[0].element_size())
+    n = min(sum(p.numel() for p in params), max(cap, max(p.numel() for p in params)))
+    gen = torch.Generator(device=dev).manual_seed(1234 + probe.rank)
+    values = (torch.randn(n, device=dev, generator=gen) * 1e-3).to(dtype)
+    x = torch.empty_like(values)
+    reducer = AllReducer(probe, chunk_numel=n)
+    for _ in range(probe.warmup_steps + probe.trial_steps):
+        x.copy_(values)  # the same gradient-like values each time (a call averages in place)
+        reducer(x).wait()
+    probe._decide()
+    plain, compressed = probe._trial_times.get(0, (math.nan, math.nan))
+    register = probe._decisions.get(0, False)
+    if probe._worker is not None:
+        probe._worker.close()
+    state.probe = {"numel": n, "dtype": str(dtype).replace("torch.", ""), "plain_seconds": plain,
+                   "compressed_seconds": compressed, "registered": bool(register)}
+    logger.info("cfc: probe of %d-element buckets: plain %.3f ms, compressed %.3f ms: %s", n, 1e3 * plain,
+                1e3 * compressed, "cfc_hook registered" if register else "DDP's own all-reduce kept")
+    if register:
+        ddp.register_comm_hook(state, cfc_hook)
+    return bool(register)
+
+
 # ---- CPU buckets: the Rust collective, on the autograd thread ----
 
 
@@ -764,6 +847,12 @@ class _CommThread:
         self.stream.synchronize()
         torch.cuda.synchronize(self.device)
 
+    def close(self) -> None:
+        """Finish everything queued, then end the thread."""
+        self.drain()
+        self.jobs.put(("stop", None, None))
+        self.thread.join()
+
     def _run_deferred(self, items) -> None:
         """Run deferred stages in order. A stage may return a further stage (a callable): that
         one waits for the next part's launch, so it and everything after it go back to the
@@ -790,6 +879,8 @@ class _CommThread:
         torch.cuda.set_device(self.device)
         while True:
             kind, work, fut = self.jobs.get()
+            if kind == "stop":
+                return
             try:
                 with torch.cuda.stream(self.stream):
                     if kind == "part":
