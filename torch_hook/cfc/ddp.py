@@ -91,7 +91,10 @@ class CfcState:
         fallback: ``"auto"`` times plain and compressed all-reduce of every bucket for
             ``trial_steps`` steps after the warm-up (alternating) and then keeps, per bucket,
             the faster (the slowest rank's time decides, so all ranks choose alike). ``False``
-            always compresses buckets of ``min_compress_numel`` or more.
+            always compresses buckets of ``min_compress_numel`` or more. A bucket sent plainly
+            still pays for running a Python hook: :func:`register_comm_hook` with ``"auto"``
+            first checks whether compression pays at all, and where it does not leaves DDP's
+            built-in all-reduce in place.
         trial_steps: steps of that trial (an even number; half of each kind; the fastest time
             of each kind counts).
         log_every: log :meth:`stats` (logger ``"cfc"``, INFO) every this many steps; 0: never.
