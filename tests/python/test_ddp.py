@@ -536,8 +536,8 @@ def test_comm_thread_runs_each_later_stage_after_the_next_launch(monkeypatch):
     """The comm thread's order of work, without a GPU (its CUDA calls are stubbed out): a
     part's next stage runs only after the next part's launch (so the next bucket is on the
     wire while this thread waits), a stage may return a further stage (the reduce-scatter's),
-    a bucket's future is set only after every stage of its parts, and after a failure every
-    later future gets the error."""
+    a bucket's future is set only after every stage of its parts, after a failure every later
+    future gets the error, and stop() ends the thread."""
     import contextlib
 
     from cfc import CfcError
@@ -603,6 +603,10 @@ def test_comm_thread_runs_each_later_stage_after_the_next_launch(monkeypatch):
     assert "launch F" not in log  # nothing more runs once a stage failed
     with pytest.raises(CfcError, match="E failed"):
         later.wait()
+
+    worker.stop()  # ends the thread after what is queued (register_comm_hook's probe)
+    worker.thread.join(timeout=10)
+    assert not worker.thread.is_alive()
 
 
 def test_training_example_reruns_bit_for_bit_and_scores_held_out_bytes(tmp_path):

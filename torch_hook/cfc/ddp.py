@@ -725,14 +725,16 @@ def register_comm_hook(ddp, state: Optional[CfcState] = None) -> bool:
     values = (torch.randn(n, device=dev, generator=gen) * 1e-3).to(dtype)
     x = torch.empty_like(values)
     reducer = AllReducer(probe, chunk_numel=n)
-    for _ in range(probe.warmup_steps + probe.trial_steps):
-        x.copy_(values)  # the same gradient-like values each time (a call averages in place)
-        reducer(x).wait()
-    probe._decide()
+    try:
+        for _ in range(probe.warmup_steps + probe.trial_steps):
+            x.copy_(values)  # the same gradient-like values each time (a call averages in place)
+            reducer(x).wait()
+        probe._decide()
+    finally:
+        if probe._worker is not None:
+            probe._worker.stop()
     plain, compressed = probe._trial_times.get(0, (math.nan, math.nan))
     register = probe._decisions.get(0, False)
-    if probe._worker is not None:
-        probe._worker.close()
     state.probe = {"numel": n, "dtype": str(dtype).replace("torch.", ""), "plain_seconds": plain,
                    "compressed_seconds": compressed, "registered": bool(register)}
     logger.info("cfc: probe of %d-element buckets: plain %.3f ms, compressed %.3f ms: %s", n, 1e3 * plain,
@@ -850,11 +852,9 @@ class _CommThread:
         self.stream.synchronize()
         torch.cuda.synchronize(self.device)
 
-    def close(self) -> None:
-        """Finish everything queued, then end the thread."""
-        self.drain()
+    def stop(self) -> None:
+        """End the thread once everything queued before is done (without waiting for it)."""
         self.jobs.put(("stop", None, None))
-        self.thread.join()
 
     def _run_deferred(self, items) -> None:
         """Run deferred stages in order. A stage may return a further stage (a callable): that
