@@ -8,10 +8,10 @@ and the CPU otherwise::
 
 Several hooks (comma-separated; ``cfc@0.1`` is cfc with ``rms=0.1``) train one after the
 other from the same initial weights on the same batches, and the run ends with a table per
-hook: the final training loss (mean of the last 10% of steps) and the held-out loss (bytes of
-the corpus's last 5%, never trained on, scored at the end), each against the first hook's;
-bytes sent per step; throughput. ``--out DIR`` writes the loss curves as JSON, and as a PNG
-when matplotlib is installed.
+hook: the final training loss (mean of the last 10% of steps) and the final held-out loss
+(bytes of the corpus's last 5%, never trained on, scored every tenth of the run), each against
+the first hook's; bytes sent per step; throughput. ``--out DIR`` writes the loss curves as
+JSON, and as a PNG when matplotlib is installed.
 
 The recipe is a usual one for LMs: AdamW, a 20-step warm-up, cosine decay to a tenth of the
 learning rate at the last step (``--schedule``), the gradient norm clipped at 1 (``--clip``).
@@ -282,7 +282,7 @@ def main() -> None:
                         ax.plot(steps, held, "o--", color=line.get_color(), markersize=3, linewidth=1,
                                 label=f"{r['hook']} (held-out)")
                 ax.set_xlabel("step")
-                ax.set_ylabel("training loss (nats/byte)")
+                ax.set_ylabel("loss (nats/byte)")
                 ax.set_ylim(top=min(6.0, max(max(r["losses"]) for r in results)))
                 ax.legend()
                 fig.tight_layout()
