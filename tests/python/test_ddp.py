@@ -487,6 +487,10 @@ def test_state_options_are_checked(tmp_path):
         ag = CfcState(algorithm="all-gather")
         assert ag._config() != s._config() and "algorithm='all-gather'" in ag._describe(ag._config())
         assert early.state_dict()["world"] == 1  # bound to the group once it exists
+        assert early.group is not dist.group.WORLD  # a communicator of cfc's own
+        shared = CfcState()  # register_comm_hook's probe: over the process group itself
+        shared._setup(own_communicator=False)
+        assert shared.group is dist.group.WORLD and (shared.rank, shared.world) == (0, 1)
         with pytest.raises(ValueError, match="cfc_hook state"):
             s.load_state_dict({"version": 99})
     finally:

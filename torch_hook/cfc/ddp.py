@@ -206,9 +206,11 @@ class CfcState:
         self._max_err_dev: Dict[Any, List[Any]] = {}  # device -> 0-d tensors, read by stats()
         self._reset_counters()
 
-    def _setup(self) -> None:
+    def _setup(self, own_communicator: bool = True) -> None:
         """Binds the state to its process group (at the first bucket, or when a checkpoint is
-        loaded), so a state can be made before ``init_process_group`` (Lightning does)."""
+        loaded), so a state can be made before ``init_process_group`` (Lightning does).
+        ``own_communicator=False`` runs cfc's collectives over the process group itself (for
+        :func:`register_comm_hook`'s probe, when nothing else uses the group)."""
         import torch.distributed as dist
 
         if self.group is not None:
@@ -218,12 +220,15 @@ class CfcState:
         pg = self.process_group if self.process_group is not None else dist.group.WORLD
         ranks = dist.get_process_group_ranks(pg)
         self.process_group, self.rank, self.world = pg, dist.get_rank(pg), len(ranks)
-        # A communicator of cfc's own: its collectives run on the comm thread and must not
-        # interleave with DDP's (e.g. the unused-parameter map of find_unused_parameters).
-        # Only this group's ranks take part in making it (DDP over several disjoint subgroups
-        # works), at the same point: the first bucket of the first step.
-        kw = {} if self.timeout is None else {"timeout": self.timeout}
-        self.group = dist.new_group(ranks=ranks, use_local_synchronization=True, **kw)
+        if own_communicator:
+            # A communicator of cfc's own: its collectives run on the comm thread and must not
+            # interleave with DDP's (e.g. the unused-parameter map of find_unused_parameters).
+            # Only this group's ranks take part in making it (DDP over several disjoint
+            # subgroups works), at the same point: the first bucket of the first step.
+            kw = {} if self.timeout is None else {"timeout": self.timeout}
+            self.group = dist.new_group(ranks=ranks, use_local_synchronization=True, **kw)
+        else:
+            self.group = pg
         # NCCL alone, or NCCL for CUDA tensors in a mixed group ("cpu:gloo,cuda:nccl")
         self._nccl = "nccl" in str(dist.get_backend(self.group))
 
@@ -689,7 +694,6 @@ def register_comm_hook(ddp, state: Optional[CfcState] = None) -> bool:
         >>> cfc.register_comm_hook(ddp_model, state)  # False over NVLink: DDP's own all-reduce
     """
     import torch
-    import torch.distributed as dist
 
     from cfc.distributed import AllReducer
 
@@ -705,19 +709,14 @@ def register_comm_hook(ddp, state: Optional[CfcState] = None) -> bool:
 
     # The probe: a state of the same options (its warm-up: one plain call, to set NCCL up;
     # at least two timed calls each way, since the first compressed one also compiles the
-    # kernels), on a bucket of the largest size DDP will make. It runs over DDP's process group itself
-    # (nothing else uses it now), so no communicator is made or destroyed for it.
-    if not dist.is_initialized():
-        raise RuntimeError("cfc.register_comm_hook needs an initialised torch.distributed process group")
+    # kernels), on a bucket of the largest size DDP will make. It runs over DDP's process group
+    # itself (nothing else uses it now), so no communicator is made or destroyed for it.
     probe = CfcState(
         state.process_group, **{state.bound_kind: state.bound}, error_feedback=state.error_feedback,
         warmup_steps=1, min_compress_numel=state.min_compress_numel, fallback="auto",
         trial_steps=max(4, state.trial_steps), algorithm=state.algorithm, timeout=state.timeout,
     )
-    pg = state.process_group
-    probe.process_group = probe.group = pg
-    probe.rank, probe.world = dist.get_rank(pg), dist.get_world_size(pg)
-    probe._nccl = "nccl" in str(dist.get_backend(pg))
+    probe._setup(own_communicator=False)
     dev, dtype = params[0].device, params[0].dtype
     cap = max(1, ddp.bucket_bytes_cap // params[0].element_size())
     n = min(sum(p.numel() for p in params), max(cap, max(p.numel() for p in params)))
