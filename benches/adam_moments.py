@@ -34,7 +34,7 @@ def moments(hook, data, dev, args):
     model = ddp_train.LM(args.d_model, args.layers, args.heads, args.seq).to(dev)
     ddp = DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None)
     if hook == "cfc":
-        ddp.register_comm_hook(cfc.CfcState(rms=args.rms), cfc.cfc_hook)
+        ddp.register_comm_hook(cfc.CfcState(rms=args.rms, per_tensor=args.per_tensor), cfc.cfc_hook)
     opt = torch.optim.AdamW(ddp.parameters(), lr=args.lr, weight_decay=0.01)
     gen = torch.Generator().manual_seed(rank)
     for _ in range(args.steps):
@@ -54,6 +54,7 @@ def main():
     p.add_argument("--steps", type=int, default=120)
     p.add_argument("--rms", type=float, default=0.3)
     p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--per-tensor", action="store_true", help="one bound per parameter (per_tensor=True)")
     args = p.parse_args()
     args.batch, args.seq, args.d_model, args.layers, args.heads = 16, 128, 128, 2, 4
     cuda = torch.cuda.is_available() and torch.cuda.device_count() >= int(os.environ["LOCAL_WORLD_SIZE"])
@@ -70,7 +71,8 @@ def main():
         seen = vp > 0  # bytes never seen leave their embedding rows at v = 0 either way
         vp, mp, vc, mc = vp[seen], mp[seen], vc[seen], mc[seen]
         edges = [0.0] + torch.quantile(vp[:1_000_000], torch.tensor([0.25, 0.5, 0.75, 0.95])).tolist() + [float("inf")]
-        print(f"AdamW after {args.steps} steps, plain all-reduce against cfc_hook at rms={args.rms} "
+        print(f"AdamW after {args.steps} steps, plain all-reduce against cfc_hook at rms={args.rms}, "
+              f"{'per tensor' if args.per_tensor else 'per bucket'} "
               f"({vp.numel()} elements with nonzero v)")
         print("| elements, by plain's sqrt(v) | count | median sqrt(v) cfc / plain | median |m|/sqrt(v): plain | cfc |")
         print("|---|---|---|---|---|")

@@ -74,10 +74,12 @@ def register(ddp, name):
         # built-in all-reduce where its probe finds compression does not pay); cfc-auto-hook:
         # fallback="auto" with the hook always registered (its per-bucket choice only);
         # cfc@0.1: rms=0.1; cfc-ag / cfc-rs: the all-gather or the reduce-scatter (default:
-        # cfc's choice); any hook:capN sets bucket_cap_mb
+        # cfc's choice); cfc-tensor: one bound per parameter (per_tensor=True); any hook:capN
+        # sets bucket_cap_mb
         rms = float(name.split("@")[1]) if "@" in name else 0.3
         algorithm = "all-gather" if "-ag" in name else "reduce-scatter" if "-rs" in name else None
-        state = cfc.CfcState(rms=rms, fallback="auto" if "auto" in name else False, algorithm=algorithm)
+        state = cfc.CfcState(rms=rms, fallback="auto" if "auto" in name else False, algorithm=algorithm,
+                             per_tensor="-tensor" in name)
         if "auto" in name and "hook" not in name:
             cfc.register_comm_hook(ddp, state)
         else:

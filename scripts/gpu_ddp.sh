@@ -6,7 +6,8 @@
 # another seed, to show how far two plain runs differ; parity trains deterministically, once per
 # seed of SEEDS (default "0 1 2"), plain all-reduce, cfc at 0.3 and 0.1 x RMS and PyTorch's bf16
 # hook (TRAIN_HOOKS), plus plain again on the first seed, and prints benches/parity_table.py's
-# table; RMS passes on). NPROC (default 2) sets the processes of the step-time runs, STEPS their
+# table; RMS passes on; anatomy profiles a few steps per hook over both transports and prints where
+# the NCCL kernels sit against the computation, benches/ddp_overlap.py). NPROC (default 2) sets the processes of the step-time runs, STEPS their
 # timed steps per hook (interleaved rounds of 5). Logs go under $OUT.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -25,10 +26,13 @@ for part in $PARTS; do case $part in
            timeout 400 torchrun --standalone --nproc_per_node=2 examples/ddp_train.py --deterministic \
            --hook $hooks --rms ${RMS:-0.3} --seed $seed --steps ${TRAIN_STEPS:-1000} --d-model 256 --layers 4 --heads 8 --batch 32 \
            --seq 256 --out "$OUT/ddp_parity_seed$seed" 2>&1 | grep -v "^\s*\[" | tail -8 | tee "$OUT/ddp_parity_seed$seed.log"; done
-         python3 benches/parity_table.py "$OUT"/ddp_parity_seed*/losses.json | tee "$OUT/ddp_parity.md" ;;
+         python3 benches/parity_table.py --curve "$OUT"/ddp_parity_seed*/losses.json | tee "$OUT/ddp_parity.md" ;;
   spread) timeout 300 torchrun --standalone --nproc_per_node=2 examples/ddp_train.py --hook allreduce,cfc --seed 1 \
            --steps ${TRAIN_STEPS:-1000} --d-model 256 --layers 4 --heads 8 --batch 32 --seq 256 --out "$OUT/ddp_train_seed1" \
            2>&1 | grep -v "^\s*\[" | tail -5 | tee "$OUT/ddp_train_seed1.log" ;;
+  anatomy) for t in socket nvlink; do env $([ $t = socket ] && echo $SOCK) LABEL=$t timeout 300 torchrun --standalone \
+           --nproc_per_node=$NPROC benches/ddp_overlap.py ${HOOKS:-noop allreduce cfc} 2>&1 | grep -E "^\||anatomy|Error|error" \
+           | tee "$OUT/ddp_anatomy_$t.log"; done ;;
   nvlink) LABEL=nvlink timeout 300 torchrun --standalone --nproc_per_node=$NPROC benches/ddp_step_time.py --steps $STEPS \
            --json "$OUT/ddp_nvlink_${NPROC}gpu.json" ${HOOKS:-} 2>&1 | grep -E "^\||DDP step|median|Error|error" | tee "$OUT/ddp_nvlink_${NPROC}gpu.log" ;;
   socket) env $SOCK LABEL=socket timeout 400 torchrun --standalone --nproc_per_node=$NPROC benches/ddp_step_time.py --steps $STEPS \

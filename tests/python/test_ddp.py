@@ -120,7 +120,28 @@ def resume_from(ckpt, kw):
 
 
 def resume(rank, world, out, tmp=None):
-    kw = dict(eps=2e-4, warmup_steps=1)
+    _resume_with(dict(eps=2e-4, warmup_steps=1))
+    # per_tensor: the scales of each bucket's parameters come from the step before, so they
+    # are part of the checkpoint too
+    saved = _resume_with(dict(rms=0.3, per_tensor=True, warmup_steps=1))
+    assert saved["cfc"]["scales"], saved["cfc"].keys()
+    state, ddp, opt = resume_from(saved, dict(rms=0.3, per_tensor=True, warmup_steps=1))
+    state._scales.clear()  # a resume that lost them: the run differs
+    train(ddp, opt, rank, 4, start=4)
+    straight = _straight(dict(rms=0.3, per_tensor=True, warmup_steps=1), rank)
+    assert not all(torch.equal(a, b.detach()) for a, b in zip(straight, ddp.parameters()))
+
+
+def _straight(kw, rank):
+    ddp, opt = make(CfcState(**kw))
+    train(ddp, opt, rank, 8)
+    return [p.detach().clone() for p in ddp.parameters()]
+
+
+def _resume_with(kw):
+    """Train 8 steps straight, and 4 + save + load + 4: the same parameters, bit for bit.
+    Returns the checkpoint."""
+    rank = dist.get_rank()
     ddp, opt = make(CfcState(**kw))
     train(ddp, opt, rank, 8)
     straight = [p.detach().clone() for p in ddp.parameters()]
@@ -171,6 +192,51 @@ def resume(rank, world, out, tmp=None):
         CfcState(**kw).load_state_dict(other)
     with pytest.raises(ValueError, match="eps=0.001"):
         CfcState(eps=1e-3, warmup_steps=1).load_state_dict(saved["cfc"])
+    return saved
+
+
+class TwoScales(nn.Module):
+    """Two parameters in one bucket whose gradients differ 100x in scale: the gradient of
+    ``a`` is the input ``xa``, that of ``b`` is ``0.01 xb``."""
+
+    def __init__(self, n=20000):
+        super().__init__()
+        self.a = nn.Parameter(torch.zeros(n))
+        self.b = nn.Parameter(torch.zeros(n))
+
+    def forward(self, xa, xb):
+        return (self.a * xa).sum() + 0.01 * (self.b * xb).sum()
+
+
+def per_tensor(rank, world, out):
+    """With one bound per bucket, the small parameter's gradient is almost all rounded to zero
+    (error feedback sends it later, in bursts); with per_tensor, each step's average of it is
+    within a fraction of its own RMS. The exact average is known: the inputs are the gradients."""
+    found = {}
+    for flag in (False, True):
+        state = CfcState(rms=0.3, per_tensor=flag, warmup_steps=1)
+        ddp = DDP(TwoScales().to(DEV), bucket_cap_mb=25)
+        ddp.register_comm_hook(state, cfc_hook)
+        zeros, errs = [], []
+        for step in range(8):
+            g = torch.Generator().manual_seed(100 * step + rank)
+            xa, xb = torch.randn(20000, generator=g).to(DEV), torch.randn(20000, generator=g).to(DEV)
+            ddp(xa, xb).backward()
+            exact = 0.01 * xb.clone()
+            dist.all_reduce(exact)
+            exact /= world
+            got = ddp.module.b.grad
+            if step >= 3:  # after the warm-up and the first compressed step (which sets the scales)
+                zeros.append(float((got == 0).float().mean()))
+                errs.append(float((got - exact).abs().max() / exact.pow(2).mean().sqrt()))
+            for q in ddp.parameters():
+                q.grad = None
+        s = state.stats()
+        assert s["compressed_buckets"] >= 6 and s["ratio"] > 2, s
+        assert 0 < s["max_error"] <= s["eps"] * (1 + 1e-6), s
+        found[flag] = (max(zeros), min(zeros), max(errs))
+    assert found[False][1] > 0.9, found  # per bucket: b's average is (almost) all zeros
+    assert found[True][0] < 0.5 and found[True][2] < 1.5, found  # (per bucket: 1.0 and 4.3 here)
 
 
 def overflow(rank, world, out):
@@ -407,7 +473,7 @@ def register_sockets(rank, world, out):
 
 SCENARIOS = {
     f.__name__: f
-    for f in (parity, resume, overflow, accumulate, variants, mismatch, fallback, slots, reduce_scatter,
+    for f in (parity, resume, overflow, accumulate, variants, mismatch, fallback, slots, reduce_scatter, per_tensor,
               trial_timing, plain_after_trial, register, register_sockets)
 }
 
@@ -451,7 +517,7 @@ def test_training_parity_with_8x_fewer_bytes(tmp_path, device):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
     "scenario",
-    ["resume", "overflow", "accumulate", "variants", "mismatch", "fallback", "slots", "reduce_scatter",
+    ["resume", "overflow", "accumulate", "variants", "mismatch", "fallback", "slots", "reduce_scatter", "per_tensor",
      "trial_timing", "plain_after_trial", "register"],
 )
 def test_hook(tmp_path, scenario, device):

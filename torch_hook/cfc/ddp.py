@@ -63,7 +63,7 @@ __all__ = ["CfcState", "cfc_hook", "register_comm_hook"]
 
 logger = logging.getLogger("cfc")
 
-_STATE_VERSION = 2  # 2: the algorithm option (with the reduce-scatter, saved RMS sums are all ranks')
+_STATE_VERSION = 3  # 2: the algorithm option (with the reduce-scatter, saved RMS sums are all ranks'); 3: per_tensor
 _BOUND_KINDS = ("eps", "rel", "rms")
 _ALGORITHMS = ("all-gather", "reduce-scatter")
 
@@ -83,6 +83,20 @@ class CfcState:
             all-gather). The default, ``rms=0.3``, when no bound
             is given: about 12x fewer bytes on real LM gradients, and with error feedback the
             loss follows plain all-reduce's.
+        per_tensor: with ``rms``, bound each parameter's gradient by its own scale rather than
+            the bucket's (only ``rms`` allows it). One bucket holds parameters whose gradients
+            differ by 50x in RMS (an LM's output layer against its MLP weights); under one
+            bound for all, the small ones are mostly rounded to zero and reach the optimizer in
+            bursts through error feedback, which inflates Adam's second moment for them and
+            slows their training. Off by default: it costs host time on every bucket (about
+            1.5x the step time of the default over NCCL's socket transport, see
+            ``docs/perf-notes.md``) and some bytes. Each parameter's gradient is
+            divided by its scale before compression and multiplied by it after: the scale is
+            the RMS of that parameter's averaged gradient at the bucket's previous compressed
+            step (the same bits on every rank, so no extra collective; at the first compressed
+            step, 1), at least 1/100 of the bucket's. The bound ``rms x`` the RMS of the scaled
+            bucket then holds per element in scaled units, so ``stats()``'s ``max_error`` and
+            ``eps`` are in those units too. Residuals stay in gradient units.
         error_feedback: carry what quantization drops into the next step (per rank, per bucket).
         warmup_steps: steps of plain all-reduce first. DDP rebuilds its buckets after the first
             step, so residuals start on stable buckets.
@@ -125,6 +139,7 @@ class CfcState:
         eps: Optional[float] = None,
         rel: Optional[float] = None,
         rms: Optional[float] = None,
+        per_tensor: bool = False,
         error_feedback: bool = True,
         warmup_steps: int = 2,
         min_compress_numel: int = 16384,
@@ -153,6 +168,9 @@ class CfcState:
                 "algorithm='reduce-scatter' needs one quantization step on every rank: give eps or "
                 "rms (a rel bound is per rank on CUDA buckets)"
             )
+        if per_tensor and self.bound_kind != "rms":
+            raise ValueError(f"per_tensor needs an rms bound (an {self.bound_kind} bound is absolute or per bucket)")
+        self.per_tensor = bool(per_tensor)
         self.algorithm = algorithm
         self.error_feedback = bool(error_feedback)
         self.warmup_steps = int(warmup_steps)
@@ -198,6 +216,8 @@ class CfcState:
         # it) only then, so buckets that stay plain pay no extra pass over memory.
         self._unflushed: set = set()
         self._rms: Dict[int, Tuple[Any, Any, int]] = {}  # bucket -> (sum of squares, event, numel)
+        self._scales: Dict[int, Tuple[tuple, Any]] = {}  # bucket -> (layout, per-parameter scales), per_tensor
+        self._counts: Dict[Tuple[tuple, Any], Any] = {}  # (layout, device) -> parameter sizes, on the device
         self._agreed = False
         self._nccl = False  # CUDA tensors go through NCCL in the group (set by _setup)
         self._fast_step = (-1, False)  # (step, whether its CUDA buckets all go out plainly)
@@ -247,6 +267,7 @@ class CfcState:
             float(self.trial_steps),
             float(self.world),
             0.0 if self.algorithm is None else 1.0 + _ALGORITHMS.index(self.algorithm),
+            float(self.per_tensor),
         ]
 
     def _describe(self, c: List[float]) -> str:
@@ -255,7 +276,8 @@ class CfcState:
         return (
             f"{kind}={c[2]:g}, error_feedback={bool(c[3])}, warmup_steps={int(c[4])}, "
             f"min_compress_numel={int(c[5])}, fallback={'auto' if c[6] else False}, "
-            f"trial_steps={int(c[7])}, algorithm={_ALGORITHMS[alg - 1] if 0 < alg <= 2 else None!r}"
+            f"trial_steps={int(c[7])}, algorithm={_ALGORITHMS[alg - 1] if 0 < alg <= 2 else None!r}, "
+            f"per_tensor={bool(c[10]) if len(c) > 10 else '?'}"
         )
 
     def _agree(self, device) -> None:
@@ -390,7 +412,8 @@ class CfcState:
         if self._worker is not None:
             self._worker.drain()
         for d in (self._residuals, self._where, self._pending, self._layouts, self._decisions,
-                  self._trial, self._trial_times, self._slots, self._rms, self._unflushed):
+                  self._trial, self._trial_times, self._slots, self._rms, self._unflushed, self._scales,
+                  self._counts):
             d.clear()
         self._origin = self.step
 
@@ -502,6 +525,7 @@ class CfcState:
             "layouts": {**self._saved_layouts, **{i: l for i, l in self._layouts.items() if l is not None}},
             "decisions": dict(self._decisions),
             "rms": {i: (float(h), n) for i, (h, _, n) in self._rms.items()},  # CUDA buckets' sums of squares
+            "scales": {i: (l, s.cpu().tolist()) for i, (l, s) in self._scales.items()},  # per_tensor
             "stats": self.stats(),
         }
 
@@ -540,6 +564,10 @@ class CfcState:
         import torch
 
         self._rms = {int(i): (torch.tensor(v, dtype=torch.float32), None, int(n)) for i, (v, n) in sd["rms"].items()}
+        self._scales = {
+            int(i): (tuple(tuple(int(x) for x in e) for e in l), torch.tensor(v, dtype=torch.float32))
+            for i, (l, v) in sd["scales"].items()
+        }
         self.reset_stats()
 
     # ---- bookkeeping shared by both engines ----
@@ -777,9 +805,11 @@ def _cpu_part(state: CfcState, index: int, buf, layout) -> None:
     r = state._residual(index, layout, buf) if state._feeds(buf.numel()) else None
     ring = _ring_bytes(buf.numel() * buf.element_size(), state.world)
     if compress:
+        scaled = _per_tensor(state, index, layout, buf, r)
+        x, xr = (buf, r) if scaled is None else (scaled.y, scaled.z)
         kind, bound = state.bound_kind, state.bound
         if kind == "rms":
-            ss = _finite_sumsq(buf if r is None else buf.float() + r).reshape(1).double()
+            ss = _finite_sumsq(x if scaled is not None or r is None else x.float() + r).reshape(1).double()
             dist.all_reduce(ss, group=state.group)
             rms = math.sqrt(float(ss) / (buf.numel() * state.world))
             kw = {"eps": _rms_eps(bound, rms)}
@@ -788,11 +818,13 @@ def _cpu_part(state: CfcState, index: int, buf, layout) -> None:
         if r is not None:
             state._unflushed.add(index)
         y, report = cfc.distributed.all_reduce(
-            buf, average=True, residual=r, group=state.group, algorithm=state.algorithm, **kw
+            x, average=True, residual=xr, group=state.group, algorithm=state.algorithm, **kw
         )
-        buf.copy_(y)
-        if r is not None and r.numel():
-            state._stats["max_error"] = max(state._stats["max_error"], float(r.abs().max()))
+        x.copy_(y)
+        if xr is not None and xr.numel():
+            state._stats["max_error"] = max(state._stats["max_error"], float(xr.abs().max()))
+        if scaled is not None:
+            scaled.finish(buf, r)
         sent, eps = report["bytes_sent"], report["eps"]
     else:
         _flush(state, index, buf, r)
@@ -826,6 +858,10 @@ class _CommThread:
         self.state = state
         self.device = device
         self.stream = torch.cuda.Stream(device)
+        # Where each frame exchange's sizes are copied to the host: a stream that waits for that
+        # exchange alone, so that this thread's stream (the next bucket's compression, the last
+        # one's decoding) need not wait for the wire.
+        self.sizes_stream = torch.cuda.Stream(device)
         self.jobs: "queue.Queue[Any]" = queue.Queue()
         self.failed: Optional[BaseException] = None
         self.idle = threading.Condition()
@@ -849,6 +885,7 @@ class _CommThread:
         with self.idle:
             self.idle.wait_for(lambda: self.pending == 0)
         self.stream.synchronize()
+        self.sizes_stream.synchronize()
         torch.cuda.synchronize(self.device)
 
     def stop(self) -> None:
@@ -951,7 +988,7 @@ def _gpu_submit(state: CfcState, worker, bucket, buf, parts, scatter) -> Any:
         compress = state._compress_this(flat.numel())
         trial = state._phase() == "trial" and flat.numel() >= state.min_compress_numel
         r = state._residual(index, layout, flat) if state._feeds(flat.numel()) else None
-        jobs.append((index, flat, r, compress, trial))
+        jobs.append((index, flat, layout, r, compress, trial))
     ready.record(torch.cuda.current_stream(dev))  # after the residuals and any gathers
     fut = torch.futures.Future(devices=[dev])
     for job in jobs:
@@ -1005,7 +1042,7 @@ def _gpu_plain(state: CfcState, worker, bucket, buf) -> Any:
     return work.get_future().then(lambda fut: fut.value()[0])
 
 
-def _gpu_launch(state: CfcState, stream, index, buf, r, compress, trial, ready):
+def _gpu_launch(state: CfcState, stream, index, buf, layout, r, compress, trial, ready):
     """A part's first stage, on the comm thread under ``torch.cuda.stream(stream)``: queue its
     all-reduce, or its compression and frame exchange. Returns the second stage (or None)."""
     import torch
@@ -1047,10 +1084,13 @@ def _gpu_launch(state: CfcState, stream, index, buf, r, compress, trial, ready):
         account(False, ring, 0.0)
         return None
 
+    scaled = _per_tensor(state, index, layout, buf, r)
+    x, xr = (buf, r) if scaled is None else (scaled.y, scaled.z)  # what is compressed, and its residual
+
     if _reduce_scatter(state, n):
         if r is not None:
             state._unflushed.add(index)
-        shards = _ShardExchange(state, index, buf, r)  # compresses the shards, queues the all-to-all
+        shards = _ShardExchange(state, index, x, xr)  # compresses the shards, queues the all-to-all
         busy[0] = time.perf_counter() - t0
 
         def finish_shards():
@@ -1060,8 +1100,10 @@ def _gpu_launch(state: CfcState, stream, index, buf, r, compress, trial, ready):
 
             def receive_sums():
                 t2 = time.perf_counter()
-                sent = shards.receive_sums()  # waits for the sums' sizes, writes buf
-                _note_max_error(state, buf, r)
+                sent = shards.receive_sums()  # waits for the sums' sizes, writes x
+                _note_max_error(state, x, xr)
+                if scaled is not None:
+                    scaled.finish(buf, r)
                 busy[0] += time.perf_counter() - t2
                 account(True, sent, shards.eps)
 
@@ -1074,7 +1116,7 @@ def _gpu_launch(state: CfcState, stream, index, buf, r, compress, trial, ready):
 
     kind, bound = state.bound_kind, state.bound
     if kind == "rms":
-        ss = _finite_sumsq(buf if r is None else buf.float() + r)
+        ss = _finite_sumsq(x if scaled is not None or r is None else x.float() + r)
         # The bound follows the RMS of the bucket's previous compressed step (copied to the
         # host a step ago: no wait); the first time, this step's (waits for this stream).
         prev, rms = state._rms.get(index), None
@@ -1097,7 +1139,7 @@ def _gpu_launch(state: CfcState, stream, index, buf, r, compress, trial, ready):
         kw = {kind: bound}
     if r is not None:
         state._unflushed.add(index)
-    c = cfc.compress(buf, residual=r, **kw)  # on this stream: residual add, quantize, pack
+    c = cfc.compress(x, residual=xr, **kw)  # on this stream: residual add, quantize, pack
     if not isinstance(c, cfc.CudaCompressed):
         raise cfc.CfcError(f"the GPU codec cannot drive {buf.device} (compute capability 8.0 or newer is needed)")
     exchange = _FrameExchange(state, index, c, n)
@@ -1109,8 +1151,10 @@ def _gpu_launch(state: CfcState, stream, index, buf, r, compress, trial, ready):
         frames, sent = exchange.finish()
         # Every rank's frame decoded and added in rank order (the same bits on every rank),
         # divided and written into the bucket, in one pass.
-        _decode_sum_cuda(frames, n, c._dtype, buf.view(-1), _reciprocal(world))
-        _note_max_error(state, buf, r)
+        _decode_sum_cuda(frames, n, c._dtype, x.view(-1), _reciprocal(world))
+        _note_max_error(state, x, xr)
+        if scaled is not None:
+            scaled.finish(buf, r)
         busy[0] += time.perf_counter() - t1
         account(True, sent, float(kw["eps"]) if "eps" in kw else c.eps)  # c.eps: the frame's
 
@@ -1133,6 +1177,64 @@ def _note_max_error(state: CfcState, buf, r) -> None:
             held.append(amax)
             if len(held) >= 32:
                 held[:] = [torch.stack(held).amax()]
+
+
+class _PerTensor:
+    """A bucket under ``per_tensor``: each parameter's slice of ``x + r`` divided by that
+    parameter's scale (``y``, float32), a zeroed residual in those units (``z``); the exchange
+    runs on them, and :meth:`finish` multiplies the average back into the bucket, puts the new
+    residual back in gradient units and keeps the next step's scales, from the average (the
+    same bits on every rank). Queued on the current stream, as the exchange around it."""
+
+    FLOOR = 0.01  # a scale is at least this times the bucket's RMS
+
+    def __init__(self, state: CfcState, index: int, layout, buf, r):
+        import torch
+
+        self.state, self.index, self.layout = state, index, layout
+        dev, n = buf.device, buf.numel()
+        key = (layout, dev)
+        if key not in state._counts:
+            state._counts[key] = torch.tensor([k for _, _, k in layout], dtype=torch.int64, device=dev)
+        self.counts = state._counts[key]
+        held = state._scales.get(index)
+        self.vec = None  # the scale of every element (None: all 1)
+        if held is not None and held[0] == layout:
+            self.vec = torch.repeat_interleave(held[1].to(dev), self.counts, output_size=n)
+        self.y = buf.float() + r if r is not None else buf.float().clone()
+        if self.vec is not None:
+            self.y.div_(self.vec)
+        self.z = torch.zeros_like(self.y) if r is not None else None
+
+    def finish(self, buf, r) -> None:
+        import torch
+
+        if self.vec is not None:
+            self.y.mul_(self.vec)
+        buf.copy_(self.y)
+        if r is not None:
+            if self.vec is not None:
+                torch.mul(self.z, self.vec, out=r)
+            else:
+                r.copy_(self.z)
+        # The next step's scales: each parameter's RMS in the average, at least FLOOR x the
+        # bucket's; where that is not a positive finite number (a NaN step), 1.
+        views = [self.y[off : off + k] for _, off, k in self.layout]
+        norms = torch.stack(torch._foreach_norm(views)).double()
+        sizes = self.counts.double()
+        rms = norms / sizes.sqrt()
+        whole = (norms.square().sum() / sizes.sum()).sqrt()
+        scale = torch.maximum(rms, self.FLOOR * whole)
+        scale = torch.where(torch.isfinite(scale) & (scale > 0), scale, torch.ones_like(scale)).float()
+        self.state._scales[self.index] = (self.layout, scale)
+
+
+def _per_tensor(state: CfcState, index: int, layout, buf, r) -> Optional[_PerTensor]:
+    """The bucket's :class:`_PerTensor`, where ``per_tensor`` applies (a bucket whose
+    parameters tile it, with more than one of them)."""
+    if not state.per_tensor or layout is None or len(layout) < 2:
+        return None
+    return _PerTensor(state, index, layout, buf, r)
 
 
 def _reciprocal(world: int) -> float:
@@ -1323,6 +1425,12 @@ class _FrameExchange:
     """Every rank's frame of one bucket, moved in two steps: the constructor queues the
     all-gather, :meth:`finish` waits for the sizes and returns the frames.
 
+    The all-gather is asynchronous: the comm thread's stream does not wait for it, so the next
+    bucket's compression (and the last one's decoding) run while this one is on the wire; the
+    sizes' copy to the host waits for it on the comm thread's ``sizes_stream``, and
+    :meth:`finish` makes the current stream wait for that copy (and so for the frames) before
+    anything reads them.
+
     Frame sizes depend on the data and NCCL wants counts on the host. The first time a bucket
     is compressed, the ranks exchange their sizes (a collective and a wait) and then the frames.
     After that each frame travels in a slot sized from the bucket's previous frames (6% and
@@ -1351,19 +1459,24 @@ class _FrameExchange:
             _native.cuda_copy_rows(dev.index, stream, c._out.data_ptr(), slot, send.data_ptr(), row, slot, 1)
             _native.cuda_copy_rows(dev.index, stream, size_at, 8, send.data_ptr() + slot, 8, 8, 1)
             self.got = torch.empty(world * row, dtype=torch.uint8, device=dev).view(world, row)
-            dist.all_gather_into_tensor(self.got.view(-1), send, group=state.group)
-            # Every rank's size, from the end of its row to the host, now, behind this exchange
-            # only: read later, it must not wait for the next bucket's exchange, queued on the
-            # same stream in between.
-            _native.cuda_copy_rows(
-                dev.index, stream, self.got.data_ptr() + slot, row, self.sizes_host.data_ptr(), 8, 8, world
-            )
+            self.send = send  # NCCL reads it until the exchange ends: kept until finish()
+            work = dist.all_gather_into_tensor(self.got.view(-1), send, group=state.group, async_op=True)
+            # Every rank's size, from the end of its row to the host, behind this exchange only
+            # (read later, it must not wait for the next bucket's exchange).
+            side = state._worker.sizes_stream
+            with torch.cuda.stream(side):
+                work.wait()  # the side stream waits for the exchange; the host does not
+                _native.cuda_copy_rows(
+                    dev.index, side.cuda_stream, self.got.data_ptr() + slot, row, self.sizes_host.data_ptr(), 8, 8, world
+                )
+                self.sizes_ready = torch.cuda.Event()
+                self.sizes_ready.record(side)
         else:
             sizes_dev = torch.empty(world, dtype=torch.int64, device=dev)
             dist.all_gather_into_tensor(sizes_dev, c.size_tensor.reshape(1), group=state.group)
             self.sizes_host.copy_(sizes_dev, non_blocking=True)
-        self.sizes_ready = torch.cuda.Event()
-        self.sizes_ready.record()
+            self.sizes_ready = torch.cuda.Event()
+            self.sizes_ready.record()
 
     def _check(self, sizes) -> None:
         cap = self.c._out.numel()
@@ -1378,6 +1491,7 @@ class _FrameExchange:
 
         world, slot = self.state.world, self.slot
         self.sizes_ready.synchronize()
+        torch.cuda.current_stream(self.c.device).wait_event(self.sizes_ready)  # the frames are in
         sizes = self.sizes_host.tolist()
         self._check(sizes)
         if slot is not None:
