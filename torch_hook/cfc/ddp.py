@@ -88,9 +88,10 @@ class CfcState:
             differ by 50x in RMS (an LM's output layer against its MLP weights); under one
             bound for all, the small ones are mostly rounded to zero and reach the optimizer in
             bursts through error feedback, which inflates Adam's second moment for them and
-            slows their training. Off by default: it costs host time on every bucket (about
-            1.5x the step time of the default over NCCL's socket transport, see
-            ``docs/perf-notes.md``) and some bytes. Each parameter's gradient is
+            slows their training. Off by default: as built it costs host time on every bucket
+            (1.5-1.6x the step time of the default over NCCL's socket transport, in
+            ``docs/perf-notes.md``), about 10% more bytes, and on four seeds of the parity LM it
+            did not train better on average. Each parameter's gradient is
             divided by its scale before compression and multiplied by it after: the scale is
             the RMS of that parameter's averaged gradient at the bucket's previous compressed
             step (the same bits on every rank, so no extra collective; at the first compressed
