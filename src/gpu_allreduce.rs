@@ -151,6 +151,18 @@ struct Plan {
     residual_dirty: bool,
 }
 
+/// One call of [`GpuAllReducer::allreduce`], its arguments checked: the caller's stream
+/// (borrowed, and as the raw handle the kernels take), the tensor, and the absolute bound.
+struct Call<'a> {
+    caller: Arc<CudaStream>,
+    stream: usize,
+    data: u64,
+    n: u64,
+    dtype: DType,
+    eps: f64,
+    opts: &'a GpuAllReduceOptions,
+}
+
 /// One rank's compressed all-reduce of GPU buffers, with its error-feedback residuals.
 ///
 /// Every rank calls [`GpuAllReducer::allreduce`] with the same size, dtype and options, in the
@@ -461,31 +473,30 @@ impl GpuAllReducer {
             )));
         }
         let device = self.comm.device();
-        let caller = cuda::borrowed_stream(device, stream)?;
-        let result = self.run(&caller, stream, data, n, dtype, eps, opts);
+        let call = Call {
+            caller: cuda::borrowed_stream(device, stream)?,
+            stream,
+            data,
+            n,
+            dtype,
+            eps,
+            opts,
+        };
+        let result = self.run(&call);
         if result.is_err() {
             self.plan = None; // the next call agrees afresh (residuals start at zero)
         }
         result
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn run(
-        &mut self,
-        caller: &Arc<CudaStream>,
-        stream: usize,
-        data: u64,
-        n: u64,
-        dtype: DType,
-        eps: f64,
-        opts: &GpuAllReduceOptions,
-    ) -> Result<AllReduceReport> {
+    fn run(&mut self, call: &Call) -> Result<AllReduceReport> {
+        let caller = &call.caller;
         // The caller's earlier work on `stream` (what wrote `data`) comes first for the
         // agreement's exchange too, on this reducer's stream.
         self.stream
             .wait(&caller.record_event(None).map_err(driver_err)?)
             .map_err(driver_err)?;
-        self.plan(n, dtype, opts)?;
+        self.plan(call.n, call.dtype, call.opts)?;
         let (compress, trial) = match &self.plan.as_ref().expect("planned above").way {
             Way::Compress => (true, false),
             Way::Plain => (false, false),
@@ -498,7 +509,7 @@ impl GpuAllReducer {
         // compressed ones does that, and every one in the trial would.
         let t0 = if trial {
             if !compress {
-                self.fold(stream, data, n, dtype)?;
+                self.fold(call)?;
             }
             self.exchange16(caller, [0; 16])?;
             Some(std::time::Instant::now())
@@ -506,9 +517,9 @@ impl GpuAllReducer {
             None
         };
         let report = if compress {
-            self.compressed(caller, stream, data, n, dtype, eps, opts)?
+            self.compressed(call)?
         } else {
-            self.plain(caller, stream, data, n, dtype, opts)?
+            self.plain(call)?
         };
         let Some(t0) = t0 else {
             return Ok(report);
@@ -519,17 +530,17 @@ impl GpuAllReducer {
     }
 
     /// One call with NCCL's all-reduce of the input, residuals added first.
-    fn plain(
-        &mut self,
-        caller: &Arc<CudaStream>,
-        stream: usize,
-        data: u64,
-        n: u64,
-        dtype: DType,
-        opts: &GpuAllReduceOptions,
-    ) -> Result<AllReduceReport> {
+    fn plain(&mut self, call: &Call) -> Result<AllReduceReport> {
+        let Call {
+            ref caller,
+            data,
+            n,
+            dtype,
+            opts,
+            ..
+        } = *call;
         let world = self.comm.world();
-        self.fold(stream, data, n, dtype)?;
+        self.fold(call)?;
         // On the caller's stream, as a plain all-reduce would be: two cross-stream waits cost
         // 1-2% of it over NVLink. (Every earlier exchange of the reducer's stream is already
         // behind the caller's stream: the decoding waited for it.)
@@ -554,7 +565,14 @@ impl GpuAllReducer {
     }
 
     /// Adds the residuals to the input on `stream`, if a compressed call may have left any.
-    fn fold(&mut self, stream: usize, data: u64, n: u64, dtype: DType) -> Result<()> {
+    fn fold(&mut self, call: &Call) -> Result<()> {
+        let Call {
+            stream,
+            data,
+            n,
+            dtype,
+            ..
+        } = *call;
         let plan = self.plan.as_mut().expect("planned by run");
         if plan.residual_dirty {
             if let Some(r) = &plan.residual {
@@ -570,17 +588,16 @@ impl GpuAllReducer {
     }
 
     /// One compressed call.
-    #[allow(clippy::too_many_arguments)]
-    fn compressed(
-        &mut self,
-        caller: &Arc<CudaStream>,
-        stream: usize,
-        data: u64,
-        n: u64,
-        dtype: DType,
-        eps: f64,
-        opts: &GpuAllReduceOptions,
-    ) -> Result<AllReduceReport> {
+    fn compressed(&mut self, call: &Call) -> Result<AllReduceReport> {
+        let Call {
+            ref caller,
+            stream,
+            data,
+            n,
+            dtype,
+            eps,
+            opts,
+        } = *call;
         let (world, device) = (self.comm.world() as u64, self.comm.device());
         let size = dtype.size() as u64;
         let ring = crate::collective::ring_bytes(n * size, world as usize);
