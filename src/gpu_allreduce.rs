@@ -531,14 +531,6 @@ impl GpuAllReducer {
 
     /// One call with NCCL's all-reduce of the input, residuals added first.
     fn plain(&mut self, call: &Call) -> Result<AllReduceReport> {
-        let Call {
-            ref caller,
-            data,
-            n,
-            dtype,
-            opts,
-            ..
-        } = *call;
         let world = self.comm.world();
         self.fold(call)?;
         // On the caller's stream, as a plain all-reduce would be: two cross-stream waits cost
@@ -547,15 +539,15 @@ impl GpuAllReducer {
         // SAFETY: `data` holds `n` elements of `dtype` until the queued work completes.
         unsafe {
             self.comm.all_reduce(
-                data,
-                data,
-                n as usize,
-                dtype,
-                opts.average,
-                caller.cu_stream(),
+                call.data,
+                call.data,
+                call.n as usize,
+                call.dtype,
+                call.opts.average,
+                call.caller.cu_stream(),
             )?
         };
-        let ring = crate::collective::ring_bytes(n * dtype.size() as u64, world);
+        let ring = crate::collective::ring_bytes(call.n * call.dtype.size() as u64, world);
         Ok(AllReduceReport {
             eps: 0.0,
             bound: 0.0,
@@ -566,20 +558,20 @@ impl GpuAllReducer {
 
     /// Adds the residuals to the input on `stream`, if a compressed call may have left any.
     fn fold(&mut self, call: &Call) -> Result<()> {
-        let Call {
-            stream,
-            data,
-            n,
-            dtype,
-            ..
-        } = *call;
         let plan = self.plan.as_mut().expect("planned by run");
         if plan.residual_dirty {
             if let Some(r) = &plan.residual {
                 // SAFETY: `data` holds `n` elements of `dtype` (the call's contract) and the
                 // residual `n` float32, on the communicator's device.
                 unsafe {
-                    cuda::fold_residual(self.comm.device(), stream, data, n, dtype, r.ptr())?
+                    cuda::fold_residual(
+                        self.comm.device(),
+                        call.stream,
+                        call.data,
+                        call.n,
+                        call.dtype,
+                        r.ptr(),
+                    )?
                 };
             }
             plan.residual_dirty = false;

@@ -7,21 +7,27 @@ fn bench() -> Command {
     Command::new(env!("CARGO_BIN_EXE_cfc-bench"))
 }
 
-#[test]
-fn a_small_run_prints_every_method_and_writes_json() {
-    let json = std::env::temp_dir().join(format!("cfc-bench-{}.json", std::process::id()));
-    let out = bench()
-        .args([
-            "--ranks", "1,3", "--sizes", "64K", "--bounds", "0.3", "--iters", "2",
-        ])
-        .arg("--json")
-        .arg(&json)
-        .output()
-        .expect("cfc-bench runs");
+/// Runs `cmd` and fails the test, with its stderr, unless it succeeds.
+fn succeed(cmd: &mut Command) -> std::process::Output {
+    let out = cmd.output().expect("cfc-bench runs");
     assert!(
         out.status.success(),
         "{}",
         String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+#[test]
+fn a_small_run_prints_every_method_and_writes_json() {
+    let json = std::env::temp_dir().join(format!("cfc-bench-{}.json", std::process::id()));
+    let out = succeed(
+        bench()
+            .args([
+                "--ranks", "1,3", "--sizes", "64K", "--bounds", "0.3", "--iters", "2",
+            ])
+            .arg("--json")
+            .arg(&json),
     );
     let table = String::from_utf8_lossy(&out.stdout);
     for method in ["plain", "cfc-rs@0.3", "cfc-ag@0.3"] {
@@ -81,18 +87,13 @@ fn png_is_drawn_from_the_json_by_the_python_package() {
     }
     let png = std::env::temp_dir().join(format!("cfc-bench-{}.png", std::process::id()));
     let json = png.with_extension("json");
-    let out = bench()
-        .args([
-            "--ranks", "2", "--sizes", "64K,128K", "--bounds", "0.3", "--iters", "1",
-        ])
-        .arg("--png")
-        .arg(&png)
-        .output()
-        .expect("cfc-bench runs");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    succeed(
+        bench()
+            .args([
+                "--ranks", "2", "--sizes", "64K,128K", "--bounds", "0.3", "--iters", "1",
+            ])
+            .arg("--png")
+            .arg(&png),
     );
     let head = std::fs::read(&png).expect("png written");
     assert!(head.starts_with(b"\x89PNG\r\n\x1a\n"), "not a PNG");
