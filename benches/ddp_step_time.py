@@ -26,6 +26,7 @@ import json
 import os
 import random
 import statistics
+import sys
 import time
 
 import torch
@@ -195,7 +196,12 @@ def main():
     p.add_argument("--label", default=os.environ.get("LABEL", ""))
     p.add_argument("--json", default=None)
     p.add_argument("--watchdog", type=float, default=600, help="seconds the whole run may take (0: no limit)")
+    p.add_argument("--switch-interval", type=float, default=None,
+                   help="sys.setswitchinterval for the run, seconds (Python's default: 0.005): how long a "
+                        "thread waiting for the GIL waits before it asks the holder to let go")
     args = p.parse_args()
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     args.rounds = args.rounds or max(1, args.steps // args.block)
     dist.init_process_group("nccl")
     rank = dist.get_rank()

@@ -216,7 +216,8 @@ class CfcState:
         # Buckets whose residual may be nonzero: a plain all-reduce sends it along (and zeroes
         # it) only then, so buckets that stay plain pay no extra pass over memory.
         self._unflushed: set = set()
-        self._rms: Dict[int, Tuple[Any, Any, int]] = {}  # bucket -> (sum of squares, event, numel)
+        # bucket -> (sum of squares, event, numel, whether per_tensor's scales applied to it)
+        self._rms: Dict[int, Tuple[Any, Any, int, bool]] = {}
         self._scales: Dict[int, Tuple[tuple, Any]] = {}  # bucket -> (layout, per-parameter scales), per_tensor
         self._counts: Dict[Tuple[tuple, Any], Any] = {}  # (layout, device) -> parameter sizes, on the device
         self._agreed = False
@@ -525,7 +526,8 @@ class CfcState:
             "residuals": residuals,  # per parameter ordinal
             "layouts": {**self._saved_layouts, **{i: l for i, l in self._layouts.items() if l is not None}},
             "decisions": dict(self._decisions),
-            "rms": {i: (float(h), n) for i, (h, _, n) in self._rms.items()},  # CUDA buckets' sums of squares
+            "rms": {i: (float(h), n) for i, (h, _, n, _) in self._rms.items()},  # CUDA buckets' sums of squares
+            "rms_scaled": [i for i, e in self._rms.items() if e[3]],  # those of scaled values (per_tensor)
             "scales": {i: (l, s.cpu().tolist()) for i, (l, s) in self._scales.items()},  # per_tensor
             "stats": self.stats(),
         }
@@ -564,7 +566,12 @@ class CfcState:
         self._fast_step = (-1, False)
         import torch
 
-        self._rms = {int(i): (torch.tensor(v, dtype=torch.float32), None, int(n)) for i, (v, n) in sd["rms"].items()}
+        # (a checkpoint of the previous format has no "rms_scaled": a bucket with scales had them
+        # applied at its last step unless that was its first compressed one)
+        scaled = {int(i) for i in sd.get("rms_scaled", sd["scales"].keys())}
+        self._rms = {
+            int(i): (torch.tensor(v, dtype=torch.float32), None, int(n), int(i) in scaled) for i, (v, n) in sd["rms"].items()
+        }
         self._scales = {
             int(i): (tuple(tuple(int(x) for x in e) for e in l), torch.tensor(v, dtype=torch.float32))
             for i, (l, v) in sd["scales"].items()
@@ -1091,7 +1098,8 @@ def _gpu_launch(state: CfcState, stream, index, buf, layout, r, compress, trial,
     if _reduce_scatter(state, n):
         if r is not None:
             state._unflushed.add(index)
-        shards = _ShardExchange(state, index, x, xr)  # compresses the shards, queues the all-to-all
+        units = scaled is not None and scaled.vec is not None
+        shards = _ShardExchange(state, index, x, xr, units)  # compresses the shards, queues the all-to-all
         busy[0] = time.perf_counter() - t0
 
         def finish_shards():
@@ -1120,9 +1128,8 @@ def _gpu_launch(state: CfcState, stream, index, buf, layout, r, compress, trial,
         ss = _finite_sumsq(x if scaled is not None or r is None else x.float() + r)
         # The bound follows the RMS of the bucket's previous compressed step (copied to the
         # host a step ago: no wait); the first time, this step's (waits for this stream).
-        prev, rms = state._rms.get(index), None
-        if prev is not None and prev[2] != n:  # another bucket under this index (rebuilt)
-            prev = None
+        units = scaled is not None and scaled.vec is not None
+        prev, rms = _prev_rms(state, index, n, units), None
         if prev is not None:
             if prev[1] is not None:
                 prev[1].synchronize()
@@ -1134,7 +1141,7 @@ def _gpu_launch(state: CfcState, stream, index, buf, layout, r, compress, trial,
         host.copy_(ss, non_blocking=True)
         done = torch.cuda.Event()
         done.record(stream)
-        state._rms[index] = (host, done, n)
+        state._rms[index] = (host, done, n, units)
         kw = {"eps": _rms_eps(bound, rms)}
     else:
         kw = {kind: bound}
@@ -1163,6 +1170,24 @@ def _gpu_launch(state: CfcState, stream, index, buf, layout, r, compress, trial,
         finish()
         return None
     return finish
+
+
+def _prev_rms(state: CfcState, index: int, n: int, units: bool):
+    """The bucket's entry in ``state._rms`` (its previous compressed step's sum of squares), or
+    None where that is no measure of this step: another bucket under this index (rebuilt), or
+    per_tensor's scales applied then and not now, or now and not then (``units``), which makes
+    the sum a thousand times too large or small. A change of units also drops the bucket's
+    slots: its frames change size (a small parameter's zeros become codes), and a slot sized
+    from the old ones would be outgrown and the frames sent twice. All of this is the same on
+    every rank."""
+    prev = state._rms.get(index)
+    if prev is None or prev[2] != n:
+        return None
+    if prev[3] != units:
+        state._slots.pop(index, None)
+        state._slots.pop(("shard", index), None)
+        return None
+    return prev
 
 
 def _note_max_error(state: CfcState, buf, r) -> None:
@@ -1295,11 +1320,11 @@ class _ShardExchange:
 
     TAIL = 24  # bytes after each slot: frame size, sender's largest frame, sender's sum of squares
 
-    def __init__(self, state: CfcState, index: int, buf, r):
+    def __init__(self, state: CfcState, index: int, buf, r, units: bool = False):
         import torch
         import torch.distributed as dist
 
-        self.state, self.index, self.buf, self.r = state, index, buf, r
+        self.state, self.index, self.buf, self.r, self.units = state, index, buf, r, units
         world, n, dev = state.world, buf.numel(), buf.device
         self.n, self.L = n, -(-n // world)
         self.bounds = [(j * self.L, min((j + 1) * self.L, n)) for j in range(world)]
@@ -1308,8 +1333,8 @@ class _ShardExchange:
         ss = torch.zeros((), dtype=torch.float64, device=dev)
         if state.bound_kind == "rms":
             ss = _finite_sumsq(x if r is None else x + r).double()
-            prev = state._rms.get(index)
-            if prev is not None and prev[2] == n:
+            prev = _prev_rms(state, index, n, units)
+            if prev is not None:
                 total = float(prev[0])  # all ranks' sum at the bucket's last step: no wait
             else:  # the bucket's first compressed step: every rank's sum now (waits, once)
                 table = torch.empty(world, dtype=torch.float64, device=dev)
@@ -1379,7 +1404,7 @@ class _ShardExchange:
         if state.bound_kind == "rms":
             # every rank's sum of squares, for the next step's bound (the same on every rank)
             everyone = _sum_in_rank_order(sums.view(torch.float64).tolist())
-            state._rms[self.index] = (torch.tensor(everyone, dtype=torch.float32), None, self.n)
+            state._rms[self.index] = (torch.tensor(everyone, dtype=torch.float32), None, self.n, self.units)
         m = max(largest)
         state._slots[("shard", self.index)] = _next_slot(m, cap)
         if self.slot is not None:
