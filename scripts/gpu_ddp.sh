@@ -7,7 +7,8 @@
 # seed of SEEDS (default "0 1 2"), plain all-reduce, cfc at 0.3 and 0.1 x RMS and PyTorch's bf16
 # hook (TRAIN_HOOKS), plus plain again on the first seed, and prints benches/parity_table.py's
 # table; RMS passes on; anatomy profiles a few steps per hook over both transports and prints where
-# the NCCL kernels sit against the computation, benches/ddp_overlap.py). NPROC (default 2) sets the processes of the step-time runs, STEPS their
+# the NCCL kernels sit against the computation, benches/ddp_overlap.py); host times the comm
+# thread's stages per bucket over both transports, at CAPS MB buckets (benches/ddp_host_profile.py). NPROC (default 2) sets the processes of the step-time runs, STEPS their
 # timed steps per hook (interleaved rounds of 5). Logs go under $OUT.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -33,6 +34,9 @@ for part in $PARTS; do case $part in
   anatomy) for t in socket nvlink; do env $([ $t = socket ] && echo $SOCK) LABEL=$t timeout 300 torchrun --standalone \
            --nproc_per_node=$NPROC benches/ddp_overlap.py ${HOOKS:-noop allreduce cfc} 2>&1 | grep -E "^\||anatomy|Error|error" \
            | tee "$OUT/ddp_anatomy_$t.log"; done ;;
+  host) for t in socket nvlink; do env $([ $t = socket ] && echo $SOCK) LABEL=$t timeout 300 torchrun --standalone \
+           --nproc_per_node=$NPROC benches/ddp_host_profile.py --caps ${CAPS:-25} 2>&1 | grep -E "^\||^cfc|Error|error" \
+           | tee "$OUT/ddp_host_$t.log"; done ;;
   nvlink) LABEL=nvlink timeout 300 torchrun --standalone --nproc_per_node=$NPROC benches/ddp_step_time.py --steps $STEPS \
            --json "$OUT/ddp_nvlink_${NPROC}gpu.json" ${HOOKS:-} 2>&1 | grep -E "^\||DDP step|median|Error|error" | tee "$OUT/ddp_nvlink_${NPROC}gpu.log" ;;
   socket) env $SOCK LABEL=socket timeout 400 torchrun --standalone --nproc_per_node=$NPROC benches/ddp_step_time.py --steps $STEPS \
