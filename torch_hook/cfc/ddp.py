@@ -1175,8 +1175,8 @@ def _gpu_launch(state: CfcState, stream, index, buf, layout, r, compress, trial,
 def _prev_rms(state: CfcState, index: int, n: int, units: bool):
     """The bucket's entry in ``state._rms`` (its previous compressed step's sum of squares), or
     None where that is no measure of this step: another bucket under this index (rebuilt), or
-    per_tensor's scales applied then and not now, or now and not then (``units``), which makes
-    the sum a thousand times too large or small. A change of units also drops the bucket's
+    per_tensor's scales applied then and not now, or now and not then (``units``): a sum of
+    values in other units (gradients of RMS 1e-3 against scaled values of RMS about 1). A change of units also drops the bucket's
     slots: its frames change size (a small parameter's zeros become codes), and a slot sized
     from the old ones would be outgrown and the frames sent twice. All of this is the same on
     every rank."""
