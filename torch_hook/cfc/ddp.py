@@ -1094,11 +1094,11 @@ def _gpu_launch(state: CfcState, stream, index, buf, layout, r, compress, trial,
 
     scaled = _per_tensor(state, index, layout, buf, r)
     x, xr = (buf, r) if scaled is None else (scaled.y, scaled.z)  # what is compressed, and its residual
+    units = scaled is not None and scaled.vec is not None  # x is in per_tensor's scaled units
 
     if _reduce_scatter(state, n):
         if r is not None:
             state._unflushed.add(index)
-        units = scaled is not None and scaled.vec is not None
         shards = _ShardExchange(state, index, x, xr, units)  # compresses the shards, queues the all-to-all
         busy[0] = time.perf_counter() - t0
 
@@ -1128,7 +1128,6 @@ def _gpu_launch(state: CfcState, stream, index, buf, layout, r, compress, trial,
         ss = _finite_sumsq(x if scaled is not None or r is None else x.float() + r)
         # The bound follows the RMS of the bucket's previous compressed step (copied to the
         # host a step ago: no wait); the first time, this step's (waits for this stream).
-        units = scaled is not None and scaled.vec is not None
         prev, rms = _prev_rms(state, index, n, units), None
         if prev is not None:
             if prev[1] is not None:
@@ -1176,10 +1175,10 @@ def _prev_rms(state: CfcState, index: int, n: int, units: bool):
     """The bucket's entry in ``state._rms`` (its previous compressed step's sum of squares), or
     None where that is no measure of this step: another bucket under this index (rebuilt), or
     per_tensor's scales applied then and not now, or now and not then (``units``): a sum of
-    values in other units (gradients of RMS 1e-3 against scaled values of RMS about 1). A change of units also drops the bucket's
-    slots: its frames change size (a small parameter's zeros become codes), and a slot sized
-    from the old ones would be outgrown and the frames sent twice. All of this is the same on
-    every rank."""
+    values in other units (gradients of RMS 1e-3 against scaled values of RMS about 1). A
+    change of units also drops the bucket's slots: its frames change size (a small parameter's
+    zeros become codes), and a slot sized from the old ones would be outgrown and the frames
+    sent twice. All of this is the same on every rank."""
     prev = state._rms.get(index)
     if prev is None or prev[2] != n:
         return None
@@ -1474,6 +1473,7 @@ class _FrameExchange:
         stream = torch.cuda.current_stream(dev).cuda_stream
         self.sizes_host = torch.empty(world, dtype=torch.int64, pin_memory=True)
         self.slot = state._slots.get(index)
+        self.sizes_ready = torch.cuda.Event()  # recorded once the sizes are on their way to the host
         if self.slot is not None:
             slot = self.slot = min(self.slot, c._out.numel())
             row = slot + 8
@@ -1495,13 +1495,11 @@ class _FrameExchange:
                 _native.cuda_copy_rows(
                     dev.index, side.cuda_stream, self.got.data_ptr() + slot, row, self.sizes_host.data_ptr(), 8, 8, world
                 )
-                self.sizes_ready = torch.cuda.Event()
                 self.sizes_ready.record(side)
         else:
             sizes_dev = torch.empty(world, dtype=torch.int64, device=dev)
             dist.all_gather_into_tensor(sizes_dev, c.size_tensor.reshape(1), group=state.group)
             self.sizes_host.copy_(sizes_dev, non_blocking=True)
-            self.sizes_ready = torch.cuda.Event()
             self.sizes_ready.record()
 
     def _check(self, sizes) -> None:
