@@ -42,8 +42,10 @@ def _timed(label, fn):
 
 
 def _instrument():
-    ddp._finite_sumsq = _timed("sum of squares", ddp._finite_sumsq)
-    cfc.compress = _timed("cfc.compress", cfc.compress)
+    ddp._finite_sumsq = _timed("sum of squares", ddp._finite_sumsq)  # CPU buckets, the reduce-scatter
+    ddp._sum_squares = _timed("sum of squares", ddp._sum_squares)  # CUDA buckets, the all-gather
+    cfc.compress = _timed("cfc.compress", cfc.compress)  # the reduce-scatter's shards
+    ddp._compress_cuda = _timed("cfc.compress", ddp._compress_cuda)  # the all-gather's bucket
     ddp._decode_sum_cuda = _timed("decode + average", ddp._decode_sum_cuda)
     ddp._note_max_error = _timed("max error", ddp._note_max_error)
     ddp._FrameExchange.__init__ = _timed("exchange: queue", ddp._FrameExchange.__init__)
@@ -55,6 +57,8 @@ def _instrument():
     native.cuda_compress = _timed("  native cuda_compress", native.cuda_compress)
     native.cuda_decode_sum = _timed("  native cuda_decode_sum", native.cuda_decode_sum)
     native.cuda_copy_rows = _timed("  native cuda_copy_rows", native.cuda_copy_rows)
+    native.cuda_sum_squares = _timed("  native cuda_sum_squares", native.cuda_sum_squares)
+    native.cuda_running_max_abs = _timed("  native cuda_running_max_abs", native.cuda_running_max_abs)
     cfc.codec.CudaCompressed.__init__ = _timed("  CudaCompressed()", cfc.codec.CudaCompressed.__init__)
     ddp._gpu_launch = _timed("launch stage (all)", ddp._gpu_launch)
     ddp._CommThread._run_deferred = _timed("deferred stages (all)", ddp._CommThread._run_deferred)

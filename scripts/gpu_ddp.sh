@@ -8,8 +8,11 @@
 # hook (TRAIN_HOOKS), plus plain again on the first seed, and prints benches/parity_table.py's
 # table; RMS passes on; anatomy profiles a few steps per hook over both transports and prints where
 # the NCCL kernels sit against the computation, benches/ddp_overlap.py); host times the comm
-# thread's stages per bucket over both transports, at CAPS MB buckets (benches/ddp_host_profile.py). NPROC (default 2) sets the processes of the step-time runs, STEPS their
-# timed steps per hook (interleaved rounds of 5). Logs go under $OUT.
+# thread's stages per bucket over both transports, at CAPS MB buckets (benches/ddp_host_profile.py); ab
+# times the socket step (HOOKS, default "noop noop cfc") with an earlier wheel (.carry/old/*.whl)
+# and this one, one run after the other, AB_ROUNDS times (default 2). NPROC (default 2) sets the
+# processes of the step-time runs, STEPS their timed steps per hook (interleaved rounds of 5).
+# Logs go under $OUT.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source scripts/gpu_setup.sh
@@ -37,6 +40,12 @@ for part in $PARTS; do case $part in
   host) for t in socket nvlink; do env $([ $t = socket ] && echo $SOCK) LABEL=$t timeout 300 torchrun --standalone \
            --nproc_per_node=$NPROC benches/ddp_host_profile.py --caps ${CAPS:-25} 2>&1 | grep -E "^\||^cfc|Error|error" \
            | tee "$OUT/ddp_host_$t.log"; done ;;
+  ab) python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site_old .carry/old/*.whl
+      for round in $(seq ${AB_ROUNDS:-2}); do for which in old new; do
+        site=/tmp/site; [ $which = old ] && site=/tmp/site_old
+        env $SOCK PYTHONPATH=$site LABEL="socket, $which wheel, round $round" timeout 300 torchrun --standalone \
+          --nproc_per_node=$NPROC benches/ddp_step_time.py --steps $STEPS ${HOOKS:---base noop noop cfc} 2>&1 \
+          | grep -E "^\||DDP step|Error|error" | tee -a "$OUT/ddp_ab.log"; done; done ;;
   nvlink) LABEL=nvlink timeout 300 torchrun --standalone --nproc_per_node=$NPROC benches/ddp_step_time.py --steps $STEPS \
            --json "$OUT/ddp_nvlink_${NPROC}gpu.json" ${HOOKS:-} 2>&1 | grep -E "^\||DDP step|median|Error|error" | tee "$OUT/ddp_nvlink_${NPROC}gpu.log" ;;
   socket) env $SOCK LABEL=socket timeout 400 torchrun --standalone --nproc_per_node=$NPROC benches/ddp_step_time.py --steps $STEPS \

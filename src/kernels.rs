@@ -135,6 +135,9 @@ pub(crate) const SIGNATURES: &[(Family, &str, bool, &[Ty])] = &[
         true,
         &[Ptr, Ptr, U64, U32, U32, Dims, Ptr, Ptr, Ptr],
     ),
+    (Family::Codec, "sum_squares", true, &[Ptr, U64, Ptr, Ptr]),
+    (Family::Codec, "sum_partials", false, &[Ptr, U32, Ptr]),
+    (Family::Codec, "running_max_abs", false, &[Ptr, U64, Ptr]),
     (Family::Lossless, "lengths", false, &[Ptr, U64, U64, Ptr]),
     (
         Family::Lossless,

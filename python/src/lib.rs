@@ -554,6 +554,60 @@ fn cuda_copy_rows(
         .map_err(to_py)
 }
 
+/// Queues the sum of squares of the finite values `float32(x) + residual` (f64, deterministic)
+/// into the last 8 bytes of `workspace` (`CUDA_SUM_SQUARES_WORKSPACE` bytes), and a copy of it
+/// to `out` unless 0 (returns before the GPU finishes).
+#[pyfunction]
+#[pyo3(signature = (device, stream, data_ptr, numel, dtype, residual_ptr, workspace_ptr, out_ptr))]
+#[allow(clippy::too_many_arguments)]
+fn cuda_sum_squares(
+    py: Python<'_>,
+    device: usize,
+    stream: usize,
+    data_ptr: u64,
+    numel: u64,
+    dtype: &str,
+    residual_ptr: u64,
+    workspace_ptr: u64,
+    out_ptr: u64,
+) -> PyResult<()> {
+    let args = cfc::cuda::SumSquaresArgs {
+        device,
+        stream,
+        data: data_ptr,
+        n: numel,
+        dtype: dtype_of(dtype)?,
+        residual: residual_ptr,
+        workspace: workspace_ptr,
+        out: out_ptr,
+    };
+    // SAFETY: cfc passes the addresses of tensors it keeps alive until the stream's work is
+    // done: `numel` elements of `dtype` (and as many float32 residuals), a workspace of
+    // CUDA_SUM_SQUARES_WORKSPACE bytes, 8 pinned or device bytes for the copy.
+    py.detach(|| unsafe { cfc::cuda::sum_squares(&args) })
+        .map_err(to_py)
+}
+
+/// Queues `target = max(target, max |finite r|)` over `numel` float32 residuals, the maximum
+/// kept as f64 bits in 8 bytes of device memory (returns before the GPU finishes).
+#[pyfunction]
+#[pyo3(signature = (device, stream, residual_ptr, numel, target_ptr))]
+fn cuda_running_max_abs(
+    py: Python<'_>,
+    device: usize,
+    stream: usize,
+    residual_ptr: u64,
+    numel: u64,
+    target_ptr: u64,
+) -> PyResult<()> {
+    // SAFETY: cfc passes a residual of `numel` float32 and an 8-byte device word it keeps alive
+    // until the stream's work is done.
+    py.detach(|| unsafe {
+        cfc::cuda::running_max_abs(device, stream, residual_ptr, numel, target_ptr)
+    })
+    .map_err(to_py)
+}
+
 /// Queues lossless compression of device memory on a CUDA stream (returns before the GPU
 /// finishes; the frame's size is written to the workspace).
 #[pyfunction]
@@ -955,6 +1009,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda_decode_sum_workspace_len, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_decode_sum, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_copy_rows, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_sum_squares, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_running_max_abs, m)?)?;
     m.add_function(wrap_pyfunction!(nccl_unique_id, m)?)?;
     m.add_function(wrap_pyfunction!(nccl_version, m)?)?;
     m.add_class::<NcclAllReducer>()?;
@@ -962,5 +1018,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("CUDA_SUM_OVERFLOW", cfc::cuda::SUM_OVERFLOW)?;
     m.add("CUDA_FRAME_SIZE_OFFSET", cfc::cuda::FRAME_SIZE_OFFSET)?;
     m.add("CUDA_BOUND_ERROR_OFFSET", cfc::cuda::BOUND_ERROR_OFFSET)?;
+    m.add(
+        "CUDA_SUM_SQUARES_WORKSPACE",
+        cfc::cuda::SUM_SQUARES_WORKSPACE,
+    )?;
     Ok(())
 }

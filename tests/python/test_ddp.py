@@ -621,6 +621,8 @@ def test_comm_thread_runs_each_later_stage_after_the_next_launch(monkeypatch):
     from cfc.ddp import _CommThread
 
     class Stream:
+        cuda_stream = 0
+
         def __init__(self, device=None):
             pass
 

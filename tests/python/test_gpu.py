@@ -478,3 +478,59 @@ def test_gpu_copy_rows_between_device_and_pinned_memory():
     torch.cuda.synchronize()
     assert torch.equal(host, src[:, at : at + 8].cpu())
     assert torch.equal(dev[8:], src[1]) and not dev[:8].any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [0, 1, 1000, 3_000_001])
+def test_gpu_sum_squares_matches_float64_and_repeats_its_bits(dtype, n):
+    """cfc_hook's rms bound: the sum of squares of the finite values float32(x) + r, in f64,
+    the same bits every time; NaN and infinities count 0, as torch.nan_to_num makes them."""
+    g = torch.Generator(device="cuda").manual_seed(n)
+    x = torch.randn(n, generator=g, device="cuda").to(dtype)
+    r = torch.randn(n, generator=g, device="cuda") * 0.01
+    if n > 10:
+        x[3], x[7] = float("nan"), float("inf")
+        r[5] = float("nan")
+    ws = torch.empty(cfc._native.CUDA_SUM_SQUARES_WORKSPACE, dtype=torch.uint8, device="cuda")
+    host = torch.zeros(2, dtype=torch.float64, pin_memory=True)
+    stream = torch.cuda.current_stream().cuda_stream
+    for k, res in enumerate((None, r)):
+        cfc._native.cuda_sum_squares(0, stream, x.data_ptr(), n, str(dtype)[6:], 0 if res is None else res.data_ptr(),
+                                     ws.data_ptr(), host.data_ptr() + 8 * k)
+    torch.cuda.synchronize()
+    for k, res in enumerate((None, r)):
+        v = x.float() if res is None else x.float() + res
+        vd = torch.where(torch.isfinite(v), v.double(), torch.zeros_like(v, dtype=torch.float64))
+        want = float((vd * vd).sum())
+        assert float(host[k]) == pytest.approx(want, rel=1e-12, abs=0.0)
+    first = host.clone()
+    again = torch.zeros(1, dtype=torch.float64, pin_memory=True)
+    cfc._native.cuda_sum_squares(0, stream, x.data_ptr(), n, str(dtype)[6:], r.data_ptr(), ws.data_ptr(),
+                                 again.data_ptr())
+    torch.cuda.synchronize()
+    assert again[0].item() == first[1].item()  # deterministic, to the bit
+
+
+def test_gpu_sum_squares_refuses_other_dtypes():
+    ws = torch.empty(cfc._native.CUDA_SUM_SQUARES_WORKSPACE, dtype=torch.uint8, device="cuda")
+    x = torch.ones(4, dtype=torch.int32, device="cuda")
+    with pytest.raises(cfc.CfcError):
+        cfc._native.cuda_sum_squares(0, torch.cuda.current_stream().cuda_stream, x.data_ptr(), 4, "int32", 0,
+                                     ws.data_ptr(), 0)
+
+
+def test_gpu_running_max_abs_only_rises_and_skips_non_finite():
+    """cfc_hook's largest error sent: kept on the device across buckets, raised by each."""
+    target = torch.zeros(1, dtype=torch.float64, device="cuda")
+    stream = torch.cuda.current_stream().cuda_stream
+    a = torch.tensor([0.5, -2.0, 1.0], device="cuda")
+    b = torch.tensor([float("nan"), float("-inf"), -1.5] + [0.25] * 100_000, device="cuda")
+    for t in (a, b):
+        cfc._native.cuda_running_max_abs(0, stream, t.data_ptr(), t.numel(), target.data_ptr())
+    torch.cuda.synchronize()
+    assert target.item() == 2.0
+    c = torch.full((5_000_000,), -3.0, device="cuda")
+    cfc._native.cuda_running_max_abs(0, stream, c.data_ptr(), c.numel(), target.data_ptr())
+    cfc._native.cuda_running_max_abs(0, stream, a.data_ptr(), 0, target.data_ptr())  # nothing to add
+    torch.cuda.synchronize()
+    assert target.item() == 3.0

@@ -57,7 +57,7 @@ import numpy as np
 
 import cfc
 from cfc import _native
-from cfc.codec import _decode_sum_cuda, _sum_frames_cuda
+from cfc.codec import _compress_cuda, _cuda_ready, _decode_sum_cuda, _sum_frames_cuda
 
 __all__ = ["CfcState", "cfc_hook", "register_comm_hook"]
 
@@ -225,7 +225,7 @@ class CfcState:
         self._fast_step = (-1, False)  # (step, whether its CUDA buckets all go out plainly)
         self._worker: Optional[_CommThread] = None
         self._lock = threading.Lock()
-        self._max_err_dev: Dict[Any, List[Any]] = {}  # device -> 0-d tensors, read by stats()
+        self._max_err_dev: Dict[Any, Any] = {}  # device -> running maximum (0-d float64), read by stats()
         self._reset_counters()
 
     def _setup(self, own_communicator: bool = True) -> None:
@@ -497,11 +497,9 @@ class CfcState:
         if self._worker is not None:
             self._worker.drain()
         s = dict(self._stats)
-        import torch
-
         with self._lock:
-            maxima = [torch.stack(held).amax() for held in self._max_err_dev.values() if held]
-        for t in maxima:
+            maxima = list(self._max_err_dev.values())
+        for t in maxima:  # the CUDA buckets' running maxima (the worker is drained)
             s["max_error"] = max(s["max_error"], float(t))
         s["step"] = self.step
         s["ratio"] = s["bytes_uncompressed"] / s["bytes_sent"] if s["bytes_sent"] else 0.0
@@ -570,7 +568,7 @@ class CfcState:
         # applied at its last step unless that was its first compressed one)
         scaled = {int(i) for i in sd.get("rms_scaled", sd["scales"].keys())}
         self._rms = {
-            int(i): (torch.tensor(v, dtype=torch.float32), None, int(n), int(i) in scaled) for i, (v, n) in sd["rms"].items()
+            int(i): (torch.tensor(v, dtype=torch.float64), None, int(n), int(i) in scaled) for i, (v, n) in sd["rms"].items()
         }
         self._scales = {
             int(i): (tuple(tuple(int(x) for x in e) for e in l), torch.tensor(v, dtype=torch.float32))
@@ -870,6 +868,13 @@ class _CommThread:
         # exchange alone, so that this thread's stream (the next bucket's compression, the last
         # one's decoding) need not wait for the wire.
         self.sizes_stream = torch.cuda.Stream(device)
+        self.raw_stream = self.stream.cuda_stream  # the handle native calls take
+        self.sum_ws = torch.empty(_native.CUDA_SUM_SQUARES_WORKSPACE, dtype=torch.uint8, device=device)
+        # bucket -> (pinned float64 scalar, event): where its sum of squares goes (_sum_squares)
+        self.sums: Dict[int, Tuple[Any, Any]] = {}
+        # exchange (a bucket, or the reduce-scatter's ("sum", bucket)) -> (pinned int64 per rank,
+        # event): where its frame sizes go (_FrameExchange)
+        self.sizes: Dict[Any, Tuple[Any, Any]] = {}
         self.jobs: "queue.Queue[Any]" = queue.Queue()
         self.failed: Optional[BaseException] = None
         self.idle = threading.Condition()
@@ -1092,6 +1097,11 @@ def _gpu_launch(state: CfcState, stream, index, buf, layout, r, compress, trial,
         account(False, ring, 0.0)
         return None
 
+    if buf.dtype not in (torch.float32, torch.bfloat16, torch.float16) or not _cuda_ready(buf):
+        raise cfc.CfcError(
+            f"cfc_hook compresses float32, bfloat16 and float16 buckets on GPUs of compute capability 8.0 or "
+            f"newer; this one holds {buf.dtype} on {buf.device}"
+        )
     scaled = _per_tensor(state, index, layout, buf, r)
     x, xr = (buf, r) if scaled is None else (scaled.y, scaled.z)  # what is compressed, and its residual
     units = scaled is not None and scaled.vec is not None  # x is in per_tensor's scaled units
@@ -1125,30 +1135,27 @@ def _gpu_launch(state: CfcState, stream, index, buf, layout, r, compress, trial,
 
     kind, bound = state.bound_kind, state.bound
     if kind == "rms":
-        ss = _finite_sumsq(x if scaled is not None or r is None else x.float() + r)
         # The bound follows the RMS of the bucket's previous compressed step (copied to the
         # host a step ago: no wait); the first time, this step's (waits for this stream).
         prev, rms = _prev_rms(state, index, n, units), None
         if prev is not None:
             if prev[1] is not None:
                 prev[1].synchronize()
-            last = float(prev[0])
+            last = float(prev[0])  # read before this step's sum overwrites it
             rms = math.sqrt(last / max(n, 1)) if 0 < last < math.inf else None
-        if rms is None:
-            rms = math.sqrt(float(ss) / max(n, 1))
-        host = torch.empty((), dtype=torch.float32, pin_memory=True)
-        host.copy_(ss, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record(stream)
+        host, done = _sum_squares(state, index, x, None if scaled is not None else r)
         state._rms[index] = (host, done, n, units)
+        if rms is None:
+            done.synchronize()
+            rms = math.sqrt(float(host) / max(n, 1))
         kw = {"eps": _rms_eps(bound, rms)}
     else:
         kw = {kind: bound}
     if r is not None:
         state._unflushed.add(index)
-    c = cfc.compress(x, residual=xr, **kw)  # on this stream: residual add, quantize, pack
-    if not isinstance(c, cfc.CudaCompressed):
-        raise cfc.CfcError(f"the GPU codec cannot drive {buf.device} (compute capability 8.0 or newer is needed)")
+    # On this stream: residual add, quantize, pack. (cfc.compress without its argument checks:
+    # the bucket and its residual are contiguous, of one size, on this device.)
+    c = _compress_cuda(x, str(x.dtype)[6:], tuple(x.shape), kw.get("eps"), kw.get("rel"), None, xr)
     exchange = _FrameExchange(state, index, c, n)
 
     busy[0] = time.perf_counter() - t0
@@ -1189,19 +1196,43 @@ def _prev_rms(state: CfcState, index: int, n: int, units: bool):
     return prev
 
 
+def _sum_squares(state: CfcState, index: int, x, r):
+    """Queue the sum of squares of the finite values of ``x + r`` (``r`` may be None) on the
+    comm thread's stream, copied to a pinned float64 scalar that the bucket keeps from step to
+    step. Returns (that scalar, an event recorded after the copy). One native call (two small
+    kernels and the copy) where PyTorch took five operations' host time on every bucket; the
+    sum is deterministic, so a resumed run takes the bounds the uninterrupted one took.
+
+    The scalar is the bucket's entry in ``state._rms`` until its next compressed step, which
+    reads it (:func:`_prev_rms`) before queueing the copy that overwrites it."""
+    import torch
+
+    worker = state._worker
+    held = worker.sums.get(index)
+    if held is None:
+        held = worker.sums[index] = (torch.zeros((), dtype=torch.float64, pin_memory=True), torch.cuda.Event())
+    host, done = held
+    dev = x.device
+    _native.cuda_sum_squares(
+        dev.index, worker.raw_stream, x.data_ptr(), x.numel(), str(x.dtype)[6:], 0 if r is None else r.data_ptr(),
+        worker.sum_ws.data_ptr(), host.data_ptr(),
+    )
+    done.record(worker.stream)
+    return host, done
+
+
 def _note_max_error(state: CfcState, buf, r) -> None:
-    """Keep the largest quantization error sent so far (what the residual kept), on the device."""
+    """Raise the largest quantization error sent so far (what the residual kept) by this
+    bucket's: a running maximum on the device (one launch, read by :meth:`CfcState.stats`)."""
     import torch
 
     if r is not None and r.numel():
-        # One reduction per bucket, kept and folded into one every 32 buckets: a running
-        # maximum would cost two more tensor operations' host time on every bucket.
-        amax = torch.linalg.vector_norm(r, float("inf"))
-        with state._lock:
-            held = state._max_err_dev.setdefault(buf.device, [])
-            held.append(amax)
-            if len(held) >= 32:
-                held[:] = [torch.stack(held).amax()]
+        held = state._max_err_dev.get(buf.device)
+        if held is None:
+            with state._lock:
+                held = state._max_err_dev[buf.device] = torch.zeros((), dtype=torch.float64, device=buf.device)
+        _native.cuda_running_max_abs(buf.device.index, state._worker.raw_stream, r.data_ptr(), r.numel(),
+                                     held.data_ptr())
 
 
 class _PerTensor:
@@ -1469,11 +1500,16 @@ class _FrameExchange:
         import torch.distributed as dist
 
         self.state, self.index, self.c, self.n = state, index, c, n
-        world, dev = state.world, c.device
-        stream = torch.cuda.current_stream(dev).cuda_stream
-        self.sizes_host = torch.empty(world, dtype=torch.int64, pin_memory=True)
+        world, dev, worker = state.world, c.device, state._worker
+        stream = worker.raw_stream  # (the current stream: this runs on the comm thread)
+        # Where the sizes reach the host, and the event recorded once they are on their way: the
+        # exchange's (kept from step to step: this step's finish() has read them before the
+        # bucket's next exchange is queued, and pinned memory costs host time to allocate).
+        held = worker.sizes.get(index)
+        if held is None or held[0].numel() != world:
+            held = worker.sizes[index] = (torch.empty(world, dtype=torch.int64, pin_memory=True), torch.cuda.Event())
+        self.sizes_host, self.sizes_ready = held
         self.slot = state._slots.get(index)
-        self.sizes_ready = torch.cuda.Event()  # recorded once the sizes are on their way to the host
         if self.slot is not None:
             slot = self.slot = min(self.slot, c._out.numel())
             row = slot + 8
