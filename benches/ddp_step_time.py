@@ -22,6 +22,7 @@ NCCL_NET=Socket NCCL_SOCKET_IFNAME=lo. ``--json FILE`` writes the per-step times
 
 import argparse
 import faulthandler
+import functools
 import json
 import os
 import random
@@ -52,8 +53,26 @@ class LM(nn.Module):
         return self.head(self.blocks(self.emb(t)))
 
 
-def register(ddp, name):
+class _Clock:
+    """When DDP last called the registered Python hook (host clock, ``time.perf_counter``)."""
+
+    def __init__(self):
+        self.last_hook = None
+
+    def wrap(self, hook):
+        @functools.wraps(hook)
+        def timed(state, bucket):
+            self.last_hook = time.perf_counter()
+            return hook(state, bucket)
+
+        return timed
+
+
+def register(ddp, name, clock=None):
+    """Register hook ``name`` on ``ddp``; with ``clock``, wrapped so that it notes each call."""
     state = None
+    if clock is not None:
+        ddp = _Wrapping(ddp, clock)
     if name == "noop":
         ddp.register_comm_hook(None, debugging_hooks.noop_hook)
     elif name == "allreduce-py":
@@ -75,12 +94,14 @@ def register(ddp, name):
         # built-in all-reduce where its probe finds compression does not pay); cfc-auto-hook:
         # fallback="auto" with the hook always registered (its per-bucket choice only);
         # cfc@0.1: rms=0.1; cfc-ag / cfc-rs: the all-gather or the reduce-scatter (default:
-        # cfc's choice); cfc-tensor: one bound per parameter (per_tensor=True); any hook:capN
-        # sets bucket_cap_mb
+        # cfc's choice); cfc-tensor: one bound per parameter (per_tensor=True); cfc-depthN: the
+        # comm thread's pipeline depth N (default 2); any hook:capN sets bucket_cap_mb
         rms = float(name.split("@")[1]) if "@" in name else 0.3
         algorithm = "all-gather" if "-ag" in name else "reduce-scatter" if "-rs" in name else None
         state = cfc.CfcState(rms=rms, fallback="auto" if "auto" in name else False, algorithm=algorithm,
                              per_tensor="-tensor" in name)
+        if "-depth" in name:
+            state._pipeline_depth = int(name.split("-depth")[1].split("@")[0])
         if "auto" in name and "hook" not in name:
             cfc.register_comm_hook(ddp, state)
         else:
@@ -90,27 +111,47 @@ def register(ddp, name):
     return state
 
 
+class _Wrapping:
+    """A DDP model whose ``register_comm_hook`` wraps the hook with a :class:`_Clock` (what
+    ``cfc.register_comm_hook`` registers is wrapped too)."""
+
+    def __init__(self, ddp, clock):
+        self._ddp, self._clock = ddp, clock
+
+    def register_comm_hook(self, state, hook):
+        self._ddp.register_comm_hook(state, self._clock.wrap(hook))
+
+    def __getattr__(self, name):
+        return getattr(self._ddp, name)
+
+
 class Runner:
     """One hook's DDP model, optimizer and batches. ``name`` is a hook, optionally with
     ``:capN`` for DDP buckets of N MB (default 25)."""
 
-    def __init__(self, name, rank):
+    def __init__(self, name, rank, phases=False):
         hook, _, cap = name.partition(":cap")
         self.name = name
         torch.manual_seed(0)
         self.model = LM().cuda()
         self.ddp = DDP(self.model, device_ids=[rank], bucket_cap_mb=float(cap) if cap else None)
-        self.state = register(self.ddp, hook)
+        self.clock = _Clock() if phases else None
+        self.phases = []  # per step with phases: (last hook call, backward() returned, step end), s from its start
+        self.state = register(self.ddp, hook, self.clock)
         self.opt = torch.optim.AdamW(self.ddp.parameters(), lr=1e-4)
         self.gen = torch.Generator(device="cuda").manual_seed(rank)
 
     def step(self):
+        t0 = time.perf_counter()
         t = torch.randint(0, VOCAB, (B, T), device="cuda", generator=self.gen)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = nn.functional.cross_entropy(self.ddp(t).flatten(0, 1).float(), t.flatten())
-        loss.backward()
+        loss.backward()  # returns once DDP has every bucket's future (the host waits for cfc's)
+        t1 = time.perf_counter()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
+        if self.clock is not None and self.clock.last_hook is not None:
+            self.phases.append((self.clock.last_hook - t0, t1 - t0, time.perf_counter() - t0))
 
     def timed(self, steps):
         """Seconds per step of ``steps`` steps run back to back (the GPU may work on one step
@@ -165,12 +206,13 @@ def interleaved(names, rank, args):
     ``--block`` steps, in a new random order each round. Drift of the machine
     over the run (clocks, other load on the host) then reaches every hook alike, and the
     hooks' times of one round can be compared pairwise."""
-    runners = [Runner(n, rank) for n in names]
+    runners = [Runner(n, rank, args.phases) for n in names]
     for r in runners:
         for _ in range(args.warmup):
             r.step()
         if r.state is not None:
             r.state.reset_stats()
+        r.phases.clear()
     blocks = [[0.0] * args.rounds for _ in runners]
     order = random.Random(0)  # the same on every rank
     for k in range(args.rounds):
@@ -179,7 +221,10 @@ def interleaved(names, rank, args):
     rows = []
     for r, times in zip(runners, blocks):
         n = sum(row["hook"].split(" ")[0] == r.name for row in rows)
-        rows.append({"hook": r.name if n == 0 else f"{r.name} ({n + 1})", "times": slowest(times), **r.extra()})
+        row = {"hook": r.name if n == 0 else f"{r.name} ({n + 1})", "times": slowest(times), **r.extra()}
+        if r.phases:  # this rank's, medians over steps
+            row["phases_ms"] = [1e3 * statistics.median(p[i] for p in r.phases) for i in range(3)]
+        rows.append(row)
     return rows
 
 
@@ -196,6 +241,10 @@ def main():
     p.add_argument("--label", default=os.environ.get("LABEL", ""))
     p.add_argument("--json", default=None)
     p.add_argument("--watchdog", type=float, default=600, help="seconds the whole run may take (0: no limit)")
+    p.add_argument("--phases", action="store_true",
+                   help="also time, on rank 0's host clock, when each step's last bucket reached the Python hook "
+                        "(the backward pass's pace) and when backward() returned (DDP had every bucket's result); "
+                        "interleaved mode, hooks registered from Python only")
     p.add_argument("--switch-interval", type=float, default=None,
                    help="sys.setswitchinterval for the run, seconds (Python's default: 0.005): how long a "
                         "thread waiting for the GIL waits before it asks the holder to let go")
@@ -252,6 +301,15 @@ def report(rows, nparams, args):
             ratios = [a / b for a, b in zip(r["times"], base["times"])]
             cols += f" {statistics.median(ratios):.3f}x |"
         print(f"{cols} {ratio} | {err} |")
+    timed = [r for r in rows if "phases_ms" in r]
+    if timed:
+        print("\nPhases of a step on rank 0's host clock, ms from the step's start, median over steps "
+              "(the host runs ahead of the GPU: these are when the host got there)")
+        print("| hook | last bucket to the hook | backward() returned | its wait after the last bucket | step end |")
+        print("|---|---|---|---|---|")
+        for r in timed:
+            a, b, c = r["phases_ms"]
+            print(f"| {r['hook']} | {a:.1f} | {b:.1f} | {b - a:.1f} | {c:.1f} |")
 
 
 if __name__ == "__main__":

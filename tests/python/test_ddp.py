@@ -609,12 +609,12 @@ def test_a_step_never_mixes_the_two_communicators():
     assert not _whole_plain(a, [1000, 500])
 
 
-def test_comm_thread_runs_each_later_stage_after_the_next_launch(monkeypatch):
+def test_comm_thread_runs_each_later_stage_after_the_next_launches(monkeypatch):
     """The comm thread's order of work, without a GPU (its CUDA calls are stubbed out): a
-    part's next stage runs only after the next part's launch (so the next bucket is on the
-    wire while this thread waits), a stage may return a further stage (the reduce-scatter's),
-    a bucket's future is set only after every stage of its parts, after a failure every later
-    future gets the error, and stop() ends the thread."""
+    part's next stage runs only after the next ``depth`` parts' launches (so those buckets are
+    on the wire while this thread waits), a stage may return a further stage (the
+    reduce-scatter's), a bucket's future is set only after every stage of its parts, after a
+    failure every later future gets the error, and stop() ends the thread."""
     import contextlib
 
     from cfc import CfcError
@@ -651,7 +651,22 @@ def test_comm_thread_runs_each_later_stage_after_the_next_launch(monkeypatch):
 
         return launch
 
-    worker = _CommThread(None, "cpu")
+    # depth 2 (the default): each stage waits for two more launches, and nothing overtakes an
+    # earlier stage (A's second stage, queued after C's launch, holds B's back)
+    deep = _CommThread(None, "cpu")
+    assert deep.depth == 2
+    done = torch.futures.Future()
+    for name, stages in (("A", 2), ("B", 1), ("C", 1), ("D", 1)):
+        deep.submit("part", part(name, stages))
+    deep.submit("done", lambda: log.append("done") or "ABCD", done)
+    deep.submit("flush")
+    deep.drain()
+    assert log == ["launch A", "launch B", "launch C", "A0", "launch D", "A1", "B0", "C0", "D0", "done"], log
+    assert done.value() == "ABCD"
+    deep.stop()
+    log.clear()
+
+    worker = _CommThread(None, "cpu", depth=1)  # each stage after the next launch
     futs = [torch.futures.Future() for _ in range(3)]
     worker.submit("part", part("A", 1))  # all-gather: one stage after the launch
     worker.submit("part", part("B", 2))  # reduce-scatter: two

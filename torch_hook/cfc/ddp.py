@@ -63,6 +63,8 @@ __all__ = ["CfcState", "cfc_hook", "register_comm_hook"]
 
 logger = logging.getLogger("cfc")
 
+# Launches of later parts a part's finish waits for on the comm thread (_CommThread).
+_PIPELINE_DEPTH = 2
 _STATE_VERSION = 3  # 2: the algorithm option (with the reduce-scatter, saved RMS sums are all ranks'); 3: per_tensor
 _BOUND_KINDS = ("eps", "rel", "rms")
 _ALGORITHMS = ("all-gather", "reduce-scatter")
@@ -224,6 +226,9 @@ class CfcState:
         self._nccl = False  # CUDA tensors go through NCCL in the group (set by _setup)
         self._fast_step = (-1, False)  # (step, whether its CUDA buckets all go out plainly)
         self._worker: Optional[_CommThread] = None
+        # The comm thread's pipeline depth (_CommThread). Not an option: it orders collectives,
+        # so every rank must use the same; benches set it before the first bucket to compare.
+        self._pipeline_depth = _PIPELINE_DEPTH
         self._lock = threading.Lock()
         self._max_err_dev: Dict[Any, Any] = {}  # device -> running maximum (0-d float64), read by stats()
         self._reset_counters()
@@ -850,19 +855,23 @@ class _CommThread:
     all ranks issue their collectives in the same order), on a CUDA stream of its own.
 
     A compressed part runs in stages: *launch* (compress, all-gather the frames) and *finish*
-    (wait for the frame sizes, decode, average). A part's finish runs right after the next
-    part's launch, so the next bucket is on the wire while this thread waits for the last
-    one's sizes; a ``flush`` item at each step's last bucket finishes everything. The
-    reduce-scatter has one more stage (its finish sends the shard's sum; the stage after it
-    waits for the sums), which again runs after the next part's launch. The order of the
-    collectives depends only on the order of the items, never on timing.
+    (wait for the frame sizes, decode, average). A part's finish runs after the launches of
+    the next ``depth`` parts (default 2), so those buckets are on the wire while this thread
+    waits for its sizes, and by then the wait is mostly over: a thread that waited for each
+    bucket's wire before launching the next fell behind the backward pass, and the step then
+    waited for its backlog after the last bucket. A ``flush`` item at each step's last bucket
+    finishes everything. The reduce-scatter has one more stage (its finish sends the shard's
+    sum; the stage after it waits for the sums), which again waits for ``depth`` launches.
+    The order of the collectives depends only on the order of the items, never on timing.
     """
 
-    def __init__(self, state: CfcState, device):
+    def __init__(self, state: CfcState, device, depth: int = _PIPELINE_DEPTH):
         import torch
 
         self.state = state
         self.device = device
+        self.depth = max(1, int(depth))
+        self.launched = 0  # parts launched so far: each deferred stage waits for `depth` more
         self.stream = torch.cuda.Stream(device)
         # Where each frame exchange's sizes are copied to the host: a stream that waits for that
         # exchange alone, so that this thread's stream (the next bucket's compression, the last
@@ -879,7 +888,8 @@ class _CommThread:
         self.failed: Optional[BaseException] = None
         self.idle = threading.Condition()
         self.pending = 0
-        self.deferred: List[Tuple[Any, Any]] = []  # (closure, future or None), in order
+        # (parts launched when it was queued, closure, future or None), in order
+        self.deferred: List[Tuple[int, Any, Any]] = []
         self.thread = threading.Thread(target=self._run, name="cfc-comm", daemon=True)
         self.thread.start()
 
@@ -907,9 +917,9 @@ class _CommThread:
 
     def _run_deferred(self, items) -> None:
         """Run deferred stages in order. A stage may return a further stage (a callable): that
-        one waits for the next part's launch, so it and everything after it go back to the
+        one waits for ``depth`` more launches, so it and everything after it go back to the
         front of the queue (a bucket's future is set only after all its stages)."""
-        for k, (work, fut) in enumerate(items):
+        for k, (_, work, fut) in enumerate(items):
             try:
                 if self.failed is not None:
                     raise cfc.CfcError(f"cfc_hook failed: {self.failed}")
@@ -917,13 +927,22 @@ class _CommThread:
                 if fut is not None:
                     fut.set_result(value)  # records an event on this stream for DDP
                 elif callable(value):
-                    self.deferred = [(value, None)] + list(items[k + 1 :]) + self.deferred
+                    self.deferred = [(self.launched, value, None)] + list(items[k + 1 :]) + self.deferred
                     return
             except BaseException as e:  # noqa: BLE001 - reaches backward() through the future
                 if self.failed is None:
                     self.failed = e
                 if fut is not None:
                     fut.set_exception(e)
+
+    def _due(self) -> List[Tuple[int, Any, Any]]:
+        """Take the deferred stages whose ``depth`` launches have happened (a prefix: nothing
+        overtakes an earlier stage)."""
+        k = 0
+        while k < len(self.deferred) and self.deferred[k][0] <= self.launched - self.depth:
+            k += 1
+        due, self.deferred = self.deferred[:k], self.deferred[k:]
+        return due
 
     def _run(self) -> None:
         import torch
@@ -936,18 +955,18 @@ class _CommThread:
             try:
                 with torch.cuda.stream(self.stream):
                     if kind == "part":
-                        earlier, self.deferred = self.deferred, []
                         finish = None
                         try:
                             if self.failed is None:
                                 finish = work()
                         except BaseException as e:  # noqa: BLE001
                             self.failed = e
-                        self._run_deferred(earlier)
+                        self.launched += 1
+                        self._run_deferred(self._due())
                         if finish is not None:
-                            self.deferred.append((finish, None))
+                            self.deferred.append((self.launched, finish, None))
                     elif kind == "done":
-                        self.deferred.append((work, fut))
+                        self.deferred.append((self.launched, work, fut))
                     else:  # flush
                         while self.deferred:
                             earlier, self.deferred = self.deferred, []
@@ -964,7 +983,7 @@ def _gpu_bucket(state: CfcState, bucket, buf, parts, scatter) -> Any:
     dev = buf.device
     with state._lock:
         if state._worker is None:
-            state._worker = _CommThread(state, dev)
+            state._worker = _CommThread(state, dev, state._pipeline_depth)
     worker = state._worker
     try:
         return _gpu_submit(state, worker, bucket, buf, parts, scatter)
