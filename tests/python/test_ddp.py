@@ -651,10 +651,9 @@ def test_comm_thread_runs_each_later_stage_after_the_next_launches(monkeypatch):
 
         return launch
 
-    # depth 2 (the default): each stage waits for two more launches, and nothing overtakes an
-    # earlier stage (A's second stage, queued after C's launch, holds B's back)
-    deep = _CommThread(None, "cpu")
-    assert deep.depth == 2
+    # depth 2: each stage waits for two more launches, and nothing overtakes an earlier stage
+    # (A's second stage, queued after C's launch, holds B's back)
+    deep = _CommThread(None, "cpu", depth=2)
     done = torch.futures.Future()
     for name, stages in (("A", 2), ("B", 1), ("C", 1), ("D", 1)):
         deep.submit("part", part(name, stages))
@@ -666,7 +665,8 @@ def test_comm_thread_runs_each_later_stage_after_the_next_launches(monkeypatch):
     deep.stop()
     log.clear()
 
-    worker = _CommThread(None, "cpu", depth=1)  # each stage after the next launch
+    worker = _CommThread(None, "cpu")  # depth 1, the default: each stage after the next launch
+    assert worker.depth == 1
     futs = [torch.futures.Future() for _ in range(3)]
     worker.submit("part", part("A", 1))  # all-gather: one stage after the launch
     worker.submit("part", part("B", 2))  # reduce-scatter: two

@@ -63,8 +63,10 @@ __all__ = ["CfcState", "cfc_hook", "register_comm_hook"]
 
 logger = logging.getLogger("cfc")
 
-# Launches of later parts a part's finish waits for on the comm thread (_CommThread).
-_PIPELINE_DEPTH = 2
+# Launches of later parts a part's finish waits for on the comm thread (_CommThread). 2 and 3
+# measured no different from 1 on the 217M LM over sockets (docs/perf-notes.md), and hold more
+# buckets' frames in memory.
+_PIPELINE_DEPTH = 1
 _STATE_VERSION = 3  # 2: the algorithm option (with the reduce-scatter, saved RMS sums are all ranks'); 3: per_tensor
 _BOUND_KINDS = ("eps", "rel", "rms")
 _ALGORITHMS = ("all-gather", "reduce-scatter")
@@ -856,11 +858,8 @@ class _CommThread:
 
     A compressed part runs in stages: *launch* (compress, all-gather the frames) and *finish*
     (wait for the frame sizes, decode, average). A part's finish runs after the launches of
-    the next ``depth`` parts (default 2), so those buckets are on the wire while this thread
-    waits for its sizes, and by then the wait is mostly over: a thread that waited for each
-    bucket's wire before launching the next fell behind the backward pass, and the step then
-    waited for its backlog after the last bucket. A ``flush`` item at each step's last bucket
-    finishes everything. The reduce-scatter has one more stage (its finish sends the shard's
+    the next ``depth`` parts (default 1), so those buckets are on the wire while this thread
+    waits for its sizes. A ``flush`` item at each step's last bucket finishes everything. The reduce-scatter has one more stage (its finish sends the shard's
     sum; the stage after it waits for the sums), which again waits for ``depth`` launches.
     The order of the collectives depends only on the order of the items, never on timing.
     """
