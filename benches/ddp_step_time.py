@@ -73,7 +73,7 @@ def register(ddp, name, clock=None):
     state = None
     if clock is not None:
         ddp = _Wrapping(ddp, clock)
-    if name == "noop":
+    if name in ("noop", "noop-sync"):  # noop-sync: Runner.step waits for the GPU after backward()
         ddp.register_comm_hook(None, debugging_hooks.noop_hook)
     elif name == "allreduce-py":
         # PyTorch's all-reduce as a Python comm hook: what any Python hook costs, against
@@ -136,6 +136,7 @@ class Runner:
         self.model = LM().cuda()
         self.ddp = DDP(self.model, device_ids=[rank], bucket_cap_mb=float(cap) if cap else None)
         self.clock = _Clock() if phases else None
+        self.sync = hook.endswith("-sync")
         self.phases = []  # per step with phases: (last hook call, backward() returned, step end), s from its start
         self.state = register(self.ddp, hook, self.clock)
         self.opt = torch.optim.AdamW(self.ddp.parameters(), lr=1e-4)
@@ -147,6 +148,8 @@ class Runner:
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = nn.functional.cross_entropy(self.ddp(t).flatten(0, 1).float(), t.flatten())
         loss.backward()  # returns once DDP has every bucket's future (the host waits for cfc's)
+        if self.sync:  # as cfc's last frame sizes make the host wait: for the whole backward pass on the GPU
+            torch.cuda.synchronize()
         t1 = time.perf_counter()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
