@@ -16,3 +16,14 @@ export PATH="$VIRTUAL_ENV/bin:$PATH"
 # matplotlib by the loss plot of examples/ddp_train.py.
 python -m pip install -q --disable-pip-version-check "maturin>=1.7,<2" "numpy>=1.21" "pytest>=7" "torch>=2.1" "matplotlib>=3.5"
 maturin develop --release -q
+
+# NVRTC and CUDA's headers from the CUDA build of torch (its nvidia-* wheels): with them the Rust
+# tests compile every kernel for the GPUs cfc supports (NVRTC needs no GPU), and CFC_NVRTC_CHECK
+# makes that compulsory, so a kernel that does not compile fails here rather than on a GPU.
+nvidia_dir="$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/nvidia"
+for d in "$nvidia_dir"/cu*; do
+    if ls "$d"/lib/libnvrtc.so.* >/dev/null 2>&1 && [ -f "$d/include/cuda_fp16.h" ]; then
+        export LD_LIBRARY_PATH="$d/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" CFC_CUDA_INCLUDE="$d/include" CFC_NVRTC_CHECK=1
+        break
+    fi
+done
