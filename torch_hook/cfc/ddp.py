@@ -859,9 +859,10 @@ class _CommThread:
     A compressed part runs in stages: *launch* (compress, all-gather the frames) and *finish*
     (wait for the frame sizes, decode, average). A part's finish runs after the launches of
     the next ``depth`` parts (default 1), so those buckets are on the wire while this thread
-    waits for its sizes. A ``flush`` item at each step's last bucket finishes everything. The reduce-scatter has one more stage (its finish sends the shard's
-    sum; the stage after it waits for the sums), which again waits for ``depth`` launches.
-    The order of the collectives depends only on the order of the items, never on timing.
+    waits for its sizes. A ``flush`` item at each step's last bucket finishes everything. The
+    reduce-scatter has one more stage (its finish sends the shard's sum; the stage after it
+    waits for the sums), which again waits for ``depth`` launches. The order of the
+    collectives depends only on the order of the items, never on timing.
     """
 
     def __init__(self, state: CfcState, device, depth: int = _PIPELINE_DEPTH):
