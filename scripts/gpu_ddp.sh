@@ -9,7 +9,7 @@
 # table; RMS passes on; anatomy profiles a few steps per hook over both transports and prints where
 # the NCCL kernels sit against the computation, benches/ddp_overlap.py); host times the comm
 # thread's stages per bucket over both transports, at CAPS MB buckets (benches/ddp_host_profile.py); ab
-# times the socket step (HOOKS, default "noop noop cfc") with an earlier wheel (.carry/old/*.whl)
+# times the socket step (HOOKS, default "--base noop noop cfc") with an earlier wheel (.carry/old/*.whl)
 # and this one, one run after the other, AB_ROUNDS times (default 2). NPROC (default 2) sets the
 # processes of the step-time runs, STEPS their timed steps per hook (interleaved rounds of 5).
 # Logs go under $OUT.
