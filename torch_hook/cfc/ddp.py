@@ -1544,7 +1544,7 @@ class _FrameExchange:
             work = dist.all_gather_into_tensor(self.got.view(-1), send, group=state.group, async_op=True)
             # Every rank's size, from the end of its row to the host, behind this exchange only
             # (read later, it must not wait for the next bucket's exchange).
-            side = state._worker.sizes_stream
+            side = worker.sizes_stream
             with torch.cuda.stream(side):
                 work.wait()  # the side stream waits for the exchange; the host does not
                 _native.cuda_copy_rows(
