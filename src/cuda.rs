@@ -96,10 +96,10 @@ struct Kernels {
 
 /// Restores the calling thread's current CUDA context when dropped. Binding a device's context
 /// must not leak out of a call: PyTorch reads the current context as its current device.
-struct ContextGuard(Option<sys::CUcontext>);
+pub(crate) struct ContextGuard(Option<sys::CUcontext>);
 
 impl ContextGuard {
-    fn save() -> Result<ContextGuard> {
+    pub(crate) fn save() -> Result<ContextGuard> {
         driver_present()?;
         cudarc::driver::result::ctx::get_current()
             .map(ContextGuard)

@@ -17,6 +17,8 @@
 //! ```
 
 mod bitplane;
+#[cfg(feature = "cuda")]
+pub mod bucket_exchange;
 mod codec;
 pub mod collective;
 #[cfg(feature = "cuda")]

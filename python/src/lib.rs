@@ -967,6 +967,176 @@ impl NcclAllReducer {
     }
 }
 
+/// The compressed exchange of `cfc_hook`'s CUDA buckets over an NCCL communicator of cfc's
+/// own (`cfc::bucket_exchange`): per bucket, one call queues the sum of squares, the
+/// compression and the all-gather, and one waits for the frame sizes and queues the average.
+/// `cfc.ddp` drives it from its comm thread.
+#[pyclass(module = "cfc._native")]
+struct BucketExchange {
+    // A Mutex only for `Sync` (a communicator's handles are raw pointers); the methods take
+    // `&mut self`, so it is never contended.
+    inner: std::sync::Mutex<Option<cfc::bucket_exchange::BucketExchange>>,
+}
+
+impl BucketExchange {
+    fn exchange(&mut self) -> PyResult<&mut cfc::bucket_exchange::BucketExchange> {
+        self.inner
+            .get_mut()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_mut()
+            .ok_or_else(|| CfcError::new_err("this BucketExchange was closed"))
+    }
+}
+
+#[pymethods]
+impl BucketExchange {
+    /// Joins the communicator of `unique_id` (hex, from `nccl_unique_id`) as `rank` of
+    /// `world` on CUDA device `device`; waits until every rank has joined, at most `timeout`
+    /// seconds (default: `CFC_NCCL_TIMEOUT`, else 300) for it and every later wait.
+    #[new]
+    #[pyo3(signature = (device, unique_id, rank, world, *, timeout=None))]
+    fn new(
+        py: Python<'_>,
+        device: usize,
+        unique_id: &str,
+        rank: usize,
+        world: usize,
+        timeout: Option<f64>,
+    ) -> PyResult<Self> {
+        let id = cfc::nccl::UniqueId::from_hex(unique_id).map_err(to_py)?;
+        if let Some(t) = timeout {
+            if !(t > 0.0 && t.is_finite()) {
+                return Err(PyValueError::new_err(format!(
+                    "timeout must be a positive number of seconds, got {t}"
+                )));
+            }
+        }
+        let exchange = py
+            .detach(|| {
+                let mut comm = cfc::nccl::Communicator::new(device, &id, rank, world)?;
+                if let Some(t) = timeout {
+                    comm.set_timeout(std::time::Duration::from_secs_f64(t));
+                }
+                cfc::bucket_exchange::BucketExchange::new(comm)
+            })
+            .map_err(to_py)?;
+        Ok(BucketExchange {
+            inner: std::sync::Mutex::new(Some(exchange)),
+        })
+    }
+
+    /// Bytes of a bucket's row for a frame capacity of `capacity` bytes (`cuda_compress_capacity`).
+    #[staticmethod]
+    fn row_len(capacity: u64) -> u64 {
+        cfc::bucket_exchange::row_len(capacity)
+    }
+
+    /// Queues bucket `key`'s sum of squares (when `sum_ws_ptr` is not 0), compression and frame
+    /// exchange; see `cfc::bucket_exchange::LaunchArgs` (returns before the GPU finishes).
+    #[pyo3(signature = (key, stream, data_ptr, numel, dtype, residual_ptr, row_ptr, capacity, ws_ptr, ws_len, sum_ws_ptr, sum_out_ptr, slot, recv_ptr, *, eps=None, rel=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn launch(
+        &mut self,
+        py: Python<'_>,
+        key: u64,
+        stream: usize,
+        data_ptr: u64,
+        numel: u64,
+        dtype: &str,
+        residual_ptr: u64,
+        row_ptr: u64,
+        capacity: u64,
+        ws_ptr: u64,
+        ws_len: u64,
+        sum_ws_ptr: u64,
+        sum_out_ptr: u64,
+        slot: u64,
+        recv_ptr: u64,
+        eps: Option<f64>,
+        rel: Option<f64>,
+    ) -> PyResult<()> {
+        let args = cfc::bucket_exchange::LaunchArgs {
+            key,
+            stream,
+            data: data_ptr,
+            n: numel,
+            dtype: dtype_of(dtype)?,
+            residual: residual_ptr,
+            bound: bound_of(eps, rel, None)?,
+            row: row_ptr,
+            capacity,
+            workspace: ws_ptr,
+            workspace_len: ws_len,
+            sum_squares: (sum_ws_ptr != 0).then_some((sum_ws_ptr, sum_out_ptr)),
+            slot,
+            recv: recv_ptr,
+        };
+        let exchange = self.exchange()?;
+        // SAFETY: cfc.ddp passes data_ptr()s of CUDA tensors on the communicator's device of the
+        // sizes the arguments state, which it keeps referenced until the bucket's finish has
+        // queued its decoding on `stream` (the comm thread's current stream).
+        py.detach(|| unsafe { exchange.launch(&args) })
+            .map_err(to_py)
+    }
+
+    /// Waits for bucket `key`'s frame sizes and queues the average into the bucket. Returns
+    /// `(0, bytes sent, next slot)` when done, or `(row length, 0, 0)` when a frame outgrew its
+    /// slot: call again with `resend_recv_ptr` holding `world` rows of that length.
+    #[pyo3(signature = (key, stream, scale, ws_ptr, ws_len, max_error_ptr, resend_recv_ptr=0))]
+    #[allow(clippy::too_many_arguments)]
+    fn finish(
+        &mut self,
+        py: Python<'_>,
+        key: u64,
+        stream: usize,
+        scale: f32,
+        ws_ptr: u64,
+        ws_len: u64,
+        max_error_ptr: u64,
+        resend_recv_ptr: u64,
+    ) -> PyResult<(u64, u64, u64)> {
+        use cfc::bucket_exchange::Finish;
+        let args = cfc::bucket_exchange::FinishArgs {
+            key,
+            stream,
+            scale,
+            workspace: ws_ptr,
+            workspace_len: ws_len,
+            max_error: max_error_ptr,
+            resend_recv: resend_recv_ptr,
+        };
+        let exchange = self.exchange()?;
+        // SAFETY: as launch; the workspace and the resend rows are CUDA tensors of the stated
+        // sizes that cfc.ddp keeps referenced until the stream's work is done.
+        let done = py
+            .detach(|| unsafe { exchange.finish(&args) })
+            .map_err(to_py)?;
+        Ok(match done {
+            Finish::Done { sent, next_slot } => (0, sent, next_slot),
+            Finish::Resend { row_len } => (row_len, 0, 0),
+        })
+    }
+
+    /// Makes `stream` wait for every exchange queued so far (before a collective of another
+    /// communicator on that stream).
+    fn fence(&mut self, py: Python<'_>, stream: usize) -> PyResult<()> {
+        let exchange = self.exchange()?;
+        // SAFETY: cfc.ddp passes the comm thread's live stream.
+        py.detach(|| unsafe { exchange.fence(stream) })
+            .map_err(to_py)
+    }
+
+    /// Leaves the communicator (NCCL finalizes it; waits for this rank's queued work).
+    fn close(&mut self, py: Python<'_>) {
+        let inner = self
+            .inner
+            .get_mut()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        py.detach(move || drop(inner));
+    }
+}
+
 fn init_logging() {
     // `CFC_LOG=debug` (any tracing-subscriber filter) turns on cfc's own log lines on stderr.
     if let Ok(filter) = std::env::var("CFC_LOG") {
@@ -1014,6 +1184,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(nccl_unique_id, m)?)?;
     m.add_function(wrap_pyfunction!(nccl_version, m)?)?;
     m.add_class::<NcclAllReducer>()?;
+    m.add_class::<BucketExchange>()?;
     m.add("CUDA_SUM_STEPS_DIFFER", cfc::cuda::SUM_STEPS_DIFFER)?;
     m.add("CUDA_SUM_OVERFLOW", cfc::cuda::SUM_OVERFLOW)?;
     m.add("CUDA_FRAME_SIZE_OFFSET", cfc::cuda::FRAME_SIZE_OFFSET)?;

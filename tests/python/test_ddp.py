@@ -478,10 +478,42 @@ def register_sockets(rank, world, out):
         assert same_on_all_ranks(q.detach())
 
 
+def native_exchange(rank, world, out):
+    """CUDA buckets go through cfc's native exchange (a communicator of cfc's own, two calls
+    per bucket), which gives the bits of the exchange over torch.distributed: the same frames,
+    bounds and slots' sizes, decoded and added in the same order. Also with a frame that
+    outgrows its slot, bfloat16 gradients and per-parameter bounds."""
+    configs = [
+        (dict(warmup_steps=1, min_compress_numel=0), torch.float32),
+        (dict(eps=2e-4, warmup_steps=1), torch.float32),
+        (dict(warmup_steps=1, per_tensor=True), torch.float32),
+        (dict(warmup_steps=1), torch.bfloat16),
+    ]
+    for kw, dtype in configs:
+        params, stats = [], []
+        for native in (True, False):
+            state = CfcState(**kw)
+            state._use_exchange = native
+            ddp, opt = make(state, dtype=dtype)
+            train(ddp, opt, rank, 3, dtype=dtype)
+            assert (state._exchange is not None) == native, (kw, native)
+            if native:  # far too small for the next frames: sent again, whole
+                state._slots = {k: 96 for k in state._slots}
+            train(ddp, opt, rank, 3, start=3, dtype=dtype)
+            params.append([p.detach().clone() for p in ddp.parameters()])
+            stats.append(state.stats())
+        assert all(torch.equal(a, b) for a, b in zip(*params)), kw
+        assert stats[0]["compressed_buckets"] == stats[1]["compressed_buckets"] > 0, stats
+        assert stats[0]["max_error"] == stats[1]["max_error"] > 0, stats
+        assert stats[0]["resends"] >= 1, stats
+        for p in params[0]:
+            assert same_on_all_ranks(p)
+
+
 SCENARIOS = {
     f.__name__: f
     for f in (parity, resume, overflow, accumulate, variants, mismatch, fallback, slots, reduce_scatter, per_tensor,
-              trial_timing, plain_after_trial, register, register_sockets)
+              trial_timing, plain_after_trial, register, register_sockets, native_exchange)
 }
 
 
@@ -531,6 +563,14 @@ def test_hook(tmp_path, scenario, device):
     if device == "cuda":
         two_gpus()
     spawn(tmp_path, scenario, device=device)
+
+
+@pytest.mark.gpu
+def test_native_exchange_gives_the_bits_of_the_exchange_over_torch_distributed(tmp_path):
+    two_gpus()
+    if GPUS > 2:
+        pytest.skip("the native exchange takes the all-gather, cfc's choice for 2 ranks")
+    spawn(tmp_path, "native_exchange", device="cuda")
 
 
 @pytest.mark.gpu

@@ -157,6 +157,45 @@ class NcclAllReducer:
     ) -> Dict[str, Any]: ...
     def compressing(self) -> Optional[bool]: ...
     def close(self) -> None: ...
+
+class BucketExchange:
+    def __init__(
+        self, device: int, unique_id: str, rank: int, world: int, *, timeout: Optional[float] = None
+    ) -> None: ...
+    @staticmethod
+    def row_len(capacity: int) -> int: ...
+    def launch(
+        self,
+        key: int,
+        stream: int,
+        data_ptr: int,
+        numel: int,
+        dtype: str,
+        residual_ptr: int,
+        row_ptr: int,
+        capacity: int,
+        ws_ptr: int,
+        ws_len: int,
+        sum_ws_ptr: int,
+        sum_out_ptr: int,
+        slot: int,
+        recv_ptr: int,
+        *,
+        eps: Optional[float] = None,
+        rel: Optional[float] = None,
+    ) -> None: ...
+    def finish(
+        self,
+        key: int,
+        stream: int,
+        scale: float,
+        ws_ptr: int,
+        ws_len: int,
+        max_error_ptr: int,
+        resend_recv_ptr: int = 0,
+    ) -> Tuple[int, int, int]: ...
+    def fence(self, stream: int) -> None: ...
+    def close(self) -> None: ...
 def cuda_compress_lossless(
     device: int,
     stream: int,

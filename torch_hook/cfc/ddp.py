@@ -228,6 +228,12 @@ class CfcState:
         self._nccl = False  # CUDA tensors go through NCCL in the group (set by _setup)
         self._fast_step = (-1, False)  # (step, whether its CUDA buckets all go out plainly)
         self._worker: Optional[_CommThread] = None
+        # The compressed CUDA buckets' exchange over an NCCL communicator of cfc's own, run by
+        # the Rust core (_native.BucketExchange); made at the first step where every rank can,
+        # else None and the exchange goes through torch.distributed (_FrameExchange). Not an
+        # option: every rank must take the same way; benches turn it off to compare.
+        self._exchange: Any = None
+        self._use_exchange = True
         # The comm thread's pipeline depth (_CommThread). Not an option: it orders collectives,
         # so every rank must use the same; benches set it before the first bucket to compare.
         self._pipeline_depth = _PIPELINE_DEPTH
@@ -305,6 +311,8 @@ class CfcState:
                     f"rank {r} has {self._describe(row)}"
                 )
         self._agreed = True
+        if device.type == "cuda" and self._nccl and self._use_exchange and _exchange_fits(self):
+            self._exchange = _open_exchange(self, device)
 
     # ---- per-bucket decisions ----
 
@@ -1074,6 +1082,72 @@ def _gpu_plain(state: CfcState, worker, bucket, buf) -> Any:
     return work.get_future().then(lambda fut: fut.value()[0])
 
 
+def _exchange_fits(state: CfcState) -> bool:
+    """Whether the state's compressed CUDA buckets can take the native exchange: on a
+    communicator of cfc's own (not :func:`register_comm_hook`'s probe, which borrows DDP's group
+    and makes no communicator), with one bound for all ranks' grids known on the host (``eps``
+    or ``rms``; a ``rel`` bound is read from each frame), and the all-gather of frames (the
+    reduce-scatter keeps its exchange over torch.distributed, so that one communicator carries
+    every compressed bucket). The same on every rank (the options were agreed)."""
+    if state.group is state.process_group or state.bound_kind == "rel":
+        return False
+    algorithm = state.algorithm
+    if algorithm is None:
+        algorithm = "all-gather" if state.world <= 2 else "reduce-scatter"
+    return algorithm == "all-gather"
+
+
+def _open_exchange(state: CfcState, device) -> Any:
+    """cfc's own NCCL communicator for the compressed exchanges (:class:`_native.BucketExchange`),
+    made by every rank at the same point (the first bucket of the first step, on the autograd
+    thread, before any other collective of the comm thread). Returns None on every rank when
+    any rank cannot load NCCL: the exchange then goes through torch.distributed everywhere."""
+    import torch
+    import torch.distributed as dist
+
+    try:
+        _native.nccl_version()  # loads the library, as the communicator will
+        ok = 1.0
+    except Exception as e:  # noqa: BLE001 - every rank learns it below and all take the other way
+        logger.warning("cfc: no native exchange on rank %d (%s): using torch.distributed", state.rank, e)
+        ok = 0.0
+    flag = torch.tensor([ok], dtype=torch.float32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=state.group)
+    if flag.item() < 1.0:
+        return None
+    box: List[Any] = [None]
+    if state.rank == 0:
+        try:
+            box[0] = ("id", _native.nccl_unique_id())
+        except Exception as e:  # noqa: BLE001 - sent to every rank, which all raise it
+            box[0] = ("error", str(e))
+    dist.broadcast_object_list(box, src=dist.get_global_rank(state.group, 0), group=state.group)
+    kind, value = box[0]
+    if kind != "id":
+        raise cfc.CfcError(f"rank 0 could not make an NCCL id for cfc's exchange: {value}")
+    timeout = None if state.timeout is None else state.timeout.total_seconds()
+    return _native.BucketExchange(device.index, value, state.rank, state.world, timeout=timeout)
+
+
+def _fence(state: CfcState, stream) -> None:
+    """Before a collective of torch.distributed on the comm thread's ``stream``: with the native
+    exchange, make the stream wait for the exchanges queued before it, so that every GPU meets
+    the two communicators' collectives in the one order all ranks issued them."""
+    if state._exchange is not None:
+        state._exchange.fence(stream.cuda_stream)
+
+
+def _max_error_target(state: CfcState, device) -> Any:
+    """The device's running maximum of the error sent (0-d float64, read by :meth:`CfcState.stats`)."""
+    import torch
+
+    held = state._max_err_dev.get(device)
+    if held is None:
+        with state._lock:
+            held = state._max_err_dev[device] = torch.zeros((), dtype=torch.float64, device=device)
+    return held
+
+
 def _gpu_launch(state: CfcState, stream, index, buf, layout, r, compress, trial, ready):
     """A part's first stage, on the comm thread under ``torch.cuda.stream(stream)``: queue its
     all-reduce, or its compression and frame exchange. Returns the second stage (or None)."""
@@ -1081,6 +1155,7 @@ def _gpu_launch(state: CfcState, stream, index, buf, layout, r, compress, trial,
 
     t0 = time.perf_counter()
     if trial:
+        _fence(state, stream)  # (_line_up below)
         if not compress:
             # What the step before left in the residual goes along untimed: after the trial
             # only the first plain step does that, but every plain trial step would, which
@@ -1095,6 +1170,8 @@ def _gpu_launch(state: CfcState, stream, index, buf, layout, r, compress, trial,
     world, n = state.world, buf.numel()
     ring = _ring_bytes(n * buf.element_size(), world)
     if compress is None:  # every trial bucket was timed before this one (FIFO): decide
+        if state._trial:
+            _fence(state, stream)  # (_decide's collective)
         compress = state._decision(index)
 
     busy = [0.0]  # seconds this thread spent on the part, outside the wait for the next bucket
@@ -1111,6 +1188,7 @@ def _gpu_launch(state: CfcState, stream, index, buf, layout, r, compress, trial,
         _flush(state, index, buf, r)
         if r is not None:
             r.record_stream(stream)
+        _fence(state, stream)
         _average(state, buf, state.group)
         busy[0] = time.perf_counter() - t0
         account(False, ring, 0.0)
@@ -1151,6 +1229,9 @@ def _gpu_launch(state: CfcState, stream, index, buf, layout, r, compress, trial,
             finish_shards()()
             return None
         return finish_shards
+
+    if state._exchange is not None:
+        return _exchange_launch(state, stream, index, x, xr, units, scaled, buf, r, trial, account, busy, t0)
 
     kind, bound = state.bound_kind, state.bound
     if kind == "rms":
@@ -1197,6 +1278,91 @@ def _gpu_launch(state: CfcState, stream, index, buf, layout, r, compress, trial,
     return finish
 
 
+def _exchange_launch(state: CfcState, stream, index, x, xr, units, scaled, buf, r, trial, account, busy, t0):
+    """A compressed part through the native exchange (:class:`_native.BucketExchange`): one call
+    queues the sum of squares of the next step's bound, the compression and the all-gather;
+    the returned finish makes one call that waits for the sizes and queues the average (a
+    second, with larger rows, when a frame outgrew its slot). The same frames, bounds, slots'
+    rule and results as the exchange over torch.distributed, in two calls instead of about 25."""
+    import torch
+
+    worker, ex = state._worker, state._exchange
+    dev, n, world = x.device, x.numel(), state.world
+    name = str(x.dtype)[6:]
+    sum_ws = sum_out = 0
+    if state.bound_kind == "rms":
+        prev, rms = _prev_rms(state, index, n, units), None
+        if prev is not None:
+            if prev[1] is not None:
+                prev[1].synchronize()
+            last = float(prev[0])  # read before this step's sum overwrites it
+            rms = math.sqrt(last / max(n, 1)) if 0 < last < math.inf else None
+        if rms is None:  # the first time: this step's own, waited for
+            host, done = _sum_squares(state, index, x, xr)
+            state._rms[index] = (host, done, n, units)
+            done.synchronize()
+            rms = math.sqrt(float(host) / max(n, 1))
+        else:
+            host, _ = worker.sums.get(index) or _pinned_sum(worker, index)
+            # No event: the copy precedes the all-gather, which this bucket's finish waits for,
+            # and the next step reads the sum only after that finish.
+            state._rms[index] = (host, None, n, units)
+            sum_ws, sum_out = worker.sum_ws.data_ptr(), host.data_ptr()
+        eps = _rms_eps(state.bound, rms)
+    else:
+        eps = float(state.bound)
+    if xr is not None:
+        state._unflushed.add(index)
+        xr.record_stream(stream)  # made on the autograd thread's stream, read and written here
+    cap = -(-_native.cuda_compress_capacity(n, name, 1, eps=eps) // 16) * 16
+    slot = min(-(-state._slots.get(index, 0) // 16) * 16, cap)  # rows stay 16-byte aligned
+    row = _native.BucketExchange.row_len(cap)
+    ws_len = max(_native.cuda_workspace_len(n, compress=True, feedback=xr is not None),
+                 _native.cuda_decode_sum_workspace_len(n, world))
+    # One allocation: this rank's row, every rank's rows, then the workspace (compression's,
+    # then decoding's: one after the other on this stream), 256-byte aligned.
+    recv_at = row
+    ws_at = -(-(recv_at + world * (16 + slot)) // 256) * 256
+    mem = torch.empty(ws_at + ws_len, dtype=torch.uint8, device=dev)
+    base = mem.data_ptr()
+    ex.launch(index, stream.cuda_stream, x.data_ptr(), n, name, 0 if xr is None else xr.data_ptr(), base, cap,
+              base + ws_at, ws_len, sum_ws, sum_out, slot, base + recv_at, eps=eps)
+    busy[0] = time.perf_counter() - t0
+
+    def finish():
+        t1 = time.perf_counter()
+        scale = _reciprocal(world)
+        target = 0 if xr is None or not xr.numel() else _max_error_target(state, dev).data_ptr()
+        # (`mem` is referenced here so that it lives until the decoding is queued; the caching
+        # allocator reuses it only for work queued on this stream after that.)
+        args = (index, stream.cuda_stream, scale, mem.data_ptr() + ws_at, ws_len, target)
+        need, sent, slot_next = ex.finish(*args)
+        if need:  # a frame outgrew its slot (every rank sees it): all frames again, whole
+            rows = torch.empty(world * need, dtype=torch.uint8, device=dev)
+            need, sent, slot_next = ex.finish(*args, rows.data_ptr())
+            if slot:
+                with state._lock:
+                    state._stats["resends"] += 1
+        state._slots[index] = slot_next
+        if scaled is not None:
+            scaled.finish(buf, r)
+        busy[0] += time.perf_counter() - t1
+        account(True, sent, eps)
+
+    if trial:
+        finish()
+        return None
+    return finish
+
+
+def _pinned_sum(worker, index: int):
+    """The bucket's pinned float64 for its sum of squares (and an event), made once."""
+    import torch
+
+    held = worker.sums[index] = (torch.zeros((), dtype=torch.float64, pin_memory=True), torch.cuda.Event())
+    return held
+
+
 def _prev_rms(state: CfcState, index: int, n: int, units: bool):
     """The bucket's entry in ``state._rms`` (its previous compressed step's sum of squares), or
     None where that is no measure of this step: another bucket under this index (rebuilt), or
@@ -1224,13 +1390,8 @@ def _sum_squares(state: CfcState, index: int, x, r):
 
     The scalar is the bucket's entry in ``state._rms`` until its next compressed step, which
     reads it (:func:`_prev_rms`) before queueing the copy that overwrites it."""
-    import torch
-
     worker = state._worker
-    held = worker.sums.get(index)
-    if held is None:
-        held = worker.sums[index] = (torch.zeros((), dtype=torch.float64, pin_memory=True), torch.cuda.Event())
-    host, done = held
+    host, done = worker.sums.get(index) or _pinned_sum(worker, index)
     dev = x.device
     _native.cuda_sum_squares(
         dev.index, worker.raw_stream, x.data_ptr(), x.numel(), str(x.dtype)[6:], 0 if r is None else r.data_ptr(),
@@ -1243,13 +1404,8 @@ def _sum_squares(state: CfcState, index: int, x, r):
 def _note_max_error(state: CfcState, buf, r) -> None:
     """Raise the largest quantization error sent so far (what the residual kept) by this
     bucket's: a running maximum on the device (one launch, read by :meth:`CfcState.stats`)."""
-    import torch
-
     if r is not None and r.numel():
-        held = state._max_err_dev.get(buf.device)
-        if held is None:
-            with state._lock:
-                held = state._max_err_dev[buf.device] = torch.zeros((), dtype=torch.float64, device=buf.device)
+        held = _max_error_target(state, buf.device)
         _native.cuda_running_max_abs(buf.device.index, state._worker.raw_stream, r.data_ptr(), r.numel(),
                                      held.data_ptr())
 
