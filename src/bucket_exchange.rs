@@ -20,7 +20,7 @@
 use crate::cuda::{self, driver_err, ContextGuard};
 use crate::error::{Error, Result};
 use crate::format::{DType, FIXED_HEADER_LEN};
-use crate::gpu_memory::PinnedBuffer;
+use crate::gpu_memory::{DeviceBuffer, PinnedBuffer};
 use crate::nccl::Communicator;
 use crate::Bound;
 use cudarc::driver::{CudaEvent, CudaStream};
@@ -166,17 +166,36 @@ impl std::fmt::Debug for BucketExchange {
 }
 
 impl BucketExchange {
-    /// Exchanges over `comm`.
+    /// Exchanges over `comm`, connected: a first all-gather of a row head between all ranks (a
+    /// collective: every rank makes its exchange at the same point), so that NCCL's connections
+    /// are set up now and not in the first bucket's exchange, which `fallback="auto"`'s trial
+    /// may be timing.
     ///
     /// # Errors
-    /// CUDA errors (making the exchange stream).
+    /// CUDA and NCCL errors (the wait has the communicator's timeout).
     pub fn new(comm: Communicator) -> Result<BucketExchange> {
-        let side = comm.context().new_stream().map_err(driver_err)?;
-        Ok(BucketExchange {
+        let _restore = ContextGuard::save()?;
+        let ctx = comm.context().clone();
+        let side = ctx.new_stream().map_err(driver_err)?;
+        let mut exchange = BucketExchange {
             comm,
             side,
             entries: HashMap::new(),
-        })
+        };
+        let world = exchange.comm.world();
+        let rows = DeviceBuffer::new(&ctx, ROW_HEAD as usize * (world + 1))?;
+        // SAFETY: `rows` holds this rank's head and a head per rank; it is freed only after the
+        // wait below.
+        unsafe {
+            exchange.comm.all_gather(
+                rows.ptr(),
+                rows.ptr() + ROW_HEAD,
+                ROW_HEAD as usize,
+                exchange.side.cu_stream(),
+            )?;
+        }
+        exchange.comm.wait(&exchange.side)?;
+        Ok(exchange)
     }
 
     /// The communicator (e.g. for its rank, world or timeout).
