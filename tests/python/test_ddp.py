@@ -582,6 +582,28 @@ def test_register_comm_hook_finds_compression_pays_over_sockets(tmp_path, monkey
     spawn(tmp_path, "register_sockets", device="cuda")
 
 
+def test_the_native_exchange_is_taken_where_the_options_allow_it():
+    """eps or rms bounds with the all-gather, on cfc's own communicator; not a rel bound (read
+    from each frame), the reduce-scatter, or register_comm_hook's probe (DDP's own group)."""
+    from cfc.ddp import _exchange_fits
+
+    def state(world=2, **kw):
+        s = CfcState(**kw)
+        s.process_group, s.group, s.world = object(), object(), world
+        return s
+
+    assert _exchange_fits(state())
+    assert _exchange_fits(state(eps=1e-3))
+    assert _exchange_fits(state(per_tensor=True))
+    assert _exchange_fits(state(4, algorithm="all-gather"))
+    assert not _exchange_fits(state(4))  # the reduce-scatter, cfc's choice for more ranks
+    assert not _exchange_fits(state(algorithm="reduce-scatter"))
+    assert not _exchange_fits(state(rel=0.01))
+    probe = state()
+    probe.group = probe.process_group
+    assert not _exchange_fits(probe)
+
+
 def test_state_options_are_checked(tmp_path):
     early = CfcState(eps=1e-3)  # before the process group, as Lightning makes it
     with pytest.raises(RuntimeError, match="initialised"):

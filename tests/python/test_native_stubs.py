@@ -50,3 +50,16 @@ def test_cuda_decode_sum_and_copy_rows_check_their_arguments_before_touching_a_d
         native.cuda_decode_sum(0, 0, [0], 1 << 20, "float32", 1, 1.0, 0, "float32", 0, 10)
     with pytest.raises(cfc.CfcError, match="pitch"):
         native.cuda_copy_rows(0, 0, 0, 4, 0, 8, 8, 2)
+
+
+@pytest.mark.skipif(native.cuda_available(), reason="checks the errors raised without CUDA")
+def test_bucket_exchange_refuses_bad_arguments_and_a_machine_without_nccl_or_cuda_clearly():
+    with pytest.raises(cfc.CfcError, match="256 hex digits"):
+        native.BucketExchange(0, "xyz", 0, 2)
+    with pytest.raises(cfc.CfcError, match="rank 3 of 2"):
+        native.BucketExchange(0, "00" * 128, 3, 2)
+    with pytest.raises(cfc.CfcError, match="NCCL|CUDA"):
+        native.BucketExchange(0, "00" * 128, 0, 2)
+    # rows: a 16-byte head, then the capacity rounded up to 16 bytes
+    assert native.BucketExchange.row_len(100) == 16 + 112
+    assert native.BucketExchange.row_len(0) == 16
