@@ -755,10 +755,14 @@ def test_comm_thread_runs_each_later_stage_after_the_next_launches(monkeypatch):
     worker.submit("part", part("F", 1))
     worker.submit("done", lambda: "F", later)
     worker.submit("flush")
-    worker.drain()
-    assert "launch F" not in log  # nothing more runs once a stage failed
     with pytest.raises(CfcError, match="E failed"):
         later.wait()
+    # A stage that will not run may hold buffers the GPU still writes (an all-gather in
+    # flight): kept until drain() has waited for the device.
+    assert len(worker.kept) == 1 and worker.kept[0]() == "F"
+    worker.drain()
+    assert "launch F" not in log  # nothing more runs once a stage failed
+    assert worker.kept == []
 
     worker.stop()  # ends the thread after what is queued (register_comm_hook's probe)
     worker.thread.join(timeout=10)

@@ -132,8 +132,8 @@ class CfcState:
             ``rel`` is per rank there); CPU buckets always share the step.
         timeout: seconds (or a ``timedelta``) the collectives of cfc's own communicators wait
             for a peer before they fail, e.g. when a rank died; default: the backend's (torch's
-            own default timeout), and for the native exchange ``CFC_NCCL_TIMEOUT`` or 300 s. Steps that send every CUDA bucket plainly use DDP's process
-            group, and its timeout.
+            own default timeout), and for the native exchange ``CFC_NCCL_TIMEOUT`` or 300 s.
+            Steps that send every CUDA bucket plainly use DDP's process group, and its timeout.
             On gloo the waiting rank gets the error; on NCCL torch's watchdog aborts the
             communicator (and, with its default error handling, the process).
 
@@ -903,6 +903,10 @@ class _CommThread:
         self.pending = 0
         # (parts launched when it was queued, closure, future or None), in order
         self.deferred: List[Tuple[int, Any, Any]] = []
+        # After a failure: stages that will not run, and buffers of an exchange that did not
+        # finish. The GPU may still write into their buffers (an all-gather in flight), so they
+        # are let go only by drain(), after the device is idle.
+        self.kept: List[Any] = []
         self.thread = threading.Thread(target=self._run, name="cfc-comm", daemon=True)
         self.thread.start()
 
@@ -923,6 +927,7 @@ class _CommThread:
         self.stream.synchronize()
         self.sizes_stream.synchronize()
         torch.cuda.synchronize(self.device)
+        self.kept.clear()
 
     def stop(self) -> None:
         """End the thread once everything queued before is done (without waiting for it)."""
@@ -935,6 +940,7 @@ class _CommThread:
         for k, (_, work, fut) in enumerate(items):
             try:
                 if self.failed is not None:
+                    self.kept.append(work)
                     raise cfc.CfcError(f"cfc_hook failed: {self.failed}")
                 value = work()
                 if fut is not None:
@@ -1330,8 +1336,12 @@ def _exchange_launch(state: CfcState, stream, index, x, xr, units, scaled, buf, 
     ws_at = -(-(recv_at + world * (16 + slot)) // 256) * 256
     mem = torch.empty(ws_at + ws_len, dtype=torch.uint8, device=dev)
     base = mem.data_ptr()
-    ex.launch(index, stream.cuda_stream, x.data_ptr(), n, name, 0 if xr is None else xr.data_ptr(), base, cap,
-              base + ws_at, ws_len, sum_ws, sum_out, slot, base + recv_at, eps=eps)
+    try:
+        ex.launch(index, stream.cuda_stream, x.data_ptr(), n, name, 0 if xr is None else xr.data_ptr(), base, cap,
+                  base + ws_at, ws_len, sum_ws, sum_out, slot, base + recv_at, eps=eps)
+    except BaseException:
+        worker.kept.append(mem)  # the all-gather may be queued: see _CommThread.kept
+        raise
     busy[0] = time.perf_counter() - t0
 
     def finish():
@@ -1341,13 +1351,18 @@ def _exchange_launch(state: CfcState, stream, index, x, xr, units, scaled, buf, 
         # (`mem` is referenced here so that it lives until the decoding is queued; the caching
         # allocator reuses it only for work queued on this stream after that.)
         args = (index, stream.cuda_stream, scale, mem.data_ptr() + ws_at, ws_len, target)
-        need, sent, slot_next = ex.finish(*args)
-        if need:  # a frame outgrew its slot (every rank sees it): all frames again, whole
-            rows = torch.empty(world * need, dtype=torch.uint8, device=dev)
-            need, sent, slot_next = ex.finish(*args, rows.data_ptr())
-            if slot:
-                with state._lock:
-                    state._stats["resends"] += 1
+        rows = None
+        try:
+            need, sent, slot_next = ex.finish(*args)
+            if need:  # a frame outgrew its slot (every rank sees it): all frames again, whole
+                rows = torch.empty(world * need, dtype=torch.uint8, device=dev)
+                need, sent, slot_next = ex.finish(*args, rows.data_ptr())
+                if slot:
+                    with state._lock:
+                        state._stats["resends"] += 1
+        except BaseException:
+            worker.kept.extend((mem, rows))  # the all-gather may still be on the wire
+            raise
         state._slots[index] = slot_next
         if scaled is not None:
             scaled.finish(buf, r)
