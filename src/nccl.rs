@@ -244,6 +244,8 @@ pub fn library() -> Result<&'static Library> {
     for name in &names {
         match Library::open(name) {
             Ok(l) => return Ok(NCCL.get_or_init(|| l)),
+            // (the reason alone: the error below says once that NCCL is not available)
+            Err(Error::NcclUnavailable(why)) => tried.push(why),
             Err(e) => tried.push(e.to_string()),
         }
     }

@@ -58,8 +58,9 @@ def test_bucket_exchange_refuses_bad_arguments_and_a_machine_without_nccl_or_cud
         native.BucketExchange(0, "xyz", 0, 2)
     with pytest.raises(cfc.CfcError, match="rank 3 of 2"):
         native.BucketExchange(0, "00" * 128, 3, 2)
-    with pytest.raises(cfc.CfcError, match="NCCL|CUDA"):
+    with pytest.raises(cfc.CfcError, match="NCCL|CUDA") as missing:
         native.BucketExchange(0, "00" * 128, 0, 2)
+    assert str(missing.value).count("is not available") == 1, missing.value  # said once
     # rows: a 16-byte head, then the capacity rounded up to 16 bytes
     assert native.BucketExchange.row_len(100) == 16 + 112
     assert native.BucketExchange.row_len(0) == 16
