@@ -480,9 +480,10 @@ def register_sockets(rank, world, out):
 
 def native_exchange(rank, world, out):
     """CUDA buckets go through cfc's native exchange (a communicator of cfc's own, two calls
-    per bucket), which gives the bits of the exchange over torch.distributed: the same frames,
-    bounds and slots' sizes, decoded and added in the same order. Also with a frame that
-    outgrows its slot, bfloat16 gradients and per-parameter bounds."""
+    per bucket), which gives the bits of the exchange over torch.distributed: the same frames
+    and bounds, decoded and added in the same order (only the slots, and so the bytes sent,
+    differ a little). Also with a frame that outgrows its slot, bfloat16 gradients and
+    per-parameter bounds."""
     configs = [
         (dict(warmup_steps=1, min_compress_numel=0), torch.float32),
         (dict(eps=2e-4, warmup_steps=1), torch.float32),

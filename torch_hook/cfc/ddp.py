@@ -1293,8 +1293,9 @@ def _exchange_launch(state: CfcState, stream, index, x, xr, units, scaled, buf, 
     """A compressed part through the native exchange (:class:`_native.BucketExchange`): one call
     queues the sum of squares of the next step's bound, the compression and the all-gather;
     the returned finish makes one call that waits for the sizes and queues the average (a
-    second, with larger rows, when a frame outgrew its slot). The same frames, bounds, slots'
-    rule and results as the exchange over torch.distributed, in two calls instead of about 25."""
+    second, with larger rows, when a frame outgrew its slot). The same frames, bounds and
+    results as the exchange over torch.distributed, in two calls instead of about 25; its slots
+    follow ``cfc::bucket_exchange::next_slot`` (rows 16-byte aligned, a 16-byte head)."""
     import torch
 
     worker, ex = state._worker, state._exchange
