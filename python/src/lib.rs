@@ -841,6 +841,37 @@ fn nccl_version() -> PyResult<(u32, u32, u32)> {
         .map_err(to_py)
 }
 
+/// Joins the NCCL communicator of `unique_id` (hex) as `rank` of `world` on `device`, with
+/// `timeout` seconds for every wait (None: `CFC_NCCL_TIMEOUT`, else 300), then makes `then` of
+/// it: what `NcclAllReducer` and `BucketExchange` are built on. The GIL is released while the
+/// ranks join.
+fn join_communicator<T: Send>(
+    py: Python<'_>,
+    device: usize,
+    unique_id: &str,
+    rank: usize,
+    world: usize,
+    timeout: Option<f64>,
+    then: impl FnOnce(cfc::nccl::Communicator) -> cfc::Result<T> + Send,
+) -> PyResult<T> {
+    let id = cfc::nccl::UniqueId::from_hex(unique_id).map_err(to_py)?;
+    if let Some(t) = timeout {
+        if !(t > 0.0 && t.is_finite()) {
+            return Err(PyValueError::new_err(format!(
+                "timeout must be a positive number of seconds, got {t}"
+            )));
+        }
+    }
+    py.detach(|| {
+        let mut comm = cfc::nccl::Communicator::new(device, &id, rank, world)?;
+        if let Some(t) = timeout {
+            comm.set_timeout(std::time::Duration::from_secs_f64(t));
+        }
+        then(comm)
+    })
+    .map_err(to_py)
+}
+
 /// cfc's GPU all-reduce over an NCCL communicator of its own (`cfc::gpu_allreduce`), run by
 /// the Rust core: compression with error feedback, the exchange of frames and their decoding,
 /// with no Python in between. `cfc.distributed.NcclAllReducer` is the user-facing wrapper.
@@ -873,23 +904,9 @@ impl NcclAllReducer {
         world: usize,
         timeout: Option<f64>,
     ) -> PyResult<Self> {
-        let id = cfc::nccl::UniqueId::from_hex(unique_id).map_err(to_py)?;
-        if let Some(t) = timeout {
-            if !(t > 0.0 && t.is_finite()) {
-                return Err(PyValueError::new_err(format!(
-                    "timeout must be a positive number of seconds, got {t}"
-                )));
-            }
-        }
-        let reducer = py
-            .detach(|| {
-                let mut comm = cfc::nccl::Communicator::new(device, &id, rank, world)?;
-                if let Some(t) = timeout {
-                    comm.set_timeout(std::time::Duration::from_secs_f64(t));
-                }
-                cfc::gpu_allreduce::GpuAllReducer::new(comm)
-            })
-            .map_err(to_py)?;
+        let reducer = join_communicator(py, device, unique_id, rank, world, timeout, |comm| {
+            cfc::gpu_allreduce::GpuAllReducer::new(comm)
+        })?;
         Ok(NcclAllReducer {
             inner: std::sync::Mutex::new(Some(reducer)),
         })
@@ -979,10 +996,12 @@ struct BucketExchange {
 }
 
 impl BucketExchange {
+    fn held(&mut self) -> &mut Option<cfc::bucket_exchange::BucketExchange> {
+        self.inner.get_mut().unwrap_or_else(|p| p.into_inner())
+    }
+
     fn exchange(&mut self) -> PyResult<&mut cfc::bucket_exchange::BucketExchange> {
-        self.inner
-            .get_mut()
-            .unwrap_or_else(|p| p.into_inner())
+        self.held()
             .as_mut()
             .ok_or_else(|| CfcError::new_err("this BucketExchange was closed"))
     }
@@ -1003,23 +1022,9 @@ impl BucketExchange {
         world: usize,
         timeout: Option<f64>,
     ) -> PyResult<Self> {
-        let id = cfc::nccl::UniqueId::from_hex(unique_id).map_err(to_py)?;
-        if let Some(t) = timeout {
-            if !(t > 0.0 && t.is_finite()) {
-                return Err(PyValueError::new_err(format!(
-                    "timeout must be a positive number of seconds, got {t}"
-                )));
-            }
-        }
-        let exchange = py
-            .detach(|| {
-                let mut comm = cfc::nccl::Communicator::new(device, &id, rank, world)?;
-                if let Some(t) = timeout {
-                    comm.set_timeout(std::time::Duration::from_secs_f64(t));
-                }
-                cfc::bucket_exchange::BucketExchange::new(comm)
-            })
-            .map_err(to_py)?;
+        let exchange = join_communicator(py, device, unique_id, rank, world, timeout, |comm| {
+            cfc::bucket_exchange::BucketExchange::new(comm)
+        })?;
         Ok(BucketExchange {
             inner: std::sync::Mutex::new(Some(exchange)),
         })
@@ -1128,11 +1133,7 @@ impl BucketExchange {
 
     /// Leaves the communicator (NCCL finalizes it; waits for this rank's queued work).
     fn close(&mut self, py: Python<'_>) {
-        let inner = self
-            .inner
-            .get_mut()
-            .unwrap_or_else(|p| p.into_inner())
-            .take();
+        let inner = self.held().take();
         py.detach(move || drop(inner));
     }
 }
