@@ -1102,10 +1102,7 @@ def _exchange_fits(state: CfcState) -> bool:
     every compressed bucket). The same on every rank (the options were agreed)."""
     if state.group is state.process_group or state.bound_kind == "rel":
         return False
-    algorithm = state.algorithm
-    if algorithm is None:
-        algorithm = "all-gather" if state.world <= 2 else "reduce-scatter"
-    return algorithm == "all-gather"
+    return _cuda_algorithm(state) == "all-gather"
 
 
 def _open_exchange(state: CfcState, device) -> Any:
@@ -1248,12 +1245,7 @@ def _gpu_launch(state: CfcState, stream, index, buf, layout, r, compress, trial,
     if kind == "rms":
         # The bound follows the RMS of the bucket's previous compressed step (copied to the
         # host a step ago: no wait); the first time, this step's (waits for this stream).
-        prev, rms = _prev_rms(state, index, n, units), None
-        if prev is not None:
-            if prev[1] is not None:
-                prev[1].synchronize()
-            last = float(prev[0])  # read before this step's sum overwrites it
-            rms = math.sqrt(last / max(n, 1)) if 0 < last < math.inf else None
+        rms = _last_rms(state, index, n, units)  # read before this step's sum overwrites it
         host, done = _sum_squares(state, index, x, None if scaled is not None else r)
         state._rms[index] = (host, done, n, units)
         if rms is None:
@@ -1303,12 +1295,7 @@ def _exchange_launch(state: CfcState, stream, index, x, xr, units, scaled, buf, 
     name = str(x.dtype)[6:]
     sum_ws = sum_out = 0
     if state.bound_kind == "rms":
-        prev, rms = _prev_rms(state, index, n, units), None
-        if prev is not None:
-            if prev[1] is not None:
-                prev[1].synchronize()
-            last = float(prev[0])  # read before this step's sum overwrites it
-            rms = math.sqrt(last / max(n, 1)) if 0 < last < math.inf else None
+        rms = _last_rms(state, index, n, units)  # read before this step's sum overwrites it
         if rms is None:  # the first time: this step's own, waited for
             host, done = _sum_squares(state, index, x, xr)
             state._rms[index] = (host, done, n, units)
@@ -1382,6 +1369,19 @@ def _pinned_sum(worker, index: int):
 
     held = worker.sums[index] = (torch.zeros((), dtype=torch.float64, pin_memory=True), torch.cuda.Event())
     return held
+
+
+def _last_rms(state: CfcState, index: int, n: int, units: bool) -> Optional[float]:
+    """The RMS of the bucket's previous compressed step (:func:`_prev_rms`), waiting for its
+    copy to the host if it has an event; None where there is none, or it is not positive and
+    finite (the caller then takes this step's own)."""
+    prev = _prev_rms(state, index, n, units)
+    if prev is None:
+        return None
+    if prev[1] is not None:
+        prev[1].synchronize()
+    last = float(prev[0])
+    return math.sqrt(last / max(n, 1)) if 0 < last < math.inf else None
 
 
 def _prev_rms(state: CfcState, index: int, n: int, units: bool):
@@ -1494,13 +1494,18 @@ def _reciprocal(world: int) -> float:
     return float(np.float32(1.0) / np.float32(world))
 
 
+def _cuda_algorithm(state: CfcState) -> str:
+    """How compressed CUDA buckets move: the ``algorithm`` option, or cfc's choice (the
+    all-gather for 2 ranks or a ``rel`` bound, else the reduce-scatter)."""
+    if state.algorithm is not None:
+        return state.algorithm
+    return "all-gather" if state.world <= 2 or state.bound_kind == "rel" else "reduce-scatter"
+
+
 def _reduce_scatter(state: CfcState, n: int) -> bool:
     """Whether a compressed CUDA bucket of ``n`` elements moves as a reduce-scatter of codes
     (:class:`_ShardExchange`) rather than an all-gather of frames. The same on every rank."""
-    algorithm = state.algorithm
-    if algorithm is None:
-        algorithm = "all-gather" if state.world <= 2 or state.bound_kind == "rel" else "reduce-scatter"
-    if algorithm != "reduce-scatter":
+    if _cuda_algorithm(state) != "reduce-scatter":
         return False
     shard = -(-n // state.world)
     return (state.world - 1) * shard < n  # every rank's shard holds elements
