@@ -73,7 +73,9 @@ def register(ddp, name, clock=None):
     state = None
     if clock is not None:
         ddp = _Wrapping(ddp, clock)
-    if name in ("noop", "noop-sync"):  # noop-sync: Runner.step waits for the GPU after backward()
+    if name in ("noop", "noop-sync") or name.startswith("noop+spin"):
+        # noop-sync: Runner.step waits for the GPU after backward(); noop+spinN: N processes
+        # busy-loop on the host during its steps (Runner.timed), as threads that spin would
         ddp.register_comm_hook(None, debugging_hooks.noop_hook)
     elif name == "allreduce-py":
         # PyTorch's all-reduce as a Python comm hook: what any Python hook costs, against
@@ -145,6 +147,16 @@ class Runner:
         self.state = register(self.ddp, hook, self.clock)
         self.opt = torch.optim.AdamW(self.ddp.parameters(), lr=1e-4)
         self.gen = torch.Generator(device="cuda").manual_seed(rank)
+        self.spin, self.spinners = None, []
+        if hook.startswith("noop+spin"):
+            import multiprocessing as mp
+
+            ctx = mp.get_context("spawn")
+            self.spin = ctx.Event()
+            self.spinners = [ctx.Process(target=_spinner, args=(self.spin,), daemon=True)
+                             for _ in range(int(hook[len("noop+spin"):] or 1))]
+            for q in self.spinners:
+                q.start()
 
     def step(self):
         t0 = time.perf_counter()
@@ -164,12 +176,18 @@ class Runner:
         """Seconds per step of ``steps`` steps run back to back (the GPU may work on one step
         while the host queues the next, as in training), from a synchronized start to the
         last step's end."""
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            self.step()
-        torch.cuda.synchronize()
-        return (time.perf_counter() - t0) / steps
+        if self.spin is not None:
+            self.spin.set()
+        try:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                self.step()
+            torch.cuda.synchronize()
+            return (time.perf_counter() - t0) / steps
+        finally:
+            if self.spin is not None:
+                self.spin.clear()
 
     def extra(self):
         if self.state is None:
@@ -181,6 +199,14 @@ class Runner:
                 return out  # DDP's own all-reduce: the state saw nothing
         s = self.state.stats()
         return {**out, **{k: s[k] for k in ("ratio", "max_error", "eps", "compressed_buckets", "plain_buckets", "direct_buckets")}}
+
+
+def _spinner(event):
+    """Busy-loops while ``event`` is set (noop+spinN), sleeps in between."""
+    while True:
+        event.wait()
+        while event.is_set():
+            pass
 
 
 def slowest(times):

@@ -1,0 +1,65 @@
+"""The parts of the benchmark scripts that run without a GPU: ``benches/ddp_trace.py``'s summary
+of a profiler trace."""
+
+import gzip
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benches"))
+import ddp_trace  # noqa: E402
+
+
+def _x(name, cat, tid, ts, dur, **args):
+    e = {"ph": "X", "name": name, "cat": cat, "tid": tid, "pid": 1, "ts": ts, "dur": dur}
+    if args:
+        e["args"] = args
+    return e
+
+
+def _trace():
+    """Two backward passes of 1000 us on the main thread (tid 1), run by the autograd thread
+    (tid 2), with a comm thread (tid 3); kernels on the default stream (7) and NCCL's (20)."""
+    ev = []
+    for k, t0 in enumerate((0, 5000)):
+        ev.append(_x("cfc_trace_backward", "user_annotation", 1, t0, 1000))
+        ev.append(_x("cfc_trace_backward", "gpu_user_annotation", 7, t0 + 50, 1000))  # the GPU's copy: ignored
+        ev.append(_x("autograd::engine::evaluate_function: MmBackward0", "cpu_op", 2, t0 + 100, 300))
+        ev.append(_x("cudaLaunchKernel", "cuda_runtime", 2, t0 + 150, 10))
+        ev.append(_x("cudaLaunchKernel", "cuda_runtime", 2, t0 + 200, 30))
+        ev.append(_x("autograd::engine::evaluate_function: AccumulateGrad", "cpu_op", 2, t0 + 500, 200))
+        ev.append(_x("cfc_trace_hook", "user_annotation", 2, t0 + 520, 100 + 50 * k))
+        ev.append(_x("cfc_trace_hook", "user_annotation", 2, t0 + 800, 50))  # (outside an operation)
+        ev.append(_x("cuLaunchKernel", "cuda_driver", 3, t0 + 600, 20))
+        ev.append(_x("gemm", "kernel", 7, t0 + 160, 200, stream=7))
+        ev.append(_x("gemm", "kernel", 7, t0 + 300, 200, stream=7))  # overlaps the first: 340 us busy
+        ev.append(_x("ncclDevKernel_AllGather_RING_LL", "kernel", 20, t0 + 650, 300, stream=20))
+    return {"traceEvents": ev + [{"ph": "M", "name": "thread_name", "tid": 2}]}
+
+
+def test_the_trace_summary_adds_up_each_backward_pass():
+    s = ddp_trace.summarize(_trace(), "x")
+    assert s["steps"] == 2
+    assert s["backward ms"] == 1.0
+    assert s["last hook ms"] == 0.8
+    assert s["hook calls"] == 2
+    assert s["hook us, total"] == (150 + 200) / 2  # median of the two passes
+    assert s["autograd: CUDA calls"] == 2 and s["autograd: CUDA call us"] == 40
+    assert s["autograd: launch us, mean"] == 20
+    # outermost operations 300 + 200 us, less 40 us of CUDA calls and the hooks' 150 / 200 us
+    assert s["autograd: other work ms"] == pytest.approx((310 + 260) / 2 / 1e3)
+    assert s["thread 3: CUDA calls"] == 1 and s["thread 3: launch us, mean"] == 20
+    assert s["GPU stream 7 busy %"] == 34.0
+    assert s["GPU other streams busy %"] == 30.0
+    assert s["GPU NCCL kernels, count"] == 1 and s["GPU NCCL kernels busy ms"] == 0.3
+
+
+def test_the_summary_reads_gzipped_traces(tmp_path, capsys):
+    path = tmp_path / "trace_cfc.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump(_trace(), f)
+    ddp_trace.print_table([ddp_trace.summarize(ddp_trace._load(str(path)), "cfc")])
+    out = capsys.readouterr().out
+    assert "| | cfc |" in out and "| backward ms | 1.0 |" in out
