@@ -86,14 +86,20 @@ def summarize(trace: dict, label: str) -> dict:
             rows["hook us, total"].append(sum(h["dur"] for h in mine))
         # The autograd thread's own work: its outermost operations, less its CUDA calls and the
         # hook (both counted apart); a slower host shows here as well as in the launches.
-        outer, end = 0.0, -1.0
+        outer, end = [], -1.0
         for e in sorted((e for e in events if e.get("tid") == autograd_tid and e.get("cat") == "cpu_op"
                          and a <= e["ts"] <= b), key=lambda e: e["ts"]):
             if e["ts"] >= end:
-                outer += e["dur"]
+                outer.append((e["ts"], e["ts"] + e["dur"]))
                 end = e["ts"] + e["dur"]
-        own_api = sum(e["dur"] for e in api if e["tid"] == autograd_tid and a <= e["ts"] <= b)
-        rows["autograd: other work ms"].append((outer - own_api - sum(h["dur"] for h in mine)) / 1e3)
+
+        def inside(e, spans):
+            return any(x <= e["ts"] and e["ts"] + e["dur"] <= y for x, y in spans)
+
+        hooked = [(h["ts"], h["ts"] + h["dur"]) for h in mine if inside(h, outer)]
+        own_api = sum(e["dur"] for e in api if e["tid"] == autograd_tid and inside(e, outer) and not inside(e, hooked))
+        other = sum(y - x for x, y in outer) - own_api - sum(y - x for x, y in hooked)
+        rows["autograd: other work ms"].append(other / 1e3)
         per = defaultdict(lambda: [0, 0.0])
         launches = defaultdict(lambda: [0, 0.0])
         for e in api:

@@ -31,6 +31,7 @@ def _trace():
         ev.append(_x("cudaLaunchKernel", "cuda_runtime", 2, t0 + 200, 30))
         ev.append(_x("autograd::engine::evaluate_function: AccumulateGrad", "cpu_op", 2, t0 + 500, 200))
         ev.append(_x("cfc_trace_hook", "user_annotation", 2, t0 + 520, 100 + 50 * k))
+        ev.append(_x("cudaEventRecord", "cuda_runtime", 2, t0 + 560, 5))  # inside the hook: its time
         ev.append(_x("cfc_trace_hook", "user_annotation", 2, t0 + 800, 50))  # (outside an operation)
         ev.append(_x("cuLaunchKernel", "cuda_driver", 3, t0 + 600, 20))
         ev.append(_x("gemm", "kernel", 7, t0 + 160, 200, stream=7))
@@ -46,10 +47,11 @@ def test_the_trace_summary_adds_up_each_backward_pass():
     assert s["last hook ms"] == 0.8
     assert s["hook calls"] == 2
     assert s["hook us, total"] == (150 + 200) / 2  # median of the two passes
-    assert s["autograd: CUDA calls"] == 2 and s["autograd: CUDA call us"] == 40
-    assert s["autograd: launch us, mean"] == 20
-    # outermost operations 300 + 200 us, less 40 us of CUDA calls and the hooks' 150 / 200 us
-    assert s["autograd: other work ms"] == pytest.approx((310 + 260) / 2 / 1e3)
+    assert s["autograd: CUDA calls"] == 3 and s["autograd: CUDA call us"] == 45
+    assert s["autograd: launch us, mean"] == 20  # the two launches
+    # outermost operations 300 + 200 us, less 40 us of CUDA calls and the hook inside them
+    # (100 / 150 us; the one outside them is not part of their time)
+    assert s["autograd: other work ms"] == pytest.approx((360 + 310) / 2 / 1e3)
     assert s["thread 3: CUDA calls"] == 1 and s["thread 3: launch us, mean"] == 20
     assert s["GPU stream 7 busy %"] == 34.0
     assert s["GPU other streams busy %"] == 30.0
