@@ -872,20 +872,40 @@ fn join_communicator<T: Send>(
     .map_err(to_py)
 }
 
+/// What a Python class holds over an NCCL communicator until its `close()`: the classes that
+/// own one (`NcclAllReducer`, `BucketExchange`) keep it here.
+// A Mutex only for `Sync` (a communicator's handles are raw pointers); the methods take
+// `&mut self`, so it is never contended.
+struct Closable<T>(std::sync::Mutex<Option<T>>);
+
+impl<T: Send> Closable<T> {
+    fn new(value: T) -> Self {
+        Closable(std::sync::Mutex::new(Some(value)))
+    }
+
+    fn held(&mut self) -> Option<&mut T> {
+        self.0.get_mut().unwrap_or_else(|p| p.into_inner()).as_mut()
+    }
+
+    /// The value, or an error naming `class` once it was closed.
+    fn live(&mut self, class: &str) -> PyResult<&mut T> {
+        self.held()
+            .ok_or_else(|| CfcError::new_err(format!("this {class} was closed")))
+    }
+
+    /// Drops the value (which leaves the communicator) without the GIL.
+    fn close(&mut self, py: Python<'_>) {
+        let inner = self.0.get_mut().unwrap_or_else(|p| p.into_inner()).take();
+        py.detach(move || drop(inner));
+    }
+}
+
 /// cfc's GPU all-reduce over an NCCL communicator of its own (`cfc::gpu_allreduce`), run by
 /// the Rust core: compression with error feedback, the exchange of frames and their decoding,
 /// with no Python in between. `cfc.distributed.NcclAllReducer` is the user-facing wrapper.
 #[pyclass(module = "cfc._native")]
 struct NcclAllReducer {
-    // A Mutex only for `Sync` (a communicator's handles are raw pointers); the methods take
-    // `&mut self`, so it is never contended.
-    inner: std::sync::Mutex<Option<cfc::gpu_allreduce::GpuAllReducer>>,
-}
-
-impl NcclAllReducer {
-    fn reducer(&mut self) -> &mut Option<cfc::gpu_allreduce::GpuAllReducer> {
-        self.inner.get_mut().unwrap_or_else(|p| p.into_inner())
-    }
+    inner: Closable<cfc::gpu_allreduce::GpuAllReducer>,
 }
 
 #[pymethods]
@@ -908,7 +928,7 @@ impl NcclAllReducer {
             cfc::gpu_allreduce::GpuAllReducer::new(comm)
         })?;
         Ok(NcclAllReducer {
-            inner: std::sync::Mutex::new(Some(reducer)),
+            inner: Closable::new(reducer),
         })
     }
 
@@ -948,10 +968,7 @@ impl NcclAllReducer {
         if chunk_numel == 0 {
             return Err(PyValueError::new_err("chunk_numel must be at least 1"));
         }
-        let reducer = self
-            .reducer()
-            .as_mut()
-            .ok_or_else(|| CfcError::new_err("this NcclAllReducer was closed"))?;
+        let reducer = self.inner.live("NcclAllReducer")?;
         let opts = GpuAllReduceOptions {
             bound: cfc::Bound::Abs(eps),
             average,
@@ -974,13 +991,12 @@ impl NcclAllReducer {
     /// Whether calls with the current size and options are compressed (None before the first
     /// call and during the "auto" trial).
     fn compressing(&mut self) -> Option<bool> {
-        self.reducer().as_ref().and_then(|r| r.compressing())
+        self.inner.held().and_then(|r| r.compressing())
     }
 
     /// Leaves the communicator (NCCL finalizes it; waits for this rank's queued work).
     fn close(&mut self, py: Python<'_>) {
-        let inner = self.reducer().take();
-        py.detach(move || drop(inner));
+        self.inner.close(py);
     }
 }
 
@@ -990,21 +1006,7 @@ impl NcclAllReducer {
 /// `cfc.ddp` drives it from its comm thread.
 #[pyclass(module = "cfc._native")]
 struct BucketExchange {
-    // A Mutex only for `Sync` (a communicator's handles are raw pointers); the methods take
-    // `&mut self`, so it is never contended.
-    inner: std::sync::Mutex<Option<cfc::bucket_exchange::BucketExchange>>,
-}
-
-impl BucketExchange {
-    fn held(&mut self) -> &mut Option<cfc::bucket_exchange::BucketExchange> {
-        self.inner.get_mut().unwrap_or_else(|p| p.into_inner())
-    }
-
-    fn exchange(&mut self) -> PyResult<&mut cfc::bucket_exchange::BucketExchange> {
-        self.held()
-            .as_mut()
-            .ok_or_else(|| CfcError::new_err("this BucketExchange was closed"))
-    }
+    inner: Closable<cfc::bucket_exchange::BucketExchange>,
 }
 
 #[pymethods]
@@ -1026,7 +1028,7 @@ impl BucketExchange {
             cfc::bucket_exchange::BucketExchange::new(comm)
         })?;
         Ok(BucketExchange {
-            inner: std::sync::Mutex::new(Some(exchange)),
+            inner: Closable::new(exchange),
         })
     }
 
@@ -1076,7 +1078,7 @@ impl BucketExchange {
             slot,
             recv: recv_ptr,
         };
-        let exchange = self.exchange()?;
+        let exchange = self.inner.live("BucketExchange")?;
         // SAFETY: cfc.ddp passes data_ptr()s of CUDA tensors on the communicator's device of the
         // sizes the arguments state, which it keeps referenced until the bucket's finish has
         // queued its decoding on `stream` (the comm thread's current stream).
@@ -1110,7 +1112,7 @@ impl BucketExchange {
             max_error: max_error_ptr,
             resend_recv: resend_recv_ptr,
         };
-        let exchange = self.exchange()?;
+        let exchange = self.inner.live("BucketExchange")?;
         // SAFETY: as launch; the workspace and the resend rows are CUDA tensors of the stated
         // sizes that cfc.ddp keeps referenced until the stream's work is done.
         let done = py
@@ -1125,7 +1127,7 @@ impl BucketExchange {
     /// Makes `stream` wait for every exchange queued so far (before a collective of another
     /// communicator on that stream).
     fn fence(&mut self, py: Python<'_>, stream: usize) -> PyResult<()> {
-        let exchange = self.exchange()?;
+        let exchange = self.inner.live("BucketExchange")?;
         // SAFETY: cfc.ddp passes the comm thread's live stream.
         py.detach(|| unsafe { exchange.fence(stream) })
             .map_err(to_py)
@@ -1133,8 +1135,7 @@ impl BucketExchange {
 
     /// Leaves the communicator (NCCL finalizes it; waits for this rank's queued work).
     fn close(&mut self, py: Python<'_>) {
-        let inner = self.held().take();
-        py.detach(move || drop(inner));
+        self.inner.close(py);
     }
 }
 
