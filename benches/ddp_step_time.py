@@ -21,6 +21,7 @@ NCCL_NET=Socket NCCL_SOCKET_IFNAME=lo. ``--json FILE`` writes the per-step times
 """
 
 import argparse
+import contextlib
 import faulthandler
 import functools
 import json
@@ -69,7 +70,8 @@ class _Clock:
 
 
 def register(ddp, name, clock=None):
-    """Register hook ``name`` on ``ddp``; with ``clock``, wrapped so that it notes each call."""
+    """Register hook ``name`` on ``ddp``; with ``clock`` (a :class:`_Clock`, or anything with its
+    ``wrap``), wrapped so that it notes each call."""
     state = None
     if clock is not None:
         ddp = _Wrapping(ddp, clock)
@@ -118,7 +120,7 @@ def register(ddp, name, clock=None):
 
 
 class _Wrapping:
-    """A DDP model whose ``register_comm_hook`` wraps the hook with a :class:`_Clock` (what
+    """A DDP model whose ``register_comm_hook`` wraps the hook with ``clock.wrap`` (what
     ``cfc.register_comm_hook`` registers is wrapped too)."""
 
     def __init__(self, ddp, clock):
@@ -133,9 +135,12 @@ class _Wrapping:
 
 class Runner:
     """One hook's DDP model, optimizer and batches. ``name`` is a hook, optionally with
-    ``:capN`` for DDP buckets of N MB (default 25)."""
+    ``:capN`` for DDP buckets of N MB (default 25). ``wrap``: an object whose ``wrap(hook)``
+    returns the hook to register (``ddp_trace.py`` marks each call for the profiler), instead
+    of ``phases``' clock; ``backward_range``: a context around ``loss.backward()`` (the same
+    script's profiler range)."""
 
-    def __init__(self, name, rank, phases=False):
+    def __init__(self, name, rank, phases=False, wrap=None):
         hook, _, cap = name.partition(":cap")
         self.name = name
         torch.manual_seed(0)
@@ -144,7 +149,8 @@ class Runner:
         self.clock = _Clock() if phases else None
         self.sync = hook.endswith("-sync")
         self.phases = []  # per step with phases: (last hook call, backward() returned, step end), s from its start
-        self.state = register(self.ddp, hook, self.clock)
+        self.state = register(self.ddp, hook, wrap or self.clock)
+        self.backward_range = contextlib.nullcontext
         self.opt = torch.optim.AdamW(self.ddp.parameters(), lr=1e-4)
         self.gen = torch.Generator(device="cuda").manual_seed(rank)
         self.spin, self.spinners = None, []
@@ -163,7 +169,8 @@ class Runner:
         t = torch.randint(0, VOCAB, (B, T), device="cuda", generator=self.gen)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = nn.functional.cross_entropy(self.ddp(t).flatten(0, 1).float(), t.flatten())
-        loss.backward()  # returns once DDP has every bucket's future (the host waits for cfc's)
+        with self.backward_range():
+            loss.backward()  # returns once DDP has every bucket's future (the host waits for cfc's)
         if self.sync:  # as cfc's last frame sizes make the host wait: for the whole backward pass on the GPU
             torch.cuda.synchronize()
         t1 = time.perf_counter()

@@ -29,6 +29,7 @@ FILE...`` prints the summary of traces written earlier, without a GPU.
 """
 
 import argparse
+import functools
 import gzip
 import json
 import os
@@ -157,42 +158,41 @@ def _load(path: str) -> dict:
         return json.load(f)
 
 
-def _trace_one(name, rank, args, marked):
-    """Hook ``name``'s model, warmed up, then ``--steps`` steps (profiled on rank 0, whose trace
-    this returns; None on the other ranks)."""
+class _Marker:
+    """Wraps each hook call in a profiler range (``ddp_step_time.Runner``'s ``wrap``)."""
+
+    def wrap(self, hook):
+        from torch.profiler import record_function
+
+        @functools.wraps(hook)
+        def marked(state, bucket):
+            with record_function("cfc_trace_hook"):
+                return hook(state, bucket)
+
+        return marked
+
+
+def _trace_one(name, rank, args):
+    """Hook ``name``'s model (``ddp_step_time.Runner``), warmed up, then ``--steps`` steps
+    (profiled on rank 0, whose trace this returns; None on the other ranks)."""
     import torch
-    import torch.nn as nn
     from torch.profiler import ProfilerActivity, profile, record_function
 
     import ddp_step_time as st
 
-    torch.manual_seed(0)
-    model = st.LM().cuda()
-    ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[rank])
-    st.register(marked(ddp), name)
-    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
-    gen = torch.Generator(device="cuda").manual_seed(rank)
-
-    def step():
-        t = torch.randint(0, st.VOCAB, (st.B, st.T), device="cuda", generator=gen)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = nn.functional.cross_entropy(ddp(t).flatten(0, 1).float(), t.flatten())
-        with record_function("cfc_trace_backward"):
-            loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
+    runner = st.Runner(name, rank, wrap=_Marker())
+    runner.backward_range = lambda: record_function("cfc_trace_backward")
     for _ in range(args.warmup):
-        step()
+        runner.step()
     torch.cuda.synchronize()
     if rank != 0:
         for _ in range(args.steps):
-            step()
+            runner.step()
         torch.cuda.synchronize()
         return None
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(args.steps):
-            step()
+            runner.step()
         torch.cuda.synchronize()
     path = os.path.join(args.out or "/tmp", f"trace_{name}.json")
     prof.export_chrome_trace(path)
@@ -207,26 +207,8 @@ def _trace_one(name, rank, args, marked):
 def run(args) -> None:
     import torch
     import torch.distributed as dist
-    from torch.profiler import record_function
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-    class Marked:
-        """Wraps the hook in a profiler range, so that the trace shows each call."""
-
-        def __init__(self, ddp):
-            self._ddp = ddp
-
-        def register_comm_hook(self, state, hook):
-            def marked(s, bucket):
-                with record_function("cfc_trace_hook"):
-                    return hook(s, bucket)
-
-            self._ddp.register_comm_hook(state, marked)
-
-        def __getattr__(self, name):
-            return getattr(self._ddp, name)
-
     dist.init_process_group("nccl")
     rank = dist.get_rank()
     torch.cuda.set_device(rank)
@@ -234,7 +216,7 @@ def run(args) -> None:
         os.makedirs(args.out, exist_ok=True)
     summaries = []
     for name in args.hooks:
-        trace = _trace_one(name, rank, args, Marked)
+        trace = _trace_one(name, rank, args)
         if trace is not None:
             summaries.append(summarize(trace, name))
         dist.barrier()

@@ -1,5 +1,5 @@
 """The parts of the benchmark scripts that run without a GPU: ``benches/ddp_trace.py``'s summary
-of a profiler trace."""
+of a profiler trace, and its marking of hook calls."""
 
 import gzip
 import json
@@ -65,3 +65,24 @@ def test_the_summary_reads_gzipped_traces(tmp_path, capsys):
     ddp_trace.print_table([ddp_trace.summarize(ddp_trace._load(str(path)), "cfc")])
     out = capsys.readouterr().out
     assert "| | cfc |" in out and "| backward ms | 1.0 |" in out
+
+
+def test_the_trace_marks_each_hook_call_through_ddp_step_times_registration():
+    import ddp_step_time
+    from torch.distributed.algorithms.ddp_comm_hooks import debugging_hooks
+    from torch.profiler import ProfilerActivity, profile
+
+    class FakeDDP:
+        def register_comm_hook(self, state, hook):
+            self.hook = hook
+
+    ddp = FakeDDP()
+    ddp_step_time.register(ddp, "noop", ddp_trace._Marker())
+    assert ddp.hook.__wrapped__ is debugging_hooks.noop_hook
+
+    seen = []
+    marked = ddp_trace._Marker().wrap(lambda state, bucket: seen.append((state, bucket)) or "fut")
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        assert marked("state", "bucket") == "fut"
+    assert seen == [("state", "bucket")]
+    assert "cfc_trace_hook" in {e.name for e in prof.events()}
