@@ -13,6 +13,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import cfc
 from cfc import CfcState, cfc_hook
 
 
@@ -323,6 +324,32 @@ def mismatch(rank, world, out):
         nn.functional.cross_entropy(ddp(x), y).backward()
 
 
+def close(rank, world, out):
+    """close() lets the comm thread and the native exchange's communicator go (CUDA); the
+    state still reports, and the hook refuses further buckets with a clear error."""
+    state = CfcState(warmup_steps=1, min_compress_numel=0)
+    ddp, opt = make(state)
+    train(ddp, opt, rank, 3)
+    worker, exchange = state._worker, state._exchange
+    if DEV.type == "cuda":
+        assert worker is not None and worker.thread.is_alive()
+        assert exchange is not None, "2 ranks, an rms bound: the native exchange"
+    state.close()
+    assert state._worker is None and state._exchange is None
+    if worker is not None:
+        assert not worker.thread.is_alive()
+    if exchange is not None:
+        with pytest.raises(cfc.CfcError, match="BucketExchange was closed"):
+            exchange.fence(torch.cuda.current_stream().cuda_stream)
+    s = state.stats()
+    assert s["step"] == 3 and s["compressed_buckets"] > 0, s
+    assert state.state_dict()["step"] == 3
+    state.close()  # again: nothing to do
+    x, y = batch(rank, 3)
+    with pytest.raises(Exception, match="this CfcState was closed"):
+        nn.functional.cross_entropy(ddp(x), y).backward()
+
+
 def fallback(rank, world, out):
     state = CfcState(fallback="auto", warmup_steps=1, trial_steps=2, min_compress_numel=0)
     ddp, opt = make(state)
@@ -514,7 +541,7 @@ def native_exchange(rank, world, out):
 SCENARIOS = {
     f.__name__: f
     for f in (parity, resume, overflow, accumulate, variants, mismatch, fallback, slots, reduce_scatter, per_tensor,
-              trial_timing, plain_after_trial, register, register_sockets, native_exchange)
+              trial_timing, plain_after_trial, register, register_sockets, native_exchange, close)
 }
 
 
@@ -558,7 +585,7 @@ def test_training_parity_with_8x_fewer_bytes(tmp_path, device):
 @pytest.mark.parametrize(
     "scenario",
     ["resume", "overflow", "accumulate", "variants", "mismatch", "fallback", "slots", "reduce_scatter", "per_tensor",
-     "trial_timing", "plain_after_trial", "register"],
+     "trial_timing", "plain_after_trial", "register", "close"],
 )
 def test_hook(tmp_path, scenario, device):
     if device == "cuda":

@@ -242,6 +242,7 @@ class CfcState:
         # The comm thread's pipeline depth (_CommThread). Not an option: it orders collectives,
         # so every rank must use the same; benches set it before the first bucket to compare.
         self._pipeline_depth = _PIPELINE_DEPTH
+        self._closed = False  # close() was called: the hook refuses further buckets
         self._lock = threading.Lock()
         self._max_err_dev: Dict[Any, Any] = {}  # device -> running maximum (0-d float64), read by stats()
         self._reset_counters()
@@ -468,6 +469,29 @@ class CfcState:
             self._trial_times[k] = (plain, comp)
         self._trial.clear()
         logger.info("cfc: buckets compressed after the trial: %s", self._decisions)
+
+    def close(self) -> None:
+        """Let go of what the state holds outside Python: its comm thread (once the work queued
+        on it is done) and the NCCL communicator of its native exchange. Call it on every rank
+        when training with the hook is over, e.g. before ``dist.destroy_process_group()``;
+        otherwise they go when the state is collected. Afterwards the hook refuses buckets
+        (``backward()`` raises ``cfc.CfcError``); ``stats()`` and ``state_dict()`` still work.
+        Calling it again does nothing. cfc's process group stays until torch's groups are
+        destroyed."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        worker, self._worker = self._worker, None
+        if worker is not None:
+            try:
+                worker.drain()
+            finally:
+                worker.stop()
+                worker.thread.join()
+        exchange, self._exchange = self._exchange, None
+        if exchange is not None:
+            exchange.close()  # waits for this rank's queued work, then NCCL finalizes
 
     # ---- stats ----
 
@@ -703,15 +727,17 @@ def cfc_hook(state, bucket):  # no annotations: DDP checks them against its own 
     Returns a ``torch.futures.Future`` holding the averaged bucket, written in place into
     ``bucket.buffer()``.
     """
-    if state.group is None:
-        try:
+    try:
+        if state._closed:
+            raise cfc.CfcError("this CfcState was closed (CfcState.close()); register a new one to go on")
+        if state.group is None:
             state._setup()
-        except Exception as e:  # noqa: BLE001 - handed to DDP, which raises it from backward()
-            import torch
+    except Exception as e:  # noqa: BLE001 - handed to DDP, which raises it from backward()
+        import torch
 
-            fut = torch.futures.Future()
-            fut.set_exception(e)
-            return fut
+        fut = torch.futures.Future()
+        fut.set_exception(e)
+        return fut
     buf = bucket.buffer()
     layout = state._ordinals(bucket)
     parts, scatter = state._parts(bucket.index(), buf, layout)
