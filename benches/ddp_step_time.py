@@ -29,6 +29,7 @@ import os
 import random
 import statistics
 import sys
+import threading
 import time
 
 import torch
@@ -133,9 +134,50 @@ class _Wrapping:
         return getattr(self._ddp, name)
 
 
+class _Pinning:
+    """``+pin`` after a hook's name: during its timed rounds the autograd thread (the thread DDP
+    calls the hook on) runs alone on one CPU, and every other thread of the process (the main
+    thread, cfc's comm thread, NCCL's threads) on the CPUs left when each rank's autograd CPU is
+    taken out. It tells whether the hook's threads slow the backward pass by sharing or
+    moving the autograd thread's CPU. ``wrap`` notes the autograd thread's id."""
+
+    def __init__(self, rank, inner=None):
+        self.inner, self.tid = inner, None
+        cpus = sorted(os.sched_getaffinity(0))
+        self.full = set(cpus)
+        self.own = {cpus[-1 - rank % 2]}  # rank 0: the last CPU, rank 1: the one before
+        self.rest = self.full - set(cpus[-2:])
+        if not self.rest:
+            raise SystemExit(f"+pin needs at least 3 CPUs; this process may use {len(cpus)}")
+
+    def wrap(self, hook):
+        inner = self.inner.wrap(hook) if self.inner is not None else hook
+
+        @functools.wraps(hook)
+        def noted(state, bucket):
+            self.tid = threading.get_native_id()
+            return inner(state, bucket)
+
+        return noted
+
+    def _set(self, pinned: bool) -> None:
+        for task in os.listdir("/proc/self/task"):
+            tid = int(task)
+            try:
+                os.sched_setaffinity(tid, (self.own if tid == self.tid else self.rest) if pinned else self.full)
+            except OSError:  # a thread that has ended since the listing
+                pass
+
+    def __enter__(self):
+        self._set(True)
+
+    def __exit__(self, *exc):
+        self._set(False)
+
+
 class Runner:
     """One hook's DDP model, optimizer and batches. ``name`` is a hook, optionally with
-    ``:capN`` for DDP buckets of N MB (default 25). ``wrap``: an object whose ``wrap(hook)``
+    ``:capN`` for DDP buckets of N MB (default 25) and ``+pin`` (:class:`_Pinning`). ``wrap``: an object whose ``wrap(hook)``
     returns the hook to register (``ddp_trace.py`` marks each call for the profiler), instead
     of ``phases``' clock; ``backward_range``: a context around ``loss.backward()`` (the same
     script's profiler range)."""
@@ -143,13 +185,18 @@ class Runner:
     def __init__(self, name, rank, phases=False, wrap=None):
         hook, _, cap = name.partition(":cap")
         self.name = name
+        pin = hook.endswith("+pin")
+        hook = hook.removesuffix("+pin")
         torch.manual_seed(0)
         self.model = LM().cuda()
         self.ddp = DDP(self.model, device_ids=[rank], bucket_cap_mb=float(cap) if cap else None)
         self.clock = _Clock() if phases else None
         self.sync = hook.endswith("-sync")
-        self.phases = []  # per step with phases: (last hook call, backward() returned, step end), s from its start
-        self.state = register(self.ddp, hook, wrap or self.clock)
+        # per step with phases: (last hook call, backward() returned, step end, backward() called),
+        # s from the step's start
+        self.phases = []
+        self.pinning = _Pinning(rank, wrap or self.clock) if pin else None
+        self.state = register(self.ddp, hook, self.pinning or wrap or self.clock)
         self.backward_range = contextlib.nullcontext
         self.opt = torch.optim.AdamW(self.ddp.parameters(), lr=1e-4)
         self.gen = torch.Generator(device="cuda").manual_seed(rank)
@@ -169,6 +216,7 @@ class Runner:
         t = torch.randint(0, VOCAB, (B, T), device="cuda", generator=self.gen)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = nn.functional.cross_entropy(self.ddp(t).flatten(0, 1).float(), t.flatten())
+        tb = time.perf_counter()
         with self.backward_range():
             loss.backward()  # returns once DDP has every bucket's future (the host waits for cfc's)
         if self.sync:  # as cfc's last frame sizes make the host wait: for the whole backward pass on the GPU
@@ -177,7 +225,7 @@ class Runner:
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         if self.clock is not None and self.clock.last_hook is not None:
-            self.phases.append((self.clock.last_hook - t0, t1 - t0, time.perf_counter() - t0))
+            self.phases.append((self.clock.last_hook - t0, t1 - t0, time.perf_counter() - t0, tb - t0))
 
     def timed(self, steps):
         """Seconds per step of ``steps`` steps run back to back (the GPU may work on one step
@@ -185,13 +233,15 @@ class Runner:
         last step's end."""
         if self.spin is not None:
             self.spin.set()
+        pinned = self.pinning if self.pinning is not None and self.pinning.tid is not None else contextlib.nullcontext()
         try:
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                self.step()
-            torch.cuda.synchronize()
-            return (time.perf_counter() - t0) / steps
+            with pinned:
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    self.step()
+                torch.cuda.synchronize()
+                return (time.perf_counter() - t0) / steps
         finally:
             if self.spin is not None:
                 self.spin.clear()
@@ -263,7 +313,7 @@ def interleaved(names, rank, args):
         n = sum(row["hook"].split(" ")[0] == r.name for row in rows)
         row = {"hook": r.name if n == 0 else f"{r.name} ({n + 1})", "times": slowest(times), **r.extra()}
         if r.phases:  # this rank's, medians over steps
-            row["phases_ms"] = [1e3 * statistics.median(p[i] for p in r.phases) for i in range(3)]
+            row["phases_ms"] = [1e3 * statistics.median(p[i] for p in r.phases) for i in range(4)]
         rows.append(row)
     return rows
 
@@ -345,11 +395,11 @@ def report(rows, nparams, args):
     if timed:
         print("\nPhases of a step on rank 0's host clock, ms from the step's start, median over steps "
               "(the host runs ahead of the GPU: these are when the host got there)")
-        print("| hook | last bucket to the hook | backward() returned | its wait after the last bucket | step end |")
-        print("|---|---|---|---|---|")
+        print("| hook | backward() called | last bucket to the hook | backward() returned | its wait after the last bucket | step end |")
+        print("|---|---|---|---|---|---|")
         for r in timed:
-            a, b, c = r["phases_ms"]
-            print(f"| {r['hook']} | {a:.1f} | {b:.1f} | {b - a:.1f} | {c:.1f} |")
+            a, b, c, f = r["phases_ms"]
+            print(f"| {r['hook']} | {f:.1f} | {a:.1f} | {b:.1f} | {b - a:.1f} | {c:.1f} |")
 
 
 if __name__ == "__main__":

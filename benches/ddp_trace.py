@@ -15,17 +15,19 @@ a summary of it per step:
 
 A backward pass bound by the host's kernel launches (as this model's is) gets slower when each
 launch takes longer, e.g. because another thread contends for the CUDA driver; the launch times
-per thread show that. The profiler makes every step slower, and the hooks are traced one after
-the other, not interleaved, so the host's drift between them (tens of percent over a minute on
-the GPU machine) enters any comparison of two hooks' figures: compare within a trace (one
-thread against another, the wire against the hooks), or over several runs. The Chrome traces
+per thread show that. The profiler makes every step slower. By default the hooks are traced one
+after the other, so the host's drift between them (tens of percent over a minute on the GPU
+machine) enters any comparison of two hooks' figures; ``--interleave`` takes their steps in
+turn within one profile, so that the drift reaches each alike. ``--ops N`` adds the N kinds of
+autograd operation that take the most time, with their median duration per hook. The Chrome traces
 hold the timeline itself (the comm thread's calls, the codec's kernels, NCCL's all-gathers).
 Run under torchrun, one GPU per process::
 
     torchrun --standalone --nproc_per_node=2 benches/ddp_trace.py noop cfc --out /tmp/traces
 
-``--out`` keeps each hook's Chrome trace (gzipped); ``python benches/ddp_trace.py --summarize
-FILE...`` prints the summary of traces written earlier, without a GPU.
+``--out`` keeps the Chrome traces (gzipped; one per hook, or one for all with ``--interleave``);
+``python benches/ddp_trace.py --summarize FILE...`` prints the summary of traces written
+earlier, without a GPU (a column per hook of an interleaved trace).
 """
 
 import argparse
@@ -52,12 +54,31 @@ def _intervals_union(spans):
     return total
 
 
-def summarize(trace: dict, label: str) -> dict:
-    """Per-step medians of what the trace shows during each ``backward`` range (see the
-    module's docstring)."""
+_BACKWARD = "cfc_trace_backward"  # the range around loss.backward(): "cfc_trace_backward:<hook>"
+
+
+def _backward_ranges(events, hook=None):
+    """The host's ``backward`` ranges of ``hook`` (None: of any hook)."""
+    return [e for e in events if e.get("cat") == "user_annotation"
+            and (e.get("name") == f"{_BACKWARD}:{hook}" if hook else str(e.get("name", "")).split(":")[0] == _BACKWARD)]
+
+
+def hooks_in(trace: dict) -> list:
+    """The hooks whose steps a trace holds, in the order of their first step."""
+    out = []
+    for e in _backward_ranges([e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]):
+        name = str(e["name"]).partition(":")[2]
+        if name not in out:
+            out.append(name)
+    return out
+
+
+def summarize(trace: dict, label: str, hook=None) -> dict:
+    """Per-step medians of what the trace shows during each ``backward`` range of ``hook``
+    (None: every range; see the module's docstring)."""
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
-    steps = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
-                   if e.get("name") == "cfc_trace_backward" and e.get("cat") == "user_annotation")
+    ranges = _backward_ranges(events, hook)
+    steps = sorted((e["ts"], e["ts"] + e["dur"]) for e in ranges)
     hooks = [e for e in events if e.get("name") == "cfc_trace_hook" and e.get("cat") == "user_annotation"]
     api = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")]
     kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
@@ -66,8 +87,7 @@ def summarize(trace: dict, label: str) -> dict:
         if e.get("cat") == "cpu_op" and str(e.get("name", "")).startswith("autograd::engine::evaluate_function"):
             evals[e["tid"]] += 1
     autograd_tid = max(evals, key=evals.get) if evals else None
-    main_tid = next((e["tid"] for e in events
-                   if e.get("name") == "cfc_trace_backward" and e.get("cat") == "user_annotation"), None)
+    main_tid = ranges[0]["tid"] if ranges else None
 
     def role(tid):
         if tid == autograd_tid:
@@ -136,6 +156,39 @@ def summarize(trace: dict, label: str) -> dict:
     return out
 
 
+_EVAL = "autograd::engine::evaluate_function: "
+
+
+def op_times(trace: dict, hook=None) -> dict:
+    """Per kind of autograd operation (``MmBackward0``, ``AccumulateGrad``...) run during the
+    ``backward`` ranges: ``(calls per step, median duration in us, total ms per step)``. A kind
+    that takes longer in one trace than in another, though it makes no CUDA call (``ViewBackward0``),
+    shows the autograd thread itself running slower."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+    steps = [(e["ts"], e["ts"] + e["dur"]) for e in _backward_ranges(events, hook)]
+    per = defaultdict(list)
+    for e in events:
+        name = str(e.get("name", ""))
+        if e.get("cat") == "cpu_op" and name.startswith(_EVAL) and any(a <= e["ts"] <= b for a, b in steps):
+            per[name[len(_EVAL):].removeprefix("torch::autograd::")].append(e["dur"])
+    n = max(len(steps), 1)
+    return {k: (len(v) / n, statistics.median(v), sum(v) / n / 1e3) for k, v in per.items()}
+
+
+def print_ops(times, labels, top: int) -> None:
+    """The ``top`` kinds of operation by time in the first of ``times`` (:func:`op_times`):
+    median us in each, and each one's median over the first's."""
+    kinds = sorted(times[0], key=lambda k: -times[0][k][2])[:top]
+    print("\nAutograd operations, median us per call (calls per step in the first trace):")
+    print("| operation | calls | " + " | ".join(labels) + " | " + " | ".join(f"{x} / {labels[0]}" for x in labels[1:]) + " |")
+    print("|---|---|" + "---|" * (2 * len(labels) - 1))
+    for k in kinds:
+        med = [t.get(k, (0, None, 0))[1] for t in times]
+        cells = ["-" if m is None else f"{m:.1f}" for m in med]
+        ratios = ["-" if m is None else f"{m / med[0]:.2f}" for m in med[1:]]
+        print(f"| {k} | {times[0][k][0]:.0f} | " + " | ".join(cells + ratios) + " |")
+
+
 def print_table(summaries) -> None:
     keys = []
     for s in summaries:
@@ -172,29 +225,37 @@ class _Marker:
         return marked
 
 
-def _trace_one(name, rank, args):
-    """Hook ``name``'s model (``ddp_step_time.Runner``), warmed up, then ``--steps`` steps
-    (profiled on rank 0, whose trace this returns; None on the other ranks)."""
+def _trace(names, rank, args):
+    """The models of hooks ``names`` (``ddp_step_time.Runner``), each warmed up, then
+    ``--steps`` rounds of one step of each, in turn (the order rotates by one every round),
+    in one profile on rank 0, whose trace this returns (None on the other ranks). Several
+    names interleave their steps, so that the host's drift reaches each hook alike."""
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
     import ddp_step_time as st
 
-    runner = st.Runner(name, rank, wrap=_Marker())
-    runner.backward_range = lambda: record_function("cfc_trace_backward")
-    for _ in range(args.warmup):
-        runner.step()
-    torch.cuda.synchronize()
-    if rank != 0:
-        for _ in range(args.steps):
+    runners = []
+    for name in names:
+        runner = st.Runner(name, rank, wrap=_Marker())
+        runner.backward_range = functools.partial(record_function, f"{_BACKWARD}:{name}")
+        for _ in range(args.warmup):
             runner.step()
+        runners.append(runner)
+    torch.cuda.synchronize()
+
+    def steps():
+        for k in range(args.steps):
+            for i in range(len(runners)):
+                runners[(k + i) % len(runners)].step()
         torch.cuda.synchronize()
+
+    if rank != 0:
+        steps()
         return None
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(args.steps):
-            runner.step()
-        torch.cuda.synchronize()
-    path = os.path.join(args.out or "/tmp", f"trace_{name}.json")
+        steps()
+    path = os.path.join(args.out or "/tmp", f"trace_{'+'.join(names)}.json")
     prof.export_chrome_trace(path)
     trace = _load(path)
     if args.out:
@@ -214,16 +275,21 @@ def run(args) -> None:
     torch.cuda.set_device(rank)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-    summaries = []
-    for name in args.hooks:
-        trace = _trace_one(name, rank, args)
+    summaries, ops = [], []
+    for names in [args.hooks] if args.interleave else [[h] for h in args.hooks]:
+        trace = _trace(names, rank, args)
         if trace is not None:
-            summaries.append(summarize(trace, name))
+            summaries += [summarize(trace, h, hook=h) for h in names]
+            ops += [op_times(trace, hook=h) for h in names] if args.ops else []
+        del trace
         dist.barrier()
         torch.cuda.empty_cache()
     if rank == 0:
-        print(f"\nBackward pass of the 217M LM, rank 0, per step (median of {args.steps} profiled steps):")
+        how = "interleaved, one profile" if args.interleave else "one hook after the other"
+        print(f"\nBackward pass of the 217M LM, rank 0, per step (median of {args.steps} profiled steps; {how}):")
         print_table(summaries)
+        if args.ops:
+            print_ops(ops, list(args.hooks), args.ops)
     dist.destroy_process_group()
 
 
@@ -235,9 +301,23 @@ def main():
     p.add_argument("--out", default=None, help="folder for the gzipped Chrome traces")
     p.add_argument("--summarize", nargs="+", default=None, metavar="TRACE",
                    help="print the summary of traces written before (no GPU needed)")
+    p.add_argument("--ops", type=int, default=0, metavar="N",
+                   help="also the N kinds of autograd operation that take the most time, per hook")
+    p.add_argument("--interleave", action="store_true",
+                   help="every hook's steps in turn, in one profile (default: one profile per hook)")
     args = p.parse_args()
     if args.summarize:
-        print_table([summarize(_load(f), Path(f).name.split(".")[0]) for f in args.summarize])
+        columns = []  # (trace, label, hook): a column per hook of a trace that holds several
+        for f in args.summarize:
+            trace = _load(f)
+            hooks = hooks_in(trace)
+            if len(hooks) > 1:
+                columns += [(trace, h, h) for h in hooks]
+            else:
+                columns.append((trace, Path(f).name.split(".")[0], None))
+        print_table([summarize(t, x, hook=h) for t, x, h in columns])
+        if args.ops:
+            print_ops([op_times(t, hook=h) for t, _, h in columns], [x for _, x, _ in columns], args.ops)
         return
     run(args)
 

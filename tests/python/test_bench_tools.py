@@ -1,5 +1,7 @@
 """The parts of the benchmark scripts that run without a GPU: ``benches/ddp_trace.py``'s summary
-of a profiler trace, and its marking of hook calls."""
+of a profiler trace (per hook and per kind of operation) and its marking of hook calls,
+``ddp_step_time.py``'s pinning of threads (``+pin``), and what ``host_threads.py`` and
+``thread_waits.py`` read from Linux's ``/proc``."""
 
 import gzip
 import json
@@ -67,6 +69,40 @@ def test_the_summary_reads_gzipped_traces(tmp_path, capsys):
     assert "| | cfc |" in out and "| backward ms | 1.0 |" in out
 
 
+def test_an_interleaved_trace_is_summed_up_per_hook(tmp_path, capsys, monkeypatch):
+    trace = _trace()
+    ranges = [e for e in trace["traceEvents"] if e.get("name") == "cfc_trace_backward" and e["cat"] == "user_annotation"]
+    for e, hook in zip(sorted(ranges, key=lambda e: e["ts"]), ("noop", "cfc")):
+        e["name"] = f"cfc_trace_backward:{hook}"
+    assert ddp_trace.hooks_in(trace) == ["noop", "cfc"]
+    noop, cfc = (ddp_trace.summarize(trace, h, hook=h) for h in ("noop", "cfc"))
+    assert noop["steps"] == cfc["steps"] == 1
+    assert (noop["hook us, total"], cfc["hook us, total"]) == (150, 200)  # each its own step's two
+    assert ddp_trace.summarize(trace, "all")["steps"] == 2
+    path = tmp_path / "trace_noop+cfc.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump(trace, f)
+    monkeypatch.setattr(sys, "argv", ["ddp_trace.py", "--summarize", str(path), "--ops", "1"])
+    ddp_trace.main()
+    out = capsys.readouterr().out
+    assert "| | noop | cfc |" in out and "| hook us, total | 150 | 200 |" in out
+    assert "| MmBackward0 | 1 | 300.0 | 300.0 | 1.00 |" in out
+
+
+def test_operation_times_compare_each_kind_of_autograd_operation_across_traces(capsys):
+    slow = _trace()
+    for e in slow["traceEvents"]:
+        if e.get("name", "").endswith("MmBackward0"):
+            e["dur"] *= 2
+    slow["traceEvents"].append(_x("autograd::engine::evaluate_function: MmBackward0", "cpu_op", 2, 9000, 50))  # outside
+    t = ddp_trace.op_times(_trace())
+    assert t == {"MmBackward0": (1.0, 300, 0.3), "AccumulateGrad": (1.0, 200, 0.2)}
+    assert ddp_trace.op_times(slow)["MmBackward0"] == (1.0, 600, 0.6)
+    ddp_trace.print_ops([t, ddp_trace.op_times(slow)], ["noop", "cfc"], top=1)
+    out = capsys.readouterr().out
+    assert "| MmBackward0 | 1 | 300.0 | 600.0 | 2.00 |" in out and "AccumulateGrad" not in out
+
+
 def test_the_trace_marks_each_hook_call_through_ddp_step_times_registration():
     import ddp_step_time
     from torch.distributed.algorithms.ddp_comm_hooks import debugging_hooks
@@ -86,3 +122,103 @@ def test_the_trace_marks_each_hook_call_through_ddp_step_times_registration():
         assert marked("state", "bucket") == "fut"
     assert seen == [("state", "bucket")]
     assert "cfc_trace_hook" in {e.name for e in prof.events()}
+
+
+def test_pinning_gives_the_hooks_thread_a_cpu_of_its_own_and_restores_every_thread(monkeypatch):
+    import threading
+
+    import ddp_step_time
+
+    calls = {}
+    monkeypatch.setattr(ddp_step_time.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5})
+    monkeypatch.setattr(ddp_step_time.os, "sched_setaffinity", lambda tid, cpus: calls.__setitem__(tid, set(cpus)))
+    seen = []
+    pin = ddp_step_time._Pinning(rank=1, inner=None)
+    hook = pin.wrap(lambda state, bucket: seen.append(threading.get_native_id()) or "fut")
+    t = threading.Thread(target=hook, args=("state", "bucket"))
+    t.start()
+    t.join()
+    with pin:  # the hook's thread has ended: only this process's live threads are set
+        pinned = dict(calls)
+    assert seen == [pin.tid] and pin.tid != threading.get_native_id()
+    me = threading.get_native_id()
+    assert pinned[me] == {0, 1, 2, 3}, "every other thread leaves both ranks' CPUs"
+    assert calls[me] == {0, 1, 2, 3, 4, 5}, "and gets every CPU back afterwards"
+
+    # The hook's thread itself, while it lives.
+    calls.clear()
+    go, done = threading.Event(), threading.Event()
+
+    def waiting(state, bucket):
+        go.set()
+        done.wait()
+
+    t = threading.Thread(target=pin.wrap(waiting), args=("state", "bucket"))
+    t.start()
+    go.wait()
+    with pin:
+        assert calls[pin.tid] == {4}, "rank 1 takes the next-to-last CPU"
+    assert calls[pin.tid] == {0, 1, 2, 3, 4, 5}
+    done.set()
+    t.join()
+
+    monkeypatch.setattr(ddp_step_time.os, "sched_getaffinity", lambda pid: {0, 1})
+    with pytest.raises(SystemExit, match="at least 3 CPUs"):
+        ddp_step_time._Pinning(rank=0)
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads Linux's /proc")
+def test_host_threads_finds_the_matching_processes_threads_and_counts_interrupts():
+    import subprocess
+
+    import host_threads
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)  # cfc-host-threads-test"])
+    try:
+        time_out = 50
+        while time_out and not host_threads._threads("cfc-host-threads-test"):
+            subprocess.run(["sleep", "0.1"])
+            time_out -= 1
+        found = host_threads._threads("cfc-host-threads-test")
+        assert {pid for pid, _ in found} == {str(child.pid)}
+        name, ticks, cpu, vol, invol = found[(str(child.pid), str(child.pid))]
+        assert ticks >= 0 and cpu >= 0 and vol >= 0 and invol >= 0
+    finally:
+        child.kill()
+        child.wait()
+    assert all(isinstance(v, int) for v in host_threads._interrupts().values())
+
+
+def test_thread_waits_names_the_mapping_that_holds_a_lock():
+    import thread_waits
+
+    maps = [(0x1000, 0x2000, "libcuda.so.1"), (0x5000, 0x9000, "[heap]")]
+    starts = [m[0] for m in maps]
+    assert thread_waits._where(maps, starts, 0x1800) == "libcuda.so.1"
+    assert thread_waits._where(maps, starts, 0x5000) == "[heap]"
+    assert thread_waits._where(maps, starts, 0x2000) == "?"  # past the end of the first
+    assert thread_waits._where(maps, starts, 0x10) == "?"
+
+
+@pytest.mark.skipif(not Path("/proc/self/syscall").exists(), reason="reads Linux's /proc/<pid>/syscall")
+def test_thread_waits_samples_a_child_waiting_on_a_lock_and_sleeping():
+    import subprocess
+    import time
+
+    import thread_waits
+
+    code = ("import threading, time; e = threading.Event(); "
+            "threading.Thread(target=e.wait, daemon=True).start(); time.sleep(30)  # cfc-thread-waits-test")
+    child = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        time.sleep(1.0)
+        found = thread_waits.sample("cfc-thread-waits-test", 0.3, 0.01)
+    finally:
+        child.kill()
+        child.wait()
+    if not found:
+        pytest.skip("this machine does not let a process read its child's system calls")
+    assert {pid for pid, _ in found} == {str(child.pid)}
+    waits = [c for _, c, _ in found.values()]
+    assert any(k.startswith("futex in ") for c in waits for k in c), waits  # the Event's lock
+    assert any(k in ("clock_nanosleep", "nanosleep", "select", "pselect6") for c in waits for k in c), waits
