@@ -177,10 +177,10 @@ class _Pinning:
 
 class Runner:
     """One hook's DDP model, optimizer and batches. ``name`` is a hook, optionally with
-    ``:capN`` for DDP buckets of N MB (default 25) and ``+pin`` (:class:`_Pinning`). ``wrap``: an object whose ``wrap(hook)``
-    returns the hook to register (``ddp_trace.py`` marks each call for the profiler), instead
-    of ``phases``' clock; ``backward_range``: a context around ``loss.backward()`` (the same
-    script's profiler range)."""
+    ``:capN`` for DDP buckets of N MB (default 25) and ``+pin`` (:class:`_Pinning`). ``wrap``:
+    an object whose ``wrap(hook)`` returns the hook to register (``ddp_trace.py`` marks each
+    call for the profiler), instead of ``phases``' clock; ``backward_range``: a context around
+    ``loss.backward()`` (the same script's profiler range)."""
 
     def __init__(self, name, rank, phases=False, wrap=None):
         hook, _, cap = name.partition(":cap")
@@ -395,7 +395,8 @@ def report(rows, nparams, args):
     if timed:
         print("\nPhases of a step on rank 0's host clock, ms from the step's start, median over steps "
               "(the host runs ahead of the GPU: these are when the host got there)")
-        print("| hook | backward() called | last bucket to the hook | backward() returned | its wait after the last bucket | step end |")
+        print("| hook | backward() called | last bucket to the hook | backward() returned "
+              "| its wait after the last bucket | step end |")
         print("|---|---|---|---|---|---|")
         for r in timed:
             a, b, c, f = r["phases_ms"]

@@ -180,7 +180,8 @@ def print_ops(times, labels, top: int) -> None:
     median us in each, and each one's median over the first's."""
     kinds = sorted(times[0], key=lambda k: -times[0][k][2])[:top]
     print("\nAutograd operations, median us per call (calls per step in the first trace):")
-    print("| operation | calls | " + " | ".join(labels) + " | " + " | ".join(f"{x} / {labels[0]}" for x in labels[1:]) + " |")
+    header = ["operation", "calls", *labels, *(f"{x} / {labels[0]}" for x in labels[1:])]
+    print("| " + " | ".join(header) + " |")
     print("|---|---|" + "---|" * (2 * len(labels) - 1))
     for k in kinds:
         med = [t.get(k, (0, None, 0))[1] for t in times]
@@ -306,6 +307,8 @@ def main():
     p.add_argument("--interleave", action="store_true",
                    help="every hook's steps in turn, in one profile (default: one profile per hook)")
     args = p.parse_args()
+    if args.interleave and len(set(args.hooks)) != len(args.hooks):
+        p.error("--interleave names each hook once (its steps are told apart by its name)")
     if args.summarize:
         columns = []  # (trace, label, hook): a column per hook of a trace that holds several
         for f in args.summarize:

@@ -6,8 +6,8 @@ lock it is: a library's data (``libcuda.so``, ``libpython``...), the heap, or an
 
 Prints, per thread with at least ``--min-waits`` of its samples in a system call, the share of
 samples running (not in a system call) and the most common waits. The command runs as a child
-of this script, so that Linux lets it read the threads' system calls (with ptrace restricted to
-descendants, as Ubuntu has it). On the GPU machine::
+of this script (its standard output discarded), so that Linux lets it read the threads' system
+calls (with ptrace restricted to descendants, as Ubuntu has it). On the GPU machine::
 
     python3 benches/thread_waits.py --after 22 -- env $SOCK torchrun --standalone \\
         --nproc_per_node=2 benches/ddp_step_time.py --sequential --steps 500 cfc

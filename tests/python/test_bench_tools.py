@@ -71,7 +71,8 @@ def test_the_summary_reads_gzipped_traces(tmp_path, capsys):
 
 def test_an_interleaved_trace_is_summed_up_per_hook(tmp_path, capsys, monkeypatch):
     trace = _trace()
-    ranges = [e for e in trace["traceEvents"] if e.get("name") == "cfc_trace_backward" and e["cat"] == "user_annotation"]
+    ranges = [e for e in trace["traceEvents"]
+              if e.get("name") == "cfc_trace_backward" and e["cat"] == "user_annotation"]
     for e, hook in zip(sorted(ranges, key=lambda e: e["ts"]), ("noop", "cfc")):
         e["name"] = f"cfc_trace_backward:{hook}"
     assert ddp_trace.hooks_in(trace) == ["noop", "cfc"]
