@@ -17,15 +17,26 @@ import os
 import time
 
 
-def _threads(match: str) -> dict:
-    """(pid, tid) -> (name, CPU ticks, last CPU, voluntary switches, involuntary switches)."""
-    out = {}
+def matching_pids(match: str) -> list:
+    """The processes whose command line contains ``match``, less torchrun's and this one (whose
+    own arguments may name the same script). ``thread_waits.py`` finds its processes here too."""
+    out = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
-            if match not in cmd or "torchrun" in cmd or "host_threads.py" in cmd:
-                continue
+        except OSError:  # the process ended meanwhile
+            continue
+        if match in cmd and "torchrun" not in cmd and int(pid) != os.getpid():
+            out.append(pid)
+    return out
+
+
+def _threads(match: str) -> dict:
+    """(pid, tid) -> (name, CPU ticks, last CPU, voluntary switches, involuntary switches)."""
+    out = {}
+    for pid in matching_pids(match):
+        try:
             tids = os.listdir(f"/proc/{pid}/task")
         except OSError:  # the process ended meanwhile
             continue

@@ -21,23 +21,12 @@ import sys
 import time
 from collections import Counter, defaultdict
 
+from host_threads import matching_pids  # (benches/ is the script's folder, on sys.path)
+
 # x86-64 system call numbers a waiting thread is usually in
 _SYSCALLS = {0: "read", 1: "write", 7: "poll", 16: "ioctl", 23: "select", 24: "sched_yield", 35: "nanosleep",
              45: "recvfrom", 44: "sendto", 46: "sendmsg", 47: "recvmsg", 202: "futex", 230: "clock_nanosleep",
              232: "epoll_wait", 270: "pselect6", 271: "ppoll", 281: "epoll_pwait", 441: "epoll_pwait2"}
-
-
-def _pids(match: str):
-    out = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if match in cmd and "torchrun" not in cmd and "thread_waits.py" not in cmd:
-            out.append(pid)
-    return out
 
 
 def _maps(pid: str):
@@ -72,7 +61,7 @@ def _read_syscall(path: str):
 
 def sample(match: str, seconds: float, period: float):
     """{(pid, tid): (name, Counter of waits, samples)}."""
-    pids = _pids(match)
+    pids = matching_pids(match)
     maps = {pid: _maps(pid) for pid in pids}
     starts = {pid: [m[0] for m in maps[pid]] for pid in pids}
     names, counts, totals = {}, defaultdict(Counter), Counter()
