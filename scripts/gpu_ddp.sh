@@ -12,6 +12,10 @@
 # times the socket step (HOOKS, default "--base noop noop cfc") with an earlier wheel (.carry/old/*.whl)
 # and this one, one run after the other, AB_ROUNDS times (default 2). NPROC (default 2) sets the
 # processes of the step-time runs, STEPS their timed steps per hook (interleaved rounds of 5).
+# shared runs two jobs of 300 steps at once on the same GPUs over the socket transport
+# (SHARED_HOOK, default cfc; SHARED_ROUNDS times, default 3; with the wheels of SHARED_WHEELS,
+# "new" by default, "old" for .carry/old/*.whl): each GPU then runs far behind its host, which
+# shows a missing wait between streams; it prints each job's exit status and first CUDA error.
 # Logs go under $OUT.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -46,6 +50,15 @@ for part in $PARTS; do case $part in
         env $SOCK PYTHONPATH=$site LABEL="socket, $which wheel, round $round" timeout 300 torchrun --standalone \
           --nproc_per_node=$NPROC benches/ddp_step_time.py --steps $STEPS ${HOOKS:---base noop noop cfc} 2>&1 \
           | grep -E "^\||DDP step|Error|error" | tee -a "$OUT/ddp_ab.log"; done; done ;;
+  shared) [ "${SHARED_WHEELS:-new}" = new ] \
+           || python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site_old .carry/old/*.whl
+      for which in ${SHARED_WHEELS:-new}; do site=/tmp/site; [ $which = old ] && site=/tmp/site_old
+        for round in $(seq ${SHARED_ROUNDS:-3}); do for job in 1 2; do
+          (log="$OUT/ddp_shared_${which}_${round}_$job.log"
+           env $SOCK PYTHONPATH=$site timeout 300 torchrun --standalone --nproc_per_node=$NPROC benches/ddp_step_time.py \
+             --sequential --steps 300 ${SHARED_HOOK:-cfc} > "$log" 2>&1; rc=$?
+           echo "two jobs at once, $which wheel, round $round, job $job: exit $rc $(grep -m1 -o 'CUDA error.*' "$log" | cut -c1-120)") &
+        done; wait; done; done 2>&1 | tee "$OUT/ddp_shared.log" ;;
   nvlink) LABEL=nvlink timeout 300 torchrun --standalone --nproc_per_node=$NPROC benches/ddp_step_time.py --steps $STEPS \
            --json "$OUT/ddp_nvlink_${NPROC}gpu.json" ${HOOKS:-} 2>&1 | grep -E "^\||DDP step|median|Error|error" | tee "$OUT/ddp_nvlink_${NPROC}gpu.log" ;;
   socket) env $SOCK LABEL=socket timeout 400 torchrun --standalone --nproc_per_node=$NPROC benches/ddp_step_time.py --steps $STEPS \

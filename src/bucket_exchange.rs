@@ -376,6 +376,11 @@ impl BucketExchange {
                 return Ok(Finish::Resend { row_len: row_bytes });
             }
             recv = f.resend_recv;
+            // `resend_recv` is the caller's new memory: its allocator may have handed over a
+            // block that work queued earlier on the caller's stream (a previous bucket's
+            // decoding) still uses. The exchange's stream writes it only after that work.
+            entry.compressed.record(&caller).map_err(driver_err)?;
+            self.side.wait(&entry.compressed).map_err(driver_err)?;
             // SAFETY: the row holds the head and `capacity >= round16(largest)` frame bytes;
             // `resend_recv` holds `world` rows of `row_bytes` (this function's contract).
             unsafe {

@@ -699,7 +699,7 @@ def test_a_step_never_mixes_the_two_communicators():
     assert not _whole_plain(a, [1000, 500])
 
 
-def test_comm_thread_runs_each_later_stage_after_the_next_launches(monkeypatch):
+def test_comm_thread_runs_each_later_stage_after_the_next_launches(monkeypatch, caplog):
     """The comm thread's order of work, without a GPU (its CUDA calls are stubbed out): a
     part's next stage runs only after the next ``depth`` parts' launches (so those buckets are
     on the wire while this thread waits), a stage may return a further stage (the
@@ -791,6 +791,9 @@ def test_comm_thread_runs_each_later_stage_after_the_next_launches(monkeypatch):
     worker.drain()
     assert "launch F" not in log  # nothing more runs once a stage failed
     assert worker.kept == []
+    # The first failure is logged with its traceback (backward() shows only its message).
+    failures = [r for r in caplog.records if "comm thread failed" in r.getMessage()]
+    assert len(failures) == 1 and failures[0].exc_info[1].args == ("E failed",), failures
 
     worker.stop()  # ends the thread after what is queued (register_comm_hook's probe)
     worker.thread.join(timeout=10)

@@ -534,3 +534,50 @@ def test_gpu_running_max_abs_only_rises_and_skips_non_finite():
     cfc._native.cuda_running_max_abs(0, stream, a.data_ptr(), 0, target.data_ptr())  # nothing to add
     torch.cuda.synchronize()
     assert target.item() == 3.0
+
+
+def test_native_exchange_resend_waits_for_work_queued_on_the_callers_stream():
+    """A frame that outgrew its slot is sent again into rows the caller has just allocated.
+    PyTorch's allocator may hand over a block that work queued earlier on the caller's stream
+    still writes (a previous bucket's decoding): the exchange's stream must receive the frames
+    only after that work, or the decoding reads what it wrote. Here that work is a delayed
+    fill with zeros, on a block freed and handed over again; one rank."""
+    from cfc import _native
+
+    try:
+        uid = _native.nccl_unique_id()
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(f"no NCCL here: {e}")
+    dev = torch.device("cuda", 0)
+    exchange = _native.BucketExchange(0, uid, 0, 1)
+    n, eps = 1 << 16, 1e-3
+    x = torch.randn(n, device=dev, generator=torch.Generator(dev).manual_seed(0)) * 0.01
+    want = x.clone()
+    cap = -(-_native.cuda_compress_capacity(n, "float32", 1, eps=eps) // 16) * 16
+    row = _native.BucketExchange.row_len(cap)
+    ws_len = max(_native.cuda_workspace_len(n, compress=True), _native.cuda_decode_sum_workspace_len(n, 1))
+    slot = 16  # far smaller than the frame: it is sent again
+    ws_at = -(-(row + 16 + slot) // 256) * 256
+    stream = torch.cuda.Stream(dev)
+    stream.wait_stream(torch.cuda.current_stream(dev))  # x and want are made
+    with torch.cuda.stream(stream):
+        mem = torch.empty(ws_at + ws_len, dtype=torch.uint8, device=dev)
+        base = mem.data_ptr()
+        exchange.launch(1, stream.cuda_stream, x.data_ptr(), n, "float32", 0, base, cap, base + ws_at, ws_len, 0, 0,
+                        slot, base + row, eps=eps)
+        args = (1, stream.cuda_stream, 1.0, base + ws_at, ws_len, 0)
+        need = exchange.finish(*args)[0]
+        assert need > 16 + slot
+        torch.cuda._sleep(200_000_000)  # about 0.1 s of the GPU before the fill below runs
+        earlier = torch.empty(need, dtype=torch.uint8, device=dev)
+        earlier.fill_(0)
+        freed = earlier.data_ptr()
+        del earlier
+        rows = torch.empty(need, dtype=torch.uint8, device=dev)
+        if rows.data_ptr() != freed:
+            pytest.skip("the allocator did not hand the freed block over again")
+        assert exchange.finish(*args, rows.data_ptr())[0] == 0
+    stream.synchronize()
+    exchange.close()
+    err = (x - want).abs().max().item()
+    assert err <= eps, f"the average is {err} from the bucket (bound {eps}): the resent frame was overwritten"

@@ -959,6 +959,15 @@ class _CommThread:
         """End the thread once everything queued before is done (without waiting for it)."""
         self.jobs.put(("stop", None, None))
 
+    def _fail(self, e: BaseException) -> None:
+        """Note the first failure: every later stage then fails with it. Its traceback is
+        logged here, since backward() shows only the message (DDP passes the exception on as
+        the future's value)."""
+        if self.failed is None:
+            self.failed = e
+            rank = getattr(self.state, "rank", "?")
+            logger.error("cfc: the comm thread failed on rank %s", rank, exc_info=e)
+
     def _run_deferred(self, items) -> None:
         """Run deferred stages in order. A stage may return a further stage (a callable): that
         one waits for ``depth`` more launches, so it and everything after it go back to the
@@ -975,8 +984,7 @@ class _CommThread:
                     self.deferred = [(self.launched, value, None)] + list(items[k + 1 :]) + self.deferred
                     return
             except BaseException as e:  # noqa: BLE001 - reaches backward() through the future
-                if self.failed is None:
-                    self.failed = e
+                self._fail(e)
                 if fut is not None:
                     fut.set_exception(e)
 
@@ -1004,8 +1012,8 @@ class _CommThread:
                         try:
                             if self.failed is None:
                                 finish = work()
-                        except BaseException as e:  # noqa: BLE001
-                            self.failed = e
+                        except BaseException as e:  # noqa: BLE001 - reaches backward() through the future
+                            self._fail(e)
                         self.launched += 1
                         self._run_deferred(self._due())
                         if finish is not None:
