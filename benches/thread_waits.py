@@ -3,6 +3,8 @@ seconds reads, about every millisecond for ``--seconds``, the system call each t
 processes whose command line contains ``--match`` is in (``/proc/<pid>/task/<tid>/syscall``).
 For a ``futex`` (a lock or a condition variable), the mapping that holds its address says whose
 lock it is: a library's data (``libcuda.so``, ``libpython``...), the heap, or anonymous memory.
+With ``--callers N``, also the libraries of the first N return addresses on the waiting
+thread's stack (read from ``/proc/<pid>/mem``): whose call is waiting for that lock.
 
 Prints, per thread with at least ``--min-waits`` of its samples in a system call, the share of
 samples running (not in a system call) and the most common waits. The command runs as a child
