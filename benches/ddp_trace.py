@@ -57,6 +57,11 @@ def _intervals_union(spans):
 _BACKWARD = "cfc_trace_backward"  # the range around loss.backward(): "cfc_trace_backward:<hook>"
 
 
+def _spans(trace: dict) -> list:
+    """The trace's complete events (``"ph": "X"``, with a duration): ranges, operations, kernels."""
+    return [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+
+
 def _backward_ranges(events, hook=None):
     """The host's ``backward`` ranges of ``hook`` (None: of any hook)."""
     return [e for e in events if e.get("cat") == "user_annotation"
@@ -66,7 +71,7 @@ def _backward_ranges(events, hook=None):
 def hooks_in(trace: dict) -> list:
     """The hooks whose steps a trace holds, in the order of their first step."""
     out = []
-    for e in _backward_ranges([e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]):
+    for e in _backward_ranges(_spans(trace)):
         name = str(e["name"]).partition(":")[2]
         if name not in out:
             out.append(name)
@@ -76,7 +81,7 @@ def hooks_in(trace: dict) -> list:
 def summarize(trace: dict, label: str, hook=None) -> dict:
     """Per-step medians of what the trace shows during each ``backward`` range of ``hook``
     (None: every range; see the module's docstring)."""
-    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+    events = _spans(trace)
     ranges = _backward_ranges(events, hook)
     steps = sorted((e["ts"], e["ts"] + e["dur"]) for e in ranges)
     hooks = [e for e in events if e.get("name") == "cfc_trace_hook" and e.get("cat") == "user_annotation"]
@@ -164,7 +169,7 @@ def op_times(trace: dict, hook=None) -> dict:
     ``backward`` ranges: ``(calls per step, median duration in us, total ms per step)``. A kind
     that takes longer in one trace than in another, though it makes no CUDA call (``ViewBackward0``),
     shows the autograd thread itself running slower."""
-    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+    events = _spans(trace)
     steps = [(e["ts"], e["ts"] + e["dur"]) for e in _backward_ranges(events, hook)]
     per = defaultdict(list)
     for e in events:
