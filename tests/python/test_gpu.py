@@ -541,7 +541,8 @@ def test_native_exchange_resend_waits_for_work_queued_on_the_callers_stream():
     PyTorch's allocator may hand over a block that work queued earlier on the caller's stream
     still writes (a previous bucket's decoding): the exchange's stream must receive the frames
     only after that work, or the decoding reads what it wrote. Here that work is a delayed
-    fill with zeros, on a block freed and handed over again; one rank."""
+    fill with zeros, on a block freed and handed over again; one rank. The test skips where
+    the fill has already run when the resend is queued: there the race cannot show."""
     from cfc import _native
 
     try:
@@ -568,14 +569,24 @@ def test_native_exchange_resend_waits_for_work_queued_on_the_callers_stream():
         args = (1, stream.cuda_stream, 1.0, base + ws_at, ws_len, 0)
         need = exchange.finish(*args)[0]
         assert need > 16 + slot
+        # The first launch of a kernel may wait for the device to go idle (CUDA loads kernels
+        # lazily), which would run the fill below before the resend is even queued: launch
+        # both kernels once first.
+        torch.cuda._sleep(1)
+        torch.empty(need, dtype=torch.uint8, device=dev).fill_(0)
+        stream.synchronize()
         torch.cuda._sleep(200_000_000)  # about 0.1 s of the GPU before the fill below runs
         earlier = torch.empty(need, dtype=torch.uint8, device=dev)
         earlier.fill_(0)
+        filled = torch.cuda.Event()
+        filled.record(stream)
         freed = earlier.data_ptr()
         del earlier
         rows = torch.empty(need, dtype=torch.uint8, device=dev)
         if rows.data_ptr() != freed:
             pytest.skip("the allocator did not hand the freed block over again")
+        if filled.query():
+            pytest.skip("the fill ran before the resend was queued: the race cannot show here")
         assert exchange.finish(*args, rows.data_ptr())[0] == 0
     stream.synchronize()
     exchange.close()

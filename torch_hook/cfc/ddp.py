@@ -733,11 +733,7 @@ def cfc_hook(state, bucket):  # no annotations: DDP checks them against its own 
         if state.group is None:
             state._setup()
     except Exception as e:  # noqa: BLE001 - handed to DDP, which raises it from backward()
-        import torch
-
-        fut = torch.futures.Future()
-        fut.set_exception(e)
-        return fut
+        return _failed_future(e)
     buf = bucket.buffer()
     layout = state._ordinals(bucket)
     parts, scatter = state._parts(bucket.index(), buf, layout)
@@ -746,6 +742,23 @@ def cfc_hook(state, bucket):  # no annotations: DDP checks them against its own 
     if buf.device.type == "cuda":
         return _gpu_bucket(state, bucket, buf, parts, scatter)
     return _cpu_bucket(state, bucket, buf, parts, scatter)
+
+
+def _failed_future(e: BaseException) -> Any:
+    """A future that has failed with ``e`` as DDP's reducer sees a failure: backward() raises
+    a RuntimeError that names ``e``'s type and message. (``Future.set_exception`` keeps the
+    exception as the future's value, for Python's ``wait()`` to raise; the reducer reads that
+    value as the bucket and reports only "Unable to cast <message> to Tensor".) A callback
+    that raises is what marks a future failed where the reducer looks."""
+    import torch
+
+    def fail(_: Any) -> None:
+        raise e
+
+    done = torch.futures.Future()
+    failed = done.then(fail)
+    done.set_result(None)
+    return failed
 
 
 def register_comm_hook(ddp, state: Optional[CfcState] = None) -> bool:
@@ -840,7 +853,7 @@ def _cpu_bucket(state: CfcState, bucket, buf, parts, scatter) -> Any:
         state._end_of_bucket(bucket)
         fut.set_result(buf)
     except Exception as e:  # noqa: BLE001 - handed to DDP, which raises it from backward()
-        fut.set_exception(e)
+        return _failed_future(e)
     return fut
 
 
@@ -1031,8 +1044,6 @@ class _CommThread:
 
 
 def _gpu_bucket(state: CfcState, bucket, buf, parts, scatter) -> Any:
-    import torch
-
     dev = buf.device
     with state._lock:
         if state._worker is None:
@@ -1041,12 +1052,10 @@ def _gpu_bucket(state: CfcState, bucket, buf, parts, scatter) -> Any:
     try:
         return _gpu_submit(state, worker, bucket, buf, parts, scatter)
     except Exception as e:  # noqa: BLE001 - handed to DDP, which raises it from backward()
-        fut = torch.futures.Future()
-        fut.set_exception(e)
         if bucket.is_last():  # the step's earlier buckets must still complete
             worker.submit("flush")
             state._end_of_bucket(bucket)
-        return fut
+        return _failed_future(e)
 
 
 def _gpu_submit(state: CfcState, worker, bucket, buf, parts, scatter) -> Any:
