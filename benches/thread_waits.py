@@ -33,17 +33,15 @@ _SYSCALLS = {0: "read", 1: "write", 7: "poll", 16: "ioctl", 23: "select", 24: "s
              232: "epoll_wait", 270: "pselect6", 271: "ppoll", 281: "epoll_pwait", 441: "epoll_pwait2"}
 
 
-def _maps(pid: str, code_only: bool = False):
-    """Sorted (start, end, name) of the process's mappings (only executable ones: code)."""
+def _maps(pid: str):
+    """Sorted (start, end, name, executable) of the process's mappings."""
     out = []
     with open(f"/proc/{pid}/maps") as f:
         for line in f:
             parts = line.split(maxsplit=5)
-            if code_only and "x" not in parts[1]:
-                continue
             a, b = (int(x, 16) for x in parts[0].split("-"))
             name = parts[5].strip() if len(parts) > 5 else "[anonymous]"
-            out.append((a, b, os.path.basename(name) if name.startswith("/") else name))
+            out.append((a, b, os.path.basename(name) if name.startswith("/") else name, "x" in parts[1]))
     out.sort()
     return out
 
@@ -94,7 +92,7 @@ def sample(match: str, seconds: float, period: float, callers: int = 0):
     pids = matching_pids(match)
     maps = {pid: _maps(pid) for pid in pids}
     starts = {pid: [m[0] for m in maps[pid]] for pid in pids}
-    code = {pid: _maps(pid, code_only=True) for pid in pids} if callers else {}
+    code = {pid: [m for m in maps[pid] if m[3]] for pid in pids} if callers else {}
     code_starts = {pid: [m[0] for m in code[pid]] for pid in code}
     mem = {}
     for pid in code:

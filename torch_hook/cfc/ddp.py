@@ -842,7 +842,6 @@ def register_comm_hook(ddp, state: Optional[CfcState] = None) -> bool:
 def _cpu_bucket(state: CfcState, bucket, buf, parts, scatter) -> Any:
     import torch
 
-    fut = torch.futures.Future()
     try:
         if not state._agreed:
             state._agree(buf.device)
@@ -851,9 +850,10 @@ def _cpu_bucket(state: CfcState, bucket, buf, parts, scatter) -> Any:
         if scatter is not None:
             scatter()
         state._end_of_bucket(bucket)
-        fut.set_result(buf)
     except Exception as e:  # noqa: BLE001 - handed to DDP, which raises it from backward()
         return _failed_future(e)
+    fut = torch.futures.Future()
+    fut.set_result(buf)
     return fut
 
 
