@@ -1015,21 +1015,30 @@ __device__ __forceinline__ u32 load_word_before(const u8* a, const u8* end) {
 // Pass 1 of decoding, one span (512 chunks) per block, two chunks per thread: each
 // chunk's plane words from its widths, their offsets within the tile, the tiles' offsets
 // within the span, the span's total; the last span to finish scans the spans. Leaves what the
-// encoder's pass 1 leaves (exception counts are 0: the decoder does not need them).
+// encoder's pass 1 leaves, except that the exception counts (which the decoder does not need)
+// count the widths past MAX_DECODE_WIDTH instead: totals[1] is 0 for a frame cfc wrote, and
+// check_frames refuses any other (its planes would not fit the decoders' staging).
+#define MAX_DECODE_WIDTH 64
 __device__ void decode_offsets(const u8* frame, u64 header_len, u64 n, u8* ws) {
     __shared__ u32 s_warp[TILE_THREADS / 32];
+    __shared__ u32 s_wide;
     if (frame[HDR_CODEC] != 0) return;  // raw: every element's place is known
     const Tiles ts = tiles_at(ws, n, TILE_CHUNKS);
     const u8* body = frame + header_len;
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const u64 c0 = (u64)blockIdx.x * SPAN_TILES * TILE_CHUNKS + 2 * threadIdx.x;
-    u32 w0 = 0, w1 = 0;
+    if (threadIdx.x == 0) s_wide = 0;
+    u32 w0 = 0, w1 = 0, wide = 0;
 #pragma unroll
     for (u32 k = 0; k < CHUNK_GROUPS; ++k) {
         u64 g = c0 * CHUNK_GROUPS + k;
-        if (g < ts.groups) w0 += body[g];
-        if (g + CHUNK_GROUPS < ts.groups) w1 += body[g + CHUNK_GROUPS];
+        u32 a = g < ts.groups ? body[g] : 0, b = g + CHUNK_GROUPS < ts.groups ? body[g + CHUNK_GROUPS] : 0;
+        w0 += a;
+        w1 += b;
+        wide += (a > MAX_DECODE_WIDTH) + (b > MAX_DECODE_WIDTH);
     }
+    __syncthreads();  // s_wide is set
+    if (wide) atomicAdd(&s_wide, wide);
     // A tile is TPT threads: scan within it, then over the warp's tiles, then over the warps.
     const u32 TPT = TILE_CHUNKS / 2;
     u32 pair = w0 + w1, in_tile = cfc_lane_prefix_sum(pair, TPT);
@@ -1053,7 +1062,7 @@ __device__ void decode_offsets(const u8* frame, u64 header_len, u64 n, u8* ws) {
     u32 last = 0;
     if (lane == 0) {
         ts.span_words[blockIdx.x] = span_total;
-        ts.span_excs[blockIdx.x] = 0;
+        ts.span_excs[blockIdx.x] = s_wide;  // the __syncthreads above follows every atomicAdd
         __threadfence();  // the span's total is visible before it counts as done
         last = atomicAdd(ts.done, 1u) == ts.spans - 1;
     }
@@ -1199,6 +1208,7 @@ DEFINE_FOR_DTYPES(SCATTER)
 #define HDR_EPS 32
 #define SUM_STEPS_DIFFER 1u
 #define SUM_OVERFLOW 2u
+#define SUM_BAD_FRAME 4u  // set by check_frames: the sum's kernels then add nothing
 
 // The bits a sum's exception stores for the f64 total of the parts' values there (sum_bits in
 // src/sum.rs): rounded to f32, then to the dtype; NaN as the quiet NaN, whatever its payload.
@@ -1217,6 +1227,64 @@ extern "C" __global__ void cfc_codec_sum_table(u64* table, Dims batch, u32 count
 // Every part's chunk offsets: part blockIdx.y's frame, in its region of `stride` bytes at `parts`.
 extern "C" __global__ void cfc_codec_sum_offsets(const u64* frames, u64 header_len, u64 n, u8* parts, u64 stride) {
     decode_offsets((const u8*)frames[blockIdx.y], header_len, n, parts + blockIdx.y * stride);
+}
+
+// ---- checks of frames from elsewhere ------------------------------------------------------
+// The kernels that add frames (sum_chunks, sum_values, decode_sum) read what a frame's header,
+// widths and exception list say, trusting them: frames that another rank sent are checked
+// here first, on the device (the host sees only their sizes), and nothing is added if one
+// fails. A frame whose bytes were corrupted on the way, or written by something other than
+// cfc's codec, then ends in a reported error, never in a read past its end.
+#define HDR_N 16
+#define HDR_BODY_LEN 48
+#define HDR_RAW_BODY_LEN 56
+
+__device__ __forceinline__ void report_bad_frame(u32* status, u32 bit, u32 part) {
+    atomicOr(&status[0], bit);
+    atomicCAS(&status[1], 0u, part + 1);  // the first bad frame found, counted from 1
+}
+
+// Whether frame p = blockIdx.y (at table[p], with table[parts + p] bytes readable there, its
+// chunk offsets in its region after sum_offsets) is a quantized or raw frame without a zstd
+// stage of n elements of `dtype` (`size` bytes each) in `ndim` dimensions, whose widths are at
+// most MAX_DECODE_WIDTH and whose widths, planes and exceptions fill its body exactly, within
+// its bytes, with exception indices increasing and below n. One that is not sets `bit` in
+// status[0] and its index + 1 in status[1] (if none is there yet). Every block of row p checks
+// the header; the blocks share out the exception list.
+extern "C" __global__ void cfc_codec_check_frames(const u64* table, u32 parts, u64 header_len, u64 n, u32 dtype,
+                                                  u32 size, u32 ndim, u8* regions, u64 stride, u32* status, u32 bit) {
+    const u32 p = blockIdx.y;
+    const u8* f = (const u8*)table[p];
+    const u64 len = table[parts + p];
+    const u64 groups = (n + CFC_GROUP - 1) / CFC_GROUP, idx_size = n <= (1ull << 32) ? 4 : 8;
+    bool ok = len >= header_len && f[0] == 'C' && f[1] == 'F' && f[2] == 'C' && f[3] == 'F' && f[4] == 1 &&
+              f[5] <= 1 && f[6] == dtype && f[7] == 0 && f[9] == ndim && f[10] == 5;
+    u64 blen = 0, n_exc = 0, nwords = 0;
+    if (ok) {
+        blen = cfc_load_le(f + HDR_BODY_LEN, 8);
+        ok = cfc_load_le(f + HDR_N, 8) == n && cfc_load_le(f + HDR_RAW_BODY_LEN, 8) == blen && blen <= len - header_len;
+    }
+    const bool raw = f[5] == 1;
+    if (ok && raw) {
+        ok = blen == n * size;
+    } else if (ok) {
+        const Tiles ts = tiles_at(regions + p * stride, n, TILE_CHUNKS);
+        n_exc = cfc_load_le(f + HDR_NEXC, 8);
+        nwords = ts.totals[0];
+        ok = ts.totals[1] == 0 && n_exc <= n && blen == groups + 4 * nwords + n_exc * (idx_size + size);
+    }
+    if (!ok) {
+        if (threadIdx.x == 0) report_bad_frame(status, bit, p);
+        return;
+    }
+    if (raw || n_exc == 0) return;
+    const u8* idx = f + header_len + groups + 4 * nwords;
+    bool in_order = true;
+    for (u64 k = (u64)blockIdx.x * blockDim.x + threadIdx.x; k < n_exc; k += (u64)gridDim.x * blockDim.x) {
+        const u64 i = cfc_load_le(idx + k * idx_size, (int)idx_size);
+        in_order &= i < n && (k + 1 == n_exc || cfc_load_le(idx + (k + 1) * idx_size, (int)idx_size) > i);
+    }
+    if (!in_order) report_bad_frame(status, bit, p);
 }
 
 // First k in [0, count) whose exception index is >= i (count if none): exception indices are
@@ -1317,6 +1385,7 @@ __device__ void sum_chunks(const u64* frames, u32 parts, u64 header_len, u64 n, 
     __shared__ u32 s_masks[TILE_THREADS / 32][CHUNK_GROUPS];
     __shared__ u32 s_cw[TILE_THREADS / 32], s_ce[TILE_THREADS / 32];
     CfcParams* pp = (CfcParams*)ws;
+    if (pp->error & SUM_BAD_FRAME) return;  // the whole block
     const Tiles ts = tiles_at(ws, n, TILE_THREADS / 32);
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     if (blockIdx.x == 0 && threadIdx.x == 0) {  // the header fields every part must agree on
@@ -1398,9 +1467,10 @@ __device__ void sum_chunks(const u64* frames, u32 parts, u64 header_len, u64 n, 
 // exception return at once).
 template <class D>
 __device__ void sum_values(const u64* frames, u32 parts, u64 header_len, u64 n, u8* part_ws, u64 stride,
-                           const u32* union_mask, u32* value_bits) {
+                           const u32* union_mask, u32* value_bits, const u32* error) {
     __shared__ u32 stage[TILE_THREADS / 32][CHUNK_GROUPS * 64];  // a part per warp
     __shared__ u32 s_masks[TILE_THREADS / 32][CHUNK_GROUPS];
+    if (*error & SUM_BAD_FRAME) return;
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const u64 ch = (u64)blockIdx.x * (TILE_THREADS / 32) + warp;
     const u32 have = chunk_values(n, ch);
@@ -1430,8 +1500,8 @@ __device__ void sum_values(const u64* frames, u32 parts, u64 header_len, u64 n, 
 #define SUM_VALUES(name, D)                                                                        \
     extern "C" __global__ void cfc_codec_sum_values_##name(const u64* frames, u32 parts,           \
             u64 header_len, u64 n, u8* part_ws, u64 stride, const u32* union_mask,                 \
-            u32* value_bits) {                                                                     \
-        sum_values<D>(frames, parts, header_len, n, part_ws, stride, union_mask, value_bits);      \
+            u32* value_bits, const u32* error) {                                                   \
+        sum_values<D>(frames, parts, header_len, n, part_ws, stride, union_mask, value_bits, error); \
     }
 DEFINE_FOR_DTYPES(SUM_VALUES)
 
@@ -1457,13 +1527,14 @@ DEFINE_FOR_DTYPES(SUM_CHUNKS)
 // all-reduce needs no decoded copy of each rank's frame.
 template <class D, class O>
 __device__ void decode_sum(const u64* frames, u32 parts, u64 header_len, u64 n, u8* part_ws, u64 stride,
-                           float scale, typename O::T* __restrict__ out) {
+                           float scale, typename O::T* __restrict__ out, const u32* status) {
     __shared__ u32 stage[TILE_THREADS / 32][CHUNK_GROUPS * 64];  // a part per warp
     __shared__ u32 s_masks[TILE_THREADS / 32][CHUNK_GROUPS];
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const u64 ch = (u64)blockIdx.x * (TILE_THREADS / 32) + warp;
     const u32 have = chunk_values(n, ch);
     if (have == 0) return;  // the whole warp: past the end
+    if (*status) return;    // a frame failed check_frames (or an earlier call did): nothing is written
     float acc[CHUNK_GROUPS];
     typename D::T v[CHUNK_GROUPS];
     for (u32 p = 0; p < parts; ++p) {
@@ -1484,22 +1555,25 @@ __device__ void decode_sum(const u64* frames, u32 parts, u64 header_len, u64 n, 
     /* at most 80 registers: 3 blocks per SM */                                                    \
     extern "C" __global__ __launch_bounds__(TILE_THREADS, 3)                                       \
     void cfc_codec_decode_sum_to_f32_##name(const u64* frames, u32 parts,                          \
-            u64 header_len, u64 n, u8* part_ws, u64 stride, double scale, float* out) {            \
-        decode_sum<D, F32>(frames, parts, header_len, n, part_ws, stride, (float)scale, out);      \
+            u64 header_len, u64 n, u8* part_ws, u64 stride, double scale, float* out,              \
+            const u32* status) {                                                                   \
+        decode_sum<D, F32>(frames, parts, header_len, n, part_ws, stride, (float)scale, out, status); \
     }
 #define DECODE_SUM_TO_BF16(name, D)                                                                \
     /* at most 80 registers: 3 blocks per SM */                                                    \
     extern "C" __global__ __launch_bounds__(TILE_THREADS, 3)                                       \
     void cfc_codec_decode_sum_to_bf16_##name(const u64* frames, u32 parts,                         \
-            u64 header_len, u64 n, u8* part_ws, u64 stride, double scale, u16* out) {              \
-        decode_sum<D, BF16>(frames, parts, header_len, n, part_ws, stride, (float)scale, out);     \
+            u64 header_len, u64 n, u8* part_ws, u64 stride, double scale, u16* out,                \
+            const u32* status) {                                                                   \
+        decode_sum<D, BF16>(frames, parts, header_len, n, part_ws, stride, (float)scale, out, status); \
     }
 #define DECODE_SUM_TO_F16(name, D)                                                                 \
     /* at most 80 registers: 3 blocks per SM */                                                    \
     extern "C" __global__ __launch_bounds__(TILE_THREADS, 3)                                       \
     void cfc_codec_decode_sum_to_f16_##name(const u64* frames, u32 parts,                          \
-            u64 header_len, u64 n, u8* part_ws, u64 stride, double scale, u16* out) {              \
-        decode_sum<D, F16>(frames, parts, header_len, n, part_ws, stride, (float)scale, out);      \
+            u64 header_len, u64 n, u8* part_ws, u64 stride, double scale, u16* out,                \
+            const u32* status) {                                                                   \
+        decode_sum<D, F16>(frames, parts, header_len, n, part_ws, stride, (float)scale, out, status); \
     }
 DEFINE_FOR_DTYPES(DECODE_SUM_TO_F32)
 DEFINE_FOR_DTYPES(DECODE_SUM_TO_BF16)
@@ -1521,6 +1595,13 @@ __device__ void sum_pack(const i64* acc, const u32* value_bits, u64 n, u32 dtype
     const u64 ch = (u64)blockIdx.x * ts.tile_chunks + warp;
     const u64 nwords = ts.totals[0], n_exc = ts.totals[1];
     const u64 idx_size = n <= (1ull << 32) ? 4 : 8;
+    if (pp->error & SUM_BAD_FRAME) {  // sum_chunks added nothing: no frame, size 0
+        if (blockIdx.x == 0 && threadIdx.x == 0) {
+            *(u64*)(ws + 64) = 0;
+            *(u32*)(ws + 72) = 0u;
+        }
+        return;
+    }
     if (ch < ts.chunks) {
         const u64 e0 = ch * CHUNK_VALUES;
         const u32 have = chunk_values(n, ch);

@@ -7,7 +7,9 @@
 //! pinned host memory; it returns without waiting. [`BucketExchange::finish`] waits for those
 //! sizes (within the communicator's timeout), and queues on the caller's stream the decoding of
 //! every rank's frame, added in rank order and averaged into the bucket, and the running
-//! maximum of the error sent. The caller launches the next bucket before finishing this one,
+//! maximum of the error sent. The frames are checked on the device before they are added (the
+//! host sees only their sizes); a frame that is not what its header says leaves the bucket as
+//! it was, and the exchange's next call reports it (see [`BucketExchange::launch`]). The caller launches the next bucket before finishing this one,
 //! so its compression runs while this one is on the wire.
 //!
 //! This is the exchange of [`crate::gpu_allreduce`] (a row per rank: a 16-byte head with the
@@ -154,6 +156,11 @@ pub struct BucketExchange {
     /// the last one's decoding) never waits for the wire.
     side: Arc<CudaStream>,
     entries: HashMap<u64, Entry>,
+    /// The decoder's status (`cuda::DecodeSumArgs::status`), kept across buckets: once a frame
+    /// fails its check, no later bucket is decoded.
+    status: DeviceBuffer,
+    /// Its copy, queued after every decoding and read at every call.
+    status_seen: PinnedBuffer,
 }
 
 impl std::fmt::Debug for BucketExchange {
@@ -181,6 +188,8 @@ impl BucketExchange {
             comm,
             side,
             entries: HashMap::new(),
+            status: DeviceBuffer::zeroed(&ctx, 8)?,
+            status_seen: PinnedBuffer::new(&ctx, 8)?,
         };
         let world = exchange.comm.world();
         let rows = DeviceBuffer::new(&ctx, ROW_HEAD as usize * (world + 1))?;
@@ -223,9 +232,11 @@ impl BucketExchange {
     /// context.
     ///
     /// # Errors
-    /// [`Error::Transport`] for a key already in flight or a slot past the capacity (nothing is
+    /// [`Error::Transport`] for a key already in flight, a slot past the capacity, or a frame
+    /// that an earlier bucket's check found not to be what its header says (nothing is
     /// queued); codec, CUDA and NCCL errors (an NCCL error aborts the communicator).
     pub unsafe fn launch(&mut self, a: &LaunchArgs) -> Result<()> {
+        self.check_frames_seen()?;
         if a.slot > a.capacity || a.slot % 16 != 0 || a.capacity % 16 != 0 {
             return Err(Error::Transport(format!(
                 "bucket {}: a slot of {} bytes for a frame capacity of {} (both multiples of 16, \
@@ -340,10 +351,12 @@ impl BucketExchange {
     /// stated sizes.
     ///
     /// # Errors
-    /// [`Error::Transport`] for a key not in flight, or frame sizes no rank's compressor writes
-    /// (the exchange is dropped); NCCL's errors and the communicator's timeout (which aborts
-    /// it); codec and CUDA errors.
+    /// [`Error::Transport`] for a key not in flight, frame sizes no rank's compressor writes
+    /// (the exchange is dropped), or a frame that an earlier bucket's check found not to be
+    /// what its header says; NCCL's errors and the communicator's timeout (which aborts it);
+    /// codec and CUDA errors.
     pub unsafe fn finish(&mut self, f: &FinishArgs) -> Result<Finish> {
+        self.check_frames_seen()?;
         let world = self.comm.world();
         let device = self.comm.device();
         let caller = self.caller(f.stream);
@@ -399,14 +412,15 @@ impl BucketExchange {
             .map(|j| recv + j * row_bytes + ROW_HEAD)
             .collect();
         let fl = entry.in_flight.take().expect("checked above");
-        // SAFETY: every frame's size was checked against the capacity, the same on every rank;
-        // they were written by `compress` on some rank; `data` is the caller's (launch's
-        // contract), as are the workspaces.
+        // SAFETY: every frame's size was checked against the capacity, the same on every rank,
+        // and lies in its row; `decode_sum` checks the rest on the device; `data` is the
+        // caller's (launch's contract), as are the workspaces.
         unsafe {
             cuda::decode_sum(&cuda::DecodeSumArgs {
                 device,
                 stream: f.stream,
                 frames: &frames,
+                frame_lens: &sizes,
                 n: fl.n,
                 dtype: fl.dtype,
                 ndim: 1,
@@ -415,6 +429,17 @@ impl BucketExchange {
                 out_dtype: fl.dtype,
                 workspace: f.workspace,
                 workspace_len: f.workspace_len,
+                status: self.status.ptr(),
+            })?;
+            cuda::copy_rows(&cuda::CopyRowsArgs {
+                device,
+                stream: f.stream,
+                src: self.status.ptr(),
+                src_pitch: 8,
+                dst: self.status_seen.addr(),
+                dst_pitch: 8,
+                width: 8,
+                rows: 1,
             })?;
             if f.max_error != 0 && fl.residual != 0 {
                 cuda::running_max_abs(device, f.stream, fl.residual, fl.n, f.max_error)?;
@@ -439,6 +464,20 @@ impl BucketExchange {
         let _restore = ContextGuard::save()?;
         let done = self.side.record_event(None).map_err(driver_err)?;
         self.caller(stream).wait(&done).map_err(driver_err)
+    }
+
+    /// The error of a frame that failed its check on the device, as far as the copies of the
+    /// decoder's status queued so far have arrived (nothing is waited for: a failure shows at
+    /// the first call after its copy, usually the next bucket's).
+    fn check_frames_seen(&self) -> Result<()> {
+        let word = self.status_seen.u64_now(0);
+        let status = [word as u32, (word >> 32) as u32];
+        match cuda::decode_status_error(status, "rank") {
+            None => Ok(()),
+            Some(why) => Err(Error::Transport(format!(
+                "a bucket's exchange received a bad frame: {why}"
+            ))),
+        }
     }
 
     /// Whether `key` has an exchange launched and not finished.

@@ -86,6 +86,7 @@ struct Kernels {
     sum_offsets: CudaFunction,
     sum_chunks: CudaFunction,
     sum_values: CudaFunction,
+    check_frames: CudaFunction,
     sum_pack: CudaFunction,
     /// `decode_sum_to_<o>`, by output dtype: f32, bf16, f16.
     decode_sum: [CudaFunction; 3],
@@ -352,6 +353,7 @@ impl Device {
             sum_offsets: self.function(c, "sum_offsets", None)?,
             sum_chunks: self.function(c, "sum_chunks", d)?,
             sum_values: self.function(c, "sum_values", d)?,
+            check_frames: self.function(c, "check_frames", None)?,
             sum_pack: self.function(c, "sum_pack", d)?,
             decode_sum: [
                 self.function(c, "decode_sum_to_f32", d)?,
@@ -1274,7 +1276,7 @@ fn sum_layout(n: u64, parts: u64) -> SumLayout {
     let acc = (union_mask + 4 * groups_for(n)).div_ceil(16) * 16;
     let value_bits = acc + 8 * n;
     let table = (value_bits + 4 * n).div_ceil(16) * 16;
-    let parts_at = (table + 8 * parts).div_ceil(16) * 16;
+    let parts_at = (table + 16 * parts).div_ceil(16) * 16;
     let part_stride = part.decode_end.div_ceil(16) * 16;
     SumLayout {
         tiles,
@@ -1311,9 +1313,12 @@ pub struct SumArgs<'a> {
     /// A `CUstream` of the device's primary context; all work is queued on it.
     pub stream: usize,
     /// The frames to add, in order: quantized or raw frames (not lossless ones, not with a
-    /// zstd stage) of `n` elements of `dtype` with `shape`, checked on the host or written by
-    /// [`compress`] or [`sum`].
+    /// zstd stage) of `n` elements of `dtype` with `shape`. They are checked on the device
+    /// before anything is added (see [`SUM_BAD_FRAME`]), so they may come from anywhere.
     pub frames: &'a [u64],
+    /// Bytes readable at each frame (its size, or the room it lies in): nothing past them
+    /// is read.
+    pub frame_lens: &'a [u64],
     /// Element count of every frame.
     pub n: u64,
     /// Element type of every frame.
@@ -1326,7 +1331,8 @@ pub struct SumArgs<'a> {
     pub out_len: u64,
     /// Workspace, at least [`sum_workspace_len`] bytes. The frame's size is written at
     /// [`FRAME_SIZE_OFFSET`] (0 when the sum failed) and the failure at
-    /// [`BOUND_ERROR_OFFSET`] (a u32: [`SUM_STEPS_DIFFER`] and/or [`SUM_OVERFLOW`]).
+    /// [`BOUND_ERROR_OFFSET`] (a u32: [`SUM_STEPS_DIFFER`], [`SUM_OVERFLOW`] and/or
+    /// [`SUM_BAD_FRAME`], then a u32 that, with [`SUM_BAD_FRAME`], holds a bad frame's index + 1).
     pub workspace: u64,
     /// Its size.
     pub workspace_len: u64,
@@ -1340,44 +1346,78 @@ pub const MAX_SUM_PARTS: u64 = 65535;
 pub const SUM_STEPS_DIFFER: u32 = 1;
 /// Error bit of [`sum`]: a sum of codes leaves the 64-bit range.
 pub const SUM_OVERFLOW: u32 = 2;
+/// Error bit of [`sum`]: a frame is not a frame of these elements laid out as its header
+/// says, within its length (nothing was added).
+pub const SUM_BAD_FRAME: u32 = 4;
 
-/// Queues what [`sum`] and [`decode_sum`] both start with: the frames' addresses into the table
-/// at `table`, 8 to a launch (no host memory is copied, so nothing waits), then every frame's
-/// chunk offsets (`sum_offsets`, a frame per grid row) into its region of `stride` bytes at
-/// `regions`, whose counters must be zero.
+/// Checks on the host that every frame's readable length could hold a frame of `n` elements
+/// (its header and a width byte per group: what `sum_offsets` reads before anything is
+/// checked on the device).
+fn check_frame_lens(frames: &[u64], lens: &[u64], header_len: u64, n: u64) -> Result<()> {
+    if lens.len() != frames.len() {
+        return Err(Error::Incompatible {
+            what: "count",
+            left: format!("{} frames", frames.len()),
+            right: format!("{} frame lengths", lens.len()),
+        });
+    }
+    let needed = header_len + groups_for(n);
+    match lens.iter().find(|&&len| len < needed) {
+        Some(&len) => Err(crate::FormatError::Truncated {
+            part: "frame",
+            needed,
+            available: len,
+        }
+        .into()),
+        None => Ok(()),
+    }
+}
+
+/// Queues what [`sum`] and [`decode_sum`] both start with: the frames' addresses, then their
+/// readable lengths, into the table at `table`, 8 to a launch (no host memory is copied, so
+/// nothing waits); every frame's chunk offsets (`sum_offsets`, a frame per grid row) into its
+/// region of `stride` bytes at `regions`, whose counters must be zero; then `check_frames`,
+/// which sets `bit` in the u32 at `status` (and a bad frame's index + 1 in the u32 after it)
+/// for a frame that is not what its header says, within its length.
 ///
 /// # Safety
-/// The table must hold 8 bytes per frame and each region `stride` bytes (at least the decoder's
-/// `decode_end` for `n` elements), valid until the queued work completes; the frames are as
-/// [`SumArgs::frames`] says.
+/// The table must hold 16 bytes per frame and each region `stride` bytes (at least the
+/// decoder's `decode_end` for `n` elements), `status` 8 bytes, valid until the queued work
+/// completes; each frame `lens[p]` readable bytes, at least [`check_frame_lens`]'s.
 #[allow(clippy::too_many_arguments)]
-unsafe fn part_offsets(
+unsafe fn checked_part_offsets(
     stream: &CudaStream,
     k: &Kernels,
     frames: &[u64],
+    lens: &[u64],
     table: u64,
     regions: u64,
     stride: u64,
-    header_len: u64,
-    n: u64,
+    shape: (u64, DType, usize),
+    status: (u64, u32),
 ) -> Result<()> {
-    // SAFETY: (both launches) this function's contract; `launch` checks each argument list.
+    let (n, dtype, ndim) = shape;
+    let header_len = (FIXED_HEADER_LEN + 8 * ndim) as u64;
+    let parts = frames.len() as u64;
+    // SAFETY: (every launch) this function's contract; `launch` checks each argument list.
     unsafe {
-        for (b, batch) in frames.chunks(MAX_NDIM).enumerate() {
-            let mut eight = [0u64; MAX_NDIM];
-            eight[..batch.len()].copy_from_slice(batch);
-            launch(
-                stream,
-                &k.sum_table,
-                Family::Codec,
-                "sum_table",
-                launch_cfg(32, 32),
-                &[
-                    Arg::Ptr(table + 8 * (b * MAX_NDIM) as u64),
-                    Arg::Dims(Dims(eight)),
-                    Arg::U32(batch.len() as u32),
-                ],
-            )?;
+        for (at, values) in [(table, frames), (table + 8 * parts, lens)] {
+            for (b, batch) in values.chunks(MAX_NDIM).enumerate() {
+                let mut eight = [0u64; MAX_NDIM];
+                eight[..batch.len()].copy_from_slice(batch);
+                launch(
+                    stream,
+                    &k.sum_table,
+                    Family::Codec,
+                    "sum_table",
+                    launch_cfg(32, 32),
+                    &[
+                        Arg::Ptr(at + 8 * (b * MAX_NDIM) as u64),
+                        Arg::Dims(Dims(eight)),
+                        Arg::U32(batch.len() as u32),
+                    ],
+                )?;
+            }
         }
         let mut offsets = launch_cfg(tile_layout(n, TILE_CHUNKS).spans * BLOCK as u64, BLOCK);
         offsets.grid_dim.1 = frames.len() as u32;
@@ -1394,24 +1434,48 @@ unsafe fn part_offsets(
                 Arg::Ptr(regions),
                 Arg::U64(stride),
             ],
+        )?;
+        // Every block of a frame's row checks its header; they share out its exception list.
+        let mut check = launch_cfg(n.min(16 * BLOCK as u64), BLOCK);
+        check.grid_dim.1 = parts as u32;
+        launch(
+            stream,
+            &k.check_frames,
+            Family::Codec,
+            "check_frames",
+            check,
+            &[
+                Arg::Ptr(table),
+                Arg::U32(parts as u32),
+                Arg::U64(header_len),
+                Arg::U64(n),
+                Arg::U32(dtype.code() as u32),
+                Arg::U32(dtype.size() as u32),
+                Arg::U32(ndim as u32),
+                Arg::Ptr(regions),
+                Arg::U64(stride),
+                Arg::Ptr(status.0),
+                Arg::U32(status.1),
+            ],
         )
     }
 }
 
 /// Queues the element-wise sum of frames into one frame of mode `sum`, with the bytes that
 /// [`crate::sum_frames`] (without zstd) gives for the same frames, without waiting for the GPU.
-/// Frames whose steps differ, or whose codes overflow, are known on the device only: the
-/// workspace then reports them (see [`SumArgs::workspace`]) and the frame's size is 0.
+/// Frames whose steps differ, or whose codes overflow, and frames that are not what their
+/// headers say, are known on the device only: the workspace then reports them (see
+/// [`SumArgs::workspace`]) and the frame's size is 0.
 ///
 /// # Safety
 /// Pointers must be device addresses on `args.device`, valid until the queued work completes;
-/// every frame must be as [`SumArgs::frames`] says (the kernels read what their headers and
-/// widths say).
+/// `frame_lens[p]` bytes must be readable at `frames[p]`.
 ///
 /// # Errors
-/// [`Error::Incompatible`] for no frames, [`Error::NotQuantizable`], [`Error::ShapeMismatch`],
-/// [`Error::OutputSize`] for small buffers (all checked before anything is queued), and CUDA
-/// errors.
+/// [`Error::Incompatible`] for no frames or lengths for other frames, [`Error::NotQuantizable`],
+/// [`Error::ShapeMismatch`], [`Error::OutputSize`] for small buffers, a truncated frame for a
+/// length that cannot hold one frame's header and widths (all checked before anything is
+/// queued), and CUDA errors.
 pub unsafe fn sum(args: &SumArgs<'_>) -> Result<()> {
     let n = args.n;
     let ndim = args.shape.len();
@@ -1448,6 +1512,12 @@ pub unsafe fn sum(args: &SumArgs<'_>) -> Result<()> {
             got: args.workspace_len,
         });
     }
+    check_frame_lens(
+        args.frames,
+        args.frame_lens,
+        (FIXED_HEADER_LEN + 8 * ndim) as u64,
+        n,
+    )?;
     let _restore = ContextGuard::save()?;
     let dev = device(args.device)?;
     let stream = dev.stream(args.stream)?;
@@ -1461,9 +1531,10 @@ pub unsafe fn sum(args: &SumArgs<'_>) -> Result<()> {
     let (acc_a, bits_a) = (Arg::Ptr(ws + layout.acc), Arg::Ptr(ws + layout.value_bits));
     let one_tile_each = launch_cfg(layout.tiles.tiles * BLOCK as u64, BLOCK);
     // SAFETY: (every call below) the workspace and output sizes were checked above against
-    // `sum_layout` and `sum_capacity`; the frames are as this function's contract says, so their
-    // widths, planes and exceptions lie within them; `launch` checks each argument list
-    // against the kernel's signature.
+    // `sum_layout` and `sum_capacity`, the frames' lengths against their headers' and widths'
+    // (this function's contract: so much is readable); the kernels that add them run only for
+    // frames that `check_frames` found to lie within their lengths; `launch` checks each
+    // argument list against the kernel's signature.
     unsafe {
         zero(&stream, ws, layout.tiles.zeroed)?;
         for p in 0..parts {
@@ -1473,15 +1544,16 @@ pub unsafe fn sum(args: &SumArgs<'_>) -> Result<()> {
                 layout.part_zeroed,
             )?;
         }
-        part_offsets(
+        checked_part_offsets(
             &stream,
             &k,
             args.frames,
+            args.frame_lens,
             ws + layout.table,
             ws + layout.parts,
             layout.part_stride,
-            header_len,
-            n,
+            (n, args.dtype, ndim),
+            (ws + BOUND_ERROR_OFFSET, SUM_BAD_FRAME),
         )?;
         let chunks = [
             table,
@@ -1512,6 +1584,7 @@ pub unsafe fn sum(args: &SumArgs<'_>) -> Result<()> {
             stride,
             union_a,
             bits_a,
+            Arg::Ptr(ws + BOUND_ERROR_OFFSET),
         ];
         launch(
             &stream,
@@ -1544,10 +1617,10 @@ pub unsafe fn sum(args: &SumArgs<'_>) -> Result<()> {
     Ok(())
 }
 
-/// Where [`decode_sum`] keeps its state in a workspace: the table of the frames' addresses, then
-/// a region per frame for its chunk offsets.
+/// Where [`decode_sum`] keeps its state in a workspace: the table of the frames' addresses and
+/// lengths, then a region per frame for its chunk offsets.
 fn decode_sum_layout(n: u64, parts: u64) -> (u64, u64, u64) {
-    let regions = (8 * parts).div_ceil(16) * 16;
+    let regions = 16 * parts;
     let stride = tile_layout(n, TILE_CHUNKS).decode_end.div_ceil(16) * 16;
     (regions, stride, regions + parts * stride)
 }
@@ -1566,9 +1639,13 @@ pub struct DecodeSumArgs<'a> {
     /// A `CUstream` of the device's primary context; all work is queued on it.
     pub stream: usize,
     /// The frames to add, in order: quantized or raw frames (not lossless ones, not with a
-    /// zstd stage) of `n` elements of `dtype` in `ndim` dimensions, checked on the host or
-    /// written by [`compress`] or [`sum`]. Each may have its own step.
+    /// zstd stage) of `n` elements of `dtype` in `ndim` dimensions. Each may have its own
+    /// step. They are checked on the device before anything is written (see
+    /// [`DecodeSumArgs::status`]), so they may come from anywhere.
     pub frames: &'a [u64],
+    /// Bytes readable at each frame (its size, or the room it lies in): nothing past them
+    /// is read.
+    pub frame_lens: &'a [u64],
     /// Element count of every frame.
     pub n: u64,
     /// Element type of every frame.
@@ -1586,6 +1663,33 @@ pub struct DecodeSumArgs<'a> {
     pub workspace: u64,
     /// Its size.
     pub workspace_len: u64,
+    /// 8 bytes of device memory, zeroed before their first use and kept from call to call:
+    /// a u32 of error bits ([`DECODE_BAD_FRAME`]: a frame is not a frame of these elements
+    /// laid out as its header says, within its length), then a u32 that holds a bad frame's
+    /// index + 1. While they are not zero, nothing is written: a caller that keeps them
+    /// across calls reads them back whenever it likes, and no call after a failure decodes.
+    pub status: u64,
+}
+
+/// Error bit of [`decode_sum`]'s status: a frame is not what its header says (see
+/// [`DecodeSumArgs::status`]).
+pub const DECODE_BAD_FRAME: u32 = 1;
+
+/// What a [`decode_sum`] status reports (its two u32, read back), for frames that come from
+/// `source`s counted from 0 (e.g. "rank"): `None` while it reports nothing.
+pub fn decode_status_error(status: [u32; 2], source: &str) -> Option<String> {
+    if status[0] == 0 {
+        return None;
+    }
+    let which = match status[1] {
+        0 => "a frame".to_string(),
+        i => format!("the frame of {source} {}", i - 1),
+    };
+    Some(format!(
+        "{which} is not a frame of the elements decoded, laid out as its header says within its \
+         size (checked on the device): nothing was decoded from then on (error bits {:#x})",
+        status[0]
+    ))
 }
 
 /// Queues the decoded sum of frames, scaled and written in another dtype, in one pass that
@@ -1598,14 +1702,15 @@ pub struct DecodeSumArgs<'a> {
 ///
 /// # Safety
 /// Pointers must be device addresses on `args.device`, valid until the queued work completes;
-/// every frame must be as [`DecodeSumArgs::frames`] says (the kernels read what their headers
-/// and widths say), and `out` must hold `n` elements of `out_dtype`.
+/// `frame_lens[p]` bytes must be readable at `frames[p]`, `out` must hold `n` elements of
+/// `out_dtype`, `status` 8 bytes.
 ///
 /// # Errors
-/// [`Error::Incompatible`] for no frames or more than [`MAX_SUM_PARTS`],
-/// [`Error::NotQuantizable`] for a dtype other than float32, bfloat16 or float16,
-/// [`Error::Format`] for more than 8 dimensions, [`Error::OutputSize`] for a small workspace
-/// (all checked before anything is queued), and CUDA errors.
+/// [`Error::Incompatible`] for no frames, more than [`MAX_SUM_PARTS`] or lengths for other
+/// frames, [`Error::NotQuantizable`] for a dtype other than float32, bfloat16 or float16,
+/// [`Error::Format`] for more than 8 dimensions or a length that cannot hold one frame's
+/// header and widths, [`Error::OutputSize`] for a small workspace (all checked before
+/// anything is queued), and CUDA errors.
 pub unsafe fn decode_sum(args: &DecodeSumArgs<'_>) -> Result<()> {
     let (n, parts) = (args.n, args.frames.len() as u64);
     if parts == 0 || parts > MAX_SUM_PARTS {
@@ -1634,6 +1739,12 @@ pub unsafe fn decode_sum(args: &DecodeSumArgs<'_>) -> Result<()> {
             got: args.workspace_len,
         });
     }
+    check_frame_lens(
+        args.frames,
+        args.frame_lens,
+        (FIXED_HEADER_LEN + 8 * args.ndim) as u64,
+        n,
+    )?;
     if n == 0 {
         return Ok(());
     }
@@ -1652,21 +1763,23 @@ pub unsafe fn decode_sum(args: &DecodeSumArgs<'_>) -> Result<()> {
     let table = Arg::Ptr(ws);
     let (regions, stride_a) = (Arg::Ptr(ws + table_len), Arg::U64(stride));
     // SAFETY: (every call below) the workspace size was checked above against
-    // `decode_sum_layout`; the frames and the output are as this function's contract says, so
-    // the frames' widths, planes and exceptions lie within them; `launch` checks each argument
-    // list against the kernel's signature.
+    // `decode_sum_layout`, the frames' lengths against their headers' and widths' (this
+    // function's contract: so much is readable, as is the output); the decoding runs only for
+    // frames that `check_frames` found to lie within their lengths; `launch` checks each
+    // argument list against the kernel's signature.
     unsafe {
         // Every frame's counters (and the rest of its region: one memset for all frames).
         zero(&stream, ws + table_len, parts * stride)?;
-        part_offsets(
+        checked_part_offsets(
             &stream,
             &k,
             args.frames,
+            args.frame_lens,
             ws,
             ws + table_len,
             stride,
-            header_len,
-            n,
+            (n, args.dtype, args.ndim),
+            (args.status, DECODE_BAD_FRAME),
         )?;
         let (hl, n_a) = (Arg::U64(header_len), Arg::U64(n));
         let one_chunk_per_warp = launch_cfg(decoding.chunk_blocks * BLOCK as u64, BLOCK);
@@ -1679,6 +1792,7 @@ pub unsafe fn decode_sum(args: &DecodeSumArgs<'_>) -> Result<()> {
             stride_a,
             Arg::F64(args.scale as f64),
             Arg::Ptr(args.out),
+            Arg::Ptr(args.status),
         ];
         launch(&stream, to, Family::Codec, op, one_chunk_per_warp, &sum)?;
     }

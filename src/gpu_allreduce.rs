@@ -176,6 +176,11 @@ pub struct GpuAllReducer {
     comm: Communicator,
     stream: Arc<CudaStream>,
     plan: Option<Plan>,
+    /// The decoder's status (`cuda::DecodeSumArgs::status`), kept across calls: once a frame
+    /// fails its check on the device, nothing more is decoded.
+    status: DeviceBuffer,
+    /// Its copy, queued after every call's decoding and read at the start of every call.
+    status_seen: PinnedBuffer,
 }
 
 impl std::fmt::Debug for GpuAllReducer {
@@ -246,11 +251,14 @@ impl GpuAllReducer {
     /// # Errors
     /// [`Error::Cuda`].
     pub fn new(comm: Communicator) -> Result<GpuAllReducer> {
-        let stream = comm.context().new_stream().map_err(driver_err)?;
+        let ctx = comm.context().clone();
+        let stream = ctx.new_stream().map_err(driver_err)?;
         Ok(GpuAllReducer {
             comm,
             stream,
             plan: None,
+            status: DeviceBuffer::zeroed(&ctx, 8)?,
+            status_seen: PinnedBuffer::new(&ctx, 8)?,
         })
     }
 
@@ -472,6 +480,12 @@ impl GpuAllReducer {
                 cuda::MAX_SUM_PARTS
             )));
         }
+        let word = self.status_seen.u64_now(0);
+        if let Some(why) = cuda::decode_status_error([word as u32, (word >> 32) as u32], "rank") {
+            return Err(Error::Transport(format!(
+                "an earlier call received a bad frame: {why}"
+            )));
+        }
         let device = self.comm.device();
         let call = Call {
             caller: cuda::borrowed_stream(device, stream)?,
@@ -686,14 +700,15 @@ impl GpuAllReducer {
             caller
                 .wait(arrived.as_ref().unwrap_or(&gathered[c]))
                 .map_err(driver_err)?;
-            // SAFETY: every frame was written by `compress` on some rank (sizes checked above
-            // against the capacity, the same on every rank by the agreement); `data` is the
-            // caller's.
+            // SAFETY: every frame lies in its row (sizes checked above against the capacity,
+            // the same on every rank by the agreement); `decode_sum` checks the rest on the
+            // device; `data` is the caller's.
             unsafe {
                 cuda::decode_sum(&cuda::DecodeSumArgs {
                     device,
                     stream,
                     frames: &frames,
+                    frame_lens: &sizes,
                     n: ch.len,
                     dtype,
                     ndim: 1,
@@ -702,8 +717,22 @@ impl GpuAllReducer {
                     out_dtype: dtype,
                     workspace: plan.sum_workspace.ptr(),
                     workspace_len: plan.sum_workspace.len() as u64,
+                    status: self.status.ptr(),
                 })?;
             }
+        }
+        // SAFETY: 8 bytes of device memory and 8 of pinned memory, both this reducer's.
+        unsafe {
+            cuda::copy_rows(&cuda::CopyRowsArgs {
+                device,
+                stream,
+                src: self.status.ptr(),
+                src_pitch: 8,
+                dst: self.status_seen.addr(),
+                dst_pitch: 8,
+                width: 8,
+                rows: 1,
+            })?;
         }
         Ok(AllReduceReport {
             eps,

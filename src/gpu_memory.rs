@@ -37,6 +37,16 @@ impl DeviceBuffer {
         })
     }
 
+    /// Allocates `len` bytes, zeroed (waits for the zeroing).
+    pub(crate) fn zeroed(ctx: &Arc<CudaContext>, len: usize) -> Result<DeviceBuffer> {
+        let buf = DeviceBuffer::new(ctx, len)?;
+        if len > 0 {
+            // SAFETY: `len` bytes of device memory just allocated in this context (current).
+            unsafe { result::memset_d8_sync(buf.ptr, 0, len) }.map_err(driver_err)?;
+        }
+        Ok(buf)
+    }
+
     /// The device address.
     pub(crate) fn ptr(&self) -> u64 {
         self.ptr
@@ -104,6 +114,17 @@ impl PinnedBuffer {
         assert!(8 * (i + 1) <= self.len, "pinned read past the end");
         // SAFETY: in bounds (checked above); the memory is initialised (zeroed at allocation).
         unsafe { std::ptr::read_unaligned(self.ptr.add(8 * i) as *const u64) }
+    }
+}
+
+impl PinnedBuffer {
+    /// The u64 at word `i` as it is now, for a word that copies from the device may still be
+    /// writing (a snapshot: the caller waited for nothing).
+    pub(crate) fn u64_now(&self, i: usize) -> u64 {
+        assert!(8 * (i + 1) <= self.len, "pinned read past the end");
+        // SAFETY: in bounds (checked above), 8-aligned (an allocation's start, a multiple of 8
+        // after it); volatile, since the device writes it behind the compiler's back.
+        unsafe { std::ptr::read_volatile(self.ptr.add(8 * i) as *const u64) }
     }
 }
 

@@ -107,27 +107,33 @@ pub(crate) const SIGNATURES: &[(Family, &str, bool, &[Ty])] = &[
     ),
     (
         Family::Codec,
+        "check_frames",
+        false,
+        &[Ptr, U32, U64, U64, U32, U32, U32, Ptr, U64, Ptr, U32],
+    ),
+    (
+        Family::Codec,
         "sum_values",
         true,
-        &[Ptr, U32, U64, U64, Ptr, U64, Ptr, Ptr],
+        &[Ptr, U32, U64, U64, Ptr, U64, Ptr, Ptr, Ptr],
     ),
     (
         Family::Codec,
         "decode_sum_to_f32",
         true,
-        &[Ptr, U32, U64, U64, Ptr, U64, F64, Ptr],
+        &[Ptr, U32, U64, U64, Ptr, U64, F64, Ptr, Ptr],
     ),
     (
         Family::Codec,
         "decode_sum_to_bf16",
         true,
-        &[Ptr, U32, U64, U64, Ptr, U64, F64, Ptr],
+        &[Ptr, U32, U64, U64, Ptr, U64, F64, Ptr, Ptr],
     ),
     (
         Family::Codec,
         "decode_sum_to_f16",
         true,
-        &[Ptr, U32, U64, U64, Ptr, U64, F64, Ptr],
+        &[Ptr, U32, U64, U64, Ptr, U64, F64, Ptr, Ptr],
     ),
     (
         Family::Codec,

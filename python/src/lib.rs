@@ -439,17 +439,18 @@ fn cuda_sum_sizes(numel: u64, dtype: &str, ndim: usize, parts: u64) -> PyResult<
     ))
 }
 
-/// Queues the sum of device-resident frames (quantized or raw, made by cuda_compress or
-/// cuda_sum, or checked on the host) into one frame of mode `sum` (returns before the GPU
-/// finishes; the frame's size, and any failure, are written to the workspace).
+/// Queues the sum of device-resident frames (quantized or raw, `frame_lens[p]` bytes readable
+/// at `frame_ptrs[p]`, checked on the device) into one frame of mode `sum` (returns before the
+/// GPU finishes; the frame's size, and any failure, are written to the workspace).
 #[pyfunction]
-#[pyo3(signature = (device, stream, frame_ptrs, numel, dtype, shape, out_ptr, out_len, ws_ptr, ws_len))]
+#[pyo3(signature = (device, stream, frame_ptrs, frame_lens, numel, dtype, shape, out_ptr, out_len, ws_ptr, ws_len))]
 #[allow(clippy::too_many_arguments)]
 fn cuda_sum(
     py: Python<'_>,
     device: usize,
     stream: usize,
     frame_ptrs: Vec<u64>,
+    frame_lens: Vec<u64>,
     numel: u64,
     dtype: &str,
     shape: Vec<u64>,
@@ -462,6 +463,7 @@ fn cuda_sum(
         device,
         stream,
         frames: &frame_ptrs,
+        frame_lens: &frame_lens,
         n: numel,
         dtype: dtype_of(dtype)?,
         shape: &shape,
@@ -470,9 +472,8 @@ fn cuda_sum(
         workspace: ws_ptr,
         workspace_len: ws_len,
     };
-    // SAFETY: as cuda_decompress: cfc.codec passes frames written by the GPU codec (it refuses
-    // lossless ones), of `numel` elements of `dtype`, and buffers it keeps alive until the
-    // stream's work is done.
+    // SAFETY: cfc.codec passes tensors of the frames' lengths (what is checked on the device
+    // lies within them), and buffers it keeps alive until the stream's work is done.
     py.detach(|| unsafe { cfc::cuda::sum(&args) })
         .map_err(to_py)
 }
@@ -483,16 +484,20 @@ fn cuda_decode_sum_workspace_len(numel: u64, parts: u64) -> u64 {
     cfc::cuda::decode_sum_workspace_len(numel, parts)
 }
 
-/// Queues the decoded sum of device-resident frames, times `scale`, written as `out_dtype`
-/// (returns before the GPU finishes).
+/// Queues the decoded sum of device-resident frames (`frame_lens[p]` bytes readable at
+/// `frame_ptrs[p]`, checked on the device), times `scale`, written as `out_dtype` (returns
+/// before the GPU finishes). `status_ptr`: 8 bytes of device memory, zeroed before their first
+/// use, where a frame that fails its check is reported (and while they are not zero, nothing
+/// is written).
 #[pyfunction]
-#[pyo3(signature = (device, stream, frame_ptrs, numel, dtype, ndim, scale, out_ptr, out_dtype, ws_ptr, ws_len))]
+#[pyo3(signature = (device, stream, frame_ptrs, frame_lens, numel, dtype, ndim, scale, out_ptr, out_dtype, ws_ptr, ws_len, status_ptr))]
 #[allow(clippy::too_many_arguments)]
 fn cuda_decode_sum(
     py: Python<'_>,
     device: usize,
     stream: usize,
     frame_ptrs: Vec<u64>,
+    frame_lens: Vec<u64>,
     numel: u64,
     dtype: &str,
     ndim: usize,
@@ -501,11 +506,13 @@ fn cuda_decode_sum(
     out_dtype: &str,
     ws_ptr: u64,
     ws_len: u64,
+    status_ptr: u64,
 ) -> PyResult<()> {
     let args = cfc::cuda::DecodeSumArgs {
         device,
         stream,
         frames: &frame_ptrs,
+        frame_lens: &frame_lens,
         n: numel,
         dtype: dtype_of(dtype)?,
         ndim,
@@ -514,10 +521,10 @@ fn cuda_decode_sum(
         out_dtype: dtype_of(out_dtype)?,
         workspace: ws_ptr,
         workspace_len: ws_len,
+        status: status_ptr,
     };
-    // SAFETY: as cuda_sum: cfc passes frames written by the GPU codec, of `numel` elements of
-    // `dtype`, an output of `numel` elements of `out_dtype`, and buffers it keeps alive until
-    // the stream's work is done.
+    // SAFETY: as cuda_sum, and an output of `numel` elements of `out_dtype`, a status of 8
+    // bytes.
     py.detach(|| unsafe { cfc::cuda::decode_sum(&args) })
         .map_err(to_py)
 }
@@ -1189,6 +1196,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<BucketExchange>()?;
     m.add("CUDA_SUM_STEPS_DIFFER", cfc::cuda::SUM_STEPS_DIFFER)?;
     m.add("CUDA_SUM_OVERFLOW", cfc::cuda::SUM_OVERFLOW)?;
+    m.add("CUDA_SUM_BAD_FRAME", cfc::cuda::SUM_BAD_FRAME)?;
+    m.add("CUDA_DECODE_BAD_FRAME", cfc::cuda::DECODE_BAD_FRAME)?;
     m.add("CUDA_FRAME_SIZE_OFFSET", cfc::cuda::FRAME_SIZE_OFFSET)?;
     m.add("CUDA_BOUND_ERROR_OFFSET", cfc::cuda::BOUND_ERROR_OFFSET)?;
     m.add(

@@ -447,21 +447,24 @@ def test_gpu_decoded_sum_writes_only_its_output():
     out = torch.full((2 * n + 2 * guard,), 0xAB, dtype=torch.uint8, device="cuda")  # bfloat16 out
     ws_len = cfc._native.cuda_decode_sum_workspace_len(n, 2)
     ws = torch.full((ws_len + 2 * guard,), 0xCD, dtype=torch.uint8, device="cuda")
+    status = torch.zeros(2, dtype=torch.int32, device="cuda")
+    lens = [c._out.numel() for c in cs]
     stream = torch.cuda.current_stream()
     cfc._native.cuda_decode_sum(
-        0, stream.cuda_stream, [c._out.data_ptr() for c in cs], n, "float32", 1, 0.5,
-        out.data_ptr() + guard, "bfloat16", ws.data_ptr() + guard, ws_len,
+        0, stream.cuda_stream, [c._out.data_ptr() for c in cs], lens, n, "float32", 1, 0.5,
+        out.data_ptr() + guard, "bfloat16", ws.data_ptr() + guard, ws_len, status.data_ptr(),
     )
     torch.cuda.synchronize()
     for buf, fill, length in ((out, 0xAB, 2 * n), (ws, 0xCD, ws_len)):
         assert bool((buf[:guard] == fill).all()), "written before the buffer"
         assert bool((buf[guard + length:] == fill).all()), "written past the buffer"
+    assert status.tolist() == [0, 0], "good frames pass the check"
     got = out[guard : guard + 2 * n].view(torch.bfloat16)
     assert same_values(got, _decoded_sum_reference(cs, 0.5, torch.bfloat16))
     with pytest.raises(ValueError, match="bytes"):
         cfc._native.cuda_decode_sum(
-            0, stream.cuda_stream, [c._out.data_ptr() for c in cs], n, "float32", 1, 0.5,
-            out.data_ptr(), "bfloat16", ws.data_ptr(), ws_len - 1,
+            0, stream.cuda_stream, [c._out.data_ptr() for c in cs], lens, n, "float32", 1, 0.5,
+            out.data_ptr(), "bfloat16", ws.data_ptr(), ws_len - 1, status.data_ptr(),
         )
 
 
@@ -592,3 +595,37 @@ def test_native_exchange_resend_waits_for_work_queued_on_the_callers_stream():
     exchange.close()
     err = (x - want).abs().max().item()
     assert err <= eps, f"the average is {err} from the bucket (bound {eps}): the resent frame was overwritten"
+
+
+def test_native_exchange_reports_a_bad_frame_and_leaves_the_bucket_as_it_was():
+    """A frame that arrives corrupted (here: a width past 64, written into the received row
+    between the all-gather and the decoding; one rank) fails its check on the device: the
+    bucket keeps its values, and the exchange's next call raises."""
+    from cfc import _native
+
+    try:
+        uid = _native.nccl_unique_id()
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(f"no NCCL here: {e}")
+    dev = torch.device("cuda", 0)
+    exchange = _native.BucketExchange(0, uid, 0, 1)
+    n, eps = 1 << 16, 1e-3
+    x = torch.randn(n, device=dev, generator=torch.Generator(dev).manual_seed(0)) * 0.01
+    want = x.clone()
+    cap = -(-_native.cuda_compress_capacity(n, "float32", 1, eps=eps) // 16) * 16
+    row = _native.BucketExchange.row_len(cap)
+    ws_len = max(_native.cuda_workspace_len(n, compress=True), _native.cuda_decode_sum_workspace_len(n, 1))
+    ws_at = -(-(2 * row) // 256) * 256
+    mem = torch.empty(ws_at + ws_len, dtype=torch.uint8, device=dev)
+    base, stream = mem.data_ptr(), torch.cuda.current_stream(dev)
+    launch = (1, stream.cuda_stream, x.data_ptr(), n, "float32", 0, base, cap, base + ws_at, ws_len, 0, 0,
+              cap, base + row)
+    exchange.launch(*launch, eps=eps)
+    stream.synchronize()  # the frame is in the received row
+    mem[row + 16 + 72 + 3] = 200  # its fourth group's width
+    assert exchange.finish(1, stream.cuda_stream, 1.0, base + ws_at, ws_len, 0)[0] == 0
+    stream.synchronize()
+    assert torch.equal(x, want), "the bucket was written from a bad frame"
+    with pytest.raises(cfc.CfcError, match="bad frame"):
+        exchange.launch(*launch, eps=eps)
+    exchange.close()

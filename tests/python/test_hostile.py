@@ -62,3 +62,131 @@ def test_max_nbytes_refuses_a_tiny_frame_describing_a_huge_tensor():
     with pytest.raises(ValueError, match="max_nbytes"):
         cfc.decompress(bytes(zeros), max_nbytes=1 << 20)
     assert cfc.decompress(bytes(zeros), max_nbytes=1 << 24).numel() == 1 << 22
+
+
+# ---- frames that reach the GPU's sums from elsewhere (another rank) ----------------------
+# The kernels that add frames check them on the device first: a bad one is reported and
+# nothing is written, never read past its end (run these under compute-sanitizer to see the
+# latter too).
+
+N_GPU = 3000
+HEADER_1D = 72  # the fixed header and one dimension
+
+
+def _values():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(N_GPU, generator=g) * torch.rand(N_GPU, generator=g).pow(4)
+    x[[5, 17, 400]] = torch.tensor([float("nan"), float("inf"), float("nan")])  # exceptions
+    return x
+
+
+def _layout(b):
+    """(groups, plane words, exception count, where the exception indices start)."""
+    groups = -(-N_GPU // 32)
+    words = sum(b[HEADER_1D : HEADER_1D + groups])
+    n_exc = int.from_bytes(b[40:48], "little")
+    return groups, words, n_exc, HEADER_1D + groups + 4 * words
+
+
+def _set_u64(b, at, v):
+    b[at : at + 8] = v.to_bytes(8, "little")
+
+
+def _swap_first_exceptions(b):
+    at = _layout(b)[3]
+    b[at : at + 8] = b[at + 4 : at + 8] + b[at : at + 4]
+
+
+def _exception_past_the_end(b):
+    _, _, n_exc, at = _layout(b)
+    b[at + 4 * (n_exc - 1) : at + 4 * n_exc] = (N_GPU + 5).to_bytes(4, "little")
+
+
+CORRUPTIONS = {
+    "a width past 64": lambda b: b.__setitem__(HEADER_1D + 3, 200),
+    "widths that disagree with the body length": lambda b: b.__setitem__(HEADER_1D + 3, b[HEADER_1D + 3] + 1),
+    "a huge exception count": lambda b: _set_u64(b, 40, 1 << 40),
+    "a body past the frame's size": lambda b: (_set_u64(b, 48, len(b)), _set_u64(b, 56, len(b))),
+    "exceptions out of order": _swap_first_exceptions,
+    "an exception index past the end": _exception_past_the_end,
+    "another dtype": lambda b: b.__setitem__(6, 1),
+    "another element count": lambda b: _set_u64(b, 16, N_GPU + 1),
+    "a bad magic": lambda b: b.__setitem__(0, ord("X")),
+}
+
+
+@pytest.mark.parametrize("name", list(CORRUPTIONS))
+def test_the_gpu_tests_corruptions_are_refused_by_the_host(name):
+    """The same bytes as the GPU's frame (the GPU codec writes the CPU's): each corruption the
+    GPU tests below make is a malformed frame, as the host's checks see it."""
+    raw = bytes(cfc.compress(_values(), eps=1e-3))
+    assert _layout(raw)[2] >= 3
+    bad = bytearray(raw)
+    CORRUPTIONS[name](bad)
+    with pytest.raises(cfc.FormatError):
+        cfc.decompress(bytes(bad))
+
+
+def _on_gpu(b):
+    return torch.frombuffer(bytearray(b), dtype=torch.uint8).cuda()
+
+
+@pytest.fixture(scope="module")
+def gpu_frame():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    c = cfc.compress(_values().cuda(), eps=1e-3)
+    raw = bytes(c)
+    n_exc = _layout(raw)[2]
+    assert n_exc >= 3, "the frame needs exceptions for the corruptions to reach them"
+    return c, raw
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(CORRUPTIONS))
+def test_gpu_decoded_sum_refuses_a_bad_frame_and_writes_nothing(gpu_frame, name):
+    from cfc.codec import _decode_status_error, _decode_sum_cuda
+
+    c, raw = gpu_frame
+    bad = bytearray(raw)
+    CORRUPTIONS[name](bad)
+    out = torch.full((N_GPU,), 7.0, device="cuda")
+    status = _decode_sum_cuda([_on_gpu(raw), _on_gpu(bad)], N_GPU, "float32", out, 0.5)
+    torch.cuda.synchronize()
+    why = _decode_status_error(status)
+    assert why is not None and "frame 1" in why, (name, why)
+    assert torch.equal(out, torch.full_like(out, 7.0)), f"{name}: the output was written"
+    # The status is kept: a later call with it decodes nothing, even of a good frame.
+    _decode_sum_cuda([_on_gpu(raw)], N_GPU, "float32", out, 1.0, status=status)
+    torch.cuda.synchronize()
+    assert torch.equal(out, torch.full_like(out, 7.0))
+    # A new status: the good frame decodes as decompress does.
+    fresh = _decode_sum_cuda([_on_gpu(raw)], N_GPU, "float32", out, 1.0)
+    assert _decode_status_error(fresh) is None
+    want = cfc.decompress(raw).cuda()
+    assert torch.equal(torch.isnan(out), torch.isnan(want)) and torch.equal(out.nan_to_num(), want.nan_to_num())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(CORRUPTIONS))
+def test_gpu_sum_of_frames_refuses_a_bad_frame(gpu_frame, name):
+    from cfc.codec import _sum_frames_cuda
+
+    _, raw = gpu_frame
+    bad = bytearray(raw)
+    CORRUPTIONS[name](bad)
+    s = _sum_frames_cuda([_on_gpu(raw), _on_gpu(bad)], "float32", (N_GPU,))
+    with pytest.raises(cfc.CfcError, match="frame 1 of the sum"):
+        s.synchronize()
+    good = _sum_frames_cuda([_on_gpu(raw), _on_gpu(raw)], "float32", (N_GPU,))
+    assert bytes(good) == bytes(cfc.sum_compressed([cfc.Compressed(raw)] * 2)), "the check refuses a good frame"
+
+
+@pytest.mark.gpu
+def test_gpu_frames_too_short_for_their_widths_are_refused_on_the_host(gpu_frame):
+    from cfc.codec import _decode_sum_cuda
+
+    _, raw = gpu_frame
+    out = torch.zeros(N_GPU, device="cuda")
+    with pytest.raises(cfc.FormatError, match="frame"):
+        _decode_sum_cuda([_on_gpu(raw[:HEADER_1D + 10])], N_GPU, "float32", out)

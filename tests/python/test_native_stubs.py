@@ -36,18 +36,25 @@ def test_cuda_calls_without_cuda_raise_a_clear_error():
 def test_cuda_sum_checks_its_frame_count_before_touching_a_device():
     # sum_offsets gives each frame a row of the grid, which CUDA caps at 65535 rows.
     with pytest.raises(cfc.CfcError, match="at most 65535 frames"):
-        native.cuda_sum(0, 0, [0] * 65536, 1, "float32", [1], 0, 1 << 20, 0, 1 << 30)
+        native.cuda_sum(0, 0, [0] * 65536, [100] * 65536, 1, "float32", [1], 0, 1 << 20, 0, 1 << 30)
     with pytest.raises(cfc.CfcError, match="at least one frame"):
-        native.cuda_sum(0, 0, [], 1, "float32", [1], 0, 1 << 20, 0, 1 << 30)
+        native.cuda_sum(0, 0, [], [], 1, "float32", [1], 0, 1 << 20, 0, 1 << 30)
+    # Each frame's length must hold its header and a width byte per group of 32 elements.
+    with pytest.raises(cfc.CfcError, match="2 frame lengths"):
+        native.cuda_sum(0, 0, [0], [100, 100], 1, "float32", [1], 0, 1 << 20, 0, 1 << 30)
+    with pytest.raises(cfc.FormatError, match="frame"):
+        native.cuda_sum(0, 0, [0], [72 + 31], 1000, "float32", [1000], 0, 1 << 20, 0, 1 << 30)
 
 
 def test_cuda_decode_sum_and_copy_rows_check_their_arguments_before_touching_a_device():
     with pytest.raises(cfc.CfcError, match="1 to 65535 frames"):
-        native.cuda_decode_sum(0, 0, [], 1, "float32", 1, 1.0, 0, "float32", 0, 1 << 20)
+        native.cuda_decode_sum(0, 0, [], [], 1, "float32", 1, 1.0, 0, "float32", 0, 1 << 20, 0)
     with pytest.raises(TypeError, match="float64"):
-        native.cuda_decode_sum(0, 0, [0], 1, "float32", 1, 1.0, 0, "float64", 0, 1 << 20)
+        native.cuda_decode_sum(0, 0, [0], [100], 1, "float32", 1, 1.0, 0, "float64", 0, 1 << 20, 0)
     with pytest.raises(ValueError, match="10 bytes"):
-        native.cuda_decode_sum(0, 0, [0], 1 << 20, "float32", 1, 1.0, 0, "float32", 0, 10)
+        native.cuda_decode_sum(0, 0, [0], [100], 1 << 20, "float32", 1, 1.0, 0, "float32", 0, 10, 0)
+    with pytest.raises(cfc.FormatError, match="frame"):
+        native.cuda_decode_sum(0, 0, [0, 0], [4096, 72 + 31], 1000, "float32", 1, 1.0, 0, "float32", 0, 1 << 20, 0)
     with pytest.raises(cfc.CfcError, match="pitch"):
         native.cuda_copy_rows(0, 0, 0, 4, 0, 8, 8, 2)
 

@@ -9,6 +9,8 @@ CUDA_FRAME_SIZE_OFFSET: int
 CUDA_BOUND_ERROR_OFFSET: int
 CUDA_SUM_STEPS_DIFFER: int
 CUDA_SUM_OVERFLOW: int
+CUDA_SUM_BAD_FRAME: int
+CUDA_DECODE_BAD_FRAME: int
 CUDA_SUM_SQUARES_WORKSPACE: int
 
 class CfcError(Exception): ...
@@ -103,6 +105,7 @@ def cuda_sum(
     device: int,
     stream: int,
     frame_ptrs: Sequence[int],
+    frame_lens: Sequence[int],
     numel: int,
     dtype: str,
     shape: Sequence[int],
@@ -116,6 +119,7 @@ def cuda_decode_sum(
     device: int,
     stream: int,
     frame_ptrs: Sequence[int],
+    frame_lens: Sequence[int],
     numel: int,
     dtype: str,
     ndim: int,
@@ -124,6 +128,7 @@ def cuda_decode_sum(
     out_dtype: str,
     ws_ptr: int,
     ws_len: int,
+    status_ptr: int,
 ) -> None: ...
 def cuda_copy_rows(
     device: int, stream: int, src: int, src_pitch: int, dst: int, dst_pitch: int, width: int, rows: int

@@ -419,6 +419,12 @@ class CudaCompressed:
             return
         if self._mode != "sum":
             raise ValueError("invalid rel: rel x max|x| is outside the usable range of f64")
+        if err & _native.CUDA_SUM_BAD_FRAME:
+            which = self._host_word(_native.CUDA_BOUND_ERROR_OFFSET + 4, 4)
+            raise _native.CfcError(
+                f"frame {which - 1 if which else '?'} of the sum is not a frame of {self._shape} {self._dtype} "
+                "elements laid out as its header says within its size (checked on the GPU): nothing was added"
+            )
         if err & _native.CUDA_SUM_STEPS_DIFFER:
             raise _native.CfcError("the frames have different steps: only frames compressed with the same eps add")
         raise _native.CfcError("a sum of codes leaves the 64-bit range")
@@ -846,29 +852,48 @@ def _sum_frames_cuda(frames, dtype: str, shape, after=(), capacity: int = 0) -> 
     for f in frames:
         f.record_stream(stream)
     _native.cuda_sum(
-        dev.index, stream.cuda_stream, [f.data_ptr() for f in frames], n, dtype, list(shape),
-        out.data_ptr(), out.numel(), ws.data_ptr(), ws_len,
+        dev.index, stream.cuda_stream, [f.data_ptr() for f in frames], [f.numel() for f in frames], n, dtype,
+        list(shape), out.data_ptr(), out.numel(), ws.data_ptr(), ws_len,
     )
     return CudaCompressed(out, ws, dtype, tuple(shape), "sum", stream)
 
 
-def _decode_sum_cuda(frames, numel: int, dtype: str, out, scale: float = 1.0, ndim: int = 1) -> None:
+def _decode_sum_cuda(frames, numel: int, dtype: str, out, scale: float = 1.0, ndim: int = 1, status=None):
     """Write ``scale`` times the sum of the frames' decoded values into ``out`` (a contiguous
     CUDA tensor of ``numel`` float32, bfloat16 or float16 elements), on the current stream, in
     one pass that reads only the frames: ``ndim``-dimensional frames of ``numel`` elements of
-    ``dtype`` (quantized or raw, written by the GPU codec or checked on the host), each with its
-    own step. Each frame's value is what :func:`decompress` gives, widened to float32; they are
-    added in float32 in order and multiplied by ``scale`` (a float32; skipped when it is 1)."""
+    ``dtype`` (quantized or raw: uint8 tensors, each checked on the GPU to lie within its own
+    bytes), each with its own step. Each frame's value is what :func:`decompress` gives, widened
+    to float32; they are added in float32 in order and multiplied by ``scale`` (a float32;
+    skipped when it is 1).
+
+    ``status``: two int32 on the device, zero before their first use (a new pair if None),
+    returned. A frame that fails its check sets them (see :func:`_decode_status_error`), and
+    while they are not zero nothing is written into ``out``."""
     import torch
 
     dev = out.device
     ws_len = _native.cuda_decode_sum_workspace_len(numel, len(frames))
     ws = torch.empty(ws_len, dtype=torch.uint8, device=dev)
+    if status is None:
+        status = torch.zeros(2, dtype=torch.int32, device=dev)
     stream = torch.cuda.current_stream(dev)
     _native.cuda_decode_sum(
-        dev.index, stream.cuda_stream, [f.data_ptr() for f in frames], numel, dtype, ndim, scale,
-        out.data_ptr(), str(out.dtype)[6:], ws.data_ptr(), ws_len,
+        dev.index, stream.cuda_stream, [f.data_ptr() for f in frames], [f.numel() for f in frames], numel, dtype,
+        ndim, scale, out.data_ptr(), str(out.dtype)[6:], ws.data_ptr(), ws_len, status.data_ptr(),
     )
+    return status
+
+
+def _decode_status_error(status) -> Optional[str]:
+    """The failure a :func:`_decode_sum_cuda` status reports (read back: waits for the GPU), or
+    None."""
+    bits, which = (int(v) for v in status.tolist())
+    if bits == 0:
+        return None
+    frame = f"frame {which - 1}" if which else "a frame"
+    return (f"{frame} is not a frame of the elements decoded, laid out as its header says within its size "
+            "(checked on the GPU): nothing was decoded from then on")
 
 
 def fixed_rate_size(shape: Iterable[int], bits: int) -> int:
