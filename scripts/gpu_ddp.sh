@@ -16,6 +16,8 @@
 # (SHARED_HOOK, default cfc; SHARED_ROUNDS times, default 3; with the wheels of SHARED_WHEELS,
 # "new" by default, "old" for .carry/old/*.whl): each GPU then runs far behind its host, which
 # shows a missing wait between streams; it prints each job's exit status and first CUDA error.
+# sanitize runs the GPU tests of hostile frames under compute-sanitizer's memcheck (one GPU is
+# enough): a bad frame must be reported without any read or write out of bounds.
 # Logs go under $OUT.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -25,6 +27,8 @@ STEPS=${STEPS:-50}
 NPROC=${NPROC:-2}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 for part in $PARTS; do case $part in
+  sanitize) timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -m gpu \
+           -p no:cacheprovider tests/python/test_hostile.py 2>&1 | tail -25 | tee "$OUT/sanitize.log" ;;
   tests) timeout 300 python3 -m pytest -q -m gpu tests/python/test_ddp.py -x 2>&1 | tail -25 | tee "$OUT/ddp_tests.log" ;;
   train) timeout 400 torchrun --standalone --nproc_per_node=2 examples/ddp_train.py --hook allreduce,cfc \
            --steps ${TRAIN_STEPS:-1000} --d-model 256 --layers 4 --heads 8 --batch 32 --seq 256 --out "$OUT/ddp_train" \
