@@ -470,9 +470,7 @@ impl BucketExchange {
     /// decoder's status queued so far have arrived (nothing is waited for: a failure shows at
     /// the first call after its copy, usually the next bucket's).
     fn check_frames_seen(&self) -> Result<()> {
-        let word = self.status_seen.u64_now(0);
-        let status = [word as u32, (word >> 32) as u32];
-        match cuda::decode_status_error(status, "rank") {
+        match cuda::decode_status_error(self.status_seen.u64_now(0), "rank") {
             None => Ok(()),
             Some(why) => Err(Error::Transport(format!(
                 "a bucket's exchange received a bad frame: {why}"

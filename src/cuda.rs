@@ -1675,9 +1675,11 @@ pub struct DecodeSumArgs<'a> {
 /// [`DecodeSumArgs::status`]).
 pub const DECODE_BAD_FRAME: u32 = 1;
 
-/// What a [`decode_sum`] status reports (its two u32, read back), for frames that come from
-/// `source`s counted from 0 (e.g. "rank"): `None` while it reports nothing.
-pub fn decode_status_error(status: [u32; 2], source: &str) -> Option<String> {
+/// What a [`decode_sum`] status reports (its 8 bytes read back as a little-endian u64: the
+/// error bits, then the bad frame's index + 1), for frames that come from `source`s counted
+/// from 0 (e.g. "rank"): `None` while it reports nothing.
+pub fn decode_status_error(status: u64, source: &str) -> Option<String> {
+    let status = [status as u32, (status >> 32) as u32];
     if status[0] == 0 {
         return None;
     }

@@ -480,8 +480,7 @@ impl GpuAllReducer {
                 cuda::MAX_SUM_PARTS
             )));
         }
-        let word = self.status_seen.u64_now(0);
-        if let Some(why) = cuda::decode_status_error([word as u32, (word >> 32) as u32], "rank") {
+        if let Some(why) = cuda::decode_status_error(self.status_seen.u64_now(0), "rank") {
             return Err(Error::Transport(format!(
                 "an earlier call received a bad frame: {why}"
             )));
