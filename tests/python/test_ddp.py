@@ -798,6 +798,20 @@ def test_comm_thread_runs_each_later_stage_after_the_next_launches(monkeypatch, 
     failures = [r for r in caplog.records if "comm thread failed" in r.getMessage()]
     assert len(failures) == 1 and failures[0].exc_info[1].args == ("E failed",), failures
 
+    # A bucket's items in one hand-over run as if queued one by one; drain() waits for them.
+    log.clear()
+    fresh = _CommThread(None, "cpu")
+    done = torch.futures.Future()
+    fresh.submit_all([("part", part("G", 1), None), ("done", lambda: log.append("done G") or "G", done),
+                      ("flush", None, None)])
+    fresh.drain()
+    assert log == ["launch G", "G0", "done G"] and done.value() == "G", log
+    assert fresh.pending == 0
+    fresh.stop()
+    fresh.drain()  # returns once the thread has ended, though it never handles the marker
+    fresh.thread.join(timeout=10)
+    assert not fresh.thread.is_alive()
+
     worker.stop()  # ends the thread after what is queued (register_comm_hook's probe)
     worker.thread.join(timeout=10)
     assert not worker.thread.is_alive()

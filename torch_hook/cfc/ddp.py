@@ -936,10 +936,15 @@ class _CommThread:
         # exchange (a bucket, or the reduce-scatter's ("sum", bucket)) -> (pinned int64 per rank,
         # event): where its frame sizes go (_FrameExchange)
         self.sizes: Dict[Any, Tuple[Any, Any]] = {}
-        self.jobs: "queue.Queue[Any]" = queue.Queue()
+        # Batches of items, one per hand-over (a bucket's items go together). A SimpleQueue:
+        # putting takes no lock that this thread may hold, so the autograd thread does not
+        # block on a hand-over. Hand-overs queued (counted under a lock of the submitting
+        # threads', which this thread never takes) and handled (written by this thread only).
+        self.jobs: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        self.counting = threading.Lock()
+        self.queued = 0
+        self.handled = 0
         self.failed: Optional[BaseException] = None
-        self.idle = threading.Condition()
-        self.pending = 0
         # (parts launched when it was queued, closure, future or None), in order
         self.deferred: List[Tuple[int, Any, Any]] = []
         # After a failure: stages that will not run, and buffers of an exchange that did not
@@ -952,17 +957,31 @@ class _CommThread:
     def submit(self, kind: str, work=None, fut=None) -> None:
         """Queue an item: ``("part", launch)``: ``launch()`` returns the part's finish (or
         None); ``("done", value, fut)``: ``fut`` gets ``value()`` once the earlier parts are
-        finished; ``("flush",)``: finish everything queued so far."""
-        with self.idle:
-            self.pending += 1
-        self.jobs.put((kind, work, fut))
+        finished; ``("flush",)``: finish everything queued so far; ``("sync", set)``: call
+        ``set()`` once everything queued before is handled."""
+        self.submit_all([(kind, work, fut)])
+
+    def submit_all(self, items: List[Tuple[str, Any, Any]]) -> None:
+        """Queue several items (``(kind, work, fut)``, as :meth:`submit`) in one hand-over."""
+        with self.counting:
+            self.queued += 1
+            self.jobs.put(items)
+
+    @property
+    def pending(self) -> int:
+        """Hand-overs queued and not yet handled."""
+        return self.queued - self.handled
 
     def drain(self) -> None:
         """Wait until every queued bucket has been handed to the GPU, then for the GPU."""
         import torch
 
-        with self.idle:
-            self.idle.wait_for(lambda: self.pending == 0)
+        if self.thread.is_alive():
+            handled = threading.Event()
+            self.submit("sync", handled.set)
+            # (a thread that was stopped before the marker never sets it)
+            while not handled.wait(timeout=1.0) and self.thread.is_alive():
+                pass
         self.stream.synchronize()
         self.sizes_stream.synchronize()
         torch.cuda.synchronize(self.device)
@@ -970,7 +989,7 @@ class _CommThread:
 
     def stop(self) -> None:
         """End the thread once everything queued before is done (without waiting for it)."""
-        self.jobs.put(("stop", None, None))
+        self.submit("stop")
 
     def _fail(self, e: BaseException) -> None:
         """Note the first failure: every later stage then fails with it. Its traceback is
@@ -1015,40 +1034,47 @@ class _CommThread:
 
         torch.cuda.set_device(self.device)
         while True:
-            kind, work, fut = self.jobs.get()
-            if kind == "stop":
-                return
+            items = self.jobs.get()
             try:
                 with torch.cuda.stream(self.stream):
-                    if kind == "part":
-                        finish = None
-                        try:
-                            if self.failed is None:
-                                finish = work()
-                        except BaseException as e:  # noqa: BLE001 - reaches backward() through the future
-                            self._fail(e)
-                        self.launched += 1
-                        self._run_deferred(self._due())
-                        if finish is not None:
-                            self.deferred.append((self.launched, finish, None))
-                    elif kind == "done":
-                        self.deferred.append((self.launched, work, fut))
-                    else:  # flush
-                        while self.deferred:
-                            earlier, self.deferred = self.deferred, []
-                            self._run_deferred(earlier)
+                    for kind, work, fut in items:
+                        if kind == "stop":
+                            return
+                        self._handle(kind, work, fut)
             finally:
-                with self.idle:
-                    self.pending -= 1
-                    self.idle.notify_all()
+                self.handled += 1
+
+    def _handle(self, kind: str, work, fut) -> None:
+        """One item of a hand-over (see :meth:`submit`)."""
+        if kind == "part":
+            finish = None
+            try:
+                if self.failed is None:
+                    finish = work()
+            except BaseException as e:  # noqa: BLE001 - reaches backward() through the future
+                self._fail(e)
+            self.launched += 1
+            self._run_deferred(self._due())
+            if finish is not None:
+                self.deferred.append((self.launched, finish, None))
+        elif kind == "done":
+            self.deferred.append((self.launched, work, fut))
+        elif kind == "flush":
+            while self.deferred:
+                earlier, self.deferred = self.deferred, []
+                self._run_deferred(earlier)
+        else:  # sync: everything queued before is handled
+            work()
 
 
 def _gpu_bucket(state: CfcState, bucket, buf, parts, scatter) -> Any:
     dev = buf.device
-    with state._lock:
-        if state._worker is None:
-            state._worker = _CommThread(state, dev, state._pipeline_depth)
     worker = state._worker
+    if worker is None:  # once: the lock only then (the comm thread takes it too)
+        with state._lock:
+            if state._worker is None:
+                state._worker = _CommThread(state, dev, state._pipeline_depth)
+            worker = state._worker
     try:
         return _gpu_submit(state, worker, bucket, buf, parts, scatter)
     except Exception as e:  # noqa: BLE001 - handed to DDP, which raises it from backward()
@@ -1085,17 +1111,19 @@ def _gpu_submit(state: CfcState, worker, bucket, buf, parts, scatter) -> Any:
         jobs.append((index, flat, layout, r, compress, trial))
     ready.record(torch.cuda.current_stream(dev))  # after the residuals and any gathers
     fut = torch.futures.Future(devices=[dev])
-    for job in jobs:
-        worker.submit("part", lambda job=job: _gpu_launch(state, worker.stream, *job, ready))
 
     def value():
         if scatter is not None:
             scatter()
         return buf
 
-    worker.submit("done", value, fut)
+    # The bucket's items in one hand-over: its parts, its future, and at the step's last
+    # bucket the flush.
+    items = [("part", lambda job=job: _gpu_launch(state, worker.stream, *job, ready), None) for job in jobs]
+    items.append(("done", value, fut))
     if bucket.is_last():
-        worker.submit("flush")
+        items.append(("flush", None, None))
+    worker.submit_all(items)
     state._end_of_bucket(bucket)
     return fut
 
