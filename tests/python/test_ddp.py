@@ -5,6 +5,7 @@ import copy
 import gc
 import math
 import os
+import threading
 
 import pytest
 import torch
@@ -353,6 +354,31 @@ def close(rank, world, out):
     assert "Unable to cast" not in str(failed.value) and "CfcError" in str(failed.value), failed.value
 
 
+def comm_failure(rank, world, out):
+    """A failure on the comm thread, after the hook has returned the bucket's future (CUDA),
+    reaches backward() as the error it was, not as "Unable to cast ... to Tensor"."""
+    import cfc.ddp as hook
+
+    state = CfcState(warmup_steps=1, min_compress_numel=0)
+    ddp, opt = make(state)
+    train(ddp, opt, rank, 2)
+    assert state._worker is not None and state._worker.thread.is_alive()
+
+    def launch_fails(*args, **kw):
+        assert threading.current_thread() is state._worker.thread  # the future was returned
+        raise cfc.CfcError("a launch failed on the comm thread")
+
+    launch, hook._gpu_launch = hook._gpu_launch, launch_fails
+    try:
+        x, y = batch(rank, 2)
+        with pytest.raises(Exception, match="a launch failed on the comm thread") as failed:
+            nn.functional.cross_entropy(ddp(x), y).backward()
+        assert "Unable to cast" not in str(failed.value) and "CfcError" in str(failed.value), failed.value
+    finally:
+        hook._gpu_launch = launch
+    state.close()
+
+
 def fallback(rank, world, out):
     state = CfcState(fallback="auto", warmup_steps=1, trial_steps=2, min_compress_numel=0)
     ddp, opt = make(state)
@@ -544,7 +570,7 @@ def native_exchange(rank, world, out):
 SCENARIOS = {
     f.__name__: f
     for f in (parity, resume, overflow, accumulate, variants, mismatch, fallback, slots, reduce_scatter, per_tensor,
-              trial_timing, plain_after_trial, register, register_sockets, native_exchange, close)
+              trial_timing, plain_after_trial, register, register_sockets, native_exchange, close, comm_failure)
 }
 
 
@@ -594,6 +620,11 @@ def test_hook(tmp_path, scenario, device):
     if device == "cuda":
         two_gpus()
     spawn(tmp_path, scenario, device=device)
+
+
+@pytest.mark.gpu
+def test_a_comm_thread_failure_reaches_backward_as_the_error_it_was(tmp_path):
+    spawn(tmp_path, "comm_failure", world=1, device="cuda")  # one GPU is enough
 
 
 @pytest.mark.gpu

@@ -993,8 +993,8 @@ class _CommThread:
 
     def _fail(self, e: BaseException) -> None:
         """Note the first failure: every later stage then fails with it. Its traceback is
-        logged here, since backward() shows only the message (DDP passes the exception on as
-        the future's value)."""
+        logged here, since backward() shows only its type and message (the bucket's future
+        fails through :func:`_bucket_of`)."""
         if self.failed is None:
             self.failed = e
             rank = getattr(self.state, "rank", "?")
@@ -1125,7 +1125,15 @@ def _gpu_submit(state: CfcState, worker, bucket, buf, parts, scatter) -> Any:
         items.append(("flush", None, None))
     worker.submit_all(items)
     state._end_of_bucket(bucket)
-    return fut
+    # What DDP holds is a callback's future: a failure on the comm thread can only reach
+    # ``fut`` through ``set_exception``, which DDP's reducer would read as the bucket ("Unable
+    # to cast ... to Tensor"); the callback raises it instead, and so backward() names it.
+    return fut.then(_bucket_of)
+
+
+def _bucket_of(fut) -> Any:
+    """The bucket that the comm thread set on ``fut``, or the exception it set, raised."""
+    return fut.value()
 
 
 def _fast_step(state: CfcState) -> bool:
