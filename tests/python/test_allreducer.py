@@ -166,6 +166,22 @@ def _worker(rank, world, init_file, scenario, device, algorithm=None):
                 reducer(x if rank == 0 else x.half())
             # the ranks can go on once they agree
             check_close(reducer(x).wait(), exact_average(0, 10000, world), EPS)
+        elif scenario == "close":
+            # close() finishes the last call (not waited for here), then lets the state's comm
+            # thread and communicator go; later calls raise, and closing again does nothing
+            x = data(rank, 0, 10000).to(dev)
+            reducer(x)
+            worker = state._worker
+            assert (worker is not None) == (dev.type == "cuda")  # CUDA chunks: the comm thread
+            reducer.close()
+            check_close(x, exact_average(0, 10000, world), EPS)
+            assert state._closed and state._worker is None and state._exchange is None
+            if worker is not None:
+                assert not worker.thread.is_alive()
+            with pytest.raises(cfc.CfcError, match="AllReducer was closed"):
+                reducer(x)
+            reducer.close()
+            assert state.stats()["compressed_buckets"] == 4
         elif scenario == "auto":
             # fallback="auto": the first 2 calls time each chunk both ways, then every rank
             # takes the same choice; a new size runs its own trial
@@ -333,6 +349,13 @@ def test_all_reducer(tmp_path, scenario, device):
     if device == "cuda":
         two_gpus()
     spawn(tmp_path, scenario, device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_all_reducer_close(tmp_path, device):
+    # on CUDA with as many GPUs as there are, up to GPUS (one is enough)
+    world = None if device == "cpu" else max(1, min(GPUS, torch.cuda.device_count()))
+    spawn(tmp_path, "close", device, world=world)
 
 
 # CUDA buckets move as an all-gather of frames or a reduce-scatter of codes (the default from

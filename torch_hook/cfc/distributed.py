@@ -170,8 +170,10 @@ class Pending:
 
     def __init__(self, tensor: Any, futures: List[Any]):
         self.tensor, self._futures = tensor, futures
+        self._waited = False  # wait() was called (returned or raised)
 
     def wait(self) -> Any:
+        self._waited = True
         for f in self._futures:
             f.wait()  # raises the engine's error (e.g. cfc.CfcError) on every rank
         return self.tensor
@@ -268,6 +270,8 @@ class AllReducer:
             raise TypeError(f"AllReducer takes float32, bfloat16 or float16 tensors, got {got}")
         if not tensor.is_contiguous():
             raise ValueError("AllReducer averages in place: give it a contiguous tensor")
+        if self.state._closed:
+            raise _native.CfcError("this AllReducer was closed (its CfcState is closed)")
         if self._pending is not None:
             # The previous call's chunks finish first: this call reads what they leave behind
             # (residuals to send along, the trial's times), and every rank must read the same.
@@ -291,6 +295,19 @@ class AllReducer:
         ]
         self._pending = Pending(tensor, futures)
         return self._pending
+
+    def close(self) -> None:
+        """Finish the last call, then let go of what the state holds outside Python: the comm
+        thread and the NCCL communicator of CUDA chunks (:meth:`cfc.CfcState.close`). Call it
+        on every rank when done, e.g. before ``dist.destroy_process_group()``; otherwise they go
+        when the state is collected. A last call that was never waited for and failed raises
+        its error here. Later calls raise ``cfc.CfcError``; closing again does nothing."""
+        pending, self._pending = self._pending, None
+        try:
+            if pending is not None and not pending._waited:
+                pending.wait()
+        finally:
+            self.state.close()
 
 
 class NcclAllReducer:
