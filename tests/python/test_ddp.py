@@ -379,6 +379,38 @@ def comm_failure(rank, world, out):
     state.close()
 
 
+def bad_frame(rank, world, out):
+    """Outside the native exchange: a frame that fails its check on the GPU (here one whose
+    magic is overwritten after it arrived) is not decoded, and a later bucket's decoding raises
+    a CfcError through backward(), instead of training on."""
+    import cfc.ddp as hook
+
+    state = CfcState(eps=1e-4, warmup_steps=1, min_compress_numel=0)
+    state._use_exchange = False  # the exchange over torch.distributed (_FrameExchange)
+    ddp, opt = make(state)
+    train(ddp, opt, rank, 2)
+    assert state._exchange is None and state._decode_seen is not None
+    finish, hit = hook._FrameExchange.finish, []
+
+    def corrupted(self):
+        frames, sent = finish(self)
+        if not hit:
+            hit.append(True)
+            frames[0][0] = ord("X")  # on the comm thread's stream, before the decoding
+        return frames, sent
+
+    hook._FrameExchange.finish = corrupted
+    try:
+        with pytest.raises(Exception, match="received a bad frame") as failed:
+            for step in range(2, 6):
+                x, y = batch(rank, step)
+                nn.functional.cross_entropy(ddp(x), y).backward()
+        assert hit and "CfcError" in str(failed.value), failed.value
+    finally:
+        hook._FrameExchange.finish = finish
+    state.close()
+
+
 def fallback(rank, world, out):
     state = CfcState(fallback="auto", warmup_steps=1, trial_steps=2, min_compress_numel=0)
     ddp, opt = make(state)
@@ -570,7 +602,7 @@ def native_exchange(rank, world, out):
 SCENARIOS = {
     f.__name__: f
     for f in (parity, resume, overflow, accumulate, variants, mismatch, fallback, slots, reduce_scatter, per_tensor,
-              trial_timing, plain_after_trial, register, register_sockets, native_exchange, close, comm_failure)
+              trial_timing, plain_after_trial, register, register_sockets, native_exchange, close, comm_failure, bad_frame)
 }
 
 
@@ -625,6 +657,11 @@ def test_hook(tmp_path, scenario, device):
 @pytest.mark.gpu
 def test_a_comm_thread_failure_reaches_backward_as_the_error_it_was(tmp_path):
     spawn(tmp_path, "comm_failure", world=1, device="cuda")  # one GPU is enough
+
+
+@pytest.mark.gpu
+def test_a_bad_frame_outside_the_native_exchange_stops_training(tmp_path):
+    spawn(tmp_path, "bad_frame", world=1, device="cuda")  # one GPU is enough
 
 
 @pytest.mark.gpu

@@ -62,7 +62,7 @@ import numpy as np
 
 import cfc
 from cfc import _native
-from cfc.codec import _compress_cuda, _cuda_ready, _decode_sum_cuda, _sum_frames_cuda
+from cfc.codec import _compress_cuda, _cuda_ready, _decode_status_error, _decode_sum_cuda, _sum_frames_cuda
 
 __all__ = ["CfcState", "cfc_hook", "register_comm_hook"]
 
@@ -243,6 +243,10 @@ class CfcState:
         # so every rank must use the same; benches set it before the first bucket to compare.
         self._pipeline_depth = _PIPELINE_DEPTH
         self._closed = False  # close() was called: the hook refuses further buckets
+        # The status of the decodings outside the native exchange (_decode_sum) on the device,
+        # and its copy on the host (pinned, read without a wait): made at the first.
+        self._decode_status: Any = None
+        self._decode_seen: Any = None
         self._lock = threading.Lock()
         self._max_err_dev: Dict[Any, Any] = {}  # device -> running maximum (0-d float64), read by stats()
         self._reset_counters()
@@ -1347,7 +1351,7 @@ def _gpu_launch(state: CfcState, stream, index, buf, layout, r, compress, trial,
         frames, sent = exchange.finish()
         # Every rank's frame decoded and added in rank order (the same bits on every rank),
         # divided and written into the bucket, in one pass.
-        _decode_sum_cuda(frames, n, c._dtype, x.view(-1), _reciprocal(world))
+        _decode_sum(state, frames, n, c._dtype, x.view(-1), _reciprocal(world))
         _note_max_error(state, x, xr)
         if scaled is not None:
             scaled.finish(buf, r)
@@ -1358,6 +1362,24 @@ def _gpu_launch(state: CfcState, stream, index, buf, layout, r, compress, trial,
         finish()
         return None
     return finish
+
+
+def _decode_sum(state: CfcState, frames, n: int, dtype: str, out, scale: float) -> None:
+    """Every rank's frame decoded and added into ``out`` (:func:`_decode_sum_cuda`), on the
+    current stream, with the state's status. A frame from elsewhere that fails its check on the
+    GPU leaves ``out`` as it was, as every later decoding does; the first decoding that finds the
+    status set on the host (copied there without a wait, so usually the next bucket's) raises,
+    as the native exchange's next call does."""
+    import torch
+
+    seen = state._decode_seen
+    if seen is None:
+        state._decode_status = torch.zeros(2, dtype=torch.int32, device=out.device)
+        state._decode_seen = seen = torch.zeros(2, dtype=torch.int32, pin_memory=True)
+    elif int(seen[0]) != 0:
+        raise cfc.CfcError(f"a bucket's exchange received a bad frame: {_decode_status_error(seen)}")
+    _decode_sum_cuda(frames, n, dtype, out, scale, status=state._decode_status)
+    seen.copy_(state._decode_status, non_blocking=True)
 
 
 def _exchange_launch(state: CfcState, stream, index, x, xr, units, scaled, buf, r, trial, account, busy, t0):
@@ -1753,7 +1775,7 @@ class _ShardExchange:
         frames, sent = self.sums.finish()
         flat, scale = self.buf.view(-1), _reciprocal(self.state.world)
         for j, (a, b) in enumerate(self.bounds):  # decoded, divided, written in the bucket's dtype
-            _decode_sum_cuda([frames[j]], b - a, "float32", flat[a:b], scale)
+            _decode_sum(self.state, [frames[j]], b - a, "float32", flat[a:b], scale)
         return self.sent + sent
 
 
