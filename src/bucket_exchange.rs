@@ -22,7 +22,7 @@
 use crate::cuda::{self, driver_err, ContextGuard};
 use crate::error::{Error, Result};
 use crate::format::{DType, FIXED_HEADER_LEN};
-use crate::gpu_memory::{DeviceBuffer, PinnedBuffer};
+use crate::gpu_memory::{DecodeStatus, DeviceBuffer, PinnedBuffer};
 use crate::nccl::Communicator;
 use crate::Bound;
 use cudarc::driver::{CudaEvent, CudaStream};
@@ -156,11 +156,9 @@ pub struct BucketExchange {
     /// the last one's decoding) never waits for the wire.
     side: Arc<CudaStream>,
     entries: HashMap<u64, Entry>,
-    /// The decoder's status (`cuda::DecodeSumArgs::status`), kept across buckets: once a frame
-    /// fails its check, no later bucket is decoded.
-    status: DeviceBuffer,
-    /// Its copy, queued after every decoding and read at every call.
-    status_seen: PinnedBuffer,
+    /// The decoder's status, kept across buckets: once a frame fails its check, no later
+    /// bucket is decoded; read at every call.
+    status: DecodeStatus,
 }
 
 impl std::fmt::Debug for BucketExchange {
@@ -188,8 +186,7 @@ impl BucketExchange {
             comm,
             side,
             entries: HashMap::new(),
-            status: DeviceBuffer::zeroed(&ctx, 8)?,
-            status_seen: PinnedBuffer::new(&ctx, 8)?,
+            status: DecodeStatus::new(&ctx)?,
         };
         let world = exchange.comm.world();
         let rows = DeviceBuffer::new(&ctx, ROW_HEAD as usize * (world + 1))?;
@@ -431,16 +428,7 @@ impl BucketExchange {
                 workspace_len: f.workspace_len,
                 status: self.status.ptr(),
             })?;
-            cuda::copy_rows(&cuda::CopyRowsArgs {
-                device,
-                stream: f.stream,
-                src: self.status.ptr(),
-                src_pitch: 8,
-                dst: self.status_seen.addr(),
-                dst_pitch: 8,
-                width: 8,
-                rows: 1,
-            })?;
+            self.status.publish(device, f.stream)?;
             if f.max_error != 0 && fl.residual != 0 {
                 cuda::running_max_abs(device, f.stream, fl.residual, fl.n, f.max_error)?;
             }
@@ -470,7 +458,7 @@ impl BucketExchange {
     /// decoder's status queued so far have arrived (nothing is waited for: a failure shows at
     /// the first call after its copy, usually the next bucket's).
     fn check_frames_seen(&self) -> Result<()> {
-        match cuda::decode_status_error(self.status_seen.u64_now(0), "rank") {
+        match self.status.error() {
             None => Ok(()),
             Some(why) => Err(Error::Transport(format!(
                 "a bucket's exchange received a bad frame: {why}"

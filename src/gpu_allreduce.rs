@@ -30,7 +30,7 @@ use crate::cuda;
 use crate::cuda::driver_err;
 use crate::error::{Error, Result};
 use crate::format::{DType, FIXED_HEADER_LEN};
-use crate::gpu_memory::{DeviceBuffer, PinnedBuffer};
+use crate::gpu_memory::{DecodeStatus, DeviceBuffer, PinnedBuffer};
 use crate::nccl::Communicator;
 use crate::Bound;
 use cudarc::driver::{result, CudaEvent, CudaStream};
@@ -176,11 +176,9 @@ pub struct GpuAllReducer {
     comm: Communicator,
     stream: Arc<CudaStream>,
     plan: Option<Plan>,
-    /// The decoder's status (`cuda::DecodeSumArgs::status`), kept across calls: once a frame
-    /// fails its check on the device, nothing more is decoded.
-    status: DeviceBuffer,
-    /// Its copy, queued after every call's decoding and read at the start of every call.
-    status_seen: PinnedBuffer,
+    /// The decoder's status, kept across calls: once a frame fails its check on the device,
+    /// nothing more is decoded; read at the start of every call.
+    status: DecodeStatus,
 }
 
 impl std::fmt::Debug for GpuAllReducer {
@@ -257,8 +255,7 @@ impl GpuAllReducer {
             comm,
             stream,
             plan: None,
-            status: DeviceBuffer::zeroed(&ctx, 8)?,
-            status_seen: PinnedBuffer::new(&ctx, 8)?,
+            status: DecodeStatus::new(&ctx)?,
         })
     }
 
@@ -480,7 +477,7 @@ impl GpuAllReducer {
                 cuda::MAX_SUM_PARTS
             )));
         }
-        if let Some(why) = cuda::decode_status_error(self.status_seen.u64_now(0), "rank") {
+        if let Some(why) = self.status.error() {
             return Err(Error::Transport(format!(
                 "an earlier call received a bad frame: {why}"
             )));
@@ -720,19 +717,9 @@ impl GpuAllReducer {
                 })?;
             }
         }
-        // SAFETY: 8 bytes of device memory and 8 of pinned memory, both this reducer's.
-        unsafe {
-            cuda::copy_rows(&cuda::CopyRowsArgs {
-                device,
-                stream,
-                src: self.status.ptr(),
-                src_pitch: 8,
-                dst: self.status_seen.addr(),
-                dst_pitch: 8,
-                width: 8,
-                rows: 1,
-            })?;
-        }
+        // SAFETY: `stream` is the caller's, a live stream of the device's primary context (the
+        // call's contract), the context of the status.
+        unsafe { self.status.publish(device, stream)? };
         Ok(AllReduceReport {
             eps,
             bound: if opts.average {

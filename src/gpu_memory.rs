@@ -140,3 +140,54 @@ impl Drop for PinnedBuffer {
         }
     }
 }
+
+/// A decoder's status ([`crate::cuda::DecodeSumArgs::status`]) kept across calls, for frames
+/// that come from other ranks: once one fails its check on the device, nothing more is decoded.
+/// Its copy in pinned memory is queued after each decoding and read without a wait, so a
+/// failure shows at the first call after its copy has arrived (usually the next bucket's).
+pub(crate) struct DecodeStatus {
+    device: DeviceBuffer,
+    seen: PinnedBuffer,
+}
+
+impl DecodeStatus {
+    /// A zeroed status in `ctx`, and its copy.
+    pub(crate) fn new(ctx: &Arc<CudaContext>) -> Result<DecodeStatus> {
+        Ok(DecodeStatus {
+            device: DeviceBuffer::zeroed(ctx, 8)?,
+            seen: PinnedBuffer::new(ctx, 8)?,
+        })
+    }
+
+    /// The status's device address (`DecodeSumArgs::status`).
+    pub(crate) fn ptr(&self) -> u64 {
+        self.device.ptr()
+    }
+
+    /// Queues the copy of the status to the host on `stream`, after the decodings queued there.
+    ///
+    /// # Safety
+    /// `stream` a live `CUstream` of `device`'s primary context, the context of this status.
+    pub(crate) unsafe fn publish(&self, device: usize, stream: usize) -> Result<()> {
+        // SAFETY: 8 bytes of device memory and 8 of pinned memory, both this status's, freed
+        // only with it; the stream is the caller's contract.
+        unsafe {
+            crate::cuda::copy_rows(&crate::cuda::CopyRowsArgs {
+                device,
+                stream,
+                src: self.device.ptr(),
+                src_pitch: 8,
+                dst: self.seen.addr(),
+                dst_pitch: 8,
+                width: 8,
+                rows: 1,
+            })
+        }
+    }
+
+    /// The error of a frame that failed its check (the frame of "rank" i), as far as the copies
+    /// queued so far have arrived; `None` while there is none.
+    pub(crate) fn error(&self) -> Option<String> {
+        crate::cuda::decode_status_error(self.seen.u64_now(0), "rank")
+    }
+}

@@ -539,13 +539,13 @@ def test_gpu_running_max_abs_only_rises_and_skips_non_finite():
     assert target.item() == 3.0
 
 
-def test_native_exchange_resend_waits_for_work_queued_on_the_callers_stream():
-    """A frame that outgrew its slot is sent again into rows the caller has just allocated.
-    PyTorch's allocator may hand over a block that work queued earlier on the caller's stream
-    still writes (a previous bucket's decoding): the exchange's stream must receive the frames
-    only after that work, or the decoding reads what it wrote. Here that work is a delayed
-    fill with zeros, on a block freed and handed over again; one rank. The test skips where
-    the fill has already run when the resend is queued: there the race cannot show."""
+EXCHANGE_EPS = 1e-3
+
+
+def _one_rank_exchange(n=1 << 16):
+    """A native exchange of one rank on GPU 0 (skips where NCCL is missing), a bucket of ``n``
+    float32 values and a copy of it, the frame capacity at ``EXCHANGE_EPS`` (a multiple of 16),
+    the row length and the workspace length (compression and the decoded sum)."""
     from cfc import _native
 
     try:
@@ -554,12 +554,22 @@ def test_native_exchange_resend_waits_for_work_queued_on_the_callers_stream():
         pytest.skip(f"no NCCL here: {e}")
     dev = torch.device("cuda", 0)
     exchange = _native.BucketExchange(0, uid, 0, 1)
-    n, eps = 1 << 16, 1e-3
     x = torch.randn(n, device=dev, generator=torch.Generator(dev).manual_seed(0)) * 0.01
-    want = x.clone()
-    cap = -(-_native.cuda_compress_capacity(n, "float32", 1, eps=eps) // 16) * 16
+    cap = -(-_native.cuda_compress_capacity(n, "float32", 1, eps=EXCHANGE_EPS) // 16) * 16
     row = _native.BucketExchange.row_len(cap)
     ws_len = max(_native.cuda_workspace_len(n, compress=True), _native.cuda_decode_sum_workspace_len(n, 1))
+    return exchange, x, x.clone(), cap, row, ws_len
+
+
+def test_native_exchange_resend_waits_for_work_queued_on_the_callers_stream():
+    """A frame that outgrew its slot is sent again into rows the caller has just allocated.
+    PyTorch's allocator may hand over a block that work queued earlier on the caller's stream
+    still writes (a previous bucket's decoding): the exchange's stream must receive the frames
+    only after that work, or the decoding reads what it wrote. Here that work is a delayed
+    fill with zeros, on a block freed and handed over again; one rank. The test skips where
+    the fill has already run when the resend is queued: there the race cannot show."""
+    exchange, x, want, cap, row, ws_len = _one_rank_exchange()
+    dev, n, eps = x.device, x.numel(), EXCHANGE_EPS
     slot = 16  # far smaller than the frame: it is sent again
     ws_at = -(-(row + 16 + slot) // 256) * 256
     stream = torch.cuda.Stream(dev)
@@ -601,20 +611,8 @@ def test_native_exchange_reports_a_bad_frame_and_leaves_the_bucket_as_it_was():
     """A frame that arrives corrupted (here: a width past 64, written into the received row
     between the all-gather and the decoding; one rank) fails its check on the device: the
     bucket keeps its values, and the exchange's next call raises."""
-    from cfc import _native
-
-    try:
-        uid = _native.nccl_unique_id()
-    except Exception as e:  # noqa: BLE001
-        pytest.skip(f"no NCCL here: {e}")
-    dev = torch.device("cuda", 0)
-    exchange = _native.BucketExchange(0, uid, 0, 1)
-    n, eps = 1 << 16, 1e-3
-    x = torch.randn(n, device=dev, generator=torch.Generator(dev).manual_seed(0)) * 0.01
-    want = x.clone()
-    cap = -(-_native.cuda_compress_capacity(n, "float32", 1, eps=eps) // 16) * 16
-    row = _native.BucketExchange.row_len(cap)
-    ws_len = max(_native.cuda_workspace_len(n, compress=True), _native.cuda_decode_sum_workspace_len(n, 1))
+    exchange, x, want, cap, row, ws_len = _one_rank_exchange()
+    dev, n, eps = x.device, x.numel(), EXCHANGE_EPS
     ws_at = -(-(2 * row) // 256) * 256
     mem = torch.empty(ws_at + ws_len, dtype=torch.uint8, device=dev)
     base, stream = mem.data_ptr(), torch.cuda.current_stream(dev)
