@@ -455,9 +455,15 @@ impl BucketExchange {
     }
 
     /// The error of a frame that failed its check on the device, as far as the copies of the
-    /// decoder's status queued so far have arrived (nothing is waited for: a failure shows at
-    /// the first call after its copy, usually the next bucket's).
-    fn check_frames_seen(&self) -> Result<()> {
+    /// decoder's status queued so far have arrived. Nothing is waited for: [`Self::launch`] and
+    /// [`Self::finish`] call it, so a failure shows at the first call after its copy (usually
+    /// the next bucket's); a caller that has waited for the stream of its last
+    /// [`Self::finish`] learns about every bucket so far (`cfc.ddp` does at a step's last
+    /// bucket, so that no optimizer step runs on a bucket left undecoded).
+    ///
+    /// # Errors
+    /// [`Error::Transport`] naming the frame's rank and what was wrong with it.
+    pub fn check_frames_seen(&self) -> Result<()> {
         match self.status.error() {
             None => Ok(()),
             Some(why) => Err(Error::Transport(format!(

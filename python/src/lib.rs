@@ -1131,6 +1131,16 @@ impl BucketExchange {
         })
     }
 
+    /// Raises the error of a frame that failed its check on the GPU, as far as the copies of the
+    /// decoder's status have arrived (no wait: synchronize the stream of the last `finish`
+    /// first to learn about every bucket so far).
+    fn check(&mut self) -> PyResult<()> {
+        self.inner
+            .live("BucketExchange")?
+            .check_frames_seen()
+            .map_err(to_py)
+    }
+
     /// Makes `stream` wait for every exchange queued so far (before a collective of another
     /// communicator on that stream).
     fn fence(&mut self, py: Python<'_>, stream: usize) -> PyResult<()> {

@@ -379,36 +379,85 @@ def comm_failure(rank, world, out):
     state.close()
 
 
-def bad_frame(rank, world, out):
-    """Outside the native exchange: a frame that fails its check on the GPU (here one whose
-    magic is overwritten after it arrived) is not decoded, and a later bucket's decoding raises
-    a CfcError through backward(), instead of training on."""
+class _CudaBytes:
+    """``n`` bytes of device memory at ``ptr``, for ``torch.as_tensor`` (CUDA array interface)."""
+
+    def __init__(self, ptr, n):
+        self.__cuda_array_interface__ = {"shape": (n,), "typestr": "|u1", "data": (ptr, False), "version": 2}
+
+
+class _CorruptFrame:
+    """The native exchange of one rank, but its frame of bucket ``key`` gets its magic overwritten
+    after it arrived, before it is decoded (``armed`` times)."""
+
+    def __init__(self, exchange, key):
+        self.exchange, self.key, self.armed, self.hit, self.recv = exchange, key, 0, 0, None
+
+    def launch(self, key, stream, *args, **kw):
+        if key == self.key:
+            self.recv = args[11]  # recv_ptr: the rows every rank's frame arrives in
+        return self.exchange.launch(key, stream, *args, **kw)
+
+    def finish(self, key, *args):
+        if key == self.key and self.armed:
+            self.armed -= 1
+            self.hit += 1
+            torch.cuda.synchronize()  # the all-gather has written the rows
+            frame = self.recv + 16  # one rank: its row's 16-byte head, then its frame
+            torch.as_tensor(_CudaBytes(frame, 1), device=DEV).fill_(ord("X"))
+            torch.cuda.synchronize()
+        return self.exchange.finish(key, *args)
+
+    def __getattr__(self, name):
+        return getattr(self.exchange, name)
+
+
+def _bad_last_frame(native):
+    """A frame of the step's last bucket that fails its check on the GPU (its magic overwritten
+    after it arrived) makes that very step's backward() raise a CfcError, so no optimizer step
+    runs on the bucket left undecoded (native: the exchange cfc_hook drives by default; else
+    the exchange over torch.distributed)."""
     import cfc.ddp as hook
 
+    rank = dist.get_rank()
     state = CfcState(eps=1e-4, warmup_steps=1, min_compress_numel=0)
-    state._use_exchange = False  # the exchange over torch.distributed (_FrameExchange)
+    state._use_exchange = native
     ddp, opt = make(state)
     train(ddp, opt, rank, 2)
-    assert state._exchange is None and state._decode_seen is not None
+    assert (state._exchange is not None) == native and len(state._slots) >= 2, state._slots
+    last = max(state._slots)  # every bucket is compressed: DDP's last is the highest index
+    state._slots = {k: 1 << 40 for k in state._slots}  # slots of the frame's capacity: no resend
     finish, hit = hook._FrameExchange.finish, []
+    if native:
+        state._exchange = corrupt = _CorruptFrame(state._exchange, last)
+        corrupt.armed = 1
+    else:
 
-    def corrupted(self):
-        frames, sent = finish(self)
-        if not hit:
-            hit.append(True)
-            frames[0][0] = ord("X")  # on the comm thread's stream, before the decoding
-        return frames, sent
+        def corrupted(self):
+            frames, sent = finish(self)
+            if self.index == last and not hit:
+                hit.append(True)
+                frames[0][0] = ord("X")  # on the comm thread's stream, before the decoding
+            return frames, sent
 
-    hook._FrameExchange.finish = corrupted
+        hook._FrameExchange.finish = corrupted
     try:
+        x, y = batch(rank, 2)
         with pytest.raises(Exception, match="received a bad frame") as failed:
-            for step in range(2, 6):
-                x, y = batch(rank, step)
-                nn.functional.cross_entropy(ddp(x), y).backward()
-        assert hit and "CfcError" in str(failed.value), failed.value
+            nn.functional.cross_entropy(ddp(x), y).backward()
+        assert "CfcError" in str(failed.value) and "Unable to cast" not in str(failed.value), failed.value
+        assert (corrupt.hit if native else len(hit)) == 1
     finally:
         hook._FrameExchange.finish = finish
     state.close()
+
+
+def bad_frame(rank, world, out):
+    _bad_last_frame(native=False)
+
+
+def bad_frame_native(rank, world, out):
+    _bad_last_frame(native=True)
 
 
 def fallback(rank, world, out):
@@ -602,7 +651,8 @@ def native_exchange(rank, world, out):
 SCENARIOS = {
     f.__name__: f
     for f in (parity, resume, overflow, accumulate, variants, mismatch, fallback, slots, reduce_scatter, per_tensor,
-              trial_timing, plain_after_trial, register, register_sockets, native_exchange, close, comm_failure, bad_frame)
+              trial_timing, plain_after_trial, register, register_sockets, native_exchange, close, comm_failure, bad_frame,
+              bad_frame_native)
 }
 
 
@@ -660,8 +710,9 @@ def test_a_comm_thread_failure_reaches_backward_as_the_error_it_was(tmp_path):
 
 
 @pytest.mark.gpu
-def test_a_bad_frame_outside_the_native_exchange_stops_training(tmp_path):
-    spawn(tmp_path, "bad_frame", world=1, device="cuda")  # one GPU is enough
+@pytest.mark.parametrize("scenario", ["bad_frame_native", "bad_frame"])
+def test_a_bad_frame_in_the_last_bucket_fails_that_steps_backward(tmp_path, scenario):
+    spawn(tmp_path, scenario, world=1, device="cuda")  # one GPU is enough
 
 
 @pytest.mark.gpu

@@ -247,6 +247,9 @@ class CfcState:
         # and its copy on the host (pinned, read without a wait): made at the first.
         self._decode_status: Any = None
         self._decode_seen: Any = None
+        # A bucket was decoded on the comm thread since the last check of the decodings'
+        # status (_check_decoded, at each step's last bucket).
+        self._decoded = False
         self._lock = threading.Lock()
         self._max_err_dev: Dict[Any, Any] = {}  # device -> running maximum (0-d float64), read by stats()
         self._reset_counters()
@@ -1115,8 +1118,11 @@ def _gpu_submit(state: CfcState, worker, bucket, buf, parts, scatter) -> Any:
         jobs.append((index, flat, layout, r, compress, trial))
     ready.record(torch.cuda.current_stream(dev))  # after the residuals and any gathers
     fut = torch.futures.Future(devices=[dev])
+    last = bucket.is_last()
 
     def value():
+        if last:  # no optimizer step on a bad frame: the step's backward() raises
+            _check_decoded(state, worker)
         if scatter is not None:
             scatter()
         return buf
@@ -1125,7 +1131,7 @@ def _gpu_submit(state: CfcState, worker, bucket, buf, parts, scatter) -> Any:
     # bucket the flush.
     items = [("part", lambda job=job: _gpu_launch(state, worker.stream, *job, ready), None) for job in jobs]
     items.append(("done", value, fut))
-    if bucket.is_last():
+    if last:
         items.append(("flush", None, None))
     worker.submit_all(items)
     state._end_of_bucket(bucket)
@@ -1376,10 +1382,36 @@ def _decode_sum(state: CfcState, frames, n: int, dtype: str, out, scale: float) 
     if seen is None:
         state._decode_status = torch.zeros(2, dtype=torch.int32, device=out.device)
         state._decode_seen = seen = torch.zeros(2, dtype=torch.int32, pin_memory=True)
-    elif int(seen[0]) != 0:
-        raise cfc.CfcError(f"a bucket's exchange received a bad frame: {_decode_status_error(seen)}")
+    else:
+        _raise_bad_frame(seen)
     _decode_sum_cuda(frames, n, dtype, out, scale, status=state._decode_status)
     seen.copy_(state._decode_status, non_blocking=True)
+    state._decoded = True
+
+
+def _raise_bad_frame(seen) -> None:
+    """Raise if the decodings' status, as copied to ``seen`` (pinned: read without a wait),
+    reports a frame that failed its check."""
+    if int(seen[0]) != 0:
+        raise cfc.CfcError(f"a bucket's exchange received a bad frame: {_decode_status_error(seen)}")
+
+
+def _check_decoded(state: CfcState, worker) -> None:
+    """At the step's last bucket, before its future completes (on the comm thread): wait for this
+    thread's stream, and raise if a frame decoded since the last check failed its check on the
+    GPU. Each decoding's status is otherwise read without a wait, at the next decoding: a bad
+    frame in the step's last bucket would show only at the next step, after the optimizer step
+    had run on that bucket left undecoded. The wait is for the step's last decoding, which the
+    copies DDP queues into the gradients wait for anyway: it costs the host a round trip per
+    step, and nothing where no bucket was decoded."""
+    if not state._decoded:
+        return
+    state._decoded = False
+    worker.stream.synchronize()
+    if state._exchange is not None:
+        state._exchange.check()
+    if state._decode_seen is not None:
+        _raise_bad_frame(state._decode_seen)
 
 
 def _exchange_launch(state: CfcState, stream, index, x, xr, units, scaled, buf, r, trial, account, busy, t0):
@@ -1453,6 +1485,7 @@ def _exchange_launch(state: CfcState, stream, index, x, xr, units, scaled, buf, 
             worker.kept.extend((mem, rows))  # the all-gather may still be on the wire
             raise
         state._slots[index] = slot_next
+        state._decoded = True
         if scaled is not None:
             scaled.finish(buf, r)
         busy[0] += time.perf_counter() - t1
