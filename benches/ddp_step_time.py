@@ -56,18 +56,72 @@ class LM(nn.Module):
 
 
 class _Clock:
-    """When DDP last called the registered Python hook (host clock, ``time.perf_counter``)."""
+    """When DDP last called the registered Python hook, and the time the calling thread (the
+    autograd thread) spent in it since ``in_hook`` was last reset (host clock,
+    ``time.perf_counter``). With ``calls`` (a :class:`_HookCalls`), also what the hook called."""
 
-    def __init__(self):
+    def __init__(self, calls=None):
         self.last_hook = None
+        self.in_hook = 0.0
+        self.calls = calls
 
     def wrap(self, hook):
         @functools.wraps(hook)
         def timed(state, bucket):
-            self.last_hook = time.perf_counter()
-            return hook(state, bucket)
+            t = self.last_hook = time.perf_counter()
+            if self.calls is not None:
+                self.calls.stack.clear()  # (setting the profile to None below opens a call never closed)
+                sys.setprofile(self.calls)  # this thread only
+            try:
+                return hook(state, bucket)
+            finally:
+                if self.calls is not None:
+                    sys.setprofile(None)
+                self.in_hook += time.perf_counter() - t
 
         return timed
+
+
+class _HookCalls:
+    """Wall time of every function the hook calls, Python's and C's (torch's bindings, cfc's
+    native calls), inclusive, on the thread that calls the hook (``sys.setprofile``): where the
+    autograd thread's time in the hook goes. A C call that lets go of the GIL (most of torch's)
+    also counts the wait to get it back while another thread (cfc's comm thread) holds it. The
+    profile function slows the Python calls; the C calls' own times are what to read."""
+
+    def __init__(self):
+        self.total, self.count, self.stack = {}, {}, []
+
+    def reset(self):
+        self.total.clear()
+        self.count.clear()
+
+    def __call__(self, frame, event, arg):
+        if event in ("call", "c_call"):
+            self.stack.append(time.perf_counter())
+        elif self.stack:  # return, c_return, c_exception
+            dt = time.perf_counter() - self.stack.pop()
+            if event == "return":
+                code = frame.f_code
+                name = f"{os.path.basename(code.co_filename)}:{getattr(code, 'co_qualname', code.co_name)}"
+            else:
+                qual = getattr(arg, "__qualname__", None) or getattr(arg, "__name__", repr(arg))
+                if qual.startswith("pybind11_detail"):  # a pybind11 method: its record's type, then the name
+                    qual = "pybind11." + qual.rsplit(".", 1)[-1]
+                owner = type(getattr(arg, "__self__", None)).__name__
+                if "." not in qual and not owner.startswith(("pybind11", "module", "NoneType")):
+                    qual = f"{owner}.{qual}"  # a method: name its class
+                name = f"[C] {qual}"
+            self.total[name] = self.total.get(name, 0.0) + dt
+            self.count[name] = self.count.get(name, 0) + 1
+
+    def table(self, steps, top):
+        rows = sorted(self.total.items(), key=lambda kv: -kv[1])[:top]
+        out = ["| call | calls per step | us per call | ms per step |", "|---|---|---|---|"]
+        for name, t in rows:
+            n = self.count[name]
+            out.append(f"| `{name}` | {n / steps:.1f} | {1e6 * t / n:.1f} | {1e3 * t / steps:.3f} |")
+        return "\n".join(out)
 
 
 def register(ddp, name, clock=None):
@@ -182,7 +236,7 @@ class Runner:
     call for the profiler), instead of ``phases``' clock; ``backward_range``: a context around
     ``loss.backward()`` (the same script's profiler range)."""
 
-    def __init__(self, name, rank, phases=False, wrap=None):
+    def __init__(self, name, rank, phases=False, wrap=None, calls=False):
         hook, _, cap = name.partition(":cap")
         self.name = name
         pin = hook.endswith("+pin")
@@ -190,10 +244,10 @@ class Runner:
         torch.manual_seed(0)
         self.model = LM().cuda()
         self.ddp = DDP(self.model, device_ids=[rank], bucket_cap_mb=float(cap) if cap else None)
-        self.clock = _Clock() if phases else None
+        self.clock = _Clock(_HookCalls() if calls else None) if phases or calls else None
         self.sync = hook.endswith("-sync")
         # per step with phases: (last hook call, backward() returned, step end, backward() called),
-        # s from the step's start
+        # s from the step's start, and the time spent in the hook's calls (s)
         self.phases = []
         self.pinning = _Pinning(rank, wrap or self.clock) if pin else None
         self.state = register(self.ddp, hook, self.pinning or wrap or self.clock)
@@ -213,6 +267,8 @@ class Runner:
 
     def step(self):
         t0 = time.perf_counter()
+        if self.clock is not None:
+            self.clock.in_hook = 0.0
         t = torch.randint(0, VOCAB, (B, T), device="cuda", generator=self.gen)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = nn.functional.cross_entropy(self.ddp(t).flatten(0, 1).float(), t.flatten())
@@ -225,7 +281,8 @@ class Runner:
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         if self.clock is not None and self.clock.last_hook is not None:
-            self.phases.append((self.clock.last_hook - t0, t1 - t0, time.perf_counter() - t0, tb - t0))
+            self.phases.append((self.clock.last_hook - t0, t1 - t0, time.perf_counter() - t0, tb - t0,
+                                self.clock.in_hook))
 
     def timed(self, steps):
         """Seconds per step of ``steps`` steps run back to back (the GPU may work on one step
@@ -296,13 +353,15 @@ def interleaved(names, rank, args):
     ``--block`` steps, in a new random order each round. Drift of the machine
     over the run (clocks, other load on the host) then reaches every hook alike, and the
     hooks' times of one round can be compared pairwise."""
-    runners = [Runner(n, rank, args.phases) for n in names]
+    runners = [Runner(n, rank, args.phases, calls=args.hook_calls > 0) for n in names]
     for r in runners:
         for _ in range(args.warmup):
             r.step()
         if r.state is not None:
             r.state.reset_stats()
         r.phases.clear()
+        if r.clock is not None and r.clock.calls is not None:
+            r.clock.calls.reset()
     blocks = [[0.0] * args.rounds for _ in runners]
     order = random.Random(0)  # the same on every rank
     for k in range(args.rounds):
@@ -313,7 +372,9 @@ def interleaved(names, rank, args):
         n = sum(row["hook"].split(" ")[0] == r.name for row in rows)
         row = {"hook": r.name if n == 0 else f"{r.name} ({n + 1})", "times": slowest(times), **r.extra()}
         if r.phases:  # this rank's, medians over steps
-            row["phases_ms"] = [1e3 * statistics.median(p[i] for p in r.phases) for i in range(4)]
+            row["phases_ms"] = [1e3 * statistics.median(p[i] for p in r.phases) for i in range(5)]
+        if r.phases and r.clock.calls is not None:
+            row["hook_calls"] = r.clock.calls.table(len(r.phases), args.hook_calls)
         rows.append(row)
     return rows
 
@@ -335,10 +396,14 @@ def main():
                    help="also time, on rank 0's host clock, when each step's last bucket reached the Python hook "
                         "(the backward pass's pace) and when backward() returned (DDP had every bucket's result); "
                         "interleaved mode, hooks registered from Python only")
+    p.add_argument("--hook-calls", type=int, default=0, metavar="N",
+                   help="also list the N calls inside the hook that take the autograd thread's most time "
+                        "(wall time per step, sys.setprofile on that thread; interleaved mode; implies --phases)")
     p.add_argument("--switch-interval", type=float, default=None,
                    help="sys.setswitchinterval for the run, seconds (Python's default: 0.005): how long a "
                         "thread waiting for the GIL waits before it asks the holder to let go")
     args = p.parse_args()
+    args.phases = args.phases or args.hook_calls > 0
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
     args.rounds = args.rounds or max(1, args.steps // args.block)
@@ -396,11 +461,15 @@ def report(rows, nparams, args):
         print("\nPhases of a step on rank 0's host clock, ms from the step's start, median over steps "
               "(the host runs ahead of the GPU: these are when the host got there)")
         print("| hook | backward() called | last bucket to the hook | backward() returned "
-              "| its wait after the last bucket | step end |")
-        print("|---|---|---|---|---|---|")
+              "| its wait after the last bucket | step end | in the hook (autograd thread, sum) |")
+        print("|---|---|---|---|---|---|---|")
         for r in timed:
-            a, b, c, f = r["phases_ms"]
-            print(f"| {r['hook']} | {f:.1f} | {a:.1f} | {b:.1f} | {b - a:.1f} | {c:.1f} |")
+            a, b, c, f, h = r["phases_ms"]
+            print(f"| {r['hook']} | {f:.1f} | {a:.1f} | {b:.1f} | {b - a:.1f} | {c:.1f} | {h:.2f} |")
+    for r in rows:
+        if "hook_calls" in r:
+            print(f"\nCalls inside {r['hook']}'s hook on the autograd thread (rank 0, wall time, inclusive; "
+                  f"slowed by the profile function)\n{r['hook_calls']}")
 
 
 if __name__ == "__main__":
