@@ -359,15 +359,16 @@ class CfcState:
             self._decide()
         return self._decisions.get(index, True)
 
-    def _ordinals(self, bucket) -> Optional[Tuple[Tuple[int, int, int], ...]]:
-        """(ordinal, offset, numel) of each parameter in the bucket's buffer; None when the
-        parameters do not tile the buffer (then residuals are kept per bucket only)."""
+    def _ordinals(self, bucket, buf) -> Optional[Tuple[Tuple[int, int, int], ...]]:
+        """(ordinal, offset, numel) of each parameter in the bucket's buffer ``buf``; None when
+        the parameters do not tile the buffer (then residuals are kept per bucket only)."""
         out, off = [], 0
         for p in bucket.parameters():
             o = self._ordinal.setdefault(id(p), len(self._ordinal))
-            out.append((o, off, p.numel()))
-            off += p.numel()
-        return tuple(out) if off == bucket.buffer().numel() else None
+            n = p.numel()
+            out.append((o, off, n))
+            off += n
+        return tuple(out) if off == buf.numel() else None
 
     def _parts(self, index: int, buf, layout):
         """How to run a bucket: ``[(index, flat tensor, layout)]`` and a function that writes
@@ -638,8 +639,9 @@ class CfcState:
             s["eps"] = max(s["eps"], eps)
             s["seconds"] += seconds
 
-    def _end_of_bucket(self, bucket) -> None:
-        if bucket.is_last():
+    def _end_of_bucket(self, last: bool) -> None:
+        """After each bucket's hook (``last``: the step's last bucket, ``bucket.is_last()``)."""
+        if last:
             self.step += 1
             if self.log_every and self.step % self.log_every == 0:
                 logger.info("cfc step %d: %s", self.step, self.stats())
@@ -741,14 +743,16 @@ def cfc_hook(state, bucket):  # no annotations: DDP checks them against its own 
             state._setup()
     except Exception as e:  # noqa: BLE001 - handed to DDP, which raises it from backward()
         return _failed_future(e)
-    buf = bucket.buffer()
-    layout = state._ordinals(bucket)
+    # Each of the bucket's methods lets go of Python's lock, which cfc's comm thread may then
+    # hold for a while: each is called once.
+    buf, last = bucket.buffer(), bucket.is_last()
+    layout = state._ordinals(bucket, buf)
     parts, scatter = state._parts(bucket.index(), buf, layout)
     for k, _, sub in parts:  # what runs, as a checkpoint made now must record it
         state._layouts[k] = None if sub is None else tuple(o for o, _, _ in sub)
     if buf.device.type == "cuda":
-        return _gpu_bucket(state, bucket, buf, parts, scatter)
-    return _cpu_bucket(state, bucket, buf, parts, scatter)
+        return _gpu_bucket(state, last, buf, parts, scatter)
+    return _cpu_bucket(state, last, buf, parts, scatter)
 
 
 def _failed_future(e: BaseException) -> Any:
@@ -846,7 +850,7 @@ def register_comm_hook(ddp, state: Optional[CfcState] = None) -> bool:
 # ---- CPU buckets: the Rust collective, on the autograd thread ----
 
 
-def _cpu_bucket(state: CfcState, bucket, buf, parts, scatter) -> Any:
+def _cpu_bucket(state: CfcState, last: bool, buf, parts, scatter) -> Any:
     import torch
 
     try:
@@ -856,7 +860,7 @@ def _cpu_bucket(state: CfcState, bucket, buf, parts, scatter) -> Any:
             _cpu_part(state, index, flat, layout)
         if scatter is not None:
             scatter()
-        state._end_of_bucket(bucket)
+        state._end_of_bucket(last)
     except Exception as e:  # noqa: BLE001 - handed to DDP, which raises it from backward()
         return _failed_future(e)
     fut = torch.futures.Future()
@@ -937,6 +941,7 @@ class _CommThread:
         # one's decoding) need not wait for the wire.
         self.sizes_stream = torch.cuda.Stream(device)
         self.raw_stream = self.stream.cuda_stream  # the handle native calls take
+        self._caller_stream: Any = None  # (caller_stream)
         self.sum_ws = torch.empty(_native.CUDA_SUM_SQUARES_WORKSPACE, dtype=torch.uint8, device=device)
         # bucket -> (pinned float64 scalar, event): where its sum of squares goes (_sum_squares)
         self.sums: Dict[int, Tuple[Any, Any]] = {}
@@ -960,6 +965,19 @@ class _CommThread:
         self.kept: List[Any] = []
         self.thread = threading.Thread(target=self._run, name="cfc-comm", daemon=True)
         self.thread.start()
+
+    def caller_stream(self, device) -> Any:
+        """The hook's current stream on ``device`` (the autograd thread's), as a
+        ``torch.cuda.Stream``: the one made last time while the stream is the same.
+        (``torch.cuda.current_stream`` makes a new one in several calls, each of which may let
+        go of Python's lock, and the comm thread may hold it for a while.)"""
+        import torch
+
+        raw = torch._C._cuda_getCurrentRawStream(device.index)
+        held = self._caller_stream
+        if held is None or held.cuda_stream != raw:
+            held = self._caller_stream = torch.cuda.current_stream(device)
+        return held
 
     def submit(self, kind: str, work=None, fut=None) -> None:
         """Queue an item: ``("part", launch)``: ``launch()`` returns the part's finish (or
@@ -1074,7 +1092,7 @@ class _CommThread:
             work()
 
 
-def _gpu_bucket(state: CfcState, bucket, buf, parts, scatter) -> Any:
+def _gpu_bucket(state: CfcState, last: bool, buf, parts, scatter) -> Any:
     dev = buf.device
     worker = state._worker
     if worker is None:  # once: the lock only then (the comm thread takes it too)
@@ -1083,15 +1101,15 @@ def _gpu_bucket(state: CfcState, bucket, buf, parts, scatter) -> Any:
                 state._worker = _CommThread(state, dev, state._pipeline_depth)
             worker = state._worker
     try:
-        return _gpu_submit(state, worker, bucket, buf, parts, scatter)
+        return _gpu_submit(state, worker, last, buf, parts, scatter)
     except Exception as e:  # noqa: BLE001 - handed to DDP, which raises it from backward()
-        if bucket.is_last():  # the step's earlier buckets must still complete
+        if last:  # the step's earlier buckets must still complete
             worker.submit("flush")
-            state._end_of_bucket(bucket)
+            state._end_of_bucket(last)
         return _failed_future(e)
 
 
-def _gpu_submit(state: CfcState, worker, bucket, buf, parts, scatter) -> Any:
+def _gpu_submit(state: CfcState, worker, last: bool, buf, parts, scatter) -> Any:
     import torch
 
     dev = buf.device
@@ -1108,7 +1126,7 @@ def _gpu_submit(state: CfcState, worker, bucket, buf, parts, scatter) -> Any:
         # The whole bucket, even where a loaded checkpoint would split it into parts (plain
         # all-reduce is element-wise) or a bucket the trial never timed: nothing of this step
         # may go through cfc's communicator.
-        return _gpu_plain(state, worker, bucket, buf)
+        return _gpu_plain(state, worker, last, buf)
     ready = torch.cuda.Event()
     jobs = []
     for index, flat, layout in parts:
@@ -1116,9 +1134,8 @@ def _gpu_submit(state: CfcState, worker, bucket, buf, parts, scatter) -> Any:
         trial = state._phase() == "trial" and flat.numel() >= state.min_compress_numel
         r = state._residual(index, layout, flat) if state._feeds(flat.numel()) else None
         jobs.append((index, flat, layout, r, compress, trial))
-    ready.record(torch.cuda.current_stream(dev))  # after the residuals and any gathers
+    ready.record(worker.caller_stream(dev))  # after the residuals and any gathers
     fut = torch.futures.Future(devices=[dev])
-    last = bucket.is_last()
 
     def value():
         if last:  # no optimizer step on a bad frame: the step's backward() raises
@@ -1133,12 +1150,15 @@ def _gpu_submit(state: CfcState, worker, bucket, buf, parts, scatter) -> Any:
     items.append(("done", value, fut))
     if last:
         items.append(("flush", None, None))
-    worker.submit_all(items)
-    state._end_of_bucket(bucket)
     # What DDP holds is a callback's future: a failure on the comm thread can only reach
     # ``fut`` through ``set_exception``, which DDP's reducer would read as the bucket ("Unable
     # to cast ... to Tensor"); the callback raises it instead, and so backward() names it.
-    return fut.then(_bucket_of)
+    held = fut.then(_bucket_of)
+    # The hand-over comes last: it wakes the comm thread, which then takes Python's lock at
+    # every torch call that lets go of it. Nothing after it here lets go of the lock.
+    worker.submit_all(items)
+    state._end_of_bucket(last)
+    return held
 
 
 def _bucket_of(fut) -> Any:
@@ -1166,7 +1186,7 @@ def _fast_step(state: CfcState) -> bool:
     return fast
 
 
-def _gpu_plain(state: CfcState, worker, bucket, buf) -> Any:
+def _gpu_plain(state: CfcState, worker, last: bool, buf) -> Any:
     """A bucket of a step with nothing to compress (:func:`_fast_step`): averaged by NCCL over
     the process group itself, in the autograd thread's order of collectives, with no hand-over
     to the comm thread."""
@@ -1176,9 +1196,9 @@ def _gpu_plain(state: CfcState, worker, bucket, buf) -> Any:
     state._account(False, ring, ring, 0.0, 0.0)
     with state._lock:
         state._stats["direct_buckets"] += 1
-    if bucket.is_last():  # ends the step on the comm thread too (nothing is queued there)
+    if last:  # ends the step on the comm thread too (nothing is queued there)
         worker.submit("flush")
-    state._end_of_bucket(bucket)
+    state._end_of_bucket(last)
     return work.get_future().then(lambda fut: fut.value()[0])
 
 
