@@ -166,7 +166,9 @@ class _Chunk:
 
 class Pending:
     """An all-reduce on its way: :meth:`wait` returns the averaged tensor (for a CUDA tensor,
-    once the caller's current stream is ordered after the result; it may still be running)."""
+    once the caller's current stream is ordered after the result; it may still be running), or
+    raises the call's error, a frame from another rank that failed its check on the GPU among
+    them."""
 
     def __init__(self, tensor: Any, futures: List[Any]):
         self.tensor, self._futures = tensor, futures
