@@ -9,8 +9,9 @@
 //! every rank's frame, added in rank order and averaged into the bucket, and the running
 //! maximum of the error sent. The frames are checked on the device before they are added (the
 //! host sees only their sizes); a frame that is not what its header says leaves the bucket as
-//! it was, and the exchange's next call reports it (see [`BucketExchange::launch`]). The caller launches the next bucket before finishing this one,
-//! so its compression runs while this one is on the wire.
+//! it was, and the exchange's next call reports it, or [`BucketExchange::check_frames_seen`]
+//! once the caller has waited for its stream. The caller launches the next bucket before
+//! finishing this one, so its compression runs while this one is on the wire.
 //!
 //! This is the exchange of [`crate::gpu_allreduce`] (a row per rank: a 16-byte head with the
 //! frame's size, then the frame, in a slot sized from the bucket's previous frames; a frame
@@ -464,12 +465,7 @@ impl BucketExchange {
     /// # Errors
     /// [`Error::Transport`] naming the frame's rank and what was wrong with it.
     pub fn check_frames_seen(&self) -> Result<()> {
-        match self.status.error() {
-            None => Ok(()),
-            Some(why) => Err(Error::Transport(format!(
-                "a bucket's exchange received a bad frame: {why}"
-            ))),
-        }
+        self.status.check("a bucket's exchange")
     }
 
     /// Whether `key` has an exchange launched and not finished.

@@ -477,11 +477,7 @@ impl GpuAllReducer {
                 cuda::MAX_SUM_PARTS
             )));
         }
-        if let Some(why) = self.status.error() {
-            return Err(Error::Transport(format!(
-                "an earlier call received a bad frame: {why}"
-            )));
-        }
+        self.status.check("an earlier call")?;
         let device = self.comm.device();
         let call = Call {
             caller: cuda::borrowed_stream(device, stream)?,

@@ -185,9 +185,18 @@ impl DecodeStatus {
         }
     }
 
-    /// The error of a frame that failed its check (the frame of "rank" i), as far as the copies
-    /// queued so far have arrived; `None` while there is none.
-    pub(crate) fn error(&self) -> Option<String> {
-        crate::cuda::decode_status_error(self.seen.u64_now(0), "rank")
+    /// `Ok` while no frame has failed its check, as far as the copies queued so far have
+    /// arrived (nothing is waited for).
+    ///
+    /// # Errors
+    /// [`Error::Transport`]: "`who` received a bad frame: ", then which rank's frame and what
+    /// was wrong with it.
+    pub(crate) fn check(&self, who: &str) -> Result<()> {
+        match crate::cuda::decode_status_error(self.seen.u64_now(0), "rank") {
+            None => Ok(()),
+            Some(why) => Err(Error::Transport(format!(
+                "{who} received a bad frame: {why}"
+            ))),
+        }
     }
 }
