@@ -17,7 +17,9 @@
 # "new" by default, "old" for .carry/old/*.whl): each GPU then runs far behind its host, which
 # shows a missing wait between streams; it prints each job's exit status and first CUDA error.
 # sanitize runs the GPU tests of hostile frames under compute-sanitizer's memcheck (one GPU is
-# enough): a bad frame must be reported without any read or write out of bounds.
+# enough): a bad frame must be reported without any read or write out of bounds. tests runs the
+# hook's tests of one GPU per rank over NCCL; onegpu runs the hook's and AllReducer's tests of
+# 3 ranks sharing GPU 0 over gloo, then of 2 (one GPU is enough; tests/python/conftest.py).
 # Logs go under $OUT.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -29,7 +31,10 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 for part in $PARTS; do case $part in
   sanitize) timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -m gpu \
            -p no:cacheprovider tests/python/test_hostile.py 2>&1 | tail -25 | tee "$OUT/sanitize.log" ;;
-  tests) timeout 300 python3 -m pytest -q -m gpu tests/python/test_ddp.py -x 2>&1 | tail -25 | tee "$OUT/ddp_tests.log" ;;
+  tests) timeout 300 python3 -m pytest -q -m gpu tests/python/test_ddp.py -k "not shared" -x 2>&1 | tail -25 \
+           | tee "$OUT/ddp_tests.log" ;;
+  onegpu) for ranks in 3 2; do CFC_TEST_SHARED_RANKS=$ranks timeout 500 python3 -m pytest -q -m gpu -p no:cacheprovider \
+           tests/python/test_ddp.py tests/python/test_allreducer.py -k shared 2>&1 | tail -15 | tee "$OUT/onegpu_$ranks.log"; done ;;
   train) timeout 400 torchrun --standalone --nproc_per_node=2 examples/ddp_train.py --hook allreduce,cfc \
            --steps ${TRAIN_STEPS:-1000} --d-model 256 --layers 4 --heads 8 --batch 32 --seq 256 --out "$OUT/ddp_train" \
            2>&1 | grep -v "^\s*\[" | tail -8 | tee "$OUT/ddp_train.log" ;;

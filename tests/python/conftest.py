@@ -11,6 +11,63 @@ GRADS = pathlib.Path(
     )
 )
 
+# Where the ranks of a multi-process test run (its ``device`` parameter):
+#   "cpu":        gloo, CPU tensors (in CI), 2 processes unless the test says otherwise;
+#   "cuda":       NCCL, one GPU per rank, CFC_TEST_GPUS of them (default 2; 4 on a 4-GPU
+#                 machine checks that nothing assumes 2 ranks);
+#   "shared-gpu": gloo, CFC_TEST_SHARED_RANKS ranks (default 3) all on cuda:0. This runs the
+#                 GPU codec and cfc's exchange over torch.distributed at a world size above 1
+#                 on a machine with one GPU (gloo carries CUDA tensors through host memory).
+#                 NCCL refuses two ranks on one GPU, so the native exchange and NCCL's own
+#                 paths need "cuda".
+GPUS = int(os.environ.get("CFC_TEST_GPUS", "2"))
+SHARED_RANKS = int(os.environ.get("CFC_TEST_SHARED_RANKS", "3"))
+
+
+def world_of(device):
+    """How many processes a multi-process test starts on ``device``."""
+    return {"cpu": 2, "cuda": GPUS, "shared-gpu": SHARED_RANKS}[device]
+
+
+def place_rank(device, rank):
+    """The torch device and the process-group backend of ``rank`` (in its own process)."""
+    import torch
+
+    if device == "cpu":
+        return torch.device("cpu"), "gloo"
+    dev = torch.device("cuda", rank if device == "cuda" else 0)
+    torch.cuda.set_device(dev)
+    return dev, "nccl" if device == "cuda" else "gloo"
+
+
+def enough_gpus(device):
+    """Skip a test on ``device`` where this machine has too few GPUs for it."""
+    import torch
+
+    need = {"cpu": 0, "cuda": GPUS, "shared-gpu": 1}[device]
+    if torch.cuda.device_count() < need:
+        pytest.skip(f"needs {need} GPUs")
+
+
+def close_cfc_states():
+    """Before a worker destroys its process groups: free the CfcStates that only reference
+    cycles hold, and close the rest. A state holds cfc's own process group; a CUDA state's
+    comm thread also holds the state, so that group would outlive destroy_process_group until
+    the process exits, and a gloo group freed that late can abort the process ("terminate
+    called without an active exception"). A failure here is printed, not raised: it must not
+    hide the scenario's own error."""
+    import gc
+    import traceback
+
+    import cfc
+
+    gc.collect()
+    for state in [o for o in gc.get_objects() if isinstance(o, cfc.CfcState)]:
+        try:
+            state.close()
+        except Exception:  # noqa: BLE001 - see above
+            traceback.print_exc()
+
 
 def pytest_collection_modifyitems(config, items):
     try:

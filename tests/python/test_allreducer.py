@@ -1,7 +1,7 @@
 """cfc.distributed.AllReducer and ``python -m cfc.bench``: 2 processes, gloo on CPU tensors (in
-CI) and NCCL on CUDA tensors (``-m gpu``, with 2 GPUs)."""
+CI); NCCL on CUDA tensors (``-m gpu``, with 2 GPUs); and 3 processes sharing one GPU over gloo
+(``-m gpu``, any GPU). conftest.py says where each kind of run places its ranks."""
 
-import gc
 import json
 import math
 import os
@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import cfc
-from conftest import GRADS
+from conftest import GPUS, GRADS, close_cfc_states, enough_gpus, place_rank, world_of
 
 EPS = 1e-5
 
@@ -40,10 +40,7 @@ def _worker(rank, world, init_file, scenario, device, algorithm=None):
     def State(**kw):  # noqa: N802 - the state of this run's algorithm (None: cfc's choice)
         return cfc.CfcState(algorithm=algorithm, **kw)
 
-    dev = torch.device(device if device == "cpu" else f"cuda:{rank}")
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
-    backend = "gloo" if dev.type == "cpu" else "nccl"
+    dev, backend = place_rank(device, rank)
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         state = State(eps=EPS, warmup_steps=0, min_compress_numel=0)
@@ -321,52 +318,42 @@ def _worker(rank, world, init_file, scenario, device, algorithm=None):
             assert busy and returned < 0.05 and total > 0.2, (returned, total)
             assert torch.isfinite(y).all()
     finally:
-        gc.collect()  # free states held in reference cycles first (see test_ddp.py's _worker)
+        close_cfc_states()  # first (see conftest.py)
         dist.destroy_process_group()
 
 
-# CUDA runs use this many GPUs (CFC_TEST_GPUS=4 on a 4-GPU machine checks that nothing
-# assumes 2 ranks); the CPU runs 2 processes, and 3 in one test.
-GPUS = int(os.environ.get("CFC_TEST_GPUS", "2"))
-
-
 def spawn(tmp_path, scenario, device, world=None, algorithm=None):
-    world = world or (2 if device == "cpu" else GPUS)
+    world = world or world_of(device)
     mp.spawn(_worker, args=(world, str(tmp_path / "init"), scenario, device, algorithm), nprocs=world, join=True)
 
 
-def two_gpus():
-    if torch.cuda.device_count() < GPUS:
-        pytest.skip(f"needs {GPUS} GPUs")
-
-
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu), pytest.param("shared-gpu", marks=pytest.mark.gpu)]
+GPU_RUNS = DEVICES[1:]
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("scenario", ["average", "feedback", "resize", "mismatch", "auto", "rms"])
 def test_all_reducer(tmp_path, scenario, device):
-    if device == "cuda":
-        two_gpus()
+    enough_gpus(device)
     spawn(tmp_path, scenario, device)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_all_reducer_close(tmp_path, device):
     # on CUDA with as many GPUs as there are, up to GPUS (one is enough)
-    world = None if device == "cpu" else max(1, min(GPUS, torch.cuda.device_count()))
+    world = max(1, min(GPUS, torch.cuda.device_count())) if device == "cuda" else None
     spawn(tmp_path, "close", device, world=world)
 
 
 # CUDA buckets move as an all-gather of frames or a reduce-scatter of codes (the default from
 # 3 ranks): both, whatever the number of GPUs. (CPU tensors run the Rust collective, whose two
 # variants tests/collective.rs compares bit for bit.)
-@pytest.mark.gpu
+@pytest.mark.parametrize("device", GPU_RUNS)
 @pytest.mark.parametrize("algorithm", ["all-gather", "reduce-scatter"])
 @pytest.mark.parametrize("scenario", ["average", "feedback", "resize", "rms"])
-def test_all_reducer_algorithms(tmp_path, scenario, algorithm):
-    two_gpus()
-    spawn(tmp_path, scenario, "cuda", algorithm=algorithm)
+def test_all_reducer_algorithms(tmp_path, scenario, algorithm, device):
+    enough_gpus(device)
+    spawn(tmp_path, scenario, device, algorithm=algorithm)
 
 
 def test_a_silent_peer_is_an_error_after_the_timeout(tmp_path):
@@ -377,22 +364,52 @@ def test_all_reducer_over_three_ranks(tmp_path):
     spawn(tmp_path, "average", "cpu", world=3)
 
 
-@pytest.mark.gpu
-def test_a_corrupt_shard_size_stops_every_rank(tmp_path):
-    two_gpus()
-    spawn(tmp_path, "corrupt_shard", "cuda")
+@pytest.mark.parametrize("device", GPU_RUNS)
+def test_a_corrupt_shard_size_stops_every_rank(tmp_path, device):
+    enough_gpus(device)
+    spawn(tmp_path, "corrupt_shard", device)
 
 
 @pytest.mark.gpu
 def test_the_call_returns_before_the_gpu_is_done(tmp_path):
-    two_gpus()
+    enough_gpus("cuda")
     spawn(tmp_path, "returns_early", "cuda")
 
 
 @pytest.mark.gpu
 def test_nccl_all_reducer(tmp_path):
-    two_gpus()
+    enough_gpus("cuda")
     spawn(tmp_path, "native", "cuda")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_wait_raises_a_failed_chunks_error_as_it_was(tmp_path, monkeypatch, device):
+    """A chunk that fails, on the calling thread (CPU) or on the comm thread (CUDA), reaches
+    Pending.wait() as the exception it was, not as the RuntimeError that torch makes of a
+    failed future callback. cfc_hook keeps the callback's error for DDP's reducer, which
+    cannot read an exception set on the future (backward() names the original)."""
+    import cfc.ddp as hook
+
+    dev = torch.device(device)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        state = cfc.CfcState(eps=EPS, warmup_steps=0, min_compress_numel=0)
+        reducer = cfc.distributed.AllReducer(state, chunk_numel=3000)
+        check_close(reducer(data(0, 0, 10000).to(dev)).wait(), exact_average(0, 10000, 1), EPS)
+
+        def fails(*args, **kw):
+            raise cfc.CfcError("a chunk failed")
+
+        monkeypatch.setattr(hook, "_cpu_part" if device == "cpu" else "_gpu_launch", fails)
+        with pytest.raises(cfc.CfcError, match="a chunk failed"):
+            reducer(data(0, 1, 10000).to(dev)).wait()
+        reducer.close()
+        chunk = cfc.distributed._Chunk(0, data(0, 2, 100).to(dev), True)
+        with pytest.raises(RuntimeError, match="CfcError: this CfcState was closed") as failed:
+            cfc.cfc_hook(state, chunk).wait()
+        assert not isinstance(failed.value, cfc.CfcError)
+    finally:
+        dist.destroy_process_group()
 
 
 def test_nccl_all_reducer_checks_its_options_and_needs_cuda():

@@ -736,13 +736,22 @@ def cfc_hook(state, bucket):  # no annotations: DDP checks them against its own 
     Returns a ``torch.futures.Future`` holding the averaged bucket, written in place into
     ``bucket.buffer()``.
     """
+    return _average_bucket(state, bucket, for_ddp=True)
+
+
+def _average_bucket(state: CfcState, bucket, for_ddp: bool) -> Any:
+    """:func:`cfc_hook`'s work, for DDP's reducer (``for_ddp``) or for
+    :class:`cfc.distributed.AllReducer`. The two differ only in how a failure reaches the
+    returned future: the reducer needs a callback's error (:func:`_failed_future`), which
+    ``Future.wait()`` raises as a RuntimeError that only names the original; AllReducer's
+    ``wait()`` raises the exception itself (``cfc.CfcError``, say)."""
     try:
         if state._closed:
             raise cfc.CfcError("this CfcState was closed (CfcState.close()); register a new one to go on")
         if state.group is None:
             state._setup()
     except Exception as e:  # noqa: BLE001 - handed to DDP, which raises it from backward()
-        return _failed_future(e)
+        return _failure(e, for_ddp)
     # Each of the bucket's methods lets go of Python's lock, which cfc's comm thread may then
     # hold for a while: each is called once.
     buf, last = bucket.buffer(), bucket.is_last()
@@ -751,8 +760,8 @@ def cfc_hook(state, bucket):  # no annotations: DDP checks them against its own 
     for k, _, sub in parts:  # what runs, as a checkpoint made now must record it
         state._layouts[k] = None if sub is None else tuple(o for o, _, _ in sub)
     if buf.device.type == "cuda":
-        return _gpu_bucket(state, last, buf, parts, scatter)
-    return _cpu_bucket(state, last, buf, parts, scatter)
+        return _gpu_bucket(state, last, buf, parts, scatter, for_ddp)
+    return _cpu_bucket(state, last, buf, parts, scatter, for_ddp)
 
 
 def _failed_future(e: BaseException) -> Any:
@@ -769,6 +778,18 @@ def _failed_future(e: BaseException) -> Any:
     done = torch.futures.Future()
     failed = done.then(fail)
     done.set_result(None)
+    return failed
+
+
+def _failure(e: BaseException, for_ddp: bool) -> Any:
+    """A future that has failed with ``e``: for DDP's reducer (:func:`_failed_future`), or one
+    whose ``wait()`` raises ``e`` itself."""
+    import torch
+
+    if for_ddp:
+        return _failed_future(e)
+    failed = torch.futures.Future()
+    failed.set_exception(e)
     return failed
 
 
@@ -850,7 +871,7 @@ def register_comm_hook(ddp, state: Optional[CfcState] = None) -> bool:
 # ---- CPU buckets: the Rust collective, on the autograd thread ----
 
 
-def _cpu_bucket(state: CfcState, last: bool, buf, parts, scatter) -> Any:
+def _cpu_bucket(state: CfcState, last: bool, buf, parts, scatter, for_ddp: bool) -> Any:
     import torch
 
     try:
@@ -862,7 +883,7 @@ def _cpu_bucket(state: CfcState, last: bool, buf, parts, scatter) -> Any:
             scatter()
         state._end_of_bucket(last)
     except Exception as e:  # noqa: BLE001 - handed to DDP, which raises it from backward()
-        return _failed_future(e)
+        return _failure(e, for_ddp)
     fut = torch.futures.Future()
     fut.set_result(buf)
     return fut
@@ -1092,7 +1113,7 @@ class _CommThread:
             work()
 
 
-def _gpu_bucket(state: CfcState, last: bool, buf, parts, scatter) -> Any:
+def _gpu_bucket(state: CfcState, last: bool, buf, parts, scatter, for_ddp: bool) -> Any:
     dev = buf.device
     worker = state._worker
     if worker is None:  # once: the lock only then (the comm thread takes it too)
@@ -1101,15 +1122,15 @@ def _gpu_bucket(state: CfcState, last: bool, buf, parts, scatter) -> Any:
                 state._worker = _CommThread(state, dev, state._pipeline_depth)
             worker = state._worker
     try:
-        return _gpu_submit(state, worker, last, buf, parts, scatter)
+        return _gpu_submit(state, worker, last, buf, parts, scatter, for_ddp)
     except Exception as e:  # noqa: BLE001 - handed to DDP, which raises it from backward()
         if last:  # the step's earlier buckets must still complete
             worker.submit("flush")
             state._end_of_bucket(last)
-        return _failed_future(e)
+        return _failure(e, for_ddp)
 
 
-def _gpu_submit(state: CfcState, worker, last: bool, buf, parts, scatter) -> Any:
+def _gpu_submit(state: CfcState, worker, last: bool, buf, parts, scatter, for_ddp: bool) -> Any:
     import torch
 
     dev = buf.device
@@ -1153,7 +1174,8 @@ def _gpu_submit(state: CfcState, worker, last: bool, buf, parts, scatter) -> Any
     # What DDP holds is a callback's future: a failure on the comm thread can only reach
     # ``fut`` through ``set_exception``, which DDP's reducer would read as the bucket ("Unable
     # to cast ... to Tensor"); the callback raises it instead, and so backward() names it.
-    held = fut.then(_bucket_of)
+    # (AllReducer holds ``fut`` itself: its wait() raises the exception as it was.)
+    held = fut.then(_bucket_of) if for_ddp else fut
     # The hand-over comes last: it wakes the comm thread, which then takes Python's lock at
     # every torch call that lets go of it. Nothing after it here lets go of the lock.
     worker.submit_all(items)

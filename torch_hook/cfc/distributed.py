@@ -263,7 +263,7 @@ class AllReducer:
         """Start averaging ``tensor`` (contiguous, float32/bf16/fp16) in place."""
         import torch
 
-        from cfc.ddp import _plain_whole, _whole_plain, cfc_hook
+        from cfc.ddp import _average_bucket, _plain_whole, _whole_plain
 
         if not isinstance(tensor, torch.Tensor) or tensor.dtype not in (
             torch.float32, torch.bfloat16, torch.float16
@@ -292,7 +292,7 @@ class AllReducer:
             self._pending = Pending(tensor, [] if work is None else [work])
             return self._pending
         futures = [
-            cfc_hook(self.state, _Chunk(i, flat[a : a + step], i == len(starts) - 1))
+            _average_bucket(self.state, _Chunk(i, flat[a : a + step], i == len(starts) - 1), for_ddp=False)
             for i, a in enumerate(starts)
         ]
         self._pending = Pending(tensor, futures)
