@@ -750,8 +750,8 @@ def _average_bucket(state: CfcState, bucket, for_ddp: bool) -> Any:
             raise cfc.CfcError("this CfcState was closed (CfcState.close()); register a new one to go on")
         if state.group is None:
             state._setup()
-    except Exception as e:  # noqa: BLE001 - handed to DDP, which raises it from backward()
-        return _failure(e, for_ddp)
+    except Exception as e:  # noqa: BLE001 - handed to DDP (backward() raises it) or AllReducer
+        return _failed_future(e, for_ddp)
     # Each of the bucket's methods lets go of Python's lock, which cfc's comm thread may then
     # hold for a while: each is called once.
     buf, last = bucket.buffer(), bucket.is_last()
@@ -764,13 +764,20 @@ def _average_bucket(state: CfcState, bucket, for_ddp: bool) -> Any:
     return _cpu_bucket(state, last, buf, parts, scatter, for_ddp)
 
 
-def _failed_future(e: BaseException) -> Any:
-    """A future that has failed with ``e`` as DDP's reducer sees a failure: backward() raises
-    a RuntimeError that names ``e``'s type and message. (``Future.set_exception`` keeps the
-    exception as the future's value, for Python's ``wait()`` to raise; the reducer reads that
-    value as the bucket and reports only "Unable to cast <message> to Tensor".) A callback
-    that raises is what marks a future failed where the reducer looks."""
+def _failed_future(e: BaseException, for_ddp: bool) -> Any:
+    """A future that has failed with ``e``. For DDP's reducer (``for_ddp``), as it sees a
+    failure: backward() raises a RuntimeError that names ``e``'s type and message.
+    (``Future.set_exception`` keeps the exception as the future's value, for Python's
+    ``wait()`` to raise; the reducer reads that value as the bucket and reports only "Unable to
+    cast <message> to Tensor".) A callback that raises is what marks a future failed where the
+    reducer looks. Otherwise (AllReducer) the exception is set, and ``wait()`` raises ``e``
+    itself."""
     import torch
+
+    if not for_ddp:
+        failed = torch.futures.Future()
+        failed.set_exception(e)
+        return failed
 
     def fail(_: Any) -> None:
         raise e
@@ -778,18 +785,6 @@ def _failed_future(e: BaseException) -> Any:
     done = torch.futures.Future()
     failed = done.then(fail)
     done.set_result(None)
-    return failed
-
-
-def _failure(e: BaseException, for_ddp: bool) -> Any:
-    """A future that has failed with ``e``: for DDP's reducer (:func:`_failed_future`), or one
-    whose ``wait()`` raises ``e`` itself."""
-    import torch
-
-    if for_ddp:
-        return _failed_future(e)
-    failed = torch.futures.Future()
-    failed.set_exception(e)
     return failed
 
 
@@ -882,8 +877,8 @@ def _cpu_bucket(state: CfcState, last: bool, buf, parts, scatter, for_ddp: bool)
         if scatter is not None:
             scatter()
         state._end_of_bucket(last)
-    except Exception as e:  # noqa: BLE001 - handed to DDP, which raises it from backward()
-        return _failure(e, for_ddp)
+    except Exception as e:  # noqa: BLE001 - handed to DDP (backward() raises it) or AllReducer
+        return _failed_future(e, for_ddp)
     fut = torch.futures.Future()
     fut.set_result(buf)
     return fut
@@ -1123,11 +1118,11 @@ def _gpu_bucket(state: CfcState, last: bool, buf, parts, scatter, for_ddp: bool)
             worker = state._worker
     try:
         return _gpu_submit(state, worker, last, buf, parts, scatter, for_ddp)
-    except Exception as e:  # noqa: BLE001 - handed to DDP, which raises it from backward()
+    except Exception as e:  # noqa: BLE001 - handed to DDP (backward() raises it) or AllReducer
         if last:  # the step's earlier buckets must still complete
             worker.submit("flush")
             state._end_of_bucket(last)
-        return _failure(e, for_ddp)
+        return _failed_future(e, for_ddp)
 
 
 def _gpu_submit(state: CfcState, worker, last: bool, buf, parts, scatter, for_ddp: bool) -> Any:
