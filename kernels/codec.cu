@@ -1244,13 +1244,37 @@ __device__ __forceinline__ void report_bad_frame(u32* status, u32 bit, u32 part)
     atomicCAS(&status[1], 0u, part + 1);  // the first bad frame found, counted from 1
 }
 
+// Whether the header fields that the CPU's read_header checks and the length checks below do
+// not cover are as it requires: a known bound mode that fits the codec, bits only in bits mode
+// (at most 32), reserved bytes zero, dimensions that multiply to n without overflow, a finite
+// positive step and a finite eps >= 0 (step 1 and eps 0 in lossless mode), no exceptions in a
+// raw frame. A step of NaN or infinity would otherwise reach the output as values.
+__device__ __forceinline__ bool header_fields_ok(const u8* f, u64 n, u32 ndim, bool raw) {
+    const u8 mode = f[8], bits = f[11];
+    bool ok = mode <= 4 && !(mode == 4 && !raw) && bits <= 32 && ((bits != 0) == (mode == 2)) &&
+              (f[12] | f[13] | f[14] | f[15]) == 0;
+    u64 prod = 1;
+    for (u32 i = 0; i < ndim; i++) {
+        const u64 d = cfc_load_le(f + 64 + 8 * i, 8);
+        ok &= d == 0 || __umul64hi(prod, d) == 0;
+        prod *= d;
+    }
+    const double step = __longlong_as_double((long long)cfc_load_le(f + HDR_STEP, 8));
+    const double eps = __longlong_as_double((long long)cfc_load_le(f + HDR_EPS, 8));
+    ok &= prod == n && isfinite(step) && step > 0.0 && isfinite(eps) && eps >= 0.0;
+    if (mode == 4) ok &= step == 1.0 && eps == 0.0;
+    if (raw) ok &= cfc_load_le(f + HDR_NEXC, 8) == 0;
+    return ok;
+}
+
 // Whether frame p = blockIdx.y (at table[p], with table[parts + p] bytes readable there, its
 // chunk offsets in its region after sum_offsets) is a quantized or raw frame without a zstd
-// stage of n elements of `dtype` (`size` bytes each) in `ndim` dimensions, whose widths are at
-// most MAX_DECODE_WIDTH and whose widths, planes and exceptions fill its body exactly, within
-// its bytes, with exception indices increasing and below n. One that is not sets `bit` in
-// status[0] and its index + 1 in status[1] (if none is there yet). Every block of row p checks
-// the header; the blocks share out the exception list.
+// stage of n elements of `dtype` (`size` bytes each) in `ndim` dimensions, with a header the
+// CPU would read (header_fields_ok), whose widths are at most MAX_DECODE_WIDTH and whose
+// widths, planes and exceptions fill its body exactly, within its bytes, with exception
+// indices increasing and below n. One that is not sets `bit` in status[0] and its index + 1 in
+// status[1] (if none is there yet). Every block of row p checks the header; the blocks share
+// out the exception list.
 extern "C" __global__ void cfc_codec_check_frames(const u64* table, u32 parts, u64 header_len, u64 n, u32 dtype,
                                                   u32 size, u32 ndim, u8* regions, u64 stride, u32* status, u32 bit) {
     const u32 p = blockIdx.y;
@@ -1265,6 +1289,7 @@ extern "C" __global__ void cfc_codec_check_frames(const u64* table, u32 parts, u
         ok = cfc_load_le(f + HDR_N, 8) == n && cfc_load_le(f + HDR_RAW_BODY_LEN, 8) == blen && blen <= len - header_len;
     }
     const bool raw = f[5] == 1;
+    ok = ok && header_fields_ok(f, n, ndim, raw);
     if (ok && raw) {
         ok = blen == n * size;
     } else if (ok) {
@@ -1326,8 +1351,12 @@ __device__ __forceinline__ void part_chunk(const u8* frame, u64 header_len, u64 
     u32 wl, inc;
     stage_chunk_planes(body, ts, ch, st, &wl, &inc);
 #pragma unroll
-    for (int u = 0; u < CHUNK_GROUPS; ++u)
+    for (int u = 0; u < CHUNK_GROUPS; ++u) {
         q[u] = lane_code(st + __shfl_sync(CFC_FULL_MASK, inc - wl, u), __shfl_sync(CFC_FULL_MASK, wl, u));
+        // Past the last element, a group's codes are padding, which the format leaves free and
+        // the CPU's sum never reads: 0 here, so that they neither overflow nor reach the sum.
+        if (u * CFC_GROUP + lane >= have) q[u] = 0;
+    }
     const u64 n_exc = cfc_load_le(frame + HDR_NEXC, 8);
     if (n_exc == 0) return;
     // The part's exceptions in this chunk: a run of its sorted list, marked in s_mask.

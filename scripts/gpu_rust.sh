@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# On a GPU machine (no Rust there): the Rust side's NCCL tests (tests/nccl.rs) and
+# On a GPU machine (no Rust there): the Rust side's NCCL tests (tests/nccl.rs, two GPUs; the
+# unit tests of src/gpu_allreduce.rs, one) and
 # `cfc-bench --gpu`, built here beforehand and carried in .carry/ (scripts/build_gpu_carry.sh).
 # PARTS picks what runs (default: "tests nvlink socket"; "chunks" reruns NVLink with 16 and
 # 256 MB chunks; "py" runs `python -m cfc.bench` over NVLink, the same all-reduce through PyTorch;
@@ -17,6 +18,7 @@ PARTS=${PARTS:-tests nvlink socket}
 ARGS="--gpu ${GPUS:-2} --grads .carry/grads --sizes ${SIZES:-16M,64M,256M} --bounds ${BOUNDS:-0.3} --iters ${ITERS:-20} --chunk-mb ${CHUNK_MB:-256}"
 for part in $PARTS; do case $part in
   tests) timeout 200 .carry/nccl-tests --test-threads=1 --skip a_peer_that_never_comes 2>&1 | tail -20 | tee "$OUT/rust_nccl_tests.log"
+         timeout 120 .carry/lib-tests --test-threads=1 gpu_allreduce 2>&1 | tail -8 | tee -a "$OUT/rust_nccl_tests.log"
          # the one that waits for a timeout on purpose, on its own (bounded if it hangs)
          timeout 60 .carry/nccl-tests --exact a_peer_that_never_comes_is_an_error_after_the_timeout 2>&1 | tail -6 | tee -a "$OUT/rust_nccl_tests.log" ;;
   nvlink) timeout 300 .carry/cfc-bench $ARGS --json "$OUT/cfc_bench_nvlink.json" --png "$OUT/cfc_bench_nvlink.png" | tee "$OUT/cfc_bench_nvlink.md" ;;

@@ -9,8 +9,10 @@
 //! every rank's frame, added in rank order and averaged into the bucket, and the running
 //! maximum of the error sent. The frames are checked on the device before they are added (the
 //! host sees only their sizes); a frame that is not what its header says leaves the bucket as
-//! it was, and the exchange's next call reports it, or [`BucketExchange::check_frames_seen`]
-//! once the caller has waited for its stream. The caller launches the next bucket before
+//! it was, as every later decoding does, and [`BucketExchange::check_frames_seen`] reports it
+//! once the caller has waited for its stream. (Not earlier, without a wait: ranks would see
+//! the status copy arrive at different buckets, and one that stopped there would leave its
+//! peers waiting in the next bucket's all-gather.) The caller launches the next bucket before
 //! finishing this one, so its compression runs while this one is on the wire.
 //!
 //! This is the exchange of [`crate::gpu_allreduce`] (a row per rank: a 16-byte head with the
@@ -230,11 +232,9 @@ impl BucketExchange {
     /// context.
     ///
     /// # Errors
-    /// [`Error::Transport`] for a key already in flight, a slot past the capacity, or a frame
-    /// that an earlier bucket's check found not to be what its header says (nothing is
-    /// queued); codec, CUDA and NCCL errors (an NCCL error aborts the communicator).
+    /// [`Error::Transport`] for a key already in flight or a slot past the capacity (nothing
+    /// is queued); codec, CUDA and NCCL errors (an NCCL error aborts the communicator).
     pub unsafe fn launch(&mut self, a: &LaunchArgs) -> Result<()> {
-        self.check_frames_seen()?;
         if a.slot > a.capacity || a.slot % 16 != 0 || a.capacity % 16 != 0 {
             return Err(Error::Transport(format!(
                 "bucket {}: a slot of {} bytes for a frame capacity of {} (both multiples of 16, \
@@ -349,12 +349,10 @@ impl BucketExchange {
     /// stated sizes.
     ///
     /// # Errors
-    /// [`Error::Transport`] for a key not in flight, frame sizes no rank's compressor writes
-    /// (the exchange is dropped), or a frame that an earlier bucket's check found not to be
-    /// what its header says; NCCL's errors and the communicator's timeout (which aborts it);
-    /// codec and CUDA errors.
+    /// [`Error::Transport`] for a key not in flight or frame sizes no rank's compressor writes
+    /// (the exchange is dropped); NCCL's errors and the communicator's timeout (which aborts
+    /// it); codec and CUDA errors.
     pub unsafe fn finish(&mut self, f: &FinishArgs) -> Result<Finish> {
-        self.check_frames_seen()?;
         let world = self.comm.world();
         let device = self.comm.device();
         let caller = self.caller(f.stream);
@@ -456,11 +454,10 @@ impl BucketExchange {
     }
 
     /// The error of a frame that failed its check on the device, as far as the copies of the
-    /// decoder's status queued so far have arrived. Nothing is waited for: [`Self::launch`] and
-    /// [`Self::finish`] call it, so a failure shows at the first call after its copy (usually
-    /// the next bucket's); a caller that has waited for the stream of its last
-    /// [`Self::finish`] learns about every bucket so far (`cfc.ddp` does at a step's last
-    /// bucket, so that no optimizer step runs on a bucket left undecoded).
+    /// decoder's status queued so far have arrived (nothing is waited for). A caller that has
+    /// waited for the stream of its last [`Self::finish`] learns about every bucket so far,
+    /// as every rank does at the same point: `cfc.ddp` checks at a step's last bucket, so that
+    /// no optimizer step runs on a bucket left undecoded and every rank raises there.
     ///
     /// # Errors
     /// [`Error::Transport`] naming the frame's rank and what was wrong with it.

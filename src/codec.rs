@@ -705,7 +705,7 @@ pub(crate) fn decode_into<T: Element>(
 /// frame's dtype.
 pub fn decompress<T: Element>(frame: &[u8]) -> Result<(Header, Vec<T>)> {
     let body = Body::open(frame)?;
-    let mut out = vec![T::zeroed(); body.header.n as usize];
+    let mut out = crate::error::try_filled(body.header.n as usize, T::zeroed())?;
     decode_into(&body, &mut out, 0)?;
     Ok((body.header, out))
 }
@@ -747,7 +747,7 @@ impl<'a> OpenFrame<'a> {
             match bytemuck::try_cast_slice_mut::<u8, T>(out) {
                 Ok(typed) => decode_into(body, typed, threads),
                 Err(_) => {
-                    let mut tmp = vec![T::zeroed(); body.header.n as usize];
+                    let mut tmp = crate::error::try_filled(body.header.n as usize, T::zeroed())?;
                     decode_into(body, &mut tmp, threads)?;
                     out.copy_from_slice(bytemuck::cast_slice(&tmp));
                     Ok(())

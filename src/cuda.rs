@@ -166,6 +166,13 @@ fn device(ordinal: usize) -> Result<Arc<Device>> {
         .lock()
         .map_err(|_| Error::Cuda("device cache poisoned".into()))?;
     if devices.len() <= ordinal {
+        // Checked before the cache grows: an ordinal from a caller may be anything.
+        let count = CudaContext::device_count().map_err(driver_err)?.max(0) as usize;
+        if ordinal >= count {
+            return Err(Error::CudaUnavailable(format!(
+                "there is no CUDA device {ordinal}: {count} visible"
+            )));
+        }
         devices.resize(ordinal + 1, None);
     }
     if let Some(d) = &devices[ordinal] {

@@ -98,6 +98,24 @@ pub enum Error {
     /// The error-bounded codec was asked to quantize a dtype other than float32, bfloat16 or
     /// float16 (every dtype can be compressed losslessly).
     NotQuantizable(crate::format::DType),
+    /// Memory for a frame's decoded values could not be had: a valid frame can describe far
+    /// more values than it holds bytes (a tensor of zeros, zstd), so the size is the frame's
+    /// claim, refused here rather than aborting the process.
+    Allocation {
+        /// Bytes asked for.
+        bytes: u64,
+    },
+}
+
+/// `n` copies of `value`, or [`Error::Allocation`] where the memory cannot be had (a plain
+/// `vec!` would abort the process).
+pub(crate) fn try_filled<T: Clone>(n: usize, value: T) -> Result<Vec<T>> {
+    let mut v = Vec::new();
+    let bytes = (n as u64).saturating_mul(std::mem::size_of::<T>() as u64);
+    v.try_reserve_exact(n)
+        .map_err(|_| Error::Allocation { bytes })?;
+    v.resize(n, value);
+    Ok(v)
 }
 
 /// What exactly is wrong with a compressed buffer.
@@ -186,6 +204,10 @@ impl fmt::Display for Error {
                 write!(f, "sum of codes overflows 64 bits at element {index}")
             }
             Error::Zstd(e) => write!(f, "zstd stage failed: {e}"),
+            Error::Allocation { bytes } => write!(
+                f,
+                "could not allocate {bytes} bytes for the values the frame describes"
+            ),
             Error::RankMismatch { what, theirs } => {
                 write!(f, "ranks disagree: {what}, but {theirs}")
             }
@@ -260,5 +282,18 @@ impl std::error::Error for FormatError {}
 impl From<FormatError> for Error {
     fn from(e: FormatError) -> Self {
         Error::Format(e)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn memory_that_cannot_be_had_is_an_error_not_an_abort() {
+        assert_eq!(try_filled(3, 7u8).unwrap(), vec![7, 7, 7]);
+        let e = try_filled(usize::MAX / 4, 0i64).unwrap_err();
+        assert!(matches!(e, Error::Allocation { .. }), "{e:?}");
+        assert!(e.to_string().contains("could not allocate"), "{e}");
     }
 }

@@ -177,8 +177,12 @@ pub struct GpuAllReducer {
     stream: Arc<CudaStream>,
     plan: Option<Plan>,
     /// The decoder's status, kept across calls: once a frame fails its check on the device,
-    /// nothing more is decoded; read at the start of every call.
+    /// nothing more is decoded. Its copy on the host is read where every rank reads the same
+    /// (see [`Self::compressed`]).
     status: DecodeStatus,
+    /// Recorded on the caller's stream at the end of the last call: the next call's work waits
+    /// for it, whatever stream it comes on, since both use the plan's buffers and residuals.
+    last_call: Option<CudaEvent>,
 }
 
 impl std::fmt::Debug for GpuAllReducer {
@@ -256,6 +260,7 @@ impl GpuAllReducer {
             stream,
             plan: None,
             status: DecodeStatus::new(&ctx)?,
+            last_call: None,
         })
     }
 
@@ -361,6 +366,19 @@ impl GpuAllReducer {
             Some(Way::Plain) => Some(false),
             _ => None,
         }
+    }
+
+    /// The error of a frame that failed its check on the device, as far as the copies of the
+    /// decoder's status queued so far have arrived. Nothing is waited for: a caller that has
+    /// waited for the stream of its last call learns about every call so far (as
+    /// `cfc.distributed.NcclAllReducer.check` does, and its `close`). Compressed calls fail
+    /// with the error of an earlier call by themselves, once its copy is certain to be in on
+    /// every rank.
+    ///
+    /// # Errors
+    /// [`Error::Transport`] naming the frame's rank and what was wrong with it.
+    pub fn check_frames_seen(&self) -> Result<()> {
+        self.status.check("an earlier call")
     }
 
     /// A small exchange of the trial that every rank waits for: `mine` (16 bytes) from every
@@ -477,7 +495,6 @@ impl GpuAllReducer {
                 cuda::MAX_SUM_PARTS
             )));
         }
-        self.status.check("an earlier call")?;
         let device = self.comm.device();
         let call = Call {
             caller: cuda::borrowed_stream(device, stream)?,
@@ -497,6 +514,11 @@ impl GpuAllReducer {
 
     fn run(&mut self, call: &Call) -> Result<AllReduceReport> {
         let caller = &call.caller;
+        // The last call's work (its decoding, on the stream it came on) comes before this
+        // one's on the caller's stream: the buffers and residuals are the same.
+        if let Some(last) = &self.last_call {
+            caller.wait(last).map_err(driver_err)?;
+        }
         // The caller's earlier work on `stream` (what wrote `data`) comes first for the
         // agreement's exchange too, on this reducer's stream.
         self.stream
@@ -527,6 +549,7 @@ impl GpuAllReducer {
         } else {
             self.plain(call)?
         };
+        self.last_call = Some(caller.record_event(None).map_err(driver_err)?);
         let Some(t0) = t0 else {
             return Ok(report);
         };
@@ -665,6 +688,13 @@ impl GpuAllReducer {
         };
         for (c, ch) in plan.chunks.iter_mut().enumerate() {
             self.comm.wait_event(&gathered[c])?;
+            if c == 0 {
+                // The status as the last call's decoding left it: its copy was queued before
+                // `last_call`, which this exchange came after, and nothing of this call has
+                // been decoded yet. Every rank decoded the same frames, so every rank reads
+                // the same here and all stop together, past the same collectives.
+                self.status.check("an earlier call")?;
+            }
             let sizes: Vec<u64> = (0..world as usize)
                 .map(|j| plan.sizes.u64_at(c * world as usize + j))
                 .collect();
@@ -766,6 +796,77 @@ mod tests {
         assert_eq!(
             descriptor(10, DType::F32, &o),
             descriptor(10, DType::F32, &GpuAllReduceOptions::new(0.2))
+        );
+    }
+
+    /// Whether one GPU and NCCL are here (a failure instead of a skip under
+    /// `CFC_REQUIRE_GPU=1`, as on the GPU machine: `scripts/gpu_rust.sh`).
+    fn one_gpu() -> bool {
+        let why = if cuda::device_count() == 0 {
+            Some("no CUDA device".to_string())
+        } else {
+            crate::nccl::library().err().map(|e| e.to_string())
+        };
+        match why {
+            None => true,
+            Some(w) if std::env::var("CFC_REQUIRE_GPU").is_ok_and(|v| v == "1") => {
+                panic!("CFC_REQUIRE_GPU=1 but {w}")
+            }
+            Some(w) => {
+                eprintln!("skipped: needs a GPU and NCCL ({w})");
+                false
+            }
+        }
+    }
+
+    /// A frame that failed its check on the device reaches `check_frames_seen` once the
+    /// caller has waited for its stream, and fails every later call; until then a call sees
+    /// only the copies that have arrived. One rank on one GPU: its own frames are sound, so the
+    /// failure is written into the status as `check_frames` writes it for rank 0's frame.
+    #[test]
+    fn a_bad_frame_shows_in_the_check_after_a_wait_and_fails_later_calls() {
+        if !one_gpu() {
+            return;
+        }
+        let id = crate::nccl::UniqueId::new().unwrap();
+        let comm = Communicator::new(0, &id, 0, 1).unwrap();
+        let ctx = comm.context().clone();
+        let stream = ctx.new_stream().unwrap();
+        let mut reducer = GpuAllReducer::new(comm).unwrap();
+        let x: Vec<f32> = (0..10_000).map(|i| (i as f32 * 0.01).sin()).collect();
+        let d = stream.clone_htod(&x).unwrap();
+        let opts = GpuAllReduceOptions::new(1e-3);
+        let raw = stream.cu_stream() as usize;
+        let call = |reducer: &mut GpuAllReducer| {
+            let (ptr, _sync) = cudarc::driver::DevicePtr::device_ptr(&d, &stream);
+            // SAFETY: `d` holds 10 000 float32 on the communicator's device and outlives the
+            // call; `stream` is a live stream of its primary context.
+            unsafe { reducer.allreduce(raw, ptr, 10_000, DType::F32, &opts) }
+        };
+        call(&mut reducer).unwrap();
+        stream.synchronize().unwrap();
+        reducer.check_frames_seen().unwrap();
+        let y = stream.clone_dtoh(&d).unwrap();
+        assert!(x.iter().zip(&y).all(|(a, b)| (a - b).abs() <= 1e-3));
+
+        // Error bits SUM_BAD_FRAME (kernels/codec.cu), then the frame's index + 1.
+        let bad: u64 = 4 | (1 << 32);
+        ctx.bind_to_thread().unwrap();
+        // SAFETY: the status's 8 bytes of device memory, in the bound context; no work that
+        // uses them is in flight (the stream was waited for).
+        unsafe { result::memcpy_htod_sync(reducer.status.ptr(), &bad.to_le_bytes()) }.unwrap();
+        // The host's copy is still clean: this call runs, decodes nothing and copies the status.
+        call(&mut reducer).unwrap();
+        stream.synchronize().unwrap();
+        let e = reducer.check_frames_seen().unwrap_err();
+        assert!(matches!(e, Error::Transport(_)), "{e:?}");
+        assert!(e.to_string().contains("the frame of rank 0"), "{e}");
+        assert!(e.to_string().contains("error bits 0x4"), "{e}");
+        let e = call(&mut reducer).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("an earlier call received a bad frame"),
+            "{e}"
         );
     }
 }

@@ -320,8 +320,10 @@ fn default_timeout() -> Duration {
     std::env::var("CFC_NCCL_TIMEOUT")
         .ok()
         .and_then(|s| s.parse::<f64>().ok())
-        .filter(|s| *s > 0.0 && s.is_finite())
-        .map_or(Duration::from_secs(300), Duration::from_secs_f64)
+        .filter(|s| *s > 0.0)
+        // (not a number, or more seconds than a Duration holds: the default)
+        .and_then(|s| Duration::try_from_secs_f64(s).ok())
+        .unwrap_or(Duration::from_secs(300))
 }
 
 /// One rank's NCCL communicator on one device.

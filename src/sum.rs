@@ -46,24 +46,26 @@ impl Codes {
             return Err(Error::NotQuantizable(h.dtype));
         }
         let n = h.n as usize;
-        let mut codes = vec![0i64; n];
+        let mut codes = crate::error::try_filled(n, 0i64)?;
         let exceptions: Vec<(u64, u32)> = match h.codec {
             Codec::Raw | Codec::Lossless => {
                 let size = h.dtype.size();
                 let mut raw = std::borrow::Cow::Borrowed(&body.raw[..]);
                 if h.codec == Codec::Lossless {
-                    let mut bytes = vec![0u8; n * size];
+                    let mut bytes = crate::error::try_filled(n.saturating_mul(size), 0u8)?;
                     crate::lossless::decode_body(&body.raw, &body.chunks, size, &mut bytes, 0);
                     raw = std::borrow::Cow::Owned(bytes);
                 }
-                raw.chunks_exact(size)
-                    .enumerate()
-                    .map(|(i, c)| {
-                        let mut a = [0u8; 4];
-                        a[..size].copy_from_slice(c);
-                        (i as u64, u32::from_le_bytes(a))
-                    })
-                    .collect()
+                let mut all = Vec::new();
+                all.try_reserve_exact(n).map_err(|_| Error::Allocation {
+                    bytes: (n as u64).saturating_mul(16),
+                })?;
+                all.extend(raw.chunks_exact(size).enumerate().map(|(i, c)| {
+                    let mut a = [0u8; 4];
+                    a[..size].copy_from_slice(c);
+                    (i as u64, u32::from_le_bytes(a))
+                }));
+                all
             }
             Codec::Quantized => {
                 let mut planes = body.planes();

@@ -1,7 +1,7 @@
 //! The one place where `cfc::Error` becomes a Python exception.
 
 use pyo3::create_exception;
-use pyo3::exceptions::{PyException, PyTypeError, PyValueError};
+use pyo3::exceptions::{PyException, PyMemoryError, PyTypeError, PyValueError};
 use pyo3::PyErr;
 
 create_exception!(
@@ -29,6 +29,7 @@ pub fn to_py(e: cfc::Error) -> PyErr {
         cfc::Error::Incompatible { what: "dtype", .. } | cfc::Error::NotQuantizable(_) => {
             PyTypeError::new_err(msg)
         }
+        cfc::Error::Allocation { .. } => PyMemoryError::new_err(msg),
         _ => CfcError::new_err(msg),
     }
 }

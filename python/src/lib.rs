@@ -862,17 +862,23 @@ fn join_communicator<T: Send>(
     then: impl FnOnce(cfc::nccl::Communicator) -> cfc::Result<T> + Send,
 ) -> PyResult<T> {
     let id = cfc::nccl::UniqueId::from_hex(unique_id).map_err(to_py)?;
-    if let Some(t) = timeout {
-        if !(t > 0.0 && t.is_finite()) {
-            return Err(PyValueError::new_err(format!(
-                "timeout must be a positive number of seconds, got {t}"
-            )));
-        }
-    }
+    let timeout = match timeout {
+        None => None,
+        Some(t) => Some(
+            std::time::Duration::try_from_secs_f64(t)
+                .ok()
+                .filter(|d| !d.is_zero())
+                .ok_or_else(|| {
+                    PyValueError::new_err(format!(
+                        "timeout must be a positive number of seconds a Duration holds, got {t}"
+                    ))
+                })?,
+        ),
+    };
     py.detach(|| {
         let mut comm = cfc::nccl::Communicator::new(device, &id, rank, world)?;
         if let Some(t) = timeout {
-            comm.set_timeout(std::time::Duration::from_secs_f64(t));
+            comm.set_timeout(t);
         }
         then(comm)
     })
@@ -997,8 +1003,18 @@ impl NcclAllReducer {
 
     /// Whether calls with the current size and options are compressed (None before the first
     /// call and during the "auto" trial).
-    fn compressing(&mut self) -> Option<bool> {
-        self.inner.held().and_then(|r| r.compressing())
+    fn compressing(&mut self) -> PyResult<Option<bool>> {
+        Ok(self.inner.live("NcclAllReducer")?.compressing())
+    }
+
+    /// Raises the error of a frame that failed its check on the GPU, as far as the copies of
+    /// the decoder's status have arrived (no wait: synchronize the stream of the last call
+    /// first to learn about every call so far).
+    fn check(&mut self) -> PyResult<()> {
+        self.inner
+            .live("NcclAllReducer")?
+            .check_frames_seen()
+            .map_err(to_py)
     }
 
     /// Leaves the communicator (NCCL finalizes it; waits for this rank's queued work).

@@ -412,6 +412,38 @@ def test_wait_raises_a_failed_chunks_error_as_it_was(tmp_path, monkeypatch, devi
         dist.destroy_process_group()
 
 
+@pytest.mark.gpu
+def test_nccl_all_reducer_on_one_rank_gives_the_cpu_codecs_values(tmp_path):
+    """One rank, one GPU: each call's result is, bit for bit, what the CPU codec decodes from
+    the call's input compressed with error feedback at eps (the average of one frame; chunks
+    of 3000 elements, so 10000 values take four). check() and close() wait for the last call
+    and find no bad frame; after close, calls and checks raise and closing again does
+    nothing. (A bad frame itself needs a peer: the Rust test of gpu_allreduce.rs sets the
+    decoder's status instead.)"""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        torch.cuda.set_device(0)
+        nr = cfc.distributed.NcclAllReducer(eps=EPS, chunk_mb=3000 * 4 / 2**20, timeout=60)
+        nr.check()  # nothing to wait for yet
+        for dtype in (torch.float32, torch.bfloat16):
+            r = torch.zeros(10000)  # the CPU codec's residual, beside the reducer's own
+            for call in range(3):
+                x = data(0, call, 10000).to(dtype)
+                expect = cfc.decompress(cfc.compress(x, eps=EPS, residual=r))
+                y = x.cuda()
+                report = nr(y)
+                assert report["compressed"] and report["eps"] == EPS, report
+                nr.check()
+                assert torch.equal(y.cpu(), expect), (y.cpu() - expect).abs().max()
+        nr.close()
+        nr.close()
+        for use in (nr.check, nr.compressing, lambda: nr(torch.zeros(10, device="cuda"))):
+            with pytest.raises(cfc.CfcError, match="closed"):
+                use()
+    finally:
+        dist.destroy_process_group()
+
+
 def test_nccl_all_reducer_checks_its_options_and_needs_cuda():
     for kw, err in (({}, "exactly one"), ({"eps": 1e-3, "rms": 0.3}, "exactly one"),
                     ({"eps": -1.0}, "positive"), ({"eps": 1e-3, "fallback": True}, "fallback"),
@@ -430,8 +462,9 @@ def test_native_nccl_entry_points_fail_clearly_before_touching_a_device():
     good = "00" * 128
     with pytest.raises(cfc.CfcError, match="rank 2 of 2"):
         native.NcclAllReducer(0, good, 2, 2)
-    with pytest.raises(ValueError, match="timeout"):
-        native.NcclAllReducer(0, good, 0, 2, timeout=-1.0)
+    for bad in (-1.0, 0.0, float("nan"), float("inf"), 1e20):  # 1e20 s: more than a Duration holds
+        with pytest.raises(ValueError, match="timeout"):
+            native.NcclAllReducer(0, good, 0, 2, timeout=bad)
     # A missing NCCL library is an error that names where it looked (in a fresh process:
     # the library, once found, stays loaded).
     code = "import cfc._native as n\ntry:\n    n.nccl_unique_id()\nexcept n.CfcError as e:\n    print('CfcError:', e)\n"

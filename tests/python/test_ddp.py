@@ -194,6 +194,20 @@ def _resume_with(kw):
         CfcState(**kw).load_state_dict(other)
     with pytest.raises(ValueError, match="eps=0.001"):
         CfcState(eps=1e-3, warmup_steps=1).load_state_dict(saved["cfc"])
+    # Residuals that are not a saved state's are refused at the load; ones of other sizes (a
+    # state of another model) restart at zero, counted.
+    with pytest.raises(ValueError, match="1-D float32"):
+        CfcState(**kw).load_state_dict(dict(saved["cfc"], residuals={0: [0.0]}))
+    short = {o: r[:-1] for o, r in saved["cfc"]["residuals"].items()}
+    state, ddp, opt = resume_from(dict(saved, cfc=dict(saved["cfc"], residuals=short)), kw)
+    train(ddp, opt, rank, 1, start=4)
+    assert state.stats()["residual_resets"] == len(short), state.stats()
+    # Ranks that load states of different steps all raise at the next step's first bucket,
+    # in the agreement round, not in an exchange that only some of them would join.
+    state, ddp, opt = resume_from(saved if rank == 0 else again, kw)
+    x, y = batch(rank, 5)
+    with pytest.raises(Exception, match="resumed from different cfc_hook states"):
+        nn.functional.cross_entropy(ddp(x), y).backward()
     return saved
 
 

@@ -212,6 +212,15 @@ def test_gpu_decode_on_another_stream_waits_for_compression():
         assert torch.equal(cfc.decompress(c), want)
 
 
+def test_a_device_number_that_does_not_exist_is_unsupported_and_harms_nothing():
+    native = cfc._native
+    for bad in (torch.cuda.device_count(), 2**40, 2**64 - 1):  # (2**64 - 1 + 1 wraps to 0)
+        assert not native.cuda_supported(bad)
+    assert native.cuda_supported(0)  # the device cache still works
+    x = torch.randn(1000, device="cuda")
+    assert bytes(cfc.compress(x, eps=1e-3)) == bytes(cfc.compress(x.cpu(), eps=1e-3))
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_gpu_compress_leaves_torchs_current_device_alone():
     torch.cuda.set_device(0)
@@ -610,7 +619,9 @@ def test_native_exchange_resend_waits_for_work_queued_on_the_callers_stream():
 def test_native_exchange_reports_a_bad_frame_and_leaves_the_bucket_as_it_was():
     """A frame that arrives corrupted (here: a width past 64, written into the received row
     between the all-gather and the decoding; one rank) fails its check on the device: the
-    bucket keeps its values, and the exchange's next call raises."""
+    bucket keeps its values, and so do the later buckets, while the exchange's calls go on
+    (stopping at one of them, ranks would stop at different buckets); the check after a wait
+    for the stream raises, each time."""
     exchange, x, want, cap, row, ws_len = _one_rank_exchange()
     dev, n, eps = x.device, x.numel(), EXCHANGE_EPS
     ws_at = -(-(2 * row) // 256) * 256
@@ -625,5 +636,11 @@ def test_native_exchange_reports_a_bad_frame_and_leaves_the_bucket_as_it_was():
     stream.synchronize()
     assert torch.equal(x, want), "the bucket was written from a bad frame"
     with pytest.raises(cfc.CfcError, match="bad frame"):
-        exchange.launch(*launch, eps=eps)
+        exchange.check()
+    exchange.launch(*launch, eps=eps)  # a sound frame this time, but nothing more is decoded
+    assert exchange.finish(1, stream.cuda_stream, 1.0, base + ws_at, ws_len, 0)[0] == 0
+    stream.synchronize()
+    assert torch.equal(x, want), "a bucket was decoded after a bad frame"
+    with pytest.raises(cfc.CfcError, match="bad frame"):
+        exchange.check()
     exchange.close()

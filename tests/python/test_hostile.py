@@ -1,6 +1,7 @@
 """Malformed frames give cfc.FormatError, never a crash (mirrors tests/hostile.rs)."""
 
 import random
+import struct
 
 import pytest
 import torch
@@ -102,6 +103,10 @@ def _exception_past_the_end(b):
     b[at + 4 * (n_exc - 1) : at + 4 * n_exc] = (N_GPU + 5).to_bytes(4, "little")
 
 
+def _set_f64(b, at, v):
+    b[at : at + 8] = struct.pack("<d", v)
+
+
 CORRUPTIONS = {
     "a width past 64": lambda b: b.__setitem__(HEADER_1D + 3, 200),
     "widths that disagree with the body length": lambda b: b.__setitem__(HEADER_1D + 3, b[HEADER_1D + 3] + 1),
@@ -112,6 +117,19 @@ CORRUPTIONS = {
     "another dtype": lambda b: b.__setitem__(6, 1),
     "another element count": lambda b: _set_u64(b, 16, N_GPU + 1),
     "a bad magic": lambda b: b.__setitem__(0, ord("X")),
+    # Header fields that leave every length as it was (a NaN step would reach the values):
+    "a NaN step": lambda b: _set_f64(b, 24, float("nan")),
+    "an infinite step": lambda b: _set_f64(b, 24, float("inf")),
+    "a zero step": lambda b: _set_f64(b, 24, 0.0),
+    "a negative step": lambda b: _set_f64(b, 24, -2e-3),
+    "a NaN eps": lambda b: _set_f64(b, 32, float("nan")),
+    "a negative eps": lambda b: _set_f64(b, 32, -1.0),
+    "an unknown bound mode": lambda b: b.__setitem__(8, 9),
+    "lossless mode on quantized codes": lambda b: b.__setitem__(8, 4),
+    "bits outside bits mode": lambda b: b.__setitem__(11, 5),
+    "bits mode without bits": lambda b: b.__setitem__(8, 2),
+    "a reserved byte set": lambda b: b.__setitem__(13, 1),
+    "a shape that does not hold n": lambda b: _set_u64(b, 64, N_GPU + 1),
 }
 
 

@@ -230,6 +230,7 @@ class CfcState:
         self._scales: Dict[int, Tuple[tuple, Any]] = {}  # bucket -> (layout, per-parameter scales), per_tensor
         self._counts: Dict[Tuple[tuple, Any], Any] = {}  # (layout, device) -> parameter sizes, on the device
         self._agreed = False
+        self._resumed = (-1.0, 0.0)  # what load_state_dict loaded (_note_resume): nothing yet
         self._nccl = False  # CUDA tensors go through NCCL in the group (set by _setup)
         self._fast_step = (-1, False)  # (step, whether its CUDA buckets all go out plainly)
         self._worker: Optional[_CommThread] = None
@@ -309,23 +310,50 @@ class CfcState:
         )
 
     def _agree(self, device) -> None:
-        """Every rank sees every rank's options; all raise alike if they differ."""
+        """Every rank sees every rank's options, and what it resumed from (again after each
+        :meth:`load_state_dict`); all raise alike if they differ."""
         import torch
         import torch.distributed as dist
 
-        mine = torch.tensor(self._config(), dtype=torch.float64, device=device)
+        config = self._config()
+        mine = torch.tensor(config + list(self._resumed), dtype=torch.float64, device=device)
         table = [torch.empty_like(mine) for _ in range(self.world)]
         dist.all_gather(table, mine, group=self.group)
         rows = [t.cpu().tolist() for t in table]
+        k = len(config)
         for r, row in enumerate(rows):
-            if row != rows[0]:
+            if row[:k] != rows[0][:k]:
                 raise cfc.CfcError(
                     f"ranks disagree on the cfc_hook options: rank 0 has {self._describe(rows[0])}; "
                     f"rank {r} has {self._describe(row)}"
                 )
+        for r, row in enumerate(rows):
+            if row[k:] != rows[0][k:]:
+                raise cfc.CfcError(
+                    "ranks resumed from different cfc_hook states: rank 0 loaded "
+                    f"{self._describe_resume(rows[0][k:])}; rank {r} {self._describe_resume(row[k:])} "
+                    "(each rank loads its own state of the same step)"
+                )
         self._agreed = True
-        if device.type == "cuda" and self._nccl and self._use_exchange and _exchange_fits(self):
+        if (device.type == "cuda" and self._nccl and self._use_exchange and self._exchange is None
+                and _exchange_fits(self)):
             self._exchange = _open_exchange(self, device)
+
+    @staticmethod
+    def _describe_resume(row: List[float]) -> str:
+        if row[0] < 0:
+            return "none"
+        return f"the state of step {int(row[0])} (buckets and choices {int(row[1]):08x})"
+
+    def _note_resume(self) -> None:
+        """What the next agreement compares between ranks after a load: the step, and a
+        checksum of the bucket layouts and per-bucket choices (the same on every rank of a run;
+        residuals differ)."""
+        import zlib
+
+        shared = repr((sorted(self._saved_layouts.items()), sorted(self._decisions.items())))
+        self._resumed = (float(self.step), float(zlib.crc32(shared.encode())))
+        self._agreed = False
 
     # ---- per-bucket decisions ----
 
@@ -424,6 +452,10 @@ class CfcState:
                 src = self._pending.pop(o).reshape(-1)
                 if src.numel() == n:
                     r[off : off + n].copy_(src)
+                else:  # a state saved for another model: counted, not silently dropped
+                    logger.warning("cfc: the loaded residual of parameter %d holds %d values, the parameter %d; "
+                                   "it restarts at zero", o, src.numel(), n)
+                    self._stats["residual_resets"] += 1
             elif o in self._where:
                 t, toff, tn = self._where[o]
                 if tn == n and t.device == r.device:
@@ -482,7 +514,8 @@ class CfcState:
         """Let go of what the state holds outside Python: its comm thread (once the work queued
         on it is done) and the NCCL communicator of its native exchange. Call it on every rank
         when training with the hook is over, e.g. before ``dist.destroy_process_group()``;
-        otherwise they go when the state is collected. Afterwards the hook refuses buckets
+        otherwise they stay until the process ends (a CUDA state's comm thread holds the state,
+        so it is never collected). Afterwards the hook refuses buckets
         (``backward()`` raises ``cfc.CfcError``); ``stats()`` and ``state_dict()`` still work.
         Calling it again does nothing. cfc's process group stays until torch's groups are
         destroyed."""
@@ -491,15 +524,17 @@ class CfcState:
                 return
             self._closed = True
         worker, self._worker = self._worker, None
-        if worker is not None:
-            try:
-                worker.drain()
-            finally:
-                worker.stop()
-                worker.thread.join()
         exchange, self._exchange = self._exchange, None
-        if exchange is not None:
-            exchange.close()  # waits for this rank's queued work, then NCCL finalizes
+        try:
+            if worker is not None:
+                try:
+                    worker.drain()  # raises the queued work's failure, after which...
+                finally:
+                    worker.stop()
+                    worker.thread.join()
+        finally:  # ...the communicator is let go all the same
+            if exchange is not None:
+                exchange.close()  # waits for this rank's queued work, then NCCL finalizes
 
     # ---- stats ----
 
@@ -586,8 +621,16 @@ class CfcState:
         """Restore what :meth:`state_dict` saved on this rank.
 
         Raises:
-            ValueError: the state was saved by another rank, world size or options.
+            ValueError: the state was saved by another rank, world size or options, or its
+                residuals are not 1-D float32 tensors. (A residual whose size does not match
+                its parameter's restarts at zero, counted in ``residual_resets``.)
+
+        The next bucket's agreement round, a collective like the first one, checks that every
+        rank loaded a state of the same step, buckets and choices: ``cfc.CfcError`` on every
+        rank otherwise, before any of the step's exchanges.
         """
+        import torch
+
         if not isinstance(sd, dict) or sd.get("version") != _STATE_VERSION:
             raise ValueError("not a cfc_hook state (or one of another version)")
         self._setup()
@@ -601,10 +644,15 @@ class CfcState:
                 f"this state was saved with {self._describe(sd['config'])}; these options are "
                 f"{self._describe(self._config())}"
             )
+        residuals = sd["residuals"]
+        bad = [o for o, r in residuals.items()
+               if not (isinstance(r, torch.Tensor) and r.dtype == torch.float32 and r.dim() == 1)]
+        if bad:
+            raise ValueError(f"the residuals of parameters {bad[:5]} are not 1-D float32 tensors: not a saved state")
         self.step = int(sd["step"])
         self._residuals.clear()
         self._where.clear()
-        self._pending = {int(o): r for o, r in sd["residuals"].items()}
+        self._pending = {int(o): r for o, r in residuals.items()}
         self._saved_layouts = {int(i): tuple(l) for i, l in sd["layouts"].items()}
         self._decisions = {int(k): bool(v) for k, v in sd["decisions"].items()}
         # Per-bucket memory of this process's earlier steps does not carry over; the loaded
@@ -614,7 +662,6 @@ class CfcState:
         self._trial.clear()
         self._origin = 0
         self._fast_step = (-1, False)
-        import torch
 
         # (a checkpoint of the previous format has no "rms_scaled": a bucket with scales had them
         # applied at its last step unless that was its first compressed one)
@@ -627,6 +674,7 @@ class CfcState:
             for i, (l, v) in sd["scales"].items()
         }
         self.reset_stats()
+        self._note_resume()
 
     # ---- bookkeeping shared by both engines ----
 
@@ -643,7 +691,7 @@ class CfcState:
         """After each bucket's hook (``last``: the step's last bucket, ``bucket.is_last()``)."""
         if last:
             self.step += 1
-            if self.log_every and self.step % self.log_every == 0:
+            if self.log_every and self.step % self.log_every == 0 and logger.isEnabledFor(logging.INFO):
                 logger.info("cfc step %d: %s", self.step, self.stats())
 
 
@@ -1410,17 +1458,16 @@ def _gpu_launch(state: CfcState, stream, index, buf, layout, r, compress, trial,
 def _decode_sum(state: CfcState, frames, n: int, dtype: str, out, scale: float) -> None:
     """Every rank's frame decoded and added into ``out`` (:func:`_decode_sum_cuda`), on the
     current stream, with the state's status. A frame from elsewhere that fails its check on the
-    GPU leaves ``out`` as it was, as every later decoding does; the first decoding that finds the
-    status set on the host (copied there without a wait, so usually the next bucket's) raises,
-    as the native exchange's next call does."""
+    GPU leaves ``out`` as it was, as every later decoding does; the status is copied to the host
+    without a wait, and read only after one (:func:`_check_decoded`), as the native exchange's
+    is: read earlier, ranks would find it at different buckets, and one that stopped there
+    would leave its peers in the next bucket's collectives."""
     import torch
 
     seen = state._decode_seen
     if seen is None:
         state._decode_status = torch.zeros(2, dtype=torch.int32, device=out.device)
         state._decode_seen = seen = torch.zeros(2, dtype=torch.int32, pin_memory=True)
-    else:
-        _raise_bad_frame(seen)
     _decode_sum_cuda(frames, n, dtype, out, scale, status=state._decode_status)
     seen.copy_(state._decode_status, non_blocking=True)
     state._decoded = True
@@ -1435,12 +1482,12 @@ def _raise_bad_frame(seen) -> None:
 
 def _check_decoded(state: CfcState, worker) -> None:
     """At the step's last bucket, before its future completes (on the comm thread): wait for this
-    thread's stream, and raise if a frame decoded since the last check failed its check on the
-    GPU. Each decoding's status is otherwise read without a wait, at the next decoding: a bad
-    frame in the step's last bucket would show only at the next step, after the optimizer step
-    had run on that bucket left undecoded. The wait is for the step's last decoding, which the
-    copies DDP queues into the gradients wait for anyway: it costs the host a round trip per
-    step, and nothing where no bucket was decoded."""
+    thread's stream, and raise if a frame decoded so far failed its check on the GPU. This is
+    the one place the status is read: after the wait, every rank has decoded the same frames
+    and so raises here alike, before any optimizer step runs on a bucket left undecoded (and
+    again at every later step: nothing more is decoded). The wait is for the step's last
+    decoding, which the copies DDP queues into the gradients wait for anyway: it costs the host
+    a round trip per step, and nothing where no bucket was decoded."""
     if not state._decoded:
         return
     state._decoded = False

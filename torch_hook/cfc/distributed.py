@@ -301,8 +301,8 @@ class AllReducer:
     def close(self) -> None:
         """Finish the last call, then let go of what the state holds outside Python: the comm
         thread and the NCCL communicator of CUDA chunks (:meth:`cfc.CfcState.close`). Call it
-        on every rank when done, e.g. before ``dist.destroy_process_group()``; otherwise they go
-        when the state is collected. A last call that was never waited for and failed raises
+        on every rank when done, e.g. before ``dist.destroy_process_group()``; otherwise they stay
+        until the process ends. A last call that was never waited for and failed raises
         its error here. Later calls raise ``cfc.CfcError``; closing again does nothing."""
         pending, self._pending = self._pending, None
         try:
@@ -322,6 +322,10 @@ class NcclAllReducer:
     has less host overhead than :class:`AllReducer` (which runs :func:`cfc.cfc_hook`'s
     engine); it takes only CUDA tensors and an absolute bound per call. The call returns once
     the frames are exchanged; the result is on the device when the current stream gets there.
+    A frame from a peer that fails its check on the GPU is not decoded: the tensor keeps its
+    input, and so does every later call's. The next compressed call raises ``cfc.CfcError`` on
+    every rank alike (after its first exchange, where every rank knows the last call's
+    outcome); :meth:`check` and :meth:`close` wait for the last call's stream and raise it.
 
     The communicator is made at construction: rank 0 of ``group`` makes an NCCL id and
     broadcasts it over ``group`` (so construction is a collective of ``group``), and every rank
@@ -403,6 +407,7 @@ class NcclAllReducer:
         if kind != "id":
             raise _native.CfcError(f"rank 0 could not make an NCCL id: {value}")
         self._native = _native.NcclAllReducer(self.device.index, value, rank, world, timeout=timeout)
+        self._stream: Any = None  # the last call's stream, which its decoding was queued on
 
     def __call__(self, tensor: Any) -> Dict[str, Any]:
         """Average ``tensor`` (a contiguous float32/bf16/fp16 CUDA tensor on this rank's device)
@@ -425,8 +430,9 @@ class NcclAllReducer:
 
             rms = math.sqrt(float(_finite_sumsq(tensor)) / max(1, tensor.numel()))
             eps = _rms_eps(self.rms, rms)
-        return self._native.allreduce(
-            torch.cuda.current_stream(self.device).cuda_stream,
+        stream = torch.cuda.current_stream(self.device)
+        report = self._native.allreduce(
+            stream.cuda_stream,
             tensor.data_ptr(),
             tensor.numel(),
             str(tensor.dtype).replace("torch.", ""),
@@ -437,12 +443,31 @@ class NcclAllReducer:
             fallback=self.fallback,
             trials=self.trials,
         )
+        self._stream = stream
+        return report
 
     def compressing(self) -> Optional[bool]:
         """Whether calls with the last size are compressed (None before a first call and
-        during ``fallback="auto"``'s trial)."""
+        during ``fallback="auto"``'s trial). Raises ``cfc.CfcError`` after :meth:`close`."""
         return self._native.compressing()
 
+    def check(self) -> None:
+        """Wait for the last call's stream, then raise ``cfc.CfcError`` if a frame of any call so
+        far failed its check on the GPU (that call's tensor then kept its input, as every later
+        call's does). Without it, the last call's bad frame shows only at the next compressed
+        call."""
+        if self._stream is not None:
+            self._stream.synchronize()
+        self._native.check()
+
     def close(self) -> None:
-        """Leave the communicator (also done when the reducer is collected)."""
-        self._native.close()
+        """Raise a bad frame of the calls so far, as :meth:`check` does, and leave the
+        communicator either way (also done when the reducer is collected). Closing again does
+        nothing; other calls after it raise ``cfc.CfcError``."""
+        stream, self._stream = self._stream, None
+        try:
+            if stream is not None:
+                stream.synchronize()
+                self._native.check()
+        finally:
+            self._native.close()
