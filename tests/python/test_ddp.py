@@ -673,9 +673,29 @@ def native_exchange(rank, world, out):
             assert same_on_all_ranks(p)
 
 
+def trial_resume(rank, world, out):
+    """fallback="auto": a checkpoint taken after the trial's last step, before the choice
+    that the next step's first bucket makes from its timings, resumes to the same choice."""
+    kw = dict(fallback="auto", warmup_steps=1, trial_steps=2, min_compress_numel=0)
+    state = CfcState(**kw)
+    ddp, opt = make(state)
+    train(ddp, opt, rank, 3)  # warm-up, the trial's two steps
+    assert state._trial and not state._decisions
+    # plain faster for every bucket, on every rank alike (timings vary)
+    state._trial = {i: {"plain": [1.0], "cfc": [2.0]} for i in state._trial}
+    saved = {"model": {k: v.clone() for k, v in ddp.state_dict().items()},
+             "opt": copy.deepcopy(opt.state_dict()), "cfc": state.state_dict()}
+    for st, ddp, opt in ((state, ddp, opt), resume_from(saved, kw)):  # straight on, and resumed
+        st.reset_stats()
+        train(ddp, opt, rank, 1, start=3)
+        assert st._decisions and not any(st._decisions.values()), st._decisions
+        assert st.stats()["plain_buckets"] > 0 and st.stats()["compressed_buckets"] == 0, st.stats()
+
+
 SCENARIOS = {
     f.__name__: f
     for f in (parity, resume, overflow, accumulate, variants, mismatch, fallback, slots, reduce_scatter, per_tensor,
+              trial_resume,
               trial_timing, plain_after_trial, register, register_sockets, native_exchange, close, comm_failure, bad_frame,
               bad_frame_native)
 }
@@ -710,7 +730,7 @@ def test_training_parity_with_8x_fewer_bytes(tmp_path, device):
 @pytest.mark.parametrize(
     "scenario",
     ["resume", "overflow", "accumulate", "variants", "mismatch", "fallback", "slots", "reduce_scatter", "per_tensor",
-     "trial_timing", "plain_after_trial", "register", "close"],
+     "trial_timing", "trial_resume", "plain_after_trial", "register", "close"],
 )
 def test_hook(tmp_path, scenario, device):
     enough_gpus(device)

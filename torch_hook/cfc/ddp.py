@@ -498,10 +498,13 @@ class CfcState:
         # The fastest of each kind: the first compressed sample also pays one-off costs
         # (kernel compilation, the first size exchange).
         best = lambda xs: min(xs) if xs else math.inf  # noqa: E731
+        device = self._trial_device
+        if device is None:  # timings loaded from a checkpoint: where the group's collectives run
+            device = torch.device("cuda", torch.cuda.current_device()) if self._nccl else torch.device("cpu")
         times = torch.tensor(
             [[best(self._trial[k]["plain"]), best(self._trial[k]["cfc"])] for k in keys],
             dtype=torch.float64,
-            device=self._trial_device,
+            device=device,
         )
         dist.all_reduce(times, op=dist.ReduceOp.MAX, group=self.group if group is None else group)
         for k, (plain, comp) in zip(keys, times.cpu().tolist()):
@@ -611,6 +614,9 @@ class CfcState:
             "residuals": residuals,  # per parameter ordinal
             "layouts": {**self._saved_layouts, **{i: l for i, l in self._layouts.items() if l is not None}},
             "decisions": dict(self._decisions),
+            # fallback="auto": the trial's timings not yet decided on (the choice is made at the
+            # first bucket after the trial, from every rank's timings)
+            "trial": {i: {k: list(v) for k, v in t.items()} for i, t in self._trial.items()},
             "rms": {i: (float(h), n) for i, (h, _, n, _) in self._rms.items()},  # CUDA buckets' sums of squares
             "rms_scaled": [i for i, e in self._rms.items() if e[3]],  # those of scaled values (per_tensor)
             "scales": {i: (l, s.cpu().tolist()) for i, (l, s) in self._scales.items()},  # per_tensor
@@ -659,7 +665,11 @@ class CfcState:
         # residuals (in _pending) are placed, and later sent along, at their buckets' first use.
         self._unflushed.clear()
         self._slots.clear()
-        self._trial.clear()
+        self._trial = {
+            int(i): {k: [float(x) for x in t.get(k, ())] for k in ("plain", "cfc")}
+            for i, t in sd.get("trial", {}).items()
+        }
+        self._trial_device = None
         self._origin = 0
         self._fast_step = (-1, False)
 

@@ -199,9 +199,10 @@ class AllReducer:
     The state (residuals, the trial's choices) lives in memory only: ``state.state_dict()``
     does not save an AllReducer's residuals.
 
-    Every rank must call it with tensors of the same size and dtype, in the same order. The
-    first call with a new size or dtype checks that (a wait for the earlier calls and one small
-    collective): ranks that disagree all get a ``cfc.CfcError`` instead of a hang. The error
+    Every rank must call it with tensors of the same size and dtype, in the same order. Every
+    call checks that first, with one small collective on the host (over a gloo group of the
+    reducer's own, so it waits for no GPU work; a round trip between the processes): ranks that disagree all get a
+    ``cfc.CfcError`` instead of a hang, even where the size is new to some ranks only. The error
     feedback residual of each chunk is kept from one call to the next while the size and dtype
     stay the same (a call with another size starts afresh): use one reducer per kind of tensor.
 
@@ -226,38 +227,43 @@ class AllReducer:
             raise ValueError(f"chunk_numel must be >= 1, got {chunk_numel}")
         self.state = state if state is not None else CfcState(warmup_steps=0)
         self.chunk_numel = int(chunk_numel)
-        self._checked: set = set()  # (numel, dtype, device type) every rank has agreed on
         self._last: Any = None  # the last call's (numel, dtype, device type)
+        self._check_group: Any = None  # gloo, for the check of every call (made at the first)
         self._pending: Optional[Pending] = None  # the last call, until the next one waits for it
 
     def _check(self, tensor: Any) -> None:
-        """Every rank's size and dtype, compared on every rank (before any chunk moves)."""
+        """Every rank's size and dtype, compared on every rank (before any chunk moves), at
+        every call: a check at the new sizes alone would run on the ranks to which the size is
+        new, while the others went on to the chunks' collectives."""
         import torch
         import torch.distributed as dist
 
         sig = (tensor.numel(), str(tensor.dtype), tensor.device.type)
         state = self.state
-        if sig != self._last and self._last is not None:
-            state._forget_buckets()  # other chunks now: their residuals start at zero
-        self._last = sig
-        if sig in self._checked:
-            return
         state._setup()
-        if state._worker is not None:  # its collectives share the communicator: let them end
-            state._worker.drain()
+        if self._check_group is None:  # every rank's first call: all make it together
+            kw = {} if state.timeout is None else {"timeout": state.timeout}  # a silent peer: an error
+            self._check_group = dist.new_group(
+                ranks=dist.get_process_group_ranks(state.process_group), backend="gloo",
+                use_local_synchronization=True, **kw,
+            )
         dtypes = ("torch.float32", "torch.bfloat16", "torch.float16")
         code = dtypes.index(sig[1]) if sig[1] in dtypes else -1
-        mine = torch.tensor([float(sig[0]), float(code)], dtype=torch.float64, device=tensor.device)
+        mine = torch.tensor([float(sig[0]), float(code), float(sig[2] == "cuda")], dtype=torch.float64)
         table = [torch.empty_like(mine) for _ in range(state.world)]
-        dist.all_gather(table, mine, group=state.group)
-        rows = [tuple(t.cpu().tolist()) for t in table]
+        dist.all_gather(table, mine, group=self._check_group)
+        rows = [tuple(t.tolist()) for t in table]
         if any(row != rows[0] for row in rows):
             seen = ", ".join(
-                f"rank {r}: {int(n)} x {dtypes[int(c)][6:] if 0 <= c < 3 else 'other'}"
-                for r, (n, c) in enumerate(rows)
+                f"rank {r}: {int(n)} x {dtypes[int(c)][6:] if 0 <= c < 3 else 'other'}{' (CUDA)' if cuda else ''}"
+                for r, (n, c, cuda) in enumerate(rows)
             )
             raise _native.CfcError(f"ranks disagree on the tensor to all-reduce ({seen})")
-        self._checked.add(sig)
+        if sig != self._last and self._last is not None:
+            if state._worker is not None:
+                state._worker.drain()  # the last chunks are done before their residuals go
+            state._forget_buckets()  # other chunks now: their residuals start at zero
+        self._last = sig
 
     def __call__(self, tensor: Any) -> Pending:
         """Start averaging ``tensor`` (contiguous, float32/bf16/fp16) in place."""
