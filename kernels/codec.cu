@@ -1209,6 +1209,7 @@ DEFINE_FOR_DTYPES(SCATTER)
 #define SUM_STEPS_DIFFER 1u
 #define SUM_OVERFLOW 2u
 #define SUM_BAD_FRAME 4u  // set by check_frames: the sum's kernels then add nothing
+#define SUM_EPS_OVERFLOW 8u  // the parts' eps add up past the largest f64 (the CPU refuses it too)
 
 // The bits a sum's exception stores for the f64 total of the parts' values there (sum_bits in
 // src/sum.rs): rounded to f32, then to the dtype; NaN as the quiet NaN, whatever its payload.
@@ -1426,6 +1427,7 @@ __device__ void sum_chunks(const u64* frames, u32 parts, u64 header_len, u64 n, 
             if (cfc_load_le(f + HDR_STEP, 8) != step) err |= SUM_STEPS_DIFFER;
             eps += __longlong_as_double((i64)cfc_load_le(f + HDR_EPS, 8));
         }
+        if (!isfinite(eps)) err |= SUM_EPS_OVERFLOW;
         pp->step = __longlong_as_double((i64)step);
         pp->eps = eps;
         atomicOr(&pp->error, err);

@@ -1338,8 +1338,8 @@ pub struct SumArgs<'a> {
     pub out_len: u64,
     /// Workspace, at least [`sum_workspace_len`] bytes. The frame's size is written at
     /// [`FRAME_SIZE_OFFSET`] (0 when the sum failed) and the failure at
-    /// [`BOUND_ERROR_OFFSET`] (a u32: [`SUM_STEPS_DIFFER`], [`SUM_OVERFLOW`] and/or
-    /// [`SUM_BAD_FRAME`], then a u32 that, with [`SUM_BAD_FRAME`], holds a bad frame's index + 1).
+    /// [`BOUND_ERROR_OFFSET`] (a u32: [`SUM_STEPS_DIFFER`], [`SUM_OVERFLOW`], [`SUM_BAD_FRAME`]
+    /// and/or [`SUM_EPS_OVERFLOW`], then a u32 that, with [`SUM_BAD_FRAME`], holds a bad frame's index + 1).
     pub workspace: u64,
     /// Its size.
     pub workspace_len: u64,
@@ -1356,6 +1356,9 @@ pub const SUM_OVERFLOW: u32 = 2;
 /// Error bit of [`sum`]: a frame is not a frame of these elements laid out as its header
 /// says, within its length (nothing was added).
 pub const SUM_BAD_FRAME: u32 = 4;
+/// Error bit of [`sum`]: the parts' eps add up to more than the largest f64 (the CPU's
+/// [`crate::sum_frames`] refuses that sum as well).
+pub const SUM_EPS_OVERFLOW: u32 = 8;
 
 /// Checks on the host that every frame's readable length could hold a frame of `n` elements
 /// (its header and a width byte per group: what `sum_offsets` reads before anything is

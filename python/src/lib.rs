@@ -1223,6 +1223,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("CUDA_SUM_STEPS_DIFFER", cfc::cuda::SUM_STEPS_DIFFER)?;
     m.add("CUDA_SUM_OVERFLOW", cfc::cuda::SUM_OVERFLOW)?;
     m.add("CUDA_SUM_BAD_FRAME", cfc::cuda::SUM_BAD_FRAME)?;
+    m.add("CUDA_SUM_EPS_OVERFLOW", cfc::cuda::SUM_EPS_OVERFLOW)?;
     m.add("CUDA_DECODE_BAD_FRAME", cfc::cuda::DECODE_BAD_FRAME)?;
     m.add("CUDA_FRAME_SIZE_OFFSET", cfc::cuda::FRAME_SIZE_OFFSET)?;
     m.add("CUDA_BOUND_ERROR_OFFSET", cfc::cuda::BOUND_ERROR_OFFSET)?;

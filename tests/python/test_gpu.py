@@ -353,6 +353,38 @@ def test_gpu_sum_of_sums_reaches_64_bit_codes_then_overflows():
     assert wide
 
 
+def test_gpu_sum_ignores_the_padding_codes_of_a_partial_last_group():
+    """33 values: the last group holds one, and its 31 other codes are padding, which the
+    format leaves free (here: all ones). Decoding and the CPU's sum ignore them; the GPU's sum
+    gives the CPU's bytes."""
+    x = torch.zeros(33)
+    x[0], x[32] = 0.5, 0.3
+    frame = bytearray(bytes(cfc.compress(x, eps=1e-3)))
+    w0, w1 = frame[72], frame[73]  # 1-D header of 72 bytes, then the two groups' widths
+    for p in range(w1):  # the last group's planes: bit j of each 32-bit word is lane j's
+        at = 74 + 4 * w0 + 4 * p
+        frame[at : at + 4] = (int.from_bytes(frame[at : at + 4], "little") | 0xFFFFFFFE).to_bytes(4, "little")
+    padded = cfc.Compressed(bytes(frame))
+    assert torch.equal(cfc.decompress(padded), cfc.decompress(cfc.compress(x, eps=1e-3)))
+    want = bytes(cfc.sum_compressed([padded] * 2))
+    dev = torch.frombuffer(bytearray(frame), dtype=torch.uint8).cuda()
+    from cfc.codec import _sum_frames_cuda
+
+    assert bytes(_sum_frames_cuda([dev, dev], "float32", (33,))) == want
+
+
+def test_gpu_sum_whose_bound_overflows_is_refused_as_on_the_cpu():
+    """The sum's eps is the parts' eps added: past the largest float64, the CPU refuses the
+    sum, and so does the GPU (rather than write a frame of eps inf that no decoder reads)."""
+    x = torch.tensor([1e30, -2e30, 0.0, 3.0])
+    c_cpu, c_gpu = cfc.compress(x, eps=4e307), cfc.compress(x.cuda(), eps=4e307)
+    assert bytes(cfc.sum_compressed([c_gpu] * 4)) == bytes(cfc.sum_compressed([c_cpu] * 4))  # eps 1.6e308
+    with pytest.raises(cfc.CfcError, match="eps inf"):
+        cfc.sum_compressed([c_cpu] * 5)
+    with pytest.raises(cfc.CfcError, match="largest float64"):
+        cfc.sum_compressed([c_gpu] * 5).synchronize()
+
+
 @pytest.mark.parametrize("k", [0.3, 0.1])
 def test_gpu_sum_of_real_gradients(grads, k):
     for name, g in grads.items():

@@ -427,6 +427,8 @@ class CudaCompressed:
             )
         if err & _native.CUDA_SUM_STEPS_DIFFER:
             raise _native.CfcError("the frames have different steps: only frames compressed with the same eps add")
+        if err & _native.CUDA_SUM_EPS_OVERFLOW:
+            raise _native.CfcError("the sum's bound, the parts' eps added, is past the largest float64")
         raise _native.CfcError("a sum of codes leaves the 64-bit range")
 
     @property
