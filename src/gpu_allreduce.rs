@@ -820,9 +820,9 @@ mod tests {
     }
 
     /// A frame that failed its check on the device reaches `check_frames_seen` once the
-    /// caller has waited for its stream, and fails every later call; until then a call sees
-    /// only the copies that have arrived. One rank on one GPU: its own frames are sound, so the
-    /// failure is written into the status as `check_frames` writes it for rank 0's frame.
+    /// caller has waited for its stream, and fails every later compressed call (after its
+    /// first exchange). One rank on one GPU: its own frames are sound, so the failure is
+    /// written into the status as `check_frames` writes it for rank 0's frame.
     #[test]
     fn a_bad_frame_shows_in_the_check_after_a_wait_and_fails_later_calls() {
         if !one_gpu() {

@@ -650,6 +650,8 @@ class CfcState:
                 f"this state was saved with {self._describe(sd['config'])}; these options are "
                 f"{self._describe(self._config())}"
             )
+        if self._worker is not None:  # a load mid-run: the comm thread's work is all done first
+            self._worker.drain()
         residuals = sd["residuals"]
         bad = [o for o, r in residuals.items()
                if not (isinstance(r, torch.Tensor) and r.dtype == torch.float32 and r.dim() == 1)]

@@ -201,8 +201,9 @@ class AllReducer:
 
     Every rank must call it with tensors of the same size and dtype, in the same order. Every
     call checks that first, with one small collective on the host (over a gloo group of the
-    reducer's own, so it waits for no GPU work; a round trip between the processes): ranks that disagree all get a
-    ``cfc.CfcError`` instead of a hang, even where the size is new to some ranks only. The error
+    reducer's own, so it waits for no GPU work; it costs a round trip between the processes):
+    ranks that disagree all get a ``cfc.CfcError`` instead of a hang, even where the size is
+    new to some ranks only. The error
     feedback residual of each chunk is kept from one call to the next while the size and dtype
     stay the same (a call with another size starts afresh): use one reducer per kind of tensor.
 
