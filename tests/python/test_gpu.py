@@ -354,22 +354,23 @@ def test_gpu_sum_of_sums_reaches_64_bit_codes_then_overflows():
 
 
 def test_gpu_sum_ignores_the_padding_codes_of_a_partial_last_group():
-    """33 values: the last group holds one, and its 31 other codes are padding, which the
-    format leaves free (here: all ones). Decoding and the CPU's sum ignore them; the GPU's sum
-    gives the CPU's bytes."""
-    x = torch.zeros(33)
-    x[0], x[32] = 0.5, 0.3
-    frame = bytearray(bytes(cfc.compress(x, eps=1e-3)))
-    w0, w1 = frame[72], frame[73]  # 1-D header of 72 bytes, then the two groups' widths
-    for p in range(w1):  # the last group's planes: bit j of each 32-bit word is lane j's
-        at = 74 + 4 * w0 + 4 * p
-        frame[at : at + 4] = (int.from_bytes(frame[at : at + 4], "little") | 0xFFFFFFFE).to_bytes(4, "little")
-    padded = cfc.Compressed(bytes(frame))
-    assert torch.equal(cfc.decompress(padded), cfc.decompress(cfc.compress(x, eps=1e-3)))
-    want = bytes(cfc.sum_compressed([padded] * 2))
-    dev = torch.frombuffer(bytearray(frame), dtype=torch.uint8).cuda()
+    """33 zeros: the last group holds one value, and its 31 other codes are padding, which the
+    format leaves free. Here they are all near the top of the 64-bit range (a sum frame's
+    width of 64), so adding two would overflow. Decoding and the CPU's sum ignore them; the
+    GPU's sum gives the CPU's bytes instead of an overflow."""
     from cfc.codec import _sum_frames_cuda
 
+    frame = bytearray(bytes(cfc.compress(torch.zeros(33), eps=1e-3))[:72])  # the 1-D header
+    frame[8] = 3  # a sum frame: codes up to 64 bits wide
+    # widths 0 and 64; the last group's planes: bit j of each 32-bit word is lane j's, and
+    # lanes 1-31 hold zigzag 2**64 - 2 (all bits but the lowest)
+    body = bytes([0, 64]) + bytes(4) + (0xFFFFFFFE).to_bytes(4, "little") * 63
+    frame[40:64] = bytes(8) + len(body).to_bytes(8, "little") * 2  # no exceptions; body lengths
+    frame += body
+    padded = cfc.Compressed(bytes(frame))
+    assert not cfc.decompress(padded).any()
+    want = bytes(cfc.sum_compressed([padded] * 2))
+    dev = torch.frombuffer(bytearray(frame), dtype=torch.uint8).cuda()
     assert bytes(_sum_frames_cuda([dev, dev], "float32", (33,))) == want
 
 
