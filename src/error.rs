@@ -107,13 +107,19 @@ pub enum Error {
     },
 }
 
-/// `n` copies of `value`, or [`Error::Allocation`] where the memory cannot be had (a plain
-/// `vec!` would abort the process).
-pub(crate) fn try_filled<T: Clone>(n: usize, value: T) -> Result<Vec<T>> {
+/// An empty vector with room for `n` values, or [`Error::Allocation`] where the memory cannot
+/// be had (`Vec::with_capacity` would abort the process).
+pub(crate) fn try_capacity<T>(n: usize) -> Result<Vec<T>> {
     let mut v = Vec::new();
-    let bytes = (n as u64).saturating_mul(std::mem::size_of::<T>() as u64);
-    v.try_reserve_exact(n)
-        .map_err(|_| Error::Allocation { bytes })?;
+    v.try_reserve_exact(n).map_err(|_| Error::Allocation {
+        bytes: (n as u64).saturating_mul(std::mem::size_of::<T>() as u64),
+    })?;
+    Ok(v)
+}
+
+/// `n` copies of `value`, or [`Error::Allocation`] (see [`try_capacity`]).
+pub(crate) fn try_filled<T: Clone>(n: usize, value: T) -> Result<Vec<T>> {
+    let mut v = try_capacity(n)?;
     v.resize(n, value);
     Ok(v)
 }

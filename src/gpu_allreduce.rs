@@ -692,7 +692,8 @@ impl GpuAllReducer {
                 // The status as the last call's decoding left it: its copy was queued before
                 // `last_call`, which this exchange came after, and nothing of this call has
                 // been decoded yet. Every rank decoded the same frames, so every rank reads
-                // the same here and all stop together, past the same collectives.
+                // the same here and all stop together, past the same collectives. (The
+                // status itself, not check_frames_seen: the plan is borrowed.)
                 self.status.check("an earlier call")?;
             }
             let sizes: Vec<u64> = (0..world as usize)

@@ -56,10 +56,7 @@ impl Codes {
                     crate::lossless::decode_body(&body.raw, &body.chunks, size, &mut bytes, 0);
                     raw = std::borrow::Cow::Owned(bytes);
                 }
-                let mut all = Vec::new();
-                all.try_reserve_exact(n).map_err(|_| Error::Allocation {
-                    bytes: (n as u64).saturating_mul(16),
-                })?;
+                let mut all = crate::error::try_capacity(n)?;
                 all.extend(raw.chunks_exact(size).enumerate().map(|(i, c)| {
                     let mut a = [0u8; 4];
                     a[..size].copy_from_slice(c);

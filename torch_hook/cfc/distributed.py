@@ -203,9 +203,9 @@ class AllReducer:
     call checks that first, with one small collective on the host (over a gloo group of the
     reducer's own, so it waits for no GPU work; it costs a round trip between the processes):
     ranks that disagree all get a ``cfc.CfcError`` instead of a hang, even where the size is
-    new to some ranks only. The error
-    feedback residual of each chunk is kept from one call to the next while the size and dtype
-    stay the same (a call with another size starts afresh): use one reducer per kind of tensor.
+    new to some ranks only. The error feedback residual of each chunk is kept from one call to
+    the next while the size and dtype stay the same (a call with another size starts afresh):
+    use one reducer per kind of tensor.
 
     Args:
         state: the options (:class:`cfc.CfcState`; its ``warmup_steps`` and ``fallback`` apply
@@ -471,10 +471,9 @@ class NcclAllReducer:
         """Raise a bad frame of the calls so far, as :meth:`check` does, and leave the
         communicator either way (also done when the reducer is collected). Closing again does
         nothing; other calls after it raise ``cfc.CfcError``."""
-        stream, self._stream = self._stream, None
         try:
-            if stream is not None:
-                stream.synchronize()
-                self._native.check()
+            if self._stream is not None:  # (None once closed: closing again checks nothing)
+                self.check()
         finally:
+            self._stream = None
             self._native.close()
