@@ -451,6 +451,56 @@ def test_nccl_all_reducer_on_one_rank_gives_the_cpu_codecs_values(tmp_path):
         dist.destroy_process_group()
 
 
+@pytest.mark.gpu
+def test_nccl_all_reducer_orders_calls_that_come_on_different_streams(tmp_path):
+    """Calls on different streams share the reducer's buffers, so each waits for the last one.
+    Here the first call's decoding is held back on its stream A by a GPU sleep that a second
+    thread queues while the call waits for its exchange; the next call comes at once on stream
+    B. Were B not made to wait for A, its exchange would overwrite the received frames before
+    A decodes them, and the first tensor would get the second call's values."""
+    import threading
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        torch.cuda.set_device(0)
+        n = 10000
+        nr = cfc.distributed.NcclAllReducer(eps=EPS, timeout=60)
+        r = torch.zeros(n)  # the CPU codec's residual, beside the reducer's own
+        xs = [data(0, call, n) for call in range(3)]
+        expect = [cfc.decompress(cfc.compress(x, eps=EPS, residual=r)) for x in xs]
+        ys = [x.cuda() for x in xs]
+        nr(ys[0])  # the first call of a size sends the heads, then the frames; the rest, once
+        torch.cuda.synchronize()
+        # About 0.3-0.7 s at 1.4-2 GHz: long enough that a thread's queueing lands in it.
+        cycles = 1_000_000_000
+        a, b = torch.cuda.Stream(), torch.cuda.Stream()
+        calling = threading.Event()
+
+        def hold_back_the_decoding():
+            calling.wait()
+            time.sleep(0.1)  # the call has queued its compression and waits for its exchange
+            with torch.cuda.stream(a):
+                torch.cuda._sleep(cycles)
+
+        holder = threading.Thread(target=hold_back_the_decoding)
+        holder.start()
+        with torch.cuda.stream(a):
+            torch.cuda._sleep(cycles)  # the compression waits behind it, so the call waits too
+            calling.set()
+            nr(ys[1])
+        holder.join()
+        with torch.cuda.stream(b):
+            nr(ys[2])
+        torch.cuda.synchronize()
+        for call in (1, 2):
+            got = ys[call].cpu()
+            assert torch.equal(got, expect[call]), (call, (got - expect[call]).abs().max())
+        nr.check()
+        nr.close()
+    finally:
+        dist.destroy_process_group()
+
+
 def test_nccl_all_reducer_checks_its_options_and_needs_cuda():
     for kw, err in (({}, "exactly one"), ({"eps": 1e-3, "rms": 0.3}, "exactly one"),
                     ({"eps": -1.0}, "positive"), ({"eps": 1e-3, "fallback": True}, "fallback"),

@@ -250,6 +250,30 @@ def test_gpu_numpy_residual_for_a_cuda_tensor_is_refused():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_zstd_frames_of_a_cuda_tensor_take_its_cuda_residual(dtype):
+    """zstd runs on the CPU: the CUDA tensor and its CUDA residual go through host copies, and
+    the frame and the updated residual are the CPU codec's, step after step."""
+    r_cpu = torch.zeros(5000)
+    r_gpu = torch.zeros(5000, device="cuda")
+    for step in range(3):
+        x = awkward(5000, dtype, seed=step)
+        want = bytes(cfc.compress(x, eps=1e-3, zstd=True, residual=r_cpu))
+        got = cfc.compress(x.cuda(), eps=1e-3, zstd=True, residual=r_gpu)
+        assert isinstance(got, cfc.Compressed) and bytes(got) == want
+        assert r_gpu.device.type == "cuda" and torch.equal(r_gpu.cpu(), r_cpu)
+    assert r_cpu.abs().max() > 0  # the residual did carry something
+
+
+def test_gpu_frames_pin_and_give_their_bytes_to_frame_info():
+    x = awkward(70000, torch.float32)
+    for c in (cfc.compress(x.cuda(), eps=1e-3), cfc.compress(x.cuda(), lossless=True)):
+        assert isinstance(c, cfc.CudaCompressed)
+        p = cfc.pin(c)
+        assert bytes(p) == bytes(c) and cfc.frame_info(c)["nbytes"] == c.nbytes
+        assert same_bits(cfc.decompress(p, device="cuda"), cfc.decompress(bytes(c)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("feedback", [False, True], ids=["plain", "feedback"])
 @pytest.mark.parametrize("n", [33, 4097, (1 << 18) + 5])
 def test_gpu_compress_writes_nothing_past_the_capacity_or_workspace(dtype, feedback, n):

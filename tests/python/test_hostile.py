@@ -65,6 +65,14 @@ def test_max_nbytes_refuses_a_tiny_frame_describing_a_huge_tensor():
     assert cfc.decompress(bytes(zeros), max_nbytes=1 << 24).numel() == 1 << 22
 
 
+def test_max_nbytes_refuses_such_frames_before_they_are_summed():
+    zeros = bytes(cfc.compress(torch.zeros(1 << 22), eps=1e-3, zstd=True))  # 16 MB of zeros
+    with pytest.raises(ValueError, match="max_nbytes"):
+        cfc.sum_compressed([zeros, zeros], max_nbytes=1 << 20)
+    total = cfc.sum_compressed([zeros, zeros], max_nbytes=1 << 24)
+    assert cfc.decompress(total).numel() == 1 << 22
+
+
 # ---- frames that reach the GPU's sums from elsewhere (another rank) ----------------------
 # The kernels that add frames check them on the device first: a bad one is reported and
 # nothing is written, never read past its end (run these under compute-sanitizer to see the

@@ -136,7 +136,8 @@ def load(
     Args:
         path: the file.
         device: where the tensors go (``"cpu"``, ``"cuda:0"``, a ``torch.device``). On a CUDA
-            device the frames are decoded by the GPU.
+            device the frames are decoded by the GPU (those with a zstd stage, or all of them
+            on a GPU the CUDA codec cannot drive, on the host, then copied).
         metadata: also return the metadata dict.
 
     Returns:

@@ -103,9 +103,12 @@ def _tensor_bytes(x: Any, lossless: bool = False) -> Tuple[np.ndarray, str, Tupl
 
 
 def _frame_buffer(c: Any) -> bytes:
-    """The frame's bytes, from any accepted frame holder."""
+    """The frame's bytes, from any accepted frame holder (a :class:`CudaCompressed`'s: after
+    waiting for its GPU)."""
     if isinstance(c, Compressed):
         return c._frame
+    if isinstance(c, CudaCompressed):
+        return bytes(c)
     if isinstance(c, bytes):
         return c
     if isinstance(c, (bytearray, memoryview)):
@@ -120,7 +123,8 @@ def _frame_buffer(c: Any) -> bytes:
             raise TypeError(f"a frame tensor must have dtype torch.uint8, got {c.dtype}")
         return c.detach().cpu().contiguous().reshape(-1).numpy().tobytes()
     raise TypeError(
-        "expected a cfc.Compressed, bytes, bytearray, memoryview or uint8 array/tensor, "
+        "expected a cfc.Compressed, cfc.CudaCompressed, bytes, bytearray, memoryview or uint8 "
+        "array/tensor, "
         f"got {type(c).__name__}"
     )
 
@@ -184,7 +188,8 @@ class Compressed:
 
     @property
     def step(self) -> float:
-        """Quantization step (``2 * eps`` unless the frame is fixed-rate or a sum)."""
+        """Quantization step (``2 * eps`` unless the frame is fixed-rate, a sum, or lossless:
+        step 1, eps 0)."""
         return self._info["step"]
 
     @property
@@ -348,7 +353,8 @@ class CudaCompressed:
     Compression was only queued on the tensor's current stream; nothing has waited for the GPU.
     The frame's size stays on the device (:attr:`size_tensor`); :attr:`nbytes`, ``bytes(c)`` and
     :meth:`to_host` wait for the kernels and copy it to the host then, and :func:`decompress`
-    decodes on the GPU without waiting at all.
+    decodes on the GPU without waiting (except for a ``rel`` bound or a sum: their bound and
+    steps are checked first, which waits once).
     """
 
     __slots__ = ("_out", "_ws", "_host", "_event", "_dtype", "_shape", "_mode")
@@ -594,10 +600,12 @@ def compress(
         residual: error feedback. A float32 tensor (or array) with as many values as ``x``, on
             the same device, updated in place: ``x + residual`` is compressed and the residual
             becomes what the frame will not give back (0 where that is not finite). Start with
-            zeros; pass the same residual at every step.
+            zeros; pass the same residual at every step. (Where a CUDA ``x`` goes through the
+            CPU codec, with ``zstd`` or on a GPU the CUDA codec cannot drive, its residual
+            goes through a host copy.)
         lossless: store every bit (no bound). Each chunk of 4096 elements is stored by
-            invariant bit packing (the bits shared by its elements once, the others as bit
-            planes), zero-value compression (a bitmask and the nonzero elements), both, or
+            invariant bit packing (the bits shared by its elements once, the others packed
+            back to back), zero-value compression (a bitmask and the nonzero elements), both, or
             as it is, whichever is smallest. Takes float32, bfloat16, float16, float64,
             uint8, int8, int16, int32, int64 and bool. A CUDA tensor is compressed on its GPU
             (a :class:`CudaCompressed`, the same bytes as the CPU's); :func:`decompress` decodes
@@ -647,15 +655,16 @@ def compress(
         return _compress_cuda(x, str(x.dtype)[6:], tuple(x.shape), eps, rel, bits, residual)
     data, name, shape = _tensor_bytes(x)
     r = None
+    host_residual = None  # a CUDA residual's copy, for a CUDA x that the CPU codec compresses
     if residual is not None:
         _check_residual(residual, x)
         if torch is not None and isinstance(residual, torch.Tensor):
             if residual.device.type != "cpu":
-                raise ValueError(
-                    "this compression runs on the CPU (a CPU tensor, zstd=True, or a GPU cfc's "
-                    "kernels do not support): the residual must be a CPU tensor"
-                )
-            r = residual.detach().reshape(-1).view(torch.uint8).numpy()
+                # zstd=True, or a GPU the CUDA codec cannot drive: x was copied to the host
+                # too, and the residual goes back where it lives once the frame is written
+                host_residual = residual.detach().cpu()
+            held = residual.detach() if host_residual is None else host_residual
+            r = held.reshape(-1).view(torch.uint8).numpy()
         else:
             r = residual.reshape(-1).view(np.uint8)
     # `data` and `r` stay referenced until the call returns, so their memory stays valid.
@@ -672,6 +681,8 @@ def compress(
         residual_ptr=0 if r is None else _addr(r),
         residual_nbytes=0 if r is None else r.nbytes,
     )
+    if host_residual is not None:
+        residual.copy_(host_residual)
     return Compressed(frame)
 
 
@@ -682,8 +693,10 @@ def decompress(c: Any, device: Any = None, *, threads: int = 0, max_nbytes: Opti
         c: a :class:`Compressed`, :class:`CudaCompressed` or :class:`PinnedCompressed`, or the
             frame as bytes, bytearray, memoryview, or a uint8 numpy array or torch tensor.
         device: where to put the result (``"cpu"``, ``"cuda:0"``, a ``torch.device``). A
-            CUDA device decodes on that GPU (after checking the frame on the host); a
-            :class:`CudaCompressed` decodes on its own GPU by default, without waiting.
+            CUDA device decodes on that GPU (after checking the frame on the host; a frame
+            with a zstd stage, or a GPU the CUDA codec cannot drive, is decoded on the host and
+            copied); a :class:`CudaCompressed` decodes on its own GPU by default, without
+            waiting (a ``rel`` bound or a sum is checked first, with one wait).
         threads: CPU threads to use, 0 for automatic.
         max_nbytes: refuse (``ValueError``) a frame that decodes to more bytes than this,
             before anything is inflated or allocated. A valid frame of zeros can be tiny and
@@ -698,15 +711,7 @@ def decompress(c: Any, device: Any = None, *, threads: int = 0, max_nbytes: Opti
         TypeError: the object is not a frame holder.
     """
     torch = _torch()
-    if max_nbytes is not None:
-        if isinstance(c, CudaCompressed):
-            decoded = c.decoded_nbytes
-        elif isinstance(c, PinnedCompressed):
-            decoded = c._info["decoded_nbytes"]
-        else:
-            decoded = frame_info(c)["decoded_nbytes"]
-        if decoded > max_nbytes:
-            raise ValueError(f"the frame decodes to {decoded} bytes, more than max_nbytes={max_nbytes}")
+    _check_max_nbytes(c, max_nbytes)
     if isinstance(c, PinnedCompressed):
         info = c._info
         target = None if device is None else torch.device(device)
@@ -783,6 +788,21 @@ def _upload(buf: bytes, target):
     return dev
 
 
+def _check_max_nbytes(c: Any, max_nbytes: Optional[int]) -> None:
+    """Refuse (``ValueError``) a frame whose header says it decodes to more than ``max_nbytes``
+    bytes, from the header alone: nothing is inflated or allocated first."""
+    if max_nbytes is None:
+        return
+    if isinstance(c, CudaCompressed):
+        decoded = c.decoded_nbytes
+    elif isinstance(c, PinnedCompressed):
+        decoded = c._info["decoded_nbytes"]
+    else:
+        decoded = frame_info(c)["decoded_nbytes"]
+    if decoded > max_nbytes:
+        raise ValueError(f"the frame decodes to {decoded} bytes, more than max_nbytes={max_nbytes}")
+
+
 def frame_info(c: Any) -> Dict[str, Any]:
     """Read a frame's header: dtype, shape, numel, eps, step, mode, bits, codec, zstd,
     exceptions, nbytes, decoded_nbytes and version.
@@ -793,7 +813,9 @@ def frame_info(c: Any) -> Dict[str, Any]:
     return _native.frame_info(_frame_buffer(c))
 
 
-def sum_compressed(items: Iterable[Any], *, zstd: Union[bool, int] = False) -> Union[Compressed, CudaCompressed]:
+def sum_compressed(
+    items: Iterable[Any], *, zstd: Union[bool, int] = False, max_nbytes: Optional[int] = None
+) -> Union[Compressed, CudaCompressed]:
     """Element-wise sum of frames quantized with the same step, adding integer codes exactly.
 
     Frames compressed with the same absolute ``eps`` share a step. The result decodes to the
@@ -805,12 +827,18 @@ def sum_compressed(items: Iterable[Any], *, zstd: Union[bool, int] = False) -> U
     nothing waits for the GPU. The result is then a :class:`CudaCompressed` whose steps and
     overflow are checked when it is first waited for (``nbytes``, ``bytes()``, ``decompress``).
 
+    ``max_nbytes``, as in :func:`decompress`, refuses (``ValueError``) frames that decode to
+    more bytes than this, from their headers, before anything is inflated or allocated (the sum
+    holds 8 bytes per element while it adds). Set it when frames come from untrusted sources.
+
     Raises:
         TypeError: the frames have different dtypes, or mix CUDA and host frames.
         ValueError: CUDA frames with ``zstd``, on different devices, or lossless ones.
         cfc.CfcError: different shapes or steps, or codes that overflow 64 bits.
     """
     items = list(items)
+    for c in items:
+        _check_max_nbytes(c, max_nbytes)
     cuda = [isinstance(c, CudaCompressed) for c in items]
     if any(cuda):
         if not all(cuda):

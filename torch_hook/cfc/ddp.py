@@ -137,8 +137,9 @@ class CfcState:
             On gloo the waiting rank gets the error; on NCCL torch's watchdog aborts the
             communicator (and, with its default error handling, the process).
 
-    Every rank must use the same options: the first step checks, and every rank raises
-    ``cfc.CfcError`` if they disagree. The state may be made before the process group (it
+    Every rank must use the same options: the first step checks, and every rank's
+    ``backward()`` raises if they disagree (DDP reports the hook's ``cfc.CfcError`` as a
+    ``RuntimeError`` that names it). The state may be made before the process group (it
     binds to it at the first bucket); make one on every rank of the process group.
     """
 
@@ -518,9 +519,9 @@ class CfcState:
         on it is done) and the NCCL communicator of its native exchange. Call it on every rank
         when training with the hook is over, e.g. before ``dist.destroy_process_group()``;
         otherwise they stay until the process ends (a CUDA state's comm thread holds the state,
-        so it is never collected). Afterwards the hook refuses buckets
-        (``backward()`` raises ``cfc.CfcError``); ``stats()`` and ``state_dict()`` still work.
-        Calling it again does nothing. cfc's process group stays until torch's groups are
+        so it is never collected). Afterwards the hook refuses buckets (``backward()`` raises a
+        ``RuntimeError`` naming ``cfc.CfcError``); ``stats()`` and ``state_dict()`` still
+        work. Calling it again does nothing. cfc's process group stays until torch's groups are
         destroyed."""
         with self._lock:
             if self._closed:
@@ -632,8 +633,9 @@ class CfcState:
                 its parameter's restarts at zero, counted in ``residual_resets``.)
 
         The next bucket's agreement round, a collective like the first one, checks that every
-        rank loaded a state of the same step, buckets and choices: ``cfc.CfcError`` on every
-        rank otherwise, before any of the step's exchanges.
+        rank loaded a state of the same step, buckets and choices; otherwise every rank's
+        ``backward()`` raises (the hook's ``cfc.CfcError``, which DDP reports as a
+        ``RuntimeError``), before any of the step's exchanges.
         """
         import torch
 
