@@ -1247,7 +1247,7 @@ __device__ __forceinline__ void report_bad_frame(u32* status, u32 bit, u32 part)
 
 // Whether the header fields that the CPU's read_header checks and the length checks below do
 // not cover are as it requires: a known bound mode that fits the codec, bits only in bits mode
-// (at most 32), reserved bytes zero, dimensions that multiply to n without overflow, a finite
+// (at most 32), reserved bytes zero, dimensions below 2^63 that multiply to n without overflow, a finite
 // positive step and a finite eps >= 0 (step 1 and eps 0 in lossless mode), no exceptions in a
 // raw frame. A step of NaN or infinity would otherwise reach the output as values.
 __device__ __forceinline__ bool header_fields_ok(const u8* f, u64 n, u32 ndim, bool raw) {
@@ -1257,7 +1257,7 @@ __device__ __forceinline__ bool header_fields_ok(const u8* f, u64 n, u32 ndim, b
     u64 prod = 1;
     for (u32 i = 0; i < ndim; i++) {
         const u64 d = cfc_load_le(f + 64 + 8 * i, 8);
-        ok &= d == 0 || __umul64hi(prod, d) == 0;
+        ok &= (d == 0 || __umul64hi(prod, d) == 0) && (d >> 63) == 0;
         prod *= d;
     }
     const double step = __longlong_as_double((long long)cfc_load_le(f + HDR_STEP, 8));

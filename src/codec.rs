@@ -783,8 +783,12 @@ impl<'a> OpenFrame<'a> {
 
 /// Exact size of a fixed-rate (`Bound::Bits`) frame of finite data, known before compressing:
 /// header, one width byte per group and `bits` planes per group. Each non-finite element adds
-/// its index and value. Returns `None` on overflow.
+/// its index and value. Returns `None` where no such frame exists: `bits` outside 2 to 32, more
+/// than [`crate::format::MAX_NDIM`] dimensions, or a size that overflows.
 pub fn fixed_rate_size(shape: &[usize], bits: u8) -> Option<u64> {
+    if check_bits(bits).is_err() || shape.len() > crate::format::MAX_NDIM {
+        return None;
+    }
     let n = shape
         .iter()
         .try_fold(1u64, |a, &d| a.checked_mul(d as u64))?;

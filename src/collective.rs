@@ -15,7 +15,10 @@
 //! rank count measured, so it is the default.
 //!
 //! Ranks that disagree on the buffer or the options get [`Error::RankMismatch`] on every rank
-//! (checked before any data moves); a peer that stops answering becomes [`Error::Timeout`].
+//! (checked before any data moves). A rank that refuses its own input (a bad dtype or residual)
+//! still takes part in that agreement round, with its error in place of its options, so its
+//! peers get [`Error::PeerRefused`] rather than waiting for it; a peer that stops answering
+//! becomes [`Error::Timeout`].
 
 use crate::codec::{compress, decompress, Bound, CompressOptions};
 use crate::element::Element;
@@ -123,7 +126,73 @@ fn descriptor<T: Element>(
     d.extend_from_slice(&value.to_le_bytes());
     d.extend_from_slice(&opts.zstd_level.unwrap_or(0).to_le_bytes());
     d.push(algorithm as u8);
+    debug_assert_eq!(d.len(), DESCRIPTOR_LEN);
     d
+}
+
+/// Starts what a rank sends in the agreement round when it refuses its input, followed by its
+/// error message. A descriptor is [`DESCRIPTOR_LEN`] bytes; a refusal never is.
+const REFUSAL: &[u8] = b"cfc: refused: ";
+/// Bytes of [`descriptor`]'s output.
+const DESCRIPTOR_LEN: usize = 26;
+/// The most bytes of an error message a refusal carries.
+const REFUSAL_MESSAGE_MAX: usize = 512;
+
+/// What a refusing rank sends: [`REFUSAL`], then `reason` (cut to a character boundary), never
+/// [`DESCRIPTOR_LEN`] bytes in all.
+fn refusal(reason: &str) -> Vec<u8> {
+    let mut cut = reason.len().min(REFUSAL_MESSAGE_MAX);
+    while !reason.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    let mut d = REFUSAL.to_vec();
+    d.extend_from_slice(&reason.as_bytes()[..cut]);
+    if d.len() == DESCRIPTOR_LEN {
+        d.push(b'.');
+    }
+    d
+}
+
+/// The message of a peer's refusal, if `d` is one.
+fn refused(d: &[u8]) -> Option<String> {
+    (d.len() != DESCRIPTOR_LEN && d.starts_with(REFUSAL))
+        .then(|| String::from_utf8_lossy(&d[REFUSAL.len()..]).into_owned())
+}
+
+/// The agreement round: every rank sends its descriptor (or, where `mine` is an error, a
+/// refusal) and sees everyone's, so that all ranks fail alike. A refusing rank returns its own
+/// error; the others [`Error::PeerRefused`], or [`Error::RankMismatch`] where descriptors differ.
+fn agree<X: Transport + ?Sized>(transport: &mut X, mine: Result<Vec<u8>>) -> Result<()> {
+    let mine = mine.map_err(|e| refused_with(transport, e))?;
+    let all = transport.all_gather(mine)?;
+    if let Some((rank, reason)) = all
+        .iter()
+        .enumerate()
+        .find_map(|(j, d)| refused(d).map(|r| (j, r)))
+    {
+        return Err(Error::PeerRefused { rank, reason });
+    }
+    if let Some((peer, theirs)) = all.iter().enumerate().find(|(_, d)| **d != all[0]) {
+        return Err(Error::RankMismatch {
+            what: format!("rank 0 has {}", describe(&all[0])),
+            theirs: format!("rank {peer} has {}", describe(theirs)),
+        });
+    }
+    Ok(())
+}
+
+/// Takes part in the agreement round of an [`allreduce`] that this rank cannot run (its input
+/// or options were refused before they reached [`allreduce`], e.g. by a binding's parsing,
+/// for `reason`), so that its peers get [`Error::PeerRefused`] instead of waiting for it.
+/// A failure of the round itself is not reported: the caller raises its own error.
+pub fn refuse<X: Transport + ?Sized>(transport: &mut X, reason: &str) {
+    let _ = transport.all_gather(refusal(reason));
+}
+
+/// [`refuse`] for `error`, which it returns.
+fn refused_with<X: Transport + ?Sized>(transport: &mut X, error: Error) -> Error {
+    refuse(transport, &error.to_string());
+    error
 }
 
 /// A descriptor in words, for error messages. It came from a peer: nothing in it is trusted.
@@ -177,8 +246,12 @@ fn shard(n: usize, world: usize, j: usize) -> std::ops::Range<usize> {
 /// [`compress_with_feedback`] is applied: what this rank's quantization drops is carried into its
 /// next call, so that over many steps nothing is lost.
 ///
+/// The residual is written only when the call succeeds: a call that fails (a peer gone, a bad
+/// frame from a peer) leaves it as it was, so the error feedback a step dropped is not lost.
+///
 /// # Errors
-/// [`Error::RankMismatch`] when ranks disagree on length, dtype or options (on every rank);
+/// [`Error::RankMismatch`] when ranks disagree on length, dtype or options, and
+/// [`Error::PeerRefused`] when a rank refused its input (on every rank);
 /// [`Error::InvalidBound`] for a bad bound; transport errors ([`Error::Timeout`],
 /// [`Error::Transport`]); [`Error::ShapeMismatch`] for a residual of the wrong length.
 pub fn allreduce<T: Element, X: Transport + ?Sized>(
@@ -187,27 +260,40 @@ pub fn allreduce<T: Element, X: Transport + ?Sized>(
     residual: Option<&mut [f32]>,
     opts: &AllReduceOptions,
 ) -> Result<(Vec<T>, AllReduceReport)> {
-    let world = transport.world();
     let n = data.len();
-    if let Some(r) = residual.as_deref() {
-        if r.len() != n {
-            return Err(Error::ShapeMismatch {
-                shape_elements: Some(r.len() as u64),
-                elements: n as u64,
-                ndim: 1,
-            });
+    // 1. Agreement: everyone sees everyone's descriptor (or refusal), so everyone fails alike.
+    let algorithm = opts.algorithm.unwrap_or(Algorithm::ReduceScatter);
+    let mine = match residual.as_deref() {
+        Some(r) if r.len() != n => Err(Error::ShapeMismatch {
+            shape_elements: Some(r.len() as u64),
+            elements: n as u64,
+            ndim: 1,
+        }),
+        _ => Ok(descriptor::<T>(n, opts, algorithm, residual.is_some())),
+    };
+    agree(transport, mine)?;
+    match residual {
+        None => agreed(transport, data, None, opts, algorithm),
+        Some(r) => {
+            // Worked on in a copy, put back once everything arrived and decoded.
+            let mut scratch = crate::error::try_capacity::<f32>(r.len())?;
+            scratch.extend_from_slice(r);
+            let done = agreed(transport, data, Some(&mut scratch), opts, algorithm)?;
+            r.copy_from_slice(&scratch);
+            Ok(done)
         }
     }
-    // 1. Agreement: everyone sees everyone's descriptor, so everyone fails alike.
-    let algorithm = opts.algorithm.unwrap_or(Algorithm::ReduceScatter);
-    let mine = descriptor::<T>(n, opts, algorithm, residual.is_some());
-    let all = transport.all_gather(mine.clone())?;
-    if let Some((peer, theirs)) = all.iter().enumerate().find(|(_, d)| **d != all[0]) {
-        return Err(Error::RankMismatch {
-            what: format!("rank 0 has {}", describe(&all[0])),
-            theirs: format!("rank {peer} has {}", describe(theirs)),
-        });
-    }
+}
+
+/// Steps 2-5 of [`allreduce`], once every rank has agreed.
+fn agreed<T: Element, X: Transport + ?Sized>(
+    transport: &mut X,
+    data: &[T],
+    residual: Option<&mut [f32]>,
+    opts: &AllReduceOptions,
+    algorithm: Algorithm,
+) -> Result<(Vec<T>, AllReduceReport)> {
+    let (world, n) = (transport.world(), data.len());
     // 2. One step for everyone.
     let eps = match opts.bound {
         Bound::Abs(e) => e,
@@ -359,7 +445,8 @@ fn all_gather<T: Element, X: Transport + ?Sized>(
 ///
 /// # Errors
 /// As [`allreduce`], plus [`Error::MisalignedInput`] for bytes that are not whole elements or a
-/// residual that is not whole, aligned float32 values.
+/// residual that is not whole, aligned float32 values, and [`Error::NotQuantizable`] for a
+/// dtype other than the three float types (refused in the agreement round, as in [`allreduce`]).
 pub fn allreduce_bytes<X: Transport + ?Sized>(
     transport: &mut X,
     bytes: &[u8],
@@ -369,21 +456,28 @@ pub fn allreduce_bytes<X: Transport + ?Sized>(
 ) -> Result<(Vec<u8>, AllReduceReport)> {
     use crate::codec::elements;
     use half::{bf16, f16};
-    let residual = residual.map(crate::feedback::residual_f32).transpose()?;
+    let residual = match residual.map(crate::feedback::residual_f32).transpose() {
+        Ok(r) => r,
+        Err(e) => return Err(refused_with(transport, e)),
+    };
     fn go<T: Element, X: Transport + ?Sized>(
         t: &mut X,
-        data: &[T],
+        bytes: &[u8],
         residual: Option<&mut [f32]>,
         opts: &AllReduceOptions,
     ) -> Result<(Vec<u8>, AllReduceReport)> {
-        let (values, report) = allreduce(t, data, residual, opts)?;
+        let data = match elements::<T>(bytes) {
+            Ok(d) => d,
+            Err(e) => return Err(refused_with(t, e)),
+        };
+        let (values, report) = allreduce(t, &data, residual, opts)?;
         Ok((bytemuck::cast_slice(&values).to_vec(), report))
     }
     match dtype {
-        crate::DType::F32 => go(transport, &elements::<f32>(bytes)?, residual, opts),
-        crate::DType::BF16 => go(transport, &elements::<bf16>(bytes)?, residual, opts),
-        crate::DType::F16 => go(transport, &elements::<f16>(bytes)?, residual, opts),
-        other => Err(Error::NotQuantizable(other)),
+        crate::DType::F32 => go::<f32, X>(transport, bytes, residual, opts),
+        crate::DType::BF16 => go::<bf16, X>(transport, bytes, residual, opts),
+        crate::DType::F16 => go::<f16, X>(transport, bytes, residual, opts),
+        other => Err(refused_with(transport, Error::NotQuantizable(other))),
     }
 }
 

@@ -79,6 +79,14 @@ pub enum Error {
         /// What a disagreeing rank has.
         theirs: String,
     },
+    /// A peer refused its own input to a collective (a bad dtype, bound or residual, seen
+    /// before anything moved) and told the others so in the agreement round.
+    PeerRefused {
+        /// The rank that refused.
+        rank: usize,
+        /// Its error, as it reported it.
+        reason: String,
+    },
     /// A peer did not answer in time.
     Timeout {
         /// The rank waited for.
@@ -216,6 +224,9 @@ impl fmt::Display for Error {
             ),
             Error::RankMismatch { what, theirs } => {
                 write!(f, "ranks disagree: {what}, but {theirs}")
+            }
+            Error::PeerRefused { rank, reason } => {
+                write!(f, "rank {rank} refused its input: {reason}")
             }
             Error::Timeout { peer, seconds } => {
                 write!(f, "rank {peer} did not answer within {seconds} s")

@@ -470,6 +470,15 @@ impl Header {
             shape,
         };
         header.check_raw_body_len()?;
+        // An empty tensor's other dimensions are bounded by nothing above (elsewhere the
+        // lengths bound n): each must still be a size that tensor libraries can index (a
+        // signed 64-bit integer).
+        if header.shape.iter().any(|&d| d > i64::MAX as u64) {
+            return Err(bad_field(
+                "shape",
+                format!("{:?} has a dimension above 2^63 - 1", header.shape),
+            ));
+        }
         Ok((header, body))
     }
 

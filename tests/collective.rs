@@ -170,6 +170,107 @@ fn ranks_that_disagree_all_get_an_error() {
 }
 
 #[test]
+fn a_rank_that_refuses_its_input_fails_every_rank_at_once() {
+    // The peers would otherwise wait in the agreement round for the timeout (60 s here).
+    let t0 = std::time::Instant::now();
+    for case in 0..2 {
+        let results = run(3, Duration::from_secs(60), |t| {
+            let x = vec![0.5f32; 1000];
+            if t.rank() == 1 {
+                return match case {
+                    // a residual of the wrong length, refused by `allreduce` itself
+                    0 => allreduce(
+                        t,
+                        &x,
+                        Some(&mut vec![0.0; 999]),
+                        &opts(Bound::Abs(1e-3), false),
+                    ),
+                    // a dtype that cannot be quantized, refused by `allreduce_bytes`
+                    _ => cfc::collective::allreduce_bytes(
+                        t,
+                        &[0u8; 4000],
+                        cfc::DType::I32,
+                        None,
+                        &opts(Bound::Abs(1e-3), false),
+                    )
+                    .map(|(_, report)| (Vec::new(), report)),
+                }
+                .map(|_| ());
+            }
+            allreduce(t, &x, None, &opts(Bound::Abs(1e-3), false)).map(|_| ())
+        });
+        for (rank, r) in results.iter().enumerate() {
+            match (rank, case) {
+                (1, 0) => assert!(matches!(r, Err(Error::ShapeMismatch { .. })), "{r:?}"),
+                (1, _) => assert!(matches!(r, Err(Error::NotQuantizable(_))), "{r:?}"),
+                _ => assert!(
+                    matches!(r, Err(Error::PeerRefused { rank: 1, reason }) if !reason.is_empty()),
+                    "case {case}, rank {rank}: {r:?}"
+                ),
+            }
+        }
+    }
+    assert!(t0.elapsed() < Duration::from_secs(20));
+}
+
+/// A transport that passes messages through at world size 1 and fails its `fail_at`-th call.
+struct FailingAt {
+    calls: usize,
+    fail_at: usize,
+}
+
+impl Transport for FailingAt {
+    fn rank(&self) -> usize {
+        0
+    }
+    fn world(&self) -> usize {
+        1
+    }
+    fn all_to_all(&mut self, parts: Vec<Vec<u8>>) -> cfc::Result<Vec<Vec<u8>>> {
+        self.calls += 1;
+        if self.calls == self.fail_at {
+            return Err(Error::Transport("the link broke".into()));
+        }
+        Ok(parts)
+    }
+}
+
+#[test]
+fn a_call_that_fails_leaves_the_residual_as_it_was() {
+    let x = data(0, 0, 5000);
+    for algorithm in [Algorithm::ReduceScatter, Algorithm::AllGather] {
+        let o = AllReduceOptions {
+            algorithm: Some(algorithm),
+            ..opts(Bound::Abs(1e-3), false)
+        };
+        // Calls: 1 the agreement, 2 the frames, 3 (reduce-scatter) the summed shards.
+        let rounds = if algorithm == Algorithm::ReduceScatter {
+            3
+        } else {
+            2
+        };
+        for fail_at in 2..=rounds {
+            let mut residual = vec![1e-4f32; 5000];
+            let mut t = FailingAt { calls: 0, fail_at };
+            let r = allreduce(&mut t, &x, Some(&mut residual), &o);
+            assert!(matches!(r, Err(Error::Transport(_))), "{r:?}");
+            assert!(
+                residual.iter().all(|&v| v == 1e-4),
+                "{algorithm:?}, call {fail_at}"
+            );
+        }
+        // And one that succeeds writes it.
+        let mut residual = vec![1e-4f32; 5000];
+        let mut t = FailingAt {
+            calls: 0,
+            fail_at: 0,
+        };
+        allreduce(&mut t, &x, Some(&mut residual), &o).unwrap();
+        assert!(residual.iter().any(|&v| v != 1e-4));
+    }
+}
+
+#[test]
 fn a_peer_that_never_comes_is_a_timeout_not_a_hang() {
     let t0 = std::time::Instant::now();
     let results = run(3, Duration::from_millis(300), |t| {

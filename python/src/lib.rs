@@ -257,6 +257,18 @@ fn sum_frames<'py>(
 /// Exact size of a fixed-rate frame of finite data with this shape and width.
 #[pyfunction]
 fn fixed_rate_size(shape: Vec<usize>, bits: u8) -> PyResult<u64> {
+    if !(2..=32).contains(&bits) {
+        return Err(PyValueError::new_err(format!(
+            "bits must be between 2 and 32, got {bits}"
+        )));
+    }
+    if shape.len() > cfc::format::MAX_NDIM {
+        return Err(PyValueError::new_err(format!(
+            "a frame has at most {} dimensions, the shape has {}",
+            cfc::format::MAX_NDIM,
+            shape.len()
+        )));
+    }
     cfc::fixed_rate_size(&shape, bits).ok_or_else(|| PyValueError::new_err("shape too large"))
 }
 
@@ -268,6 +280,29 @@ struct PyTransport {
     obj: Py<PyAny>,
     rank: usize,
     world: usize,
+}
+
+/// The most ranks a Python transport may report (a bound on what the all-reduce allocates per
+/// rank before any message moves).
+const MAX_TRANSPORT_WORLD: usize = 1 << 16;
+
+impl PyTransport {
+    /// Reads and checks `transport.rank` and `transport.world`.
+    fn new(transport: Bound<'_, PyAny>) -> PyResult<PyTransport> {
+        let rank: usize = transport.getattr("rank")?.extract()?;
+        let world: usize = transport.getattr("world")?.extract()?;
+        if world == 0 || world > MAX_TRANSPORT_WORLD || rank >= world {
+            return Err(PyValueError::new_err(format!(
+                "the transport says rank {rank} of {world} ranks: a world of 1 to \
+                 {MAX_TRANSPORT_WORLD} ranks, and a rank below it, were expected"
+            )));
+        }
+        Ok(PyTransport {
+            rank,
+            world,
+            obj: transport.unbind(),
+        })
+    }
 }
 
 impl cfc::collective::Transport for PyTransport {
@@ -332,34 +367,53 @@ fn allreduce<'py>(
     algorithm: Option<&str>,
 ) -> PyResult<(Bound<'py, PyByteArray>, Bound<'py, PyDict>)> {
     use cfc::collective::Algorithm;
-    let dtype = dtype_of(dtype)?;
-    let algorithm = match algorithm {
-        None => None,
-        Some("reduce-scatter") => Some(Algorithm::ReduceScatter),
-        Some("all-gather") => Some(Algorithm::AllGather),
-        Some(other) => {
-            return Err(PyValueError::new_err(format!(
-                "algorithm must be 'reduce-scatter', 'all-gather' or None, got {other:?}"
-            )))
+    let mut t = PyTransport::new(transport)?;
+    let parsed = (|| {
+        let dtype = dtype_of(dtype)?;
+        let algorithm = match algorithm {
+            None => None,
+            Some("reduce-scatter") => Some(Algorithm::ReduceScatter),
+            Some("all-gather") => Some(Algorithm::AllGather),
+            Some(other) => {
+                return Err(PyValueError::new_err(format!(
+                    "algorithm must be 'reduce-scatter', 'all-gather' or None, got {other:?}"
+                )))
+            }
+        };
+        let opts = cfc::collective::AllReduceOptions {
+            bound: bound_of(eps, rel, None)?,
+            average,
+            zstd_level,
+            algorithm,
+        };
+        let input = host_slice(data_ptr, nbytes, "data")?;
+        let residual = residual_slice(residual_ptr, residual_nbytes)?;
+        Ok((dtype, opts, input, residual))
+    })();
+    let (dtype, opts, input, residual) = match parsed {
+        Ok(p) => p,
+        Err(e) => {
+            // The peers are in (or on their way to) the agreement round: refuse there, so
+            // that they fail now rather than wait for this rank until their timeout.
+            let reason = e.to_string();
+            py.detach(|| cfc::collective::refuse(&mut t, &reason));
+            return Err(e);
         }
-    };
-    let opts = cfc::collective::AllReduceOptions {
-        bound: bound_of(eps, rel, None)?,
-        average,
-        zstd_level,
-        algorithm,
-    };
-    let input = host_slice(data_ptr, nbytes, "data")?;
-    let residual = residual_slice(residual_ptr, residual_nbytes)?;
-    let mut t = PyTransport {
-        rank: transport.getattr("rank")?.extract()?,
-        world: transport.getattr("world")?.extract()?,
-        obj: transport.unbind(),
     };
     let (values, report) = py
         .detach(|| cfc::collective::allreduce_bytes(&mut t, input, dtype, residual, &opts))
         .map_err(to_py)?;
     Ok((PyByteArray::new(py, &values), report_dict(py, &report)?))
+}
+
+/// Takes part in the agreement round of an `allreduce` this rank refuses (`reason`: the error
+/// it is about to raise, found before it could call `allreduce`), so that its peers raise
+/// `CfcError` ("rank R refused its input") at once instead of waiting for it.
+#[pyfunction]
+fn allreduce_refuse(py: Python<'_>, transport: Bound<'_, PyAny>, reason: &str) -> PyResult<()> {
+    let mut t = PyTransport::new(transport)?;
+    py.detach(|| cfc::collective::refuse(&mut t, reason));
+    Ok(())
 }
 
 /// An all-reduce's report as the dict both Python entry points return.
@@ -1199,6 +1253,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(sum_frames, m)?)?;
     m.add_function(wrap_pyfunction!(fixed_rate_size, m)?)?;
     m.add_function(wrap_pyfunction!(allreduce, m)?)?;
+    m.add_function(wrap_pyfunction!(allreduce_refuse, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_supported, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_workspace_len, m)?)?;

@@ -169,6 +169,17 @@ def _worker(rank, world, init_file, scenario, device, algorithm=None):
             x = data(rank, 2, 10000).to(dev)
             # (the residuals of the 10000-element calls before it are sent along: 2 eps)
             check_close(reducer(x).wait(), exact_average(2, 10000, world), 2 * EPS)
+            # a tensor the last rank refuses (dtype, layout): it raises its own error, the
+            # others CfcError at once (before, they waited for it in the check until the timeout)
+            x = data(rank, 3, 10000).to(dev)
+            for bad, error in ((x.double(), TypeError), (x.view(100, 100).t(), ValueError)):
+                if rank == world - 1:
+                    with pytest.raises(error):
+                        reducer(bad)
+                else:
+                    with pytest.raises(cfc.CfcError, match=f"rank {world - 1} refused its tensor"):
+                        reducer(x)
+            check_close(reducer(x).wait(), exact_average(3, 10000, world), 2 * EPS)
         elif scenario == "close":
             # close() finishes the last call (not waited for here), then lets the state's comm
             # thread and communicator go; later calls raise, and closing again does nothing

@@ -51,6 +51,11 @@ def test_fixed_rate_size_is_known_in_advance_and_bound_reported():
     assert c.nbytes == cfc.fixed_rate_size(x.shape, 6)
     assert c.mode == "bits" and 0 < c.eps <= c.step / 2 * (1 + 1e-6)
     assert max_err(x, cfc.decompress(c)) <= c.eps
+    # no size for frames that cannot exist (compress refuses them too)
+    for shape, bits, match in (([100], 0, "bits"), ([100], 1, "bits"), ([100], 33, "bits"), ([1] * 9, 8, "dimensions")):
+        with pytest.raises(ValueError, match=match):
+            cfc.fixed_rate_size(shape, bits)
+    assert cfc.fixed_rate_size([1] * 8, 32) > 0
 
 
 def test_gradient_vectors_ratio_and_bound(grads):

@@ -7,6 +7,7 @@ import math
 import os
 import threading
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -802,9 +803,17 @@ def test_state_options_are_checked(tmp_path):
         for bad in ({"eps": 0}, {"rms": math.nan}, {"eps": 1e-3, "rel": 1e-2},
                     {"fallback": "sometimes"}, {"fallback": "auto", "trial_steps": 3},
                     {"warmup_steps": -1}, {"timeout": 0}, {"timeout": math.inf},
-                    {"algorithm": "ring"}, {"algorithm": "reduce-scatter", "rel": 0.01}):
+                    {"algorithm": "ring"}, {"algorithm": "reduce-scatter", "rel": 0.01},
+                    {"eps": 1e-320}, {"eps": 1e308}):  # eps the codec refuses: every bucket would fail
             with pytest.raises(ValueError):
                 CfcState(**bad)
+        for bad in ({"eps": True}, {"rms": "0.3"}, {"error_feedback": "no"}, {"per_tensor": 1},
+                    {"warmup_steps": 1.5}, {"min_compress_numel": "0"}):
+            with pytest.raises(TypeError):
+                CfcState(**bad)
+        numpy_bound = CfcState(eps=np.float32(1e-3), error_feedback=np.bool_(False), warmup_steps=np.int64(1))
+        assert numpy_bound.bound == float(np.float32(1e-3)) and type(numpy_bound.bound) is float
+        assert numpy_bound.error_feedback is False and numpy_bound.warmup_steps == 1
         s = CfcState()
         assert (s.bound_kind, s.bound) == ("rms", 0.3)
         # the algorithm is one of the options all ranks must share

@@ -1,5 +1,7 @@
 """cfc.distributed.all_reduce across real processes (torch.distributed, gloo, CPU)."""
 
+from datetime import timedelta
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -14,7 +16,10 @@ def data(rank, step, n=5000):
 
 
 def _worker(rank, world, init_file, scenario):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    # A rank left waiting for a peer fails after a minute, not gloo's default half hour.
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
+    )
     try:
         if scenario == "sum":
             for kw in ({"eps": 1e-5}, {"rel": 1e-3}, {"eps": 1e-5, "average": True}):
@@ -49,6 +54,27 @@ def _worker(rank, world, init_file, scenario):
             n = 5000 if rank == 0 else 4000
             with pytest.raises(cfc.CfcError, match="disagree"):
                 cfc.distributed.all_reduce(data(rank, 0, n), eps=1e-5)
+            # Input that one rank refuses before any collective: that rank raises its own error,
+            # the others CfcError at once (before, they waited for it until the group's timeout)
+            refused = [
+                ({"tensor": data(rank, 1).double()}, TypeError),                    # cfc.codec
+                ({"residual": torch.zeros(4999)}, ValueError),                      # cfc.codec
+                ({"residual": torch.zeros(5000).numpy()}, TypeError),               # all_reduce
+                ({"eps": None, "rel": None}, ValueError),                           # the binding
+                ({"algorithm": "ring"}, ValueError),                                # the binding
+                ({"residual": torch.zeros(5000, dtype=torch.float64)}, TypeError),  # cfc.codec
+            ]
+            for kw, error in refused:
+                args = {"tensor": data(rank, 1), "eps": 1e-5, **(kw if rank == world - 1 else {})}
+                if rank == world - 1:
+                    with pytest.raises(error):
+                        cfc.distributed.all_reduce(args.pop("tensor"), **args)
+                else:
+                    with pytest.raises(cfc.CfcError, match=f"rank {world - 1} refused its input"):
+                        cfc.distributed.all_reduce(args.pop("tensor"), **args)
+            # and the ranks go on together
+            y, _ = cfc.distributed.all_reduce(data(rank, 2), eps=1e-5)
+            assert (y.double() - sum(data(r, 2).double() for r in range(world))).abs().max() <= world * 1e-5 * 1.01
     finally:
         dist.destroy_process_group()
 
@@ -63,3 +89,39 @@ def test_only_cpu_tensors_until_the_nccl_transport_exists():
     for x in (torch.zeros(3, device="meta"), torch.zeros(3).numpy()):
         with pytest.raises(ValueError, match="CPU tensors"):
             cfc.distributed.all_reduce(x, eps=1e-3)
+
+
+class _Loopback:
+    """A transport of one rank that hands messages back, and fails its ``fail_at``-th call."""
+
+    rank, world = 0, 1
+
+    def __init__(self, fail_at=0):
+        self.calls, self.fail_at = 0, fail_at
+
+    def all_to_all(self, parts):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise ConnectionError("the peer is gone")
+        return parts
+
+
+def test_a_call_that_fails_leaves_the_residual_as_it_was():
+    x = data(0, 0)
+    for fail_at in (2, 3):  # the frames' round, the sums' round (the agreement is the first)
+        r = torch.full((5000,), 1e-6)
+        with pytest.raises(cfc.CfcError, match="peer is gone"):
+            cfc.distributed.all_reduce(x, eps=1e-4, residual=r, transport=_Loopback(fail_at))
+        assert torch.equal(r, torch.full((5000,), 1e-6))
+    y, _ = cfc.distributed.all_reduce(x, eps=1e-4, residual=r, transport=_Loopback())
+    assert not torch.equal(r, torch.full((5000,), 1e-6))  # one that succeeds does write it
+    assert (y.double() - x.double()).abs().max() <= 1e-4 + 1e-6  # within eps of x + residual
+
+
+def test_a_transport_of_an_impossible_world_is_refused():
+    for rank, world in ((0, 0), (2, 2), (0, 2**40)):
+        t = _Loopback()
+        t.rank, t.world = rank, world
+        with pytest.raises(ValueError, match="rank"):
+            cfc.distributed.all_reduce(data(0, 0), eps=1e-4, transport=t)
+        assert t.calls == 0

@@ -65,6 +65,21 @@ def test_max_nbytes_refuses_a_tiny_frame_describing_a_huge_tensor():
     assert cfc.decompress(bytes(zeros), max_nbytes=1 << 24).numel() == 1 << 22
 
 
+def test_an_empty_tensors_frame_with_a_dimension_past_int64_is_malformed():
+    # n = 0 bounds no dimension through the product: each is checked on its own
+    good = bytes(cfc.compress(torch.empty(0, 5), eps=1e-3))
+    assert cfc.frame_info(good)["shape"] == [0, 5]
+    for dim in (1 << 63, (1 << 64) - 1):
+        bad = bytearray(good)
+        _set_u64(bad, 72, dim)
+        for read in (cfc.frame_info, cfc.decompress, cfc.pin, lambda f: cfc.sum_compressed([f, f])):
+            with pytest.raises(cfc.FormatError, match="shape"):
+                read(bytes(bad))
+    ok = bytearray(good)
+    _set_u64(ok, 72, (1 << 63) - 1)
+    assert cfc.decompress(bytes(ok)).shape == (0, (1 << 63) - 1)
+
+
 def test_max_nbytes_refuses_such_frames_before_they_are_summed():
     zeros = bytes(cfc.compress(torch.zeros(1 << 22), eps=1e-3, zstd=True))  # 16 MB of zeros
     with pytest.raises(ValueError, match="max_nbytes"):

@@ -141,8 +141,14 @@ def test_save_with_bounds(tmp_path):
     assert not torch.equal(back["3.bias"], sd["3.bias"])
     with pytest.raises(ValueError, match="bound of"):
         cfc.save(sd, p, bounds={"0.weight": {"tolerance": 1}})
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="bounds apply to float32"):
         cfc.save(sd, p, bounds={"steps": {"eps": 1.0}})
+    # a blanket function bounds the float tensors and leaves the others lossless
+    asked = []
+    cfc.save(sd, p, bounds=lambda name, t: asked.append(name) or {"rel": 1e-2})
+    back = cfc.load(p)
+    assert "steps" not in asked and "mask" not in asked and "0.weight" in asked
+    assert torch.equal(back["steps"], sd["steps"]) and not torch.equal(back["0.weight"], sd["0.weight"])
 
 
 def test_save_refuses_what_it_cannot_store(tmp_path):
@@ -150,6 +156,13 @@ def test_save_refuses_what_it_cannot_store(tmp_path):
         cfc.save({"a": 3}, tmp_path / "x.cfc")
     with pytest.raises(TypeError, match="metadata"):
         cfc.save({}, tmp_path / "x.cfc", metadata={"a": 1})
+    # a path that cannot be written leaves nothing behind; a bytes path is a path
+    (tmp_path / "a_dir").mkdir()
+    with pytest.raises(IsADirectoryError):
+        cfc.save({"a": torch.ones(3)}, tmp_path / "a_dir")
+    assert sorted(q.name for q in tmp_path.iterdir()) == ["a_dir"]
+    cfc.save({"a": torch.ones(3)}, bytes(tmp_path / "b.cfc"))
+    assert torch.equal(cfc.load(tmp_path / "b.cfc")["a"], torch.ones(3))
 
 
 def corrupt(path, offset, value):

@@ -39,7 +39,18 @@ BoundSpec = Optional[Dict[str, float]]
 
 
 def _bound_for(bounds, name: str, tensor) -> BoundSpec:
+    import torch
+
     if bounds is None:
+        return None
+    if tensor.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        # Integers, bool and float64 are stored losslessly: a function of bounds is not asked
+        # about them (it may be a blanket rule); a dict that names one with a bound is a mistake.
+        if not callable(bounds) and bounds.get(name) is not None:
+            raise TypeError(
+                f"{name!r} is a {str(tensor.dtype)[6:]} tensor: bounds apply to float32, bfloat16 "
+                "and float16 tensors only (give it None, or leave it out, to store it losslessly)"
+            )
         return None
     spec = bounds(name, tensor) if callable(bounds) else bounds.get(name)
     if spec is None:
@@ -65,11 +76,14 @@ def save(
     Args:
         tensors: name -> ``torch.Tensor`` (any device, any dtype cfc knows: float32, bfloat16,
             float16, float64, uint8, int8, int16, int32, int64, bool).
-        path: the file to write (replaced atomically: written beside it, then renamed).
+        path: the file to write (``str``, ``bytes`` or path-like; replaced atomically:
+            written beside it, then renamed; nothing is left behind when writing fails).
         bounds: ``None`` stores every tensor losslessly. A dict from name to a bound
             (``{"eps": 1e-4}``, ``{"rel": 1e-3}`` or ``{"bits": 8}``; a missing name or
             ``None`` means lossless), or a function ``(name, tensor) -> bound or None``.
-            Bounds apply to float32, bfloat16 and float16 tensors only.
+            Bounds apply to float32, bfloat16 and float16 tensors only: the function is
+            called for those alone (the others are stored losslessly), and a dict that gives
+            another tensor a bound is a ``TypeError``.
         zstd: add the zstd stage to every frame (``True`` for level 1, or a level up to 22).
         metadata: strings to keep with the checkpoint (read back by ``load(..., metadata=True)``).
 
@@ -104,14 +118,21 @@ def save(
         offset += len(frame)
         uncompressed += t.numel() * t.element_size()
     head = json.dumps(index, separators=(",", ":")).encode()
-    path = os.fspath(path)
+    path = os.fsdecode(path)
     tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(_PREFIX.pack(MAGIC, VERSION, len(head), zlib.crc32(head)))
-        f.write(head)
-        for frame in frames:
-            f.write(frame)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(_PREFIX.pack(MAGIC, VERSION, len(head), zlib.crc32(head)))
+            f.write(head)
+            for frame in frames:
+                f.write(frame)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass  # never made, or already gone
+        raise
     size = _PREFIX.size + len(head) + offset
     return {
         "tensors": len(frames),

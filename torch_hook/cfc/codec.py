@@ -498,6 +498,8 @@ def _check_residual(residual, x) -> None:
             raise TypeError(f"residual must be float32, got {residual.dtype}")
         if x_device is not None and x_device.type != "cpu":
             raise TypeError(f"the tensor is on {x_device}: its residual must be a tensor there too")
+        if not residual.flags.writeable:
+            raise ValueError("residual is a read-only array: it is updated in place")
     else:
         raise TypeError(f"residual must be a float32 tensor or array, got {type(residual).__name__}")
     numel = x.numel() if hasattr(x, "numel") and callable(x.numel) else int(np.prod(np.shape(x)))

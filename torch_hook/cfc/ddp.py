@@ -53,6 +53,8 @@ from __future__ import annotations
 import datetime
 import logging
 import math
+import numbers
+import operator
 import queue
 import threading
 import time
@@ -75,6 +77,9 @@ _PIPELINE_DEPTH = 1
 _STATE_VERSION = 3  # 2: the algorithm option (with the reduce-scatter, saved RMS sums are all ranks'); 3: per_tensor
 _BOUND_KINDS = ("eps", "rel", "rms")
 _ALGORITHMS = ("all-gather", "reduce-scatter")
+# The absolute bounds the codec accepts (src/codec.rs, check_abs_bound): normal float64 values
+# up to a quarter of the largest, so that a step of 2 eps and its sums stay finite.
+_EPS_MIN, _EPS_MAX = 2.2250738585072014e-308, 1.7976931348623157e308 / 4
 
 
 class CfcState:
@@ -163,9 +168,24 @@ class CfcState:
         given = [(k, v) for k, v in (("eps", eps), ("rel", rel), ("rms", rms)) if v is not None]
         if len(given) > 1:
             raise ValueError(f"give at most one of eps, rel, rms; got {[k for k, _ in given]}")
-        self.bound_kind, self.bound = given[0] if given else ("rms", 0.3)
-        if not (isinstance(self.bound, (int, float)) and math.isfinite(self.bound) and self.bound > 0):
-            raise ValueError(f"{self.bound_kind} must be positive and finite, got {self.bound!r}")
+        self.bound_kind, bound = given[0] if given else ("rms", 0.3)
+        if isinstance(bound, bool) or not isinstance(bound, numbers.Real):
+            raise TypeError(f"{self.bound_kind} must be a number, got {type(bound).__name__}")
+        self.bound = float(bound)
+        if not (math.isfinite(self.bound) and self.bound > 0):
+            raise ValueError(f"{self.bound_kind} must be positive and finite, got {bound!r}")
+        if self.bound_kind == "eps" and not (_EPS_MIN <= self.bound <= _EPS_MAX):
+            # what the codec accepts (src/codec.rs, check_abs_bound): every bucket would fail
+            raise ValueError(f"eps must lie between {_EPS_MIN:g} and {_EPS_MAX:g}, got {bound!r}")
+        for name, flag in (("per_tensor", per_tensor), ("error_feedback", error_feedback)):
+            if not isinstance(flag, (bool, np.bool_)):
+                raise TypeError(f"{name} must be True or False, got {flag!r}")
+        for name, count in (("warmup_steps", warmup_steps), ("min_compress_numel", min_compress_numel),
+                            ("log_every", log_every), ("trial_steps", trial_steps)):
+            try:
+                operator.index(count)
+            except TypeError:
+                raise TypeError(f"{name} must be an integer, got {count!r}") from None
         if warmup_steps < 0 or min_compress_numel < 0 or log_every < 0:
             raise ValueError("warmup_steps, min_compress_numel and log_every must be >= 0")
         if fallback not in (False, "auto"):

@@ -94,7 +94,9 @@ def all_reduce(
     """Sum (or average) a CPU tensor over the ranks of a process group, compressed.
 
     Every rank must call it with the same shape, dtype and options; otherwise every rank gets a
-    ``cfc.CfcError`` (no rank hangs on the others).
+    ``cfc.CfcError`` (no rank hangs on the others). A rank whose own input is refused (a wrong
+    dtype, device, bound or residual) raises that error, and the others ``cfc.CfcError``. A
+    call that fails leaves the residual as it was.
 
     Args:
         tensor: a CPU float32, bfloat16 or float16 tensor.
@@ -116,16 +118,28 @@ def all_reduce(
     """
     import torch
 
-    if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu":
-        raise ValueError(
-            "cfc.distributed.all_reduce takes CPU tensors; CUDA tensors go through "
-            "cfc.distributed.AllReducer (compressed on the GPU, exchanged over NCCL)"
-        )
-    data, name, shape = _tensor_bytes(tensor)
-    r = None
-    if residual is not None:
-        _check_residual(residual, tensor)
-        r = residual.detach().reshape(-1).view(torch.uint8).numpy()
+    try:
+        if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu":
+            raise ValueError(
+                "cfc.distributed.all_reduce takes CPU tensors; CUDA tensors go through "
+                "cfc.distributed.AllReducer (compressed on the GPU, exchanged over NCCL)"
+            )
+        data, name, shape = _tensor_bytes(tensor)
+        r = None
+        if residual is not None:
+            if not isinstance(residual, torch.Tensor):
+                raise TypeError(f"residual must be a float32 CPU tensor, got {type(residual).__name__}")
+            _check_residual(residual, tensor)
+            r = residual.detach().reshape(-1).view(torch.uint8).numpy()
+    except Exception as e:
+        # The peers are on their way to the agreement round: refuse there, so that they raise
+        # now (cfc.CfcError, "rank R refused its input") rather than wait for this rank.
+        try:
+            t = transport if transport is not None else TorchTransport(group)
+            _native.allreduce_refuse(t, f"{type(e).__name__}: {e}")
+        except Exception:  # noqa: BLE001 - no group, or the round failed: this rank's error stands
+            pass
+        raise
     t = transport if transport is not None else TorchTransport(group)
     raw, report = _native.allreduce(
         t,
@@ -203,7 +217,8 @@ class AllReducer:
     call checks that first, with one small collective on the host (over a gloo group of the
     reducer's own, so it waits for no GPU work; it costs a round trip between the processes):
     ranks that disagree all get a ``cfc.CfcError`` instead of a hang, even where the size is
-    new to some ranks only. The error feedback residual of each chunk is kept from one call to
+    new to some ranks only; a rank whose tensor is refused (dtype, layout) raises that error,
+    and the others ``cfc.CfcError``. The error feedback residual of each chunk is kept from one call to
     the next while the size and dtype stay the same (a call with another size starts afresh):
     use one reducer per kind of tensor.
 
@@ -232,14 +247,18 @@ class AllReducer:
         self._check_group: Any = None  # gloo, for the check of every call (made at the first)
         self._pending: Optional[Pending] = None  # the last call, until the next one waits for it
 
-    def _check(self, tensor: Any) -> None:
+    def _check(self, tensor: Any, refused: Optional[Exception] = None) -> None:
         """Every rank's size and dtype, compared on every rank (before any chunk moves), at
         every call: a check at the new sizes alone would run on the ranks to which the size is
-        new, while the others went on to the chunks' collectives."""
+        new, while the others went on to the chunks' collectives. A rank that ``refused`` its
+        tensor takes part too, and raises that error; the others raise ``cfc.CfcError``."""
         import torch
         import torch.distributed as dist
 
-        sig = (tensor.numel(), str(tensor.dtype), tensor.device.type)
+        if isinstance(tensor, torch.Tensor):
+            sig = (tensor.numel(), str(tensor.dtype), tensor.device.type)
+        else:
+            sig = (-1, type(tensor).__name__, "cpu")
         state = self.state
         state._setup()
         if self._check_group is None:  # every rank's first call: all make it together
@@ -250,10 +269,18 @@ class AllReducer:
             )
         dtypes = ("torch.float32", "torch.bfloat16", "torch.float16")
         code = dtypes.index(sig[1]) if sig[1] in dtypes else -1
-        mine = torch.tensor([float(sig[0]), float(code), float(sig[2] == "cuda")], dtype=torch.float64)
+        mine = torch.tensor(
+            [float(sig[0]), float(code), float(sig[2] == "cuda"), float(refused is not None)], dtype=torch.float64
+        )
         table = [torch.empty_like(mine) for _ in range(state.world)]
         dist.all_gather(table, mine, group=self._check_group)
+        if refused is not None:
+            raise refused
         rows = [tuple(t.tolist()) for t in table]
+        for r, row in enumerate(rows):
+            if row[3]:
+                raise _native.CfcError(f"rank {r} refused its tensor to all-reduce (its own error says why)")
+        rows = [row[:3] for row in rows]
         if any(row != rows[0] for row in rows):
             seen = ", ".join(
                 f"rank {r}: {int(n)} x {dtypes[int(c)][6:] if 0 <= c < 3 else 'other'}{' (CUDA)' if cuda else ''}"
@@ -272,13 +299,18 @@ class AllReducer:
 
         from cfc.ddp import _average_bucket, _plain_whole, _whole_plain
 
+        # A tensor refused here is refused in the check below, which every rank takes part in:
+        # the other ranks then raise too, rather than wait for this one in their chunks.
+        refused: Optional[Exception] = None
         if not isinstance(tensor, torch.Tensor) or tensor.dtype not in (
             torch.float32, torch.bfloat16, torch.float16
         ):
             got = tensor.dtype if isinstance(tensor, torch.Tensor) else type(tensor).__name__
-            raise TypeError(f"AllReducer takes float32, bfloat16 or float16 tensors, got {got}")
-        if not tensor.is_contiguous():
-            raise ValueError("AllReducer averages in place: give it a contiguous tensor")
+            refused = TypeError(f"AllReducer takes float32, bfloat16 or float16 tensors, got {got}")
+        elif not tensor.is_contiguous():
+            refused = ValueError("AllReducer averages in place: give it a contiguous tensor")
+        if refused is not None and not torch.distributed.is_initialized():
+            raise refused  # no process group, so no peer to tell
         if self.state._closed:
             raise _native.CfcError("this AllReducer was closed (its CfcState is closed)")
         if self._pending is not None:
@@ -286,7 +318,7 @@ class AllReducer:
             # (residuals to send along, the trial's times), and every rank must read the same.
             pending, self._pending = self._pending, None
             pending.wait()
-        self._check(tensor)
+        self._check(tensor, refused)
         flat = tensor.view(-1)
         n, step = flat.numel(), self.chunk_numel
         if n == 0:  # every rank agreed on an empty tensor: nothing to send
