@@ -218,9 +218,9 @@ class AllReducer:
     reducer's own, so it waits for no GPU work; it costs a round trip between the processes):
     ranks that disagree all get a ``cfc.CfcError`` instead of a hang, even where the size is
     new to some ranks only; a rank whose tensor is refused (dtype, layout) raises that error,
-    and the others ``cfc.CfcError``. The error feedback residual of each chunk is kept from one call to
-    the next while the size and dtype stay the same (a call with another size starts afresh):
-    use one reducer per kind of tensor.
+    and the others ``cfc.CfcError``. The error feedback residual of each chunk is kept from one
+    call to the next while the size and dtype stay the same (a call with another size starts
+    afresh): use one reducer per kind of tensor.
 
     Args:
         state: the options (:class:`cfc.CfcState`; its ``warmup_steps`` and ``fallback`` apply
