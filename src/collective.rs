@@ -17,8 +17,8 @@
 //! Ranks that disagree on the buffer or the options get [`Error::RankMismatch`] on every rank
 //! (checked before any data moves). A rank that refuses its own input (a bad dtype or residual)
 //! still takes part in that agreement round, with its error in place of its options, so its
-//! peers get [`Error::PeerRefused`] rather than waiting for it; a peer that stops answering
-//! becomes [`Error::Timeout`].
+//! peers get [`Error::PeerRefused`] rather than waiting for it (and it returns its error once
+//! the round is over, or has failed); a peer that stops answering becomes [`Error::Timeout`].
 
 use crate::codec::{compress, decompress, Bound, CompressOptions};
 use crate::element::Element;
@@ -263,25 +263,36 @@ pub fn allreduce<T: Element, X: Transport + ?Sized>(
     let n = data.len();
     // 1. Agreement: everyone sees everyone's descriptor (or refusal), so everyone fails alike.
     let algorithm = opts.algorithm.unwrap_or(Algorithm::ReduceScatter);
-    let mine = match residual.as_deref() {
-        Some(r) if r.len() != n => Err(Error::ShapeMismatch {
-            shape_elements: Some(r.len() as u64),
-            elements: n as u64,
-            ndim: 1,
-        }),
-        _ => Ok(descriptor::<T>(n, opts, algorithm, residual.is_some())),
+    // The residual is worked on in a copy, put back once everything arrived and decoded; the
+    // copy is made before the round, so that a rank without the memory refuses there.
+    let describe_mine = || descriptor::<T>(n, opts, algorithm, residual.is_some());
+    let (mine, scratch) = match residual.as_deref() {
+        Some(r) if r.len() != n => (
+            Err(Error::ShapeMismatch {
+                shape_elements: Some(r.len() as u64),
+                elements: n as u64,
+                ndim: 1,
+            }),
+            None,
+        ),
+        Some(r) => match crate::error::try_capacity::<f32>(n) {
+            Ok(mut copy) => {
+                copy.extend_from_slice(r);
+                (Ok(describe_mine()), Some(copy))
+            }
+            Err(e) => (Err(e), None),
+        },
+        None => (Ok(describe_mine()), None),
     };
     agree(transport, mine)?;
-    match residual {
-        None => agreed(transport, data, None, opts, algorithm),
-        Some(r) => {
-            // Worked on in a copy, put back once everything arrived and decoded.
-            let mut scratch = crate::error::try_capacity::<f32>(r.len())?;
-            scratch.extend_from_slice(r);
-            let done = agreed(transport, data, Some(&mut scratch), opts, algorithm)?;
-            r.copy_from_slice(&scratch);
+    match (residual, scratch) {
+        (Some(r), Some(mut copy)) => {
+            let done = agreed(transport, data, Some(&mut copy), opts, algorithm)?;
+            r.copy_from_slice(&copy);
             Ok(done)
         }
+        // (a residual always has its copy here: the round refused it otherwise)
+        (r, _) => agreed(transport, data, r, opts, algorithm),
     }
 }
 
@@ -573,6 +584,41 @@ mod tests {
         let mut bad = d.clone();
         bad[9] = 200;
         assert!(describe(&bad).contains("? x") || describe(&bad).contains("x ?"));
+    }
+
+    #[test]
+    fn a_refusal_is_never_taken_for_a_descriptor_nor_one_for_a_refusal() {
+        for reason in [
+            "",
+            "x",
+            &"x".repeat(DESCRIPTOR_LEN - REFUSAL.len()),
+            &"é".repeat(400),
+        ] {
+            let r = refusal(reason);
+            assert_ne!(r.len(), DESCRIPTOR_LEN, "{reason:?}");
+            let back = refused(&r).expect("a refusal");
+            // (the message cut to its limit, or given one more byte to keep off 26 in all)
+            let cut = back.strip_suffix('.').unwrap_or(&back);
+            assert!(
+                reason.starts_with(cut) && cut.len() <= REFUSAL_MESSAGE_MAX,
+                "{reason:?}"
+            );
+        }
+        let mut d = descriptor::<f32>(
+            1000,
+            &AllReduceOptions {
+                bound: Bound::Abs(1e-3),
+                average: false,
+                zstd_level: None,
+                algorithm: None,
+            },
+            Algorithm::ReduceScatter,
+            false,
+        );
+        assert_eq!(d.len(), DESCRIPTOR_LEN);
+        assert!(refused(&d).is_none());
+        d[..REFUSAL.len()].copy_from_slice(REFUSAL); // even one that begins like a refusal
+        assert!(refused(&d).is_none());
     }
 
     #[test]

@@ -256,12 +256,15 @@ fn sum_frames<'py>(
 
 /// Exact size of a fixed-rate frame of finite data with this shape and width.
 #[pyfunction]
-fn fixed_rate_size(shape: Vec<usize>, bits: u8) -> PyResult<u64> {
-    if !(2..=32).contains(&bits) {
-        return Err(PyValueError::new_err(format!(
-            "bits must be between 2 and 32, got {bits}"
-        )));
-    }
+fn fixed_rate_size(shape: Vec<usize>, bits: i64) -> PyResult<u64> {
+    let bits = match u8::try_from(bits) {
+        Ok(b) if (2..=32).contains(&b) => b,
+        _ => {
+            return Err(PyValueError::new_err(format!(
+                "bits must be between 2 and 32, got {bits}"
+            )))
+        }
+    };
     if shape.len() > cfc::format::MAX_NDIM {
         return Err(PyValueError::new_err(format!(
             "a frame has at most {} dimensions, the shape has {}",

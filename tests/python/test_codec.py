@@ -52,7 +52,8 @@ def test_fixed_rate_size_is_known_in_advance_and_bound_reported():
     assert c.mode == "bits" and 0 < c.eps <= c.step / 2 * (1 + 1e-6)
     assert max_err(x, cfc.decompress(c)) <= c.eps
     # no size for frames that cannot exist (compress refuses them too)
-    for shape, bits, match in (([100], 0, "bits"), ([100], 1, "bits"), ([100], 33, "bits"), ([1] * 9, 8, "dimensions")):
+    for shape, bits, match in (([100], 0, "bits"), ([100], 1, "bits"), ([100], 33, "bits"), ([100], 300, "bits"),
+                               ([100], -1, "bits"), ([1] * 9, 8, "dimensions")):
         with pytest.raises(ValueError, match=match):
             cfc.fixed_rate_size(shape, bits)
     assert cfc.fixed_rate_size([1] * 8, 32) > 0
@@ -191,3 +192,8 @@ def test_error_feedback_argument_checks():
         cfc.compress(x, eps=1e-3, residual=torch.zeros(10, dtype=torch.float64))
     with pytest.raises(ValueError, match="contiguous"):
         cfc.compress(x, eps=1e-3, residual=torch.zeros(20)[::2])
+    # a read-only array (here over an immutable bytes object) is not written into
+    frozen = bytes(40)
+    with pytest.raises(ValueError, match="read-only"):
+        cfc.compress(x.numpy(), eps=1e-3, residual=np.frombuffer(frozen, np.float32))
+    assert frozen == bytes(40)

@@ -62,6 +62,9 @@ def _worker(rank, world, init_file, scenario):
                 ({"residual": torch.zeros(5000).numpy()}, TypeError),               # all_reduce
                 ({"eps": None, "rel": None}, ValueError),                           # the binding
                 ({"algorithm": "ring"}, ValueError),                                # the binding
+                ({"eps": "1e-5"}, TypeError),               # types the binding would refuse first
+                ({"average": 1}, TypeError),
+                ({"algorithm": 3}, TypeError),
                 ({"residual": torch.zeros(5000, dtype=torch.float64)}, TypeError),  # cfc.codec
             ]
             for kw, error in refused:

@@ -21,7 +21,10 @@ core (``cfc::gpu_allreduce``) over an NCCL communicator of its own: less host ti
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
 
 from cfc import _native
 from cfc.codec import _addr, _check_residual, _tensor_bytes
@@ -95,8 +98,9 @@ def all_reduce(
 
     Every rank must call it with the same shape, dtype and options; otherwise every rank gets a
     ``cfc.CfcError`` (no rank hangs on the others). A rank whose own input is refused (a wrong
-    dtype, device, bound or residual) raises that error, and the others ``cfc.CfcError``. A
-    call that fails leaves the residual as it was.
+    dtype, device, bound or residual) raises that error once it has told the others, in the
+    round where they compare options (it waits for them there, as a call would), and they
+    raise ``cfc.CfcError``. A call that fails leaves the residual as it was.
 
     Args:
         tensor: a CPU float32, bfloat16 or float16 tensor.
@@ -125,6 +129,14 @@ def all_reduce(
                 "cfc.distributed.AllReducer (compressed on the GPU, exchanged over NCCL)"
             )
         data, name, shape = _tensor_bytes(tensor)
+        # Types the binding would refuse before it could take part in the agreement round.
+        for what, bound in (("eps", eps), ("rel", rel)):
+            if bound is not None and (isinstance(bound, bool) or not isinstance(bound, numbers.Real)):
+                raise TypeError(f"{what} must be a number, got {type(bound).__name__}")
+        if not isinstance(average, (bool, np.bool_)):
+            raise TypeError(f"average must be True or False, got {average!r}")
+        if algorithm is not None and not isinstance(algorithm, str):
+            raise TypeError(f"algorithm must be a string or None, got {type(algorithm).__name__}")
         r = None
         if residual is not None:
             if not isinstance(residual, torch.Tensor):
@@ -146,9 +158,9 @@ def all_reduce(
         _addr(data),
         data.nbytes,
         name,
-        eps=eps,
-        rel=rel,
-        average=average,
+        eps=None if eps is None else float(eps),
+        rel=None if rel is None else float(rel),
+        average=bool(average),
         residual_ptr=0 if r is None else _addr(r),
         residual_nbytes=0 if r is None else r.nbytes,
         algorithm=algorithm,
@@ -217,8 +229,8 @@ class AllReducer:
     call checks that first, with one small collective on the host (over a gloo group of the
     reducer's own, so it waits for no GPU work; it costs a round trip between the processes):
     ranks that disagree all get a ``cfc.CfcError`` instead of a hang, even where the size is
-    new to some ranks only; a rank whose tensor is refused (dtype, layout) raises that error,
-    and the others ``cfc.CfcError``. The error feedback residual of each chunk is kept from one
+    new to some ranks only; a rank whose tensor is refused (dtype, layout) raises that error
+    after this check (which waits for the other ranks), and the others ``cfc.CfcError``. The error feedback residual of each chunk is kept from one
     call to the next while the size and dtype stay the same (a call with another size starts
     afresh): use one reducer per kind of tensor.
 
@@ -247,11 +259,12 @@ class AllReducer:
         self._check_group: Any = None  # gloo, for the check of every call (made at the first)
         self._pending: Optional[Pending] = None  # the last call, until the next one waits for it
 
-    def _check(self, tensor: Any, refused: Optional[Exception] = None) -> None:
+    def _check(self, tensor: Any, refused: bool = False) -> None:
         """Every rank's size and dtype, compared on every rank (before any chunk moves), at
         every call: a check at the new sizes alone would run on the ranks to which the size is
         new, while the others went on to the chunks' collectives. A rank that ``refused`` its
-        tensor takes part too, and raises that error; the others raise ``cfc.CfcError``."""
+        tensor takes part too and returns after the round (its caller raises its error); the
+        others raise ``cfc.CfcError``."""
         import torch
         import torch.distributed as dist
 
@@ -270,12 +283,12 @@ class AllReducer:
         dtypes = ("torch.float32", "torch.bfloat16", "torch.float16")
         code = dtypes.index(sig[1]) if sig[1] in dtypes else -1
         mine = torch.tensor(
-            [float(sig[0]), float(code), float(sig[2] == "cuda"), float(refused is not None)], dtype=torch.float64
+            [float(sig[0]), float(code), float(sig[2] == "cuda"), float(refused)], dtype=torch.float64
         )
         table = [torch.empty_like(mine) for _ in range(state.world)]
         dist.all_gather(table, mine, group=self._check_group)
-        if refused is not None:
-            raise refused
+        if refused:
+            return
         rows = [tuple(t.tolist()) for t in table]
         for r, row in enumerate(rows):
             if row[3]:
@@ -309,16 +322,21 @@ class AllReducer:
             refused = TypeError(f"AllReducer takes float32, bfloat16 or float16 tensors, got {got}")
         elif not tensor.is_contiguous():
             refused = ValueError("AllReducer averages in place: give it a contiguous tensor")
-        if refused is not None and not torch.distributed.is_initialized():
-            raise refused  # no process group, so no peer to tell
-        if self.state._closed:
-            raise _native.CfcError("this AllReducer was closed (its CfcState is closed)")
-        if self._pending is not None:
-            # The previous call's chunks finish first: this call reads what they leave behind
-            # (residuals to send along, the trial's times), and every rank must read the same.
-            pending, self._pending = self._pending, None
-            pending.wait()
-        self._check(tensor, refused)
+        if refused is None or torch.distributed.is_initialized():  # else no peer to tell
+            if self.state._closed:
+                raise _native.CfcError("this AllReducer was closed (its CfcState is closed)")
+            if self._pending is not None:
+                # The previous call's chunks finish first: this call reads what they leave
+                # behind (residuals to send along, the trial's times), and every rank must
+                # read the same.
+                pending, self._pending = self._pending, None
+                pending.wait()
+            self._check(tensor, refused is not None)
+        if refused is not None:
+            try:
+                raise refused
+            finally:
+                refused = None  # the traceback holds this frame: no cycle through the error
         flat = tensor.view(-1)
         n, step = flat.numel(), self.chunk_numel
         if n == 0:  # every rank agreed on an empty tensor: nothing to send
