@@ -783,18 +783,32 @@ impl<'a> OpenFrame<'a> {
 
 /// Exact size of a fixed-rate (`Bound::Bits`) frame of finite data, known before compressing:
 /// header, one width byte per group and `bits` planes per group. Each non-finite element adds
-/// its index and value. Returns `None` where no such frame exists: `bits` outside 2 to 32, more
-/// than [`crate::format::MAX_NDIM`] dimensions, or a size that overflows.
-pub fn fixed_rate_size(shape: &[usize], bits: u8) -> Option<u64> {
-    if check_bits(bits).is_err() || shape.len() > crate::format::MAX_NDIM {
-        return None;
+/// its index and value.
+///
+/// # Errors
+/// Where no such frame exists: [`Error::InvalidBound`] for `bits` outside 2 to 32,
+/// [`Error::ShapeMismatch`] for more than [`crate::format::MAX_NDIM`] dimensions or a size that
+/// overflows.
+pub fn fixed_rate_size(shape: &[usize], bits: u8) -> Result<u64> {
+    check_bits(bits)?;
+    let impossible = || Error::ShapeMismatch {
+        shape_elements: None,
+        elements: 0,
+        ndim: shape.len(),
+    };
+    if shape.len() > crate::format::MAX_NDIM {
+        return Err(impossible());
     }
     let n = shape
         .iter()
-        .try_fold(1u64, |a, &d| a.checked_mul(d as u64))?;
+        .try_fold(1u64, |a, &d| a.checked_mul(d as u64))
+        .ok_or_else(impossible)?;
     let groups = crate::format::groups_for(n);
     let header = (crate::format::FIXED_HEADER_LEN + 8 * shape.len()) as u64;
-    groups.checked_mul(1 + 4 * bits as u64)?.checked_add(header)
+    groups
+        .checked_mul(1 + 4 * bits as u64)
+        .and_then(|b| b.checked_add(header))
+        .ok_or_else(impossible)
 }
 
 /// Checks a whole frame, header and body (widths, plane lengths, exception indices, the zstd

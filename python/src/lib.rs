@@ -58,13 +58,18 @@ fn dtype_of(name: &str) -> PyResult<cfc::DType> {
     })
 }
 
+/// A fixed rate from Python's integer: one that no `u8` holds is refused here, the rest (2 to
+/// 32) by the codec.
+fn bits_of(b: i64) -> PyResult<u8> {
+    u8::try_from(b)
+        .map_err(|_| PyValueError::new_err(format!("invalid bits: {b} is not between 2 and 32")))
+}
+
 fn bound_of(eps: Option<f64>, rel: Option<f64>, bits: Option<i64>) -> PyResult<cfc::Bound> {
     match (eps, rel, bits) {
         (Some(e), None, None) => Ok(cfc::Bound::Abs(e)),
         (None, Some(r), None) => Ok(cfc::Bound::Rel(r)),
-        (None, None, Some(b)) => u8::try_from(b).map(cfc::Bound::Bits).map_err(|_| {
-            PyValueError::new_err(format!("invalid bits: {b} is not between 2 and 32"))
-        }),
+        (None, None, Some(b)) => bits_of(b).map(cfc::Bound::Bits),
         _ => Err(PyValueError::new_err(
             "give exactly one of eps=, rel= or bits=",
         )),
@@ -257,22 +262,7 @@ fn sum_frames<'py>(
 /// Exact size of a fixed-rate frame of finite data with this shape and width.
 #[pyfunction]
 fn fixed_rate_size(shape: Vec<usize>, bits: i64) -> PyResult<u64> {
-    let bits = match u8::try_from(bits) {
-        Ok(b) if (2..=32).contains(&b) => b,
-        _ => {
-            return Err(PyValueError::new_err(format!(
-                "bits must be between 2 and 32, got {bits}"
-            )))
-        }
-    };
-    if shape.len() > cfc::format::MAX_NDIM {
-        return Err(PyValueError::new_err(format!(
-            "a frame has at most {} dimensions, the shape has {}",
-            cfc::format::MAX_NDIM,
-            shape.len()
-        )));
-    }
-    cfc::fixed_rate_size(&shape, bits).ok_or_else(|| PyValueError::new_err("shape too large"))
+    cfc::fixed_rate_size(&shape, bits_of(bits)?).map_err(to_py)
 }
 
 // ---- the compressed all-reduce over a transport written in Python -------------------------

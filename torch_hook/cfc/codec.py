@@ -7,6 +7,7 @@ compressed); :func:`decompress` returns a ``torch.Tensor`` when torch is install
 from __future__ import annotations
 
 import functools
+import numbers
 from typing import Any, Dict, Iterable, Optional, Tuple, Union
 
 import numpy as np
@@ -482,6 +483,18 @@ class CudaCompressed:
 
 _ELEMENT_SIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "uint8": 1, "int8": 1,
                  "int16": 2, "int32": 4, "int64": 8, "bool": 1}
+
+
+def _check_number(name: str, value: Any) -> None:
+    """A bound or other real option: any real number (numpy's too), not a bool or a string."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+
+
+def _check_flag(name: str, value: Any) -> None:
+    """An on/off option: True or False (numpy's bools too), not a number or a string."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
 
 
 def _check_residual(residual, x) -> None:

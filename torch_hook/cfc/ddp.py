@@ -53,7 +53,6 @@ from __future__ import annotations
 import datetime
 import logging
 import math
-import numbers
 import operator
 import queue
 import threading
@@ -64,7 +63,15 @@ import numpy as np
 
 import cfc
 from cfc import _native
-from cfc.codec import _compress_cuda, _cuda_ready, _decode_status_error, _decode_sum_cuda, _sum_frames_cuda
+from cfc.codec import (
+    _check_flag,
+    _check_number,
+    _compress_cuda,
+    _cuda_ready,
+    _decode_status_error,
+    _decode_sum_cuda,
+    _sum_frames_cuda,
+)
 
 __all__ = ["CfcState", "cfc_hook", "register_comm_hook"]
 
@@ -169,17 +176,15 @@ class CfcState:
         if len(given) > 1:
             raise ValueError(f"give at most one of eps, rel, rms; got {[k for k, _ in given]}")
         self.bound_kind, bound = given[0] if given else ("rms", 0.3)
-        if isinstance(bound, bool) or not isinstance(bound, numbers.Real):
-            raise TypeError(f"{self.bound_kind} must be a number, got {type(bound).__name__}")
+        _check_number(self.bound_kind, bound)
         self.bound = float(bound)
         if not (math.isfinite(self.bound) and self.bound > 0):
             raise ValueError(f"{self.bound_kind} must be positive and finite, got {bound!r}")
         if self.bound_kind == "eps" and not (_EPS_MIN <= self.bound <= _EPS_MAX):
             # what the codec accepts (src/codec.rs, check_abs_bound): every bucket would fail
             raise ValueError(f"eps must lie between {_EPS_MIN:g} and {_EPS_MAX:g}, got {bound!r}")
-        for name, flag in (("per_tensor", per_tensor), ("error_feedback", error_feedback)):
-            if not isinstance(flag, (bool, np.bool_)):
-                raise TypeError(f"{name} must be True or False, got {flag!r}")
+        _check_flag("per_tensor", per_tensor)
+        _check_flag("error_feedback", error_feedback)
         for name, count in (("warmup_steps", warmup_steps), ("min_compress_numel", min_compress_numel),
                             ("log_every", log_every), ("trial_steps", trial_steps)):
             try:

@@ -21,13 +21,10 @@ core (``cfc::gpu_allreduce``) over an NCCL communicator of its own: less host ti
 from __future__ import annotations
 
 import math
-import numbers
 from typing import Any, Dict, List, Optional, Tuple
 
-import numpy as np
-
 from cfc import _native
-from cfc.codec import _addr, _check_residual, _tensor_bytes
+from cfc.codec import _addr, _check_flag, _check_number, _check_residual, _tensor_bytes
 
 __all__ = ["AllReducer", "NcclAllReducer", "Pending", "TorchTransport", "all_reduce"]
 
@@ -131,10 +128,9 @@ def all_reduce(
         data, name, shape = _tensor_bytes(tensor)
         # Types the binding would refuse before it could take part in the agreement round.
         for what, bound in (("eps", eps), ("rel", rel)):
-            if bound is not None and (isinstance(bound, bool) or not isinstance(bound, numbers.Real)):
-                raise TypeError(f"{what} must be a number, got {type(bound).__name__}")
-        if not isinstance(average, (bool, np.bool_)):
-            raise TypeError(f"average must be True or False, got {average!r}")
+            if bound is not None:
+                _check_number(what, bound)
+        _check_flag("average", average)
         if algorithm is not None and not isinstance(algorithm, str):
             raise TypeError(f"algorithm must be a string or None, got {type(algorithm).__name__}")
         r = None
@@ -230,9 +226,10 @@ class AllReducer:
     reducer's own, so it waits for no GPU work; it costs a round trip between the processes):
     ranks that disagree all get a ``cfc.CfcError`` instead of a hang, even where the size is
     new to some ranks only; a rank whose tensor is refused (dtype, layout) raises that error
-    after this check (which waits for the other ranks), and the others ``cfc.CfcError``. The error feedback residual of each chunk is kept from one
-    call to the next while the size and dtype stay the same (a call with another size starts
-    afresh): use one reducer per kind of tensor.
+    after this check (which waits for the other ranks), and the others ``cfc.CfcError``. The
+    error feedback residual of each chunk is kept from one call to the next while the size and
+    dtype stay the same (a call with another size starts afresh): use one reducer per kind of
+    tensor.
 
     Args:
         state: the options (:class:`cfc.CfcState`; its ``warmup_steps`` and ``fallback`` apply
