@@ -465,7 +465,10 @@ impl<'a> Body<'a> {
             Codec::Quantized => body.check_quantized()?,
             Codec::Lossless => {
                 body.chunks =
-                    crate::lossless::check_body(&body.raw, body.header.n, body.header.dtype.size())?
+                    crate::lossless::check_body(&body.raw, body.header.n, body.header.dtype)?
+            }
+            Codec::Raw if body.header.dtype == DType::Bool => {
+                crate::lossless::check_bools(&body.raw)?
             }
             Codec::Raw => {}
         }

@@ -694,6 +694,9 @@ pub struct LosslessCompressArgs<'a> {
 /// [`crate::compress_lossless_bytes`] (without a zstd stage), and returns without waiting for
 /// the GPU. The frame's size is written (as a u64) at [`FRAME_SIZE_OFFSET`] of the workspace.
 ///
+/// The elements are not checked: a `bool` input must hold only bytes 0 and 1 (the host encoder
+/// refuses others with [`Error::InvalidBool`], and every reader refuses a frame holding them).
+///
 /// # Safety
 /// Every pointer must be a device address on `args.device` valid for its stated length until
 /// the work queued on `args.stream` completes; `input`, `out` and `workspace` must not overlap

@@ -57,6 +57,14 @@ pub enum Error {
         /// What is wrong.
         reason: String,
     },
+    /// An element of a `bool` tensor given to the lossless codec is a byte other than 0 or 1
+    /// (a bool of such a byte has no meaning in torch or numpy, and no frame may hold one).
+    InvalidBool {
+        /// Index of the first such element.
+        index: u64,
+        /// Its byte.
+        byte: u8,
+    },
     /// Summing codes overflowed 64-bit integers.
     CodeOverflow {
         /// Index of the element whose sum overflowed.
@@ -214,6 +222,10 @@ impl fmt::Display for Error {
                 write!(f, "frames differ in {what}: {left} vs {right}")
             }
             Error::InvalidCodes { reason } => write!(f, "invalid codes: {reason}"),
+            Error::InvalidBool { index, byte } => write!(
+                f,
+                "element {index} of the bool tensor is the byte {byte}; a bool must be 0 or 1"
+            ),
             Error::CodeOverflow { index } => {
                 write!(f, "sum of codes overflows 64 bits at element {index}")
             }

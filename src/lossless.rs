@@ -387,13 +387,14 @@ fn encode_range(bytes: &[u8], w: usize) -> (Vec<u32>, Vec<u8>) {
 
 /// Compresses a tensor of any dtype, given as raw little-endian bytes, without loss.
 ///
-/// Every bit pattern decodes exactly. The frame is never larger than a raw frame of the same
-/// tensor: when the lossless body would not be smaller than the raw bytes, a raw frame is
-/// written instead (codec `raw`, mode `lossless`).
+/// Every bit pattern decodes exactly (for `bool`, the two a bool has: 0 and 1). The frame is
+/// never larger than a raw frame of the same tensor: when the lossless body would not be
+/// smaller than the raw bytes, a raw frame is written instead (codec `raw`, mode `lossless`).
 ///
 /// # Errors
 /// [`Error::MisalignedInput`] when `bytes` is not a whole number of elements,
-/// [`Error::ShapeMismatch`] for a bad shape, [`Error::Zstd`] if the zstd stage fails.
+/// [`Error::ShapeMismatch`] for a bad shape, [`Error::InvalidBool`] for a `bool` element that
+/// is neither 0 nor 1, [`Error::Zstd`] if the zstd stage fails.
 pub fn compress_lossless_bytes(
     bytes: &[u8],
     dtype: DType,
@@ -409,6 +410,14 @@ pub fn compress_lossless_bytes(
     }
     let n = bytes.len() / w;
     let shape = checked_shape(shape, n)?;
+    if dtype == DType::Bool {
+        if let Some(index) = bytes.iter().position(|&b| b > 1) {
+            return Err(Error::InvalidBool {
+                index: index as u64,
+                byte: bytes[index],
+            });
+        }
+    }
     let chunks = n.div_ceil(CHUNK);
     let threads = thread_count(opts.threads, n);
     let _span =
@@ -479,9 +488,19 @@ fn length_mismatch(part: &'static str, expected: usize, found: usize) -> Error {
     .into()
 }
 
+/// Checks that every byte of `bytes`, elements of a `bool` tensor, is 0 or 1: torch and numpy
+/// give a bool of any other byte no meaning (such a tensor compares and sums inconsistently),
+/// and the encoder never writes one.
+pub(crate) fn check_bools(bytes: &[u8]) -> Result<()> {
+    match bytes.iter().find(|&&b| b > 1) {
+        Some(b) => Err(bad_field("bool element", format!("byte {b}, not 0 or 1"))),
+        None => Ok(()),
+    }
+}
+
 /// Checks a pack block of `m` words (its whole payload is `p`): header fields, length,
-/// exception indices and zero padding.
-fn check_pack(p: &[u8], m: usize, w: usize) -> Result<()> {
+/// exception indices and zero padding; for `bools`, that every word it decodes to is 0 or 1.
+fn check_pack(p: &[u8], m: usize, w: usize, bools: bool) -> Result<()> {
     if p.len() < PACK_HEADER {
         return Err(length_mismatch("pack block", PACK_HEADER, p.len()));
     }
@@ -496,6 +515,13 @@ fn check_pack(p: &[u8], m: usize, w: usize) -> Result<()> {
     }
     if base & !full_mask(w) != 0 || base & mask != 0 {
         return Err(bad_field("pack base", format!("{base:#x}")));
+    }
+    if bools && (mask | base) > 1 {
+        // Every word is `base | deposit(field, mask)`: bits above bit 0 would make it above 1.
+        return Err(bad_field(
+            "bool element",
+            format!("pack mask {mask:#x} or base {base:#x} past bit 0"),
+        ));
     }
     if x > m {
         return Err(bad_field("pack exception count", x));
@@ -541,6 +567,9 @@ fn check_pack(p: &[u8], m: usize, w: usize) -> Result<()> {
     if p[idx + 2 * x..vals].iter().any(|&b| b != 0) || p[vals + w * x..].iter().any(|&b| b != 0) {
         return Err(bad_field("padding", "nonzero"));
     }
+    if bools {
+        check_bools(&p[vals..vals + x])?;
+    }
     Ok(())
 }
 
@@ -565,8 +594,10 @@ fn check_bitmask(p: &[u8], m: usize) -> Result<usize> {
     Ok(nnz)
 }
 
-/// Locates and checks every chunk of a lossless body of `n` words of `w` bytes.
-pub(crate) fn check_body(raw: &[u8], n: u64, w: usize) -> Result<Vec<ChunkRef>> {
+/// Locates and checks every chunk of a lossless body of `n` elements of `dtype`.
+pub(crate) fn check_body(raw: &[u8], n: u64, dtype: DType) -> Result<Vec<ChunkRef>> {
+    let w = dtype.size();
+    let bools = dtype == DType::Bool;
     let n = usize::try_from(n).map_err(|_| bad_field("element count", n))?;
     let chunks = n.div_ceil(CHUNK);
     let table_len = chunks
@@ -594,8 +625,11 @@ pub(crate) fn check_body(raw: &[u8], n: u64, w: usize) -> Result<Vec<ChunkRef>> 
                 if p[m * w..].iter().any(|&b| b != 0) {
                     return Err(bad_field("padding", "nonzero"));
                 }
+                if bools {
+                    check_bools(&p[..m])?;
+                }
             }
-            Method::Pack => check_pack(p, m, w)?,
+            Method::Pack => check_pack(p, m, w, bools)?,
             Method::Sparse => {
                 let nnz = check_bitmask(p, m)?;
                 let bm = 4 * m.div_ceil(GROUP);
@@ -605,10 +639,13 @@ pub(crate) fn check_body(raw: &[u8], n: u64, w: usize) -> Result<Vec<ChunkRef>> 
                 if p[bm + nnz * w..].iter().any(|&b| b != 0) {
                     return Err(bad_field("padding", "nonzero"));
                 }
+                if bools {
+                    check_bools(&p[bm..bm + nnz])?;
+                }
             }
             Method::SparsePack => {
                 let nnz = check_bitmask(p, m)?;
-                check_pack(&p[4 * m.div_ceil(GROUP)..], nnz, w)?;
+                check_pack(&p[4 * m.div_ceil(GROUP)..], nnz, w, bools)?;
             }
         }
         refs.push(ChunkRef {

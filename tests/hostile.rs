@@ -181,6 +181,15 @@ fn valid_frames() -> &'static [(&'static str, Vec<u8>)] {
                     &LosslessOptions::default(),
                 ),
             ),
+            (
+                "lossless bool",
+                compress_lossless_bytes(
+                    &(0..5000).map(|i| (i % 3 == 0) as u8).collect::<Vec<_>>(),
+                    DType::Bool,
+                    &[5000],
+                    &LosslessOptions::default(),
+                ),
+            ),
             ("empty", compress::<f32>(&[], &[0, 3], &abs)),
             ("scalar", compress(&[0.0f32], &[], &abs)),
         ];
@@ -567,6 +576,40 @@ fn l_offsets(f: &[u8]) -> LOffsets {
     }
 }
 
+/// Pseudo-random bytes (a fixed LCG), for bodies that do not compress.
+fn noise(n: usize, seed: u32) -> Vec<u8> {
+    let mut x = seed;
+    (0..n)
+        .map(|_| {
+            x = x.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+            (x >> 24) as u8
+        })
+        .collect()
+}
+
+/// A lossless frame of `bytes` compressed as uint8 and then labelled `bool`: valid as uint8, so
+/// its only fault is elements above 1. `chunk0` is the method chunk 0 must be stored by (`None`:
+/// the encoder must have written a raw frame).
+fn uint8_as_bool(bytes: &[u8], chunk0: Option<u32>) -> Vec<u8> {
+    let f = compress_lossless_bytes(
+        bytes,
+        DType::U8,
+        &[bytes.len()],
+        &LosslessOptions::default(),
+    )
+    .expect("lossless");
+    validate(&f).expect("valid as uint8");
+    match chunk0 {
+        None => assert_eq!(f[5], 1, "a raw frame (codec byte 1)"),
+        Some(m) => {
+            assert_eq!(f[5], 2, "a lossless frame (codec byte 2)");
+            let entry = u32::from_le_bytes(f[72..76].try_into().unwrap());
+            assert_eq!(entry >> 28, m, "chunk 0's method");
+        }
+    }
+    set(f, 6, &[9]) // dtype byte 9: bool
+}
+
 /// Offset of the exception indices in `q_frame` (header 72 + widths 3 + planes 4 x 7).
 const Q_EXC: usize = 72 + 3 + 28;
 
@@ -764,6 +807,51 @@ fn crafted() -> Vec<Case> {
                 ..lh.clone()
             }),
             |e| bad_field(e, "mode"),
+        ),
+        case(
+            "bool_raw_frame_byte_above_1",
+            uint8_as_bool(&noise(64, 1), None),
+            |e| bad_field(e, "bool element"),
+        ),
+        case(
+            "bool_raw_chunk_byte_above_1",
+            {
+                let mut b = noise(4096, 2);
+                b.extend_from_slice(&[0u8; 4096]);
+                uint8_as_bool(&b, Some(0))
+            },
+            |e| bad_field(e, "bool element"),
+        ),
+        case(
+            "bool_pack_mask_past_bit_0",
+            uint8_as_bool(
+                &(0..4096).map(|i| (i % 4) as u8).collect::<Vec<_>>(),
+                Some(1),
+            ),
+            |e| bad_field(e, "bool element"),
+        ),
+        case(
+            "bool_pack_exception_above_1",
+            {
+                let mut b: Vec<u8> = (0..4096).map(|i| (i % 3 == 0) as u8).collect();
+                for i in [5, 900, 3000] {
+                    b[i] = 200;
+                }
+                uint8_as_bool(&b, Some(1))
+            },
+            |e| bad_field(e, "bool element"),
+        ),
+        case(
+            "bool_sparse_value_above_1",
+            {
+                let b: Vec<u8> = noise(4096, 3)
+                    .into_iter()
+                    .enumerate()
+                    .map(|(i, v)| if i % 2 == 0 { 0 } else { v.max(1) })
+                    .collect();
+                uint8_as_bool(&b, Some(2))
+            },
+            |e| bad_field(e, "bool element"),
         ),
         case("quantized_mode_lossless", set(q.clone(), 8, &[4]), |e| {
             bad_field(e, "mode")

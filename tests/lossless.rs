@@ -105,7 +105,9 @@ fn random_bit_patterns_of_every_dtype_come_back() {
                 }
             }
             roundtrip(&sparse, dtype, &opts());
-            roundtrip(&vec![0x3cu8; n * w], dtype, &opts());
+            // A constant run (a bool's bytes are 0 or 1).
+            let fill = if dtype == DType::Bool { 1 } else { 0x3c };
+            roundtrip(&vec![fill; n * w], dtype, &opts());
         }
     }
 }
@@ -237,6 +239,20 @@ fn the_error_bounded_codec_refuses_integer_dtypes() {
     }
     let f = compress_lossless_bytes(&bytes, DType::I64, &[8], &opts()).expect("lossless");
     assert!(cfc::Codes::from_frame(&f).is_err());
+}
+
+#[test]
+fn bool_elements_other_than_0_and_1_are_refused() {
+    let mut bytes = vec![0u8, 1, 1, 0, 1];
+    compress_lossless_bytes(&bytes, DType::Bool, &[5], &opts()).expect("0 and 1");
+    bytes[3] = 2;
+    let e = compress_lossless_bytes(&bytes, DType::Bool, &[5], &opts()).unwrap_err();
+    assert!(
+        matches!(e, cfc::Error::InvalidBool { index: 3, byte: 2 }),
+        "{e}"
+    );
+    // The same bytes as uint8 are fine.
+    compress_lossless_bytes(&bytes, DType::U8, &[5], &opts()).expect("uint8");
 }
 
 #[test]

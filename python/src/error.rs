@@ -25,6 +25,7 @@ pub fn to_py(e: cfc::Error) -> PyErr {
         cfc::Error::InvalidBound { .. }
         | cfc::Error::ShapeMismatch { .. }
         | cfc::Error::MisalignedInput { .. }
+        | cfc::Error::InvalidBool { .. }
         | cfc::Error::OutputSize { .. } => PyValueError::new_err(msg),
         cfc::Error::Incompatible { what: "dtype", .. } | cfc::Error::NotQuantizable(_) => {
             PyTypeError::new_err(msg)

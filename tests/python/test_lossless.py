@@ -4,6 +4,7 @@ pinned frames, and checkpoints (`cfc.save` / `cfc.load`)."""
 import json
 import struct
 import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -97,6 +98,32 @@ def test_hostile_lossless_frames_are_refused():
     for cut in (len(good) - 1, 80, 70):
         with pytest.raises(cfc.FormatError):
             cfc.decompress(good[:cut])
+
+
+HOSTILE_DIR = Path(__file__).resolve().parents[1] / "hostile"
+
+
+def test_bool_elements_other_than_0_and_1_are_refused():
+    """A bool whose byte is not 0 or 1 (made by viewing uint8 data) has no meaning: the encoder
+    refuses it, and a frame that holds one is malformed, however its chunks store it."""
+    raw = torch.tensor([0, 1, 2, 1], dtype=torch.uint8)
+    with pytest.raises(ValueError, match="element 2 of the bool tensor is the byte 2"):
+        cfc.compress(raw.view(torch.bool), lossless=True)
+    with pytest.raises(ValueError, match="element 2 of the bool tensor"):
+        cfc.compress(raw.numpy().view(np.bool_), lossless=True, zstd=True)
+    # A valid uint8 frame relabelled bool (dtype byte 9), with and without a zstd stage.
+    for zstd in (False, True):
+        bad = bytearray(bytes(cfc.compress(torch.arange(5000, dtype=torch.uint8) % 4, lossless=True, zstd=zstd)))
+        bad[6] = 9
+        for read in (cfc.decompress, cfc.pin):
+            with pytest.raises(cfc.FormatError, match="bool element"):
+                read(bytes(bad))
+    # The crafted corpus (tests/hostile/README.md, "Bool elements"): one per storage method.
+    files = sorted(HOSTILE_DIR.glob("bool_*.bin"))
+    assert len(files) == 5
+    for f in files:
+        with pytest.raises(cfc.FormatError, match="bool element"):
+            cfc.decompress(f.read_bytes())
 
 
 # ---- checkpoints ----
@@ -288,6 +315,21 @@ def test_gpu_decode_refuses_hostile_frames_before_the_gpu_reads_them():
     with pytest.raises(cfc.FormatError):
         cfc.decompress(bytes(bad), device="cuda")
     with pytest.raises(cfc.FormatError):
+        cfc.pin(bytes(bad))
+
+
+@pytest.mark.gpu
+def test_gpu_refuses_bool_elements_other_than_0_and_1():
+    raw = torch.tensor([0, 1, 1, 7] * 1000, dtype=torch.uint8, device="cuda")
+    with pytest.raises(ValueError, match="element 3 of the bool tensor is the byte 7"):
+        cfc.compress(raw.view(torch.bool), lossless=True)
+    good = cfc.compress(raw != 0, lossless=True)
+    assert bytes(good) == bytes(cfc.compress((raw != 0).cpu(), lossless=True))
+    bad = bytearray(bytes(cfc.compress(raw, lossless=True)))
+    bad[6] = 9  # relabelled bool
+    with pytest.raises(cfc.FormatError, match="bool element"):
+        cfc.decompress(bytes(bad), device="cuda")
+    with pytest.raises(cfc.FormatError, match="bool element"):
         cfc.pin(bytes(bad))
 
 

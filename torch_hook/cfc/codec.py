@@ -553,6 +553,15 @@ def _compress_lossless_cuda(t, name: str) -> CudaCompressed:
     import torch
 
     t = t.detach().contiguous()
+    if name == "bool":
+        # The device encoder copies bytes as they are; a bool byte other than 0/1 (made by a
+        # view of uint8 data) is refused here as the host encoder refuses it. One wait, for
+        # bool tensors only.
+        flat = t.reshape(-1).view(torch.uint8)
+        bad = torch.nonzero(flat > 1)
+        if bad.numel():
+            i = int(bad[0, 0])
+            raise ValueError(f"element {i} of the bool tensor is the byte {int(flat[i])}; a bool must be 0 or 1")
     dev = t.device
     shape = tuple(t.shape)
     cap, ws_len = _native.cuda_lossless_sizes(t.numel(), name, len(shape))
@@ -622,7 +631,8 @@ def compress(
             invariant bit packing (the bits shared by its elements once, the others packed
             back to back), zero-value compression (a bitmask and the nonzero elements), both, or
             as it is, whichever is smallest. Takes float32, bfloat16, float16, float64,
-            uint8, int8, int16, int32, int64 and bool. A CUDA tensor is compressed on its GPU
+            uint8, int8, int16, int32, int64 and bool (whose bytes must be 0 or 1: checked,
+            with one wait for a CUDA tensor). A CUDA tensor is compressed on its GPU
             (a :class:`CudaCompressed`, the same bytes as the CPU's); :func:`decompress` decodes
             on a GPU when asked to.
 
@@ -632,7 +642,8 @@ def compress(
         being written on the GPU.
 
     Raises:
-        ValueError: no bound, several bounds, or an unusable one (<= 0, NaN, infinite).
+        ValueError: no bound, several bounds, or an unusable one (<= 0, NaN, infinite); a
+            bool element that is neither 0 nor 1 (a view of other bytes as bool).
         TypeError: an unsupported dtype or object.
 
     Example::
