@@ -2,9 +2,9 @@
 
 Example::
 
-    >>> # xdoctest: +SKIP (needs an initialised process group)
-    >>> from cfc import CfcState, cfc_hook
-    >>> ddp.register_comm_hook(CfcState(), cfc_hook)
+    >>> # needs an initialised process group: not run as a doctest
+    >>> from cfc import CfcState, cfc_hook  # doctest: +SKIP
+    >>> ddp.register_comm_hook(CfcState(), cfc_hook)  # doctest: +SKIP
 
 Every bucket is quantized with a strict bound (by default ``0.3 x`` the RMS of the bucket's
 gradient), with error feedback: what rounding drops on a rank is added to that rank's next
@@ -896,9 +896,11 @@ def register_comm_hook(ddp, state: Optional[CfcState] = None) -> bool:
 
     Example::
 
-        >>> # xdoctest: +SKIP (needs an initialised process group and GPUs)
-        >>> state = cfc.CfcState(fallback="auto")
-        >>> cfc.register_comm_hook(ddp_model, state)  # False over NVLink: DDP's own all-reduce
+        >>> # needs an initialised process group and GPUs: not run as a doctest
+        >>> state = cfc.CfcState(fallback="auto")  # doctest: +SKIP
+        >>> # over NVLink: False, and DDP's own all-reduce stays
+        >>> cfc.register_comm_hook(ddp_model, state)  # doctest: +SKIP
+        False
     """
     import torch
 
