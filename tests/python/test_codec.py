@@ -162,6 +162,32 @@ def test_bad_types_raise_type_error(x):
         cfc.compress(x, eps=1e-3)
 
 
+@pytest.mark.parametrize(
+    "kw, match",
+    [({"eps": True}, "eps must be a number"), ({"rel": "1e-3"}, "rel must be a number"),
+     ({"bits": 4.0}, "bits must be an integer"), ({"bits": True}, "bits must be an integer")],
+)
+def test_bounds_of_the_wrong_type_raise_type_error(kw, match):
+    # eps=True would otherwise be taken as 1.0, and bits=True as 1
+    with pytest.raises(TypeError, match=match):
+        cfc.compress(torch.randn(10), **kw)
+    assert cfc.compress(torch.randn(10), eps=np.float32(1e-3), bits=None).eps == pytest.approx(1e-3)
+    assert cfc.compress(torch.randn(10), bits=np.int64(8)).mode == "bits"
+
+
+def test_a_negated_view_is_compressed_as_the_values_it_shows():
+    """A lazily negated view (as the imaginary part of a conjugate is): where its memory is
+    contiguous, it holds the opposite values, which a codec reading memory would store."""
+    x = torch.randn(1000)
+    for neg in (torch._neg_view(x), torch.tensor([1 + 2j]).conj().imag):
+        assert neg.is_neg() and neg.is_contiguous()
+        shown = neg.resolve_neg()
+        assert max_err(shown, cfc.decompress(cfc.compress(neg, eps=1e-3))) <= 1e-3
+        assert torch.equal(cfc.decompress(cfc.compress(neg, lossless=True)), shown)
+    with pytest.raises(ValueError, match="negated view"):
+        cfc.compress(torch.randn(1000), eps=1e-3, residual=torch._neg_view(torch.zeros(1000)))
+
+
 def test_frame_info_fields():
     info = cfc.frame_info(cfc.compress(torch.randn(4, 8), eps=1e-2))
     assert info["dtype"] == "float32" and info["shape"] == [4, 8] and info["numel"] == 32
@@ -197,3 +223,16 @@ def test_error_feedback_argument_checks():
     with pytest.raises(ValueError, match="read-only"):
         cfc.compress(x.numpy(), eps=1e-3, residual=np.frombuffer(frozen, np.float32))
     assert frozen == bytes(40)
+
+
+def test_a_one_element_view_of_any_stride():
+    """One element is contiguous whatever its stride; the codec reads it, and a residual of that
+    kind is updated in place."""
+    x = torch.randn(10)[::3][:1]
+    assert x.is_contiguous() and x.stride() == (3,)
+    assert torch.equal(cfc.decompress(cfc.compress(x, lossless=True)), x)
+    assert max_err(x, cfc.decompress(cfc.compress(x, eps=1e-3))) <= 1e-3
+    base = torch.full((10,), 0.5)
+    c = cfc.compress(torch.tensor([0.125]), eps=1e-2, residual=base[::3][:1])
+    # One element goes as a raw frame: x + residual exactly, and nothing left over.
+    assert float(cfc.decompress(c)) == 0.625 and float(base[0]) == 0.0 and float(base[1]) == 0.5

@@ -128,3 +128,17 @@ def test_a_transport_of_an_impossible_world_is_refused():
         with pytest.raises(ValueError, match="rank"):
             cfc.distributed.all_reduce(data(0, 0), eps=1e-4, transport=t)
         assert t.calls == 0
+
+
+def test_negated_views_and_one_element_strided_tensors_are_read_as_they_show():
+    """A lazily negated view holds -x in memory; a one-element view may have any stride. Both
+    are reduced as the values they show, and a one-element strided residual is updated in
+    place."""
+    x = data(0, 0)
+    y, _ = cfc.distributed.all_reduce(torch._neg_view(x), eps=1e-4, transport=_Loopback())
+    assert (y.double() + x.double()).abs().max() <= 1e-4
+    base = torch.full((10,), 0.5)
+    r = base[::3][:1]  # contiguous (one element), stride 3
+    y, _ = cfc.distributed.all_reduce(torch.tensor([0.125]), eps=1e-2, residual=r, transport=_Loopback())
+    # One element goes as a raw frame: x + residual exactly, and nothing left over.
+    assert float(y) == 0.625 and float(base[0]) == 0.0 and float(base[1]) == 0.5

@@ -58,6 +58,19 @@ def test_gpu_real_gradients_match_cpu_and_bound(grads, k):
         assert (y.double() - x.cuda().double()).abs().max().item() <= eps
 
 
+def test_gpu_compresses_a_negated_view_as_the_values_it_shows():
+    """A lazily negated view (as the imaginary part of a conjugate is) whose memory is
+    contiguous holds the opposite values, which the CUDA codec (reading memory by address)
+    would otherwise store."""
+    x = torch.randn(5000, device="cuda")
+    neg = torch._neg_view(x)
+    assert neg.is_neg() and neg.is_contiguous()
+    c = cfc.compress(neg, eps=1e-3)
+    assert isinstance(c, cfc.CudaCompressed)
+    assert bytes(c) == bytes(cfc.compress(-x.cpu(), eps=1e-3))
+    assert torch.equal(cfc.decompress(cfc.compress(neg, lossless=True)), -x)
+
+
 def test_gpu_shapes_survive():
     x = torch.randn(3, 5, 7, device="cuda")
     y = cfc.decompress(cfc.compress(x, eps=1e-2))

@@ -2,7 +2,9 @@
 pinned frames, and checkpoints (`cfc.save` / `cfc.load`)."""
 
 import json
+import os
 import struct
+import threading
 import zlib
 from pathlib import Path
 
@@ -241,7 +243,7 @@ def test_corrupted_checkpoints_are_refused(tmp_path):
     bad = json.loads(json.dumps(index))
     bad["copy"] = dict(bad["1.weight"])  # a second entry reading an earlier frame
     rewrite(p, bad, frames)
-    with pytest.raises(cfc.FormatError, match="'copy': frame at"):
+    with pytest.raises(cfc.FormatError, match="'copy': its frame does not start where the previous one ends"):
         cfc.load(p)
     # The first frame's offset (0) as a number too long to convert, an overflowing float, a
     # negative number, a boolean and a string: each a malformed entry.
@@ -259,6 +261,106 @@ def test_corrupted_checkpoints_are_refused(tmp_path):
     rewrite(p, bad, frames)
     with pytest.raises(cfc.FormatError, match="metadata"):
         cfc.load(p)
+
+    # A key given twice (JSON allows it; readers would disagree on which one counts).
+    head = json.dumps(index).encode()
+    for dup in (b'{"__metadata__":{"k":"a"},' + head[1:] + b"", head[:-1] + b',"__metadata__":{"k":"EVIL"}}'):
+        p.write_bytes(struct.pack("<4sB3xQI4x", b"CFCK", 1, len(dup), zlib.crc32(dup)) + dup + frames)
+        with pytest.raises(cfc.FormatError, match="appears twice"):
+            cfc.load(p)
+    # A dtype that is some other torch attribute is refused by name, not looked up.
+    bad = json.loads(json.dumps(index))
+    bad["1.bias"]["dtype"] = "_dynamo"
+    rewrite(p, bad, frames)
+    with pytest.raises(cfc.FormatError, match="'1.bias': unknown dtype '_dynamo'"):
+        cfc.load(p)
+
+
+def test_a_malformed_frame_is_named_in_the_error(tmp_path):
+    """A frame whose checksum was made to match but which is malformed (a uint8 frame
+    relabelled bool, with a byte 2): the error names the file and the tensor."""
+    p = tmp_path / "m.cfc"
+    frame = bytearray(bytes(cfc.compress(torch.tensor([0, 2, 1], dtype=torch.uint8), lossless=True)))
+    frame[6] = 9
+    index = {"__metadata__": {}, "mask": {"dtype": "bool", "shape": [3], "offset": 0,
+                                          "nbytes": len(frame), "crc32": zlib.crc32(frame)}}
+    rewrite(p, index, bytes(frame))
+    with pytest.raises(cfc.FormatError, match=r"m\.cfc: 'mask': .*bool element"):
+        cfc.load(p)
+
+
+def test_load_refuses_before_reading_what_it_cannot_use(tmp_path):
+    p = tmp_path / "zeros.cfc"
+    cfc.save({"z": torch.zeros(1 << 22), "w": torch.ones(10)}, p, zstd=3)
+    assert p.stat().st_size < 10_000  # 16 MB of zeros in a small file
+    with pytest.raises(ValueError, match="16777256 bytes, more than max_nbytes=1000000"):
+        cfc.load(p, max_nbytes=1_000_000)
+    assert cfc.load(p, max_nbytes=16777256)["z"].numel() == 1 << 22
+    with pytest.raises(TypeError, match="max_nbytes"):
+        cfc.load(p, max_nbytes="1")
+    with pytest.raises(TypeError, match="metadata"):
+        cfc.load(p, metadata="no")
+    with pytest.raises(ValueError, match="device 'foo'"):
+        cfc.load(p, device="foo")
+    with pytest.raises(ValueError, match="CUDA device"):  # one past the last this machine has
+        cfc.load(p, device=f"cuda:{torch.cuda.device_count() if torch.cuda.is_available() else 0}")
+    # Not a path: an int would be taken as a file descriptor (True as stdout) and closed.
+    for bad in (True, 1, 3.5, None):
+        with pytest.raises(TypeError, match="path"):
+            cfc.load(bad)
+    # A FIFO would block the reader forever; a directory is no file either.
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(ValueError, match="not a regular file"):
+        cfc.load(fifo)
+    with pytest.raises((ValueError, IsADirectoryError, PermissionError)):
+        cfc.load(tmp_path)
+
+
+def test_save_names_the_tensor_and_refuses_bad_arguments(tmp_path):
+    p = tmp_path / "x.cfc"
+    mask = torch.tensor([0, 2, 1], dtype=torch.uint8).view(torch.bool)
+    with pytest.raises(ValueError, match="'mask': element 1 of the bool tensor"):
+        cfc.save({"a": torch.ones(2), "mask": mask}, p)
+    with pytest.raises(ValueError, match="'w': invalid eps"):
+        cfc.save({"w": torch.ones(2)}, p, bounds={"w": {"eps": -1.0}})
+    with pytest.raises(TypeError, match="'w': eps must be a number"):
+        cfc.save({"w": torch.ones(2)}, p, bounds={"w": {"eps": True}})
+    with pytest.raises(TypeError, match="tensors must be a mapping"):
+        cfc.save([("w", torch.ones(2))], p)
+    with pytest.raises(TypeError, match="metadata"):
+        cfc.save({}, p, metadata=[("a", "b")])
+    with pytest.raises(TypeError, match="bounds"):
+        cfc.save({}, p, bounds="eps")
+    with pytest.raises(TypeError, match="'s': cfc stores dense tensors"):
+        cfc.save({"s": torch.eye(3).to_sparse()}, p)
+
+    class Twice(dict):  # a mapping whose items() gives one name twice
+        def items(self):
+            return [("w", torch.ones(2)), ("w", torch.zeros(2))]
+
+    with pytest.raises(ValueError, match="'w' is given twice"):
+        cfc.save(Twice(), p)
+    assert not p.exists() and list(tmp_path.iterdir()) == []
+    # A negated view (its memory holds the opposite values) is stored as the values it shows.
+    neg = torch._neg_view(torch.tensor([2.0, -4.0]))
+    assert neg.is_neg() and neg.is_contiguous()
+    cfc.save({"neg": neg}, p)
+    assert torch.equal(cfc.load(p)["neg"], torch.tensor([-2.0, 4.0]))
+
+
+def test_saves_to_one_path_at_once_leave_one_whole_checkpoint(tmp_path):
+    p = tmp_path / "race.cfc"
+    states = [{"w": torch.full((1 << 16,), float(i))} for i in range(4)]
+    for _ in range(5):
+        threads = [threading.Thread(target=cfc.save, args=(sd, p)) for sd in states]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        w = cfc.load(p)["w"]
+        assert any(torch.equal(w, sd["w"]) for sd in states)
+        assert [q.name for q in tmp_path.iterdir()] == ["race.cfc"], "a temp file was left"
 
 
 def test_pinned_frames_take_max_nbytes():

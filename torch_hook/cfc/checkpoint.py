@@ -8,34 +8,49 @@ A checkpoint file is::
 The index maps each tensor's name, in the order saved, to the offset and length of its frame
 (from the end of the index; each frame starts where the one before ends), the CRC-32 of the
 frame's bytes, and its dtype and shape; it also holds the caller's ``metadata`` (strings only).
+The index is at most 100 MB, and no key appears twice in any of its objects.
 Every tensor is one cfc frame: lossless by default, or within a bound given per tensor.
-Loading checks the index's checksum, then each frame's before decoding it (and refuses a frame
-that decodes to more bytes than its index entry says), then the frame against the entry; a
-corrupted or truncated file raises :class:`cfc.FormatError`, naming the tensor where one is to
-blame.
+Loading checks the index's checksum and every entry (the frames back to back and filling the
+file, the tensors' total size within ``max_nbytes``) before decoding anything; then each
+frame's checksum, the frame against its entry, and the frame itself (a frame that decodes to
+more bytes than its entry says is refused). A corrupted or truncated file raises
+:class:`cfc.FormatError`, naming the tensor where one is to blame.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import numbers
 import os
+import secrets
+import stat
 import struct
 import zlib
 from typing import Any, Callable, Dict, Mapping, Optional, Union
 
 from cfc import _native
-from cfc.codec import Compressed, compress, decompress
+from cfc.codec import _DTYPE_NAMES, _LOSSLESS_ONLY, Compressed, _check_flag, compress, decompress
 
 __all__ = ["save", "load"]
 
 MAGIC = b"CFCK"
 VERSION = 1
 _PREFIX = struct.Struct("<4sB3xQI4x")  # magic, version, reserved, index length, index CRC-32, reserved
-# The index of a checkpoint is small (a few hundred bytes per tensor): refuse absurd lengths
-# before reading them.
-_MAX_INDEX = 1 << 30
+# The index of a checkpoint is small (about a hundred bytes per tensor): refuse longer ones
+# before parsing them, since the parsed JSON takes many times its bytes in memory.
+_MAX_INDEX = 100_000_000
 
 BoundSpec = Optional[Dict[str, float]]
+
+
+def _naming(e: Exception, name: str) -> Exception:
+    """``e`` again, with the tensor's name in front of its message (``e`` as it is where its
+    type takes other arguments)."""
+    try:
+        return type(e)(f"{name!r}: {e}")
+    except Exception:
+        return e
 
 
 def _bound_for(bounds, name: str, tensor) -> BoundSpec:
@@ -93,8 +108,15 @@ def save(
     """
     import torch
 
-    if metadata is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+    if not isinstance(tensors, Mapping):
+        raise TypeError(f"tensors must be a mapping of names to tensors, got {type(tensors).__name__}")
+    if metadata is not None and (
+        not isinstance(metadata, Mapping)
+        or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())
+    ):
         raise TypeError("metadata must map strings to strings")
+    if bounds is not None and not isinstance(bounds, Mapping) and not callable(bounds):
+        raise TypeError(f"bounds must be None, a mapping or a function, got {type(bounds).__name__}")
     index: Dict[str, Any] = {"__metadata__": dict(metadata or {})}
     frames = []
     offset = 0
@@ -102,11 +124,18 @@ def save(
     for name, t in tensors.items():
         if not isinstance(name, str) or name == "__metadata__":
             raise ValueError(f"tensor names must be strings other than '__metadata__', got {name!r}")
+        if name in index:
+            raise ValueError(f"{name!r} is given twice")
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name!r} is a {type(t).__name__}, not a tensor")
+        if t.layout != torch.strided or t.is_nested or t.device.type == "meta":
+            raise TypeError(f"{name!r}: cfc stores dense tensors with data, got a {t.layout} tensor on {t.device}")
         bound = _bound_for(bounds, name, t)
-        c = compress(t, zstd=zstd, lossless=True) if bound is None else compress(t, zstd=zstd, **bound)
-        frame = bytes(c)
+        try:
+            c = compress(t, zstd=zstd, lossless=True) if bound is None else compress(t, zstd=zstd, **bound)
+            frame = bytes(c)
+        except (TypeError, ValueError) as e:
+            raise _naming(e, name) from e
         index[name] = {
             "dtype": str(t.dtype).replace("torch.", ""),
             "shape": list(t.shape),
@@ -119,19 +148,27 @@ def save(
         uncompressed += t.numel() * t.element_size()
     head = json.dumps(index, separators=(",", ":")).encode()
     path = os.fsdecode(path)
-    tmp = f"{path}.tmp-{os.getpid()}"
+    if os.path.isdir(path):
+        raise IsADirectoryError(errno.EISDIR, "a checkpoint is a file, and this is a directory", path)
+    # A name no other writer uses, created here or not at all (O_EXCL: never through a link
+    # someone left at that name); two saves to one path each write their own file, and the
+    # last rename wins whole.
+    tmp = f"{path}.{os.getpid()}-{secrets.token_hex(6)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
     try:
-        with open(tmp, "wb") as f:
+        with os.fdopen(fd, "wb") as f:
             f.write(_PREFIX.pack(MAGIC, VERSION, len(head), zlib.crc32(head)))
             f.write(head)
             for frame in frames:
                 f.write(frame)
+            f.flush()
+            os.fsync(f.fileno())  # on disk before the rename makes it the checkpoint
         os.replace(tmp, path)
     except BaseException:
         try:
             os.remove(tmp)
         except OSError:
-            pass  # never made, or already gone
+            pass  # already gone
         raise
     size = _PREFIX.size + len(head) + offset
     return {
@@ -146,30 +183,80 @@ def _corrupt(path, why: str) -> Exception:
     return _native.FormatError(f"{os.fspath(path)}: {why}")
 
 
+def _no_duplicates(pairs):
+    """``object_pairs_hook`` of the index: a key given twice is refused (readers that keep the
+    first and readers that keep the last would see different checkpoints)."""
+    out = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"the key {k!r} appears twice")
+        out[k] = v
+    return out
+
+
+def _read_file(path) -> bytes:
+    """The bytes of a regular file: a FIFO, a device or a directory is refused before it is
+    read (opened without blocking, and never read past the size it had when opened)."""
+    if isinstance(path, bool) or not isinstance(path, (str, bytes, os.PathLike)):
+        raise TypeError(f"path must be a str, bytes or path-like object, got {type(path).__name__}")
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"{os.fsdecode(path)}: not a regular file")
+        return f.read(st.st_size)
+
+
+def _target_device(device):
+    import torch
+
+    try:
+        target = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device {device!r}: {e}") from None
+    if target.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        index = target.index if target.index is not None else (torch.cuda.current_device() if count else 0)
+        if index >= count:
+            raise ValueError(f"device {device!r}: this machine has {count} CUDA device(s)")
+    return target
+
+
 def load(
     path: Union[str, os.PathLike],
     device: Any = "cpu",
     *,
     metadata: bool = False,
+    max_nbytes: Optional[int] = None,
 ):
     """Read a checkpoint written by :func:`save`.
 
     Args:
-        path: the file.
+        path: the file (``str``, ``bytes`` or path-like; a regular file).
         device: where the tensors go (``"cpu"``, ``"cuda:0"``, a ``torch.device``). On a CUDA
             device the frames are decoded by the GPU (those with a zstd stage, or all of them
             on a GPU the CUDA codec cannot drive, on the host, then copied).
         metadata: also return the metadata dict.
+        max_nbytes: refuse (``ValueError``) a checkpoint whose tensors take more bytes than
+            this, before any is decoded. Tensors of zeros compress about a million times (a
+            file of a few hundred bytes can hold a 1 GB tensor): set this when checkpoints come
+            from untrusted sources.
 
     Returns:
         dict[str, torch.Tensor] (in the saved order), or ``(tensors, metadata)``.
 
     Raises:
         cfc.FormatError: not a cfc checkpoint, truncated, a checksum that does not match, or
-            a frame that disagrees with the index.
+            a frame that is malformed or disagrees with the index (naming the tensor).
+        ValueError: a device that does not exist here, a path that is not a regular file, or
+            tensors larger than ``max_nbytes``.
     """
-    with open(path, "rb") as f:
-        data = f.read()
+    _check_flag("metadata", metadata)
+    if max_nbytes is not None and (isinstance(max_nbytes, bool) or not isinstance(max_nbytes, numbers.Integral)):
+        raise TypeError(f"max_nbytes must be an integer, got {type(max_nbytes).__name__}")
+    target = _target_device(device)
+    data = _read_file(path)
+    path = os.fsdecode(path)
     if len(data) < _PREFIX.size:
         raise _corrupt(path, f"{len(data)} bytes, shorter than a checkpoint's {_PREFIX.size}-byte prefix")
     magic, version, head_len, head_crc = _PREFIX.unpack_from(data)
@@ -185,9 +272,9 @@ def load(
     if zlib.crc32(head) != head_crc:
         raise _corrupt(path, "index checksum mismatch (the file is corrupted)")
     try:
-        index = json.loads(head.decode())
+        index = json.loads(head.decode(), object_pairs_hook=_no_duplicates)
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise _corrupt(path, f"unreadable index ({type(e).__name__})") from None
+        raise _corrupt(path, f"unreadable index ({type(e).__name__}: {str(e)[:200]})") from None
     if not isinstance(index, dict):
         raise _corrupt(path, "the index is not a JSON object")
     meta = index.pop("__metadata__", {})
@@ -199,8 +286,11 @@ def load(
         return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
     base = _PREFIX.size + head_len
+    # First the whole index: every entry well formed, the frames back to back within the file,
+    # and the tensors' total size within max_nbytes, before anything is decoded.
+    entries = []
     end = 0
-    out = {}
+    total = 0
     for name, e in index.items():
         ok = isinstance(e, dict) and all(is_int(e.get(k)) for k in ("offset", "nbytes", "crc32"))
         ok = ok and isinstance(e.get("dtype"), str) and isinstance(e.get("shape"), list)
@@ -209,23 +299,35 @@ def load(
             raise _corrupt(path, f"{name!r}: malformed index entry")
         off, n, dtype, shape = e["offset"], e["nbytes"], e["dtype"], e["shape"]
         if off != end:
-            raise _corrupt(path, f"{name!r}: frame at {off}, where the previous one ends at {end}")
+            raise _corrupt(path, f"{name!r}: its frame does not start where the previous one ends")
         if base + off + n > len(data):
-            raise _corrupt(path, f"{name!r}: frame at {off}+{n} lies outside the file")
-        torch_dtype = getattr(torch, dtype, None)
-        if not isinstance(torch_dtype, torch.dtype):
-            raise _corrupt(path, f"{name!r}: unknown dtype {dtype!r}")
-        frame = data[base + off : base + off + n]
-        if zlib.crc32(frame) != e["crc32"]:
-            raise _corrupt(path, f"{name!r}: checksum mismatch (the file is corrupted)")
-        c = Compressed(frame)
-        if str(c.info["dtype"]) != dtype or list(c.shape) != shape:
-            raise _corrupt(path, f"{name!r}: frame holds {c.info['dtype']} {list(c.shape)}, index says {dtype} {shape}")
-        size = torch.empty((), dtype=torch_dtype).element_size()
+            raise _corrupt(path, f"{name!r}: its frame lies outside the file")
+        if dtype not in _DTYPE_NAMES + _LOSSLESS_ONLY:
+            raise _corrupt(path, f"{name!r}: unknown dtype {dtype[:40]!r}")
+        size = torch.empty((), dtype=getattr(torch, dtype)).element_size()
         for d in shape:
             size *= d
-        out[name] = decompress(c, device=device, max_nbytes=size)
+        total += size
+        entries.append((name, off, n, e["crc32"], dtype, shape, size))
         end = off + n
     if base + end != len(data):
         raise _corrupt(path, f"{len(data) - base - end} bytes after the last frame")
+    if max_nbytes is not None and total > max_nbytes:
+        raise ValueError(f"{path}: its tensors take {total} bytes, more than max_nbytes={max_nbytes}")
+    out = {}
+    for name, off, n, crc, dtype, shape, size in entries:
+        frame = data[base + off : base + off + n]
+        if zlib.crc32(frame) != crc:
+            raise _corrupt(path, f"{name!r}: checksum mismatch (the file is corrupted)")
+        try:
+            c = Compressed(frame)
+            held = (str(c.info["dtype"]), list(c.shape))
+        except _native.FormatError as e:
+            raise _corrupt(path, f"{name!r}: {e}") from None
+        if held != (dtype, shape):
+            raise _corrupt(path, f"{name!r}: frame holds {held[0]} {held[1]}, index says {dtype} {shape}")
+        try:
+            out[name] = decompress(c, device=target, max_nbytes=size)
+        except _native.FormatError as e:
+            raise _corrupt(path, f"{name!r}: {e}") from None
     return (out, meta) if metadata else out

@@ -75,6 +75,14 @@ def _unsupported(dtype, lossless: bool) -> TypeError:
     return TypeError(f"cfc compresses float32, bfloat16 and float16 with a bound, got {dtype}{hint}")
 
 
+def _flat_view(t):
+    """A 1-D view with stride 1 of ``t``'s elements (copied first if ``t`` is not contiguous).
+    A tensor of one element is contiguous whatever its stride, and viewing it as bytes needs
+    stride 1; a view, not a copy, so that a residual is still updated in place."""
+    t = t.contiguous()
+    return t.as_strided((t.numel(),), (1,))
+
+
 def _tensor_bytes(x: Any, lossless: bool = False) -> Tuple[np.ndarray, str, Tuple[int, ...]]:
     """A uint8 view of ``x``'s elements (no copy when already contiguous), its dtype name and shape."""
     allowed = _DTYPE_NAMES + _LOSSLESS_ONLY if lossless else _DTYPE_NAMES
@@ -83,12 +91,11 @@ def _tensor_bytes(x: Any, lossless: bool = False) -> Tuple[np.ndarray, str, Tupl
         name = str(x.dtype).replace("torch.", "")
         if name not in allowed:
             raise _unsupported(x.dtype, lossless)
-        t = x.detach()
+        t = x.detach().resolve_neg()  # a lazily negated view's memory holds -x (a no-op otherwise)
         if t.device.type != "cpu":
             t = t.cpu()  # a device the CUDA codec cannot drive, or a CPU-only stage (zstd)
         shape = tuple(t.shape)
-        flat = t.contiguous().reshape(-1)
-        return flat.view(torch.uint8).numpy(), name, shape
+        return _flat_view(t).view(torch.uint8).numpy(), name, shape
     if isinstance(x, np.ndarray):
         name = x.dtype.name  # "bfloat16" comes from ml_dtypes
         if name not in allowed:
@@ -506,6 +513,8 @@ def _check_residual(residual, x) -> None:
             raise TypeError(f"residual must be float32, got {residual.dtype}")
         if x_device is not None and residual.device != x_device:
             raise ValueError(f"residual is on {residual.device}, the tensor on {x_device}")
+        if residual.is_neg():
+            raise ValueError("residual is a negated view (its memory holds -residual): it is updated in place")
     elif isinstance(residual, np.ndarray):
         if residual.dtype != np.float32:
             raise TypeError(f"residual must be float32, got {residual.dtype}")
@@ -654,6 +663,15 @@ def compress(
         ((4096,), True)
     """
     torch = _torch()
+    for key, value in (("eps", eps), ("rel", rel)):
+        if value is not None:
+            _check_number(key, value)
+    if bits is not None and (isinstance(bits, (bool, np.bool_)) or not isinstance(bits, numbers.Integral)):
+        raise TypeError(f"bits must be an integer, got {bits!r}")
+    if torch is not None and isinstance(x, torch.Tensor) and x.is_neg():
+        # A lazily negated view (the imaginary part of a conjugate): its memory holds -x, and
+        # both codecs read memory.
+        x = x.resolve_neg()
     if lossless:
         if eps is not None or rel is not None or bits is not None:
             raise ValueError("lossless=True takes no bound (eps=, rel= or bits=)")
@@ -690,7 +708,7 @@ def compress(
                 # too, and the residual goes back where it lives once the frame is written
                 host_residual = residual.detach().cpu()
             held = residual.detach() if host_residual is None else host_residual
-            r = held.reshape(-1).view(torch.uint8).numpy()
+            r = _flat_view(held).view(torch.uint8).numpy()
         else:
             r = residual.reshape(-1).view(np.uint8)
     # `data` and `r` stay referenced until the call returns, so their memory stays valid.

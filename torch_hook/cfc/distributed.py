@@ -24,7 +24,7 @@ import math
 from typing import Any, Dict, List, Optional, Tuple
 
 from cfc import _native
-from cfc.codec import _addr, _check_flag, _check_number, _check_residual, _tensor_bytes
+from cfc.codec import _addr, _check_flag, _check_number, _check_residual, _flat_view, _tensor_bytes
 
 __all__ = ["AllReducer", "NcclAllReducer", "Pending", "TorchTransport", "all_reduce"]
 
@@ -138,7 +138,7 @@ def all_reduce(
             if not isinstance(residual, torch.Tensor):
                 raise TypeError(f"residual must be a float32 CPU tensor, got {type(residual).__name__}")
             _check_residual(residual, tensor)
-            r = residual.detach().reshape(-1).view(torch.uint8).numpy()
+            r = _flat_view(residual.detach()).view(torch.uint8).numpy()
     except Exception as e:
         # The peers are on their way to the agreement round: refuse there, so that they raise
         # now (cfc.CfcError, "rank R refused its input") rather than wait for this rank.
