@@ -453,6 +453,8 @@ def test_nccl_all_reducer_on_one_rank_gives_the_cpu_codecs_values(tmp_path):
                 assert report["compressed"] and report["eps"] == EPS, report
                 nr.check()
                 assert torch.equal(y.cpu(), expect), (y.cpu() - expect).abs().max()
+        with pytest.raises(ValueError, match="negated view"):
+            nr(torch._neg_view(torch.zeros(10, device="cuda")))
         nr.close()
         nr.close()
         for use in (nr.check, nr.compressing, lambda: nr(torch.zeros(10, device="cuda"))):
@@ -548,6 +550,8 @@ def test_all_reducer_rejects_bad_tensors():
             r(bad)
     with pytest.raises(ValueError, match="contiguous"):
         r(torch.zeros(4, 4).t())
+    with pytest.raises(ValueError, match="negated view"):  # its memory holds -x: no place to average in
+        r(torch._neg_view(torch.zeros(4)))
     with pytest.raises(ValueError, match="chunk_numel"):
         cfc.distributed.AllReducer(chunk_numel=0)
 

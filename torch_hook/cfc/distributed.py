@@ -318,8 +318,10 @@ class AllReducer:
         ):
             got = tensor.dtype if isinstance(tensor, torch.Tensor) else type(tensor).__name__
             refused = TypeError(f"AllReducer takes float32, bfloat16 or float16 tensors, got {got}")
-        elif not tensor.is_contiguous():
-            refused = ValueError("AllReducer averages in place: give it a contiguous tensor")
+        elif not tensor.is_contiguous() or tensor.is_neg():
+            refused = ValueError(
+                "AllReducer averages in place: give it a contiguous tensor (not a lazily negated view)"
+            )
         if refused is None or torch.distributed.is_initialized():  # else no peer to tell
             if self.state._closed:
                 raise _native.CfcError("this AllReducer was closed (its CfcState is closed)")
@@ -478,8 +480,10 @@ class NcclAllReducer:
             raise TypeError(f"NcclAllReducer takes float32, bfloat16 or float16 tensors, got {got}")
         if tensor.device != self.device:
             raise ValueError(f"NcclAllReducer works on {self.device}; the tensor is on {tensor.device}")
-        if not tensor.is_contiguous():
-            raise ValueError("NcclAllReducer averages in place: give it a contiguous tensor")
+        if not tensor.is_contiguous() or tensor.is_neg():
+            raise ValueError(
+                "NcclAllReducer averages in place: give it a contiguous tensor (not a lazily negated view)"
+            )
         eps = self.eps
         if eps is None:
             from cfc.ddp import _finite_sumsq, _rms_eps
