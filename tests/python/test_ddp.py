@@ -1009,3 +1009,96 @@ def test_training_example_reruns_bit_for_bit_and_scores_held_out_bytes(tmp_path)
     assert comp["losses"] != plain["losses"] and comp["cfc"]["ratio"] > 3
     assert finer["cfc"]["ratio"] < comp["cfc"]["ratio"]  # a finer bound sends more
     assert "held-out" in r.stdout and "cfc@0.2" in r.stdout
+
+
+def test_a_state_dict_that_is_not_one_is_refused_and_changes_nothing(tmp_path):
+    """load_state_dict checks every field before it changes anything: a malformed field, a
+    non-finite or sparse residual, a negative step are a ValueError, and the state goes on as
+    it was. A good load keeps copies, not the caller's tensors."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+        state = CfcState(eps=1e-3, warmup_steps=1, min_compress_numel=0)
+        ddp = DDP(model)
+        assert cfc.register_comm_hook(ddp, state)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        for step in range(3):
+            x = torch.randn(16, 64, generator=torch.Generator().manual_seed(step))
+            ddp(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        saved = state.state_dict()
+        assert saved["step"] == 3 and saved["residuals"] and saved["layouts"]
+        assert any(r.abs().max() > 0 for r in saved["residuals"].values())
+        o, r = next(iter(saved["residuals"].items()))
+
+        def fingerprint(s):
+            d = s.state_dict()
+            return (d["step"], {k: v.clone() for k, v in d["residuals"].items()}, d["layouts"], d["decisions"])
+
+        def same(a, b):
+            return (a[0], a[2], a[3]) == (b[0], b[2], b[3]) and a[1].keys() == b[1].keys() and all(
+                torch.equal(a[1][k], b[1][k]) for k in a[1])
+
+        before = fingerprint(state)
+        without = lambda key: {k: v for k, v in saved.items() if k != key}  # noqa: E731
+        bad = {
+            "no layouts": without("layouts"),
+            "no residuals": without("residuals"),
+            "no world": without("world"),
+            "a negative step": dict(saved, step=-1000),
+            "a step of a string": dict(saved, step="3"),
+            "a step of a bool": dict(saved, step=True),
+            "a world of a string": dict(saved, world="1"),
+            "an infinite residual": dict(saved, residuals={**saved["residuals"], o: torch.full_like(r, math.inf)}),
+            "a NaN residual": dict(saved, residuals={**saved["residuals"], o: torch.full_like(r, math.nan)}),
+            "a sparse residual": dict(saved, residuals={**saved["residuals"], o: r.to_sparse()}),
+            "a meta residual": dict(saved, residuals={**saved["residuals"], o: torch.empty(r.numel(), device="meta")}),
+            "residuals of a list": dict(saved, residuals=[r]),
+            "a residual key of a word": dict(saved, residuals={"abc": r}),
+            "a short config": dict(saved, config=[1.0]),
+            "a config of None": dict(saved, config=None),
+            "a layout of a number": dict(saved, layouts={0: 5}),
+            "a bucket key of a word": dict(saved, layouts={"x": (0,)}),
+            "decisions of a list": dict(saved, decisions=[True]),
+            "a decision of a number": dict(saved, decisions={0: 5}),
+            "an RMS entry of a string": dict(saved, rms={0: "x"}),
+            "scales of a number": dict(saved, scales={0: 5}),
+            "a trial of a number": dict(saved, trial={0: 5}),
+        }
+        for name, sd in bad.items():
+            with pytest.raises(ValueError, match="state|saved|rank|residual"):
+                state.load_state_dict(sd)
+            assert same(fingerprint(state), before), f"{name}: the failed load changed the state"
+        # The state goes on: one more step works.
+        ddp(torch.randn(16, 64)).square().mean().backward()
+        assert state.stats()["step"] == 4
+        # A good load copies: changing the caller's tensors afterwards changes nothing here.
+        state.load_state_dict(saved)
+        saved["residuals"][o].fill_(7.0)
+        assert not torch.equal(state.state_dict()["residuals"][o], saved["residuals"][o])
+        # One state, one model.
+        with pytest.raises(ValueError, match="another DDP model"):
+            cfc.register_comm_hook(DDP(nn.Linear(3, 3)), state)
+        with pytest.raises(TypeError, match="DistributedDataParallel"):
+            cfc.register_comm_hook(nn.Linear(3, 3), CfcState())
+        with pytest.raises(TypeError, match="warmup_steps"):
+            CfcState(warmup_steps=True)
+        state.close()
+        with pytest.raises(cfc.CfcError, match="closed"):
+            state.load_state_dict(saved)
+    finally:
+        close_cfc_states()
+        dist.destroy_process_group()
+
+
+def test_cfc_hook_refuses_a_state_that_is_not_a_cfc_state(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        ddp = DDP(nn.Linear(8, 8))
+        ddp.register_comm_hook({}, cfc_hook)
+        with pytest.raises(RuntimeError, match="must be a cfc.CfcState"):
+            ddp(torch.randn(4, 8)).sum().backward()
+    finally:
+        dist.destroy_process_group()

@@ -57,7 +57,8 @@ import operator
 import queue
 import threading
 import time
-from typing import Any, Dict, List, Optional, Tuple
+import weakref
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -152,7 +153,9 @@ class CfcState:
     Every rank must use the same options: the first step checks, and every rank's
     ``backward()`` raises if they disagree (DDP reports the hook's ``cfc.CfcError`` as a
     ``RuntimeError`` that names it). The state may be made before the process group (it
-    binds to it at the first bucket); make one on every rank of the process group.
+    binds to it at the first bucket); make one on every rank of the process group, and one per
+    DDP model (its step count, residuals and per-bucket choices are that model's:
+    :func:`register_comm_hook` refuses a state that already serves another model).
     """
 
     def __init__(
@@ -188,6 +191,8 @@ class CfcState:
         for name, count in (("warmup_steps", warmup_steps), ("min_compress_numel", min_compress_numel),
                             ("log_every", log_every), ("trial_steps", trial_steps)):
             try:
+                if isinstance(count, (bool, np.bool_)):
+                    raise TypeError
                 operator.index(count)
             except TypeError:
                 raise TypeError(f"{name} must be an integer, got {count!r}") from None
@@ -270,6 +275,7 @@ class CfcState:
         # so every rank must use the same; benches set it before the first bucket to compare.
         self._pipeline_depth = _PIPELINE_DEPTH
         self._closed = False  # close() was called: the hook refuses further buckets
+        self._model: Any = None  # a weak reference to the DDP model register_comm_hook gave it to
         # The status of the decodings outside the native exchange (_decode_sum) on the device,
         # and its copy on the host (pinned, read without a wait): made at the first.
         self._decode_status: Any = None
@@ -653,65 +659,58 @@ class CfcState:
         """Restore what :meth:`state_dict` saved on this rank.
 
         Raises:
-            ValueError: the state was saved by another rank, world size or options, or its
-                residuals are not 1-D float32 tensors. (A residual whose size does not match
-                its parameter's restarts at zero, counted in ``residual_resets``.)
+            ValueError: the state was saved by another rank, world size or options, or is not
+                one :meth:`state_dict` makes (a missing or malformed field; residuals that are
+                not finite 1-D float32 dense tensors; a negative step). Nothing is changed then.
+                (A residual whose size does not match its parameter's restarts at zero,
+                counted in ``residual_resets``.)
+            cfc.CfcError: the state was closed.
 
         The next bucket's agreement round, a collective like the first one, checks that every
         rank loaded a state of the same step, buckets and choices; otherwise every rank's
         ``backward()`` raises (the hook's ``cfc.CfcError``, which DDP reports as a
         ``RuntimeError``), before any of the step's exchanges.
-        """
-        import torch
 
-        if not isinstance(sd, dict) or sd.get("version") != _STATE_VERSION:
+        A state saved after the first step with ``warmup_steps`` at most 1 resumes within the
+        bound but not bit for bit: DDP rebuilds its buckets after the first step, and which
+        buckets it makes is not known yet when that state is saved.
+        """
+        if self._closed:
+            raise cfc.CfcError("this CfcState was closed (CfcState.close()); register a new one to go on")
+        if not isinstance(sd, Mapping) or sd.get("version") != _STATE_VERSION:
             raise ValueError("not a cfc_hook state (or one of another version)")
         self._setup()
-        if sd["world"] != self.world or sd["rank"] != self.rank:
+        loaded = _parse_state(sd)  # every field checked before anything changes
+        if (loaded["world"], loaded["rank"]) != (self.world, self.rank):
             raise ValueError(
-                f"this state was saved by rank {sd['rank']} of {sd['world']}; this is rank "
+                f"this state was saved by rank {loaded['rank']} of {loaded['world']}; this is rank "
                 f"{self.rank} of {self.world} (each rank loads its own)"
             )
-        if list(sd["config"]) != self._config():
+        if len(loaded["config"]) != len(self._config()):
+            raise ValueError(f"this state was saved with {len(loaded['config'])} options, of another version")
+        if loaded["config"] != self._config():
             raise ValueError(
-                f"this state was saved with {self._describe(sd['config'])}; these options are "
+                f"this state was saved with {self._describe(loaded['config'])}; these options are "
                 f"{self._describe(self._config())}"
             )
         if self._worker is not None:  # a load mid-run: the comm thread's work is all done first
             self._worker.drain()
-        residuals = sd["residuals"]
-        bad = [o for o, r in residuals.items()
-               if not (isinstance(r, torch.Tensor) and r.dtype == torch.float32 and r.dim() == 1)]
-        if bad:
-            raise ValueError(f"the residuals of parameters {bad[:5]} are not 1-D float32 tensors: not a saved state")
-        self.step = int(sd["step"])
+        self.step = loaded["step"]
         self._residuals.clear()
         self._where.clear()
-        self._pending = {int(o): r for o, r in residuals.items()}
-        self._saved_layouts = {int(i): tuple(l) for i, l in sd["layouts"].items()}
-        self._decisions = {int(k): bool(v) for k, v in sd["decisions"].items()}
+        self._pending = loaded["residuals"]
+        self._saved_layouts = loaded["layouts"]
+        self._decisions = loaded["decisions"]
         # Per-bucket memory of this process's earlier steps does not carry over; the loaded
         # residuals (in _pending) are placed, and later sent along, at their buckets' first use.
         self._unflushed.clear()
         self._slots.clear()
-        self._trial = {
-            int(i): {k: [float(x) for x in t.get(k, ())] for k in ("plain", "cfc")}
-            for i, t in sd.get("trial", {}).items()
-        }
+        self._trial = loaded["trial"]
         self._trial_device = None
         self._origin = 0
         self._fast_step = (-1, False)
-
-        # (a checkpoint of the previous format has no "rms_scaled": a bucket with scales had them
-        # applied at its last step unless that was its first compressed one)
-        scaled = {int(i) for i in sd.get("rms_scaled", sd["scales"].keys())}
-        self._rms = {
-            int(i): (torch.tensor(v, dtype=torch.float64), None, int(n), int(i) in scaled) for i, (v, n) in sd["rms"].items()
-        }
-        self._scales = {
-            int(i): (tuple(tuple(int(x) for x in e) for e in l), torch.tensor(v, dtype=torch.float32))
-            for i, (l, v) in sd["scales"].items()
-        }
+        self._rms = loaded["rms"]
+        self._scales = loaded["scales"]
         self.reset_stats()
         self._note_resume()
 
@@ -732,6 +731,112 @@ class CfcState:
             self.step += 1
             if self.log_every and self.step % self.log_every == 0 and logger.isEnabledFor(logging.INFO):
                 logger.info("cfc step %d: %s", self.step, self.stats())
+
+
+def _parse_state(sd: Mapping) -> Dict[str, Any]:
+    """The fields of a :meth:`CfcState.state_dict`, checked and converted (residuals copied:
+    the state never shares the caller's tensors), or ``ValueError`` naming the first field
+    that is not what ``state_dict`` makes."""
+    import torch
+
+    def field(name: str) -> Any:
+        if name not in sd:
+            raise ValueError(f"not a cfc_hook state: no {name!r}")
+        return sd[name]
+
+    def count(value: Any, what: str, key: bool = False) -> int:
+        if key and isinstance(value, str) and value.isdigit():
+            value = int(value)  # a key that went through a format whose keys are strings
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"not a cfc_hook state: {what} is {value!r}, not an integer >= 0")
+        return value
+
+    def mapping(name: str) -> Mapping:
+        value = field(name) if name in ("residuals", "layouts", "decisions", "rms", "scales") else sd.get(name, {})
+        if not isinstance(value, Mapping):
+            raise ValueError(f"not a cfc_hook state: {name!r} is a {type(value).__name__}, not a mapping")
+        return value
+
+    def triples(value: Any, what: str) -> Tuple[Tuple[int, int, int], ...]:
+        if not isinstance(value, (list, tuple)) or not all(isinstance(e, (list, tuple)) and len(e) == 3 for e in value):
+            raise ValueError(f"not a cfc_hook state: {what} is not a list of (ordinal, offset, numel)")
+        return tuple(tuple(count(x, what) for x in e) for e in value)
+
+    def number(value: Any, what: str, finite: bool = True) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (finite and not math.isfinite(value)):
+            raise ValueError(f"not a cfc_hook state: {what} is {value!r}, not a {'finite ' if finite else ''}number")
+        return float(value)
+
+    config = field("config")
+    if not isinstance(config, (list, tuple)) or not all(
+        isinstance(c, (int, float)) and not isinstance(c, bool) for c in config
+    ):
+        raise ValueError(f"not a cfc_hook state: its config is {config!r}")
+    out: Dict[str, Any] = {
+        "world": count(field("world"), "world"),
+        "rank": count(field("rank"), "rank"),
+        "config": [float(c) for c in config],
+        "step": count(field("step"), "step"),
+    }
+    residuals = {}
+    for o, r in mapping("residuals").items():
+        o = count(o, "a residual's parameter ordinal", key=True)
+        if not (isinstance(r, torch.Tensor) and r.dtype == torch.float32 and r.dim() == 1
+                and r.layout == torch.strided and r.device.type != "meta"):
+            raise ValueError(f"the residual of parameter {o} is not a 1-D float32 dense tensor: not a saved state")
+        r = r.detach().to("cpu", copy=True)
+        if not bool(torch.isfinite(r).all()):
+            # the codec never leaves a non-finite value in a residual (it would reach the
+            # gradients of every rank)
+            raise ValueError(f"the residual of parameter {o} holds a NaN or an infinity: not a saved state")
+        residuals[o] = r
+    out["residuals"] = residuals
+    out["layouts"] = {count(i, "a bucket index", key=True): tuple(count(x, "a layout's ordinal") for x in _sequence(l, "a layout"))
+                      for i, l in mapping("layouts").items()}
+    decisions = {}
+    for k, v in mapping("decisions").items():
+        if not isinstance(v, bool):
+            raise ValueError(f"not a cfc_hook state: the decision of bucket {k!r} is {v!r}, not True or False")
+        decisions[count(k, "a bucket index", key=True)] = v
+    out["decisions"] = decisions
+    trial = {}
+    for i, t in mapping("trial").items():
+        if not isinstance(t, Mapping) or not set(t) <= {"plain", "cfc"}:
+            raise ValueError(f"not a cfc_hook state: the trial of bucket {i!r} is {t!r}")
+        trial[count(i, "a bucket index", key=True)] = {
+            k: [number(x, "a trial time") for x in _sequence(t.get(k, ()), "trial times")] for k in ("plain", "cfc")
+        }
+    out["trial"] = trial
+    # (a checkpoint of the previous format has no "rms_scaled": a bucket with scales had them
+    # applied at its last step unless that was its first compressed one)
+    scales_in = mapping("scales")
+    scaled = {count(i, "a bucket index", key=True) for i in _sequence(sd.get("rms_scaled", list(scales_in.keys())), "rms_scaled")}
+    rms = {}
+    for i, e in mapping("rms").items():
+        if not isinstance(e, (list, tuple)) or len(e) != 2:
+            raise ValueError(f"not a cfc_hook state: the RMS entry of bucket {i!r} is {e!r}")
+        i = count(i, "a bucket index", key=True)
+        # (a sum of squares may have overflowed: the bound then falls back, see _rms_eps)
+        rms[i] = (torch.tensor(number(e[0], "a sum of squares", finite=False), dtype=torch.float64), None,
+                  count(e[1], "an element count"), i in scaled)
+    out["rms"] = rms
+    scales = {}
+    for i, e in scales_in.items():
+        if not isinstance(e, (list, tuple)) or len(e) != 2:
+            raise ValueError(f"not a cfc_hook state: the scales of bucket {i!r} are {e!r}")
+        layout = triples(e[0], "a scales layout")
+        values = [number(v, "a scale") for v in _sequence(e[1], "scales")]
+        if len(values) != len(layout):
+            raise ValueError(f"not a cfc_hook state: bucket {i!r} has {len(values)} scales for {len(layout)} parameters")
+        scales[count(i, "a bucket index", key=True)] = (layout, torch.tensor(values, dtype=torch.float32))
+    out["scales"] = scales
+    return out
+
+
+def _sequence(value: Any, what: str) -> Sequence:
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"not a cfc_hook state: {what} is a {type(value).__name__}, not a list")
+    return value
 
 
 def _whole_plain(state: CfcState, sizes: List[int]) -> bool:
@@ -833,6 +938,8 @@ def _average_bucket(state: CfcState, bucket, for_ddp: bool) -> Any:
     ``Future.wait()`` raises as a RuntimeError that only names the original; AllReducer's
     ``wait()`` raises the exception itself (``cfc.CfcError``, say)."""
     try:
+        if not isinstance(state, CfcState):
+            raise TypeError(f"cfc_hook's state must be a cfc.CfcState, got {type(state).__name__}")
         if state._closed:
             raise cfc.CfcError("this CfcState was closed (CfcState.close()); register a new one to go on")
         if state.group is None:
@@ -909,11 +1016,20 @@ def register_comm_hook(ddp, state: Optional[CfcState] = None) -> bool:
     state = state if state is not None else CfcState()
     if not isinstance(state, CfcState):
         raise TypeError(f"state must be a cfc.CfcState, got {type(state).__name__}")
+    if not isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
+        raise TypeError(f"register_comm_hook takes a DistributedDataParallel model, got {type(ddp).__name__}")
+    served = state._model() if state._model is not None else None
+    if served is not None and served is not ddp:
+        raise ValueError(
+            "this CfcState already serves another DDP model: give each model its own (its step "
+            "count, residuals and per-bucket choices are that model's)"
+        )
     if state.process_group is None and state.group is None:
         state.process_group = ddp.process_group
     params = [p for p in ddp.module.parameters() if p.requires_grad]
     if state.fallback != "auto" or not params or not params[0].is_cuda or state.group is not None:
         ddp.register_comm_hook(state, cfc_hook)
+        state._model = weakref.ref(ddp)
         return True
 
     # The probe: a state of the same options (its warm-up: one plain call, to set NCCL up;
@@ -949,6 +1065,7 @@ def register_comm_hook(ddp, state: Optional[CfcState] = None) -> bool:
                 1e3 * compressed, "cfc_hook registered" if register else "DDP's own all-reduce kept")
     if register:
         ddp.register_comm_hook(state, cfc_hook)
+        state._model = weakref.ref(ddp)
     return bool(register)
 
 
