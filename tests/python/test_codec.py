@@ -173,6 +173,13 @@ def test_bounds_of_the_wrong_type_raise_type_error(kw, match):
         cfc.compress(torch.randn(10), **kw)
     assert cfc.compress(torch.randn(10), eps=np.float32(1e-3), bits=None).eps == pytest.approx(1e-3)
     assert cfc.compress(torch.randn(10), bits=np.int64(8)).mode == "bits"
+    # 0-d tensors and arrays of numbers are numbers
+    assert cfc.compress(torch.randn(10), eps=np.array(1e-3)).eps == pytest.approx(1e-3)
+    assert cfc.compress(torch.randn(10), eps=torch.tensor(1e-3, dtype=torch.float64)).eps == pytest.approx(1e-3)
+    assert cfc.compress(torch.randn(10), bits=torch.tensor(8)).mode == "bits"
+    for bad in ({"eps": torch.tensor(True)}, {"eps": torch.ones(2)}, {"bits": torch.tensor(8.0)}):
+        with pytest.raises(TypeError):
+            cfc.compress(torch.randn(10), **bad)
 
 
 def test_a_negated_view_is_compressed_as_the_values_it_shows():

@@ -147,6 +147,11 @@ def save(
         offset += len(frame)
         uncompressed += t.numel() * t.element_size()
     head = json.dumps(index, separators=(",", ":")).encode()
+    if len(head) > _MAX_INDEX:
+        raise ValueError(
+            f"the names and metadata take {len(head)} bytes of index, more than a checkpoint holds "
+            f"({_MAX_INDEX}): keep large data in tensors"
+        )
     path = os.fsdecode(path)
     if os.path.isdir(path):
         raise IsADirectoryError(errno.EISDIR, "a checkpoint is a file, and this is a directory", path)
@@ -164,6 +169,7 @@ def save(
             f.flush()
             os.fsync(f.fileno())  # on disk before the rename makes it the checkpoint
         os.replace(tmp, path)
+        _sync_directory(os.path.dirname(path) or ".")
     except BaseException:
         try:
             os.remove(tmp)
@@ -177,6 +183,21 @@ def save(
         "uncompressed": uncompressed,
         "ratio": uncompressed / size if size else 0.0,
     }
+
+
+def _sync_directory(directory: str) -> None:
+    """Put a rename in ``directory`` on disk too (POSIX; elsewhere a directory cannot be
+    opened, and the rename is as durable as the system makes it)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some file systems do not sync directories
+    finally:
+        os.close(fd)
 
 
 def _corrupt(path, why: str) -> Exception:
@@ -210,6 +231,8 @@ def _read_file(path) -> bytes:
 def _target_device(device):
     import torch
 
+    if device is None:
+        device = "cpu"
     try:
         target = torch.device(device)
     except (RuntimeError, TypeError) as e:
@@ -232,8 +255,9 @@ def load(
     """Read a checkpoint written by :func:`save`.
 
     Args:
-        path: the file (``str``, ``bytes`` or path-like; a regular file).
-        device: where the tensors go (``"cpu"``, ``"cuda:0"``, a ``torch.device``). On a CUDA
+        path: the file (``str``, ``bytes`` or path-like; a regular file: a pipe or a device
+            is refused, where reading could block or never end).
+        device: where the tensors go (``"cpu"`` or None, ``"cuda:0"``, a ``torch.device``). On a CUDA
             device the frames are decoded by the GPU (those with a zstd stage, or all of them
             on a GPU the CUDA codec cannot drive, on the host, then copied).
         metadata: also return the metadata dict.
@@ -266,8 +290,10 @@ def load(
         raise _corrupt(path, f"checkpoint version {version} is not supported (this cfc reads {VERSION})")
     if data[5:8] != b"\0\0\0" or data[20:24] != b"\0\0\0\0":
         raise _corrupt(path, "nonzero reserved bytes")
-    if head_len > min(_MAX_INDEX, len(data) - _PREFIX.size):
+    if head_len > len(data) - _PREFIX.size:
         raise _corrupt(path, f"index of {head_len} bytes does not fit in the file")
+    if head_len > _MAX_INDEX:
+        raise _corrupt(path, f"index of {head_len} bytes, more than a checkpoint's {_MAX_INDEX}")
     head = data[_PREFIX.size : _PREFIX.size + head_len]
     if zlib.crc32(head) != head_crc:
         raise _corrupt(path, "index checksum mismatch (the file is corrupted)")

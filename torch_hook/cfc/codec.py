@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import numbers
+import operator
 from typing import Any, Dict, Iterable, Optional, Tuple, Union
 
 import numpy as np
@@ -492,9 +493,15 @@ _ELEMENT_SIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "uint8
                  "int16": 2, "int32": 4, "int64": 8, "bool": 1}
 
 
+def _is_scalar(value: Any) -> bool:
+    """A 0-d torch tensor or numpy array of a number type (not bool): ``float()`` reads it."""
+    return getattr(value, "ndim", None) == 0 and str(getattr(value, "dtype", "bool")).replace("torch.", "") != "bool"
+
+
 def _check_number(name: str, value: Any) -> None:
-    """A bound or other real option: any real number (numpy's too), not a bool or a string."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    """A bound or other real option: any real number (numpy's too, or a 0-d tensor or array
+    of one), not a bool or a string."""
+    if isinstance(value, (bool, np.bool_)) or not (isinstance(value, numbers.Real) or _is_scalar(value)):
         raise TypeError(f"{name} must be a number, got {type(value).__name__}")
 
 
@@ -567,9 +574,9 @@ def _compress_lossless_cuda(t, name: str) -> CudaCompressed:
         # view of uint8 data) is refused here as the host encoder refuses it. One wait, for
         # bool tensors only.
         flat = t.reshape(-1).view(torch.uint8)
-        bad = torch.nonzero(flat > 1)
-        if bad.numel():
-            i = int(bad[0, 0])
+        bad = flat > 1
+        if bool(bad.any()):
+            i = int(bad.view(torch.uint8).argmax())  # the first: argmax gives the first maximum
             raise ValueError(f"element {i} of the bool tensor is the byte {int(flat[i])}; a bool must be 0 or 1")
     dev = t.device
     shape = tuple(t.shape)
@@ -666,8 +673,15 @@ def compress(
     for key, value in (("eps", eps), ("rel", rel)):
         if value is not None:
             _check_number(key, value)
-    if bits is not None and (isinstance(bits, (bool, np.bool_)) or not isinstance(bits, numbers.Integral)):
-        raise TypeError(f"bits must be an integer, got {bits!r}")
+    eps = None if eps is None else float(eps)
+    rel = None if rel is None else float(rel)
+    if bits is not None:
+        if isinstance(bits, (bool, np.bool_)) or not (isinstance(bits, numbers.Integral) or _is_scalar(bits)):
+            raise TypeError(f"bits must be an integer, got {bits!r}")
+        try:
+            bits = operator.index(bits)
+        except TypeError:
+            raise TypeError(f"bits must be an integer, got {bits!r}") from None
     if torch is not None and isinstance(x, torch.Tensor) and x.is_neg():
         # A lazily negated view (the imaginary part of a conjugate): its memory holds -x, and
         # both codecs read memory.

@@ -155,7 +155,9 @@ class CfcState:
     ``RuntimeError`` that names it). The state may be made before the process group (it
     binds to it at the first bucket); make one on every rank of the process group, and one per
     DDP model (its step count, residuals and per-bucket choices are that model's:
-    :func:`register_comm_hook` refuses a state that already serves another model).
+    :func:`register_comm_hook` refuses a state that already serves another model; a hook
+    registered with DDP's own ``register_comm_hook`` is not checked, since a bucket does not
+    say which model it comes from).
     """
 
     def __init__(
@@ -666,6 +668,9 @@ class CfcState:
                 counted in ``residual_resets``.)
             cfc.CfcError: the state was closed.
 
+        The residuals are kept as given until their buckets first use them (not copied):
+        leave the loaded tensors unchanged until the next step.
+
         The next bucket's agreement round, a collective like the first one, checks that every
         rank loaded a state of the same step, buckets and choices; otherwise every rank's
         ``backward()`` raises (the hook's ``cfc.CfcError``, which DDP reports as a
@@ -734,9 +739,9 @@ class CfcState:
 
 
 def _parse_state(sd: Mapping) -> Dict[str, Any]:
-    """The fields of a :meth:`CfcState.state_dict`, checked and converted (residuals copied:
-    the state never shares the caller's tensors), or ``ValueError`` naming the first field
-    that is not what ``state_dict`` makes."""
+    """The fields of a :meth:`CfcState.state_dict`, checked and converted, or ``ValueError``
+    naming the first field that is not what ``state_dict`` makes. CPU residuals are kept as
+    they are, not copied (a large model's take as much memory as its parameters)."""
     import torch
 
     def field(name: str) -> Any:
@@ -784,7 +789,7 @@ def _parse_state(sd: Mapping) -> Dict[str, Any]:
         if not (isinstance(r, torch.Tensor) and r.dtype == torch.float32 and r.dim() == 1
                 and r.layout == torch.strided and r.device.type != "meta"):
             raise ValueError(f"the residual of parameter {o} is not a 1-D float32 dense tensor: not a saved state")
-        r = r.detach().to("cpu", copy=True)
+        r = r.detach().cpu()  # not copied when on the CPU already: a large model's residuals
         if not bool(torch.isfinite(r).all()):
             # the codec never leaves a non-finite value in a residual (it would reach the
             # gradients of every rank)
@@ -1016,6 +1021,7 @@ def register_comm_hook(ddp, state: Optional[CfcState] = None) -> bool:
     state = state if state is not None else CfcState()
     if not isinstance(state, CfcState):
         raise TypeError(f"state must be a cfc.CfcState, got {type(state).__name__}")
+    ddp = getattr(ddp, "_orig_mod", ddp)  # torch.compile(ddp_model) wraps the DDP model
     if not isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
         raise TypeError(f"register_comm_hook takes a DistributedDataParallel model, got {type(ddp).__name__}")
     served = state._model() if state._model is not None else None
