@@ -45,8 +45,8 @@ BoundSpec = Optional[Dict[str, float]]
 
 
 def _naming(e: Exception, name: str) -> Exception:
-    """``e`` again, with the tensor's name in front of its message (``e`` as it is where its
-    type takes other arguments)."""
+    """An exception of ``e``'s type with the tensor's name in front of its message (``e``
+    itself where that type takes other arguments)."""
     try:
         return type(e)(f"{name!r}: {e}")
     except Exception:
@@ -135,7 +135,10 @@ def save(
             c = compress(t, zstd=zstd, lossless=True) if bound is None else compress(t, zstd=zstd, **bound)
             frame = bytes(c)
         except (TypeError, ValueError) as e:
-            raise _naming(e, name) from e
+            named = _naming(e, name)
+            if named is e:
+                raise
+            raise named from e
         index[name] = {
             "dtype": str(t.dtype).replace("torch.", ""),
             "shape": list(t.shape),

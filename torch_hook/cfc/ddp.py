@@ -756,8 +756,8 @@ def _parse_state(sd: Mapping) -> Dict[str, Any]:
             raise ValueError(f"not a cfc_hook state: {what} is {value!r}, not an integer >= 0")
         return value
 
-    def mapping(name: str) -> Mapping:
-        value = field(name) if name in ("residuals", "layouts", "decisions", "rms", "scales") else sd.get(name, {})
+    def mapping(name: str, required: bool = True) -> Mapping:
+        value = field(name) if required else sd.get(name, {})
         if not isinstance(value, Mapping):
             raise ValueError(f"not a cfc_hook state: {name!r} is a {type(value).__name__}, not a mapping")
         return value
@@ -773,14 +773,10 @@ def _parse_state(sd: Mapping) -> Dict[str, Any]:
         return float(value)
 
     config = field("config")
-    if not isinstance(config, (list, tuple)) or not all(
-        isinstance(c, (int, float)) and not isinstance(c, bool) for c in config
-    ):
-        raise ValueError(f"not a cfc_hook state: its config is {config!r}")
     out: Dict[str, Any] = {
         "world": count(field("world"), "world"),
         "rank": count(field("rank"), "rank"),
-        "config": [float(c) for c in config],
+        "config": [number(c, "an option") for c in _sequence(config, "config")],
         "step": count(field("step"), "step"),
     }
     residuals = {}
@@ -789,7 +785,7 @@ def _parse_state(sd: Mapping) -> Dict[str, Any]:
         if not (isinstance(r, torch.Tensor) and r.dtype == torch.float32 and r.dim() == 1
                 and r.layout == torch.strided and r.device.type != "meta"):
             raise ValueError(f"the residual of parameter {o} is not a 1-D float32 dense tensor: not a saved state")
-        r = r.detach().cpu()  # not copied when on the CPU already: a large model's residuals
+        r = r.detach().cpu()  # no copy of a CPU tensor: residuals take as much memory as the model
         if not bool(torch.isfinite(r).all()):
             # the codec never leaves a non-finite value in a residual (it would reach the
             # gradients of every rank)
@@ -805,7 +801,7 @@ def _parse_state(sd: Mapping) -> Dict[str, Any]:
         decisions[count(k, "a bucket index", key=True)] = v
     out["decisions"] = decisions
     trial = {}
-    for i, t in mapping("trial").items():
+    for i, t in mapping("trial", required=False).items():
         if not isinstance(t, Mapping) or not set(t) <= {"plain", "cfc"}:
             raise ValueError(f"not a cfc_hook state: the trial of bucket {i!r} is {t!r}")
         trial[count(i, "a bucket index", key=True)] = {
