@@ -498,11 +498,23 @@ def _is_scalar(value: Any) -> bool:
     return getattr(value, "ndim", None) == 0 and str(getattr(value, "dtype", "bool")).replace("torch.", "") != "bool"
 
 
-def _check_number(name: str, value: Any) -> None:
+def _check_number(name: str, value: Any) -> float:
     """A bound or other real option: any real number (numpy's too, or a 0-d tensor or array
-    of one), not a bool or a string."""
+    of one), not a bool or a string. Returns it as a float."""
     if isinstance(value, (bool, np.bool_)) or not (isinstance(value, numbers.Real) or _is_scalar(value)):
         raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    return float(value)
+
+
+def _check_integer(name: str, value: Any) -> int:
+    """A count or width option: any integer (numpy's too, or a 0-d tensor or array of one), not
+    a bool, a float or a string. Returns it as an int."""
+    try:
+        if isinstance(value, (bool, np.bool_)) or not (isinstance(value, numbers.Integral) or _is_scalar(value)):
+            raise TypeError
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an integer, got {value!r}") from None
 
 
 def _check_flag(name: str, value: Any) -> None:
@@ -670,18 +682,9 @@ def compress(
         ((4096,), True)
     """
     torch = _torch()
-    for key, value in (("eps", eps), ("rel", rel)):
-        if value is not None:
-            _check_number(key, value)
-    eps = None if eps is None else float(eps)
-    rel = None if rel is None else float(rel)
-    if bits is not None:
-        if isinstance(bits, (bool, np.bool_)) or not (isinstance(bits, numbers.Integral) or _is_scalar(bits)):
-            raise TypeError(f"bits must be an integer, got {bits!r}")
-        try:
-            bits = operator.index(bits)
-        except TypeError:
-            raise TypeError(f"bits must be an integer, got {bits!r}") from None
+    eps = None if eps is None else _check_number("eps", eps)
+    rel = None if rel is None else _check_number("rel", rel)
+    bits = None if bits is None else _check_integer("bits", bits)
     if torch is not None and isinstance(x, torch.Tensor) and x.is_neg():
         # A lazily negated view (the imaginary part of a conjugate): its memory holds -x, and
         # both codecs read memory.

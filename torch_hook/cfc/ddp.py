@@ -53,7 +53,6 @@ from __future__ import annotations
 import datetime
 import logging
 import math
-import operator
 import queue
 import threading
 import time
@@ -66,6 +65,7 @@ import cfc
 from cfc import _native
 from cfc.codec import (
     _check_flag,
+    _check_integer,
     _check_number,
     _compress_cuda,
     _cuda_ready,
@@ -181,8 +181,7 @@ class CfcState:
         if len(given) > 1:
             raise ValueError(f"give at most one of eps, rel, rms; got {[k for k, _ in given]}")
         self.bound_kind, bound = given[0] if given else ("rms", 0.3)
-        _check_number(self.bound_kind, bound)
-        self.bound = float(bound)
+        self.bound = _check_number(self.bound_kind, bound)
         if not (math.isfinite(self.bound) and self.bound > 0):
             raise ValueError(f"{self.bound_kind} must be positive and finite, got {bound!r}")
         if self.bound_kind == "eps" and not (_EPS_MIN <= self.bound <= _EPS_MAX):
@@ -192,12 +191,7 @@ class CfcState:
         _check_flag("error_feedback", error_feedback)
         for name, count in (("warmup_steps", warmup_steps), ("min_compress_numel", min_compress_numel),
                             ("log_every", log_every), ("trial_steps", trial_steps)):
-            try:
-                if isinstance(count, (bool, np.bool_)):
-                    raise TypeError
-                operator.index(count)
-            except TypeError:
-                raise TypeError(f"{name} must be an integer, got {count!r}") from None
+            _check_integer(name, count)
         if warmup_steps < 0 or min_compress_numel < 0 or log_every < 0:
             raise ValueError("warmup_steps, min_compress_numel and log_every must be >= 0")
         if fallback not in (False, "auto"):
