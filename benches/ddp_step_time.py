@@ -155,14 +155,17 @@ def register(ddp, name, clock=None):
         # cfc@0.1: rms=0.1; cfc-ag / cfc-rs: the all-gather or the reduce-scatter (default:
         # cfc's choice); cfc-tensor: one bound per parameter (per_tensor=True); cfc-depthN: the
         # comm thread's pipeline depth N (default 1); cfc-torch: the compressed exchange over
-        # torch.distributed instead of cfc's native one (default); any hook:capN sets
-        # bucket_cap_mb
+        # torch.distributed instead of cfc's native one (default); cfc-thread: the native
+        # exchange driven by the Python comm thread in every step, not by the native pipeline
+        # after the warm-up (default); any hook:capN sets bucket_cap_mb
         rms = float(name.split("@")[1]) if "@" in name else 0.3
         algorithm = "all-gather" if "-ag" in name else "reduce-scatter" if "-rs" in name else None
         state = cfc.CfcState(rms=rms, fallback="auto" if "auto" in name else False, algorithm=algorithm,
                              per_tensor="-tensor" in name)
         if "-torch" in name:
             state._use_exchange = False
+        if "-thread" in name:
+            state._use_pipeline = False
         if "-depth" in name:
             state._pipeline_depth = int(name.split("-depth")[1].split("@")[0])
         if "auto" in name and "hook" not in name:

@@ -438,6 +438,42 @@ impl BucketExchange {
         })
     }
 
+    /// Queues a plain average of `n` elements of `dtype` at `data` over the communicator (NCCL's
+    /// all-reduce), on the exchange's stream after the work queued so far on `stream`, which
+    /// then waits for it: a bucket that [`crate::bucket_pipeline`] sends uncompressed, in the
+    /// one order of this communicator's collectives.
+    ///
+    /// # Safety
+    /// `data` valid for `n` elements of `dtype` on the communicator's device until the queued
+    /// work completes, and not written by anyone else until then; `stream` a live stream of the
+    /// device's primary context.
+    ///
+    /// # Errors
+    /// CUDA and NCCL errors (an NCCL error aborts the communicator).
+    pub unsafe fn plain(&mut self, stream: usize, data: u64, n: u64, dtype: DType) -> Result<()> {
+        let _restore = ContextGuard::save()?;
+        let caller = self.caller(stream);
+        let before = caller.record_event(None).map_err(driver_err)?;
+        self.side.wait(&before).map_err(driver_err)?;
+        // SAFETY: this function's contract.
+        unsafe {
+            self.comm
+                .all_reduce(data, data, n as usize, dtype, true, self.side.cu_stream())?;
+        }
+        let after = self.side.record_event(None).map_err(driver_err)?;
+        caller.wait(&after).map_err(driver_err)
+    }
+
+    /// Waits, within the communicator's timeout, for the exchanges queued so far.
+    ///
+    /// # Errors
+    /// NCCL's errors and the timeout (which aborts the communicator); CUDA errors.
+    pub fn wait_exchanges(&mut self) -> Result<()> {
+        let _restore = ContextGuard::save()?;
+        let side = self.side.clone();
+        self.comm.wait(&side)
+    }
+
     /// Makes `stream` wait for every exchange queued so far: before the caller runs a
     /// collective of another communicator, so that the GPU meets the two in the order the ranks
     /// issued them.

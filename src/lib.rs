@@ -19,6 +19,8 @@
 mod bitplane;
 #[cfg(feature = "cuda")]
 pub mod bucket_exchange;
+#[cfg(feature = "cuda")]
+pub mod bucket_pipeline;
 mod codec;
 pub mod collective;
 #[cfg(feature = "cuda")]

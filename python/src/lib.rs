@@ -1073,10 +1073,29 @@ impl NcclAllReducer {
 /// The compressed exchange of `cfc_hook`'s CUDA buckets over an NCCL communicator of cfc's
 /// own (`cfc::bucket_exchange`): per bucket, one call queues the sum of squares, the
 /// compression and the all-gather, and one waits for the frame sizes and queues the average.
-/// `cfc.ddp` drives it from its comm thread.
+/// `cfc.ddp` drives it from its comm thread, or hands it to a `BucketPipeline`.
 #[pyclass(module = "cfc._native")]
 struct BucketExchange {
-    inner: Closable<cfc::bucket_exchange::BucketExchange>,
+    // Shared with the pipelines made of it (`BucketPipeline`); None once closed.
+    inner: cfc::bucket_pipeline::SharedExchange,
+}
+
+impl BucketExchange {
+    /// Runs `f` on the exchange without the GIL.
+    fn with<R: Send>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&mut cfc::bucket_exchange::BucketExchange) -> cfc::Result<R> + Send,
+    ) -> PyResult<R> {
+        let inner = &self.inner;
+        py.detach(|| {
+            let mut guard = inner.lock().unwrap_or_else(|p| p.into_inner());
+            match guard.as_mut() {
+                Some(exchange) => f(exchange).map_err(to_py),
+                None => Err(CfcError::new_err("this BucketExchange was closed")),
+            }
+        })
+    }
 }
 
 #[pymethods]
@@ -1098,7 +1117,7 @@ impl BucketExchange {
             cfc::bucket_exchange::BucketExchange::new(comm)
         })?;
         Ok(BucketExchange {
-            inner: Closable::new(exchange),
+            inner: std::sync::Arc::new(std::sync::Mutex::new(Some(exchange))),
         })
     }
 
@@ -1113,7 +1132,7 @@ impl BucketExchange {
     #[pyo3(signature = (key, stream, data_ptr, numel, dtype, residual_ptr, row_ptr, capacity, ws_ptr, ws_len, sum_ws_ptr, sum_out_ptr, slot, recv_ptr, *, eps=None, rel=None))]
     #[allow(clippy::too_many_arguments)]
     fn launch(
-        &mut self,
+        &self,
         py: Python<'_>,
         key: u64,
         stream: usize,
@@ -1148,12 +1167,10 @@ impl BucketExchange {
             slot,
             recv: recv_ptr,
         };
-        let exchange = self.inner.live("BucketExchange")?;
         // SAFETY: cfc.ddp passes data_ptr()s of CUDA tensors on the communicator's device of the
         // sizes the arguments state, which it keeps referenced until the bucket's finish has
         // queued its decoding on `stream` (the comm thread's current stream).
-        py.detach(|| unsafe { exchange.launch(&args) })
-            .map_err(to_py)
+        self.with(py, |exchange| unsafe { exchange.launch(&args) })
     }
 
     /// Waits for bucket `key`'s frame sizes and queues the average into the bucket. Returns
@@ -1162,7 +1179,7 @@ impl BucketExchange {
     #[pyo3(signature = (key, stream, scale, ws_ptr, ws_len, max_error_ptr, resend_recv_ptr=0))]
     #[allow(clippy::too_many_arguments)]
     fn finish(
-        &mut self,
+        &self,
         py: Python<'_>,
         key: u64,
         stream: usize,
@@ -1182,12 +1199,9 @@ impl BucketExchange {
             max_error: max_error_ptr,
             resend_recv: resend_recv_ptr,
         };
-        let exchange = self.inner.live("BucketExchange")?;
         // SAFETY: as launch; the workspace and the resend rows are CUDA tensors of the stated
         // sizes that cfc.ddp keeps referenced until the stream's work is done.
-        let done = py
-            .detach(|| unsafe { exchange.finish(&args) })
-            .map_err(to_py)?;
+        let done = self.with(py, |exchange| unsafe { exchange.finish(&args) })?;
         Ok(match done {
             Finish::Done { sent, next_slot } => (0, sent, next_slot),
             Finish::Resend { row_len } => (row_len, 0, 0),
@@ -1197,23 +1211,144 @@ impl BucketExchange {
     /// Raises the error of a frame that failed its check on the GPU, as far as the copies of the
     /// decoder's status have arrived (no wait: synchronize the stream of the last `finish`
     /// first to learn about every bucket so far).
-    fn check(&mut self) -> PyResult<()> {
-        self.inner
-            .live("BucketExchange")?
-            .check_frames_seen()
-            .map_err(to_py)
+    fn check(&self, py: Python<'_>) -> PyResult<()> {
+        self.with(py, |exchange| exchange.check_frames_seen())
     }
 
     /// Makes `stream` wait for every exchange queued so far (before a collective of another
     /// communicator on that stream).
-    fn fence(&mut self, py: Python<'_>, stream: usize) -> PyResult<()> {
-        let exchange = self.inner.live("BucketExchange")?;
+    fn fence(&self, py: Python<'_>, stream: usize) -> PyResult<()> {
         // SAFETY: cfc.ddp passes the comm thread's live stream.
-        py.detach(|| unsafe { exchange.fence(stream) })
+        self.with(py, |exchange| unsafe { exchange.fence(stream) })
+    }
+
+    /// Leaves the communicator (NCCL finalizes it; waits for this rank's queued work). Close
+    /// the pipelines made of it first.
+    fn close(&self, py: Python<'_>) {
+        let inner = &self.inner;
+        py.detach(|| {
+            let taken = inner.lock().unwrap_or_else(|p| p.into_inner()).take();
+            drop(taken);
+        });
+    }
+}
+
+/// A step's CUDA buckets through a `BucketExchange` on a thread of cfc's own, with no Python on
+/// it (`cfc::bucket_pipeline`): `submit` per bucket returns at once, `end_step` at the step's
+/// last bucket finishes the exchanges, waits for the GPU and reports. `cfc.ddp` uses it in the
+/// steps after the warm-up and the trial.
+#[pyclass(module = "cfc._native")]
+struct BucketPipeline {
+    inner: Closable<cfc::bucket_pipeline::BucketPipeline>,
+}
+
+#[pymethods]
+impl BucketPipeline {
+    /// A pipeline over `exchange`; the decoded sums are multiplied by `scale` (1 / world as an
+    /// f32, for an average).
+    #[new]
+    fn new(py: Python<'_>, exchange: &BucketExchange, scale: f32) -> PyResult<Self> {
+        let shared = exchange.inner.clone();
+        let pipeline = py
+            .detach(|| cfc::bucket_pipeline::BucketPipeline::new(shared, scale))
+            .map_err(to_py)?;
+        Ok(BucketPipeline {
+            inner: Closable::new(pipeline),
+        })
+    }
+
+    /// Hands bucket `key` to the thread after the work queued so far on the raw CUDA stream
+    /// `stream`: `numel` elements of `dtype` at `data_ptr`, averaged in place, with `numel`
+    /// float32 residuals at `residual_ptr` (0: none). `compress=False`: NCCL's plain average;
+    /// else the bound `eps`, or with `eps=None` the multiple `rms` of the bucket's RMS, measured
+    /// now. `sum_out_ptr`: 8 bytes of pinned memory for the sum of squares the next step's
+    /// `rms` bound follows (0: none). `slot`: frame bytes per rank of the exchange;
+    /// `max_error_ptr`: the running maximum of the error sent (0: none).
+    #[pyo3(signature = (key, stream, data_ptr, numel, dtype, residual_ptr, *, compress, eps=None, rms=None, sum_out_ptr=0, slot=0, max_error_ptr=0))]
+    #[allow(clippy::too_many_arguments)]
+    fn submit(
+        &mut self,
+        key: u64,
+        stream: usize,
+        data_ptr: u64,
+        numel: u64,
+        dtype: &str,
+        residual_ptr: u64,
+        compress: bool,
+        eps: Option<f64>,
+        rms: Option<f64>,
+        sum_out_ptr: u64,
+        slot: u64,
+        max_error_ptr: u64,
+    ) -> PyResult<()> {
+        use cfc::bucket_pipeline::{CompressJob, Job, JobBound};
+        let compress = if compress {
+            let bound = match (eps, rms) {
+                (Some(e), None) => JobBound::Abs(e),
+                (None, Some(m)) => JobBound::RmsOfThisStep(m),
+                _ => return Err(PyValueError::new_err("give exactly one of eps= or rms=")),
+            };
+            Some(CompressJob {
+                bound,
+                sum_out: sum_out_ptr,
+                slot,
+                max_error: max_error_ptr,
+            })
+        } else {
+            None
+        };
+        let job = Job {
+            key,
+            data: data_ptr,
+            n: numel,
+            dtype: dtype_of(dtype)?,
+            residual: residual_ptr,
+            compress,
+        };
+        let pipeline = self.inner.live("BucketPipeline")?;
+        // SAFETY: cfc.ddp passes data_ptr()s of CUDA tensors of the stated sizes on the
+        // exchange's device, and pinned and device scalars, all of which it keeps referenced and
+        // leaves unwritten until end_step returns; `stream` is the autograd thread's current
+        // stream. (The GIL is kept: the call records an event and queues the bucket.)
+        unsafe { pipeline.submit(stream, job) }.map_err(to_py)
+    }
+
+    /// Finishes the step (the last exchanges, the wait for the GPU, the check of the frames
+    /// decoded) and returns what its buckets did: a dict of `bytes_sent`, `resends`,
+    /// `seconds`, `eps` and `slots` ({key: frame bytes per rank for the next exchange}).
+    /// Raises the first failure of the step's buckets (or of an earlier step's).
+    fn end_step<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let pipeline = self.inner.live("BucketPipeline")?;
+        let report = py.detach(|| pipeline.end_step()).map_err(to_py)?;
+        let d = PyDict::new(py);
+        d.set_item("bytes_sent", report.sent)?;
+        d.set_item("resends", report.resends)?;
+        d.set_item("seconds", report.seconds)?;
+        d.set_item("eps", report.eps)?;
+        let slots = PyDict::new(py);
+        for (key, slot) in report.slots {
+            slots.set_item(key, slot)?;
+        }
+        d.set_item("slots", slots)?;
+        Ok(d)
+    }
+
+    /// Fault injection, for tests of the frame checks: the next time bucket `key` is finished,
+    /// rank 0's frame is overwritten after it arrived, before it is decoded.
+    fn _corrupt_next_received(&mut self, key: u64) -> PyResult<()> {
+        self.inner
+            .live("BucketPipeline")?
+            .corrupt_next_received(key)
             .map_err(to_py)
     }
 
-    /// Leaves the communicator (NCCL finalizes it; waits for this rank's queued work).
+    /// Waits until the thread has handled every bucket submitted so far.
+    fn sync(&mut self, py: Python<'_>) -> PyResult<()> {
+        let pipeline = self.inner.live("BucketPipeline")?;
+        py.detach(|| pipeline.sync()).map_err(to_py)
+    }
+
+    /// Stops the thread (after finishing what is in flight, within the communicator's timeout).
     fn close(&mut self, py: Python<'_>) {
         self.inner.close(py);
     }
@@ -1268,6 +1403,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(nccl_version, m)?)?;
     m.add_class::<NcclAllReducer>()?;
     m.add_class::<BucketExchange>()?;
+    m.add_class::<BucketPipeline>()?;
     m.add("CUDA_SUM_STEPS_DIFFER", cfc::cuda::SUM_STEPS_DIFFER)?;
     m.add("CUDA_SUM_OVERFLOW", cfc::cuda::SUM_OVERFLOW)?;
     m.add("CUDA_SUM_BAD_FRAME", cfc::cuda::SUM_BAD_FRAME)?;

@@ -21,6 +21,10 @@ GRADS = pathlib.Path(
 #                 NCCL refuses two ranks on one GPU, so the native exchange and NCCL's own
 #                 paths need "cuda".
 GPUS = int(os.environ.get("CFC_TEST_GPUS", "2"))
+# CFC_TEST_ONE_RANK=1 with CFC_TEST_GPUS=1 runs the "cuda" scenarios at world size 1 on one GPU
+# (those that compare ranks, or expect two ranks' bytes, then prove less or fail by design; run
+# them twice, e.g. with CFC_TEST_PIPELINE=0, and compare the outcomes).
+ONE_RANK = os.environ.get("CFC_TEST_ONE_RANK") == "1"
 SHARED_RANKS = int(os.environ.get("CFC_TEST_SHARED_RANKS", "3"))
 
 
@@ -44,7 +48,7 @@ def enough_gpus(device):
     """Skip a test on ``device`` where this machine has too few GPUs for it."""
     import torch
 
-    if device == "cuda" and GPUS < 2:
+    if device == "cuda" and GPUS < 2 and not ONE_RANK:
         # (their scenarios compare ranks; the shared-gpu runs put several ranks on one GPU)
         pytest.skip(f"CFC_TEST_GPUS={GPUS}: the tests of one GPU per rank need 2 ranks or more")
     need = {"cpu": 0, "cuda": GPUS, "shared-gpu": 1}[device]

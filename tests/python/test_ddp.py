@@ -51,6 +51,8 @@ def make(hook_state=None, dtype=torch.float32, **ddp_kw):
     model = Net(unused=ddp_kw.get("find_unused_parameters", False)).to(dtype).to(DEV)
     ddp = DDP(model, bucket_cap_mb=0.1, **ddp_kw)
     if hook_state is not None:
+        if os.environ.get("CFC_TEST_PIPELINE") == "0":  # CUDA steps through the comm thread only
+            hook_state._use_pipeline = False
         ddp.register_comm_hook(hook_state, cfc_hook)
     # Adam's default eps underflows in float16, with or without cfc
     opt = torch.optim.Adam(ddp.parameters(), lr=2e-3, eps=1e-8 if dtype == torch.float32 else 1e-4)
@@ -348,13 +350,17 @@ def close(rank, world, out):
     state = CfcState(warmup_steps=1, min_compress_numel=0)
     ddp, opt = make(state)
     train(ddp, opt, rank, 3)
-    worker, exchange = state._worker, state._exchange
+    worker, exchange, pipeline = state._worker, state._exchange, state._pipeline
     if DEV.type == "cuda":
         assert worker is not None and worker.thread.is_alive()
     if NCCL and world == 2:
         assert exchange is not None, "2 ranks, an rms bound, NCCL: the native exchange"
+        assert pipeline is not None, "the steps after the warm-up: the pipeline"
     state.close()
-    assert state._worker is None and state._exchange is None
+    assert state._worker is None and state._exchange is None and state._pipeline is None
+    if pipeline is not None:
+        with pytest.raises(cfc.CfcError, match="BucketPipeline was closed"):
+            pipeline.sync()
     if worker is not None:
         assert not worker.thread.is_alive()
     if exchange is not None:
@@ -376,6 +382,7 @@ def comm_failure(rank, world, out):
     import cfc.ddp as hook
 
     state = CfcState(warmup_steps=1, min_compress_numel=0)
+    state._use_pipeline = False  # the comm thread's steps (pipeline_failure: the pipeline's)
     ddp, opt = make(state)
     train(ddp, opt, rank, 2)
     assert state._worker is not None and state._worker.thread.is_alive()
@@ -428,7 +435,7 @@ class _CorruptFrame:
         return getattr(self.exchange, name)
 
 
-def _bad_last_frame(native, algorithm=None):
+def _bad_last_frame(native, algorithm=None, pipeline=False):
     """A frame of the step's last bucket that fails its check on the GPU (its magic overwritten
     after it arrived) makes that very step's backward() raise a CfcError, so no optimizer step
     runs on the bucket left undecoded (native: the exchange cfc_hook drives by default; else
@@ -439,6 +446,7 @@ def _bad_last_frame(native, algorithm=None):
     rank = dist.get_rank()
     state = CfcState(eps=1e-4, warmup_steps=1, min_compress_numel=0, algorithm=algorithm)
     state._use_exchange = native
+    state._use_pipeline = pipeline
     ddp, opt = make(state)
     train(ddp, opt, rank, 2)
     shards = any(isinstance(k, tuple) for k in state._slots)  # ("shard", i) and ("sum", i)
@@ -449,7 +457,10 @@ def _bad_last_frame(native, algorithm=None):
     target = ("sum", last) if shards else last  # the exchange whose frames are decoded
     state._slots = {k: 1 << 40 for k in state._slots}  # slots of the frame's capacity: no resend
     finish, hit = hook._FrameExchange.finish, []
-    if native:
+    if pipeline:  # the pipeline's thread overwrites rank 0's frame of the last bucket
+        assert state._pipeline is not None
+        state._pipeline._corrupt_next_received(last)
+    elif native:
         state._exchange = corrupt = _CorruptFrame(state._exchange, last)
         corrupt.armed = 1
     else:
@@ -467,9 +478,14 @@ def _bad_last_frame(native, algorithm=None):
         with pytest.raises(Exception, match="received a bad frame") as failed:
             nn.functional.cross_entropy(ddp(x), y).backward()
         assert "CfcError" in str(failed.value) and "Unable to cast" not in str(failed.value), failed.value
-        assert (corrupt.hit if native else len(hit)) == 1
+        if not pipeline:
+            assert (corrupt.hit if native else len(hit)) == 1
     finally:
         hook._FrameExchange.finish = finish
+    if pipeline:  # and every later step fails alike, before its optimizer step
+        x, y = batch(rank, 3)
+        with pytest.raises(Exception, match="received a bad frame"):
+            nn.functional.cross_entropy(ddp(x), y).backward()
     state.close()
 
 
@@ -480,6 +496,26 @@ def bad_frame(rank, world, out):
 
 def bad_frame_native(rank, world, out):
     _bad_last_frame(native=True, algorithm="all-gather")
+
+
+def bad_frame_pipeline(rank, world, out):
+    _bad_last_frame(native=True, algorithm="all-gather", pipeline=True)
+
+
+def pipeline_failure(rank, world, out):
+    """A failure on the pipeline's thread (here: its exchange closed under it, on every rank)
+    reaches that step's backward() as the error it was, and every later step's too."""
+    state = CfcState(warmup_steps=1, min_compress_numel=0)
+    ddp, opt = make(state)
+    train(ddp, opt, rank, 2)
+    assert state._pipeline is not None, "the step after the warm-up went through the pipeline"
+    state._exchange.close()
+    for step in (2, 3):
+        x, y = batch(rank, step)
+        with pytest.raises(Exception, match="bucket exchange was closed|failed earlier") as failed:
+            nn.functional.cross_entropy(ddp(x), y).backward()
+        assert "CfcError" in str(failed.value) and "Unable to cast" not in str(failed.value), failed.value
+    state.close()
 
 
 def fallback(rank, world, out):
@@ -655,21 +691,26 @@ def native_exchange(rank, world, out):
     ]
     for kw, dtype in configs:
         params, stats = [], []
-        for native in (True, False):
+        # the native exchange through the pipeline (the default after the warm-up), through the
+        # comm thread, and the exchange over torch.distributed
+        for native, pipeline in ((True, True), (True, False), (False, False)):
             state = CfcState(**kw)
-            state._use_exchange = native
+            state._use_exchange, state._use_pipeline = native, pipeline
             ddp, opt = make(state, dtype=dtype)
             train(ddp, opt, rank, 3, dtype=dtype)
             assert (state._exchange is not None) == native, (kw, native)
+            assert (state._pipeline is not None) == (pipeline and not kw.get("per_tensor")), (kw, pipeline)
             if native:  # far too small for the next frames: sent again, whole
                 state._slots = {k: 96 for k in state._slots}
             train(ddp, opt, rank, 3, start=3, dtype=dtype)
             params.append([p.detach().clone() for p in ddp.parameters()])
             stats.append(state.stats())
-        assert all(torch.equal(a, b) for a, b in zip(*params)), kw
-        assert stats[0]["compressed_buckets"] == stats[1]["compressed_buckets"] > 0, stats
-        assert stats[0]["max_error"] == stats[1]["max_error"] > 0, stats
-        assert stats[0]["resends"] >= 1, stats
+        for other in (1, 2):
+            assert all(torch.equal(a, b) for a, b in zip(params[0], params[other])), (kw, other)
+            assert stats[0]["compressed_buckets"] == stats[other]["compressed_buckets"] > 0, stats
+            assert stats[0]["max_error"] == stats[other]["max_error"] > 0, stats
+        assert stats[0]["resends"] >= 1 and stats[1]["resends"] >= 1, stats
+        assert stats[0]["bytes_sent"] == stats[1]["bytes_sent"], stats  # the same exchanges
         for p in params[0]:
             assert same_on_all_ranks(p)
 
@@ -698,7 +739,7 @@ SCENARIOS = {
     for f in (parity, resume, overflow, accumulate, variants, mismatch, fallback, slots, reduce_scatter, per_tensor,
               trial_resume,
               trial_timing, plain_after_trial, register, register_sockets, native_exchange, close, comm_failure, bad_frame,
-              bad_frame_native)
+              bad_frame_native, bad_frame_pipeline, pipeline_failure)
 }
 
 
@@ -748,9 +789,16 @@ def test_a_comm_thread_failure_reaches_backward_as_the_error_it_was(tmp_path, de
 
 
 @pytest.mark.parametrize("device", ONE_GPU)
-@pytest.mark.parametrize("scenario", ["bad_frame_native", "bad_frame"])
+def test_a_pipeline_failure_reaches_backward_as_the_error_it_was(tmp_path, device):
+    if device == "shared-gpu":
+        pytest.skip("the pipeline runs the native exchange, NCCL's, which refuses two ranks on one GPU")
+    spawn(tmp_path, "pipeline_failure", world=1, device=device)
+
+
+@pytest.mark.parametrize("device", ONE_GPU)
+@pytest.mark.parametrize("scenario", ["bad_frame_pipeline", "bad_frame_native", "bad_frame"])
 def test_a_bad_frame_in_the_last_bucket_fails_that_steps_backward(tmp_path, scenario, device):
-    if scenario == "bad_frame_native" and device == "shared-gpu":
+    if scenario in ("bad_frame_native", "bad_frame_pipeline") and device == "shared-gpu":
         pytest.skip("the native exchange is NCCL's, which refuses two ranks on one GPU")
     spawn(tmp_path, scenario, world=1 if device == "cuda" else None, device=device)
 
@@ -761,6 +809,15 @@ def test_native_exchange_gives_the_bits_of_the_exchange_over_torch_distributed(t
     if GPUS > 2:
         pytest.skip("the native exchange takes the all-gather, cfc's choice for 2 ranks")
     spawn(tmp_path, "native_exchange", device="cuda")
+
+
+@pytest.mark.gpu
+def test_the_pipeline_gives_the_bits_of_the_comm_thread_at_one_rank(tmp_path):
+    """native_exchange at world size 1 (one GPU is enough): the pipeline, the comm thread over
+    the native exchange and the exchange over torch.distributed train to the same bits."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    spawn(tmp_path, "native_exchange", world=1, device="cuda")
 
 
 @pytest.mark.gpu

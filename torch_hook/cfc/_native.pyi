@@ -205,6 +205,30 @@ class BucketExchange:
     def check(self) -> None: ...
     def fence(self, stream: int) -> None: ...
     def close(self) -> None: ...
+
+class BucketPipeline:
+    def __init__(self, exchange: BucketExchange, scale: float) -> None: ...
+    def submit(
+        self,
+        key: int,
+        stream: int,
+        data_ptr: int,
+        numel: int,
+        dtype: str,
+        residual_ptr: int,
+        *,
+        compress: bool,
+        eps: Optional[float] = None,
+        rms: Optional[float] = None,
+        sum_out_ptr: int = 0,
+        slot: int = 0,
+        max_error_ptr: int = 0,
+    ) -> None: ...
+    def end_step(self) -> Dict[str, Any]: ...
+    def _corrupt_next_received(self, key: int) -> None: ...
+    def sync(self) -> None: ...
+    def close(self) -> None: ...
+
 def cuda_compress_lossless(
     device: int,
     stream: int,

@@ -40,6 +40,14 @@ Two engines, chosen by where the bucket lives:
   Every rank gets the same bits. While the comm thread waits for one bucket's sizes, the next
   bucket is already on the wire. The autograd thread never waits for the GPU.
 
+  After the warm-up (and ``fallback="auto"``'s trial), where the native exchange runs and
+  ``per_tensor`` is off, the whole step goes through a thread of the Rust core instead
+  (``cfc::bucket_pipeline``, :func:`_pipeline_submit`): the hook hands each bucket over with one
+  call and returns a completed future, the thread runs the same launches and finishes in the
+  same order with no Python on it, and at the step's last bucket the hook waits until every
+  bucket is averaged and checked (DDP's reducer reads the buckets only after that bucket).
+  Same bits as the comm thread.
+
 Both engines run their collectives on a communicator of their own, made by :class:`CfcState`
 at the first bucket (so they never interleave with DDP's own collectives). One exception: in a
 step where no CUDA bucket is compressed (the warm-up, or ``fallback="auto"`` having found
@@ -267,6 +275,15 @@ class CfcState:
         # option: every rank must take the same way; benches turn it off to compare.
         self._exchange: Any = None
         self._use_exchange = True
+        # The run phase's steps of compressed CUDA buckets through the native exchange go through
+        # _native.BucketPipeline (a thread of cfc's own, no Python on it), made at the first such
+        # step; (step, whether that step does), decided at its first bucket; the parts' write-
+        # backs of a step waiting for its end. Not an option: every rank must take the same way;
+        # benches turn it off to compare.
+        self._pipeline: Any = None
+        self._use_pipeline = True
+        self._pipeline_step = (-1, False)
+        self._pipeline_scatters: List[Any] = []
         # The comm thread's pipeline depth (_CommThread). Not an option: it orders collectives,
         # so every rank must use the same; benches set it before the first bucket to compare.
         self._pipeline_depth = _PIPELINE_DEPTH
@@ -556,7 +573,10 @@ class CfcState:
             self._closed = True
         worker, self._worker = self._worker, None
         exchange, self._exchange = self._exchange, None
+        pipeline, self._pipeline = self._pipeline, None
         try:
+            if pipeline is not None:
+                pipeline.close()  # finishes what is in flight (within the timeout), ends its thread
             if worker is not None:
                 try:
                     worker.drain()  # raises the queued work's failure, after which...
@@ -708,6 +728,8 @@ class CfcState:
         self._trial_device = None
         self._origin = 0
         self._fast_step = (-1, False)
+        self._pipeline_step = (-1, False)
+        self._pipeline_scatters = []
         self._rms = loaded["rms"]
         self._scales = loaded["scales"]
         self.reset_stats()
@@ -1216,9 +1238,13 @@ class _CommThread:
         return self.queued - self.handled
 
     def drain(self) -> None:
-        """Wait until every queued bucket has been handed to the GPU, then for the GPU."""
+        """Wait until every queued bucket has been handed to the GPU, then for the GPU (the
+        state's pipeline's buckets too)."""
         import torch
 
+        pipeline = getattr(self.state, "_pipeline", None)
+        if pipeline is not None:
+            pipeline.sync()
         if self.thread.is_alive():
             handled = threading.Event()
             self.submit("sync", handled.set)
@@ -1345,6 +1371,8 @@ def _gpu_submit(state: CfcState, worker, last: bool, buf, parts, scatter, for_dd
         # all-reduce is element-wise) or a bucket the trial never timed: nothing of this step
         # may go through cfc's communicator.
         return _gpu_plain(state, worker, last, buf)
+    if _pipeline_step(state, worker, for_ddp):
+        return _pipeline_submit(state, worker, last, buf, parts, scatter)
     ready = torch.cuda.Event()
     jobs = []
     for index, flat, layout in parts:
@@ -1403,6 +1431,119 @@ def _fast_step(state: CfcState) -> bool:
         fast = state._nccl and all_plain and not state._unflushed and not state._pending
         state._fast_step = (state.step, fast)
     return fast
+
+
+def _pipeline_step(state: CfcState, worker, for_ddp: bool) -> bool:
+    """Whether this step's CUDA buckets go through the state's :class:`_native.BucketPipeline`
+    rather than the comm thread: decided at the step's first bucket, for the whole step (the
+    two must never issue collectives at once). The steps of the run phase whose compressed
+    buckets take the native exchange, without ``per_tensor``, for DDP (whose reducer reads the
+    buckets only once the step's last bucket is done; :class:`cfc.distributed.AllReducer`
+    waits for each future). Everything read here is the same on every rank at a step's first
+    bucket."""
+    step, on = state._pipeline_step
+    if step != state.step:
+        on = (
+            for_ddp
+            and state._use_pipeline
+            and state._exchange is not None
+            and not state.per_tensor
+            and state._phase() == "run"
+            and not state._trial
+        )
+        if on and worker.pending:  # the comm thread's last step is still closing: let it end
+            worker.drain()
+        state._pipeline_step = (state.step, on)
+    return on
+
+
+def _pipeline_submit(state: CfcState, worker, last: bool, buf, parts, scatter) -> Any:
+    """A bucket of a pipeline step (:func:`_pipeline_step`): its parts are handed to the
+    pipeline's thread, and the future returned is already complete. DDP reads the buckets only
+    after the step's last bucket, and this waits there (:meth:`_native.BucketPipeline.end_step`)
+    until every bucket is averaged and checked, then writes the parts back into their buckets on
+    this stream: the reducer's copies into the gradients and the optimizer come after."""
+    import torch
+
+    pipe = state._pipeline
+    if pipe is None:
+        pipe = state._pipeline = _native.BucketPipeline(state._exchange, _reciprocal(state.world))
+    dev = buf.device
+    stream = torch._C._cuda_getCurrentRawStream(dev.index)
+    try:
+        for index, flat, layout in parts:
+            _pipeline_part(state, worker, pipe, stream, index, flat, layout)
+        if scatter is not None:
+            state._pipeline_scatters.append(scatter)
+    except BaseException:
+        if last:  # the step's earlier buckets are finished all the same
+            state._pipeline_scatters = []
+            try:
+                pipe.end_step()
+            except Exception:  # noqa: BLE001 - the first error is the one raised
+                pass
+        raise
+    if last:
+        scatters, state._pipeline_scatters = state._pipeline_scatters, []
+        report = pipe.end_step()  # raises a bucket's failure: no optimizer step on it
+        with state._lock:
+            s = state._stats
+            s["bytes_sent"] += report["bytes_sent"]
+            s["resends"] += report["resends"]
+            s["seconds"] += report["seconds"]
+            s["eps"] = max(s["eps"], report["eps"])
+        state._slots.update(report["slots"])
+        for write_back in scatters:
+            write_back()
+    fut = torch.futures.Future()
+    fut.set_result(buf)
+    state._end_of_bucket(last)
+    return fut
+
+
+def _pipeline_part(state: CfcState, worker, pipe, stream: int, index: int, flat, layout) -> None:
+    """One part of a pipeline step's bucket, handed to the pipeline after what this stream
+    queued so far (its gradient, its residual's placement, a flush): the same choices, bounds
+    and bookkeeping as :func:`_gpu_launch` and :func:`_exchange_launch` make on the comm
+    thread, so that the two give the same bits."""
+    import torch
+
+    n = flat.numel()
+    compress = state._compress_this(n)
+    if compress is None:  # the trial is decided (_pipeline_step)
+        compress = state._decisions.get(index, True)
+    r = state._residual(index, layout, flat) if state._feeds(n) else None
+    ring = _ring_bytes(n * flat.element_size(), state.world)
+    name = str(flat.dtype)[6:]
+    if not compress:
+        _flush(state, index, flat, r)
+        pipe.submit(index, stream, flat.data_ptr(), n, name, 0, compress=False)
+        state._account(False, 0, ring, 0.0, 0.0)  # the bytes sent come with the step's report
+        return
+    if flat.dtype not in (torch.float32, torch.bfloat16, torch.float16) or not _cuda_ready(flat):
+        raise cfc.CfcError(
+            f"cfc_hook compresses float32, bfloat16 and float16 buckets on GPUs of compute capability 8.0 or "
+            f"newer; this one holds {flat.dtype} on {flat.device}"
+        )
+    sum_out = 0
+    if state.bound_kind == "rms":
+        rms = _last_rms(state, index, n, False)  # read before this step's sum overwrites it
+        host, _ = worker.sums.get(index) or _pinned_sum(worker, index)
+        # No event: the pipeline's end_step waits for the copy.
+        state._rms[index] = (host, None, n, False)
+        sum_out = host.data_ptr()
+        # Without a sum of the step before, the pipeline measures this step's (and waits).
+        kw = {"rms": state.bound} if rms is None else {"eps": _rms_eps(state.bound, rms)}
+    else:
+        kw = {"eps": float(state.bound)}
+    if r is not None:
+        state._unflushed.add(index)
+    target = 0 if r is None or not r.numel() else _max_error_target(state, flat.device).data_ptr()
+    pipe.submit(
+        index, stream, flat.data_ptr(), n, name, 0 if r is None else r.data_ptr(), compress=True,
+        sum_out_ptr=sum_out, slot=state._slots.get(index, 0), max_error_ptr=target, **kw,
+    )
+    state._account(True, 0, ring, kw.get("eps", 0.0), 0.0)
 
 
 def _gpu_plain(state: CfcState, worker, last: bool, buf) -> Any:
