@@ -134,6 +134,11 @@ def register(ddp, name, clock=None):
         # noop-sync: Runner.step waits for the GPU after backward(); noop+spinN: N processes
         # busy-loop on the host during its steps (Runner.timed), as threads that spin would
         ddp.register_comm_hook(None, debugging_hooks.noop_hook)
+    elif name.startswith("noop+gpu"):
+        # noop+gpuN: noop, and per bucket N copies of the bucket on a stream of its own (each
+        # reads and writes the bucket's bytes, as cfc's kernels pass over them), which the
+        # step's last bucket waits for: what GPU work beside the backward pass costs the step
+        ddp.register_comm_hook(None, _gpu_load_hook(int(name[len("noop+gpu"):] or 1)))
     elif name == "allreduce-py":
         # PyTorch's all-reduce as a Python comm hook: what any Python hook costs, against
         # "allreduce" (DDP's built-in all-reduce, no hook)
@@ -155,17 +160,20 @@ def register(ddp, name, clock=None):
         # cfc@0.1: rms=0.1; cfc-ag / cfc-rs: the all-gather or the reduce-scatter (default:
         # cfc's choice); cfc-tensor: one bound per parameter (per_tensor=True); cfc-depthN: the
         # comm thread's pipeline depth N (default 1); cfc-torch: the compressed exchange over
-        # torch.distributed instead of cfc's native one (default); cfc-thread: the native
-        # exchange driven by the Python comm thread in every step, not by the native pipeline
-        # after the warm-up (default); any hook:capN sets bucket_cap_mb
+        # torch.distributed instead of cfc's native one (default); cfc-pipeline: the steps after
+        # the warm-up through the native bucket pipeline (a Rust thread), not the comm thread;
+        # cfc-napN: the native exchange's waits sleep N us between polls from the start (default:
+        # they poll without a pause for 5 ms); any hook:capN sets bucket_cap_mb
         rms = float(name.split("@")[1]) if "@" in name else 0.3
         algorithm = "all-gather" if "-ag" in name else "reduce-scatter" if "-rs" in name else None
         state = cfc.CfcState(rms=rms, fallback="auto" if "auto" in name else False, algorithm=algorithm,
                              per_tensor="-tensor" in name)
         if "-torch" in name:
             state._use_exchange = False
-        if "-thread" in name:
-            state._use_pipeline = False
+        if "-pipeline" in name:
+            state._use_pipeline = True
+        if "-nap" in name:
+            state._exchange_polling = (0, int(name.split("-nap")[1].split("@")[0].split(":")[0]))
         if "-depth" in name:
             state._pipeline_depth = int(name.split("-depth")[1].split("@")[0])
         if "auto" in name and "hook" not in name:
@@ -175,6 +183,30 @@ def register(ddp, name, clock=None):
     elif name != "allreduce":
         raise SystemExit(f"unknown hook {name}")
     return state
+
+
+def _gpu_load_hook(passes):
+    """noop's future, with ``passes`` copies of each bucket queued on a side stream after it
+    (noop+gpuN in :func:`register`); the last bucket's makes the current stream wait for them."""
+    side, scratch = torch.cuda.Stream(), {}
+
+    def hook(_, bucket):
+        buf, last = bucket.buffer(), bucket.is_last()
+        current = torch.cuda.current_stream()
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            out = scratch.get(buf.numel())
+            if out is None:
+                out = scratch[buf.numel()] = torch.empty_like(buf)
+            for _ in range(passes):
+                out.copy_(buf)
+        if last:
+            current.wait_stream(side)
+        fut = torch.futures.Future()
+        fut.set_result(buf)
+        return fut
+
+    return hook
 
 
 class _Wrapping:

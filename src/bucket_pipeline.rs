@@ -1,5 +1,7 @@
 //! A DDP step's CUDA buckets through [`BucketExchange`] on a thread of cfc's own, with no
-//! Python on it: what `cfc_hook` runs in the steps after its warm-up and trial.
+//! Python on it: what `cfc_hook` runs in the steps after its warm-up and trial when the state
+//! asks for it (`CfcState._use_pipeline`; the Python comm thread otherwise, which measured as
+//! fast at one rank: `docs/perf-notes.md`, "The native bucket pipeline").
 //!
 //! The hook (on PyTorch's autograd thread) calls [`BucketPipeline::submit`] once per bucket:
 //! that records an event on the hook's stream (the bucket's gradient is ready there) and hands

@@ -338,6 +338,10 @@ pub struct Communicator {
     rank: usize,
     world: usize,
     timeout: Duration,
+    /// How long a wait polls without a pause, then the pause between polls
+    /// ([`Communicator::set_polling`]).
+    spin: Duration,
+    nap: Duration,
     /// Why the communicator was aborted; every later call fails with it.
     broken: Option<String>,
 }
@@ -403,6 +407,8 @@ impl Communicator {
             rank,
             world,
             timeout: default_timeout(),
+            spin: Duration::from_millis(5),
+            nap: Duration::from_micros(50),
             broken: None,
         };
         if raw.is_null() {
@@ -444,6 +450,14 @@ impl Communicator {
     /// The wait's timeout.
     pub fn timeout(&self) -> Duration {
         self.timeout
+    }
+
+    /// How the waits poll: without a pause for their first `spin` (default 5 ms), then with a
+    /// sleep of `nap` (default 50 us) between polls. Each poll is a query of the CUDA driver,
+    /// which the threads launching work on the same device also call into.
+    pub fn set_polling(&mut self, spin: Duration, nap: Duration) {
+        self.spin = spin;
+        self.nap = nap;
     }
 
     fn usable(&self) -> Result<()> {
@@ -498,7 +512,6 @@ impl Communicator {
     /// sleeping between polls would add the sleep's granularity, tens of microseconds, to every
     /// call), then leaves the core to others.
     fn poll(&mut self, what: &str, mut done: impl FnMut(&mut Self) -> Result<bool>) -> Result<()> {
-        const SPIN: Duration = Duration::from_millis(5);
         let t0 = Instant::now();
         loop {
             if done(self)? {
@@ -515,10 +528,10 @@ impl Communicator {
                 );
                 return Err(self.abort_with(why));
             }
-            if waited < SPIN {
+            if waited < self.spin {
                 std::hint::spin_loop();
             } else {
-                std::thread::sleep(Duration::from_micros(50));
+                std::thread::sleep(self.nap);
             }
         }
     }

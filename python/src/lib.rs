@@ -1222,6 +1222,18 @@ impl BucketExchange {
         self.with(py, |exchange| unsafe { exchange.fence(stream) })
     }
 
+    /// How the waits poll (`cfc::nccl::Communicator::set_polling`): without a pause for
+    /// `spin_us` microseconds, then sleeping `nap_us` between polls.
+    fn set_polling(&self, py: Python<'_>, spin_us: u64, nap_us: u64) -> PyResult<()> {
+        self.with(py, |exchange| {
+            exchange.communicator().set_polling(
+                std::time::Duration::from_micros(spin_us),
+                std::time::Duration::from_micros(nap_us),
+            );
+            Ok(())
+        })
+    }
+
     /// Leaves the communicator (NCCL finalizes it; waits for this rank's queued work). Close
     /// the pipelines made of it first.
     fn close(&self, py: Python<'_>) {
@@ -1236,7 +1248,7 @@ impl BucketExchange {
 /// A step's CUDA buckets through a `BucketExchange` on a thread of cfc's own, with no Python on
 /// it (`cfc::bucket_pipeline`): `submit` per bucket returns at once, `end_step` at the step's
 /// last bucket finishes the exchanges, waits for the GPU and reports. `cfc.ddp` uses it in the
-/// steps after the warm-up and the trial.
+/// steps after the warm-up and the trial when the state asks for it (`CfcState._use_pipeline`).
 #[pyclass(module = "cfc._native")]
 struct BucketPipeline {
     inner: Closable<cfc::bucket_pipeline::BucketPipeline>,

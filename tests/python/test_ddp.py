@@ -51,8 +51,8 @@ def make(hook_state=None, dtype=torch.float32, **ddp_kw):
     model = Net(unused=ddp_kw.get("find_unused_parameters", False)).to(dtype).to(DEV)
     ddp = DDP(model, bucket_cap_mb=0.1, **ddp_kw)
     if hook_state is not None:
-        if os.environ.get("CFC_TEST_PIPELINE") == "0":  # CUDA steps through the comm thread only
-            hook_state._use_pipeline = False
+        if os.environ.get("CFC_TEST_PIPELINE") == "1":  # CUDA steps through the pipeline
+            hook_state._use_pipeline = True
         ddp.register_comm_hook(hook_state, cfc_hook)
     # Adam's default eps underflows in float16, with or without cfc
     opt = torch.optim.Adam(ddp.parameters(), lr=2e-3, eps=1e-8 if dtype == torch.float32 else 1e-4)
@@ -348,6 +348,7 @@ def close(rank, world, out):
     """close() lets the comm thread and the native exchange's communicator go (CUDA); the
     state still reports, and the hook refuses further buckets with a clear error."""
     state = CfcState(warmup_steps=1, min_compress_numel=0)
+    state._use_pipeline = True
     ddp, opt = make(state)
     train(ddp, opt, rank, 3)
     worker, exchange, pipeline = state._worker, state._exchange, state._pipeline
@@ -381,8 +382,7 @@ def comm_failure(rank, world, out):
     reaches backward() as the error it was, not as "Unable to cast ... to Tensor"."""
     import cfc.ddp as hook
 
-    state = CfcState(warmup_steps=1, min_compress_numel=0)
-    state._use_pipeline = False  # the comm thread's steps (pipeline_failure: the pipeline's)
+    state = CfcState(warmup_steps=1, min_compress_numel=0)  # the comm thread (pipeline_failure: the pipeline)
     ddp, opt = make(state)
     train(ddp, opt, rank, 2)
     assert state._worker is not None and state._worker.thread.is_alive()
@@ -506,6 +506,7 @@ def pipeline_failure(rank, world, out):
     """A failure on the pipeline's thread (here: its exchange closed under it, on every rank)
     reaches that step's backward() as the error it was, and every later step's too."""
     state = CfcState(warmup_steps=1, min_compress_numel=0)
+    state._use_pipeline = True
     ddp, opt = make(state)
     train(ddp, opt, rank, 2)
     assert state._pipeline is not None, "the step after the warm-up went through the pipeline"
@@ -691,8 +692,8 @@ def native_exchange(rank, world, out):
     ]
     for kw, dtype in configs:
         params, stats = [], []
-        # the native exchange through the pipeline (the default after the warm-up), through the
-        # comm thread, and the exchange over torch.distributed
+        # the native exchange through the pipeline, through the comm thread (the default), and
+        # the exchange over torch.distributed
         for native, pipeline in ((True, True), (True, False), (False, False)):
             state = CfcState(**kw)
             state._use_exchange, state._use_pipeline = native, pipeline

@@ -40,8 +40,10 @@ Two engines, chosen by where the bucket lives:
   Every rank gets the same bits. While the comm thread waits for one bucket's sizes, the next
   bucket is already on the wire. The autograd thread never waits for the GPU.
 
-  After the warm-up (and ``fallback="auto"``'s trial), where the native exchange runs and
-  ``per_tensor`` is off, the whole step goes through a thread of the Rust core instead
+  With the state's private ``_use_pipeline`` set on every rank (off by default: at one rank it
+  measured as fast as the comm thread, and it has not yet been measured over sockets on two
+  GPUs), after the warm-up (and ``fallback="auto"``'s trial), where the native exchange runs
+  and ``per_tensor`` is off, the whole step goes through a thread of the Rust core instead
   (``cfc::bucket_pipeline``, :func:`_pipeline_submit`): the hook hands each bucket over with one
   call and returns a completed future, the thread runs the same launches and finishes in the
   same order with no Python on it, and at the step's last bucket the hook waits until every
@@ -275,13 +277,16 @@ class CfcState:
         # option: every rank must take the same way; benches turn it off to compare.
         self._exchange: Any = None
         self._use_exchange = True
-        # The run phase's steps of compressed CUDA buckets through the native exchange go through
-        # _native.BucketPipeline (a thread of cfc's own, no Python on it), made at the first such
-        # step; (step, whether that step does), decided at its first bucket; the parts' write-
-        # backs of a step waiting for its end. Not an option: every rank must take the same way;
-        # benches turn it off to compare.
+        self._exchange_polling: Optional[Tuple[int, int]] = None  # (spin, nap) us; benches compare
+        # With _use_pipeline, the run phase's steps of compressed CUDA buckets through the native
+        # exchange go through _native.BucketPipeline (a thread of cfc's own, no Python on it),
+        # made at the first such step; (step, whether that step does), decided at its first
+        # bucket; the parts' write-backs of a step waiting for its end. Off by default until
+        # measured over sockets on two GPUs (docs/perf-notes.md, "The native bucket pipeline").
+        # Not an option: every rank must take the same way (it is not in the agreed options, so
+        # set it on every rank); tests and benches turn it on.
         self._pipeline: Any = None
-        self._use_pipeline = True
+        self._use_pipeline = False
         self._pipeline_step = (-1, False)
         self._pipeline_scatters: List[Any] = []
         # The comm thread's pipeline depth (_CommThread). Not an option: it orders collectives,
@@ -383,6 +388,8 @@ class CfcState:
         if (device.type == "cuda" and self._nccl and self._use_exchange and self._exchange is None
                 and _exchange_fits(self)):
             self._exchange = _open_exchange(self, device)
+            if self._exchange is not None and self._exchange_polling is not None:
+                self._exchange.set_polling(*self._exchange_polling)
 
     @staticmethod
     def _describe_resume(row: List[float]) -> str:
