@@ -25,7 +25,9 @@
 //! A buffer that grows, and the rows of a frame sent again, are freed at the step's end, after
 //! the wait for the GPU.
 
-use crate::bucket_exchange::{round16, row_len, BucketExchange, Finish, FinishArgs, LaunchArgs};
+use crate::bucket_exchange::{
+    round16, row_len, BucketExchange, Finish, FinishArgs, LaunchArgs, ROW_HEAD,
+};
 use crate::cuda::{self, driver_err, ContextGuard};
 use crate::error::{Error, Result};
 use crate::format::DType;
@@ -397,7 +399,7 @@ impl Worker {
         // This rank's row, every rank's rows, then the workspace (compression's, then
         // decoding's, one after the other on the stream), 256-byte aligned.
         let recv_at = row;
-        let ws_at = (recv_at + self.world * (16 + slot)).div_ceil(256) * 256;
+        let ws_at = (recv_at + self.world * (ROW_HEAD + slot)).div_ceil(256) * 256;
         let base = self.scratch(ws_at + workspace_len)?;
         let args = LaunchArgs {
             key: job.key,
@@ -495,7 +497,7 @@ impl Worker {
                                   // is never empty); the stream's later decoding reads it.
             unsafe {
                 cudarc::driver::result::memset_d8_async(
-                    d.recv + crate::bucket_exchange::ROW_HEAD,
+                    d.recv + ROW_HEAD,
                     b'X',
                     1,
                     self.stream.cu_stream(),

@@ -1513,8 +1513,6 @@ def _pipeline_part(state: CfcState, worker, pipe, stream: int, index: int, flat,
     queued so far (its gradient, its residual's placement, a flush): the same choices, bounds
     and bookkeeping as :func:`_gpu_launch` and :func:`_exchange_launch` make on the comm
     thread, so that the two give the same bits."""
-    import torch
-
     n = flat.numel()
     compress = state._compress_this(n)
     if compress is None:  # the trial is decided (_pipeline_step)
@@ -1527,11 +1525,7 @@ def _pipeline_part(state: CfcState, worker, pipe, stream: int, index: int, flat,
         pipe.submit(index, stream, flat.data_ptr(), n, name, 0, compress=False)
         state._account(False, 0, ring, 0.0, 0.0)  # the bytes sent come with the step's report
         return
-    if flat.dtype not in (torch.float32, torch.bfloat16, torch.float16) or not _cuda_ready(flat):
-        raise cfc.CfcError(
-            f"cfc_hook compresses float32, bfloat16 and float16 buckets on GPUs of compute capability 8.0 or "
-            f"newer; this one holds {flat.dtype} on {flat.device}"
-        )
+    _check_compressible(flat)
     sum_out = 0
     if state.bound_kind == "rms":
         rms = _last_rms(state, index, n, False)  # read before this step's sum overwrites it
@@ -1632,11 +1626,21 @@ def _max_error_target(state: CfcState, device) -> Any:
     return held
 
 
+def _check_compressible(buf) -> None:
+    """Refuse a CUDA bucket that cfc_hook cannot compress (the comm thread's and the pipeline's
+    one check)."""
+    import torch
+
+    if buf.dtype not in (torch.float32, torch.bfloat16, torch.float16) or not _cuda_ready(buf):
+        raise cfc.CfcError(
+            f"cfc_hook compresses float32, bfloat16 and float16 buckets on GPUs of compute capability 8.0 or "
+            f"newer; this one holds {buf.dtype} on {buf.device}"
+        )
+
+
 def _gpu_launch(state: CfcState, stream, index, buf, layout, r, compress, trial, ready):
     """A part's first stage, on the comm thread under ``torch.cuda.stream(stream)``: queue its
     all-reduce, or its compression and frame exchange. Returns the second stage (or None)."""
-    import torch
-
     t0 = time.perf_counter()
     if trial:
         _fence(state, stream)  # (_line_up below)
@@ -1678,11 +1682,7 @@ def _gpu_launch(state: CfcState, stream, index, buf, layout, r, compress, trial,
         account(False, ring, 0.0)
         return None
 
-    if buf.dtype not in (torch.float32, torch.bfloat16, torch.float16) or not _cuda_ready(buf):
-        raise cfc.CfcError(
-            f"cfc_hook compresses float32, bfloat16 and float16 buckets on GPUs of compute capability 8.0 or "
-            f"newer; this one holds {buf.dtype} on {buf.device}"
-        )
+    _check_compressible(buf)
     scaled = _per_tensor(state, index, layout, buf, r)
     x, xr = (buf, r) if scaled is None else (scaled.y, scaled.z)  # what is compressed, and its residual
     units = scaled is not None and scaled.vec is not None  # x is in per_tensor's scaled units
