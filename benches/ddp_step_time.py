@@ -41,6 +41,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import cfc
 
 D, LAYERS, VOCAB, T, B = 1024, 12, 32000, 256, 8
+BATCH = [B]  # --batch: fewer sequences give the GPU less work per step for the same launches
 
 
 class LM(nn.Module):
@@ -58,17 +59,25 @@ class LM(nn.Module):
 class _Clock:
     """When DDP last called the registered Python hook, and the time the calling thread (the
     autograd thread) spent in it since ``in_hook`` was last reset (host clock,
-    ``time.perf_counter``). With ``calls`` (a :class:`_HookCalls`), also what the hook called."""
+    ``time.perf_counter``). With ``calls`` (a :class:`_HookCalls`), also what the hook called.
+    ``first`` and ``last`` are the host clock and the calling thread's CPU time
+    (``time.thread_time``) at the step's first and last call: a thread that ran the whole time
+    between them used as much CPU time as wall time; one that waited (for a lock, or for the
+    GPU to drain its launch queue) used less."""
 
     def __init__(self, calls=None):
         self.last_hook = None
         self.in_hook = 0.0
         self.calls = calls
+        self.first = self.last = None
 
     def wrap(self, hook):
         @functools.wraps(hook)
         def timed(state, bucket):
             t = self.last_hook = time.perf_counter()
+            self.last = (t, time.thread_time())
+            if self.first is None:
+                self.first = self.last
             if self.calls is not None:
                 self.calls.stack.clear()  # (setting the profile to None below opens a call never closed)
                 sys.setprofile(self.calls)  # this thread only
@@ -163,11 +172,17 @@ def register(ddp, name, clock=None):
         # torch.distributed instead of cfc's native one (default); cfc-pipeline: the steps after
         # the warm-up through the native bucket pipeline (a Rust thread), not the comm thread;
         # cfc-napN: the native exchange's waits sleep N us between polls from the start (default:
-        # they poll without a pause for 5 ms); any hook:capN sets bucket_cap_mb
+        # they poll without a pause for 5 ms); cfc-...-plain: no bucket compressed (every one
+        # NCCL's average through cfc's engine: its threads and collectives without the codec);
+        # cfc-warm: every step a warm-up step (NCCL's average from the autograd thread, inside the
+        # hook, as DDP's built-in all-reduce makes it);
+        # any hook:capN sets bucket_cap_mb
         rms = float(name.split("@")[1]) if "@" in name else 0.3
         algorithm = "all-gather" if "-ag" in name else "reduce-scatter" if "-rs" in name else None
         state = cfc.CfcState(rms=rms, fallback="auto" if "auto" in name else False, algorithm=algorithm,
-                             per_tensor="-tensor" in name)
+                             per_tensor="-tensor" in name,
+                             **({"min_compress_numel": 1 << 62} if "-plain" in name else {}),
+                             **({"warmup_steps": 1 << 62} if "-warm" in name else {}))
         if "-torch" in name:
             state._use_exchange = False
         if "-pipeline" in name:
@@ -304,7 +319,8 @@ class Runner:
         t0 = time.perf_counter()
         if self.clock is not None:
             self.clock.in_hook = 0.0
-        t = torch.randint(0, VOCAB, (B, T), device="cuda", generator=self.gen)
+            self.clock.first = None
+        t = torch.randint(0, VOCAB, (BATCH[0], T), device="cuda", generator=self.gen)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = nn.functional.cross_entropy(self.ddp(t).flatten(0, 1).float(), t.flatten())
         tb = time.perf_counter()
@@ -316,8 +332,9 @@ class Runner:
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         if self.clock is not None and self.clock.last_hook is not None:
+            (w0, c0), (w1, c1) = self.clock.first, self.clock.last
             self.phases.append((self.clock.last_hook - t0, t1 - t0, time.perf_counter() - t0, tb - t0,
-                                self.clock.in_hook))
+                                self.clock.in_hook, w1 - w0, c1 - c0))
 
     def timed(self, steps):
         """Seconds per step of ``steps`` steps run back to back (the GPU may work on one step
@@ -407,7 +424,7 @@ def interleaved(names, rank, args):
         n = sum(row["hook"].split(" ")[0] == r.name for row in rows)
         row = {"hook": r.name if n == 0 else f"{r.name} ({n + 1})", "times": slowest(times), **r.extra()}
         if r.phases:  # this rank's, medians over steps
-            row["phases_ms"] = [1e3 * statistics.median(p[i] for p in r.phases) for i in range(5)]
+            row["phases_ms"] = [1e3 * statistics.median(p[i] for p in r.phases) for i in range(7)]
         if r.phases and r.clock.calls is not None:
             row["hook_calls"] = r.clock.calls.table(len(r.phases), args.hook_calls)
         rows.append(row)
@@ -434,11 +451,15 @@ def main():
     p.add_argument("--hook-calls", type=int, default=0, metavar="N",
                    help="also list the N calls inside the hook that take the autograd thread's most time "
                         "(wall time per step, sys.setprofile on that thread; interleaved mode; implies --phases)")
+    p.add_argument("--batch", type=int, default=B,
+                   help=f"sequences per step (default {B}, ANCHORS.md's): fewer leave the host's launches the same "
+                        "and give the GPU less to do, so that the step waits on the host")
     p.add_argument("--switch-interval", type=float, default=None,
                    help="sys.setswitchinterval for the run, seconds (Python's default: 0.005): how long a "
                         "thread waiting for the GIL waits before it asks the holder to let go")
     args = p.parse_args()
     args.phases = args.phases or args.hook_calls > 0
+    BATCH[0] = args.batch
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
     args.rounds = args.rounds or max(1, args.steps // args.block)
@@ -496,11 +517,13 @@ def report(rows, nparams, args):
         print("\nPhases of a step on rank 0's host clock, ms from the step's start, median over steps "
               "(the host runs ahead of the GPU: these are when the host got there)")
         print("| hook | backward() called | last bucket to the hook | backward() returned "
-              "| its wait after the last bucket | step end | in the hook (autograd thread, sum) |")
-        print("|---|---|---|---|---|---|---|")
+              "| its wait after the last bucket | step end | in the hook (autograd thread, sum) "
+              "| first to last bucket: wall | autograd thread's CPU time then |")
+        print("|---|---|---|---|---|---|---|---|---|")
         for r in timed:
-            a, b, c, f, h = r["phases_ms"]
-            print(f"| {r['hook']} | {f:.1f} | {a:.1f} | {b:.1f} | {b - a:.1f} | {c:.1f} | {h:.2f} |")
+            a, b, c, f, h, w, cpu = r["phases_ms"]
+            print(f"| {r['hook']} | {f:.1f} | {a:.1f} | {b:.1f} | {b - a:.1f} | {c:.1f} | {h:.2f} | {w:.1f} "
+                  f"| {cpu:.1f} |")
     for r in rows:
         if "hook_calls" in r:
             print(f"\nCalls inside {r['hook']}'s hook on the autograd thread (rank 0, wall time, inclusive; "
