@@ -23,7 +23,8 @@ GRADS = pathlib.Path(
 GPUS = int(os.environ.get("CFC_TEST_GPUS", "2"))
 # CFC_TEST_ONE_RANK=1 with CFC_TEST_GPUS=1 runs the "cuda" scenarios at world size 1 on one GPU
 # (those that compare ranks, or expect two ranks' bytes, then prove less or fail by design; run
-# them twice, e.g. with CFC_TEST_PIPELINE=1, and compare the outcomes).
+# them twice, e.g. with CFC_TEST_PIPELINE=1, which puts the pipeline under every test that does
+# not name its own way, and compare the outcomes).
 ONE_RANK = os.environ.get("CFC_TEST_ONE_RANK") == "1"
 SHARED_RANKS = int(os.environ.get("CFC_TEST_SHARED_RANKS", "3"))
 

@@ -46,13 +46,17 @@ def batch(rank, step, n=64):
     return x.to(DEV), (x @ w + 0.3 * torch.randn(n, 10, generator=g)).argmax(1).to(DEV)
 
 
-def make(hook_state=None, dtype=torch.float32, **ddp_kw):
+def make(hook_state=None, dtype=torch.float32, pipeline=None, **ddp_kw):
+    """The test model under DDP, with ``hook_state``'s cfc_hook registered. ``pipeline``: whether
+    its CUDA steps go through the bucket pipeline (``CfcState._use_pipeline``). A test that
+    compares the two ways names its own; otherwise (None) CFC_TEST_PIPELINE=1 turns it on."""
     torch.manual_seed(0)
     model = Net(unused=ddp_kw.get("find_unused_parameters", False)).to(dtype).to(DEV)
     ddp = DDP(model, bucket_cap_mb=0.1, **ddp_kw)
     if hook_state is not None:
-        if os.environ.get("CFC_TEST_PIPELINE") == "1":  # CUDA steps through the pipeline
-            hook_state._use_pipeline = True
+        if pipeline is None:
+            pipeline = hook_state._use_pipeline or os.environ.get("CFC_TEST_PIPELINE") == "1"
+        hook_state._use_pipeline = pipeline
         ddp.register_comm_hook(hook_state, cfc_hook)
     # Adam's default eps underflows in float16, with or without cfc
     opt = torch.optim.Adam(ddp.parameters(), lr=2e-3, eps=1e-8 if dtype == torch.float32 else 1e-4)
@@ -348,8 +352,7 @@ def close(rank, world, out):
     """close() lets the comm thread and the native exchange's communicator go (CUDA); the
     state still reports, and the hook refuses further buckets with a clear error."""
     state = CfcState(warmup_steps=1, min_compress_numel=0)
-    state._use_pipeline = True
-    ddp, opt = make(state)
+    ddp, opt = make(state, pipeline=True)
     train(ddp, opt, rank, 3)
     worker, exchange, pipeline = state._worker, state._exchange, state._pipeline
     if DEV.type == "cuda":
@@ -382,8 +385,8 @@ def comm_failure(rank, world, out):
     reaches backward() as the error it was, not as "Unable to cast ... to Tensor"."""
     import cfc.ddp as hook
 
-    state = CfcState(warmup_steps=1, min_compress_numel=0)  # the comm thread (pipeline_failure: the pipeline)
-    ddp, opt = make(state)
+    state = CfcState(warmup_steps=1, min_compress_numel=0)
+    ddp, opt = make(state, pipeline=False)  # the comm thread (pipeline_failure: the pipeline)
     train(ddp, opt, rank, 2)
     assert state._worker is not None and state._worker.thread.is_alive()
 
@@ -446,8 +449,7 @@ def _bad_last_frame(native, algorithm=None, pipeline=False):
     rank = dist.get_rank()
     state = CfcState(eps=1e-4, warmup_steps=1, min_compress_numel=0, algorithm=algorithm)
     state._use_exchange = native
-    state._use_pipeline = pipeline
-    ddp, opt = make(state)
+    ddp, opt = make(state, pipeline=pipeline)
     train(ddp, opt, rank, 2)
     shards = any(isinstance(k, tuple) for k in state._slots)  # ("shard", i) and ("sum", i)
     assert shards == (algorithm == "reduce-scatter"), state._slots
@@ -506,8 +508,7 @@ def pipeline_failure(rank, world, out):
     """A failure on the pipeline's thread (here: its exchange closed under it, on every rank)
     reaches that step's backward() as the error it was, and every later step's too."""
     state = CfcState(warmup_steps=1, min_compress_numel=0)
-    state._use_pipeline = True
-    ddp, opt = make(state)
+    ddp, opt = make(state, pipeline=True)
     train(ddp, opt, rank, 2)
     assert state._pipeline is not None, "the step after the warm-up went through the pipeline"
     state._exchange.close()
@@ -696,8 +697,8 @@ def native_exchange(rank, world, out):
         # the exchange over torch.distributed
         for native, pipeline in ((True, True), (True, False), (False, False)):
             state = CfcState(**kw)
-            state._use_exchange, state._use_pipeline = native, pipeline
-            ddp, opt = make(state, dtype=dtype)
+            state._use_exchange = native
+            ddp, opt = make(state, dtype=dtype, pipeline=pipeline)
             train(ddp, opt, rank, 3, dtype=dtype)
             assert (state._exchange is not None) == native, (kw, native)
             assert (state._pipeline is not None) == (pipeline and not kw.get("per_tensor")), (kw, pipeline)
