@@ -62,8 +62,8 @@ class _Clock:
     ``time.perf_counter``). With ``calls`` (a :class:`_HookCalls`), also what the hook called.
     ``first`` and ``last`` are the host clock and the calling thread's CPU time
     (``time.thread_time``) at the step's first and last call: a thread that ran the whole time
-    between them used as much CPU time as wall time; one that waited (for a lock, or for the
-    GPU to drain its launch queue) used less."""
+    between them used as much CPU time as wall time; one that slept while it waited (on a lock,
+    say) used less."""
 
     def __init__(self, calls=None):
         self.last_hook = None
