@@ -52,6 +52,50 @@ pub fn next_slot(largest: u64, capacity: u64) -> u64 {
     round16(largest + largest / 16 + 256).min(round16(capacity))
 }
 
+/// Where a bucket's exchange keeps its parts in the one device allocation its caller makes for
+/// it: this rank's row at 0, every rank's rows of `slot` frame bytes at `recv_at`, then the
+/// workspace (compression's, then decoding's: one after the other on the stream) at
+/// `workspace_at`, 256-byte aligned. The pipeline and the Python hook both place their scratch
+/// by it, so that the two send the same bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ScratchLayout {
+    /// This rank's frame capacity, a multiple of 16 ([`LaunchArgs::capacity`]).
+    pub capacity: u64,
+    /// Frame bytes each rank's row carries, a multiple of 16 and at most `capacity`
+    /// ([`LaunchArgs::slot`]).
+    pub slot: u64,
+    /// Offset of every rank's rows ([`LaunchArgs::recv`]).
+    pub recv_at: u64,
+    /// Offset of the workspace ([`LaunchArgs::workspace`]).
+    pub workspace_at: u64,
+    /// Workspace bytes ([`LaunchArgs::workspace_len`]).
+    pub workspace_len: u64,
+    /// Bytes of the whole allocation.
+    pub len: u64,
+}
+
+impl ScratchLayout {
+    /// The layout for a bucket of `n` elements of `dtype` compressed within `eps` (with error
+    /// feedback when `feedback`), among `world` ranks, with `slot` frame bytes asked for (0:
+    /// none yet; clamped to the capacity and rounded up to 16).
+    pub fn new(n: u64, dtype: DType, eps: f64, feedback: bool, slot: u64, world: u64) -> Self {
+        let capacity = round16(cuda::compress_capacity(n, dtype, 1, Bound::Abs(eps)));
+        let slot = round16(slot).min(capacity);
+        let recv_at = row_len(capacity);
+        let workspace_at = (recv_at + world * (ROW_HEAD + slot)).div_ceil(256) * 256;
+        let workspace_len =
+            cuda::compress_workspace_len(n, feedback).max(cuda::decode_sum_workspace_len(n, world));
+        ScratchLayout {
+            capacity,
+            slot,
+            recv_at,
+            workspace_at,
+            workspace_len,
+            len: workspace_at + workspace_len,
+        }
+    }
+}
+
 /// Arguments of [`BucketExchange::launch`]. Addresses are device memory of the communicator's
 /// device unless said otherwise.
 #[derive(Debug, Clone, Copy)]
@@ -536,6 +580,37 @@ mod tests {
             let s = next_slot(largest, u64::MAX / 2);
             assert_eq!(s % 16, 0);
             assert!(s > largest, "a frame of the same size fits next time");
+        }
+    }
+
+    #[test]
+    fn the_scratch_layout_keeps_its_parts_apart_and_aligned() {
+        for (n, world, slot) in [
+            (1u64, 2u64, 0u64),
+            (1000, 2, 64),
+            (1 << 20, 8, 1 << 30),
+            (12345, 3, 1000),
+        ] {
+            for feedback in [false, true] {
+                let l = ScratchLayout::new(n, DType::F32, 1e-3, feedback, slot, world);
+                assert_eq!(l.capacity % 16, 0);
+                assert!(l.capacity >= cuda::compress_capacity(n, DType::F32, 1, Bound::Abs(1e-3)));
+                assert_eq!(
+                    l.slot,
+                    round16(slot).min(l.capacity),
+                    "clamped to the capacity"
+                );
+                assert_eq!(
+                    l.recv_at,
+                    row_len(l.capacity),
+                    "this rank's whole row first"
+                );
+                assert_eq!(l.workspace_at % 256, 0);
+                assert!(l.workspace_at >= l.recv_at + world * (ROW_HEAD + l.slot));
+                assert!(l.workspace_len >= cuda::compress_workspace_len(n, feedback));
+                assert!(l.workspace_len >= cuda::decode_sum_workspace_len(n, world));
+                assert_eq!(l.len, l.workspace_at + l.workspace_len);
+            }
         }
     }
 }

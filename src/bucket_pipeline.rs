@@ -26,7 +26,7 @@
 //! the wait for the GPU.
 
 use crate::bucket_exchange::{
-    round16, row_len, BucketExchange, Finish, FinishArgs, LaunchArgs, ROW_HEAD,
+    BucketExchange, Finish, FinishArgs, LaunchArgs, ScratchLayout, ROW_HEAD,
 };
 use crate::cuda::{self, driver_err, ContextGuard};
 use crate::error::{Error, Result};
@@ -386,21 +386,9 @@ impl Worker {
             ),
             JobBound::RmsOfThisStep(multiple) => (self.measure(job, c.sum_out, multiple)?, None),
         };
-        let capacity = round16(cuda::compress_capacity(
-            job.n,
-            job.dtype,
-            1,
-            Bound::Abs(eps),
-        ));
-        let slot = round16(c.slot).min(capacity);
-        let row = row_len(capacity);
-        let workspace_len = cuda::compress_workspace_len(job.n, job.residual != 0)
-            .max(cuda::decode_sum_workspace_len(job.n, self.world));
-        // This rank's row, every rank's rows, then the workspace (compression's, then
-        // decoding's, one after the other on the stream), 256-byte aligned.
-        let recv_at = row;
-        let ws_at = (recv_at + self.world * (ROW_HEAD + slot)).div_ceil(256) * 256;
-        let base = self.scratch(ws_at + workspace_len)?;
+        let layout =
+            ScratchLayout::new(job.n, job.dtype, eps, job.residual != 0, c.slot, self.world);
+        let base = self.scratch(layout.len)?;
         let args = LaunchArgs {
             key: job.key,
             stream: raw,
@@ -410,12 +398,12 @@ impl Worker {
             residual: job.residual,
             bound: Bound::Abs(eps),
             row: base,
-            capacity,
-            workspace: base + ws_at,
-            workspace_len,
+            capacity: layout.capacity,
+            workspace: base + layout.workspace_at,
+            workspace_len: layout.workspace_len,
             sum_squares,
-            slot,
-            recv: base + recv_at,
+            slot: layout.slot,
+            recv: base + layout.recv_at,
         };
         // SAFETY: the scratch buffer holds the row, the rows and the workspace at the offsets
         // above and lives until the step's end; the rest is `submit`'s contract.
@@ -425,10 +413,10 @@ impl Worker {
         self.finish_deferred(ex)?;
         self.deferred = Some(Deferred {
             key: job.key,
-            slot,
-            recv: base + recv_at,
-            workspace: base + ws_at,
-            workspace_len,
+            slot: layout.slot,
+            recv: base + layout.recv_at,
+            workspace: base + layout.workspace_at,
+            workspace_len: layout.workspace_len,
             max_error: if job.residual != 0 { c.max_error } else { 0 },
             busy,
         });

@@ -1121,10 +1121,37 @@ impl BucketExchange {
         })
     }
 
-    /// Bytes of a bucket's row for a frame capacity of `capacity` bytes (`cuda_compress_capacity`).
+    /// Where a bucket's `launch` places its parts in one device allocation
+    /// (`cfc::bucket_exchange::ScratchLayout`): a dict of `capacity`, `slot` (the one asked for,
+    /// clamped and rounded up to 16), `recv_at`, `workspace_at`, `workspace_len` and `len`, all
+    /// in bytes; this rank's row is at 0.
     #[staticmethod]
-    fn row_len(capacity: u64) -> u64 {
-        cfc::bucket_exchange::row_len(capacity)
+    #[pyo3(signature = (numel, dtype, eps, feedback, slot, world))]
+    fn scratch_layout<'py>(
+        py: Python<'py>,
+        numel: u64,
+        dtype: &str,
+        eps: f64,
+        feedback: bool,
+        slot: u64,
+        world: u64,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let l = cfc::bucket_exchange::ScratchLayout::new(
+            numel,
+            dtype_of(dtype)?,
+            eps,
+            feedback,
+            slot,
+            world,
+        );
+        let d = PyDict::new(py);
+        d.set_item("capacity", l.capacity)?;
+        d.set_item("slot", l.slot)?;
+        d.set_item("recv_at", l.recv_at)?;
+        d.set_item("workspace_at", l.workspace_at)?;
+        d.set_item("workspace_len", l.workspace_len)?;
+        d.set_item("len", l.len)?;
+        Ok(d)
     }
 
     /// Queues bucket `key`'s sum of squares (when `sum_ws_ptr` is not 0), compression and frame

@@ -634,10 +634,8 @@ def _one_rank_exchange(n=1 << 16):
     dev = torch.device("cuda", 0)
     exchange = _native.BucketExchange(0, uid, 0, 1)
     x = torch.randn(n, device=dev, generator=torch.Generator(dev).manual_seed(0)) * 0.01
-    cap = -(-_native.cuda_compress_capacity(n, "float32", 1, eps=EXCHANGE_EPS) // 16) * 16
-    row = _native.BucketExchange.row_len(cap)
-    ws_len = max(_native.cuda_workspace_len(n, compress=True), _native.cuda_decode_sum_workspace_len(n, 1))
-    return exchange, x, x.clone(), cap, row, ws_len
+    at = _native.BucketExchange.scratch_layout(n, "float32", EXCHANGE_EPS, False, 0, 1)
+    return exchange, x, x.clone(), at["capacity"], at["recv_at"], at["workspace_len"]
 
 
 def test_native_exchange_resend_waits_for_work_queued_on_the_callers_stream():

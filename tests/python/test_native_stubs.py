@@ -68,6 +68,20 @@ def test_bucket_exchange_refuses_bad_arguments_and_a_machine_without_nccl_or_cud
     with pytest.raises(cfc.CfcError, match="NCCL|CUDA") as missing:
         native.BucketExchange(0, "00" * 128, 0, 2)
     assert str(missing.value).count("is not available") == 1, missing.value  # said once
-    # rows: a 16-byte head, then the capacity rounded up to 16 bytes
-    assert native.BucketExchange.row_len(100) == 16 + 112
-    assert native.BucketExchange.row_len(0) == 16
+    # The scratch of a launch: this rank's row (a 16-byte head, then the frame capacity rounded
+    # up to 16 bytes), every rank's rows of the slot asked for (clamped to the capacity), then
+    # the workspace, 256-byte aligned. Computed on the host: no CUDA needed.
+    n, world = 1000, 3
+    cap = native.cuda_compress_capacity(n, "float32", 1, eps=1e-3)
+    for slot, feedback in [(0, False), (100, True), (1 << 40, False)]:
+        at = native.BucketExchange.scratch_layout(n, "float32", 1e-3, feedback, slot, world)
+        assert at["capacity"] == -(-cap // 16) * 16
+        assert at["slot"] == min(-(-slot // 16) * 16, at["capacity"])
+        assert at["recv_at"] == 16 + at["capacity"]
+        assert at["workspace_at"] % 256 == 0
+        assert at["workspace_at"] >= at["recv_at"] + world * (16 + at["slot"])
+        assert at["workspace_len"] >= native.cuda_workspace_len(n, compress=True, feedback=feedback)
+        assert at["workspace_len"] >= native.cuda_decode_sum_workspace_len(n, world)
+        assert at["len"] == at["workspace_at"] + at["workspace_len"]
+    with pytest.raises(TypeError, match="unsupported dtype"):
+        native.BucketExchange.scratch_layout(n, "complex64", 1e-3, False, 0, world)

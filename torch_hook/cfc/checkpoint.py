@@ -30,7 +30,7 @@ import zlib
 from typing import Any, Callable, Dict, Mapping, Optional, Union
 
 from cfc import _native
-from cfc.codec import _DTYPE_NAMES, _LOSSLESS_ONLY, Compressed, _check_flag, compress, decompress
+from cfc.codec import _DTYPE_NAMES, _LOSSLESS_ONLY, Compressed, _check_flag, _dtype_name, compress, decompress
 
 __all__ = ["save", "load"]
 
@@ -63,7 +63,7 @@ def _bound_for(bounds, name: str, tensor) -> BoundSpec:
         # about them (it may be a blanket rule); a dict that names one with a bound is a mistake.
         if not callable(bounds) and bounds.get(name) is not None:
             raise TypeError(
-                f"{name!r} is a {str(tensor.dtype)[6:]} tensor: bounds apply to float32, bfloat16 "
+                f"{name!r} is a {_dtype_name(tensor.dtype)} tensor: bounds apply to float32, bfloat16 "
                 "and float16 tensors only (give it None, or leave it out, to store it losslessly)"
             )
         return None
@@ -140,7 +140,7 @@ def save(
                 raise
             raise named from e
         index[name] = {
-            "dtype": str(t.dtype).replace("torch.", ""),
+            "dtype": _dtype_name(t.dtype),
             "shape": list(t.shape),
             "offset": offset,
             "nbytes": len(frame),

@@ -68,11 +68,17 @@ def _cuda_ready(t) -> bool:
     return t.device.type == "cuda" and _device_supported(t.device.index)
 
 
+def _dtype_name(dtype: Any) -> str:
+    """A torch dtype's name as cfc's native module and frames spell it: "float32" for
+    ``torch.float32`` (a name already without the prefix comes back as it is)."""
+    return str(dtype).replace("torch.", "")
+
+
 def _unsupported(dtype, lossless: bool) -> TypeError:
     if lossless:
         names = ", ".join(_DTYPE_NAMES + _LOSSLESS_ONLY)
         return TypeError(f"cfc compresses {names} losslessly, got {dtype}")
-    hint = " (compress it with lossless=True)" if str(dtype).replace("torch.", "") in _LOSSLESS_ONLY else ""
+    hint = " (compress it with lossless=True)" if _dtype_name(dtype) in _LOSSLESS_ONLY else ""
     return TypeError(f"cfc compresses float32, bfloat16 and float16 with a bound, got {dtype}{hint}")
 
 
@@ -89,7 +95,7 @@ def _tensor_bytes(x: Any, lossless: bool = False) -> Tuple[np.ndarray, str, Tupl
     allowed = _DTYPE_NAMES + _LOSSLESS_ONLY if lossless else _DTYPE_NAMES
     torch = _torch()
     if torch is not None and isinstance(x, torch.Tensor):
-        name = str(x.dtype).replace("torch.", "")
+        name = _dtype_name(x.dtype)
         if name not in allowed:
             raise _unsupported(x.dtype, lossless)
         t = x.detach().resolve_neg()  # a lazily negated view's memory holds -x (a no-op otherwise)
@@ -495,7 +501,7 @@ _ELEMENT_SIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "uint8
 
 def _is_scalar(value: Any) -> bool:
     """A 0-d torch tensor or numpy array of a number type (not bool): ``float()`` reads it."""
-    return getattr(value, "ndim", None) == 0 and str(getattr(value, "dtype", "bool")).replace("torch.", "") != "bool"
+    return getattr(value, "ndim", None) == 0 and _dtype_name(getattr(value, "dtype", "bool")) != "bool"
 
 
 def _check_number(name: str, value: Any) -> float:
@@ -695,7 +701,7 @@ def compress(
         if residual is not None:
             raise ValueError("lossless=True drops nothing: it takes no residual")
         if torch is not None and isinstance(x, torch.Tensor) and not zstd and _cuda_ready(x):
-            name = str(x.dtype).replace("torch.", "")
+            name = _dtype_name(x.dtype)
             if name not in _DTYPE_NAMES + _LOSSLESS_ONLY:
                 raise _unsupported(x.dtype, True)
             return _compress_lossless_cuda(x, name)
@@ -713,7 +719,7 @@ def compress(
     ):
         if residual is not None:
             _check_residual(residual, x)
-        return _compress_cuda(x, str(x.dtype)[6:], tuple(x.shape), eps, rel, bits, residual)
+        return _compress_cuda(x, _dtype_name(x.dtype), tuple(x.shape), eps, rel, bits, residual)
     data, name, shape = _tensor_bytes(x)
     r = None
     host_residual = None  # a CUDA residual's copy, for a CUDA x that the CPU codec compresses
@@ -971,7 +977,7 @@ def _decode_sum_cuda(frames, numel: int, dtype: str, out, scale: float = 1.0, nd
     stream = torch.cuda.current_stream(dev)
     _native.cuda_decode_sum(
         dev.index, stream.cuda_stream, [f.data_ptr() for f in frames], [f.numel() for f in frames], numel, dtype,
-        ndim, scale, out.data_ptr(), str(out.dtype)[6:], ws.data_ptr(), ws_len, status.data_ptr(),
+        ndim, scale, out.data_ptr(), _dtype_name(out.dtype), ws.data_ptr(), ws_len, status.data_ptr(),
     )
     return status
 

@@ -81,6 +81,7 @@ from cfc.codec import (
     _cuda_ready,
     _decode_status_error,
     _decode_sum_cuda,
+    _dtype_name,
     _sum_frames_cuda,
 )
 
@@ -1084,7 +1085,7 @@ def register_comm_hook(ddp, state: Optional[CfcState] = None) -> bool:
             probe._worker.stop()
     plain, compressed = probe._trial_times.get(0, (math.nan, math.nan))
     register = probe._decisions.get(0, False)
-    state.probe = {"numel": n, "dtype": str(dtype).replace("torch.", ""), "plain_seconds": plain,
+    state.probe = {"numel": n, "dtype": _dtype_name(dtype), "plain_seconds": plain,
                    "compressed_seconds": compressed, "registered": bool(register)}
     logger.info("cfc: probe of %d-element buckets: plain %.3f ms, compressed %.3f ms: %s", n, 1e3 * plain,
                 1e3 * compressed, "cfc_hook registered" if register else "DDP's own all-reduce kept")
@@ -1519,7 +1520,7 @@ def _pipeline_part(state: CfcState, worker, pipe, stream: int, index: int, flat,
         compress = state._decisions.get(index, True)
     r = state._residual(index, layout, flat) if state._feeds(n) else None
     ring = _ring_bytes(n * flat.element_size(), state.world)
-    name = str(flat.dtype)[6:]
+    name = _dtype_name(flat.dtype)
     if not compress:
         _flush(state, index, flat, r)
         pipe.submit(index, stream, flat.data_ptr(), n, name, 0, compress=False)
@@ -1734,7 +1735,7 @@ def _gpu_launch(state: CfcState, stream, index, buf, layout, r, compress, trial,
         state._unflushed.add(index)
     # On this stream: residual add, quantize, pack. (cfc.compress without its argument checks:
     # the bucket and its residual are contiguous, of one size, on this device.)
-    c = _compress_cuda(x, str(x.dtype)[6:], tuple(x.shape), kw.get("eps"), kw.get("rel"), None, xr)
+    c = _compress_cuda(x, _dtype_name(x.dtype), tuple(x.shape), kw.get("eps"), kw.get("rel"), None, xr)
     exchange = _FrameExchange(state, index, c, n)
 
     busy[0] = time.perf_counter() - t0
@@ -1806,12 +1807,12 @@ def _exchange_launch(state: CfcState, stream, index, x, xr, units, scaled, buf, 
     the returned finish makes one call that waits for the sizes and queues the average (a
     second, with larger rows, when a frame outgrew its slot). The same frames, bounds and
     results as the exchange over torch.distributed, in two calls instead of about 25; its slots
-    follow ``cfc::bucket_exchange::next_slot`` (rows 16-byte aligned, a 16-byte head)."""
+    follow ``cfc::bucket_exchange::next_slot`` and its scratch ``ScratchLayout``."""
     import torch
 
     worker, ex = state._worker, state._exchange
     dev, n, world = x.device, x.numel(), state.world
-    name = str(x.dtype)[6:]
+    name = _dtype_name(x.dtype)
     sum_ws = sum_out = 0
     if state.bound_kind == "rms":
         rms = _last_rms(state, index, n, units)  # read before this step's sum overwrites it
@@ -1832,20 +1833,15 @@ def _exchange_launch(state: CfcState, stream, index, x, xr, units, scaled, buf, 
     if xr is not None:
         state._unflushed.add(index)
         xr.record_stream(stream)  # made on the autograd thread's stream, read and written here
-    cap = -(-_native.cuda_compress_capacity(n, name, 1, eps=eps) // 16) * 16
-    slot = min(-(-state._slots.get(index, 0) // 16) * 16, cap)  # rows stay 16-byte aligned
-    row = _native.BucketExchange.row_len(cap)
-    ws_len = max(_native.cuda_workspace_len(n, compress=True, feedback=xr is not None),
-                 _native.cuda_decode_sum_workspace_len(n, world))
-    # One allocation: this rank's row, every rank's rows, then the workspace (compression's,
-    # then decoding's: one after the other on this stream), 256-byte aligned.
-    recv_at = row
-    ws_at = -(-(recv_at + world * (16 + slot)) // 256) * 256
-    mem = torch.empty(ws_at + ws_len, dtype=torch.uint8, device=dev)
+    # This rank's row, every rank's rows, then the workspace, in one allocation, placed as the
+    # pipeline places them (the same frames and slots on both ways).
+    at = _native.BucketExchange.scratch_layout(n, name, eps, xr is not None, state._slots.get(index, 0), world)
+    slot, ws_at, ws_len = at["slot"], at["workspace_at"], at["workspace_len"]
+    mem = torch.empty(at["len"], dtype=torch.uint8, device=dev)
     base = mem.data_ptr()
     try:
-        ex.launch(index, stream.cuda_stream, x.data_ptr(), n, name, 0 if xr is None else xr.data_ptr(), base, cap,
-                  base + ws_at, ws_len, sum_ws, sum_out, slot, base + recv_at, eps=eps)
+        ex.launch(index, stream.cuda_stream, x.data_ptr(), n, name, 0 if xr is None else xr.data_ptr(), base,
+                  at["capacity"], base + ws_at, ws_len, sum_ws, sum_out, slot, base + at["recv_at"], eps=eps)
     except BaseException:
         worker.kept.append(mem)  # the all-gather may be queued: see _CommThread.kept
         raise
@@ -1935,7 +1931,7 @@ def _sum_squares(state: CfcState, index: int, x, r):
     host, done = worker.sums.get(index) or _pinned_sum(worker, index)
     dev = x.device
     _native.cuda_sum_squares(
-        dev.index, worker.raw_stream, x.data_ptr(), x.numel(), str(x.dtype)[6:], 0 if r is None else r.data_ptr(),
+        dev.index, worker.raw_stream, x.data_ptr(), x.numel(), _dtype_name(x.dtype), 0 if r is None else r.data_ptr(),
         worker.sum_ws.data_ptr(), host.data_ptr(),
     )
     done.record(worker.stream)

@@ -24,7 +24,7 @@ import math
 from typing import Any, Dict, List, Optional, Tuple
 
 from cfc import _native
-from cfc.codec import _addr, _check_flag, _check_number, _check_residual, _flat_view, _tensor_bytes
+from cfc.codec import _addr, _check_flag, _dtype_name, _check_number, _check_residual, _flat_view, _tensor_bytes
 
 __all__ = ["AllReducer", "NcclAllReducer", "Pending", "TorchTransport", "all_reduce"]
 
@@ -495,7 +495,7 @@ class NcclAllReducer:
             stream.cuda_stream,
             tensor.data_ptr(),
             tensor.numel(),
-            str(tensor.dtype).replace("torch.", ""),
+            _dtype_name(tensor.dtype),
             eps=float(eps),
             average=True,
             feedback=self.error_feedback,
