@@ -148,6 +148,10 @@ def register(ddp, name, clock=None):
         # reads and writes the bucket's bytes, as cfc's kernels pass over them), which the
         # step's last bucket waits for: what GPU work beside the backward pass costs the step
         ddp.register_comm_hook(None, _gpu_load_hook(int(name[len("noop+gpu"):] or 1)))
+    elif name.startswith("noop+calls"):
+        # noop+callsN: noop, and per bucket N tiny CUDA calls made by a thread of their own:
+        # what another thread's driver calls cost the autograd thread
+        ddp.register_comm_hook(None, _side_calls_hook(int(name[len("noop+calls"):] or 1)))
     elif name == "allreduce-py":
         # PyTorch's all-reduce as a Python comm hook: what any Python hook costs, against
         # "allreduce" (DDP's built-in all-reduce, no hook)
@@ -219,6 +223,48 @@ def _gpu_load_hook(passes):
             current.wait_stream(side)
         fut = torch.futures.Future()
         fut.set_result(buf)
+        return fut
+
+    return hook
+
+
+def _side_calls_hook(calls):
+    """noop's future, and per bucket ``calls`` asynchronous 4-byte memsets queued on a stream of
+    their own by a thread of their own, straight through the CUDA driver (ctypes, which lets go
+    of the GIL during each call) (noop+callsN in :func:`register`): what another thread's CUDA
+    calls cost the autograd thread, apart from any work the GPU does on them (a 4-byte memset
+    is next to none). noop+calls0 is the hand-over to that thread alone."""
+    import ctypes
+    import queue
+
+    driver = ctypes.CDLL("libcuda.so.1")
+    ctx = ctypes.c_void_p()
+    if driver.cuCtxGetCurrent(ctypes.byref(ctx)) != 0 or not ctx.value:
+        raise SystemExit("noop+calls: no current CUDA context")
+    memset = driver.cuMemsetD8Async
+    memset.argtypes = [ctypes.c_uint64, ctypes.c_ubyte, ctypes.c_size_t, ctypes.c_void_p]
+    side = torch.cuda.Stream()
+    target = torch.zeros(16, dtype=torch.uint8, device="cuda")
+    todo, failed = queue.SimpleQueue(), []
+
+    def serve():
+        driver.cuCtxSetCurrent(ctx)
+        ptr, stream = target.data_ptr(), ctypes.c_void_p(side.cuda_stream)
+        while True:
+            todo.get()
+            for _ in range(calls):
+                rc = memset(ptr, 0, 4, stream)
+                if rc != 0 and not failed:
+                    failed.append(rc)
+
+    threading.Thread(target=serve, daemon=True, name="noop+calls").start()
+
+    def hook(_, bucket):
+        if failed:
+            raise RuntimeError(f"noop+calls: cuMemsetD8Async returned {failed[0]}")
+        todo.put(None)
+        fut = torch.futures.Future()
+        fut.set_result(bucket.buffer())
         return fut
 
     return hook
