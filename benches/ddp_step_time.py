@@ -148,10 +148,12 @@ def register(ddp, name, clock=None):
         # reads and writes the bucket's bytes, as cfc's kernels pass over them), which the
         # step's last bucket waits for: what GPU work beside the backward pass costs the step
         ddp.register_comm_hook(None, _gpu_load_hook(int(name[len("noop+gpu"):] or 1)))
-    elif name.startswith("noop+calls"):
+    elif name.startswith(("noop+calls", "noop+queries")):
         # noop+callsN: noop, and per bucket N tiny CUDA calls made by a thread of their own:
-        # what another thread's driver calls cost the autograd thread
-        ddp.register_comm_hook(None, _side_calls_hook(int(name[len("noop+calls"):] or 1)))
+        # what another thread's driver calls cost the autograd thread; noop+queriesN: N queries
+        # of a stream's state instead (what a thread that polls makes), which submit nothing
+        kind = "calls" if name.startswith("noop+calls") else "queries"
+        ddp.register_comm_hook(None, _side_calls_hook(int(name[len("noop+") + len(kind):] or 1), kind))
     elif name == "allreduce-py":
         # PyTorch's all-reduce as a Python comm hook: what any Python hook costs, against
         # "allreduce" (DDP's built-in all-reduce, no hook)
@@ -228,21 +230,24 @@ def _gpu_load_hook(passes):
     return hook
 
 
-def _side_calls_hook(calls):
+def _side_calls_hook(calls, kind="calls"):
     """noop's future, and per bucket ``calls`` asynchronous 4-byte memsets queued on a stream of
     their own by a thread of their own, straight through the CUDA driver (ctypes, which lets go
     of the GIL during each call) (noop+callsN in :func:`register`): what another thread's CUDA
     calls cost the autograd thread, apart from any work the GPU does on them (a 4-byte memset
-    is next to none). noop+calls0 is the hand-over to that thread alone."""
+    is next to none). noop+calls0 is the hand-over to that thread alone. With ``kind``
+    "queries", ``cuStreamQuery`` of that stream instead (noop+queriesN): calls that submit
+    nothing, as a thread's polls of its work are."""
     import ctypes
     import queue
 
     driver = ctypes.CDLL("libcuda.so.1")
     ctx = ctypes.c_void_p()
     if driver.cuCtxGetCurrent(ctypes.byref(ctx)) != 0 or not ctx.value:
-        raise SystemExit("noop+calls: no current CUDA context")
-    memset = driver.cuMemsetD8Async
+        raise SystemExit(f"noop+{kind}: no current CUDA context")
+    memset, query = driver.cuMemsetD8Async, driver.cuStreamQuery
     memset.argtypes = [ctypes.c_uint64, ctypes.c_ubyte, ctypes.c_size_t, ctypes.c_void_p]
+    query.argtypes = [ctypes.c_void_p]
     side = torch.cuda.Stream()
     target = torch.zeros(16, dtype=torch.uint8, device="cuda")
     todo, failed = queue.SimpleQueue(), []
@@ -253,15 +258,16 @@ def _side_calls_hook(calls):
         while True:
             todo.get()
             for _ in range(calls):
-                rc = memset(ptr, 0, 4, stream)
-                if rc != 0 and not failed:
+                rc = memset(ptr, 0, 4, stream) if kind == "calls" else query(stream)
+                # (cuStreamQuery: 600, CUDA_ERROR_NOT_READY, while the stream works)
+                if rc not in (0, 600) and not failed:
                     failed.append(rc)
 
-    threading.Thread(target=serve, daemon=True, name="noop+calls").start()
+    threading.Thread(target=serve, daemon=True, name=f"noop+{kind}").start()
 
     def hook(_, bucket):
         if failed:
-            raise RuntimeError(f"noop+calls: cuMemsetD8Async returned {failed[0]}")
+            raise RuntimeError(f"noop+{kind}: the CUDA driver returned {failed[0]}")
         todo.put(None)
         fut = torch.futures.Future()
         fut.set_result(bucket.buffer())
