@@ -621,10 +621,10 @@ def test_gpu_running_max_abs_only_rises_and_skips_non_finite():
 EXCHANGE_EPS = 1e-3
 
 
-def _one_rank_exchange(n=1 << 16):
+def _one_rank_exchange(slot, n=1 << 16):
     """A native exchange of one rank on GPU 0 (skips where NCCL is missing), a bucket of ``n``
-    float32 values and a copy of it, the frame capacity at ``EXCHANGE_EPS`` (a multiple of 16),
-    the row length and the workspace length (compression and the decoded sum)."""
+    float32 values and a copy of it, and the scratch layout of its launch at ``EXCHANGE_EPS``
+    with ``slot`` frame bytes (``BucketExchange.scratch_layout``: the hook's own)."""
     from cfc import _native
 
     try:
@@ -634,8 +634,8 @@ def _one_rank_exchange(n=1 << 16):
     dev = torch.device("cuda", 0)
     exchange = _native.BucketExchange(0, uid, 0, 1)
     x = torch.randn(n, device=dev, generator=torch.Generator(dev).manual_seed(0)) * 0.01
-    at = _native.BucketExchange.scratch_layout(n, "float32", EXCHANGE_EPS, False, 0, 1)
-    return exchange, x, x.clone(), at["capacity"], at["recv_at"], at["workspace_len"]
+    at = _native.BucketExchange.scratch_layout(n, "float32", EXCHANGE_EPS, False, slot, 1)
+    return exchange, x, x.clone(), at
 
 
 def test_native_exchange_resend_waits_for_work_queued_on_the_callers_stream():
@@ -645,14 +645,13 @@ def test_native_exchange_resend_waits_for_work_queued_on_the_callers_stream():
     only after that work, or the decoding reads what it wrote. Here that work is a delayed
     fill with zeros, on a block freed and handed over again; one rank. The test skips where
     the fill has already run when the resend is queued: there the race cannot show."""
-    exchange, x, want, cap, row, ws_len = _one_rank_exchange()
+    exchange, x, want, at = _one_rank_exchange(slot=16)  # far smaller than the frame: sent again
     dev, n, eps = x.device, x.numel(), EXCHANGE_EPS
-    slot = 16  # far smaller than the frame: it is sent again
-    ws_at = -(-(row + 16 + slot) // 256) * 256
+    cap, slot, row, ws_at, ws_len = at["capacity"], at["slot"], at["recv_at"], at["workspace_at"], at["workspace_len"]
     stream = torch.cuda.Stream(dev)
     stream.wait_stream(torch.cuda.current_stream(dev))  # x and want are made
     with torch.cuda.stream(stream):
-        mem = torch.empty(ws_at + ws_len, dtype=torch.uint8, device=dev)
+        mem = torch.empty(at["len"], dtype=torch.uint8, device=dev)
         base = mem.data_ptr()
         exchange.launch(1, stream.cuda_stream, x.data_ptr(), n, "float32", 0, base, cap, base + ws_at, ws_len, 0, 0,
                         slot, base + row, eps=eps)
@@ -690,10 +689,11 @@ def test_native_exchange_reports_a_bad_frame_and_leaves_the_bucket_as_it_was():
     bucket keeps its values, and so do the later buckets, while the exchange's calls go on
     (stopping at one of them, ranks would stop at different buckets); the check after a wait
     for the stream raises, each time."""
-    exchange, x, want, cap, row, ws_len = _one_rank_exchange()
+    exchange, x, want, at = _one_rank_exchange(slot=1 << 62)  # clamped: the whole frame, sent once
     dev, n, eps = x.device, x.numel(), EXCHANGE_EPS
-    ws_at = -(-(2 * row) // 256) * 256
-    mem = torch.empty(ws_at + ws_len, dtype=torch.uint8, device=dev)
+    cap, row, ws_at, ws_len = at["capacity"], at["recv_at"], at["workspace_at"], at["workspace_len"]
+    assert at["slot"] == cap
+    mem = torch.empty(at["len"], dtype=torch.uint8, device=dev)
     base, stream = mem.data_ptr(), torch.cuda.current_stream(dev)
     launch = (1, stream.cuda_stream, x.data_ptr(), n, "float32", 0, base, cap, base + ws_at, ws_len, 0, 0,
               cap, base + row)
