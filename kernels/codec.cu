@@ -104,12 +104,14 @@ __device__ void sum_squares(const typename D::T* x, u64 n, const float* residual
 DEFINE_FOR_DTYPES(SUM_SQUARES)
 
 // The partial sums of sum_squares added in block order (one thread: there are at most a few
-// hundred), into *out.
-extern "C" __global__ void cfc_codec_sum_partials(const double* partials, u32 count, double* out) {
+// hundred), into *out, and into *copy unless null (mapped pinned memory, say: the host's copy
+// without a copy queued after this kernel).
+extern "C" __global__ void cfc_codec_sum_partials(const double* partials, u32 count, double* out, double* copy) {
     if (blockIdx.x != 0 || threadIdx.x != 0) return;
     double t = 0.0;
     for (u32 b = 0; b < count; ++b) t += partials[b];
     *out = t;
+    if (copy) *copy = t;
 }
 
 // The largest finite |r| of float32 values raises *target (f64 bits; a maximum is the same in any
@@ -874,7 +876,8 @@ __device__ __forceinline__ void raw_chunk_with_feedback(const typename D::T* x, 
 }
 
 // Pass 2, with the tiles of pass 1 (a tile per block, its 8 warps taking wc chunks each): block 0
-// writes the header and the frame size; then, as the totals decide (the CPU reference's rule),
+// writes the header and the frame size (also to size_to unless null: the head of a row that an
+// exchange sends, without a copy queued after this kernel); then, as the totals decide (the CPU reference's rule),
 // either the elements' raw bytes, or the tile's staged planes (by the whole block) and each
 // chunk's exceptions in their places. With error feedback pass 1 has written the residuals a
 // quantized frame leaves, and kept the compensated values c of groups with exceptions (whose
@@ -883,8 +886,9 @@ __device__ __forceinline__ void raw_chunk_with_feedback(const typename D::T* x, 
 template <class D>
 __device__ void pack_chunks(const typename D::T* __restrict__ x, u64 n, u32 dtype, u32 mode, u32 fixed,
                             u32 ndim, const Dims& dims, u8* __restrict__ out, u8* __restrict__ ws,
-                            float* __restrict__ residual, u32 wc) {
+                            float* __restrict__ residual, u32 wc, u64* size_to, u64* max_to) {
     const CfcParams* pp = (const CfcParams*)ws;
+    float* const residual_in = residual;  // (`residual` is cleared below where it must stay)
     const Tiles ts = tiles_at(ws, n, (TILE_THREADS / 32) * wc);
     const u32 size = D::SIZE;
     const u64 groups = ts.groups;
@@ -984,13 +988,32 @@ __device__ void pack_chunks(const typename D::T* __restrict__ x, u64 n, u32 dtyp
                          raw ? 0 : n_exc, blen, ndim, dims);
         *(u64*)(ws + 64) = header_len + blen;
         *(u32*)(ws + 72) = raw ? 1u : 0u;
+        if (size_to) *size_to = header_len + blen;
+    }
+    // Error feedback's running maximum (cfc_hook's largest error sent): the largest finite
+    // |residual| of this block's chunks raises *max_to unless null, here rather than in a kernel
+    // of its own after this one. The residuals are final: pass 1 wrote a quantized frame's, and
+    // only this warp writes its chunks' in this pass (a raw frame's; the sync orders its lanes).
+    if (max_to && residual_in) {  // the same for the whole block: every thread reaches the sync
+        __syncwarp();
+        double m = 0.0;
+        for (u32 k = 0; k < wc && ch0 + k < ts.chunks; ++k) {
+            const float* rc = residual_in + (ch0 + k) * CHUNK_VALUES;
+            const u32 have = chunk_values(n, ch0 + k);
+            for (u32 j = lane; j < have; j += 32) {
+                const float v = fabsf(rc[j]);
+                if (v <= 3.402823466e38f) m = fmax(m, (double)v);  // finite only (NaN fails the test)
+            }
+        }
+        block_max_to(max_to, m);
     }
 }
 
 #define PACK_CHUNKS(name, D)                                                                       \
     extern "C" __global__ void cfc_codec_pack_chunks_##name(const D::T* x, u64 n, u32 dtype,       \
-            u32 mode, u32 fixed, u32 ndim, Dims dims, u8* out, u8* ws, float* residual, u32 wc) {  \
-        pack_chunks<D>(x, n, dtype, mode, fixed, ndim, dims, out, ws, residual, wc);               \
+            u32 mode, u32 fixed, u32 ndim, Dims dims, u8* out, u8* ws, float* residual, u32 wc,    \
+            u64* size_to, u64* max_to) {                                                           \
+        pack_chunks<D>(x, n, dtype, mode, fixed, ndim, dims, out, ws, residual, wc, size_to, max_to); \
     }
 DEFINE_FOR_DTYPES(PACK_CHUNKS)
 

@@ -2,12 +2,12 @@
 //! for each compressed CUDA bucket.
 //!
 //! [`BucketExchange::launch`] queues, on the caller's stream, the bucket's sum of squares (the
-//! next step's `rms` bound), its compression with error feedback and its frame size, then on a
-//! stream of the exchange's own the all-gather of every rank's row and a copy of the sizes to
-//! pinned host memory; it returns without waiting. [`BucketExchange::finish`] waits for those
+//! next step's `rms` bound), its compression with error feedback (whose last kernel also writes
+//! the frame's size into the row's head and raises the running maximum of the error sent), then
+//! on a stream of the exchange's own the all-gather of every rank's row and a copy of the sizes
+//! to pinned host memory; it returns without waiting. [`BucketExchange::finish`] waits for those
 //! sizes (within the communicator's timeout), and queues on the caller's stream the decoding of
-//! every rank's frame, added in rank order and averaged into the bucket, and the running
-//! maximum of the error sent. The frames are checked on the device before they are added (the
+//! every rank's frame, added in rank order and averaged into the bucket. The frames are checked on the device before they are added (the
 //! host sees only their sizes); a frame that is not what its header says leaves the bucket as
 //! it was, as every later decoding does, and [`BucketExchange::check_frames_seen`] reports it
 //! once the caller has waited for its stream. (Not earlier, without a wait: ranks would see
@@ -131,6 +131,9 @@ pub struct LaunchArgs {
     pub slot: u64,
     /// Every rank's row: `world * (ROW_HEAD + slot)` bytes.
     pub recv: u64,
+    /// 8 bytes of device memory holding the largest error sent so far (f64 bits), raised by
+    /// the residual this compression leaves; 0 for none.
+    pub max_error: u64,
 }
 
 /// Arguments of [`BucketExchange::finish`].
@@ -146,9 +149,6 @@ pub struct FinishArgs {
     pub workspace: u64,
     /// Its size.
     pub workspace_len: u64,
-    /// 8 bytes of device memory holding the largest error sent so far (f64 bits), raised by
-    /// this bucket's residual; 0 for none.
-    pub max_error: u64,
     /// Where the frames go when one outgrew its slot: `world` rows of the length the first
     /// call returned ([`Finish::Resend`]); 0 on the first call.
     pub resend_recv: u64,
@@ -177,7 +177,6 @@ struct InFlight {
     data: u64,
     n: u64,
     dtype: DType,
-    residual: u64,
     row: u64,
     capacity: u64,
     slot: u64,
@@ -343,16 +342,9 @@ impl BucketExchange {
                 workspace: a.workspace,
                 workspace_len: a.workspace_len,
                 residual: a.residual,
-            })?;
-            cuda::copy_rows(&cuda::CopyRowsArgs {
-                device,
-                stream: a.stream,
-                src: a.workspace + cuda::FRAME_SIZE_OFFSET,
-                src_pitch: 8,
-                dst: a.row,
-                dst_pitch: 8,
-                width: 8,
-                rows: 1,
+                // The row's head: the frame's size, written by the compressor itself.
+                size_to: a.row,
+                max_error_to: if a.residual != 0 { a.max_error } else { 0 },
             })?;
             entry.compressed.record(&caller).map_err(driver_err)?;
             self.side.wait(&entry.compressed).map_err(driver_err)?;
@@ -374,7 +366,6 @@ impl BucketExchange {
             data: a.data,
             n: a.n,
             dtype: a.dtype,
-            residual: a.residual,
             row: a.row,
             capacity: a.capacity,
             slot: a.slot,
@@ -472,9 +463,6 @@ impl BucketExchange {
                 status: self.status.ptr(),
             })?;
             self.status.publish(device, f.stream)?;
-            if f.max_error != 0 && fl.residual != 0 {
-                cuda::running_max_abs(device, f.stream, fl.residual, fl.n, f.max_error)?;
-            }
         }
         Ok(Finish::Done {
             sent: fl.sent,

@@ -294,7 +294,6 @@ struct Deferred {
     recv: u64,
     workspace: u64,
     workspace_len: u64,
-    max_error: u64,
     busy: f64,
 }
 
@@ -404,6 +403,7 @@ impl Worker {
             sum_squares,
             slot: layout.slot,
             recv: base + layout.recv_at,
+            max_error: if job.residual != 0 { c.max_error } else { 0 },
         };
         // SAFETY: the scratch buffer holds the row, the rows and the workspace at the offsets
         // above and lives until the step's end; the rest is `submit`'s contract.
@@ -417,7 +417,6 @@ impl Worker {
             recv: base + layout.recv_at,
             workspace: base + layout.workspace_at,
             workspace_len: layout.workspace_len,
-            max_error: if job.residual != 0 { c.max_error } else { 0 },
             busy,
         });
         Ok(())
@@ -499,7 +498,6 @@ impl Worker {
             scale: self.scale,
             workspace: d.workspace,
             workspace_len: d.workspace_len,
-            max_error: d.max_error,
             resend_recv: 0,
         };
         // SAFETY: the workspace is the bucket's scratch (live until the step's end); the rest

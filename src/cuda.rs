@@ -544,6 +544,14 @@ pub struct CompressArgs<'a> {
     /// Error feedback: `n` float32 residuals updated in place (see
     /// [`crate::compress_with_feedback`]), or 0 for none.
     pub residual: u64,
+    /// Where the frame's size is also written (a u64, 8-aligned device memory), or 0 for
+    /// nowhere: the head of a row that an exchange sends, written by the last kernel rather
+    /// than by a copy queued after it (one driver call fewer per frame).
+    pub size_to: u64,
+    /// With error feedback, a running maximum that the largest finite |residual| this frame
+    /// leaves raises (f64 bits in 8-aligned device memory; see [`running_max_abs`]), or 0 for
+    /// none: raised by the last kernel rather than by a kernel of its own after it.
+    pub max_error_to: u64,
 }
 
 fn launch_cfg(threads: u64, block: u32) -> LaunchConfig {
@@ -997,13 +1005,14 @@ unsafe fn lossless_chunks_on(
 
 /// Compresses on the device, producing exactly the bytes of [`crate::compress`], and returns
 /// without waiting for the GPU. The frame's size is written (as a u64) at
-/// [`FRAME_SIZE_OFFSET`] of the workspace; in `rel` mode a nonzero u32 at
-/// [`BOUND_ERROR_OFFSET`] means the bound was unusable (the CPU codec's `InvalidBound`).
+/// [`FRAME_SIZE_OFFSET`] of the workspace (and at `size_to`, if given; with error feedback,
+/// the residual's running maximum is raised at `max_error_to`, if given); in `rel` mode a nonzero
+/// u32 at [`BOUND_ERROR_OFFSET`] means the bound was unusable (the CPU codec's `InvalidBound`).
 ///
 /// # Safety
 /// Every pointer must be a device address on `args.device` valid for its stated length until
-/// the work queued on `args.stream` completes; `input`, `out`, `workspace` and `residual` must not
-/// overlap one another.
+/// the work queued on `args.stream` completes; `input`, `out`, `workspace`, `residual`,
+/// `size_to` and `max_error_to` must not overlap one another.
 ///
 /// # Errors
 /// [`Error::InvalidBound`], [`Error::ShapeMismatch`], [`Error::OutputSize`] for bad arguments
@@ -1043,6 +1052,17 @@ pub unsafe fn compress(args: &CompressArgs<'_>) -> Result<()> {
             expected: need_ws,
             got: args.workspace_len,
         });
+    }
+    for (what, at) in [
+        ("frame size's", args.size_to),
+        ("running maximum's", args.max_error_to),
+    ] {
+        if at % 8 != 0 {
+            // A misaligned store would be a device fault, which ends the whole context.
+            return Err(Error::Cuda(format!(
+                "compress: the {what} address {at:#x} is not 8-aligned"
+            )));
+        }
     }
     let _restore = ContextGuard::save()?;
     let dev = device(args.device)?;
@@ -1127,6 +1147,8 @@ pub unsafe fn compress(args: &CompressArgs<'_>) -> Result<()> {
             ws,
             residual,
             Arg::U32(wc as u32),
+            Arg::Ptr(args.size_to),
+            Arg::Ptr(args.max_error_to),
         ];
         launch(
             &stream,
@@ -1414,23 +1436,24 @@ unsafe fn checked_part_offsets(
     let parts = frames.len() as u64;
     // SAFETY: (every launch) this function's contract; `launch` checks each argument list.
     unsafe {
-        for (at, values) in [(table, frames), (table + 8 * parts, lens)] {
-            for (b, batch) in values.chunks(MAX_NDIM).enumerate() {
-                let mut eight = [0u64; MAX_NDIM];
-                eight[..batch.len()].copy_from_slice(batch);
-                launch(
-                    stream,
-                    &k.sum_table,
-                    Family::Codec,
-                    "sum_table",
-                    launch_cfg(32, 32),
-                    &[
-                        Arg::Ptr(at + 8 * (b * MAX_NDIM) as u64),
-                        Arg::Dims(Dims(eight)),
-                        Arg::U32(batch.len() as u32),
-                    ],
-                )?;
-            }
+        // The frames' addresses, then their lengths, back to back: eight values a launch (one
+        // launch for up to four frames).
+        let values: Vec<u64> = frames.iter().chain(lens).copied().collect();
+        for (b, batch) in values.chunks(MAX_NDIM).enumerate() {
+            let mut eight = [0u64; MAX_NDIM];
+            eight[..batch.len()].copy_from_slice(batch);
+            launch(
+                stream,
+                &k.sum_table,
+                Family::Codec,
+                "sum_table",
+                launch_cfg(32, 32),
+                &[
+                    Arg::Ptr(table + 8 * (b * MAX_NDIM) as u64),
+                    Arg::Dims(Dims(eight)),
+                    Arg::U32(batch.len() as u32),
+                ],
+            )?;
         }
         let mut offsets = launch_cfg(tile_layout(n, TILE_CHUNKS).spans * BLOCK as u64, BLOCK);
         offsets.grid_dim.1 = frames.len() as u32;
@@ -1920,10 +1943,18 @@ pub unsafe fn sum_squares(args: &SumSquaresArgs) -> Result<()> {
             &partial,
         )
     }?;
+    // Where kernels can write `out` (device memory, or pinned memory mapped into the device's
+    // addresses, as PyTorch's and cfc's pinned buffers are), the last kernel writes it too;
+    // elsewhere a copy is queued after it.
+    let copy = match args.out {
+        0 => 0,
+        out => kernel_view(out).filter(|v| v % 8 == 0).unwrap_or(0),
+    };
     let total = [
         Arg::Ptr(args.workspace),
         Arg::U32(blocks as u32),
         Arg::Ptr(sum_at),
+        Arg::Ptr(copy),
     ];
     // SAFETY: as above; `blocks` partials were written, the sum goes after the last possible one.
     unsafe {
@@ -1936,13 +1967,31 @@ pub unsafe fn sum_squares(args: &SumSquaresArgs) -> Result<()> {
             &total,
         )
     }?;
-    if args.out == 0 {
+    if args.out == 0 || copy != 0 {
         return Ok(());
     }
     // SAFETY: `out` holds 8 bytes until the copy completes (this function's contract).
     unsafe { sys::cuMemcpyAsync(args.out, sum_at, 8, stream.cu_stream()) }
         .result()
         .map_err(driver_err)
+}
+
+/// The address through which kernels of the thread's current context reach `addr`: itself for
+/// device memory, the mapped address for pinned host memory; None where kernels cannot reach it
+/// (pageable memory, pinned memory that is not mapped) or the driver does not say. A query:
+/// it queues nothing.
+fn kernel_view(addr: u64) -> Option<u64> {
+    let mut view: sys::CUdeviceptr = 0;
+    // SAFETY: this attribute's value is a `CUdeviceptr`, written to `view`, which outlives the
+    // call; any `addr` may be asked about.
+    let r = unsafe {
+        sys::cuPointerGetAttribute(
+            (&mut view as *mut sys::CUdeviceptr).cast(),
+            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_POINTER,
+            addr,
+        )
+    };
+    (r == sys::CUresult::CUDA_SUCCESS && view != 0).then_some(view)
 }
 
 /// Queues `*target = max(*target, max |finite r|)` over `n` float32 at `residual`, with the

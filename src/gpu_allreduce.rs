@@ -643,24 +643,17 @@ impl GpuAllReducer {
                 workspace: plan.workspace.ptr(),
                 workspace_len: plan.workspace.len() as u64,
                 residual: plan.residual.as_ref().map_or(0, |r| r.ptr() + 4 * ch.start),
+                // The row's head: the frame's size, written by the compressor itself.
+                size_to: row,
+                max_error_to: 0,
             };
             let row_len = ROW_HEAD + ch.slot;
             let recv = plan.recv.ptr() + ch.recv_at;
-            // SAFETY: every buffer was sized for this chunk by `plan`; `data` is the caller's
-            // (this function's contract); the workspace is reused by the next chunk only after
-            // the size was copied out of it, in the order of the caller's stream.
+            // SAFETY: every buffer was sized for this chunk by `plan` (rows start 16-aligned);
+            // `data` is the caller's (this function's contract); the workspace is reused by the
+            // next chunk in the order of the caller's stream.
             unsafe {
                 cuda::compress(&args)?;
-                cuda::copy_rows(&cuda::CopyRowsArgs {
-                    device,
-                    stream,
-                    src: plan.workspace.ptr() + cuda::FRAME_SIZE_OFFSET,
-                    src_pitch: 8,
-                    dst: row,
-                    dst_pitch: 8,
-                    width: 8,
-                    rows: 1,
-                })?;
                 let compressed = caller.record_event(None).map_err(driver_err)?;
                 self.stream.wait(&compressed).map_err(driver_err)?;
                 self.comm.all_gather(row, recv, row_len as usize, comm_cu)?;

@@ -72,7 +72,9 @@ pub(crate) const SIGNATURES: &[(Family, &str, bool, &[Ty])] = &[
         Family::Codec,
         "pack_chunks",
         true,
-        &[Ptr, U64, U32, U32, U32, U32, Dims, Ptr, Ptr, Ptr, U32],
+        &[
+            Ptr, U64, U32, U32, U32, U32, Dims, Ptr, Ptr, Ptr, U32, Ptr, Ptr,
+        ],
     ),
     (
         Family::Codec,
@@ -142,7 +144,7 @@ pub(crate) const SIGNATURES: &[(Family, &str, bool, &[Ty])] = &[
         &[Ptr, Ptr, U64, U32, U32, Dims, Ptr, Ptr, Ptr],
     ),
     (Family::Codec, "sum_squares", true, &[Ptr, U64, Ptr, Ptr]),
-    (Family::Codec, "sum_partials", false, &[Ptr, U32, Ptr]),
+    (Family::Codec, "sum_partials", false, &[Ptr, U32, Ptr, Ptr]),
     (Family::Codec, "running_max_abs", false, &[Ptr, U64, Ptr]),
     (Family::Lossless, "lengths", false, &[Ptr, U64, U64, Ptr]),
     (

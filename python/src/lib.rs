@@ -701,9 +701,10 @@ fn cuda_compress_lossless(
 /// Queues compression of device memory on a CUDA stream (returns before the GPU finishes).
 ///
 /// The caller (cfc.codec) passes `data_ptr()`s of live CUDA tensors on `device` that it keeps
-/// referenced, and `stream` = `torch.cuda.current_stream(device).cuda_stream`.
+/// referenced, and `stream` = `torch.cuda.current_stream(device).cuda_stream`. `size_ptr` and
+/// `max_error_ptr` (0: none) are `CompressArgs::size_to` and `CompressArgs::max_error_to`.
 #[pyfunction]
-#[pyo3(signature = (device, stream, input_ptr, numel, dtype, shape, out_ptr, out_len, ws_ptr, ws_len, *, eps=None, rel=None, bits=None, residual_ptr=0))]
+#[pyo3(signature = (device, stream, input_ptr, numel, dtype, shape, out_ptr, out_len, ws_ptr, ws_len, *, eps=None, rel=None, bits=None, residual_ptr=0, size_ptr=0, max_error_ptr=0))]
 #[allow(clippy::too_many_arguments)]
 fn cuda_compress(
     py: Python<'_>,
@@ -721,6 +722,8 @@ fn cuda_compress(
     rel: Option<f64>,
     bits: Option<i64>,
     residual_ptr: u64,
+    size_ptr: u64,
+    max_error_ptr: u64,
 ) -> PyResult<()> {
     let args = cfc::cuda::CompressArgs {
         device,
@@ -735,6 +738,8 @@ fn cuda_compress(
         workspace: ws_ptr,
         workspace_len: ws_len,
         residual: residual_ptr,
+        size_to: size_ptr,
+        max_error_to: max_error_ptr,
     };
     // SAFETY: cfc.codec passes data_ptr()s and sizes of CUDA tensors on `device` that it keeps
     // alive (and, through torch's caching allocator, unreused) until the stream's work is done.
@@ -1156,7 +1161,7 @@ impl BucketExchange {
 
     /// Queues bucket `key`'s sum of squares (when `sum_ws_ptr` is not 0), compression and frame
     /// exchange; see `cfc::bucket_exchange::LaunchArgs` (returns before the GPU finishes).
-    #[pyo3(signature = (key, stream, data_ptr, numel, dtype, residual_ptr, row_ptr, capacity, ws_ptr, ws_len, sum_ws_ptr, sum_out_ptr, slot, recv_ptr, *, eps=None, rel=None))]
+    #[pyo3(signature = (key, stream, data_ptr, numel, dtype, residual_ptr, row_ptr, capacity, ws_ptr, ws_len, sum_ws_ptr, sum_out_ptr, slot, recv_ptr, max_error_ptr, *, eps=None, rel=None))]
     #[allow(clippy::too_many_arguments)]
     fn launch(
         &self,
@@ -1175,6 +1180,7 @@ impl BucketExchange {
         sum_out_ptr: u64,
         slot: u64,
         recv_ptr: u64,
+        max_error_ptr: u64,
         eps: Option<f64>,
         rel: Option<f64>,
     ) -> PyResult<()> {
@@ -1193,6 +1199,7 @@ impl BucketExchange {
             sum_squares: (sum_ws_ptr != 0).then_some((sum_ws_ptr, sum_out_ptr)),
             slot,
             recv: recv_ptr,
+            max_error: max_error_ptr,
         };
         // SAFETY: cfc.ddp passes data_ptr()s of CUDA tensors on the communicator's device of the
         // sizes the arguments state, which it keeps referenced until the bucket's finish has
@@ -1203,7 +1210,7 @@ impl BucketExchange {
     /// Waits for bucket `key`'s frame sizes and queues the average into the bucket. Returns
     /// `(0, bytes sent, next slot)` when done, or `(row length, 0, 0)` when a frame outgrew its
     /// slot: call again with `resend_recv_ptr` holding `world` rows of that length.
-    #[pyo3(signature = (key, stream, scale, ws_ptr, ws_len, max_error_ptr, resend_recv_ptr=0))]
+    #[pyo3(signature = (key, stream, scale, ws_ptr, ws_len, resend_recv_ptr=0))]
     #[allow(clippy::too_many_arguments)]
     fn finish(
         &self,
@@ -1213,7 +1220,6 @@ impl BucketExchange {
         scale: f32,
         ws_ptr: u64,
         ws_len: u64,
-        max_error_ptr: u64,
         resend_recv_ptr: u64,
     ) -> PyResult<(u64, u64, u64)> {
         use cfc::bucket_exchange::Finish;
@@ -1223,7 +1229,6 @@ impl BucketExchange {
             scale,
             workspace: ws_ptr,
             workspace_len: ws_len,
-            max_error: max_error_ptr,
             resend_recv: resend_recv_ptr,
         };
         // SAFETY: as launch; the workspace and the resend rows are CUDA tensors of the stated

@@ -320,6 +320,46 @@ def test_gpu_compress_writes_nothing_past_the_capacity_or_workspace(dtype, feedb
     assert bytes(out[guard : guard + size].cpu().numpy()) == want
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("eps", [1e-2, 1e-12], ids=["quantized", "raw"])
+@pytest.mark.parametrize("n", [33, 4097, (1 << 18) + 5, (24 << 20) + 7])
+def test_gpu_compress_writes_its_size_and_raises_the_running_maximum(dtype, eps, n):
+    """The compressor's last kernel also writes the frame's size where it is asked to (the head
+    of an exchange's row) and raises a running maximum by the largest finite |residual| it
+    leaves (cfc_hook's max_error), where a copy and a kernel of their own did before: for
+    quantized frames and raw ones (whose residuals that kernel rewrites), in both geometries of
+    the encoder (the largest n takes 4 chunks per warp). A maximum already higher stays."""
+    from cfc import _native
+
+    name = str(dtype).split(".")[1]
+    g = torch.Generator().manual_seed(n)
+    x = (torch.randn(n, generator=g) * 0.01).to(dtype).cuda()
+    r = (torch.randn(n, generator=g) * 1e-3).cuda()
+    cap = _native.cuda_compress_capacity(n, name, 1, eps=eps)
+    ws_len = _native.cuda_workspace_len(n, compress=True, feedback=True)
+    out = torch.empty(cap, dtype=torch.uint8, device="cuda")
+    ws = torch.empty(ws_len, dtype=torch.uint8, device="cuda")
+    size = torch.full((2,), -1, dtype=torch.int64, device="cuda")  # [1] stays: nothing past 8 bytes
+    most = torch.zeros(2, dtype=torch.float64, device="cuda")
+    most[1] = 1e9  # already higher
+    stream = torch.cuda.current_stream().cuda_stream
+    for target in (most.data_ptr(), most.data_ptr() + 8):
+        r_step = r.clone()
+        _native.cuda_compress(0, stream, x.data_ptr(), n, name, [n], out.data_ptr(), cap, ws.data_ptr(), ws_len,
+                              eps=eps, residual_ptr=r_step.data_ptr(), size_ptr=size.data_ptr(),
+                              max_error_ptr=target)
+    torch.cuda.synchronize()
+    at = _native.CUDA_FRAME_SIZE_OFFSET
+    in_ws = int(ws[at : at + 8].cpu().numpy().view(np.int64)[0])
+    assert size.tolist() == [in_ws, -1]
+    raw = int(out[5].item()) == 1  # the header's codec byte: 1 raw, 0 quantized
+    assert raw == (eps < 1e-6), "the test's bounds no longer give the frames it means to cover"
+    left = r_step.double().abs()
+    want = float(left[torch.isfinite(left)].max())
+    assert want > 0 or (raw and dtype == torch.float32)  # float32 sent raw is sent exactly
+    assert most.tolist() == [want, 1e9]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("feedback", [False, True], ids=["plain", "feedback"])
 def test_gpu_large_input_matches_cpu(dtype, feedback):
@@ -593,6 +633,27 @@ def test_gpu_sum_squares_matches_float64_and_repeats_its_bits(dtype, n):
     assert again[0].item() == first[1].item()  # deterministic, to the bit
 
 
+def test_gpu_sum_squares_reaches_device_pinned_and_pageable_memory():
+    """The sum goes wherever ``out`` points: device memory and pinned memory, which kernels
+    reach (the last kernel writes it there itself), and pageable host memory, which they may
+    not (a copy is queued instead). The same bits in all three."""
+    n = 100_003
+    x = torch.randn(n, generator=torch.Generator(device="cuda").manual_seed(1), device="cuda")
+    ws = torch.empty(cfc._native.CUDA_SUM_SQUARES_WORKSPACE, dtype=torch.uint8, device="cuda")
+    outs = {
+        "device": torch.zeros(1, dtype=torch.float64, device="cuda"),
+        "pinned": torch.zeros(1, dtype=torch.float64, pin_memory=True),
+        "pageable": torch.zeros(1, dtype=torch.float64),
+    }
+    stream = torch.cuda.current_stream().cuda_stream
+    for out in outs.values():
+        cfc._native.cuda_sum_squares(0, stream, x.data_ptr(), n, "float32", 0, ws.data_ptr(), out.data_ptr())
+    torch.cuda.synchronize()
+    got = {k: v.item() for k, v in outs.items()}
+    assert got["device"] == pytest.approx(float((x.double() ** 2).sum()), rel=1e-12, abs=0.0)
+    assert got["pinned"] == got["device"] == got["pageable"], got
+
+
 def test_gpu_sum_squares_refuses_other_dtypes():
     ws = torch.empty(cfc._native.CUDA_SUM_SQUARES_WORKSPACE, dtype=torch.uint8, device="cuda")
     x = torch.ones(4, dtype=torch.int32, device="cuda")
@@ -654,8 +715,8 @@ def test_native_exchange_resend_waits_for_work_queued_on_the_callers_stream():
         mem = torch.empty(at["len"], dtype=torch.uint8, device=dev)
         base = mem.data_ptr()
         exchange.launch(1, stream.cuda_stream, x.data_ptr(), n, "float32", 0, base, cap, base + ws_at, ws_len, 0, 0,
-                        slot, base + row, eps=eps)
-        args = (1, stream.cuda_stream, 1.0, base + ws_at, ws_len, 0)
+                        slot, base + row, 0, eps=eps)
+        args = (1, stream.cuda_stream, 1.0, base + ws_at, ws_len)
         need = exchange.finish(*args)[0]
         assert need > 16 + slot
         # The first launch of a kernel may wait for the device to go idle (CUDA loads kernels
@@ -696,17 +757,17 @@ def test_native_exchange_reports_a_bad_frame_and_leaves_the_bucket_as_it_was():
     mem = torch.empty(at["len"], dtype=torch.uint8, device=dev)
     base, stream = mem.data_ptr(), torch.cuda.current_stream(dev)
     launch = (1, stream.cuda_stream, x.data_ptr(), n, "float32", 0, base, cap, base + ws_at, ws_len, 0, 0,
-              cap, base + row)
+              cap, base + row, 0)
     exchange.launch(*launch, eps=eps)
     stream.synchronize()  # the frame is in the received row
     mem[row + 16 + 72 + 3] = 200  # its fourth group's width
-    assert exchange.finish(1, stream.cuda_stream, 1.0, base + ws_at, ws_len, 0)[0] == 0
+    assert exchange.finish(1, stream.cuda_stream, 1.0, base + ws_at, ws_len)[0] == 0
     stream.synchronize()
     assert torch.equal(x, want), "the bucket was written from a bad frame"
     with pytest.raises(cfc.CfcError, match="bad frame"):
         exchange.check()
     exchange.launch(*launch, eps=eps)  # a sound frame this time, but nothing more is decoded
-    assert exchange.finish(1, stream.cuda_stream, 1.0, base + ws_at, ws_len, 0)[0] == 0
+    assert exchange.finish(1, stream.cuda_stream, 1.0, base + ws_at, ws_len)[0] == 0
     stream.synchronize()
     assert torch.equal(x, want), "a bucket was decoded after a bad frame"
     with pytest.raises(cfc.CfcError, match="bad frame"):

@@ -89,6 +89,8 @@ def cuda_compress(
     rel: Optional[float] = None,
     bits: Optional[int] = None,
     residual_ptr: int = 0,
+    size_ptr: int = 0,
+    max_error_ptr: int = 0,
 ) -> None: ...
 def cuda_decompress(
     device: int,
@@ -188,6 +190,7 @@ class BucketExchange:
         sum_out_ptr: int,
         slot: int,
         recv_ptr: int,
+        max_error_ptr: int,
         *,
         eps: Optional[float] = None,
         rel: Optional[float] = None,
@@ -199,7 +202,6 @@ class BucketExchange:
         scale: float,
         ws_ptr: int,
         ws_len: int,
-        max_error_ptr: int,
         resend_recv_ptr: int = 0,
     ) -> Tuple[int, int, int]: ...
     def check(self) -> None: ...

@@ -1839,9 +1839,11 @@ def _exchange_launch(state: CfcState, stream, index, x, xr, units, scaled, buf, 
     slot, ws_at, ws_len = at["slot"], at["workspace_at"], at["workspace_len"]
     mem = torch.empty(at["len"], dtype=torch.uint8, device=dev)
     base = mem.data_ptr()
+    # The compressor raises the running maximum of the error sent with the residual it leaves.
+    target = 0 if xr is None or not xr.numel() else _max_error_target(state, dev).data_ptr()
     try:
         ex.launch(index, stream.cuda_stream, x.data_ptr(), n, name, 0 if xr is None else xr.data_ptr(), base,
-                  at["capacity"], base + ws_at, ws_len, sum_ws, sum_out, slot, base + at["recv_at"], eps=eps)
+                  at["capacity"], base + ws_at, ws_len, sum_ws, sum_out, slot, base + at["recv_at"], target, eps=eps)
     except BaseException:
         worker.kept.append(mem)  # the all-gather may be queued: see _CommThread.kept
         raise
@@ -1850,10 +1852,9 @@ def _exchange_launch(state: CfcState, stream, index, x, xr, units, scaled, buf, 
     def finish():
         t1 = time.perf_counter()
         scale = _reciprocal(world)
-        target = 0 if xr is None or not xr.numel() else _max_error_target(state, dev).data_ptr()
         # (`mem` is referenced here so that it lives until the decoding is queued; the caching
         # allocator reuses it only for work queued on this stream after that.)
-        args = (index, stream.cuda_stream, scale, mem.data_ptr() + ws_at, ws_len, target)
+        args = (index, stream.cuda_stream, scale, mem.data_ptr() + ws_at, ws_len)
         rows = None
         try:
             need, sent, slot_next = ex.finish(*args)
