@@ -11,6 +11,10 @@ slower than ``ddp_step_time.py``'s; they are printed to show what the stages add
 ``--cprofile N`` also runs cProfile over the comm thread's stages (much slower) and prints the
 N functions with the most time of their own, per compressed bucket. (From Python 3.12 cProfile
 sees every thread while enabled, so the autograd thread's calls may show up in it too.)
+The native exchange's two calls are timed on their own ("native BucketExchange.launch" and
+".finish", the latter with its wait for the frame sizes), which tells the time spent in cfc's
+Rust code and the CUDA driver from the Python around it. (The pipeline, off by default, takes
+the exchange itself: this profile does not run it.)
 """
 
 import argparse
@@ -54,6 +58,30 @@ def _profiled(prof, fn):
 _depth = [0]  # only the comm thread enters _profiled
 
 
+class _TimedExchange:
+    """A native exchange whose ``launch`` and ``finish`` are timed (the methods of a native
+    class cannot be patched: the hook gets this stand-in, which passes everything else on)."""
+
+    def __init__(self, exchange):
+        self._exchange = exchange
+        self.launch = hp._timed("  native BucketExchange.launch", exchange.launch)
+        self.finish = hp._timed("  native BucketExchange.finish (incl. wait)", exchange.finish)
+
+    def __getattr__(self, name):
+        return getattr(self._exchange, name)
+
+
+def _timed_exchanges():
+    """Every exchange the hook opens from now on is a :class:`_TimedExchange`."""
+    open_exchange = ddp._open_exchange
+
+    def opened(*a, **kw):
+        exchange = open_exchange(*a, **kw)
+        return None if exchange is None else _TimedExchange(exchange)
+
+    ddp._open_exchange = opened
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--caps", default="25", help="DDP bucket sizes in MB, comma-separated")
@@ -65,6 +93,7 @@ def main():
     rank = dist.get_rank()
     torch.cuda.set_device(rank)
     hp._instrument()
+    _timed_exchanges()
     st.cfc.cfc_hook = hp._timed("cfc_hook (autograd thread)", ddp.cfc_hook)  # what Runner registers
     profs = {}
     if args.cprofile:
