@@ -14,7 +14,8 @@ sees every thread while enabled, so the autograd thread's calls may show up in i
 The native exchange's two calls are timed on their own ("native BucketExchange.launch" and
 ".finish", the latter with its wait for the frame sizes), which tells the time spent in cfc's
 Rust code and the CUDA driver from the Python around it. (The pipeline, off by default, takes
-the exchange itself: this profile does not run it.)
+the exchange itself: this profile does not run it.) ``--hook-parts`` also times the hook's
+own steps on the autograd thread (each timer adds a few microseconds to the hook's time).
 """
 
 import argparse
@@ -71,6 +72,17 @@ class _TimedExchange:
         return getattr(self._exchange, name)
 
 
+def _timed_hook_parts():
+    """Timers on the steps of cfc_hook's CUDA path, on the autograd thread (``--hook-parts``)."""
+    for name in ("_ordinals", "_parts", "_residual", "_end_of_bucket", "_compress_this", "_feeds", "_phase"):
+        setattr(ddp.CfcState, name, hp._timed(f"  hook: CfcState.{name}", getattr(ddp.CfcState, name)))
+    for name in ("caller_stream", "submit_all"):
+        setattr(ddp._CommThread, name, hp._timed(f"  hook: _CommThread.{name}", getattr(ddp._CommThread, name)))
+    for name in ("_fast_step", "_pipeline_step", "_gpu_submit"):
+        setattr(ddp, name, hp._timed(f"  hook: {name}", getattr(ddp, name)))
+    torch.cuda.Event.record = hp._timed("  hook: torch.cuda.Event.record", torch.cuda.Event.record)
+
+
 def _timed_exchanges():
     """Every exchange the hook opens from now on is a :class:`_TimedExchange`."""
     open_exchange = ddp._open_exchange
@@ -88,12 +100,15 @@ def main():
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--cprofile", type=int, default=0, help="print this many functions of a cProfile run")
+    p.add_argument("--hook-parts", action="store_true", help="also time the hook's steps on the autograd thread")
     args = p.parse_args()
     dist.init_process_group("nccl")
     rank = dist.get_rank()
     torch.cuda.set_device(rank)
     hp._instrument()
     _timed_exchanges()
+    if args.hook_parts:
+        _timed_hook_parts()
     st.cfc.cfc_hook = hp._timed("cfc_hook (autograd thread)", ddp.cfc_hook)  # what Runner registers
     profs = {}
     if args.cprofile:
