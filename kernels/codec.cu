@@ -877,9 +877,9 @@ __device__ __forceinline__ void raw_chunk_with_feedback(const typename D::T* x, 
 
 // Pass 2, with the tiles of pass 1 (a tile per block, its 8 warps taking wc chunks each): block 0
 // writes the header and the frame size (also to size_to unless null: the head of a row that an
-// exchange sends, without a copy queued after this kernel); then, as the totals decide (the CPU reference's rule),
-// either the elements' raw bytes, or the tile's staged planes (by the whole block) and each
-// chunk's exceptions in their places. With error feedback pass 1 has written the residuals a
+// exchange sends, without a copy queued after this kernel); then, as the totals decide (the CPU
+// reference's rule), either the elements' raw bytes, or the tile's staged planes (by the whole
+// block) and each chunk's exceptions in their places. With error feedback pass 1 has written the residuals a
 // quantized frame leaves, and kept the compensated values c of groups with exceptions (whose
 // values are sent as they are); only a frame that falls back to raw rewrites the residuals,
 // each c being rebuilt as decoded + residual from the staged planes, or read where kept.
@@ -1013,7 +1013,8 @@ __device__ void pack_chunks(const typename D::T* __restrict__ x, u64 n, u32 dtyp
     extern "C" __global__ void cfc_codec_pack_chunks_##name(const D::T* x, u64 n, u32 dtype,       \
             u32 mode, u32 fixed, u32 ndim, Dims dims, u8* out, u8* ws, float* residual, u32 wc,    \
             u64* size_to, u64* max_to) {                                                           \
-        pack_chunks<D>(x, n, dtype, mode, fixed, ndim, dims, out, ws, residual, wc, size_to, max_to); \
+        pack_chunks<D>(x, n, dtype, mode, fixed, ndim, dims, out, ws, residual, wc, size_to,       \
+                       max_to);                                                                    \
     }
 DEFINE_FOR_DTYPES(PACK_CHUNKS)
 

@@ -7,10 +7,10 @@
 //! on a stream of the exchange's own the all-gather of every rank's row and a copy of the sizes
 //! to pinned host memory; it returns without waiting. [`BucketExchange::finish`] waits for those
 //! sizes (within the communicator's timeout), and queues on the caller's stream the decoding of
-//! every rank's frame, added in rank order and averaged into the bucket. The frames are checked on the device before they are added (the
-//! host sees only their sizes); a frame that is not what its header says leaves the bucket as
-//! it was, as every later decoding does, and [`BucketExchange::check_frames_seen`] reports it
-//! once the caller has waited for its stream. (Not earlier, without a wait: ranks would see
+//! every rank's frame, added in rank order and averaged into the bucket. The frames are checked
+//! on the device before they are added (the host sees only their sizes); a frame that is not
+//! what its header says leaves the bucket as it was, as every later decoding does, and
+//! [`BucketExchange::check_frames_seen`] reports it once the caller has waited for its stream. (Not earlier, without a wait: ranks would see
 //! the status copy arrive at different buckets, and one that stopped there would leave its
 //! peers waiting in the next bucket's all-gather.) The caller launches the next bucket before
 //! finishing this one, so its compression runs while this one is on the wire.
