@@ -6,6 +6,9 @@ against its waits for the GPU and the call's total. Run under torchrun (1 or mor
 Every stage named below is wrapped with a timer (per thread, per call); "waits" is the time
 spent in CUDA event synchronizations, i.e. the thread idle until the GPU got there. What no
 stage accounts for is the comm thread's other Python (queueing, closures, accounting).
+The native exchange's two calls are timed on their own ("native BucketExchange.launch" and
+".finish", the latter with its wait for the frame sizes): the time in cfc's Rust code and the
+CUDA driver, against the Python around it ("native exchange: launch").
 """
 
 import argparse
@@ -41,7 +44,33 @@ def _timed(label, fn):
     return wrapper
 
 
+class _TimedExchange:
+    """A native exchange whose ``launch`` and ``finish`` are timed (the methods of a native
+    class cannot be patched: the hook gets this stand-in, which passes everything else on)."""
+
+    def __init__(self, exchange):
+        self._exchange = exchange
+        self.launch = _timed("  native BucketExchange.launch", exchange.launch)
+        self.finish = _timed("  native BucketExchange.finish (incl. wait)", exchange.finish)
+
+    def __getattr__(self, name):
+        return getattr(self._exchange, name)
+
+
+def _timed_exchanges():
+    """Every exchange cfc opens from now on is a :class:`_TimedExchange`. (The pipeline, off by
+    default, needs the native exchange itself: with these timers it cannot run.)"""
+    open_exchange = ddp._open_exchange
+
+    def opened(*a, **kw):
+        exchange = open_exchange(*a, **kw)
+        return None if exchange is None else _TimedExchange(exchange)
+
+    ddp._open_exchange = opened
+
+
 def _instrument():
+    _timed_exchanges()
     ddp._finite_sumsq = _timed("sum of squares", ddp._finite_sumsq)  # CPU buckets, the reduce-scatter
     ddp._sum_squares = _timed("sum of squares", ddp._sum_squares)  # CUDA buckets, the all-gather
     cfc.compress = _timed("cfc.compress", cfc.compress)  # the reduce-scatter's shards

@@ -11,11 +11,9 @@ slower than ``ddp_step_time.py``'s; they are printed to show what the stages add
 ``--cprofile N`` also runs cProfile over the comm thread's stages (much slower) and prints the
 N functions with the most time of their own, per compressed bucket. (From Python 3.12 cProfile
 sees every thread while enabled, so the autograd thread's calls may show up in it too.)
-The native exchange's two calls are timed on their own ("native BucketExchange.launch" and
-".finish", the latter with its wait for the frame sizes), which tells the time spent in cfc's
-Rust code and the CUDA driver from the Python around it. (The pipeline, off by default, takes
-the exchange itself: this profile does not run it.) ``--hook-parts`` also times the hook's
-own steps on the autograd thread (each timer adds a few microseconds to the hook's time).
+The native exchange's two calls are timed on their own (see ``allreduce_host_profile.py``;
+the pipeline, off by default, is not run here). ``--hook-parts`` also times the hook's own
+steps on the autograd thread (each timer adds a few microseconds to the hook's time).
 """
 
 import argparse
@@ -59,19 +57,6 @@ def _profiled(prof, fn):
 _depth = [0]  # only the comm thread enters _profiled
 
 
-class _TimedExchange:
-    """A native exchange whose ``launch`` and ``finish`` are timed (the methods of a native
-    class cannot be patched: the hook gets this stand-in, which passes everything else on)."""
-
-    def __init__(self, exchange):
-        self._exchange = exchange
-        self.launch = hp._timed("  native BucketExchange.launch", exchange.launch)
-        self.finish = hp._timed("  native BucketExchange.finish (incl. wait)", exchange.finish)
-
-    def __getattr__(self, name):
-        return getattr(self._exchange, name)
-
-
 def _timed_hook_parts():
     """Timers on the steps of cfc_hook's CUDA path, on the autograd thread (``--hook-parts``)."""
     for name in ("_ordinals", "_parts", "_residual", "_end_of_bucket", "_compress_this", "_feeds", "_phase"):
@@ -81,17 +66,6 @@ def _timed_hook_parts():
     for name in ("_fast_step", "_pipeline_step", "_gpu_submit"):
         setattr(ddp, name, hp._timed(f"  hook: {name}", getattr(ddp, name)))
     torch.cuda.Event.record = hp._timed("  hook: torch.cuda.Event.record", torch.cuda.Event.record)
-
-
-def _timed_exchanges():
-    """Every exchange the hook opens from now on is a :class:`_TimedExchange`."""
-    open_exchange = ddp._open_exchange
-
-    def opened(*a, **kw):
-        exchange = open_exchange(*a, **kw)
-        return None if exchange is None else _TimedExchange(exchange)
-
-    ddp._open_exchange = opened
 
 
 def main():
@@ -106,7 +80,6 @@ def main():
     rank = dist.get_rank()
     torch.cuda.set_device(rank)
     hp._instrument()
-    _timed_exchanges()
     if args.hook_parts:
         _timed_hook_parts()
     st.cfc.cfc_hook = hp._timed("cfc_hook (autograd thread)", ddp.cfc_hook)  # what Runner registers
