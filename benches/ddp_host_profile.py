@@ -75,6 +75,7 @@ def main():
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--cprofile", type=int, default=0, help="print this many functions of a cProfile run")
     p.add_argument("--hook-parts", action="store_true", help="also time the hook's steps on the autograd thread")
+    p.add_argument("--graphs", action="store_true", help="the native exchange submits CUDA graphs (set_graphs)")
     args = p.parse_args()
     dist.init_process_group("nccl")
     rank = dist.get_rank()
@@ -89,7 +90,7 @@ def main():
         ddp._gpu_launch = _profiled(profs["cfc-comm"], ddp._gpu_launch)
         ddp._CommThread._run_deferred = _profiled(profs["cfc-comm"], ddp._CommThread._run_deferred)
     for cap in args.caps.split(","):
-        runner = st.Runner(f"cfc:cap{cap}", rank)
+        runner = st.Runner(f"cfc{'-graphs' if args.graphs else ''}:cap{cap}", rank)
         for _ in range(args.warmup):
             runner.step()
         runner.state.reset_stats()
@@ -105,9 +106,11 @@ def main():
         s = runner.state.stats()
         buckets = s["compressed_buckets"] / args.steps
         if rank == 0:
-            print(f"\ncfc, {cap} MB buckets, {dist.get_world_size()} GPUs, {os.environ.get('LABEL', '')}: "
+            print(f"\ncfc{' with graphs' if args.graphs else ''}, {cap} MB buckets, {dist.get_world_size()} GPUs, {os.environ.get('LABEL', '')}: "
                   f"{buckets:.0f} compressed buckets per step, step {1e3 * statistics.median(steps):.1f} ms "
-                  f"(median of {args.steps}, timers on), {s['ratio']:.1f}x fewer bytes")
+                  f"(median of {args.steps}, timers on), {s['ratio']:.1f}x fewer bytes"
+                  + (f", {runner.state._exchange.graphs_instantiated()} graphs made"
+                     if args.graphs and runner.state._exchange is not None else ""))
             print("| thread | stage | ms per step | us per bucket |\n|---|---|---|---|")
             with hp._lock:
                 rows = sorted(hp._times.items())

@@ -181,7 +181,8 @@ def register(ddp, name, clock=None):
         # they poll without a pause for 5 ms); cfc-...-plain: no bucket compressed (every one
         # NCCL's average through cfc's engine: its threads and collectives without the codec);
         # cfc-warm: every step a warm-up step (NCCL's average from the autograd thread, inside the
-        # hook, as DDP's built-in all-reduce makes it);
+        # hook, as DDP's built-in all-reduce makes it); cfc-...-graphs: the native exchange
+        # submits each bucket's compression and decoding as one CUDA graph each;
         # any hook:capN sets bucket_cap_mb
         rms = float(name.split("@")[1]) if "@" in name else 0.3
         algorithm = "all-gather" if "-ag" in name else "reduce-scatter" if "-rs" in name else None
@@ -197,6 +198,8 @@ def register(ddp, name, clock=None):
             state._exchange_polling = (0, int(name.split("-nap")[1].split("@")[0].split(":")[0]))
         if "-depth" in name:
             state._pipeline_depth = int(name.split("-depth")[1].split("@")[0])
+        if "-graphs" in name:
+            state._exchange_graphs = True
         if "auto" in name and "hook" not in name:
             cfc.register_comm_hook(ddp, state)
         else:

@@ -27,8 +27,9 @@ use crate::error::{Error, Result};
 use crate::format::{DType, FIXED_HEADER_LEN};
 use crate::gpu_memory::{DecodeStatus, DeviceBuffer, PinnedBuffer};
 use crate::nccl::Communicator;
+use crate::stream_graph::Replay;
 use crate::Bound;
-use cudarc::driver::{CudaEvent, CudaStream};
+use cudarc::driver::{sys, CudaEvent, CudaStream};
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -190,6 +191,12 @@ struct Entry {
     gathered: CudaEvent,
     sizes: PinnedBuffer,
     in_flight: Option<InFlight>,
+    /// Launches so far (the first one runs directly: it may load the kernels, which a stream
+    /// capture must not do).
+    launches: u64,
+    /// The compression's and the decoding's work, replayed as graphs (with `graphs` on).
+    compression: Replay,
+    decoding: Replay,
 }
 
 /// The compressed exchanges of `cfc_hook`'s buckets over an NCCL communicator of cfc's own.
@@ -205,6 +212,9 @@ pub struct BucketExchange {
     /// The decoder's status, kept across buckets: once a frame fails its check, no later
     /// bucket is decoded; read at every call.
     status: DecodeStatus,
+    /// Whether each bucket's compression and decoding are submitted as one graph each
+    /// ([`crate::stream_graph`]) rather than kernel by kernel: see [`BucketExchange::set_graphs`].
+    graphs: bool,
 }
 
 impl std::fmt::Debug for BucketExchange {
@@ -233,6 +243,7 @@ impl BucketExchange {
             side,
             entries: HashMap::new(),
             status: DecodeStatus::new(&ctx)?,
+            graphs: false,
         };
         let world = exchange.comm.world();
         let rows = DeviceBuffer::new(&ctx, ROW_HEAD as usize * (world + 1))?;
@@ -253,6 +264,52 @@ impl BucketExchange {
     /// The communicator (e.g. for its rank, world or timeout).
     pub fn communicator(&mut self) -> &mut Communicator {
         &mut self.comm
+    }
+
+    /// Submits each bucket's compression (its sum of squares included) and its decoding as one
+    /// CUDA graph each, recorded from the launches and replayed with their new arguments, from
+    /// a bucket's second launch on: two submissions where there were about ten. Off by default.
+    /// Where recording or replaying fails, the work runs kernel by kernel instead and graphs
+    /// are turned off (with a warning). The bytes are the same either way.
+    pub fn set_graphs(&mut self, on: bool) {
+        self.graphs = on;
+    }
+
+    /// Graphs instantiated so far, over every bucket (a replay that works instantiates one per
+    /// bucket and shape, then only updates it).
+    pub fn graphs_instantiated(&self) -> u64 {
+        self.entries
+            .values()
+            .map(|e| e.compression.instantiated + e.decoding.instantiated)
+            .sum()
+    }
+
+    /// Runs `work` (which queues on `stream`) through `replay` when graphs are on and the
+    /// bucket's kernels are loaded (`warm`), else directly. A replay that fails is followed by
+    /// the direct run; if that one works, graphs are turned off for good.
+    ///
+    /// # Safety
+    /// As [`crate::stream_graph::Replay::run`].
+    unsafe fn submit(
+        graphs: &mut bool,
+        replay: &mut Replay,
+        warm: bool,
+        stream: usize,
+        work: impl Fn() -> Result<()>,
+    ) -> Result<()> {
+        if !*graphs || !warm {
+            return work();
+        }
+        // SAFETY: this function's contract.
+        match unsafe { replay.run(stream as sys::CUstream, &work) } {
+            Ok(()) => Ok(()),
+            Err(graph_err) => {
+                work()?;
+                tracing::warn!(error = %graph_err, "cfc: replaying a bucket's work as a CUDA graph failed; graphs are off");
+                *graphs = false;
+                Ok(())
+            }
+        }
     }
 
     fn caller(&self, raw: usize) -> Arc<CudaStream> {
@@ -305,47 +362,70 @@ impl BucketExchange {
                 gathered: ctx.new_event(None).map_err(driver_err)?,
                 sizes: PinnedBuffer::new(&ctx, 8 * world as usize)?,
                 in_flight: None,
+                launches: 0,
+                compression: Replay::default(),
+                decoding: Replay::default(),
             });
         }
         let caller = self.caller(a.stream);
         let side_cu = self.side.cu_stream();
         let entry = self.entries.get_mut(&a.key).expect("inserted above");
-        if let Some((workspace, out)) = a.sum_squares {
-            // SAFETY: this function's contract.
+        // The sum of squares and the compression, on the caller's stream.
+        let compression = || -> Result<()> {
+            if let Some((workspace, out)) = a.sum_squares {
+                // SAFETY: this function's contract.
+                unsafe {
+                    cuda::sum_squares(&cuda::SumSquaresArgs {
+                        device,
+                        stream: a.stream,
+                        data: a.data,
+                        n: a.n,
+                        dtype: a.dtype,
+                        residual: a.residual,
+                        workspace,
+                        out,
+                    })?;
+                }
+            }
+            // SAFETY: this function's contract: the row holds the head and `capacity` frame
+            // bytes.
             unsafe {
-                cuda::sum_squares(&cuda::SumSquaresArgs {
+                cuda::compress(&cuda::CompressArgs {
                     device,
                     stream: a.stream,
-                    data: a.data,
+                    input: a.data,
                     n: a.n,
                     dtype: a.dtype,
+                    shape: &[a.n],
+                    bound: a.bound,
+                    out: a.row + ROW_HEAD,
+                    out_len: a.capacity,
+                    workspace: a.workspace,
+                    workspace_len: a.workspace_len,
                     residual: a.residual,
-                    workspace,
-                    out,
-                })?;
+                    // The row's head: the frame's size, written by the compressor itself.
+                    size_to: a.row,
+                    max_error_to: if a.residual != 0 { a.max_error } else { 0 },
+                })
             }
-        }
-        let row_bytes = ROW_HEAD + a.slot;
-        // SAFETY: this function's contract: the row holds the head and `capacity` frame bytes,
-        // `recv` a row of `ROW_HEAD + slot` bytes per rank, the pinned sizes 8 bytes per rank.
+        };
+        let warm = entry.launches > 0;
+        // SAFETY: this function's contract; the work queues kernels and memsets on the
+        // caller's stream only.
         unsafe {
-            cuda::compress(&cuda::CompressArgs {
-                device,
-                stream: a.stream,
-                input: a.data,
-                n: a.n,
-                dtype: a.dtype,
-                shape: &[a.n],
-                bound: a.bound,
-                out: a.row + ROW_HEAD,
-                out_len: a.capacity,
-                workspace: a.workspace,
-                workspace_len: a.workspace_len,
-                residual: a.residual,
-                // The row's head: the frame's size, written by the compressor itself.
-                size_to: a.row,
-                max_error_to: if a.residual != 0 { a.max_error } else { 0 },
-            })?;
+            Self::submit(
+                &mut self.graphs,
+                &mut entry.compression,
+                warm,
+                a.stream,
+                compression,
+            )?;
+        }
+        entry.launches += 1;
+        let row_bytes = ROW_HEAD + a.slot;
+        // SAFETY: this function's contract: `recv` holds a row of `ROW_HEAD + slot` bytes per
+        // rank, the pinned sizes 8 bytes per rank.
+        unsafe {
             entry.compressed.record(&caller).map_err(driver_err)?;
             self.side.wait(&entry.compressed).map_err(driver_err)?;
             self.comm
@@ -443,26 +523,43 @@ impl BucketExchange {
             .map(|j| recv + j * row_bytes + ROW_HEAD)
             .collect();
         let fl = entry.in_flight.take().expect("checked above");
-        // SAFETY: every frame's size was checked against the capacity, the same on every rank,
-        // and lies in its row; `decode_sum` checks the rest on the device; `data` is the
-        // caller's (launch's contract), as are the workspaces.
+        let status = &self.status;
+        let decoding = || -> Result<()> {
+            // SAFETY: every frame's size was checked against the capacity, the same on every
+            // rank, and lies in its row; `decode_sum` checks the rest on the device; `data` is
+            // the caller's (launch's contract), as are the workspaces.
+            unsafe {
+                cuda::decode_sum(&cuda::DecodeSumArgs {
+                    device,
+                    stream: f.stream,
+                    frames: &frames,
+                    frame_lens: &sizes,
+                    n: fl.n,
+                    dtype: fl.dtype,
+                    ndim: 1,
+                    scale: f.scale,
+                    out: fl.data,
+                    out_dtype: fl.dtype,
+                    workspace: f.workspace,
+                    workspace_len: f.workspace_len,
+                    status: status.ptr(),
+                })?;
+                status.publish(device, f.stream)
+            }
+        };
+        // The bucket's first decoding runs directly (it may load the decoder's kernels), as its
+        // first compression does.
+        let warm = entry.launches > 1;
+        // SAFETY: as above; the work queues kernels, a memset and a copy on the caller's
+        // stream only (its wait for the frames is queued above, outside the graph).
         unsafe {
-            cuda::decode_sum(&cuda::DecodeSumArgs {
-                device,
-                stream: f.stream,
-                frames: &frames,
-                frame_lens: &sizes,
-                n: fl.n,
-                dtype: fl.dtype,
-                ndim: 1,
-                scale: f.scale,
-                out: fl.data,
-                out_dtype: fl.dtype,
-                workspace: f.workspace,
-                workspace_len: f.workspace_len,
-                status: self.status.ptr(),
-            })?;
-            self.status.publish(device, f.stream)?;
+            Self::submit(
+                &mut self.graphs,
+                &mut entry.decoding,
+                warm,
+                f.stream,
+                decoding,
+            )?;
         }
         Ok(Finish::Done {
             sent: fl.sent,

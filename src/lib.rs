@@ -38,6 +38,8 @@ mod kernels;
 pub mod lossless;
 #[cfg(feature = "cuda")]
 pub mod nccl;
+#[cfg(feature = "cuda")]
+pub mod stream_graph;
 mod sum;
 
 pub use bitplane::{unzigzag, zigzag};

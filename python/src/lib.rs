@@ -1266,6 +1266,20 @@ impl BucketExchange {
         })
     }
 
+    /// Whether each bucket's compression and decoding are submitted as one CUDA graph each
+    /// (`cfc::bucket_exchange::BucketExchange::set_graphs`; off by default).
+    fn set_graphs(&self, py: Python<'_>, on: bool) -> PyResult<()> {
+        self.with(py, |exchange| {
+            exchange.set_graphs(on);
+            Ok(())
+        })
+    }
+
+    /// Graphs instantiated so far, over every bucket.
+    fn graphs_instantiated(&self, py: Python<'_>) -> PyResult<u64> {
+        self.with(py, |exchange| Ok(exchange.graphs_instantiated()))
+    }
+
     /// Leaves the communicator (NCCL finalizes it; waits for this rank's queued work). Close
     /// the pipelines made of it first.
     fn close(&self, py: Python<'_>) {

@@ -773,3 +773,46 @@ def test_native_exchange_reports_a_bad_frame_and_leaves_the_bucket_as_it_was():
     with pytest.raises(cfc.CfcError, match="bad frame"):
         exchange.check()
     exchange.close()
+
+
+def test_native_exchange_replayed_as_graphs_gives_the_same_bits():
+    """With graphs on (``BucketExchange.set_graphs``), a bucket's compression and decoding are
+    recorded once and then replayed with new arguments: each round here brings another bound,
+    other values at another address, and scratch at another address. The results (the average,
+    the residual, the sum of squares for the next bound, the running maximum of the error)
+    are those of the kernel-by-kernel way, bit for bit; and two graphs are made in all (one for
+    the compression, one for the decoding), which shows the later rounds ran as replays."""
+    from cfc import _native
+
+    got = {}
+    for graphs in (False, True):
+        exchange, x, _, _ = _one_rank_exchange(slot=1 << 62)
+        exchange.set_graphs(graphs)
+        dev, n = x.device, x.numel()
+        stream = torch.cuda.current_stream(dev).cuda_stream
+        r = torch.zeros(n, device=dev)
+        most = torch.zeros((), dtype=torch.float64, device=dev)
+        sum_ws = torch.empty(_native.CUDA_SUM_SQUARES_WORKSPACE, dtype=torch.uint8, device=dev)
+        host = torch.zeros(1, dtype=torch.float64, pin_memory=True)
+        rounds = []
+        for k in range(4):
+            eps = EXCHANGE_EPS * (1 + k)
+            at = _native.BucketExchange.scratch_layout(n, "float32", eps, True, 1 << 62, 1)
+            ws_at, ws_len = at["workspace_at"], at["workspace_len"]
+            mem = torch.empty(at["len"] + 256 * k, dtype=torch.uint8, device=dev)
+            base = mem.data_ptr() + 256 * k
+            y = torch.cat([torch.zeros(64 * k, device=dev), x * (1 + k)])[64 * k :]
+            exchange.launch(1, stream, y.data_ptr(), n, "float32", r.data_ptr(), base, at["capacity"],
+                            base + ws_at, ws_len, sum_ws.data_ptr(), host.data_ptr(), at["slot"],
+                            base + at["recv_at"], most.data_ptr(), eps=eps)
+            assert exchange.finish(1, stream, 1.0, base + ws_at, ws_len)[0] == 0
+            torch.cuda.synchronize()
+            rounds.append((y.clone(), r.clone(), host.clone(), most.clone()))
+        exchange.check()
+        got[graphs] = rounds, exchange.graphs_instantiated()
+        exchange.close()
+    assert got[False][1] == 0 and got[True][1] == 2, (got[False][1], got[True][1])
+    for plain, replayed in zip(got[False][0], got[True][0]):
+        for a, b in zip(plain, replayed):
+            assert torch.equal(a.view(torch.uint8) if a.dim() else a, b.view(torch.uint8) if b.dim() else b)
+    assert got[True][0][-1][3].item() > 0  # the maximum was raised

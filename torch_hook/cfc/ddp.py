@@ -279,6 +279,7 @@ class CfcState:
         self._exchange: Any = None
         self._use_exchange = True
         self._exchange_polling: Optional[Tuple[int, int]] = None  # (spin, nap) us; benches compare
+        self._exchange_graphs = False  # BucketExchange.set_graphs; benches compare
         # With _use_pipeline, the run phase's steps of compressed CUDA buckets through the native
         # exchange go through _native.BucketPipeline (a thread of cfc's own, no Python on it),
         # made at the first such step; (step, whether that step does), decided at its first
@@ -391,6 +392,8 @@ class CfcState:
             self._exchange = _open_exchange(self, device)
             if self._exchange is not None and self._exchange_polling is not None:
                 self._exchange.set_polling(*self._exchange_polling)
+            if self._exchange is not None and self._exchange_graphs:
+                self._exchange.set_graphs(True)
 
     @staticmethod
     def _describe_resume(row: List[float]) -> str:
