@@ -268,9 +268,11 @@ impl BucketExchange {
 
     /// Submits each bucket's compression (its sum of squares included) and its decoding as one
     /// CUDA graph each, recorded from the launches and replayed with their new arguments, from
-    /// a bucket's second launch on: two submissions where there were about ten. Off by default.
-    /// Where recording or replaying fails, the work runs kernel by kernel instead and graphs
-    /// are turned off (with a warning). The bytes are the same either way.
+    /// a bucket's second launch on: two submissions where there were about ten. Off by default:
+    /// on one H100 beside a backward pass, recording and updating cost about what the launches
+    /// did (`docs/perf-notes.md`). Not on a default stream (which cannot be recorded). Where
+    /// recording or replaying fails, the work runs kernel by kernel instead and graphs are
+    /// turned off (with a warning). The bytes are the same either way.
     pub fn set_graphs(&mut self, on: bool) {
         self.graphs = on;
     }
@@ -297,7 +299,8 @@ impl BucketExchange {
         stream: usize,
         work: impl Fn() -> Result<()>,
     ) -> Result<()> {
-        if !*graphs || !warm {
+        // The legacy and per-thread default streams (handles 0 to 2) cannot be captured.
+        if !*graphs || !warm || stream <= 2 {
             return work();
         }
         // SAFETY: this function's contract.
