@@ -12,6 +12,11 @@
 //!
 //! Recording queues nothing: if the closure fails, or the capture does, nothing of it has run,
 //! and [`Replay::run`] returns the error; the caller may then run the closure directly.
+//!
+//! Recording is itself driver calls: on one H100 beside a backward pass, a bucket's decoding
+//! replayed this way took about 20 us less host time, its compression no less that showed
+//! ("Each bucket's compression and decoding as a CUDA graph" in the perf notes). So
+//! [`crate::bucket_exchange::BucketExchange`] uses it only where asked to.
 
 use crate::cuda::driver_err;
 use crate::error::{Error, Result};
