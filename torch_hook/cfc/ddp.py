@@ -1543,7 +1543,7 @@ def _pipeline_part(state: CfcState, worker, pipe, stream: int, index: int, flat,
         kw = {"eps": float(state.bound)}
     if r is not None:
         state._unflushed.add(index)
-    target = 0 if r is None or not r.numel() else _max_error_target(state, flat.device).data_ptr()
+    target = _max_error_ptr(state, r, flat.device)
     pipe.submit(
         index, stream, flat.data_ptr(), n, name, 0 if r is None else r.data_ptr(), compress=True,
         sum_out_ptr=sum_out, slot=state._slots.get(index, 0), max_error_ptr=target, **kw,
@@ -1628,6 +1628,12 @@ def _max_error_target(state: CfcState, device) -> Any:
         with state._lock:
             held = state._max_err_dev[device] = torch.zeros((), dtype=torch.float64, device=device)
     return held
+
+
+def _max_error_ptr(state: CfcState, r, device) -> int:
+    """Where a native call raises the running maximum of the error sent with residual ``r``:
+    the address of :func:`_max_error_target`, or 0 for no residual (or an empty one)."""
+    return 0 if r is None or not r.numel() else _max_error_target(state, device).data_ptr()
 
 
 def _check_compressible(buf) -> None:
@@ -1843,7 +1849,7 @@ def _exchange_launch(state: CfcState, stream, index, x, xr, units, scaled, buf, 
     mem = torch.empty(at["len"], dtype=torch.uint8, device=dev)
     base = mem.data_ptr()
     # The compressor raises the running maximum of the error sent with the residual it leaves.
-    target = 0 if xr is None or not xr.numel() else _max_error_target(state, dev).data_ptr()
+    target = _max_error_ptr(state, xr, dev)
     try:
         ex.launch(index, stream.cuda_stream, x.data_ptr(), n, name, 0 if xr is None else xr.data_ptr(), base,
                   at["capacity"], base + ws_at, ws_len, sum_ws, sum_out, slot, base + at["recv_at"], target, eps=eps)
