@@ -679,7 +679,11 @@ __device__ __noinline__ GroupCoded code_group_f64(u32* row, double step, double 
 __device__ __forceinline__ u32 stage_at(u32 i) { return (i / CFC_GROUP) * STAGE_ROW + i % CFC_GROUP; }
 template <class D>
 __device__ void encode_groups(const typename D::T* __restrict__ x, u64 n, u32 mode, double value,
-                              u32 fixed, u8* body, u8* ws, float* __restrict__ residual) {
+                              u32 fixed, u8* body, u8* ws, float* __restrict__ residual,
+                              const double* value_at) {
+    // A bound read from device memory when the kernel runs (value_at), not fixed at the launch:
+    // work recorded once as a CUDA graph is then replayed with each step's bound.
+    if (value_at) value = *value_at;
     extern __shared__ float s_vals[];  // blockDim.x rows of STAGE_ROW (twice that with a residual)
     __shared__ u32 s_cw[TILE_CHUNKS], s_ce[TILE_CHUNKS], s_cwo[32];
     CfcParams* pp = (CfcParams*)ws;
@@ -833,8 +837,8 @@ __device__ void encode_groups(const typename D::T* __restrict__ x, u64 n, u32 mo
 #define ENCODE_GROUPS(name, D)                                                                     \
     extern "C" __global__ __launch_bounds__(TILE_THREADS, 4) void cfc_codec_encode_groups_##name(  \
             const D::T* x, u64 n, u32 mode, double value, u32 fixed, u8* body, u8* ws,             \
-            float* residual) {                                                                     \
-        encode_groups<D>(x, n, mode, value, fixed, body, ws, residual);                            \
+            float* residual, const double* value_at) {                                             \
+        encode_groups<D>(x, n, mode, value, fixed, body, ws, residual, value_at);                  \
     }
 DEFINE_FOR_DTYPES(ENCODE_GROUPS)
 
@@ -1247,6 +1251,13 @@ __device__ __forceinline__ u32 sum_value_bits(double total) {
 // Dims is eight u64 passed by value): the sum's kernels read the frames through the table.
 extern "C" __global__ void cfc_codec_sum_table(u64* table, Dims batch, u32 count) {
     if (threadIdx.x < count) table[threadIdx.x] = batch.d[threadIdx.x];
+}
+
+// The frames' lengths after their addresses in the table, each read from the u64 `back` bytes
+// before its frame (a row's head, as cfc's exchanges lay frames out): for work recorded once as
+// a CUDA graph and replayed with each step's lengths. The host has checked the same values.
+extern "C" __global__ void cfc_codec_sum_lens(u64* table, u32 parts, u64 back) {
+    for (u32 j = threadIdx.x; j < parts; j += blockDim.x) table[parts + j] = *(const u64*)(table[j] - back);
 }
 
 // Every part's chunk offsets: part blockIdx.y's frame, in its region of `stride` bytes at `parts`.

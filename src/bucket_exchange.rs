@@ -53,10 +53,25 @@ pub fn next_slot(largest: u64, capacity: u64) -> u64 {
     round16(largest + largest / 16 + 256).min(round16(capacity))
 }
 
+/// [`next_slot`], but keeping the `current` slot while the frames fit it with their margin and
+/// it would shrink by less than a sixteenth: with graphs, so that a bucket's rows keep their
+/// length (and its recorded decoding its addresses) from step to step, for at most a sixteenth
+/// more bytes on the wire. The same on every rank, as its arguments are.
+pub fn steady_slot(largest: u64, capacity: u64, current: u64) -> u64 {
+    let fresh = next_slot(largest, capacity);
+    if fresh <= current && fresh >= current - current / 16 {
+        current
+    } else {
+        fresh
+    }
+}
+
 /// Where a bucket's exchange keeps its parts in the one device allocation its caller makes for
-/// it: this rank's row at 0, every rank's rows of `slot` frame bytes at `recv_at`, then the
-/// workspace (compression's, then decoding's: one after the other on the stream) at
-/// `workspace_at`, 256-byte aligned. The pipeline and the Python hook both place their scratch
+/// it: this rank's row at 0, the workspace (compression's, then decoding's: one after the other
+/// on the stream) at `workspace_at`, then every rank's rows of `slot` frame bytes at `recv_at`,
+/// both 256-byte aligned. The parts whose sizes do not depend on the slot come first, so that
+/// their addresses stay the same from step to step (a recorded graph's do: see
+/// [`BucketExchange::set_graphs`]). The pipeline and the Python hook both place their scratch
 /// by it, so that the two send the same bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ScratchLayout {
@@ -82,17 +97,17 @@ impl ScratchLayout {
     pub fn new(n: u64, dtype: DType, eps: f64, feedback: bool, slot: u64, world: u64) -> Self {
         let capacity = round16(cuda::compress_capacity(n, dtype, 1, Bound::Abs(eps)));
         let slot = round16(slot).min(capacity);
-        let recv_at = row_len(capacity);
-        let workspace_at = (recv_at + world * (ROW_HEAD + slot)).div_ceil(256) * 256;
+        let workspace_at = row_len(capacity).div_ceil(256) * 256;
         let workspace_len =
             cuda::compress_workspace_len(n, feedback).max(cuda::decode_sum_workspace_len(n, world));
+        let recv_at = (workspace_at + workspace_len).div_ceil(256) * 256;
         ScratchLayout {
             capacity,
             slot,
             recv_at,
             workspace_at,
             workspace_len,
-            len: workspace_at + workspace_len,
+            len: recv_at + world * (ROW_HEAD + slot),
         }
     }
 }
@@ -197,6 +212,12 @@ struct Entry {
     /// The compression's and the decoding's work, replayed as graphs (with `graphs` on).
     compression: Replay,
     decoding: Replay,
+    /// With graphs, the bucket's `eps`: written here by the host at each launch, copied to
+    /// `bound_dev` by the recorded work, and read there by the encoder (so that a graph
+    /// replays with each step's bound). Each launch writes it only after the previous one's
+    /// compression has run (its finish waited for the all-gather that follows it).
+    bound_host: PinnedBuffer,
+    bound_dev: DeviceBuffer,
 }
 
 /// The compressed exchanges of `cfc_hook`'s buckets over an NCCL communicator of cfc's own.
@@ -214,7 +235,11 @@ pub struct BucketExchange {
     status: DecodeStatus,
     /// Whether each bucket's compression and decoding are submitted as one graph each
     /// ([`crate::stream_graph`]) rather than kernel by kernel: see [`BucketExchange::set_graphs`].
+    /// Turned off where a graph fails (on this rank only).
     graphs: bool,
+    /// Slots by [`steady_slot`]: as `set_graphs` last asked, which every rank does alike (a
+    /// failed graph does not change it: the slots must stay the same on every rank).
+    steady_slots: bool,
 }
 
 impl std::fmt::Debug for BucketExchange {
@@ -244,6 +269,7 @@ impl BucketExchange {
             entries: HashMap::new(),
             status: DecodeStatus::new(&ctx)?,
             graphs: false,
+            steady_slots: false,
         };
         let world = exchange.comm.world();
         let rows = DeviceBuffer::new(&ctx, ROW_HEAD as usize * (world + 1))?;
@@ -267,15 +293,21 @@ impl BucketExchange {
     }
 
     /// Submits each bucket's compression (its sum of squares included) and its decoding as one
-    /// CUDA graph each: recorded from the launches at the bucket's second exchange, and from
-    /// its third on recorded again and replayed with the new arguments; two submissions where
-    /// there were eleven. Off by default: on one H100 beside a backward pass, this saved about
-    /// 20 us of host time per decoding and nothing that the step time shows
-    /// (`docs/perf-notes.md`). Not on a default stream (which cannot be recorded). Where
-    /// recording or replaying fails, the work runs kernel by kernel instead and graphs are
-    /// turned off (with a warning). The bytes are the same either way.
+    /// CUDA graph each, recorded from the launches at the bucket's second exchange. From then on
+    /// the graph is launched as it is while the bucket's addresses and sizes stay the same (the
+    /// bound and the frames' sizes are read from memory: [`cuda::CompressArgs::bound_at`],
+    /// [`cuda::DecodeSumArgs::lens_before`]), and recorded again and updated where they moved.
+    /// Slots then follow [`steady_slot`], so that the rows keep their length. Not on a default
+    /// stream (which cannot be recorded). Where recording or replaying fails, the work runs
+    /// kernel by kernel instead and graphs are turned off (with a warning). The frames and
+    /// results are the same either way.
+    ///
+    /// Off by default: on one H100 beside a backward pass, the finish's host time fell by about
+    /// 20 us per bucket, the launch's (NCCL's call among it) did not, and the step time showed
+    /// neither (`docs/perf-notes.md`, "CUDA graphs launched without recording").
     pub fn set_graphs(&mut self, on: bool) {
         self.graphs = on;
+        self.steady_slots = on;
     }
 
     /// Graphs instantiated so far, over every bucket (a replay that works instantiates one per
@@ -287,17 +319,28 @@ impl BucketExchange {
             .sum()
     }
 
+    /// Graphs launched as they were, without recording the work again, over every bucket: the
+    /// replays whose addresses and sizes were those of the bucket's last recording.
+    pub fn graphs_reused(&self) -> u64 {
+        self.entries
+            .values()
+            .map(|e| e.compression.reused + e.decoding.reused)
+            .sum()
+    }
+
     /// Runs `work` (which queues on `stream`) through `replay` when graphs are on and the
-    /// bucket's kernels are loaded (`warm`), else directly. A replay that fails is followed by
+    /// bucket's kernels are loaded (`warm`), else directly; `key` as
+    /// [`crate::stream_graph::Replay::run_keyed`]'s. A replay that fails is followed by
     /// the direct run; if that one works, graphs are turned off for good.
     ///
     /// # Safety
-    /// As [`crate::stream_graph::Replay::run`].
+    /// As [`crate::stream_graph::Replay::run_keyed`].
     unsafe fn submit(
         graphs: &mut bool,
         replay: &mut Replay,
         warm: bool,
         stream: usize,
+        key: &[u64],
         work: impl Fn() -> Result<()>,
     ) -> Result<()> {
         // The legacy and per-thread default streams (handles 0 to 2) cannot be captured.
@@ -305,7 +348,7 @@ impl BucketExchange {
             return work();
         }
         // SAFETY: this function's contract.
-        match unsafe { replay.run(stream as sys::CUstream, &work) } {
+        match unsafe { replay.run_keyed(stream as sys::CUstream, key, &work) } {
             Ok(()) => Ok(()),
             Err(graph_err) => {
                 work()?;
@@ -369,13 +412,40 @@ impl BucketExchange {
                 launches: 0,
                 compression: Replay::default(),
                 decoding: Replay::default(),
+                bound_host: PinnedBuffer::new(&ctx, 8)?,
+                bound_dev: DeviceBuffer::zeroed(&ctx, 8)?,
             });
         }
         let caller = self.caller(a.stream);
         let side_cu = self.side.cu_stream();
         let entry = self.entries.get_mut(&a.key).expect("inserted above");
+        // With graphs, an absolute bound goes through the entry's words (see `Entry`), so that
+        // the recorded work is the same from step to step and replays without recording.
+        let by_word = match a.bound {
+            Bound::Abs(eps) if self.graphs && a.stream > 2 => {
+                crate::codec::check_abs_bound(eps, "eps")?;
+                entry.bound_host.set_u64(0, eps.to_bits());
+                Some((entry.bound_host.addr(), entry.bound_dev.ptr()))
+            }
+            _ => None,
+        };
         // The sum of squares and the compression, on the caller's stream.
         let compression = || -> Result<()> {
+            if let Some((host, dev)) = by_word {
+                // SAFETY: 8 bytes of pinned memory and 8 of device memory, the entry's.
+                unsafe {
+                    cuda::copy_rows(&cuda::CopyRowsArgs {
+                        device,
+                        stream: a.stream,
+                        src: host,
+                        src_pitch: 8,
+                        dst: dev,
+                        dst_pitch: 8,
+                        width: 8,
+                        rows: 1,
+                    })?;
+                }
+            }
             if let Some((workspace, out)) = a.sum_squares {
                 // SAFETY: this function's contract.
                 unsafe {
@@ -410,9 +480,35 @@ impl BucketExchange {
                     // The row's head: the frame's size, written by the compressor itself.
                     size_to: a.row,
                     max_error_to: if a.residual != 0 { a.max_error } else { 0 },
+                    bound_at: by_word.map_or(0, |(_, dev)| dev),
                 })
             }
         };
+        // Everything the compression's work depends on but the bound's value, where that is
+        // read from the entry's word.
+        let (mode, value) = match (by_word, a.bound) {
+            (Some((_, dev)), _) => (0, dev),
+            (None, Bound::Abs(eps)) => (1, eps.to_bits()),
+            (None, Bound::Rel(rel)) => (2, rel.to_bits()),
+            (None, Bound::Bits(bits)) => (3, bits as u64),
+        };
+        let (sum_ws, sum_out) = a.sum_squares.unwrap_or((0, 0));
+        let key = [
+            a.data,
+            a.n,
+            a.dtype.code() as u64,
+            a.residual,
+            mode,
+            value,
+            a.row,
+            a.capacity,
+            a.workspace,
+            a.workspace_len,
+            a.sum_squares.is_some() as u64,
+            sum_ws,
+            sum_out,
+            a.max_error,
+        ];
         let warm = entry.launches > 0;
         // SAFETY: this function's contract; the work queues kernels and memsets on the
         // caller's stream only.
@@ -422,6 +518,7 @@ impl BucketExchange {
                 &mut entry.compression,
                 warm,
                 a.stream,
+                &key,
                 compression,
             )?;
         }
@@ -528,6 +625,13 @@ impl BucketExchange {
             .collect();
         let fl = entry.in_flight.take().expect("checked above");
         let status = &self.status;
+        // With graphs, the decoder reads the frames' sizes from their rows' heads (the values
+        // checked above), so that the recorded work is the same from step to step.
+        let lens_before = if self.graphs && f.stream > 2 {
+            ROW_HEAD
+        } else {
+            0
+        };
         let decoding = || -> Result<()> {
             // SAFETY: every frame's size was checked against the capacity, the same on every
             // rank, and lies in its row; `decode_sum` checks the rest on the device; `data` is
@@ -538,6 +642,7 @@ impl BucketExchange {
                     stream: f.stream,
                     frames: &frames,
                     frame_lens: &sizes,
+                    lens_before,
                     n: fl.n,
                     dtype: fl.dtype,
                     ndim: 1,
@@ -551,6 +656,18 @@ impl BucketExchange {
                 status.publish(device, f.stream)
             }
         };
+        let key = [
+            recv,
+            row_bytes,
+            world as u64,
+            fl.n,
+            fl.dtype.code() as u64,
+            f.scale.to_bits() as u64,
+            fl.data,
+            f.workspace,
+            f.workspace_len,
+            lens_before,
+        ];
         // The bucket's first decoding runs directly (it may load the decoder's kernels), as its
         // first compression does.
         let warm = entry.launches > 1;
@@ -562,12 +679,17 @@ impl BucketExchange {
                 &mut entry.decoding,
                 warm,
                 f.stream,
+                &key,
                 decoding,
             )?;
         }
         Ok(Finish::Done {
             sent: fl.sent,
-            next_slot: next_slot(largest, fl.capacity),
+            next_slot: if self.steady_slots {
+                steady_slot(largest, fl.capacity, fl.slot)
+            } else {
+                next_slot(largest, fl.capacity)
+            },
         })
     }
 
@@ -670,6 +792,24 @@ mod tests {
             assert_eq!(s % 16, 0);
             assert!(s > largest, "a frame of the same size fits next time");
         }
+        let cap = 1 << 30;
+        let slot = next_slot(100_000, cap);
+        assert_eq!(steady_slot(100_000, cap, slot), slot);
+        assert_eq!(
+            steady_slot(97_000, cap, slot),
+            slot,
+            "kept: a little smaller"
+        );
+        assert_eq!(
+            steady_slot(90_000, cap, slot),
+            next_slot(90_000, cap),
+            "shrinks: much smaller"
+        );
+        assert_eq!(
+            steady_slot(101_000, cap, slot),
+            next_slot(101_000, cap),
+            "grows: past the margin"
+        );
     }
 
     #[test]
@@ -689,16 +829,22 @@ mod tests {
                     round16(slot).min(l.capacity),
                     "clamped to the capacity"
                 );
-                assert_eq!(
-                    l.recv_at,
-                    row_len(l.capacity),
+                assert!(
+                    l.workspace_at >= row_len(l.capacity),
                     "this rank's whole row first"
                 );
                 assert_eq!(l.workspace_at % 256, 0);
-                assert!(l.workspace_at >= l.recv_at + world * (ROW_HEAD + l.slot));
+                assert_eq!(l.recv_at % 256, 0);
+                assert!(l.recv_at >= l.workspace_at + l.workspace_len);
                 assert!(l.workspace_len >= cuda::compress_workspace_len(n, feedback));
                 assert!(l.workspace_len >= cuda::decode_sum_workspace_len(n, world));
-                assert_eq!(l.len, l.workspace_at + l.workspace_len);
+                assert_eq!(l.len, l.recv_at + world * (ROW_HEAD + l.slot));
+                let other = ScratchLayout::new(n, DType::F32, 1e-3, feedback, slot / 2, world);
+                assert_eq!(
+                    (other.workspace_at, other.recv_at),
+                    (l.workspace_at, l.recv_at),
+                    "the slot moves nothing but the end"
+                );
             }
         }
     }

@@ -83,6 +83,7 @@ struct Kernels {
     decode: CudaFunction,
     scatter: CudaFunction,
     sum_table: CudaFunction,
+    sum_lens: CudaFunction,
     sum_offsets: CudaFunction,
     sum_chunks: CudaFunction,
     sum_values: CudaFunction,
@@ -357,6 +358,7 @@ impl Device {
             decode: self.function(c, "decode_chunks", d)?,
             scatter: self.function(c, "scatter_exceptions", d)?,
             sum_table: self.function(c, "sum_table", None)?,
+            sum_lens: self.function(c, "sum_lens", None)?,
             sum_offsets: self.function(c, "sum_offsets", None)?,
             sum_chunks: self.function(c, "sum_chunks", d)?,
             sum_values: self.function(c, "sum_values", d)?,
@@ -552,6 +554,11 @@ pub struct CompressArgs<'a> {
     /// leaves raises (f64 bits in 8-aligned device memory; see [`running_max_abs`]), or 0 for
     /// none: raised by the last kernel rather than by a kernel of its own after it.
     pub max_error_to: u64,
+    /// With an `Abs` bound, 8-aligned device memory whose f64 the encoder reads as `eps` when
+    /// it runs, or 0 to take `bound`'s value at the launch. `bound` must hold the value that
+    /// memory will hold (it is what the host checks). For work recorded once as a CUDA graph
+    /// and replayed with each step's bound ([`crate::stream_graph`]).
+    pub bound_at: u64,
 }
 
 fn launch_cfg(threads: u64, block: u32) -> LaunchConfig {
@@ -1039,6 +1046,11 @@ pub unsafe fn compress(args: &CompressArgs<'_>) -> Result<()> {
             (BoundMode::Bits, b as f64, b as u32)
         }
     };
+    if args.bound_at != 0 && mode != BoundMode::Abs {
+        return Err(Error::Cuda(
+            "compress: a bound read from device memory must be an absolute one".into(),
+        ));
+    }
     let need_out = compress_capacity(n, args.dtype, ndim, args.bound);
     if args.out_len < need_out {
         return Err(Error::OutputSize {
@@ -1056,6 +1068,7 @@ pub unsafe fn compress(args: &CompressArgs<'_>) -> Result<()> {
     for (what, at) in [
         ("frame size's", args.size_to),
         ("running maximum's", args.max_error_to),
+        ("bound's", args.bound_at),
     ] {
         if at % 8 != 0 {
             // A misaligned store would be a device fault, which ends the whole context.
@@ -1126,6 +1139,7 @@ pub unsafe fn compress(args: &CompressArgs<'_>) -> Result<()> {
             Arg::Ptr(args.out + header_len),
             ws,
             residual,
+            Arg::Ptr(args.bound_at),
         ];
         launch(
             &stream,
@@ -1425,6 +1439,7 @@ unsafe fn checked_part_offsets(
     k: &Kernels,
     frames: &[u64],
     lens: &[u64],
+    lens_before: u64,
     table: u64,
     regions: u64,
     stride: u64,
@@ -1437,7 +1452,9 @@ unsafe fn checked_part_offsets(
     // SAFETY: (every launch) this function's contract; `launch` checks each argument list.
     unsafe {
         // The frames' addresses, then their lengths, back to back: eight values a launch (one
-        // launch for up to four frames).
+        // launch for up to four frames). With `lens_before`, the lengths are read on the
+        // device, from before each frame.
+        let lens = if lens_before != 0 { &[][..] } else { lens };
         let values: Vec<u64> = frames.iter().chain(lens).copied().collect();
         for (b, batch) in values.chunks(MAX_NDIM).enumerate() {
             let mut eight = [0u64; MAX_NDIM];
@@ -1452,6 +1469,20 @@ unsafe fn checked_part_offsets(
                     Arg::Ptr(table + 8 * (b * MAX_NDIM) as u64),
                     Arg::Dims(Dims(eight)),
                     Arg::U32(batch.len() as u32),
+                ],
+            )?;
+        }
+        if lens_before != 0 {
+            launch(
+                stream,
+                &k.sum_lens,
+                Family::Codec,
+                "sum_lens",
+                launch_cfg(32, 32),
+                &[
+                    Arg::Ptr(table),
+                    Arg::U32(parts as u32),
+                    Arg::U64(lens_before),
                 ],
             )?;
         }
@@ -1585,6 +1616,7 @@ pub unsafe fn sum(args: &SumArgs<'_>) -> Result<()> {
             &k,
             args.frames,
             args.frame_lens,
+            0,
             ws + layout.table,
             ws + layout.parts,
             layout.part_stride,
@@ -1682,6 +1714,11 @@ pub struct DecodeSumArgs<'a> {
     /// Bytes readable at each frame (its size, or the room it lies in): nothing past them
     /// is read.
     pub frame_lens: &'a [u64],
+    /// 0, or the offset before each frame (8-aligned) of a u64 that holds its `frame_lens`
+    /// value when the decoding runs (a row's head, in cfc's exchanges): the device reads the
+    /// lengths there rather than from the launch, so that work recorded once as a CUDA graph
+    /// replays with each step's lengths. `frame_lens` is still what the host checks.
+    pub lens_before: u64,
     /// Element count of every frame.
     pub n: u64,
     /// Element type of every frame.
@@ -1783,6 +1820,13 @@ pub unsafe fn decode_sum(args: &DecodeSumArgs<'_>) -> Result<()> {
         (FIXED_HEADER_LEN + 8 * args.ndim) as u64,
         n,
     )?;
+    let b = args.lens_before;
+    if b != 0 && (b % 8 != 0 || args.frames.iter().any(|&f| f % 8 != 0 || f < b)) {
+        // A misaligned load would be a device fault, which ends the whole context.
+        return Err(Error::Cuda(format!(
+            "decode_sum: lengths {b} bytes before frames that are not 8-aligned past them"
+        )));
+    }
     if n == 0 {
         return Ok(());
     }
@@ -1813,6 +1857,7 @@ pub unsafe fn decode_sum(args: &DecodeSumArgs<'_>) -> Result<()> {
             &k,
             args.frames,
             args.frame_lens,
+            args.lens_before,
             ws,
             ws + table_len,
             stride,

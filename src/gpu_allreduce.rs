@@ -646,6 +646,7 @@ impl GpuAllReducer {
                 // The row's head: the frame's size, written by the compressor itself.
                 size_to: row,
                 max_error_to: 0,
+                bound_at: 0,
             };
             let row_len = ROW_HEAD + ch.slot;
             let recv = plan.recv.ptr() + ch.recv_at;
@@ -725,6 +726,7 @@ impl GpuAllReducer {
                     stream,
                     frames: &frames,
                     frame_lens: &sizes,
+                    lens_before: 0,
                     n: ch.len,
                     dtype,
                     ndim: 1,

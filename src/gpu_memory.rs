@@ -118,6 +118,15 @@ impl PinnedBuffer {
 }
 
 impl PinnedBuffer {
+    /// Writes the little-endian u64 at word `i`, for copies to the device queued later to
+    /// read (the caller knows that none queued earlier still reads it).
+    pub(crate) fn set_u64(&mut self, i: usize, value: u64) {
+        assert!(8 * (i + 1) <= self.len, "pinned write past the end");
+        // SAFETY: in bounds (checked above), 8-aligned (as in `u64_now`); volatile, since the
+        // device reads it behind the compiler's back.
+        unsafe { std::ptr::write_volatile(self.ptr.add(8 * i) as *mut u64, value) }
+    }
+
     /// The u64 at word `i` as it is now, for a word that copies from the device may still be
     /// writing (a snapshot: the caller waited for nothing).
     pub(crate) fn u64_now(&self, i: usize) -> u64 {

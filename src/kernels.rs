@@ -66,7 +66,7 @@ pub(crate) const SIGNATURES: &[(Family, &str, bool, &[Ty])] = &[
         Family::Codec,
         "encode_groups",
         true,
-        &[Ptr, U64, U32, F64, U32, Ptr, Ptr, Ptr],
+        &[Ptr, U64, U32, F64, U32, Ptr, Ptr, Ptr, Ptr],
     ),
     (
         Family::Codec,
@@ -95,6 +95,7 @@ pub(crate) const SIGNATURES: &[(Family, &str, bool, &[Ty])] = &[
         &[Ptr, U64, U64, U64, Ptr, Ptr],
     ),
     (Family::Codec, "sum_table", false, &[Ptr, Dims, U32]),
+    (Family::Codec, "sum_lens", false, &[Ptr, U32, U64]),
     (
         Family::Codec,
         "sum_offsets",

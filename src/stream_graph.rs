@@ -14,9 +14,12 @@
 //! and [`Replay::run`] returns the error; the caller may then run the closure directly.
 //!
 //! Recording is itself driver calls: on one H100 beside a backward pass, a bucket's decoding
-//! replayed this way took about 20 us less host time, its compression no less that showed
-//! ("Each bucket's compression and decoding as a CUDA graph" in the perf notes). So
-//! [`crate::bucket_exchange::BucketExchange`] uses it only where asked to.
+//! recorded and replayed this way took about 20 us less host time, its compression no less that
+//! showed ("Each bucket's compression and decoding as a CUDA graph" in the perf notes). So
+//! [`Replay::run_keyed`] skips the recording where the caller can say that the work is the same
+//! as last time (a key of its arguments: addresses and sizes, with the values that change from
+//! call to call read from device memory by the work itself), and launches the graph as it is:
+//! one driver call for the whole stretch.
 
 use crate::cuda::driver_err;
 use crate::error::{Error, Result};
@@ -48,9 +51,13 @@ impl Drop for Graph {
 #[derive(Debug, Default)]
 pub struct Replay {
     exec: Option<Exec>,
+    /// The key of the work the executable graph holds ([`Replay::run_keyed`]), if any.
+    key: Option<Vec<u64>>,
     /// Executable graphs made so far (instantiations are costly: a shape that changes every
     /// call should not be replayed).
     pub instantiated: u64,
+    /// Launches of the executable graph as it was, without recording ([`Replay::run_keyed`]).
+    pub reused: u64,
 }
 
 // SAFETY: the executable graph is a driver handle, usable from any thread of the process (the
@@ -75,6 +82,7 @@ impl Replay {
         stream: sys::CUstream,
         work: impl FnOnce() -> Result<()>,
     ) -> Result<()> {
+        self.key = None;
         let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
         // SAFETY: the stream is live and not capturing (this function's contract).
         unsafe { sys::cuStreamBeginCapture_v2(stream, mode) }
@@ -115,5 +123,40 @@ impl Replay {
         unsafe { sys::cuGraphLaunch(exec.0, stream) }
             .result()
             .map_err(driver_err)
+    }
+
+    /// As [`Replay::run`], but where `key` is the key of the last call that recorded, the
+    /// executable graph is launched as it is, without calling `work`: one driver call.
+    ///
+    /// # Safety
+    /// As [`Replay::run`]; and `key` must determine what `work` queues: two calls with the same
+    /// key would queue the same kernels, memsets and copies with the same arguments (values
+    /// that differ between them are read from memory by the work when it runs).
+    ///
+    /// # Errors
+    /// As [`Replay::run`]; a launch that failed leaves no key, so the next call records.
+    pub unsafe fn run_keyed(
+        &mut self,
+        stream: sys::CUstream,
+        key: &[u64],
+        work: impl FnOnce() -> Result<()>,
+    ) -> Result<()> {
+        if let (Some(exec), Some(kept)) = (&self.exec, &self.key) {
+            if kept.as_slice() == key {
+                // SAFETY: a live executable graph and stream of the same context; what it
+                // queues is what `work` would (this function's contract).
+                let launched = unsafe { sys::cuGraphLaunch(exec.0, stream) }.result();
+                if let Err(e) = launched {
+                    self.key = None;
+                    return Err(driver_err(e));
+                }
+                self.reused += 1;
+                return Ok(());
+            }
+        }
+        // SAFETY: this function's contract.
+        unsafe { self.run(stream, work) }?;
+        self.key = Some(key.to_vec());
+        Ok(())
     }
 }

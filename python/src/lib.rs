@@ -535,9 +535,9 @@ fn cuda_decode_sum_workspace_len(numel: u64, parts: u64) -> u64 {
 /// `frame_ptrs[p]`, checked on the device), times `scale`, written as `out_dtype` (returns
 /// before the GPU finishes). `status_ptr`: 8 bytes of device memory, zeroed before their first
 /// use, where a frame that fails its check is reported (and while they are not zero, nothing
-/// is written).
+/// is written). `lens_before` (0: none) is `DecodeSumArgs::lens_before`.
 #[pyfunction]
-#[pyo3(signature = (device, stream, frame_ptrs, frame_lens, numel, dtype, ndim, scale, out_ptr, out_dtype, ws_ptr, ws_len, status_ptr))]
+#[pyo3(signature = (device, stream, frame_ptrs, frame_lens, numel, dtype, ndim, scale, out_ptr, out_dtype, ws_ptr, ws_len, status_ptr, *, lens_before=0))]
 #[allow(clippy::too_many_arguments)]
 fn cuda_decode_sum(
     py: Python<'_>,
@@ -554,12 +554,14 @@ fn cuda_decode_sum(
     ws_ptr: u64,
     ws_len: u64,
     status_ptr: u64,
+    lens_before: u64,
 ) -> PyResult<()> {
     let args = cfc::cuda::DecodeSumArgs {
         device,
         stream,
         frames: &frame_ptrs,
         frame_lens: &frame_lens,
+        lens_before,
         n: numel,
         dtype: dtype_of(dtype)?,
         ndim,
@@ -701,10 +703,11 @@ fn cuda_compress_lossless(
 /// Queues compression of device memory on a CUDA stream (returns before the GPU finishes).
 ///
 /// The caller (cfc.codec) passes `data_ptr()`s of live CUDA tensors on `device` that it keeps
-/// referenced, and `stream` = `torch.cuda.current_stream(device).cuda_stream`. `size_ptr` and
-/// `max_error_ptr` (0: none) are `CompressArgs::size_to` and `CompressArgs::max_error_to`.
+/// referenced, and `stream` = `torch.cuda.current_stream(device).cuda_stream`. `size_ptr`,
+/// `max_error_ptr` and `bound_ptr` (0: none) are `CompressArgs::size_to`,
+/// `CompressArgs::max_error_to` and `CompressArgs::bound_at`.
 #[pyfunction]
-#[pyo3(signature = (device, stream, input_ptr, numel, dtype, shape, out_ptr, out_len, ws_ptr, ws_len, *, eps=None, rel=None, bits=None, residual_ptr=0, size_ptr=0, max_error_ptr=0))]
+#[pyo3(signature = (device, stream, input_ptr, numel, dtype, shape, out_ptr, out_len, ws_ptr, ws_len, *, eps=None, rel=None, bits=None, residual_ptr=0, size_ptr=0, max_error_ptr=0, bound_ptr=0))]
 #[allow(clippy::too_many_arguments)]
 fn cuda_compress(
     py: Python<'_>,
@@ -724,6 +727,7 @@ fn cuda_compress(
     residual_ptr: u64,
     size_ptr: u64,
     max_error_ptr: u64,
+    bound_ptr: u64,
 ) -> PyResult<()> {
     let args = cfc::cuda::CompressArgs {
         device,
@@ -740,6 +744,7 @@ fn cuda_compress(
         residual: residual_ptr,
         size_to: size_ptr,
         max_error_to: max_error_ptr,
+        bound_at: bound_ptr,
     };
     // SAFETY: cfc.codec passes data_ptr()s and sizes of CUDA tensors on `device` that it keeps
     // alive (and, through torch's caching allocator, unreused) until the stream's work is done.
@@ -1278,6 +1283,12 @@ impl BucketExchange {
     /// Graphs instantiated so far, over every bucket.
     fn graphs_instantiated(&self, py: Python<'_>) -> PyResult<u64> {
         self.with(py, |exchange| Ok(exchange.graphs_instantiated()))
+    }
+
+    /// Graphs launched as they were, without recording again
+    /// (`cfc::bucket_exchange::BucketExchange::graphs_reused`).
+    fn graphs_reused(&self, py: Python<'_>) -> PyResult<u64> {
+        self.with(py, |exchange| Ok(exchange.graphs_reused()))
     }
 
     /// Leaves the communicator (NCCL finalizes it; waits for this rank's queued work). Close

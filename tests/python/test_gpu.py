@@ -360,6 +360,85 @@ def test_gpu_compress_writes_its_size_and_raises_the_running_maximum(dtype, eps,
     assert most.tolist() == [want, 1e9]
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_compress_reads_its_bound_from_memory_where_asked(dtype):
+    """With ``bound_ptr`` the encoder takes ``eps`` from device memory when it runs, not from
+    the launch (what lets a recorded CUDA graph replay with each step's bound): here the
+    launch's ``eps`` deliberately differs from the memory's, and the frame and residual are
+    those of compressing with the memory's. A relative bound, or a misaligned address, is
+    refused before anything is queued."""
+    from cfc import _native
+
+    name, n = str(dtype).split(".")[1], 5000
+    g = torch.Generator().manual_seed(11)
+    x = (torch.randn(n, generator=g) * 0.01).to(dtype).cuda()
+    r0 = (torch.randn(n, generator=g) * 1e-3).cuda()
+    cap = _native.cuda_compress_capacity(n, name, 1, eps=1e-3)
+    ws_len = _native.cuda_workspace_len(n, compress=True, feedback=True)
+    stream = torch.cuda.current_stream().cuda_stream
+    word = torch.tensor([4e-3, 0.0], dtype=torch.float64, device="cuda")
+    got = {}
+    for how, eps, at in (("launch", 4e-3, 0), ("memory", 1e-3, word.data_ptr())):
+        out = torch.zeros(cap, dtype=torch.uint8, device="cuda")
+        ws = torch.empty(ws_len, dtype=torch.uint8, device="cuda")
+        r = r0.clone()
+        _native.cuda_compress(0, stream, x.data_ptr(), n, name, [n], out.data_ptr(), cap, ws.data_ptr(), ws_len,
+                              eps=eps, residual_ptr=r.data_ptr(), bound_ptr=at)
+        torch.cuda.synchronize()
+        got[how] = (out, r)
+    assert torch.equal(got["launch"][0], got["memory"][0])
+    assert torch.equal(got["launch"][1], got["memory"][1])
+    out = torch.zeros(cap, dtype=torch.uint8, device="cuda")
+    ws = torch.empty(ws_len, dtype=torch.uint8, device="cuda")
+    for kw, why in (({"rel": 1e-2}, "absolute"), ({"eps": 1e-3}, "8-aligned")):
+        at = word.data_ptr() + (4 if "eps" in kw else 0)
+        with pytest.raises(Exception, match=why):
+            _native.cuda_compress(0, stream, x.data_ptr(), n, name, [n], out.data_ptr(), cap, ws.data_ptr(), ws_len,
+                                  bound_ptr=at, **kw)
+    torch.cuda.synchronize()
+    assert not bool(out.any()), "nothing was queued"
+
+
+def test_gpu_decoded_sum_reads_the_lengths_before_its_frames_where_asked():
+    """With ``lens_before`` the decoder takes each frame's length from the u64 that many bytes
+    before it (a row's head in cfc's exchanges), where a recorded CUDA graph finds each step's
+    lengths: with the heads holding the lengths, the same bits as with the lengths passed; with
+    a head too short for its frame's body (while the lengths passed are right), the device's check
+    fails that frame and nothing is written, which shows the heads are what it read."""
+    n = 5000
+    cs = [cfc.compress(awkward(n, torch.float32, seed=i).cuda(), eps=1e-3) for i in range(3)]
+    lens = [c._out.numel() for c in cs]
+    row = 16 + -(-max(lens) // 16) * 16
+    rows = torch.zeros(len(cs) * row, dtype=torch.uint8, device="cuda")
+    for j, c in enumerate(cs):
+        rows[j * row : j * row + 8].view(torch.int64).fill_(lens[j])
+        rows[j * row + 16 : j * row + 16 + lens[j]] = c._out
+    frames = [rows.data_ptr() + j * row + 16 for j in range(len(cs))]
+    ws_len = cfc._native.cuda_decode_sum_workspace_len(n, len(cs))
+    stream = torch.cuda.current_stream().cuda_stream
+
+    def decode(before):
+        out = torch.full((n,), 7.0, device="cuda")
+        ws = torch.empty(ws_len, dtype=torch.uint8, device="cuda")
+        status = torch.zeros(2, dtype=torch.int32, device="cuda")
+        cfc._native.cuda_decode_sum(0, stream, frames, lens, n, "float32", 1, 0.5, out.data_ptr(), "float32",
+                                    ws.data_ptr(), ws_len, status.data_ptr(), lens_before=before)
+        torch.cuda.synchronize()
+        return out, status.tolist()
+
+    passed, ok = decode(0)
+    assert ok == [0, 0]
+    assert same_values(passed, _decoded_sum_reference(cs, 0.5, torch.float32))
+    read, ok = decode(16)
+    assert ok == [0, 0] and torch.equal(read.view(torch.int32), passed.view(torch.int32))
+    rows[row : row + 8].view(torch.int64).fill_(100)  # frame 1's head: too short for its body
+    short, bad = decode(16)
+    assert bad[0] != 0 and bad[1] == 2, bad  # frame 1 (reported as its index + 1)
+    assert bool((short == 7.0).all()), "nothing written"
+    with pytest.raises(Exception, match="8-aligned"):
+        decode(12)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("feedback", [False, True], ids=["plain", "feedback"])
 def test_gpu_large_input_matches_cpu(dtype, feedback):
@@ -777,14 +856,18 @@ def test_native_exchange_reports_a_bad_frame_and_leaves_the_bucket_as_it_was():
 
 def test_native_exchange_replayed_as_graphs_gives_the_same_bits():
     """With graphs on (``BucketExchange.set_graphs``), a bucket's compression and decoding are
-    recorded once and then replayed with new arguments: each round here brings another bound,
-    other values at another address, and scratch at another address. The results (the average,
-    the residual, the sum of squares for the next bound, the running maximum of the error)
-    are those of the kernel-by-kernel way, bit for bit; and two graphs are made in all (one for
-    the compression, one for the decoding), which shows the later rounds ran as replays. On
-    a default stream, which cannot be recorded, none is made, and the results are the same."""
+    recorded once and then replayed. Each of the first rounds here brings another bound, other
+    values at another address, and scratch at another address: the work is recorded again and
+    the graph updated. The last rounds keep the addresses and bring another bound and other
+    values (so frames of other sizes): the graphs are launched as they are, without
+    recording, and read the bound and the frames' sizes from memory. Every round's results (the
+    average, the residual, the sum of squares for the next bound, the running maximum of the
+    error) are those of the kernel-by-kernel way, bit for bit; two graphs are made in all (one
+    for the compression, one for the decoding), and the last rounds reuse both. On a default
+    stream, which cannot be recorded, none is made, and the results are the same."""
     from cfc import _native
 
+    moved, kept = 4, 3  # rounds at new addresses, then rounds at the last of those
     got = {}
     for mode in ("plain", "graphs", "graphs, default stream"):
         exchange, x, _, _ = _one_rank_exchange(slot=1 << 62)
@@ -798,26 +881,33 @@ def test_native_exchange_replayed_as_graphs_gives_the_same_bits():
         most = torch.zeros((), dtype=torch.float64, device=dev)
         sum_ws = torch.empty(_native.CUDA_SUM_SQUARES_WORKSPACE, dtype=torch.uint8, device=dev)
         host = torch.zeros(1, dtype=torch.float64, pin_memory=True)
-        rounds = []
-        for k in range(4):
+        rounds, sizes = [], set()
+        for k in range(moved + kept):
             eps = EXCHANGE_EPS * (1 + k)
             at = _native.BucketExchange.scratch_layout(n, "float32", eps, True, 1 << 62, 1)
             ws_at, ws_len = at["workspace_at"], at["workspace_len"]
-            mem = torch.empty(at["len"] + 256 * k, dtype=torch.uint8, device=dev)
-            base = mem.data_ptr() + 256 * k
-            y = torch.cat([torch.zeros(64 * k, device=dev), x * (1 + k)])[64 * k :]
-            side.wait_stream(torch.cuda.current_stream(dev))  # y is made
+            if k < moved:
+                mem = torch.empty(at["len"] + 256 * k, dtype=torch.uint8, device=dev)
+                base = mem.data_ptr() + 256 * k
+                y = torch.zeros(n + 64 * k, device=dev)[64 * k :]
+            # Values of another scale each round: frames of other sizes.
+            y.copy_(x * (1 + k) ** 2)
+            side.wait_stream(torch.cuda.current_stream(dev))  # y is written
             exchange.launch(1, stream, y.data_ptr(), n, "float32", r.data_ptr(), base, at["capacity"],
                             base + ws_at, ws_len, sum_ws.data_ptr(), host.data_ptr(), at["slot"],
                             base + at["recv_at"], most.data_ptr(), eps=eps)
             assert exchange.finish(1, stream, 1.0, base + ws_at, ws_len)[0] == 0
             torch.cuda.synchronize()
+            sizes.add(int(mem[base - mem.data_ptr():][:8].view(torch.int64).item()))
             rounds.append((y.clone(), r.clone(), host.clone(), most.clone()))
         exchange.check()
-        got[mode] = rounds, exchange.graphs_instantiated()
+        got[mode] = rounds, (exchange.graphs_instantiated(), exchange.graphs_reused())
         exchange.close()
+        assert len(sizes) == moved + kept, sizes  # every round's frame had a size of its own
     made = {mode: count for mode, (_, count) in got.items()}
-    assert made == {"plain": 0, "graphs": 2, "graphs, default stream": 0}, made
+    # Rounds 1 to moved - 1 record (round 0 runs directly: the bucket's first); the later
+    # rounds each reuse the compression's and the decoding's graph.
+    assert made == {"plain": (0, 0), "graphs": (2, 2 * kept), "graphs, default stream": (0, 0)}, made
     for mode in ("graphs", "graphs, default stream"):
         for plain, other in zip(got["plain"][0], got[mode][0]):
             for a, b in zip(plain, other):

@@ -69,19 +69,19 @@ def test_bucket_exchange_refuses_bad_arguments_and_a_machine_without_nccl_or_cud
         native.BucketExchange(0, "00" * 128, 0, 2)
     assert str(missing.value).count("is not available") == 1, missing.value  # said once
     # The scratch of a launch: this rank's row (a 16-byte head, then the frame capacity rounded
-    # up to 16 bytes), every rank's rows of the slot asked for (clamped to the capacity), then
-    # the workspace, 256-byte aligned. Computed on the host: no CUDA needed.
+    # up to 16 bytes), the workspace, then every rank's rows of the slot asked for (clamped to
+    # the capacity), both 256-byte aligned: only the end moves with the slot. Computed on the
+    # host: no CUDA needed.
     n, world = 1000, 3
     cap = native.cuda_compress_capacity(n, "float32", 1, eps=1e-3)
     for slot, feedback in [(0, False), (100, True), (1 << 40, False)]:
         at = native.BucketExchange.scratch_layout(n, "float32", 1e-3, feedback, slot, world)
         assert at["capacity"] == -(-cap // 16) * 16
         assert at["slot"] == min(-(-slot // 16) * 16, at["capacity"])
-        assert at["recv_at"] == 16 + at["capacity"]
-        assert at["workspace_at"] % 256 == 0
-        assert at["workspace_at"] >= at["recv_at"] + world * (16 + at["slot"])
+        assert at["workspace_at"] == -(-(16 + at["capacity"]) // 256) * 256
         assert at["workspace_len"] >= native.cuda_workspace_len(n, compress=True, feedback=feedback)
         assert at["workspace_len"] >= native.cuda_decode_sum_workspace_len(n, world)
-        assert at["len"] == at["workspace_at"] + at["workspace_len"]
+        assert at["recv_at"] == -(-(at["workspace_at"] + at["workspace_len"]) // 256) * 256
+        assert at["len"] == at["recv_at"] + world * (16 + at["slot"])
     with pytest.raises(TypeError, match="unsupported dtype"):
         native.BucketExchange.scratch_layout(n, "complex64", 1e-3, False, 0, world)

@@ -91,6 +91,7 @@ def cuda_compress(
     residual_ptr: int = 0,
     size_ptr: int = 0,
     max_error_ptr: int = 0,
+    bound_ptr: int = 0,
 ) -> None: ...
 def cuda_decompress(
     device: int,
@@ -133,6 +134,8 @@ def cuda_decode_sum(
     ws_ptr: int,
     ws_len: int,
     status_ptr: int,
+    *,
+    lens_before: int = 0,
 ) -> None: ...
 def cuda_copy_rows(
     device: int, stream: int, src: int, src_pitch: int, dst: int, dst_pitch: int, width: int, rows: int
@@ -209,6 +212,7 @@ class BucketExchange:
     def set_polling(self, spin_us: int, nap_us: int) -> None: ...
     def set_graphs(self, on: bool) -> None: ...
     def graphs_instantiated(self) -> int: ...
+    def graphs_reused(self) -> int: ...
     def close(self) -> None: ...
 
 class BucketPipeline:
