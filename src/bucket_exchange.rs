@@ -55,8 +55,8 @@ pub fn next_slot(largest: u64, capacity: u64) -> u64 {
 
 /// [`next_slot`], but keeping the `current` slot while the frames fit it with their margin and
 /// it would shrink by less than a sixteenth: with graphs, so that a bucket's rows keep their
-/// length (and its recorded decoding its addresses) from step to step, for at most a sixteenth
-/// more bytes on the wire. The same on every rank, as its arguments are.
+/// length (and its recorded decoding its addresses) from step to step, for rows at most a
+/// fifteenth longer than [`next_slot`]'s. The same on every rank, as its arguments are.
 pub fn steady_slot(largest: u64, capacity: u64, current: u64) -> u64 {
     let fresh = next_slot(largest, capacity);
     if fresh <= current && fresh >= current - current / 16 {
@@ -215,7 +215,9 @@ struct Entry {
     /// With graphs, the bucket's `eps`: written here by the host at each launch, copied to
     /// `bound_dev` by the recorded work, and read there by the encoder (so that a graph
     /// replays with each step's bound). Each launch writes it only after the previous one's
-    /// compression has run (its finish waited for the all-gather that follows it).
+    /// compression has run: its finish waited for the all-gather that follows it (and a launch
+    /// that failed after queuing its compression failed in NCCL, which aborts the
+    /// communicator: nothing of the bucket is sent after it).
     bound_host: PinnedBuffer,
     bound_dev: DeviceBuffer,
 }
@@ -626,8 +628,9 @@ impl BucketExchange {
         let fl = entry.in_flight.take().expect("checked above");
         let status = &self.status;
         // With graphs, the decoder reads the frames' sizes from their rows' heads (the values
-        // checked above), so that the recorded work is the same from step to step.
-        let lens_before = if self.graphs && f.stream > 2 {
+        // checked above), so that the recorded work is the same from step to step. Not after a
+        // resend: those rows came in a second all-gather, whose heads the host has not read.
+        let lens_before = if self.graphs && f.stream > 2 && recv == fl.recv {
             ROW_HEAD
         } else {
             0
