@@ -108,7 +108,8 @@ def main():
         if rank == 0:
             print(f"\ncfc{' with graphs' if args.graphs else ''}, {cap} MB buckets, {dist.get_world_size()} GPUs, {os.environ.get('LABEL', '')}: "
                   f"{buckets:.0f} compressed buckets per step, step {1e3 * statistics.median(steps):.1f} ms "
-                  f"(median of {args.steps}, timers on), {s['ratio']:.1f}x fewer bytes"
+                  f"(median of {args.steps}, timers on), {s['ratio']:.1f}x fewer bytes, "
+                  f"{s.get('resends', 0):.0f} frames sent again"
                   + (f", {runner.state._exchange.graphs_instantiated()} graphs made, "
                      f"{runner.state._exchange.graphs_reused()} launched without recording"
                      if args.graphs and runner.state._exchange is not None else ""))

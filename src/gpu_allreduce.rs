@@ -9,7 +9,7 @@
 //! that error into the next call).
 //!
 //! Frame sizes depend on the data, and NCCL needs byte counts on the host. Each frame travels
-//! in a slot sized from the chunk's previous frames (6% and 256 bytes above the largest), after
+//! in a slot sized from the chunk's previous frames (`bucket_exchange::next_slot`), after
 //! a 16-byte row head that holds its size; the host reads every rank's size once the exchange
 //! is done, and a frame too big for its slot (every rank sees it) is sent again, whole. The
 //! first call sends only the heads and then the frames: two exchanges.
@@ -711,7 +711,7 @@ impl GpuAllReducer {
                 sent += (world - 1) * row_len;
                 arrived = Some(self.stream.record_event(None).map_err(driver_err)?);
             }
-            ch.slot = round16(largest + largest / 16 + 256).min(ch.cap);
+            ch.slot = crate::bucket_exchange::next_slot(largest, ch.cap);
             let frames: Vec<u64> = (0..world).map(|j| recv + j * row_len + ROW_HEAD).collect();
             // Decoding waits for this chunk's exchange only, not for the later chunks'.
             caller

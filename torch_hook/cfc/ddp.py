@@ -2038,9 +2038,10 @@ def _reduce_scatter(state: CfcState, n: int) -> bool:
 
 
 def _next_slot(largest: int, cap: int) -> int:
-    """Bytes per rank for a bucket's next frame exchange: 6% and 256 bytes above its largest
-    frame this time, at most the frame's capacity."""
-    return min(cap, int(largest * 1.06) + 256)
+    """Bytes per rank for a bucket's next frame exchange: 12.5% and 256 bytes above its largest
+    frame this time, at most the frame's capacity (the native exchange's rule,
+    ``cfc::bucket_exchange::next_slot``, but for the rounding to 16 bytes)."""
+    return min(cap, largest + largest // 8 + 256)
 
 
 def _sum_in_rank_order(values: List[float]) -> float:
