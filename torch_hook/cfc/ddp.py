@@ -2218,7 +2218,7 @@ class _FrameExchange:
 
     Frame sizes depend on the data and NCCL wants counts on the host. The first time a bucket
     is compressed, the ranks exchange their sizes (a collective and a wait) and then the frames.
-    After that each frame travels in a slot sized from the bucket's previous frames (6% and
+    After that each frame travels in a slot sized from the bucket's previous frames (12.5% and
     256 bytes above the largest), with its size in the slot's last 8 bytes: one collective, and
     a wait for the sizes before decoding. A frame too big for its slot (all ranks see it) is
     sent again, exactly.
