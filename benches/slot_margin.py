@@ -10,11 +10,12 @@ and fewer frames twice. Run under torchrun, one GPU per process::
 
     torchrun --standalone --nproc_per_node=1 benches/slot_margin.py --steps 60
 
-Each finish's ``next_slot`` gives the largest frame of the step (within 16 bytes: the rule is
-inverted). At one rank that is this rank's frame; at more, the largest of all ranks'. The
-table prints, for each margin, the frames sent twice and the bytes one rank sends per step,
-as the exchange's rows would carry them (head included), over the recorded steps after the
-first.
+After each finish the frames' sizes are read from the heads of the rows the exchange received
+(one per rank), and the largest is kept: at one rank that is this rank's frame; at more, the
+largest of all ranks'. The table prints, for each margin, the frames sent twice and the bytes
+one rank sends per step, as the exchange's rows would carry them (head included), over the
+recorded steps after the first; the exchange's own count of frames sent again covers the same
+steps, so the row of the rule in effect can be checked against it.
 """
 
 import argparse
@@ -47,13 +48,25 @@ class _Recorder:
     native class cannot be patched: the hook gets this stand-in, which passes everything else
     on)."""
 
-    def __init__(self, exchange, frames):
-        self._exchange, self._frames = exchange, frames
+    def __init__(self, exchange, frames, world):
+        self._exchange, self._frames, self._rows = exchange, frames, {}
+        self._heads = torch.zeros(world, dtype=torch.int64, pin_memory=True)
+
+    def launch(self, key, *args, **kw):
+        # (stream, data, n, dtype, residual, row, capacity, workspace, its length, the sum's
+        # workspace and output, slot, recv, ...): where this bucket's rows come in
+        self._rows[key] = (args[0], args[12], args[11])
+        return self._exchange.launch(key, *args, **kw)
 
     def finish(self, key, *args):
         need, sent, slot_next = self._exchange.finish(key, *args)
-        if not need:  # done: slot_next = round16(L + L // 8 + 256), so L is about this
-            self._frames[key].append(max(0, (slot_next - 256) * 8 // 9))
+        if not need:  # every rank's row holds its frame's size in its head (the first 8 bytes)
+            stream, recv, slot = self._rows[key]
+            world = self._heads.numel()
+            ddp._native.cuda_copy_rows(torch.cuda.current_device(), stream, recv, ROW_HEAD + slot,
+                                       self._heads.data_ptr(), 8, 8, world)
+            torch.cuda.synchronize()
+            self._frames[key].append(int(self._heads.max()))
         return need, sent, slot_next
 
     def __getattr__(self, name):
@@ -87,7 +100,7 @@ def main():
 
     def opened(*a, **kw):
         exchange = open_exchange(*a, **kw)
-        return None if exchange is None else _Recorder(exchange, defaultdict(list))
+        return None if exchange is None else _Recorder(exchange, defaultdict(list), dist.get_world_size())
 
     ddp._open_exchange = opened
     runner = st.Runner("cfc", rank)
@@ -96,15 +109,16 @@ def main():
     if not isinstance(runner.state._exchange, _Recorder):
         raise SystemExit("cfc's native exchange is not in use here: nothing to record")
     runner.state._exchange._frames = frames
+    runner.step()  # the first recorded step: what the next one's slots come from
     runner.state.reset_stats()
-    for _ in range(args.steps):
+    for _ in range(args.steps - 1):
         runner.step()
     torch.cuda.synchronize()
     s = runner.state.stats()
     if rank == 0:
         steps = args.steps - 1
         print(f"\nSlot margins, {len(frames)} buckets, {args.steps} recorded steps, {dist.get_world_size()} GPUs: "
-              f"{s.get('resends', 0):.0f} frames sent again by the exchange itself "
+              f"{s.get('resends', 0):.0f} frames sent again by the exchange itself over the last {steps} "
               f"({100 * s.get('resends', 0) / max(1, s['compressed_buckets']):.1f}% of compressed buckets)")
         print("| margin | frames sent twice | % of buckets | MB per step, one rank | x the 1/8 margin's |")
         print("|---|---|---|---|---|")

@@ -1253,11 +1253,15 @@ extern "C" __global__ void cfc_codec_sum_table(u64* table, Dims batch, u32 count
     if (threadIdx.x < count) table[threadIdx.x] = batch.d[threadIdx.x];
 }
 
-// The frames' lengths after their addresses in the table, each read from the u64 `back` bytes
-// before its frame (a row's head, as cfc's exchanges lay frames out): for work recorded once as
-// a CUDA graph and replayed with each step's lengths. The host has checked the same values.
+// Each frame's length in the table (after the addresses) lowered to the u64 `back` bytes before
+// the frame, where that is smaller (a row's head, as cfc's exchanges lay frames out): for work
+// recorded once as a CUDA graph and replayed with each step's lengths. The table's own value is
+// the room the frame lies in, so a head that says more is never read past.
 extern "C" __global__ void cfc_codec_sum_lens(u64* table, u32 parts, u64 back) {
-    for (u32 j = threadIdx.x; j < parts; j += blockDim.x) table[parts + j] = *(const u64*)(table[j] - back);
+    for (u32 j = threadIdx.x; j < parts; j += blockDim.x) {
+        const u64 head = *(const u64*)(table[j] - back);
+        if (head < table[parts + j]) table[parts + j] = head;
+    }
 }
 
 // Every part's chunk offsets: part blockIdx.y's frame, in its region of `stride` bytes at `parts`.

@@ -218,9 +218,10 @@ struct Entry {
     /// With graphs, the bucket's `eps`: written here by the host at each launch, copied to
     /// `bound_dev` by the recorded work, and read there by the encoder (so that a graph
     /// replays with each step's bound). Each launch writes it only after the previous one's
-    /// compression has run: its finish waited for the all-gather that follows it (and a launch
-    /// that failed after queuing its compression failed in NCCL, which aborts the
-    /// communicator: nothing of the bucket is sent after it).
+    /// compression has run: its finish waited for the all-gather that follows it. (A launch
+    /// that failed after queuing its compression has no finish: a later launch may rewrite the
+    /// word before that orphaned compression copies it, which changes only work whose frame is
+    /// never sent and whose step has failed.)
     bound_host: PinnedBuffer,
     bound_dev: DeviceBuffer,
 }
@@ -628,6 +629,8 @@ impl BucketExchange {
         let frames: Vec<u64> = (0..world as u64)
             .map(|j| recv + j * row_bytes + ROW_HEAD)
             .collect();
+        // With the sizes read from the heads (below), the lengths passed are the rows' room.
+        let rooms = vec![row_bytes - ROW_HEAD; world];
         let fl = entry.in_flight.take().expect("checked above");
         let status = &self.status;
         // With graphs, the decoder reads the frames' sizes from their rows' heads (the values
@@ -647,7 +650,7 @@ impl BucketExchange {
                     device,
                     stream: f.stream,
                     frames: &frames,
-                    frame_lens: &sizes,
+                    frame_lens: if lens_before != 0 { &rooms } else { &sizes },
                     lens_before,
                     n: fl.n,
                     dtype: fl.dtype,

@@ -556,8 +556,9 @@ pub struct CompressArgs<'a> {
     pub max_error_to: u64,
     /// With an `Abs` bound, 8-aligned device memory whose f64 the encoder reads as `eps` when
     /// it runs, or 0 to take `bound`'s value at the launch. `bound` must hold the value that
-    /// memory will hold (it is what the host checks). For work recorded once as a CUDA graph
-    /// and replayed with each step's bound ([`crate::stream_graph`]).
+    /// memory will hold (it is what the host checks): the device does not report an unusable
+    /// one (it codes with eps 1 and leaves the residual as it was). For work recorded once as a
+    /// CUDA graph and replayed with each step's bound ([`crate::stream_graph`]).
     pub bound_at: u64,
 }
 
@@ -1452,9 +1453,8 @@ unsafe fn checked_part_offsets(
     // SAFETY: (every launch) this function's contract; `launch` checks each argument list.
     unsafe {
         // The frames' addresses, then their lengths, back to back: eight values a launch (one
-        // launch for up to four frames). With `lens_before`, the lengths are read on the
-        // device, from before each frame.
-        let lens = if lens_before != 0 { &[][..] } else { lens };
+        // launch for up to four frames). With `lens_before`, each length is then lowered on the
+        // device to the size before its frame.
         let values: Vec<u64> = frames.iter().chain(lens).copied().collect();
         for (b, batch) in values.chunks(MAX_NDIM).enumerate() {
             let mut eight = [0u64; MAX_NDIM];
@@ -1714,10 +1714,10 @@ pub struct DecodeSumArgs<'a> {
     /// Bytes readable at each frame (its size, or the room it lies in): nothing past them
     /// is read.
     pub frame_lens: &'a [u64],
-    /// 0, or the offset before each frame (8-aligned) of a u64 that holds its `frame_lens`
-    /// value when the decoding runs (a row's head, in cfc's exchanges): the device reads the
-    /// lengths there rather than from the launch, so that work recorded once as a CUDA graph
-    /// replays with each step's lengths. `frame_lens` is still what the host checks.
+    /// 0, or the offset before each frame (8-aligned, readable) of a u64 that holds the frame's
+    /// size when the decoding runs (a row's head, in cfc's exchanges): each frame's length is
+    /// then the smaller of that and its `frame_lens` value (the room it lies in), read on the
+    /// device, so that work recorded once as a CUDA graph replays with each step's sizes.
     pub lens_before: u64,
     /// Element count of every frame.
     pub n: u64,

@@ -346,6 +346,12 @@ def mismatch(rank, world, out):
         nn.functional.cross_entropy(ddp(x), y).backward()
     # DDP names the error's type (a future set with set_exception reads "Unable to cast ...").
     assert "Unable to cast" not in str(failed.value) and "CfcError" in str(failed.value), failed.value
+    # The private engine settings order or size the collectives: they are agreed on too.
+    state = CfcState(warmup_steps=0)
+    state._pipeline_depth = 1 + rank
+    ddp, _ = make(state)
+    with pytest.raises(Exception, match="ranks disagree on cfc's engine settings.*_pipeline_depth=1.*_pipeline_depth=2"):
+        nn.functional.cross_entropy(ddp(x), y).backward()
 
 
 def close(rank, world, out):

@@ -402,9 +402,10 @@ def test_gpu_compress_reads_its_bound_from_memory_where_asked(dtype):
 def test_gpu_decoded_sum_reads_the_lengths_before_its_frames_where_asked():
     """With ``lens_before`` the decoder takes each frame's length from the u64 that many bytes
     before it (a row's head in cfc's exchanges), where a recorded CUDA graph finds each step's
-    lengths: with the heads holding the lengths, the same bits as with the lengths passed; with
-    a head too short for its frame's body (while the lengths passed are right), the device's check
-    fails that frame and nothing is written, which shows the heads are what it read."""
+    lengths (the smaller of the two: what is passed is the room each frame lies in). With the
+    heads holding the lengths passed, or more, the same bits as without heads; with a head too
+    short for its frame's body, the device's check fails that frame and nothing is written,
+    which shows the heads are what it read."""
     n = 5000
     cs = [cfc.compress(awkward(n, torch.float32, seed=i).cuda(), eps=1e-3) for i in range(3)]
     lens = [c._out.numel() for c in cs]
@@ -431,6 +432,9 @@ def test_gpu_decoded_sum_reads_the_lengths_before_its_frames_where_asked():
     assert same_values(passed, _decoded_sum_reference(cs, 0.5, torch.float32))
     read, ok = decode(16)
     assert ok == [0, 0] and torch.equal(read.view(torch.int32), passed.view(torch.int32))
+    rows[row : row + 8].view(torch.int64).fill_(1 << 40)  # frame 1's head: past its room
+    kept, ok = decode(16)  # the room passed holds: nothing past it is read
+    assert ok == [0, 0] and torch.equal(kept.view(torch.int32), passed.view(torch.int32))
     rows[row : row + 8].view(torch.int64).fill_(100)  # frame 1's head: too short for its body
     short, bad = decode(16)
     assert bad[0] != 0 and bad[1] == 2, bad  # frame 1 (reported as its index + 1)
@@ -863,11 +867,14 @@ def test_native_exchange_replayed_as_graphs_gives_the_same_bits():
     recording, and read the bound and the frames' sizes from memory. Every round's results (the
     average, the residual, the sum of squares for the next bound, the running maximum of the
     error) are those of the kernel-by-kernel way, bit for bit; two graphs are made in all (one
-    for the compression, one for the decoding), and the last rounds reuse both. On a default
-    stream, which cannot be recorded, none is made, and the results are the same."""
+    for the compression, one for the decoding), and the later rounds reuse both. A round at the
+    same addresses with a slot far too small sends its frame again: its compression reuses the
+    graph, its decoding runs kernel by kernel, and the round after it reuses both again. On a
+    default stream, which cannot be recorded, none is made, and the results are the same."""
     from cfc import _native
 
     moved, kept = 4, 3  # rounds at new addresses, then rounds at the last of those
+    resend = moved + kept  # then a round whose frame outgrows its slot, and one more
     got = {}
     for mode in ("plain", "graphs", "graphs, default stream"):
         exchange, x, _, _ = _one_rank_exchange(slot=1 << 62)
@@ -882,9 +889,10 @@ def test_native_exchange_replayed_as_graphs_gives_the_same_bits():
         sum_ws = torch.empty(_native.CUDA_SUM_SQUARES_WORKSPACE, dtype=torch.uint8, device=dev)
         host = torch.zeros(1, dtype=torch.float64, pin_memory=True)
         rounds, sizes = [], set()
-        for k in range(moved + kept):
+        for k in range(moved + kept + 2):
             eps = EXCHANGE_EPS * (1 + k)
-            at = _native.BucketExchange.scratch_layout(n, "float32", eps, True, 1 << 62, 1)
+            slot = 16 if k == resend else 1 << 62
+            at = _native.BucketExchange.scratch_layout(n, "float32", eps, True, slot, 1)
             ws_at, ws_len = at["workspace_at"], at["workspace_len"]
             if k < moved:
                 mem = torch.empty(at["len"] + 256 * k, dtype=torch.uint8, device=dev)
@@ -896,18 +904,24 @@ def test_native_exchange_replayed_as_graphs_gives_the_same_bits():
             exchange.launch(1, stream, y.data_ptr(), n, "float32", r.data_ptr(), base, at["capacity"],
                             base + ws_at, ws_len, sum_ws.data_ptr(), host.data_ptr(), at["slot"],
                             base + at["recv_at"], most.data_ptr(), eps=eps)
-            assert exchange.finish(1, stream, 1.0, base + ws_at, ws_len)[0] == 0
+            need = exchange.finish(1, stream, 1.0, base + ws_at, ws_len)[0]
+            assert bool(need) == (k == resend), (k, need)
+            if need:  # every frame again, whole, into rows of the length asked for
+                with torch.cuda.stream(side):
+                    rows = torch.empty(need, dtype=torch.uint8, device=dev)
+                assert exchange.finish(1, stream, 1.0, base + ws_at, ws_len, rows.data_ptr())[0] == 0
             torch.cuda.synchronize()
             sizes.add(int(mem[base - mem.data_ptr():][:8].view(torch.int64).item()))
             rounds.append((y.clone(), r.clone(), host.clone(), most.clone()))
         exchange.check()
         got[mode] = rounds, (exchange.graphs_instantiated(), exchange.graphs_reused())
         exchange.close()
-        assert len(sizes) == moved + kept, sizes  # every round's frame had a size of its own
+        assert len(sizes) == moved + kept + 2, sizes  # every round's frame had a size of its own
     made = {mode: count for mode, (_, count) in got.items()}
     # Rounds 1 to moved - 1 record (round 0 runs directly: the bucket's first); the later
     # rounds each reuse the compression's and the decoding's graph.
-    assert made == {"plain": (0, 0), "graphs": (2, 2 * kept), "graphs, default stream": (0, 0)}, made
+    # kept rounds reuse both graphs, the resend's round the compression's, the last round both.
+    assert made == {"plain": (0, 0), "graphs": (2, 2 * kept + 3), "graphs, default stream": (0, 0)}, made
     for mode in ("graphs", "graphs, default stream"):
         for plain, other in zip(got["plain"][0], got[mode][0]):
             for a, b in zip(plain, other):

@@ -351,6 +351,18 @@ class CfcState:
             float(self.per_tensor),
         ]
 
+    def _engine(self) -> List[float]:
+        """The private engine settings every rank must share too (they order or size the
+        collectives: the comm thread's depth, the pipeline, the native exchange and its graphs'
+        slots), as numbers; agreed on, not saved with the state."""
+        return [float(self._use_exchange), float(self._use_pipeline), float(self._pipeline_depth),
+                float(self._exchange_graphs)]
+
+    @staticmethod
+    def _describe_engine(c: List[float]) -> str:
+        return (f"_use_exchange={bool(c[0])}, _use_pipeline={bool(c[1])}, _pipeline_depth={int(c[2])}, "
+                f"_exchange_graphs={bool(c[3])}")
+
     def _describe(self, c: List[float]) -> str:
         kind = _BOUND_KINDS[int(c[1])] if 0 <= int(c[1]) < 3 else "?"
         alg = int(c[9]) if len(c) > 9 else 0
@@ -367,12 +379,12 @@ class CfcState:
         import torch
         import torch.distributed as dist
 
-        config = self._config()
-        mine = torch.tensor(config + list(self._resumed), dtype=torch.float64, device=device)
+        config, engine = self._config(), self._engine()
+        mine = torch.tensor(config + engine + list(self._resumed), dtype=torch.float64, device=device)
         table = [torch.empty_like(mine) for _ in range(self.world)]
         dist.all_gather(table, mine, group=self.group)
         rows = [t.cpu().tolist() for t in table]
-        k = len(config)
+        k, e = len(config), len(config) + len(engine)
         for r, row in enumerate(rows):
             if row[:k] != rows[0][:k]:
                 raise cfc.CfcError(
@@ -380,10 +392,16 @@ class CfcState:
                     f"rank {r} has {self._describe(row)}"
                 )
         for r, row in enumerate(rows):
-            if row[k:] != rows[0][k:]:
+            if row[k:e] != rows[0][k:e]:
+                raise cfc.CfcError(
+                    "ranks disagree on cfc's engine settings: rank 0 has "
+                    f"{self._describe_engine(rows[0][k:e])}; rank {r} has {self._describe_engine(row[k:e])}"
+                )
+        for r, row in enumerate(rows):
+            if row[e:] != rows[0][e:]:
                 raise cfc.CfcError(
                     "ranks resumed from different cfc_hook states: rank 0 loaded "
-                    f"{self._describe_resume(rows[0][k:])}; rank {r} {self._describe_resume(row[k:])} "
+                    f"{self._describe_resume(rows[0][e:])}; rank {r} {self._describe_resume(row[e:])} "
                     "(each rank loads its own state of the same step)"
                 )
         self._agreed = True
