@@ -57,16 +57,22 @@ class _TimedExchange:
         return getattr(self._exchange, name)
 
 
-def _timed_exchanges():
-    """Every exchange cfc opens from now on is a :class:`_TimedExchange`. (The pipeline, off by
-    default, needs the native exchange itself: with these timers it cannot run.)"""
+def wrap_exchanges(stand_in):
+    """Every native exchange cfc opens from now on is handed to the hook as
+    ``stand_in(exchange)`` (the methods of a native class cannot be patched). (The pipeline, off
+    by default, needs the native exchange itself: with a stand-in it cannot run.)"""
     open_exchange = ddp._open_exchange
 
     def opened(*a, **kw):
         exchange = open_exchange(*a, **kw)
-        return None if exchange is None else _TimedExchange(exchange)
+        return None if exchange is None else stand_in(exchange)
 
     ddp._open_exchange = opened
+
+
+def _timed_exchanges():
+    """Every exchange cfc opens from now on is a :class:`_TimedExchange`."""
+    wrap_exchanges(_TimedExchange)
 
 
 def _instrument():

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import allreduce_host_profile as hp  # noqa: E402
 import ddp_step_time as st  # noqa: E402
 
 import cfc.ddp as ddp  # noqa: E402
@@ -96,13 +97,7 @@ def main():
     rank = dist.get_rank()
     torch.cuda.set_device(rank)
     frames = defaultdict(list)  # recorded from the warm-up's end
-    open_exchange = ddp._open_exchange
-
-    def opened(*a, **kw):
-        exchange = open_exchange(*a, **kw)
-        return None if exchange is None else _Recorder(exchange, defaultdict(list), dist.get_world_size())
-
-    ddp._open_exchange = opened
+    hp.wrap_exchanges(lambda exchange: _Recorder(exchange, defaultdict(list), dist.get_world_size()))
     runner = st.Runner("cfc", rank)
     for _ in range(args.warmup):
         runner.step()

@@ -629,8 +629,6 @@ impl BucketExchange {
         let frames: Vec<u64> = (0..world as u64)
             .map(|j| recv + j * row_bytes + ROW_HEAD)
             .collect();
-        // With the sizes read from the heads (below), the lengths passed are the rows' room.
-        let rooms = vec![row_bytes - ROW_HEAD; world];
         let fl = entry.in_flight.take().expect("checked above");
         let status = &self.status;
         // With graphs, the decoder reads the frames' sizes from their rows' heads (the values
@@ -641,6 +639,13 @@ impl BucketExchange {
         } else {
             0
         };
+        // The lengths passed: the sizes checked above, or with the sizes read from the heads,
+        // the rows' room (the same every step).
+        let lens = if lens_before != 0 {
+            vec![row_bytes - ROW_HEAD; world]
+        } else {
+            sizes
+        };
         let decoding = || -> Result<()> {
             // SAFETY: every frame's size was checked against the capacity, the same on every
             // rank, and lies in its row; `decode_sum` checks the rest on the device; `data` is
@@ -650,7 +655,7 @@ impl BucketExchange {
                     device,
                     stream: f.stream,
                     frames: &frames,
-                    frame_lens: if lens_before != 0 { &rooms } else { &sizes },
+                    frame_lens: &lens,
                     lens_before,
                     n: fl.n,
                     dtype: fl.dtype,
