@@ -8,7 +8,7 @@ create_exception!(
     cfc,
     CfcError,
     PyException,
-    "Base class of every error raised by cfc."
+    "Base class of cfc's own errors: malformed buffers (FormatError), CUDA, NCCL, disagreeing ranks, a failed peer. A bad argument (bound, shape, dtype) raises ValueError or TypeError instead; an allocation, MemoryError."
 );
 create_exception!(
     cfc,
