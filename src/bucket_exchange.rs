@@ -99,7 +99,8 @@ impl ScratchLayout {
     /// none yet; clamped to the capacity and rounded up to 16).
     pub fn new(n: u64, dtype: DType, eps: f64, feedback: bool, slot: u64, world: u64) -> Self {
         let capacity = round16(cuda::compress_capacity(n, dtype, 1, Bound::Abs(eps)));
-        let slot = round16(slot).min(capacity);
+        // (Clamped before rounding: the capacity is a multiple of 16, and any slot rounds.)
+        let slot = round16(slot.min(capacity));
         let workspace_at = row_len(capacity).div_ceil(256) * 256;
         let workspace_len =
             cuda::compress_workspace_len(n, feedback).max(cuda::decode_sum_workspace_len(n, world));

@@ -589,8 +589,11 @@ fn unzstd(stored: &[u8], raw_len: u64) -> Result<Vec<u8>> {
         .map_err(zerr)?
         .single_frame();
     let mut out = Vec::with_capacity(raw_len.min(plausible) as usize);
-    // One byte more than announced tells "longer than announced" apart from "exact".
-    dec.take(raw_len + 1).read_to_end(&mut out).map_err(zerr)?;
+    // One byte more than announced tells "longer than announced" apart from "exact" (none
+    // past u64::MAX: no body reaches that length anyway).
+    dec.take(raw_len.saturating_add(1))
+        .read_to_end(&mut out)
+        .map_err(zerr)?;
     if out.len() as u64 != raw_len {
         return Err(FormatError::LengthMismatch {
             part: "zstd-decoded body",

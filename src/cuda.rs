@@ -470,6 +470,15 @@ fn tile_layout(n: u64, tile_chunks: u64) -> TileLayout {
     }
 }
 
+/// The most elements the size functions of this module ([`workspace_len`],
+/// [`compress_capacity`], [`sum_workspace_len`] and the others) are exact for: 2^48, far past
+/// any device's memory. With at most [`crate::format::MAX_NDIM`] dimensions and
+/// [`MAX_SUM_PARTS`] parts, none of their u64 sums and products wraps below it; past it one
+/// could, and a buffer allocated from such a size would be too small. The entry points' callers
+/// stay below it by their contracts (the elements are device memory); the Python binding
+/// refuses larger counts in its size functions.
+pub const MAX_ELEMENTS: u64 = 1 << 48;
+
 /// Workspace bytes [`decompress`] needs for `n` elements: the chunk offsets of the quantized
 /// decoder, or those of the lossless one, whichever is larger.
 pub fn workspace_len(n: u64) -> u64 {

@@ -1199,6 +1199,34 @@ fn crafted() -> Vec<Case> {
             |e| mismatch(e, "zstd-decoded body"),
         ),
         case(
+            "zstd_raw_body_len_max",
+            {
+                // A raw uint8 frame of 3 x (2^64 - 1) / 3 elements announces a raw body of
+                // u64::MAX bytes, the one length with no byte past it: the decoder reads one
+                // byte more than announced to tell a longer body apart, and must not wrap to
+                // reading none. The body inflates to 100 bytes.
+                let h = Header {
+                    codec: Codec::Raw,
+                    dtype: DType::U8,
+                    mode: BoundMode::Lossless,
+                    eps: 0.0,
+                    shape: vec![3, u64::MAX / 3],
+                    ..huge(u64::MAX)
+                };
+                zstd_frame(h, &zst(&[0u8; 100]), u64::MAX)
+            },
+            |e| {
+                matches!(
+                    fmt_err(e),
+                    Some(FormatError::LengthMismatch {
+                        part: "zstd-decoded body",
+                        found: 100,
+                        ..
+                    })
+                )
+            },
+        ),
+        case(
             "zstd_inflates_past_announced",
             {
                 let mut inner = q[72..].to_vec();

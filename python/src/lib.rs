@@ -436,16 +436,41 @@ fn cuda_supported(device: usize) -> bool {
     cfc::cuda::supported(device)
 }
 
+/// Refuses sizes past those the device codec's size functions are exact for
+/// (`cfc::cuda::MAX_ELEMENTS` elements, `MAX_NDIM` dimensions, `MAX_SUM_PARTS` frames): their
+/// arithmetic could wrap, and a buffer allocated from a wrapped size would be too small.
+fn check_device_sizes(numel: u64, ndim: usize, parts: u64) -> PyResult<()> {
+    if numel > cfc::cuda::MAX_ELEMENTS {
+        return Err(PyValueError::new_err(format!(
+            "the device codec takes at most 2^48 elements, got {numel}"
+        )));
+    }
+    if ndim > cfc::format::MAX_NDIM {
+        return Err(PyValueError::new_err(format!(
+            "at most {} dimensions, got {ndim}",
+            cfc::format::MAX_NDIM
+        )));
+    }
+    if parts > cfc::cuda::MAX_SUM_PARTS {
+        return Err(PyValueError::new_err(format!(
+            "at most {} frames or ranks, got {parts}",
+            cfc::cuda::MAX_SUM_PARTS
+        )));
+    }
+    Ok(())
+}
+
 /// Workspace bytes the CUDA codec needs for `numel` elements (compressing needs more, and more
 /// again with error feedback).
 #[pyfunction]
 #[pyo3(signature = (numel, *, compress=false, feedback=false))]
-fn cuda_workspace_len(numel: u64, compress: bool, feedback: bool) -> u64 {
-    if compress {
+fn cuda_workspace_len(numel: u64, compress: bool, feedback: bool) -> PyResult<u64> {
+    check_device_sizes(numel, 0, 0)?;
+    Ok(if compress {
         cfc::cuda::compress_workspace_len(numel, feedback)
     } else {
         cfc::cuda::workspace_len(numel)
-    }
+    })
 }
 
 /// Output bytes that always hold a frame compressed on the device.
@@ -459,6 +484,7 @@ fn cuda_compress_capacity(
     rel: Option<f64>,
     bits: Option<i64>,
 ) -> PyResult<u64> {
+    check_device_sizes(numel, ndim, 0)?;
     Ok(cfc::cuda::compress_capacity(
         numel,
         dtype_of(dtype)?,
@@ -470,6 +496,7 @@ fn cuda_compress_capacity(
 /// Output and workspace bytes of a lossless compression on the device.
 #[pyfunction]
 fn cuda_lossless_sizes(numel: u64, dtype: &str, ndim: usize) -> PyResult<(u64, u64)> {
+    check_device_sizes(numel, ndim, 0)?;
     let dtype = dtype_of(dtype)?;
     Ok((
         cfc::cuda::lossless_capacity(numel, dtype, ndim),
@@ -480,6 +507,7 @@ fn cuda_lossless_sizes(numel: u64, dtype: &str, ndim: usize) -> PyResult<(u64, u
 /// Output and workspace bytes of a sum of `parts` frames on the device.
 #[pyfunction]
 fn cuda_sum_sizes(numel: u64, dtype: &str, ndim: usize, parts: u64) -> PyResult<(u64, u64)> {
+    check_device_sizes(numel, ndim, parts)?;
     Ok((
         cfc::cuda::sum_capacity(numel, dtype_of(dtype)?, ndim),
         cfc::cuda::sum_workspace_len(numel, parts),
@@ -527,8 +555,9 @@ fn cuda_sum(
 
 /// Workspace bytes of `cuda_decode_sum` for `parts` frames of `numel` elements.
 #[pyfunction]
-fn cuda_decode_sum_workspace_len(numel: u64, parts: u64) -> u64 {
-    cfc::cuda::decode_sum_workspace_len(numel, parts)
+fn cuda_decode_sum_workspace_len(numel: u64, parts: u64) -> PyResult<u64> {
+    check_device_sizes(numel, 0, parts)?;
+    Ok(cfc::cuda::decode_sum_workspace_len(numel, parts))
 }
 
 /// Queues the decoded sum of device-resident frames (`frame_lens[p]` bytes readable at
@@ -1146,6 +1175,7 @@ impl BucketExchange {
         slot: u64,
         world: u64,
     ) -> PyResult<Bound<'py, PyDict>> {
+        check_device_sizes(numel, 1, world)?;
         let l = cfc::bucket_exchange::ScratchLayout::new(
             numel,
             dtype_of(dtype)?,

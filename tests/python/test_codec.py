@@ -86,6 +86,47 @@ def test_numpy_input_and_all_frame_holders():
         assert np.abs(y.numpy().astype(np.float64) - x).max() <= 1e-2
 
 
+def test_pinned_frames_are_frame_holders_everywhere():
+    c = cfc.compress(torch.randn(1000), eps=1e-2)
+    p = cfc.pin(c)
+    assert cfc.frame_info(p) == cfc.frame_info(c)
+    assert bytes(cfc.sum_compressed([p, p])) == bytes(cfc.sum_compressed([c, c]))
+
+
+def test_counts_the_native_arguments_cannot_hold_are_value_errors():
+    """Not pyo3's OverflowError: a thread count, dimension or width out of range is a bad value."""
+    c = cfc.compress(torch.randn(100), eps=1e-3, threads=2**64)  # no more threads than useful
+    assert cfc.decompress(c, threads=2**64).shape == (100,)
+    with pytest.raises(ValueError, match="threads"):
+        cfc.decompress(c, threads=-1)
+    for shape, bits in (([-1], 8), ([2**64], 8), ([4], 2**63)):
+        with pytest.raises(ValueError):
+            cfc.fixed_rate_size(shape, bits)
+
+
+def test_device_size_functions_refuse_counts_past_those_they_are_exact_for():
+    """Past 2^48 elements (or 8 dimensions, or 65535 parts) the device codec's sizes would wrap
+    around, and a buffer allocated from one would be too small: refused, on any machine."""
+    from cfc import _native
+
+    assert _native.cuda_compress_capacity(1 << 48, "float32", 1, eps=1e-3) > 4 << 48
+    calls = [
+        lambda: _native.cuda_compress_capacity(2**64 - 1, "float32", 1, eps=1e-3),
+        lambda: _native.cuda_compress_capacity(10, "float32", 2**61, eps=1e-3),
+        lambda: _native.cuda_workspace_len(2**64 - 1, compress=True, feedback=True),
+        lambda: _native.cuda_lossless_sizes(2**64 - 1, "float64", 1),
+        lambda: _native.cuda_sum_sizes(1000, "float32", 1, 2**63),
+        lambda: _native.cuda_decode_sum_workspace_len(2**63, 2),
+        lambda: _native.BucketExchange.scratch_layout(2**62, "float32", 1e-3, True, 0, 2),
+    ]
+    for call in calls:
+        with pytest.raises(ValueError, match="at most"):
+            call()
+    # A slot past any capacity is clamped to it, not wrapped by the rounding to 16 bytes.
+    layout = _native.BucketExchange.scratch_layout(1000, "float32", 1e-3, True, 2**64 - 1, 2)
+    assert layout["slot"] == layout["capacity"]
+
+
 def test_non_contiguous_and_grad_tensors():
     x = torch.randn(40, 30, requires_grad=True)
     c = cfc.compress(x.t(), eps=1e-3)  # a transposed view
@@ -148,7 +189,10 @@ def test_decompress_to_device_cpu():
         ({"bits": 1}, "bits"),
         ({"bits": 33}, "bits"),
         ({"bits": 300}, "bits"),
+        ({"bits": 2**63}, "bits"),  # past the native integer: still the bound's ValueError
+        ({"bits": -(2**70)}, "bits"),
         ({"eps": 1e-3, "zstd": 99}, "zstd"),
+        ({"eps": 1e-3, "threads": -1}, "threads"),
     ],
 )
 def test_bad_arguments_raise_value_error(kw, match):

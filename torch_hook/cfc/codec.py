@@ -122,7 +122,7 @@ def _frame_buffer(c: Any) -> bytes:
     waiting for its GPU)."""
     if isinstance(c, Compressed):
         return c._frame
-    if isinstance(c, CudaCompressed):
+    if isinstance(c, (CudaCompressed, PinnedCompressed)):
         return bytes(c)
     if isinstance(c, bytes):
         return c
@@ -138,7 +138,8 @@ def _frame_buffer(c: Any) -> bytes:
             raise TypeError(f"a frame tensor must have dtype torch.uint8, got {c.dtype}")
         return c.detach().cpu().contiguous().reshape(-1).numpy().tobytes()
     raise TypeError(
-        "expected a cfc.Compressed, cfc.CudaCompressed, bytes, bytearray, memoryview or uint8 "
+        "expected a cfc.Compressed, cfc.CudaCompressed, cfc.PinnedCompressed, bytes, bytearray, "
+        "memoryview or uint8 "
         "array/tensor, "
         f"got {type(c).__name__}"
     )
@@ -523,6 +524,25 @@ def _check_integer(name: str, value: Any) -> int:
         raise TypeError(f"{name} must be an integer, got {value!r}") from None
 
 
+def _check_threads(threads: Any) -> int:
+    """The ``threads=`` option: 0 (automatic) or a positive count. The codec never uses more
+    threads than the data has pieces, so a count past any machine's is cut to 2**16 (the
+    native argument is an unsigned machine word)."""
+    threads = _check_integer("threads", threads)
+    if threads < 0:
+        raise ValueError(f"threads must be 0 (automatic) or a positive count, got {threads}")
+    return min(threads, 1 << 16)
+
+
+def _check_bits(bits: Any) -> int:
+    """The ``bits=`` bound as an integer; the codec checks its range (2 to 32), here only that
+    it fits the native argument, with the codec's message."""
+    bits = _check_integer("bits", bits)
+    if not -(1 << 63) <= bits < 1 << 63:
+        raise ValueError(f"invalid bits: {bits} is not between 2 and 32")
+    return bits
+
+
 def _check_flag(name: str, value: Any) -> None:
     """An on/off option: True or False (numpy's bools too), not a number or a string."""
     if not isinstance(value, (bool, np.bool_)):
@@ -690,7 +710,8 @@ def compress(
     torch = _torch()
     eps = None if eps is None else _check_number("eps", eps)
     rel = None if rel is None else _check_number("rel", rel)
-    bits = None if bits is None else _check_integer("bits", bits)
+    bits = None if bits is None else _check_bits(bits)
+    threads = _check_threads(threads)
     if torch is not None and isinstance(x, torch.Tensor) and x.is_neg():
         # A lazily negated view (the imaginary part of a conjugate): its memory holds -x, and
         # both codecs read memory.
@@ -779,6 +800,7 @@ def decompress(c: Any, device: Any = None, *, threads: int = 0, max_nbytes: Opti
     """
     torch = _torch()
     _check_max_nbytes(c, max_nbytes)
+    threads = _check_threads(threads)
     if isinstance(c, PinnedCompressed):
         info = c._info
         target = None if device is None else torch.device(device)
@@ -995,4 +1017,7 @@ def _decode_status_error(status) -> Optional[str]:
 
 def fixed_rate_size(shape: Iterable[int], bits: int) -> int:
     """Exact size in bytes of a ``bits=`` frame of finite data with this shape."""
-    return _native.fixed_rate_size(list(shape), bits)
+    dims = [_check_integer("a dimension", d) for d in shape]
+    if any(not 0 <= d < 1 << 64 for d in dims):
+        raise ValueError(f"dimensions must be between 0 and 2**64 - 1, got {dims}")
+    return _native.fixed_rate_size(dims, _check_bits(bits))
