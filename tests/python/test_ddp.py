@@ -742,12 +742,111 @@ def trial_resume(rank, world, out):
         assert st.stats()["plain_buckets"] > 0 and st.stats()["compressed_buckets"] == 0, st.stats()
 
 
+def other_grads(rank, world, out):
+    """Buckets cfc does not compress go out plainly, alongside compressed ones: float64
+    gradients (the same result as DDP's own all-reduce) and sparse ones (``nn.Embedding(sparse
+    =True)``, over gloo)."""
+
+    def sgd_steps(ddp, steps, make_input):
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        for step in range(steps):
+            ddp(make_input(step)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return [p.detach().clone() for p in ddp.parameters()]
+
+    def dense(step):
+        return batch(rank, step)[0].double()
+
+    runs = []
+    for state in (None, CfcState(warmup_steps=0, min_compress_numel=0)):
+        torch.manual_seed(0)
+        ddp = DDP(Net().double().to(DEV), bucket_cap_mb=0.1)
+        if state is not None:
+            ddp.register_comm_hook(state, cfc_hook)
+        runs.append(sgd_steps(ddp, 3, dense))
+    for plain, hooked in zip(*runs):
+        # (DDP divides before its sum, cfc after: the same bits where the world is a power of 2)
+        assert torch.allclose(plain, hooked, rtol=1e-13, atol=0), (plain - hooked).abs().max()
+    s = state.stats()
+    assert s["compressed_buckets"] == 0 and s["plain_buckets"] > 0, s
+    if DEV.type != "cpu":
+        return  # (gloo's sparse all-reduce is on CPU tensors; NCCL's takes no sparse tensors)
+
+    class Rec(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(5000, 16, sparse=True)
+            self.head = nn.Linear(16, 64)
+
+        def forward(self, idx):
+            return self.head(self.emb(idx).mean(1))
+
+    def ids(step):
+        return torch.randint(0, 5000, (8, 5), generator=torch.Generator().manual_seed(100 * step + rank))
+
+    state = CfcState(warmup_steps=0, min_compress_numel=0)
+    torch.manual_seed(0)
+    ddp = DDP(Rec())
+    ddp.register_comm_hook(state, cfc_hook)
+    params = sgd_steps(ddp, 3, ids)
+    s = state.stats()
+    assert s["compressed_buckets"] > 0 and s["plain_buckets"] > 0, s  # the head's, the embedding's
+    for p in params:
+        assert same_on_all_ranks(p)
+
+
+def groups(rank, world, out):
+    """cfc.register_comm_hook gives a state without a process group DDP's, and refuses one
+    whose group is not DDP's (the buckets would be averaged over other ranks, silently)."""
+    singles = [dist.new_group([r]) for r in range(world)]
+    torch.manual_seed(0)
+    if world > 1:  # (at one rank the group of one is the world)
+        ddp = DDP(Net().to(DEV), bucket_cap_mb=0.1)
+        with pytest.raises(ValueError, match="is not the DDP model's"):
+            cfc.register_comm_hook(ddp, CfcState(process_group=singles[rank]))
+    alone = DDP(Net().to(DEV), bucket_cap_mb=0.1, process_group=singles[rank])
+    state = CfcState(warmup_steps=0, min_compress_numel=0)
+    assert cfc.register_comm_hook(alone, state)
+    opt = torch.optim.SGD(alone.parameters(), lr=0.1)
+    train(alone, opt, rank, 2)
+    assert state.world == 1 and state.stats()["compressed_buckets"] > 0, state.stats()
+
+
+def resume_other_buckets(rank, world, out):
+    """A state saved with one bucket size and loaded into a DDP model with another: the loaded
+    buckets serve the first steps (DDP's initial buckets, then its rebuilt ones), then the
+    model's own buckets run whole."""
+    kw = dict(warmup_steps=1, min_compress_numel=0)
+    state = CfcState(**kw)
+    ddp, opt = make(state)
+    train(ddp, opt, rank, 3)
+    saved = state.state_dict()
+    assert len(saved["layouts"]) > 1, saved["layouts"]
+    state = CfcState(**kw)
+    torch.manual_seed(0)
+    ddp = DDP(Net().to(DEV))  # DDP's default bucket size: one bucket for this model
+    ddp.register_comm_hook(state, cfc_hook)
+    state.load_state_dict(saved)
+    parts = []
+    cut = state._parts
+
+    def counted(*args):
+        run = cut(*args)
+        parts.append(len(run[0]))
+        return run
+
+    state._parts = counted
+    train(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), rank, 5, start=3)
+    assert parts[0] > 1 and parts[2:] == [1, 1, 1], parts
+
+
 SCENARIOS = {
     f.__name__: f
     for f in (parity, resume, overflow, accumulate, variants, mismatch, fallback, slots, reduce_scatter, per_tensor,
               trial_resume,
               trial_timing, plain_after_trial, register, register_sockets, native_exchange, close, comm_failure, bad_frame,
-              bad_frame_native, bad_frame_pipeline, pipeline_failure)
+              bad_frame_native, bad_frame_pipeline, pipeline_failure, other_grads, groups, resume_other_buckets)
 }
 
 
@@ -780,7 +879,8 @@ def test_training_parity_with_8x_fewer_bytes(tmp_path, device):
 @pytest.mark.parametrize(
     "scenario",
     ["resume", "overflow", "accumulate", "variants", "mismatch", "fallback", "slots", "reduce_scatter", "per_tensor",
-     "trial_timing", "trial_resume", "plain_after_trial", "register", "close"],
+     "trial_timing", "trial_resume", "plain_after_trial", "register", "close", "other_grads", "groups",
+     "resume_other_buckets"],
 )
 def test_hook(tmp_path, scenario, device):
     enough_gpus(device)
@@ -869,7 +969,8 @@ def test_state_options_are_checked(tmp_path):
                     {"fallback": "sometimes"}, {"fallback": "auto", "trial_steps": 3},
                     {"warmup_steps": -1}, {"timeout": 0}, {"timeout": math.inf},
                     {"algorithm": "ring"}, {"algorithm": "reduce-scatter", "rel": 0.01},
-                    {"eps": 1e-320}, {"eps": 1e308}):  # eps the codec refuses: every bucket would fail
+                    {"eps": 1e-320}, {"eps": 1e308},  # eps the codec refuses: every bucket would fail
+                    {"rel": 1.0}, {"rel": 5}):  # every element within the bound of zero: nothing sent
             with pytest.raises(ValueError):
                 CfcState(**bad)
         for bad in ({"eps": True}, {"rms": "0.3"}, {"error_feedback": "no"}, {"per_tensor": 1},
@@ -879,6 +980,9 @@ def test_state_options_are_checked(tmp_path):
         numpy_bound = CfcState(eps=np.float32(1e-3), error_feedback=np.bool_(False), warmup_steps=np.int64(1))
         assert numpy_bound.bound == float(np.float32(1e-3)) and type(numpy_bound.bound) is float
         assert numpy_bound.error_feedback is False and numpy_bound.warmup_steps == 1
+        # a disagreement names values that differ where the bounds do
+        shown = [CfcState(eps=e)._describe(CfcState(eps=e)._config()) for e in (1e-3, np.float32(1e-3))]
+        assert shown[0] != shown[1] and "eps=0.001," in shown[0], shown
         s = CfcState()
         assert (s.bound_kind, s.bound) == ("rms", 0.3)
         # the algorithm is one of the options all ranks must share

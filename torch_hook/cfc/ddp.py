@@ -106,10 +106,13 @@ class CfcState:
 
     Args:
         process_group: the group DDP reduces over (default: the world). cfc creates its own
-            communicator over the same ranks.
+            communicator over the same ranks. :func:`register_comm_hook` gives a state without
+            one DDP's group, and refuses a state with another; with DDP's own
+            ``register_comm_hook`` on a DDP model over a subgroup, pass that group here (a
+            bucket does not say which group it is reduced over).
         eps: absolute bound on each rank's quantization error, per element.
         rel: bound relative to the bucket's largest magnitude (over all ranks on CPU, per rank
-            on GPU).
+            on GPU); below 1.
         rms: bound relative to the root mean square of the bucket's finite gradient values
             (over all ranks on CPU; on GPU from the bucket's previous compressed step, so that
             nothing waits for it: over all ranks with the reduce-scatter, per rank with the
@@ -135,7 +138,9 @@ class CfcState:
         warmup_steps: steps of plain all-reduce first. DDP rebuilds its buckets after the first
             step, so residuals start on stable buckets.
         min_compress_numel: buckets with fewer elements are all-reduced plainly (the fixed
-            costs of compressing outweigh the bytes saved).
+            costs of compressing outweigh the bytes saved). So are buckets of sparse gradients
+            and of dtypes other than float32, bfloat16 and float16 (logged once per kind; in
+            ``stats()`` as plain buckets, sparse ones counted at their dense size).
         fallback: ``"auto"`` times plain and compressed all-reduce of every bucket for
             ``trial_steps`` steps after the warm-up (alternating) and then keeps, per bucket,
             the faster (the slowest rank's time decides, so all ranks choose alike). ``False``
@@ -195,6 +200,10 @@ class CfcState:
         self.bound = _check_number(self.bound_kind, bound)
         if not (math.isfinite(self.bound) and self.bound > 0):
             raise ValueError(f"{self.bound_kind} must be positive and finite, got {bound!r}")
+        if self.bound_kind == "rel" and self.bound >= 1:
+            # Every element lies within the bucket's largest magnitude of zero: all would come
+            # back as zero, every step, and the residuals would only grow.
+            raise ValueError(f"rel must be below 1 (rel=0.01 is 1% of the largest magnitude), got {bound!r}")
         if self.bound_kind == "eps" and not (_EPS_MIN <= self.bound <= _EPS_MAX):
             # what the codec accepts (src/codec.rs, check_abs_bound): every bucket would fail
             raise ValueError(f"eps must lie between {_EPS_MIN:g} and {_EPS_MAX:g}, got {bound!r}")
@@ -252,6 +261,7 @@ class CfcState:
         self._layouts: Dict[int, Optional[tuple]] = {}  # bucket -> ordinals, as last seen
         self._saved_layouts: Dict[int, tuple] = {}  # bucket -> ordinals, from a checkpoint
         self._decisions: Dict[int, bool] = {}  # bucket -> compress? (fallback="auto")
+        self._plain_kinds: set = set()  # the kinds of bucket never compressed, logged (_numel)
         self._trial: Dict[int, Dict[str, List[float]]] = {}
         self._trial_times: Dict[int, Tuple[float, float]] = {}  # bucket -> (plain, compressed), all ranks'
         # What register_comm_hook's probe found (None: no probe ran)
@@ -367,7 +377,7 @@ class CfcState:
         kind = _BOUND_KINDS[int(c[1])] if 0 <= int(c[1]) < 3 else "?"
         alg = int(c[9]) if len(c) > 9 else 0
         return (
-            f"{kind}={c[2]:g}, error_feedback={bool(c[3])}, warmup_steps={int(c[4])}, "
+            f"{kind}={c[2]!r}, error_feedback={bool(c[3])}, warmup_steps={int(c[4])}, "
             f"min_compress_numel={int(c[5])}, fallback={'auto' if c[6] else False}, "
             f"trial_steps={int(c[7])}, algorithm={_ALGORITHMS[alg - 1] if 0 < alg <= 2 else None!r}, "
             f"per_tensor={bool(c[10]) if len(c) > 10 else '?'}"
@@ -451,6 +461,22 @@ class CfcState:
             return (self.step - self._origin - self.warmup_steps) % 2 == 1
         return None if self.trial_steps else True
 
+    def _numel(self, buf) -> int:
+        """A bucket's element count as the choices above see it: -1, below any
+        ``min_compress_numel`` (sent plainly, no residual), for one that cfc does not compress:
+        sparse gradients (``nn.Embedding(sparse=True)``) and dtypes other than float32,
+        bfloat16 and float16 (float64, say). Logged once per kind."""
+        import torch
+
+        if not buf.is_sparse and buf.dtype in (torch.float32, torch.bfloat16, torch.float16):
+            return buf.numel()
+        kind = f"sparse {buf.dtype}" if buf.is_sparse else str(buf.dtype)
+        if kind not in self._plain_kinds:
+            self._plain_kinds.add(kind)
+            logger.warning("cfc: buckets of %s gradients are all-reduced plainly (cfc compresses dense "
+                           "float32, bfloat16 and float16)", kind)
+        return -1
+
     def _feeds(self, numel: int) -> bool:
         """Whether a bucket has a residual this step (not during the warm-up: buckets are
         rebuilt after the first step)."""
@@ -481,7 +507,7 @@ class CfcState:
         is made of, so that the resumed run does exactly what the uninterrupted one did.
         """
         whole = [(index, buf, layout)], None
-        if not self._saved_layouts or layout is None:
+        if not self._saved_layouts or layout is None or buf.is_sparse:
             return whole
         mine = tuple(o for o, _, _ in layout)
         if self._saved_layouts.get(index) == mine:
@@ -779,6 +805,13 @@ class CfcState:
         """After each bucket's hook (``last``: the step's last bucket, ``bucket.is_last()``)."""
         if last:
             self.step += 1
+            if self._saved_layouts and self.step >= self._resumed[0] + 2:
+                # DDP rebuilds its buckets after a fresh model's first step, so from the second
+                # step after a load its buckets are as they will stay: a loaded layout is of no
+                # more use (where the buckets are the saved ones it would run them whole
+                # anyway; where they are not, e.g. another bucket_cap_mb, it would split each
+                # bucket into the saved ones at every step). Residuals go on per parameter.
+                self._saved_layouts = {}
             if self.log_every and self.step % self.log_every == 0 and logger.isEnabledFor(logging.INFO):
                 logger.info("cfc step %d: %s", self.step, self.stats())
 
@@ -1073,6 +1106,13 @@ def register_comm_hook(ddp, state: Optional[CfcState] = None) -> bool:
         )
     if state.process_group is None and state.group is None:
         state.process_group = ddp.process_group
+    elif _group_ranks(state.process_group) != _group_ranks(ddp.process_group):
+        # The buckets would be averaged over other ranks than DDP's: replicas would drift apart
+        # (or ones DDP keeps apart would be mixed), with no error anywhere.
+        raise ValueError(
+            f"the state's process group (ranks {_group_ranks(state.process_group)}) is not the DDP "
+            f"model's (ranks {_group_ranks(ddp.process_group)}): give CfcState DDP's group, or none"
+        )
     params = [p for p in ddp.module.parameters() if p.requires_grad]
     if state.fallback != "auto" or not params or not params[0].is_cuda or state.group is not None:
         ddp.register_comm_hook(state, cfc_hook)
@@ -1116,6 +1156,13 @@ def register_comm_hook(ddp, state: Optional[CfcState] = None) -> bool:
     return bool(register)
 
 
+def _group_ranks(group: Any) -> List[int]:
+    """The global ranks of ``group`` (None: the world)."""
+    import torch.distributed as dist
+
+    return list(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+
+
 # ---- CPU buckets: the Rust collective, on the autograd thread ----
 
 
@@ -1140,14 +1187,15 @@ def _cpu_bucket(state: CfcState, last: bool, buf, parts, scatter, for_ddp: bool)
 def _cpu_part(state: CfcState, index: int, buf, layout) -> None:
     import torch.distributed as dist
 
-    compress = state._compress_this(buf.numel())
-    trial = state._phase() == "trial" and buf.numel() >= state.min_compress_numel
+    n = state._numel(buf)
+    compress = state._compress_this(n)
+    trial = state._phase() == "trial" and n >= state.min_compress_numel
     if trial:
         _line_up(state, buf.device)
     t0 = time.perf_counter()
     if compress is None:
         compress = state._decision(index)
-    r = state._residual(index, layout, buf) if state._feeds(buf.numel()) else None
+    r = state._residual(index, layout, buf) if state._feeds(n) else None
     ring = _ring_bytes(buf.numel() * buf.element_size(), state.world)
     if compress:
         scaled = _per_tensor(state, index, layout, buf, r)
@@ -1405,9 +1453,10 @@ def _gpu_submit(state: CfcState, worker, last: bool, buf, parts, scatter, for_dd
     ready = torch.cuda.Event()
     jobs = []
     for index, flat, layout in parts:
-        compress = state._compress_this(flat.numel())
-        trial = state._phase() == "trial" and flat.numel() >= state.min_compress_numel
-        r = state._residual(index, layout, flat) if state._feeds(flat.numel()) else None
+        n = state._numel(flat)
+        compress = state._compress_this(n)
+        trial = state._phase() == "trial" and n >= state.min_compress_numel
+        r = state._residual(index, layout, flat) if state._feeds(n) else None
         jobs.append((index, flat, layout, r, compress, trial))
     ready.record(worker.caller_stream(dev))  # after the residuals and any gathers
     fut = torch.futures.Future(devices=[dev])
@@ -1536,6 +1585,9 @@ def _pipeline_part(state: CfcState, worker, pipe, stream: int, index: int, flat,
     and bookkeeping as :func:`_gpu_launch` and :func:`_exchange_launch` make on the comm
     thread, so that the two give the same bits."""
     n = flat.numel()
+    if state._numel(flat) != n:
+        # (Its plain all-reduce is the native exchange's, which averages the three float types.)
+        raise cfc.CfcError(f"the bucket pipeline takes dense float32, bfloat16 and float16 buckets, not {flat.dtype}")
     compress = state._compress_this(n)
     if compress is None:  # the trial is decided (_pipeline_step)
         compress = state._decisions.get(index, True)
