@@ -196,7 +196,7 @@ def _resume_with(kw):
     assert not all(torch.equal(a, b.detach()) for a, b in zip(straight, ddp.parameters()))
 
     # Another rank's state, or other options, are refused.
-    other = dict(saved["cfc"], rank=1 - rank)
+    other = dict(saved["cfc"], rank=(rank + 1) % dist.get_world_size())
     with pytest.raises(ValueError, match="each rank loads its own"):
         CfcState(**kw).load_state_dict(other)
     with pytest.raises(ValueError, match="eps=0.001"):
@@ -744,8 +744,7 @@ def trial_resume(rank, world, out):
 
 def other_grads(rank, world, out):
     """Buckets cfc does not compress go out plainly, alongside compressed ones: float64
-    gradients (the same result as DDP's own all-reduce) and sparse ones (``nn.Embedding(sparse
-    =True)``, over gloo)."""
+    gradients and sparse ones (``nn.Embedding(sparse=True)``), with DDP's own results."""
 
     def sgd_steps(ddp, steps, make_input):
         opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
@@ -770,8 +769,8 @@ def other_grads(rank, world, out):
         assert torch.allclose(plain, hooked, rtol=1e-13, atol=0), (plain - hooked).abs().max()
     s = state.stats()
     assert s["compressed_buckets"] == 0 and s["plain_buckets"] > 0, s
-    if DEV.type != "cpu":
-        return  # (gloo's sparse all-reduce is on CPU tensors; NCCL's takes no sparse tensors)
+    if NCCL:
+        return  # NCCL takes no sparse tensors: DDP's own all-reduce of them fails there too
 
     class Rec(nn.Module):
         def __init__(self):
@@ -783,17 +782,23 @@ def other_grads(rank, world, out):
             return self.head(self.emb(idx).mean(1))
 
     def ids(step):
-        return torch.randint(0, 5000, (8, 5), generator=torch.Generator().manual_seed(100 * step + rank))
+        return torch.randint(0, 5000, (8, 5), generator=torch.Generator().manual_seed(100 * step + rank)).to(DEV)
 
-    state = CfcState(warmup_steps=0, min_compress_numel=0)
-    torch.manual_seed(0)
-    ddp = DDP(Rec())
-    ddp.register_comm_hook(state, cfc_hook)
-    params = sgd_steps(ddp, 3, ids)
-    s = state.stats()
-    assert s["compressed_buckets"] > 0 and s["plain_buckets"] > 0, s  # the head's, the embedding's
-    for p in params:
-        assert same_on_all_ranks(p)
+    firsts = []
+    for warmup in (None, 1, 0):  # DDP alone; the hook from its warm-up (the direct path); compressing
+        torch.manual_seed(0)
+        ddp = DDP(Rec().to(DEV))
+        if warmup is not None:
+            state = CfcState(warmup_steps=warmup, min_compress_numel=0)
+            ddp.register_comm_hook(state, cfc_hook)
+        firsts.append(sgd_steps(ddp, 1, ids)[0])  # the embedding after one step
+        if warmup is not None:
+            for p in sgd_steps(ddp, 2, lambda step: ids(step + 1)):
+                assert same_on_all_ranks(p)
+            s = state.stats()
+            assert s["compressed_buckets"] > 0 and s["plain_buckets"] > 0, s  # the head's, the embedding's
+    for hooked in firsts[1:]:
+        assert torch.allclose(hooked, firsts[0], rtol=1e-6, atol=1e-9), (hooked - firsts[0]).abs().max()
 
 
 def groups(rank, world, out):
@@ -839,6 +844,12 @@ def resume_other_buckets(rank, world, out):
     state._parts = counted
     train(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), rank, 5, start=3)
     assert parts[0] > 1 and parts[2:] == [1, 1, 1], parts
+    # and nothing is kept for the loaded layout's other buckets (their residuals' values were
+    # carried into the one bucket's)
+    assert list(state._residuals) == list(state._layouts) == [0] and state._unflushed <= {0}, (
+        list(state._residuals), list(state._layouts), state._unflushed)
+    assert all((k[1] if isinstance(k, tuple) else k) == 0 for k in state._slots), state._slots
+    assert state.stats()["residual_resets"] == 0
 
 
 SCENARIOS = {

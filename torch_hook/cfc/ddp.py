@@ -139,8 +139,9 @@ class CfcState:
             step, so residuals start on stable buckets.
         min_compress_numel: buckets with fewer elements are all-reduced plainly (the fixed
             costs of compressing outweigh the bytes saved). So are buckets of sparse gradients
-            and of dtypes other than float32, bfloat16 and float16 (logged once per kind; in
-            ``stats()`` as plain buckets, sparse ones counted at their dense size).
+            (where the backend takes them: gloo, not NCCL) and of dtypes other than float32,
+            bfloat16 and float16 (logged once per kind; in ``stats()`` as plain buckets, sparse
+            ones counted at their dense size).
         fallback: ``"auto"`` times plain and compressed all-reduce of every bucket for
             ``trial_steps`` steps after the warm-up (alternating) and then keeps, per bucket,
             the faster (the slowest rank's time decides, so all ranks choose alike). ``False``
@@ -260,6 +261,8 @@ class CfcState:
         self._pending: Dict[int, Any] = {}  # ordinal -> loaded residual, placed at first use
         self._layouts: Dict[int, Optional[tuple]] = {}  # bucket -> ordinals, as last seen
         self._saved_layouts: Dict[int, tuple] = {}  # bucket -> ordinals, from a checkpoint
+        # Once _saved_layouts is dropped: (the step after, the buckets it ran); _prune_buckets
+        self._prune: Optional[Tuple[int, set]] = None
         self._decisions: Dict[int, bool] = {}  # bucket -> compress? (fallback="auto")
         self._plain_kinds: set = set()  # the kinds of bucket never compressed, logged (_numel)
         self._trial: Dict[int, Dict[str, List[float]]] = {}
@@ -535,6 +538,31 @@ class CfcState:
 
         return parts, scatter
 
+    def _prune_buckets(self, keys) -> None:
+        """After a loaded layout is dropped (:meth:`_end_of_bucket`), the buckets the next step
+        runs (``keys``, as each comes) are the ones that stay. At the first bucket of the step
+        after it, the per-bucket state of any other (the loaded layout's, where DDP's buckets
+        are not those) goes: its residual's values live on in the running buckets' residuals
+        (carried per parameter), and nothing would read the rest again."""
+        step, ran = self._prune
+        if self.step == step:
+            ran.update(keys)
+            return
+        self._prune = None
+        if self._worker is not None:
+            self._worker.drain()  # no bucket on the comm thread still reads what goes
+        per_bucket = (self._residuals, self._layouts, self._decisions, self._trial, self._trial_times,
+                      self._rms, self._scales)
+        stale = {k for d in per_bucket for k in d} - ran
+        if not ran or not stale:
+            return
+        for d in per_bucket:
+            for k in stale & d.keys():
+                del d[k]
+        for k in [k for k in self._slots if (k[1] if isinstance(k, tuple) else k) in stale]:
+            del self._slots[k]
+        self._unflushed -= stale  # (their values were carried, and the carrying residual marked)
+
     def _residual(self, index: int, layout, buf):
         """This bucket's residual, zero at first; kept across steps, and carried over per
         parameter when DDP rebuilds its buckets or a checkpoint is loaded."""
@@ -774,6 +802,7 @@ class CfcState:
         self._where.clear()
         self._pending = loaded["residuals"]
         self._saved_layouts = loaded["layouts"]
+        self._prune = None
         self._decisions = loaded["decisions"]
         # Per-bucket memory of this process's earlier steps does not carry over; the loaded
         # residuals (in _pending) are placed, and later sent along, at their buckets' first use.
@@ -806,12 +835,15 @@ class CfcState:
         if last:
             self.step += 1
             if self._saved_layouts and self.step >= self._resumed[0] + 2:
-                # DDP rebuilds its buckets after a fresh model's first step, so from the second
-                # step after a load its buckets are as they will stay: a loaded layout is of no
-                # more use (where the buckets are the saved ones it would run them whole
-                # anyway; where they are not, e.g. another bucket_cap_mb, it would split each
-                # bucket into the saved ones at every step). Residuals go on per parameter.
+                # A fresh DDP model keeps its initial buckets for one step (two with
+                # static_graph), then rebuilds them; so from the third step after a load they
+                # are as they will stay, and a loaded layout is of no more use (where the
+                # buckets are the saved ones it would run them whole anyway; where they are
+                # not, e.g. another bucket_cap_mb, it would split each bucket into the saved
+                # ones at every step). Residuals go on per parameter. Not earlier: an exact
+                # resume with static_graph needs the loaded layout for both initial steps.
                 self._saved_layouts = {}
+                self._prune = (self.step, set())
             if self.log_every and self.step % self.log_every == 0 and logger.isEnabledFor(logging.INFO):
                 logger.info("cfc step %d: %s", self.step, self.stats())
 
@@ -951,11 +983,11 @@ def _plain_whole(state: CfcState, tensor, starts: List[int], step: int):
 
 def _average(state: CfcState, t, group, async_op: bool = False):
     """Average ``t`` in place over ``group`` (one of the state's two, of the same ranks), plainly:
-    inside NCCL for CUDA tensors (no second pass over the memory), else a sum and a division.
+    inside NCCL for dense CUDA tensors (no second pass over the memory), else a sum and a division.
     Returns the work to wait for when ``async_op`` and NCCL took it, else None (done)."""
     import torch.distributed as dist
 
-    if state._nccl and t.is_cuda:
+    if state._nccl and t.is_cuda and not t.is_sparse:
         return dist.all_reduce(t, op=dist.ReduceOp.AVG, group=group, async_op=async_op)
     dist.all_reduce(t, group=group)
     t.div_(state.world)
@@ -1030,6 +1062,8 @@ def _average_bucket(state: CfcState, bucket, for_ddp: bool) -> Any:
     buf, last = bucket.buffer(), bucket.is_last()
     layout = state._ordinals(bucket, buf)
     parts, scatter = state._parts(bucket.index(), buf, layout)
+    if state._prune is not None:
+        state._prune_buckets([k for k, _, _ in parts])
     for k, _, sub in parts:  # what runs, as a checkpoint made now must record it
         state._layouts[k] = None if sub is None else tuple(o for o, _, _ in sub)
     if buf.device.type == "cuda":
@@ -1587,7 +1621,8 @@ def _pipeline_part(state: CfcState, worker, pipe, stream: int, index: int, flat,
     n = flat.numel()
     if state._numel(flat) != n:
         # (Its plain all-reduce is the native exchange's, which averages the three float types.)
-        raise cfc.CfcError(f"the bucket pipeline takes dense float32, bfloat16 and float16 buckets, not {flat.dtype}")
+        kind = f"sparse {flat.dtype}" if flat.is_sparse else str(flat.dtype)
+        raise cfc.CfcError(f"the bucket pipeline takes dense float32, bfloat16 and float16 buckets, not {kind}")
     compress = state._compress_this(n)
     if compress is None:  # the trial is decided (_pipeline_step)
         compress = state._decisions.get(index, True)
@@ -1634,6 +1669,12 @@ def _gpu_plain(state: CfcState, worker, last: bool, buf) -> Any:
     if last:  # ends the step on the comm thread too (nothing is queued there)
         worker.submit("flush")
     state._end_of_bucket(last)
+    if work is None:  # a sparse bucket: summed, and divided, already
+        import torch
+
+        done = torch.futures.Future(devices=[buf.device])
+        done.set_result(buf)
+        return done
     return work.get_future().then(lambda fut: fut.value()[0])
 
 
@@ -1706,6 +1747,16 @@ def _max_error_ptr(state: CfcState, r, device) -> int:
     return 0 if r is None or not r.numel() else _max_error_target(state, device).data_ptr()
 
 
+def _record_stream(t, stream) -> None:
+    """``t.record_stream(stream)``, for a sparse tensor on its indices and values (sparse
+    tensors have no record_stream of their own)."""
+    if t.is_sparse:
+        t._indices().record_stream(stream)
+        t._values().record_stream(stream)
+    else:
+        t.record_stream(stream)
+
+
 def _check_compressible(buf) -> None:
     """Refuse a CUDA bucket that cfc_hook cannot compress (the comm thread's and the pipeline's
     one check)."""
@@ -1734,7 +1785,7 @@ def _gpu_launch(state: CfcState, stream, index, buf, layout, r, compress, trial,
         _line_up(state, buf.device)  # (also waits for this stream: the flush)
         t0 = time.perf_counter()
     stream.wait_event(ready)
-    buf.record_stream(stream)
+    _record_stream(buf, stream)
     world, n = state.world, buf.numel()
     ring = _ring_bytes(n * buf.element_size(), world)
     if compress is None:  # every trial bucket was timed before this one (FIFO): decide
