@@ -773,9 +773,12 @@ class CfcState:
         ``backward()`` raises (the hook's ``cfc.CfcError``, which DDP reports as a
         ``RuntimeError``), before any of the step's exchanges.
 
-        A state saved after the first step with ``warmup_steps`` at most 1 resumes within the
-        bound but not bit for bit: DDP rebuilds its buckets after the first step, and which
-        buckets it makes is not known yet when that state is saved.
+        A fresh DDP model runs its first step (its first two with ``static_graph``) on its
+        initial buckets, where the hook replays the saved run's buckets from the state. A state
+        saved before its run had seen DDP's rebuilt buckets cannot: if such a step compresses,
+        the run resumes within the bound but not bit for bit. Examples: a state saved after
+        step 1 with ``warmup_steps`` at most 1; after step 1 or 2 with ``static_graph``; one
+        saved one step after resuming from a state of step 1.
         """
         if self._closed:
             raise cfc.CfcError("this CfcState was closed (CfcState.close()); register a new one to go on")
