@@ -139,9 +139,7 @@ def _frame_buffer(c: Any) -> bytes:
         return c.detach().cpu().contiguous().reshape(-1).numpy().tobytes()
     raise TypeError(
         "expected a cfc.Compressed, cfc.CudaCompressed, cfc.PinnedCompressed, bytes, bytearray, "
-        "memoryview or uint8 "
-        "array/tensor, "
-        f"got {type(c).__name__}"
+        f"memoryview or uint8 array/tensor, got {type(c).__name__}"
     )
 
 
