@@ -779,6 +779,36 @@ impl BucketExchange {
             .get(&key)
             .is_some_and(|e| e.in_flight.is_some())
     }
+
+    /// Buckets with something kept here (events, pinned sizes, graphs): every key launched and
+    /// not forgotten.
+    pub fn buckets(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Lets go of what is kept for `keys` (those with nothing kept are skipped): buckets that
+    /// will not run again, as after a resume with another bucket size. Waits for the device
+    /// first, so that no queued work still reads an entry's words or runs its graphs. Returns
+    /// how many entries went.
+    ///
+    /// # Errors
+    /// [`Error::Transport`] where one of `keys` is in flight (nothing is let go); CUDA errors.
+    pub fn forget(&mut self, keys: &[u64]) -> Result<usize> {
+        if let Some(key) = keys.iter().find(|&&k| self.in_flight(k)) {
+            return Err(Error::Transport(format!(
+                "bucket {key} cannot be forgotten while its exchange is in flight"
+            )));
+        }
+        if !keys.iter().any(|k| self.entries.contains_key(k)) {
+            return Ok(0);
+        }
+        let _restore = ContextGuard::save()?;
+        self.comm.context().synchronize().map_err(driver_err)?;
+        Ok(keys
+            .iter()
+            .filter(|k| self.entries.remove(k).is_some())
+            .count())
+    }
 }
 
 fn not_in_flight(key: u64) -> Error {

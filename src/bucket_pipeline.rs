@@ -260,6 +260,19 @@ impl BucketPipeline {
         self.tx.send(Msg::Sync(reply)).map_err(|_| stopped())?;
         answer.recv().map_err(|_| stopped())
     }
+
+    /// Buckets with an event kept here: every key submitted and not forgotten.
+    pub fn buckets(&self) -> usize {
+        self.ready.len()
+    }
+
+    /// Lets go of the events kept for `keys`: buckets that will not run again. (A bucket still
+    /// queued holds its event until the thread is done with it.) Returns how many went.
+    pub fn forget(&mut self, keys: &[u64]) -> usize {
+        keys.iter()
+            .filter(|k| self.ready.remove(k).is_some())
+            .count()
+    }
 }
 
 impl Drop for BucketPipeline {

@@ -1321,6 +1321,17 @@ impl BucketExchange {
         self.with(py, |exchange| Ok(exchange.graphs_reused()))
     }
 
+    /// Buckets with something kept by the exchange (events, pinned sizes, graphs).
+    fn buckets(&self, py: Python<'_>) -> PyResult<usize> {
+        self.with(py, |exchange| Ok(exchange.buckets()))
+    }
+
+    /// Lets go of what is kept for the buckets `keys`, which will not run again; waits for the
+    /// device first. Returns how many went. Raises for a key whose exchange is in flight.
+    fn forget(&self, py: Python<'_>, keys: Vec<u64>) -> PyResult<usize> {
+        self.with(py, |exchange| exchange.forget(&keys))
+    }
+
     /// Leaves the communicator (NCCL finalizes it; waits for this rank's queued work). Close
     /// the pipelines made of it first.
     fn close(&self, py: Python<'_>) {
@@ -1445,6 +1456,17 @@ impl BucketPipeline {
     fn sync(&mut self, py: Python<'_>) -> PyResult<()> {
         let pipeline = self.inner.live("BucketPipeline")?;
         py.detach(|| pipeline.sync()).map_err(to_py)
+    }
+
+    /// Buckets with an event kept by the pipeline.
+    fn buckets(&mut self) -> PyResult<usize> {
+        Ok(self.inner.live("BucketPipeline")?.buckets())
+    }
+
+    /// Lets go of the events kept for the buckets `keys`, which will not run again. Returns
+    /// how many went.
+    fn forget(&mut self, keys: Vec<u64>) -> PyResult<usize> {
+        Ok(self.inner.live("BucketPipeline")?.forget(&keys))
     }
 
     /// Stops the thread (after finishing what is in flight, within the communicator's timeout).

@@ -801,6 +801,37 @@ def other_grads(rank, world, out):
         assert torch.allclose(hooked, firsts[0], rtol=1e-6, atol=1e-9), (hooked - firsts[0]).abs().max()
 
 
+def pipeline_other_grads(rank, world, out):
+    """With the bucket pipeline asked for (dense float32, bfloat16 and float16 buckets only), a
+    model with a float64 layer trains: the warm-up saw its float64 bucket, and the pipeline
+    stays off. Without a warm-up, the first step's float64 bucket fails it with a clear error."""
+
+    class Mixed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Linear(64, 256)
+            self.head = nn.Linear(256, 10).double()
+
+        def forward(self, x):
+            return self.head(self.body(x).relu().double()).float()
+
+    for warmup in (1, 0):
+        torch.manual_seed(0)
+        ddp = DDP(Mixed().to(DEV))
+        state = CfcState(warmup_steps=warmup, min_compress_numel=0)
+        state._use_pipeline = True
+        ddp.register_comm_hook(state, cfc_hook)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        if warmup:
+            train(ddp, opt, rank, 3)
+            s = state.stats()
+            assert state._pipeline is None and s["compressed_buckets"] > 0 and s["plain_buckets"] > 0, s
+        else:
+            with pytest.raises(RuntimeError, match="the bucket pipeline takes dense float32"):
+                train(ddp, opt, rank, 1)
+        state.close()
+
+
 def groups(rank, world, out):
     """cfc.register_comm_hook gives a state without a process group DDP's, and refuses one
     whose group is not DDP's (the buckets would be averaged over other ranks, silently)."""
@@ -831,14 +862,20 @@ def resume_other_buckets(rank, world, out):
     state = CfcState(**kw)
     torch.manual_seed(0)
     ddp = DDP(Net().to(DEV))  # DDP's default bucket size: one bucket for this model
+    state._use_pipeline = os.environ.get("CFC_TEST_PIPELINE") == "1"  # as make() does
     ddp.register_comm_hook(state, cfc_hook)
     state.load_state_dict(saved)
-    parts = []
+    parts, kept = [], []
     cut = state._parts
+
+    def native_buckets():
+        """Buckets the native exchange and the pipeline keep something for (CUDA buckets)."""
+        return sum(n.buckets() for n in (state._exchange, state._pipeline) if n is not None)
 
     def counted(*args):
         run = cut(*args)
         parts.append(len(run[0]))
+        kept.append(native_buckets())  # (what the steps before this bucket left)
         return run
 
     state._parts = counted
@@ -850,6 +887,13 @@ def resume_other_buckets(rank, world, out):
         list(state._residuals), list(state._layouts), state._unflushed)
     assert all((k[1] if isinstance(k, tuple) else k) == 0 for k in state._slots), state._slots
     assert state.stats()["residual_resets"] == 0
+    worker = state._worker
+    if worker is not None:  # CUDA buckets: the comm thread's pinned words, the native exchange's entries
+        assert set(worker.sums) <= {0}, list(worker.sums)
+        assert all((k[1] if isinstance(k, tuple) else k) == 0 for k in worker.sizes), list(worker.sizes)
+        natives = [n for n in (state._exchange, state._pipeline) if n is not None]
+        if natives:  # each kept the loaded buckets, and keeps the one bucket now
+            assert max(kept) > len(natives) and native_buckets() == len(natives), (kept, native_buckets())
 
 
 SCENARIOS = {
@@ -857,7 +901,8 @@ SCENARIOS = {
     for f in (parity, resume, overflow, accumulate, variants, mismatch, fallback, slots, reduce_scatter, per_tensor,
               trial_resume,
               trial_timing, plain_after_trial, register, register_sockets, native_exchange, close, comm_failure, bad_frame,
-              bad_frame_native, bad_frame_pipeline, pipeline_failure, other_grads, groups, resume_other_buckets)
+              bad_frame_native, bad_frame_pipeline, pipeline_failure, other_grads, pipeline_other_grads, groups,
+              resume_other_buckets)
 }
 
 
@@ -912,6 +957,13 @@ def test_a_pipeline_failure_reaches_backward_as_the_error_it_was(tmp_path, devic
     if device == "shared-gpu":
         pytest.skip("the pipeline runs the native exchange, NCCL's, which refuses two ranks on one GPU")
     spawn(tmp_path, "pipeline_failure", world=1, device=device)
+
+
+@pytest.mark.gpu
+def test_the_pipeline_stays_off_for_a_model_with_float64_gradients(tmp_path):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    spawn(tmp_path, "pipeline_other_grads", world=1, device="cuda")
 
 
 @pytest.mark.parametrize("device", ONE_GPU)

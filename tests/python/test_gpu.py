@@ -827,6 +827,41 @@ def test_native_exchange_resend_waits_for_work_queued_on_the_callers_stream():
     assert err <= eps, f"the average is {err} from the bucket (bound {eps}): the resent frame was overwritten"
 
 
+def test_native_exchange_forgets_a_bucket_only_once_its_exchange_finished():
+    """What the exchange keeps per bucket (events, pinned sizes, graphs) goes with ``forget``,
+    as the hook asks once a resume's loaded buckets no longer run; never that of a bucket in
+    flight, and a forgotten bucket runs again as a new one (one rank)."""
+    exchange, x, want, at = _one_rank_exchange(slot=1 << 62)  # clamped: the whole frame, sent once
+    dev, n, eps = x.device, x.numel(), EXCHANGE_EPS
+    cap, row, ws_at, ws_len = at["capacity"], at["recv_at"], at["workspace_at"], at["workspace_len"]
+    mem = torch.empty(at["len"], dtype=torch.uint8, device=dev)
+    base, stream = mem.data_ptr(), torch.cuda.current_stream(dev)
+
+    def run(key, finish=True):
+        exchange.launch(key, stream.cuda_stream, x.data_ptr(), n, "float32", 0, base, cap, base + ws_at, ws_len,
+                        0, 0, cap, base + row, 0, eps=eps)
+        if finish:
+            assert exchange.finish(key, stream.cuda_stream, 1.0, base + ws_at, ws_len)[0] == 0
+
+    assert exchange.buckets() == 0
+    run(1)
+    run(2)
+    run(3, finish=False)
+    assert exchange.buckets() == 3
+    with pytest.raises(cfc.CfcError, match="bucket 3 cannot be forgotten while its exchange is in flight"):
+        exchange.forget([1, 3])
+    assert exchange.buckets() == 3  # nothing went
+    assert exchange.finish(3, stream.cuda_stream, 1.0, base + ws_at, ws_len)[0] == 0
+    assert exchange.forget([1, 3, 7]) == 2 and exchange.buckets() == 1
+    assert exchange.forget([1]) == 0
+    run(1)  # anew
+    stream.synchronize()
+    exchange.check()
+    assert exchange.buckets() == 2
+    exchange.close()
+    assert (x - want).abs().max().item() <= eps  # one rank's average of a bucket is itself, within the bound
+
+
 def test_native_exchange_reports_a_bad_frame_and_leaves_the_bucket_as_it_was():
     """A frame that arrives corrupted (here: a width past 64, written into the received row
     between the all-gather and the decoding; one rank) fails its check on the device: the

@@ -562,6 +562,21 @@ class CfcState:
         for k in [k for k in self._slots if (k[1] if isinstance(k, tuple) else k) in stale]:
             del self._slots[k]
         self._unflushed -= stale  # (their values were carried, and the carrying residual marked)
+        layouts = {held[0] for held in self._scales.values()}
+        for k in [k for k in self._counts if k[0] not in layouts]:
+            del self._counts[k]
+        # What the comm thread and the native exchange keep per bucket: pinned words, events
+        # and graphs (the device is idle: drained above).
+        if self._worker is not None:
+            sums, sizes = self._worker.sums, self._worker.sizes
+            for k in stale & sums.keys():
+                del sums[k]
+            for k in [k for k in sizes if (k[1] if isinstance(k, tuple) else k) in stale]:
+                del sizes[k]
+        if self._pipeline is not None:
+            self._pipeline.forget(sorted(stale))
+        if self._exchange is not None:
+            self._exchange.forget(sorted(stale))
 
     def _residual(self, index: int, layout, buf):
         """This bucket's residual, zero at first; kept across steps, and carried over per
@@ -1554,7 +1569,8 @@ def _pipeline_step(state: CfcState, worker, for_ddp: bool) -> bool:
     two must never issue collectives at once). The steps of the run phase whose compressed
     buckets take the native exchange, without ``per_tensor``, for DDP (whose reducer reads the
     buckets only once the step's last bucket is done; :class:`cfc.distributed.AllReducer`
-    waits for each future). Everything read here is the same on every rank at a step's first
+    waits for each future), once no bucket of a kind it does not take (float64 or sparse
+    gradients) has been seen. Everything read here is the same on every rank at a step's first
     bucket."""
     step, on = state._pipeline_step
     if step != state.step:
@@ -1565,6 +1581,8 @@ def _pipeline_step(state: CfcState, worker, for_ddp: bool) -> bool:
             and not state.per_tensor
             and state._phase() == "run"
             and not state._trial
+            # (a kind of bucket it does not take was seen: float64 or sparse, sent plainly)
+            and not state._plain_kinds
         )
         if on and worker.pending:  # the comm thread's last step is still closing: let it end
             worker.drain()
@@ -1664,6 +1682,7 @@ def _gpu_plain(state: CfcState, worker, last: bool, buf) -> Any:
     the process group itself, in the autograd thread's order of collectives, with no hand-over
     to the comm thread."""
 
+    state._numel(buf)  # notes a kind of bucket cfc does not compress: the pipeline then stays off
     ring = _ring_bytes(buf.numel() * buf.element_size(), state.world)
     work = _average(state, buf, state.process_group, async_op=True)  # NCCL: _fast_step's rule
     state._account(False, ring, ring, 0.0, 0.0)
