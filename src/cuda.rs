@@ -390,6 +390,7 @@ impl Device {
 
 /// A compressor's shape: at most [`MAX_NDIM`] dimensions whose product is `n`.
 fn check_shape(shape: &[u64], n: u64) -> Result<()> {
+    check_count(n)?;
     let prod = shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
     if shape.len() > MAX_NDIM || prod != Some(n) {
         return Err(Error::ShapeMismatch {
@@ -401,9 +402,21 @@ fn check_shape(shape: &[u64], n: u64) -> Result<()> {
     Ok(())
 }
 
-/// What every decoder checks of its arguments before anything is queued: the workspace's
-/// size and the header's dimensions.
+/// Refuses more than [`MAX_ELEMENTS`] elements, before any size is computed from them (a size
+/// past it could wrap, and a buffer checked against it pass while too small).
+fn check_count(n: u64) -> Result<()> {
+    if n > MAX_ELEMENTS {
+        return Err(Error::Cuda(format!(
+            "{n} elements: the device codec takes at most {MAX_ELEMENTS} (2^48)"
+        )));
+    }
+    Ok(())
+}
+
+/// What every decoder checks of its arguments before anything is queued: the element count,
+/// the workspace's size and the header's dimensions.
 fn check_decompress_args(args: &DecompressArgs) -> Result<()> {
+    check_count(args.n)?;
     let need_ws = workspace_len(args.n);
     if args.workspace_len < need_ws {
         return Err(Error::OutputSize {
@@ -474,9 +487,9 @@ fn tile_layout(n: u64, tile_chunks: u64) -> TileLayout {
 /// [`compress_capacity`], [`sum_workspace_len`] and the others) are exact for: 2^48, far past
 /// any device's memory. With at most [`crate::format::MAX_NDIM`] dimensions and
 /// [`MAX_SUM_PARTS`] parts, none of their u64 sums and products wraps below it; past it one
-/// could, and a buffer allocated from such a size would be too small. The entry points' callers
-/// stay below it by their contracts (the elements are device memory); the Python binding
-/// refuses larger counts in its size functions.
+/// could, and a buffer allocated from such a size would be too small. The entry points that
+/// check buffers against those sizes ([`compress`], [`decompress`], [`sum`], [`decode_sum`], the
+/// lossless ones) refuse larger counts; the Python binding refuses them in its size functions.
 pub const MAX_ELEMENTS: u64 = 1 << 48;
 
 /// Workspace bytes [`decompress`] needs for `n` elements: the chunk offsets of the quantized
@@ -1797,6 +1810,7 @@ pub fn decode_status_error(status: u64, source: &str) -> Option<String> {
 /// anything is queued), and CUDA errors.
 pub unsafe fn decode_sum(args: &DecodeSumArgs<'_>) -> Result<()> {
     let (n, parts) = (args.n, args.frames.len() as u64);
+    check_count(n)?;
     if parts == 0 || parts > MAX_SUM_PARTS {
         return Err(Error::Incompatible {
             what: "count",
@@ -2199,6 +2213,110 @@ mod tests {
                     .unwrap_or_else(|e| panic!("{} for {arch}: {e}", family.name()));
                 assert!(cubin.starts_with(b"\x7fELF"), "a CUBIN is an ELF file");
             }
+        }
+    }
+
+    /// More than [`MAX_ELEMENTS`] elements are refused before a size is computed from them or
+    /// a device is touched (with sizes that wrap, buffers of any length could pass their checks).
+    #[test]
+    fn entry_points_refuse_counts_past_max_elements() {
+        let n = MAX_ELEMENTS + 1;
+        let shape = [n];
+        let frames = [0x1000u64];
+        let lens = [u64::MAX];
+        let refused = |r: Result<()>, what: &str| match r {
+            Err(Error::Cuda(m)) if m.contains("at most 281474976710656") => {}
+            other => panic!("{what}: {other:?}"),
+        };
+        // SAFETY: each call must fail on its arguments before any address is read.
+        unsafe {
+            refused(
+                compress(&CompressArgs {
+                    device: 0,
+                    stream: 0,
+                    input: 0x1000,
+                    n,
+                    dtype: DType::F32,
+                    shape: &shape,
+                    bound: Bound::Abs(1e-3),
+                    out: 0x1000,
+                    out_len: u64::MAX,
+                    workspace: 0x1000,
+                    workspace_len: u64::MAX,
+                    residual: 0,
+                    size_to: 0,
+                    max_error_to: 0,
+                    bound_at: 0,
+                }),
+                "compress",
+            );
+            refused(
+                compress_lossless(&LosslessCompressArgs {
+                    device: 0,
+                    stream: 0,
+                    input: 0x1000,
+                    n,
+                    dtype: DType::F32,
+                    shape: &shape,
+                    out: 0x1000,
+                    out_len: u64::MAX,
+                    workspace: 0x1000,
+                    workspace_len: u64::MAX,
+                }),
+                "compress_lossless",
+            );
+            for codec in [crate::Codec::Quantized, crate::Codec::Lossless] {
+                refused(
+                    decompress(&DecompressArgs {
+                        device: 0,
+                        stream: 0,
+                        frame: 0x1000,
+                        n,
+                        dtype: DType::F32,
+                        codec,
+                        ndim: 1,
+                        out: 0x1000,
+                        workspace: 0x1000,
+                        workspace_len: u64::MAX,
+                    }),
+                    "decompress",
+                );
+            }
+            refused(
+                sum(&SumArgs {
+                    device: 0,
+                    stream: 0,
+                    frames: &frames,
+                    frame_lens: &lens,
+                    n,
+                    dtype: DType::F32,
+                    shape: &shape,
+                    out: 0x1000,
+                    out_len: u64::MAX,
+                    workspace: 0x1000,
+                    workspace_len: u64::MAX,
+                }),
+                "sum",
+            );
+            refused(
+                decode_sum(&DecodeSumArgs {
+                    device: 0,
+                    stream: 0,
+                    frames: &frames,
+                    frame_lens: &lens,
+                    lens_before: 0,
+                    n,
+                    dtype: DType::F32,
+                    ndim: 1,
+                    scale: 1.0,
+                    out: 0x1000,
+                    out_dtype: DType::F32,
+                    workspace: 0x1000,
+                    workspace_len: u64::MAX,
+                    status: 0,
+                }),
+                "decode_sum",
+            );
         }
     }
 }
