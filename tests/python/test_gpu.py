@@ -862,6 +862,57 @@ def test_native_exchange_forgets_a_bucket_only_once_its_exchange_finished():
     assert (x - want).abs().max().item() <= eps  # one rank's average of a bucket is itself, within the bound
 
 
+def test_native_exchange_keeps_a_slot_with_graphs_while_the_frames_fit_it():
+    """The slot ``finish`` gives for the bucket's next exchange follows ``next_slot`` (12.5% and
+    256 bytes above the largest frame, rounded up to 16); with graphs on, ``steady_slot``: the
+    current slot stays while the frames fit it with that margin and the new one would be less
+    than a sixteenth shorter, so that the rows keep their length (and a recorded decoding its
+    addresses). One rank, whose frame is the largest: a bucket, then the same with its first 3%
+    zeroed (a frame a little smaller), then with its first 30% zeroed (much smaller)."""
+
+    def next_slot(largest, cap):
+        return min(-(-(largest + largest // 8 + 256) // 16) * 16, -(-cap // 16) * 16)
+
+    def steady_slot(largest, cap, current):
+        fresh = next_slot(largest, cap)
+        return current if current - current // 16 <= fresh <= current else fresh
+
+    from cfc import _native
+
+    for graphs in (False, True):
+        exchange, x, _, first = _one_rank_exchange(slot=1 << 62)
+        exchange.set_graphs(graphs)
+        dev, n, eps = x.device, x.numel(), EXCHANGE_EPS
+        stream = torch.cuda.Stream(dev)
+        stream.wait_stream(torch.cuda.current_stream(dev))
+        slot, seen = first["slot"], []
+        with torch.cuda.stream(stream):
+            for cut in (0.0, 0.03, 0.03, 0.3):
+                y = x.clone()
+                y[: int(cut * n)] = 0
+                at = _native.BucketExchange.scratch_layout(n, "float32", eps, False, slot, 1)
+                assert at["slot"] == slot
+                mem = torch.empty(at["len"], dtype=torch.uint8, device=dev)
+                base, row, ws = mem.data_ptr(), at["recv_at"], mem.data_ptr() + at["workspace_at"]
+                exchange.launch(1, stream.cuda_stream, y.data_ptr(), n, "float32", 0, base, at["capacity"], ws,
+                                at["workspace_len"], 0, 0, slot, base + row, 0, eps=eps)
+                need, _, given = exchange.finish(1, stream.cuda_stream, 1.0, ws, at["workspace_len"])
+                stream.synchronize()
+                assert need == 0, "every slot here holds its frame"
+                largest = int(mem[row : row + 8].view(torch.int64).item())  # the row's head: the frame's size
+                rule = steady_slot if graphs else (lambda big, cap, _: next_slot(big, cap))
+                assert given == rule(largest, at["capacity"], slot), (graphs, cut, largest, slot, given)
+                seen.append((largest, slot, given))
+                slot = given
+        exchange.check()
+        exchange.close()
+        (l0, _, s1), (l1, _, s2) = seen[0], seen[1]
+        # the case the rule is for: the frame shrank, and the fresh slot by less than a sixteenth
+        assert l1 < l0 and s1 - s1 // 16 <= next_slot(l1, first["capacity"]) < s1, seen
+        assert s2 == (s1 if graphs else next_slot(l1, first["capacity"])), seen
+        assert seen[3][2] < s1, seen  # a frame much smaller: a shorter slot either way
+
+
 def test_native_exchange_reports_a_bad_frame_and_leaves_the_bucket_as_it_was():
     """A frame that arrives corrupted (here: a width past 64, written into the received row
     between the all-gather and the decoding; one rank) fails its check on the device: the
