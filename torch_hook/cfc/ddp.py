@@ -473,7 +473,7 @@ class CfcState:
 
         if not buf.is_sparse and buf.dtype in (torch.float32, torch.bfloat16, torch.float16):
             return buf.numel()
-        kind = f"sparse {buf.dtype}" if buf.is_sparse else str(buf.dtype)
+        kind = _bucket_kind(buf)
         if kind not in self._plain_kinds:
             self._plain_kinds.add(kind)
             logger.warning("cfc: buckets of %s gradients are all-reduced plainly (cfc compresses dense "
@@ -559,7 +559,7 @@ class CfcState:
         for d in per_bucket:
             for k in stale & d.keys():
                 del d[k]
-        for k in [k for k in self._slots if (k[1] if isinstance(k, tuple) else k) in stale]:
+        for k in [k for k in self._slots if _key_bucket(k) in stale]:
             del self._slots[k]
         self._unflushed -= stale  # (their values were carried, and the carrying residual marked)
         layouts = {held[0] for held in self._scales.values()}
@@ -571,7 +571,7 @@ class CfcState:
             sums, sizes = self._worker.sums, self._worker.sizes
             for k in stale & sums.keys():
                 del sums[k]
-            for k in [k for k in sizes if (k[1] if isinstance(k, tuple) else k) in stale]:
+            for k in [k for k in sizes if _key_bucket(k) in stale]:
                 del sizes[k]
         if self._pipeline is not None:
             self._pipeline.forget(sorted(stale))
@@ -1208,6 +1208,18 @@ def register_comm_hook(ddp, state: Optional[CfcState] = None) -> bool:
     return bool(register)
 
 
+def _key_bucket(key) -> int:
+    """The bucket a per-exchange key names: the bucket's index, or the reduce-scatter's
+    ``("shard", index)`` and ``("sum", index)``."""
+    return key[1] if isinstance(key, tuple) else key
+
+
+def _bucket_kind(buf) -> str:
+    """A bucket's kind as messages name it: its dtype, with "sparse" before it for sparse
+    gradients."""
+    return f"sparse {buf.dtype}" if buf.is_sparse else str(buf.dtype)
+
+
 def _group_ranks(group: Any) -> List[int]:
     """The global ranks of ``group`` (None: the world)."""
     import torch.distributed as dist
@@ -1642,8 +1654,8 @@ def _pipeline_part(state: CfcState, worker, pipe, stream: int, index: int, flat,
     n = flat.numel()
     if state._numel(flat) != n:
         # (Its plain all-reduce is the native exchange's, which averages the three float types.)
-        kind = f"sparse {flat.dtype}" if flat.is_sparse else str(flat.dtype)
-        raise cfc.CfcError(f"the bucket pipeline takes dense float32, bfloat16 and float16 buckets, not {kind}")
+        raise cfc.CfcError("the bucket pipeline takes dense float32, bfloat16 and float16 buckets, not "
+                           + _bucket_kind(flat))
     compress = state._compress_this(n)
     if compress is None:  # the trial is decided (_pipeline_step)
         compress = state._decisions.get(index, True)
