@@ -1288,15 +1288,18 @@ __device__ __forceinline__ void report_bad_frame(u32* status, u32 bit, u32 part)
 // not cover are as it requires: a known bound mode that fits the codec, bits only in bits mode
 // (at most 32), reserved bytes zero, dimensions below 2^63 that multiply to n without overflow, a finite
 // positive step and a finite eps >= 0 (step 1 and eps 0 in lossless mode), no exceptions in a
-// raw frame. A step of NaN or infinity would otherwise reach the output as values.
-__device__ __forceinline__ bool header_fields_ok(const u8* f, u64 n, u32 ndim, bool raw) {
+// raw frame. A step of NaN or infinity would otherwise reach the output as values. With
+// `match_dims`, each dimension must also be the caller's (a sum writes its frame with the
+// caller's shape, and the CPU refuses frames of another shape); without, any that multiply to n.
+__device__ __forceinline__ bool header_fields_ok(const u8* f, u64 n, u32 ndim, const Dims& dims, bool match_dims,
+                                                 bool raw) {
     const u8 mode = f[8], bits = f[11];
     bool ok = mode <= 4 && !(mode == 4 && !raw) && bits <= 32 && ((bits != 0) == (mode == 2)) &&
               (f[12] | f[13] | f[14] | f[15]) == 0;
     u64 prod = 1;
     for (u32 i = 0; i < ndim; i++) {
         const u64 d = cfc_load_le(f + 64 + 8 * i, 8);
-        ok &= (d == 0 || __umul64hi(prod, d) == 0) && (d >> 63) == 0;
+        ok &= (d == 0 || __umul64hi(prod, d) == 0) && (d >> 63) == 0 && (!match_dims || d == dims.d[i]);
         prod *= d;
     }
     const double step = __longlong_as_double((long long)cfc_load_le(f + HDR_STEP, 8));
@@ -1310,13 +1313,14 @@ __device__ __forceinline__ bool header_fields_ok(const u8* f, u64 n, u32 ndim, b
 // Whether frame p = blockIdx.y (at table[p], with table[parts + p] bytes readable there, its
 // chunk offsets in its region after sum_offsets) is a quantized or raw frame without a zstd
 // stage of n elements of `dtype` (`size` bytes each) in `ndim` dimensions, with a header the
-// CPU would read (header_fields_ok), whose widths are at most MAX_DECODE_WIDTH and whose
+// CPU would read (header_fields_ok; dimensions `dims` if `match_dims`), whose widths are at most MAX_DECODE_WIDTH and whose
 // widths, planes and exceptions fill its body exactly, within its bytes, with exception
 // indices increasing and below n. One that is not sets `bit` in status[0] and its index + 1 in
 // status[1] (if none is there yet). Every block of row p checks the header; the blocks share
 // out the exception list.
 extern "C" __global__ void cfc_codec_check_frames(const u64* table, u32 parts, u64 header_len, u64 n, u32 dtype,
-                                                  u32 size, u32 ndim, u8* regions, u64 stride, u32* status, u32 bit) {
+                                                  u32 size, u32 ndim, Dims dims, u32 match_dims, u8* regions,
+                                                  u64 stride, u32* status, u32 bit) {
     const u32 p = blockIdx.y;
     const u8* f = (const u8*)table[p];
     const u64 len = table[parts + p];
@@ -1329,7 +1333,7 @@ extern "C" __global__ void cfc_codec_check_frames(const u64* table, u32 parts, u
         ok = cfc_load_le(f + HDR_N, 8) == n && cfc_load_le(f + HDR_RAW_BODY_LEN, 8) == blen && blen <= len - header_len;
     }
     const bool raw = f[5] == 1;
-    ok = ok && header_fields_ok(f, n, ndim, raw);
+    ok = ok && header_fields_ok(f, n, ndim, dims, match_dims != 0, raw);
     if (ok && raw) {
         ok = blen == n * size;
     } else if (ok) {

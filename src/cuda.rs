@@ -584,8 +584,14 @@ pub struct CompressArgs<'a> {
     pub bound_at: u64,
 }
 
+/// The most blocks a grid's x dimension may have (CUDA's limit, 2^31 - 1).
+const MAX_GRID_X: u32 = i32::MAX as u32;
+
+/// A one-dimensional launch of at least `threads` threads in blocks of `block`. A count past
+/// what one grid can hold saturates at `u32::MAX` blocks, which [`launch`] refuses: the kernels
+/// map fixed work to each block, so a clamped grid would leave work undone without an error.
 fn launch_cfg(threads: u64, block: u32) -> LaunchConfig {
-    let blocks = threads.div_ceil(block as u64).clamp(1, i32::MAX as u64) as u32;
+    let blocks = threads.div_ceil(block as u64).clamp(1, u32::MAX as u64) as u32;
     LaunchConfig {
         grid_dim: (blocks, 1, 1),
         block_dim: (block, 1, 1),
@@ -631,6 +637,7 @@ unsafe fn launch(
 ) -> Result<()> {
     let sig = signature(family, op)
         .ok_or_else(|| Error::Cuda(format!("internal: no signature for kernel {op}")))?;
+    check_grid(op, &cfg)?;
     let given: Vec<Ty> = args.iter().map(Arg::ty).collect();
     if given != sig {
         return Err(Error::Cuda(format!(
@@ -649,6 +656,19 @@ unsafe fn launch(
     // SAFETY: the arguments match the kernel's parameters in number and type (checked above);
     // the caller guarantees the pointers are valid for the kernel's accesses.
     unsafe { b.launch(cfg) }.map_err(driver_err)?;
+    Ok(())
+}
+
+/// Refuses a grid larger than the device takes (see [`launch_cfg`]): more than 2^31 - 1 blocks
+/// along x or 65535 along y or z.
+fn check_grid(op: &str, cfg: &LaunchConfig) -> Result<()> {
+    let (x, y, z) = cfg.grid_dim;
+    if x == 0 || x > MAX_GRID_X || y == 0 || y > 65535 || z == 0 || z > 65535 {
+        return Err(Error::Cuda(format!(
+            "kernel {op} would need a grid of {x} x {y} x {z} blocks, past what one launch \
+             takes (2^31 - 1 x 65535 x 65535): too many elements for one call"
+        )));
+    }
     Ok(())
 }
 
@@ -789,7 +809,7 @@ pub unsafe fn compress_lossless(args: &LosslessCompressArgs<'_>) -> Result<()> {
     let staging = entries + 8 * chunks.div_ceil(2);
     let header_len = (FIXED_HEADER_LEN + 8 * ndim) as u64;
     let per_chunk = |threads: u32| LaunchConfig {
-        grid_dim: (chunks.clamp(1, i32::MAX as u64) as u32, 1, 1),
+        grid_dim: (chunks.clamp(1, u32::MAX as u64) as u32, 1, 1),
         block_dim: (threads, 1, 1),
         shared_mem_bytes: 0,
     };
@@ -1006,7 +1026,7 @@ unsafe fn lossless_chunks_on(
     let header_len = (FIXED_HEADER_LEN + 8 * args.ndim) as u64;
     // One block per chunk: many short blocks balance better across SMs than few long ones.
     let grid = LaunchConfig {
-        grid_dim: ((last - first).min(i32::MAX as u64) as u32, 1, 1),
+        grid_dim: ((last - first).min(u32::MAX as u64) as u32, 1, 1),
         block_dim: (LOSSLESS_THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
@@ -1433,7 +1453,7 @@ fn check_frame_lens(frames: &[u64], lens: &[u64], header_len: u64, n: u64) -> Re
             right: format!("{} frame lengths", lens.len()),
         });
     }
-    let needed = header_len + groups_for(n);
+    let needed = header_len + groups_for(n); // (format::min_frame_len)
     match lens.iter().find(|&&len| len < needed) {
         Some(&len) => Err(crate::FormatError::Truncated {
             part: "frame",
@@ -1450,7 +1470,8 @@ fn check_frame_lens(frames: &[u64], lens: &[u64], header_len: u64, n: u64) -> Re
 /// nothing waits); every frame's chunk offsets (`sum_offsets`, a frame per grid row) into its
 /// region of `stride` bytes at `regions`, whose counters must be zero; then `check_frames`,
 /// which sets `bit` in the u32 at `status` (and a bad frame's index + 1 in the u32 after it)
-/// for a frame that is not what its header says, within its length.
+/// for a frame that is not what its header says, within its length, or (with `Some` dims in
+/// `shape`) whose dimensions are not those.
 ///
 /// # Safety
 /// The table must hold 16 bytes per frame and each region `stride` bytes (at least the
@@ -1466,10 +1487,10 @@ unsafe fn checked_part_offsets(
     table: u64,
     regions: u64,
     stride: u64,
-    shape: (u64, DType, usize),
+    shape: (u64, DType, usize, Option<&[u64]>),
     status: (u64, u32),
 ) -> Result<()> {
-    let (n, dtype, ndim) = shape;
+    let (n, dtype, ndim, dims) = shape;
     let header_len = (FIXED_HEADER_LEN + 8 * ndim) as u64;
     let parts = frames.len() as u64;
     // SAFETY: (every launch) this function's contract; `launch` checks each argument list.
@@ -1541,6 +1562,8 @@ unsafe fn checked_part_offsets(
                 Arg::U32(dtype.code() as u32),
                 Arg::U32(dtype.size() as u32),
                 Arg::U32(ndim as u32),
+                Arg::Dims(Dims::of(dims.unwrap_or(&[]))),
+                Arg::U32(dims.is_some() as u32),
                 Arg::Ptr(regions),
                 Arg::U64(stride),
                 Arg::Ptr(status.0),
@@ -1642,7 +1665,7 @@ pub unsafe fn sum(args: &SumArgs<'_>) -> Result<()> {
             ws + layout.table,
             ws + layout.parts,
             layout.part_stride,
-            (n, args.dtype, ndim),
+            (n, args.dtype, ndim, Some(args.shape)),
             (ws + BOUND_ERROR_OFFSET, SUM_BAD_FRAME),
         )?;
         let chunks = [
@@ -1884,7 +1907,7 @@ pub unsafe fn decode_sum(args: &DecodeSumArgs<'_>) -> Result<()> {
             ws,
             ws + table_len,
             stride,
-            (n, args.dtype, args.ndim),
+            (n, args.dtype, args.ndim, None),
             (args.status, DECODE_BAD_FRAME),
         )?;
         let (hl, n_a) = (Arg::U64(header_len), Arg::U64(n));
@@ -2318,5 +2341,29 @@ mod tests {
                 "decode_sum",
             );
         }
+    }
+
+    /// A grid past what one launch takes is refused rather than clamped: every kernel maps fixed
+    /// work to each block, so a clamped grid would leave elements undone without an error (one
+    /// block per 4096-byte lossless chunk reaches 2^31 blocks below `MAX_ELEMENTS`).
+    #[test]
+    fn grids_past_the_device_limit_are_refused() {
+        let fits = launch_cfg(u64::from(MAX_GRID_X) * 256, 256);
+        assert_eq!(fits.grid_dim, (MAX_GRID_X, 1, 1));
+        assert!(check_grid("k", &fits).is_ok());
+        let too_many = launch_cfg(u64::from(MAX_GRID_X) * 256 + 1, 256);
+        assert!(too_many.grid_dim.0 > MAX_GRID_X);
+        let huge = launch_cfg(MAX_ELEMENTS, 1);
+        assert_eq!(huge.grid_dim.0, u32::MAX);
+        for cfg in [too_many, huge] {
+            match check_grid("decode_w1", &cfg) {
+                Err(Error::Cuda(m)) if m.contains("decode_w1") && m.contains("grid") => {}
+                other => panic!("{:?}: {other:?}", cfg.grid_dim),
+            }
+        }
+        let mut tall = launch_cfg(1, 256);
+        tall.grid_dim.1 = 65536;
+        assert!(check_grid("k", &tall).is_err());
+        assert_eq!(launch_cfg(0, 256).grid_dim, (1, 1, 1));
     }
 }

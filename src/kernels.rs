@@ -112,7 +112,9 @@ pub(crate) const SIGNATURES: &[(Family, &str, bool, &[Ty])] = &[
         Family::Codec,
         "check_frames",
         false,
-        &[Ptr, U32, U64, U64, U32, U32, U32, Ptr, U64, Ptr, U32],
+        &[
+            Ptr, U32, U64, U64, U32, U32, U32, Dims, U32, Ptr, U64, Ptr, U32,
+        ],
     ),
     (
         Family::Codec,

@@ -231,3 +231,24 @@ def test_gpu_frames_too_short_for_their_widths_are_refused_on_the_host(gpu_frame
     out = torch.zeros(N_GPU, device="cuda")
     with pytest.raises(cfc.FormatError, match="frame"):
         _decode_sum_cuda([_on_gpu(raw[:HEADER_1D + 10])], N_GPU, "float32", out)
+
+
+@pytest.mark.gpu
+def test_gpu_sum_refuses_frames_of_another_shape_as_the_cpu_does():
+    """A frame of shape (64, 48) summed as (48, 64): the same element count, dimensions that
+    differ. The CPU refuses to add frames of different shapes, so the GPU's check does too
+    (without it, the sum came back as a frame of the caller's shape)."""
+    from cfc.codec import _sum_frames_cuda
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    x = torch.randn(64, 48, generator=torch.Generator().manual_seed(5))
+    raw = bytes(cfc.compress(x, eps=1e-3))
+    turned = bytes(cfc.compress(x.reshape(48, 64), eps=1e-3))
+    with pytest.raises(cfc.CfcError, match="shape"):
+        cfc.sum_compressed([cfc.Compressed(raw), cfc.Compressed(turned)])
+    s = _sum_frames_cuda([_on_gpu(raw), _on_gpu(raw)], "float32", (48, 64))
+    with pytest.raises(cfc.CfcError, match=r"frame [01] of the sum"):
+        s.synchronize()
+    good = _sum_frames_cuda([_on_gpu(raw), _on_gpu(raw)], "float32", (64, 48))
+    assert bytes(good) == bytes(cfc.sum_compressed([cfc.Compressed(raw)] * 2))
