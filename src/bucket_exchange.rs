@@ -24,7 +24,7 @@
 
 use crate::cuda::{self, driver_err, ContextGuard};
 use crate::error::{Error, Result};
-use crate::format::{DType, FIXED_HEADER_LEN};
+use crate::format::DType;
 use crate::gpu_memory::{DecodeStatus, DeviceBuffer, PinnedBuffer};
 use crate::nccl::Communicator;
 use crate::stream_graph::Replay;
@@ -589,7 +589,8 @@ impl BucketExchange {
         let side_cu = self.side.cu_stream();
         self.comm.wait_event(&entry.gathered)?;
         let sizes: Vec<u64> = (0..world).map(|j| entry.sizes.u64_at(j)).collect();
-        let min_frame = (FIXED_HEADER_LEN + 8) as u64;
+        // (what decode_sum's host check refuses: refused here alike with graphs or without)
+        let min_frame = crate::format::min_frame_len(fl.n, 1);
         if sizes.iter().any(|&s| s < min_frame || s > fl.capacity) {
             let why = format!(
                 "ranks sent frame sizes {sizes:?} for a bucket of {} elements (frames of {min_frame} \
@@ -778,6 +779,17 @@ impl BucketExchange {
         self.entries
             .get(&key)
             .is_some_and(|e| e.in_flight.is_some())
+    }
+
+    /// Gives up on `key`'s exchange in flight without finishing it (an owner that stopped
+    /// mid-step on an error), so that the key may be launched or forgotten again. The work
+    /// already queued still runs: its buffers must stay until the device has done it (e.g.
+    /// after [`BucketExchange::wait_exchanges`] and a wait for the caller's stream). Returns
+    /// whether it was in flight.
+    pub fn abandon(&mut self, key: u64) -> bool {
+        self.entries
+            .get_mut(&key)
+            .is_some_and(|e| e.in_flight.take().is_some())
     }
 
     /// Buckets with something kept here (events, pinned sizes, graphs): every key launched and

@@ -370,7 +370,16 @@ impl Worker {
 
     fn fail(&mut self, e: Error) {
         tracing::error!(error = %e, "cfc's bucket thread failed");
-        self.deferred = None;
+        if let Some(d) = self.deferred.take() {
+            // Not finished now: its key would stay in flight in the exchange for good, which
+            // then refuses to launch or forget it. (What it queued is waited for at the step's
+            // end, which comes after every failure.)
+            let exchange = self.exchange.clone();
+            let mut guard = exchange.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(ex) = guard.as_mut() {
+                ex.abandon(d.key);
+            }
+        }
         if self.failed.is_none() {
             let msg = e.to_string();
             self.failed = Some((Some(e), msg));
@@ -396,7 +405,9 @@ impl Worker {
                 eps,
                 (c.sum_out != 0).then_some((self.sum_ws.ptr(), c.sum_out)),
             ),
-            JobBound::RmsOfThisStep(multiple) => (self.measure(job, c.sum_out, multiple)?, None),
+            JobBound::RmsOfThisStep(multiple) => {
+                (self.measure(ex, job, c.sum_out, multiple)?, None)
+            }
         };
         let layout =
             ScratchLayout::new(job.n, job.dtype, eps, job.residual != 0, c.slot, self.world);
@@ -423,8 +434,9 @@ impl Worker {
         unsafe { ex.launch(&args)? };
         self.report.eps = self.report.eps.max(eps);
         let busy = t0.elapsed().as_secs_f64();
-        self.finish_deferred(ex)?;
-        self.deferred = Some(Deferred {
+        // This bucket is the one deferred from here on, even if finishing the one before fails
+        // (then `fail` gives up on it).
+        let before = self.deferred.replace(Deferred {
             key: job.key,
             slot: layout.slot,
             recv: base + layout.recv_at,
@@ -432,13 +444,21 @@ impl Worker {
             workspace_len: layout.workspace_len,
             busy,
         });
-        Ok(())
+        self.finish(ex, before)
     }
 
     /// The bound `multiple x` the RMS of the bucket's finite values (with its residual), waited
     /// for; the sum is left at `sum_out` (0: the thread's own place) for the next step's bound.
-    /// An all-zero (or all non-finite) bucket takes any positive bound, 1e-30.
-    fn measure(&mut self, job: &Job, sum_out: u64, multiple: f64) -> Result<f64> {
+    /// An all-zero (or all non-finite) bucket takes any positive bound, 1e-30. The wait goes
+    /// through the communicator: the stream may hold an earlier plain bucket's all-reduce,
+    /// which a peer that is gone never finishes (an error after the timeout, not a hang).
+    fn measure(
+        &mut self,
+        ex: &mut BucketExchange,
+        job: &Job,
+        sum_out: u64,
+        multiple: f64,
+    ) -> Result<f64> {
         let out = if sum_out != 0 {
             sum_out
         } else {
@@ -458,7 +478,7 @@ impl Worker {
                 out,
             })?;
         }
-        self.stream.synchronize().map_err(driver_err)?;
+        ex.communicator().wait(&self.stream)?;
         // SAFETY: 8 bytes of pinned memory the copy above wrote and the stream has finished.
         let sum = unsafe { std::ptr::read_volatile(out as *const f64) };
         let rms = (sum / job.n.max(1) as f64).sqrt();
@@ -486,9 +506,26 @@ impl Worker {
     }
 
     fn finish_deferred(&mut self, ex: &mut BucketExchange) -> Result<()> {
-        let Some(d) = self.deferred.take() else {
+        let d = self.deferred.take();
+        self.finish(ex, d)
+    }
+
+    /// Finishes `d`'s exchange (if any); on an error, gives up on it in the exchange (a
+    /// failure may come before or after the exchange's own `finish`, e.g. allocating the rows
+    /// of a resend), so that its key is not left in flight.
+    fn finish(&mut self, ex: &mut BucketExchange, d: Option<Deferred>) -> Result<()> {
+        let Some(d) = d else {
             return Ok(());
         };
+        let key = d.key;
+        let done = self.finish_one(ex, d);
+        if done.is_err() {
+            ex.abandon(key);
+        }
+        done
+    }
+
+    fn finish_one(&mut self, ex: &mut BucketExchange, d: Deferred) -> Result<()> {
         let t0 = Instant::now();
         if self.corrupt == Some(d.key) {
             self.corrupt = None;
@@ -538,22 +575,39 @@ impl Worker {
         Ok(())
     }
 
+    /// Waits for the thread's stream to finish everything queued on it, after `waited` (a wait
+    /// through the communicator) and whatever it gave. The stream holds decodings into the
+    /// callers' tensors and compressions of them, which must be done before `end_step` returns
+    /// (the callers may then free them). A failed wait through the communicator aborted it, or
+    /// found it aborted or closed, so NCCL's kernels have returned and this wait ends.
+    fn drain_stream(&self, waited: Result<()>) -> Result<()> {
+        let drained = self.stream.synchronize().map_err(driver_err);
+        waited.and(drained)
+    }
+
     fn end_step(&mut self) -> Result<StepReport> {
         let exchange = self.exchange.clone();
         let mut guard = exchange.lock().unwrap_or_else(|p| p.into_inner());
         let result = match guard.as_mut() {
-            None => Err(closed()),
+            None => {
+                // (a closed exchange's communicator is gone, and its kernels with it)
+                let _ = self.drain_stream(Ok(()));
+                Err(closed())
+            }
             Some(ex) => {
                 let finished = if self.failed.is_none() {
                     self.finish_deferred(ex)
                 } else {
                     Ok(())
                 };
-                // Waited for even after a failure, so that the buffers are free to go.
+                // Waited for even after a failure, so that the buffers are free to go: the
+                // exchanges and this thread's stream through the communicator (the timeout),
+                // then the stream in full whatever that gave (drain_stream).
                 let waited = ex
                     .wait_exchanges()
-                    .and_then(|()| self.stream.synchronize().map_err(driver_err));
-                finished.and(waited).and_then(|()| ex.check_frames_seen())
+                    .and_then(|()| ex.communicator().wait(&self.stream));
+                let drained = self.drain_stream(waited);
+                finished.and(drained).and_then(|()| ex.check_frames_seen())
             }
         };
         drop(guard);

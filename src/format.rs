@@ -244,6 +244,14 @@ pub fn groups_for(n: u64) -> u64 {
     n.div_ceil(GROUP as u64)
 }
 
+/// The fewest bytes a quantized or raw frame of `n` elements in `ndim` dimensions takes: its
+/// header and a width byte per group (a raw frame's `n` values take at least as many). Shorter
+/// sizes are refused before anything reads the frame, on the host alike whichever way its
+/// decoding is queued, so that ranks that read the same sizes stop at the same bucket.
+pub fn min_frame_len(n: u64, ndim: usize) -> u64 {
+    (FIXED_HEADER_LEN + 8 * ndim) as u64 + groups_for(n)
+}
+
 /// Number of lossless chunks for `n` elements.
 fn groups_for_chunks(n: u64) -> u64 {
     n.div_ceil(crate::lossless::CHUNK as u64)

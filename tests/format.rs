@@ -338,3 +338,42 @@ fn header_write_parse_round_trip() {
         .enumerate()
         .all(|(i, v)| i == 4 || v.to_f32() == 0.0));
 }
+
+/// `format::min_frame_len`, the shortest size an exchange of frames accepts from a peer, is
+/// never more than a frame the codec writes: quantized frames of every kind of data and bound
+/// (all zeros, one value, gradient-like values, non-finite ones) and raw ones, in 1 and 3
+/// dimensions, at sizes around a group's edges.
+#[test]
+fn every_frame_is_at_least_the_minimum_frame_length() {
+    use cfc::format::min_frame_len;
+    assert_eq!(min_frame_len(0, 1), FIXED_HEADER_LEN as u64 + 8);
+    assert_eq!(min_frame_len(1, 1), FIXED_HEADER_LEN as u64 + 9);
+    assert_eq!(min_frame_len(33, 3), FIXED_HEADER_LEN as u64 + 24 + 2);
+    for n in [0usize, 1, 31, 32, 33, 1000, 4097] {
+        for (seed, dist) in [Dist::Zero, Dist::Gaussian, Dist::Cauchy]
+            .into_iter()
+            .enumerate()
+        {
+            let mut x: Vec<f32> = gen(dist, n, 1.0, seed as u64);
+            if seed == 2 && n > 1 {
+                x[0] = f32::NAN;
+                x[n - 1] = f32::INFINITY;
+            }
+            for bound in [
+                Bound::Abs(1e3),
+                Bound::Abs(0.1),
+                Bound::Abs(1e-30),
+                Bound::Bits(3),
+            ] {
+                for shape in [vec![n], vec![1, n, 1]] {
+                    let f = compress(&x, &shape, &CompressOptions::new(bound)).expect("compresses");
+                    assert!(
+                        f.len() as u64 >= min_frame_len(n as u64, shape.len()),
+                        "n {n}, {dist:?}, {bound:?}: a frame of {} bytes",
+                        f.len()
+                    );
+                }
+            }
+        }
+    }
+}
