@@ -545,7 +545,7 @@ def plain_after_trial(rank, world, out):
     buckets always run cfc's collective on the autograd thread."""
     state = CfcState(fallback="auto", warmup_steps=1, trial_steps=2, min_compress_numel=0)
 
-    def plain_verdict(group=None):  # as if plain had been faster for every bucket
+    def plain_verdict(group=None, again=False):  # as if plain had been faster for every bucket
         state._decisions.update({i: False for i in state._trial})
         state._trial.clear()
 
@@ -590,9 +590,9 @@ def trial_timing(rank, world, out):
     times = {}
     record = state._record_trial
 
-    def spy(index, compressed, seconds, device):
+    def spy(index, compressed, seconds, device, layout):
         times.setdefault((index, compressed), []).append(seconds)
-        record(index, compressed, seconds, device)
+        record(index, compressed, seconds, device, layout)
 
     state._record_trial = spy
 
@@ -849,6 +849,18 @@ def groups(rank, world, out):
     assert state.world == 1 and state.stats()["compressed_buckets"] > 0, state.stats()
 
 
+def one_bucket_resumed(saved, kw):
+    """The test model under DDP with its default bucket size (one bucket for this model, where
+    the state ``saved`` came from several) and a CfcState of options ``kw`` that loaded it."""
+    state = CfcState(**kw)
+    torch.manual_seed(0)
+    ddp = DDP(Net().to(DEV))
+    state._use_pipeline = os.environ.get("CFC_TEST_PIPELINE") == "1"  # as make() does
+    ddp.register_comm_hook(state, cfc_hook)
+    state.load_state_dict(saved)
+    return state, ddp
+
+
 def resume_other_buckets(rank, world, out):
     """A state saved with one bucket size and loaded into a DDP model with another: the loaded
     buckets serve the first steps (DDP's initial buckets, then its rebuilt ones), then the
@@ -859,12 +871,7 @@ def resume_other_buckets(rank, world, out):
     train(ddp, opt, rank, 3)
     saved = state.state_dict()
     assert len(saved["layouts"]) > 1, saved["layouts"]
-    state = CfcState(**kw)
-    torch.manual_seed(0)
-    ddp = DDP(Net().to(DEV))  # DDP's default bucket size: one bucket for this model
-    state._use_pipeline = os.environ.get("CFC_TEST_PIPELINE") == "1"  # as make() does
-    ddp.register_comm_hook(state, cfc_hook)
-    state.load_state_dict(saved)
+    state, ddp = one_bucket_resumed(saved, kw)
     parts, kept = [], []
     cut = state._parts
 
@@ -896,13 +903,80 @@ def resume_other_buckets(rank, world, out):
             assert max(kept) > len(natives) and native_buckets() == len(natives), (kept, native_buckets())
 
 
+def trial_layouts(rank, world, out):
+    """fallback="auto" times buckets, not bucket indices: where the buckets change under the
+    trial's choices, the trial runs again, and every choice is made for the parameters it timed.
+    1. ``static_graph`` with ``warmup_steps=1``: DDP rebuilds its buckets between the trial's
+       two steps, so each bucket is timed only one way at first.
+    2. A run resumed into a model with another bucket size (one bucket instead of several):
+       its bucket is not any that the saved trial timed."""
+
+    def decided_for_what_runs(st):
+        assert st._decisions and set(st._decisions) == set(st._layouts), (st._decisions, st._layouts)
+        assert all(st._decided[k] == st._layouts[k] for k in st._decisions), (st._decided, st._layouts)
+        assert all(math.isfinite(p) and math.isfinite(c) for p, c in st._trial_times.values()), st._trial_times
+        decided = torch.tensor([float(st._decisions[k]) for k in sorted(st._decisions)], device=DEV)
+        assert same_on_all_ranks(decided)
+
+    kw = dict(fallback="auto", warmup_steps=1, trial_steps=2, min_compress_numel=0)
+    state = CfcState(**kw)
+    ddp, opt = make(state, static_graph=True)
+    train(ddp, opt, rank, 6)  # the trial again from step 3: decided at step 5's first bucket
+    decided_for_what_runs(state)
+
+    # With four trial steps each bucket is timed both ways after the rebuild: the choice counts
+    # only the times of the parameters the bucket now holds.
+    state = CfcState(**dict(kw, trial_steps=4))
+    records, at_decision = [], []
+    record, decide = state._record_trial, state._decide
+
+    def spy_record(index, compressed, seconds, device, layout):
+        records.append((index, compressed, tuple(o for o, _, _ in layout)))
+        record(index, compressed, seconds, device, layout)
+
+    def spy_decide(*args, **kw):
+        counts = {k: (len(t["plain"]), len(t["cfc"])) for k, t in state._trial.items()}
+        at_decision.append((len(records), counts))
+        decide(*args, **kw)
+
+    state._record_trial, state._decide = spy_record, spy_decide
+    ddp, opt = make(state, static_graph=True)
+    train(ddp, opt, rank, 6)
+    decided_for_what_runs(state)
+    upto, counts = at_decision[0]
+    assert len({layout for k, _, layout in records if k == 0}) > 1, records  # bucket 0 changed
+    for k, got in counts.items():
+        mine = [(c, layout) for i, c, layout in records[:upto] if i == k]
+        cut = max((j for j, (_, layout) in enumerate(mine) if layout != state._layouts[k]), default=-1)
+        kept = [c for c, _ in mine[cut + 1:]]  # the samples since the bucket last changed
+        assert got == (kept.count(False), kept.count(True)), (k, counts, records)
+
+    state = CfcState(**kw)
+    ddp, opt = make(state)
+    train(ddp, opt, rank, 4)  # decided at step 3's first bucket
+    saved = state.state_dict()
+    assert len(saved["decisions"]) > 1 and saved["origin"] == 0, saved["decisions"]
+    state, ddp = one_bucket_resumed(saved, kw)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    # Steps 4 and 5: the saved buckets serve DDP's initial one, then its rebuilt one; step 6
+    # runs the model's own bucket, which the first bucket of step 7 finds undecided for.
+    train(ddp, opt, rank, 3, start=4)
+    assert state._decisions == saved["decisions"]
+    train(ddp, opt, rank, 1, start=7)  # the trial's first step
+    assert not state._decisions and state._origin == 6, (state._decisions, state._origin)
+    assert state.state_dict()["origin"] == 6  # a checkpoint of the second trial keeps where it began
+    train(ddp, opt, rank, 2, start=8)  # its second step, then the choice at step 9's first bucket
+    decided_for_what_runs(state)
+    assert list(state._decisions) == [0]
+
+
 SCENARIOS = {
     f.__name__: f
     for f in (parity, resume, overflow, accumulate, variants, mismatch, fallback, slots, reduce_scatter, per_tensor,
               trial_resume,
               trial_timing, plain_after_trial, register, register_sockets, native_exchange, close, comm_failure, bad_frame,
               bad_frame_native, bad_frame_pipeline, pipeline_failure, other_grads, pipeline_other_grads, groups,
-              resume_other_buckets)
+              resume_other_buckets, trial_layouts)
 }
 
 
@@ -936,7 +1010,7 @@ def test_training_parity_with_8x_fewer_bytes(tmp_path, device):
     "scenario",
     ["resume", "overflow", "accumulate", "variants", "mismatch", "fallback", "slots", "reduce_scatter", "per_tensor",
      "trial_timing", "trial_resume", "plain_after_trial", "register", "close", "other_grads", "groups",
-     "resume_other_buckets"],
+     "resume_other_buckets", "trial_layouts"],
 )
 def test_hook(tmp_path, scenario, device):
     enough_gpus(device)
@@ -1297,6 +1371,11 @@ def test_a_state_dict_that_is_not_one_is_refused_and_changes_nothing(tmp_path):
             "a decision of a number": dict(saved, decisions={0: 5}),
             "an RMS entry of a string": dict(saved, rms={0: "x"}),
             "scales of a number": dict(saved, scales={0: 5}),
+            # a gradient is divided by its scale: 0 or less would make NaN on every rank
+            "a zero scale": dict(saved, scales={0: (((0, 0, 4), (1, 4, 4)), [0.0, 1.0])}),
+            "a negative scale": dict(saved, scales={0: (((0, 0, 4), (1, 4, 4)), [1.0, -2.0])}),
+            "an origin past the step": dict(saved, origin=saved["step"] + 1),
+            "an origin of a string": dict(saved, origin="0"),
             "a trial of a number": dict(saved, trial={0: 5}),
         }
         for name, sd in bad.items():

@@ -135,6 +135,9 @@ class CfcState:
             bucket then holds per element in scaled units, so ``stats()``'s ``max_error`` and
             ``eps`` are in those units too. Residuals stay in gradient units.
         error_feedback: carry what quantization drops into the next step (per rank, per bucket).
+            (With ``find_unused_parameters``, DDP writes no gradient for a parameter that no
+            rank used in a step, so what its residual sent that step is lost: the hook cannot
+            tell such a parameter from one whose gradient is zero.)
         warmup_steps: steps of plain all-reduce first. DDP rebuilds its buckets after the first
             step, so residuals start on stable buckets.
         min_compress_numel: buckets with fewer elements are all-reduced plainly (the fixed
@@ -249,7 +252,7 @@ class CfcState:
         self.rank, self.world = -1, 0
 
         self.step = 0  # completed steps (counted at each step's last bucket)
-        self._origin = 0  # the step the warm-up and trial count from (moved by _forget_buckets)
+        self._origin = 0  # the step the warm-up and trial count from (moved by _forget_buckets, _start_trial)
         # Residuals live per bucket (one flat float32 tensor, like the bucket) but are keyed
         # per parameter, so they survive DDP rebuilding its buckets and a resumed run whose
         # first step has DDP's initial bucket layout. A parameter's key is its ordinal: the
@@ -267,6 +270,10 @@ class CfcState:
         self._plain_kinds: set = set()  # the kinds of bucket never compressed, logged (_numel)
         self._trial: Dict[int, Dict[str, List[float]]] = {}
         self._trial_times: Dict[int, Tuple[float, float]] = {}  # bucket -> (plain, compressed), all ranks'
+        # The ordinals of each bucket as its trial timed it, and as its decision was made for:
+        # a decision holds for the parameters it timed, not for whatever bucket has its index.
+        self._trial_layouts: Dict[int, Optional[tuple]] = {}
+        self._decided: Dict[int, Optional[tuple]] = {}
         # What register_comm_hook's probe found (None: no probe ran)
         self.probe: Optional[Dict[str, Any]] = None
         self._trial_device: Any = None
@@ -551,6 +558,8 @@ class CfcState:
         self._prune = None
         if self._worker is not None:
             self._worker.drain()  # no bucket on the comm thread still reads what goes
+        if self._decisions and any(self._decided.get(k) != self._layouts.get(k) for k in ran):
+            self._start_trial()  # (before the step's first bucket: this step is the trial's first)
         per_bucket = (self._residuals, self._layouts, self._decisions, self._trial, self._trial_times,
                       self._rms, self._scales)
         stale = {k for d in per_bucket for k in d} - ran
@@ -619,23 +628,47 @@ class CfcState:
             self._worker.drain()
         for d in (self._residuals, self._where, self._pending, self._layouts, self._decisions,
                   self._trial, self._trial_times, self._slots, self._rms, self._unflushed, self._scales,
-                  self._counts):
+                  self._counts, self._decided, self._trial_layouts):
             d.clear()
         self._origin = self.step
 
-    def _record_trial(self, index: int, compressed: bool, seconds: float, device) -> None:
-        """One timed trial of a bucket, plain or compressed (read by :meth:`_decide`)."""
+    def _record_trial(self, index: int, compressed: bool, seconds: float, device, layout) -> None:
+        """One timed trial of a bucket, plain or compressed (read by :meth:`_decide`), whose
+        parameters are ``layout`` (its ``(ordinal, offset, numel)``, or None). Times of the
+        bucket with another layout (DDP rebuilt its buckets during the trial, as with
+        ``static_graph`` and ``warmup_steps`` below 2) were of other parameters: they go."""
+        layout = None if layout is None else tuple(o for o, _, _ in layout)
+        if index in self._trial and self._trial_layouts.get(index, layout) != layout:
+            del self._trial[index]
+        self._trial_layouts[index] = layout
         self._trial.setdefault(index, {"plain": [], "cfc": []})["cfc" if compressed else "plain"].append(seconds)
         self._trial_device = device
 
-    def _decide(self, group: Any = None) -> None:
+    def _start_trial(self) -> None:
+        """Time every bucket again from this step on (``fallback="auto"``): the buckets that run
+        are not those the trial timed or decided for (DDP rebuilt them during the trial; a run
+        resumed with another bucket size). At a step's first bucket: the step is the trial's
+        first."""
+        logger.info("cfc: the buckets are not those the trial timed; timing them again")
+        self._origin = max(0, self.step - self.warmup_steps)
+        for d in (self._decisions, self._decided, self._trial, self._trial_times, self._trial_layouts):
+            d.clear()
+
+    def _decide(self, group: Any = None, again: bool = False) -> None:
         """End of the trial: per bucket, compress iff it was faster (slowest rank decides).
         ``group``: where to compare the times (default cfc's own communicator, for a caller on
-        the comm thread)."""
+        the comm thread). ``again``: where a bucket was timed only one way (its layout changed
+        between the trial's steps), time every bucket again from this step (:meth:`_start_trial`)
+        instead; only at a step's first bucket, on the thread that chooses each bucket's way
+        (the same on every rank: every rank has the same buckets). Otherwise such a bucket is
+        compressed, as buckets the trial never timed are."""
         import torch
         import torch.distributed as dist
 
         if not self._trial:
+            return
+        if again and any(not t["plain"] or not t["cfc"] for t in self._trial.values()):
+            self._start_trial()
             return
         keys = sorted(self._trial)
         # The fastest of each kind: the first compressed sample also pays one-off costs
@@ -653,7 +686,9 @@ class CfcState:
         for k, (plain, comp) in zip(keys, times.cpu().tolist()):
             self._decisions[k] = comp < plain
             self._trial_times[k] = (plain, comp)
+            self._decided[k] = self._trial_layouts.get(k)
         self._trial.clear()
+        self._trial_layouts.clear()
         logger.info("cfc: buckets compressed after the trial: %s", self._decisions)
 
     def close(self) -> None:
@@ -716,9 +751,11 @@ class CfcState:
         * ``compressed_buckets`` / ``plain_buckets``: buckets each way;
         * ``bytes_sent``: bytes this rank sent; ``bytes_uncompressed``: what a plain ring
           all-reduce of the same buckets would send; ``ratio``: the second over the first;
-        * ``max_error``: the largest quantization error of any element this rank sent (with
-          error feedback: what its residual kept), next to ``eps``, the largest bound used
-          (the error includes rounding the compensated value to a bf16/fp16 bucket's dtype);
+        * ``max_error``: the largest quantization error of any element this rank sent (what its
+          residual kept), next to ``eps``, the largest bound used (the error includes rounding
+          the compensated value to a bf16/fp16 bucket's dtype). It is measured from the
+          residuals: NaN with ``error_feedback=False`` once a bucket was compressed (not
+          measured, which a 0 would hide);
         * ``seconds``: time spent in cfc (autograd thread for CPU buckets; comm thread, busy
           time, for CUDA buckets);
         * ``residual_resets``: residuals restarted because a bucket changed in a way its
@@ -737,6 +774,8 @@ class CfcState:
             maxima = list(self._max_err_dev.values())
         for t in maxima:  # the CUDA buckets' running maxima (the worker is drained)
             s["max_error"] = max(s["max_error"], float(t))
+        if not self.error_feedback and s["compressed_buckets"]:
+            s["max_error"] = math.nan
         s["step"] = self.step
         s["ratio"] = s["bytes_uncompressed"] / s["bytes_sent"] if s["bytes_sent"] else 0.0
         return s
@@ -757,6 +796,7 @@ class CfcState:
             "world": self.world,
             "config": self._config(),
             "step": self.step,
+            "origin": self._origin,  # where the warm-up and the trial count from
             "residuals": residuals,  # per parameter ordinal
             "layouts": {**self._saved_layouts, **{i: l for i, l in self._layouts.items() if l is not None}},
             "decisions": dict(self._decisions),
@@ -822,13 +862,16 @@ class CfcState:
         self._saved_layouts = loaded["layouts"]
         self._prune = None
         self._decisions = loaded["decisions"]
+        # (the layouts saved are those the choices and the trial's times were made with)
+        self._decided = {k: self._saved_layouts.get(k) for k in self._decisions}
         # Per-bucket memory of this process's earlier steps does not carry over; the loaded
         # residuals (in _pending) are placed, and later sent along, at their buckets' first use.
         self._unflushed.clear()
         self._slots.clear()
         self._trial = loaded["trial"]
+        self._trial_layouts = {k: self._saved_layouts.get(k) for k in self._trial}
         self._trial_device = None
-        self._origin = 0
+        self._origin = loaded["origin"]
         self._fast_step = (-1, False)
         self._pipeline_step = (-1, False)
         self._pipeline_scatters = []
@@ -906,7 +949,11 @@ def _parse_state(sd: Mapping) -> Dict[str, Any]:
         "rank": count(field("rank"), "rank"),
         "config": [number(c, "an option") for c in _sequence(config, "config")],
         "step": count(field("step"), "step"),
+        # (absent from a checkpoint of the previous format: there the trial began at step 0)
+        "origin": count(sd.get("origin", 0), "origin"),
     }
+    if out["origin"] > out["step"]:
+        raise ValueError(f"not a cfc_hook state: origin {out['origin']} is past step {out['step']}")
     residuals = {}
     for o, r in mapping("residuals").items():
         o = count(o, "a residual's parameter ordinal", key=True)
@@ -955,6 +1002,9 @@ def _parse_state(sd: Mapping) -> Dict[str, Any]:
             raise ValueError(f"not a cfc_hook state: the scales of bucket {i!r} are {e!r}")
         layout = triples(e[0], "a scales layout")
         values = [number(v, "a scale") for v in _sequence(e[1], "scales")]
+        if not all(v > 0 for v in values):
+            # (a gradient is divided by its scale: 0 or less would reach every rank as NaN)
+            raise ValueError(f"not a cfc_hook state: bucket {i!r} has a scale that is not positive")
         if len(values) != len(layout):
             raise ValueError(f"not a cfc_hook state: bucket {i!r} has {len(values)} scales for {len(layout)} parameters")
         scales[count(i, "a bucket index", key=True)] = (layout, torch.tensor(values, dtype=torch.float32))
@@ -1252,6 +1302,8 @@ def _cpu_part(state: CfcState, index: int, buf, layout) -> None:
     import torch.distributed as dist
 
     n = state._numel(buf)
+    if state._trial and state._phase() == "run":
+        state._decide(again=True)  # the step's first bucket after the trial: before its choice
     compress = state._compress_this(n)
     trial = state._phase() == "trial" and n >= state.min_compress_numel
     if trial:
@@ -1290,7 +1342,7 @@ def _cpu_part(state: CfcState, index: int, buf, layout) -> None:
     seconds = time.perf_counter() - t0
     state._account(compress, sent, ring, eps, seconds)
     if trial:
-        state._record_trial(index, compress, seconds, buf.device)
+        state._record_trial(index, compress, seconds, buf.device, layout)
 
 
 # ---- CUDA buckets: the comm thread ----
@@ -1506,7 +1558,7 @@ def _gpu_submit(state: CfcState, worker, last: bool, buf, parts, scatter, for_dd
         # The trial is over: decide now, on this thread, at the first bucket of the step, so
         # that every rank knows every bucket's choice before the step's first collective
         # (the earlier steps' buckets are all done: DDP waited for them).
-        state._decide(state.process_group)
+        state._decide(state.process_group, again=True)
     if _fast_step(state):
         # The whole bucket, even where a loaded checkpoint would split it into parts (plain
         # all-reduce is element-wise) or a bucket the trial never timed: nothing of this step
@@ -1835,7 +1887,7 @@ def _gpu_launch(state: CfcState, stream, index, buf, layout, r, compress, trial,
         seconds = time.perf_counter() - t0 if trial else busy[0]
         state._account(compressed, sent, ring, eps, seconds)
         if trial:
-            state._record_trial(index, compressed, seconds, buf.device)
+            state._record_trial(index, compressed, seconds, buf.device, layout)
 
     if not compress:
         _flush(state, index, buf, r)
@@ -2157,8 +2209,8 @@ class _PerTensor:
         sizes = self.counts.double()
         rms = norms / sizes.sqrt()
         whole = (norms.square().sum() / sizes.sum()).sqrt()
-        scale = torch.maximum(rms, self.FLOOR * whole)
-        scale = torch.where(torch.isfinite(scale) & (scale > 0), scale, torch.ones_like(scale)).float()
+        scale = torch.maximum(rms, self.FLOOR * whole).float()  # (a tiny one may round to 0 here)
+        scale = torch.where(torch.isfinite(scale) & (scale > 0), scale, torch.ones_like(scale))
         self.state._scales[self.index] = (self.layout, scale)
 
 
