@@ -575,14 +575,13 @@ impl Worker {
         Ok(())
     }
 
-    /// Waits for the thread's stream to finish everything queued on it, after `waited` (a wait
-    /// through the communicator) and whatever it gave. The stream holds decodings into the
-    /// callers' tensors and compressions of them, which must be done before `end_step` returns
-    /// (the callers may then free them). A failed wait through the communicator aborted it, or
-    /// found it aborted or closed, so NCCL's kernels have returned and this wait ends.
-    fn drain_stream(&self, waited: Result<()>) -> Result<()> {
-        let drained = self.stream.synchronize().map_err(driver_err);
-        waited.and(drained)
+    /// Waits for the thread's stream to finish everything queued on it, whatever a wait
+    /// through the communicator gave before. The stream holds decodings into the callers'
+    /// tensors and compressions of them, which must be done before `end_step` returns (the
+    /// callers may then free them). A failed wait through the communicator aborted it, or found
+    /// it aborted or closed, so NCCL's kernels have returned and this wait ends.
+    fn drain_stream(&self) -> Result<()> {
+        self.stream.synchronize().map_err(driver_err)
     }
 
     fn end_step(&mut self) -> Result<StepReport> {
@@ -591,7 +590,7 @@ impl Worker {
         let result = match guard.as_mut() {
             None => {
                 // (a closed exchange's communicator is gone, and its kernels with it)
-                let _ = self.drain_stream(Ok(()));
+                let _ = self.drain_stream();
                 Err(closed())
             }
             Some(ex) => {
@@ -606,8 +605,11 @@ impl Worker {
                 let waited = ex
                     .wait_exchanges()
                     .and_then(|()| ex.communicator().wait(&self.stream));
-                let drained = self.drain_stream(waited);
-                finished.and(drained).and_then(|()| ex.check_frames_seen())
+                let drained = self.drain_stream();
+                finished
+                    .and(waited)
+                    .and(drained)
+                    .and_then(|()| ex.check_frames_seen())
             }
         };
         drop(guard);

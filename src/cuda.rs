@@ -1443,9 +1443,9 @@ pub const SUM_BAD_FRAME: u32 = 4;
 pub const SUM_EPS_OVERFLOW: u32 = 8;
 
 /// Checks on the host that every frame's readable length could hold a frame of `n` elements
-/// (its header and a width byte per group: what `sum_offsets` reads before anything is
-/// checked on the device).
-fn check_frame_lens(frames: &[u64], lens: &[u64], header_len: u64, n: u64) -> Result<()> {
+/// in `ndim` dimensions ([`crate::format::min_frame_len`]: its header and a width byte per
+/// group, what `sum_offsets` reads before anything is checked on the device).
+fn check_frame_lens(frames: &[u64], lens: &[u64], ndim: usize, n: u64) -> Result<()> {
     if lens.len() != frames.len() {
         return Err(Error::Incompatible {
             what: "count",
@@ -1453,7 +1453,7 @@ fn check_frame_lens(frames: &[u64], lens: &[u64], header_len: u64, n: u64) -> Re
             right: format!("{} frame lengths", lens.len()),
         });
     }
-    let needed = header_len + groups_for(n); // (format::min_frame_len)
+    let needed = crate::format::min_frame_len(n, ndim);
     match lens.iter().find(|&&len| len < needed) {
         Some(&len) => Err(crate::FormatError::Truncated {
             part: "frame",
@@ -1624,12 +1624,7 @@ pub unsafe fn sum(args: &SumArgs<'_>) -> Result<()> {
             got: args.workspace_len,
         });
     }
-    check_frame_lens(
-        args.frames,
-        args.frame_lens,
-        (FIXED_HEADER_LEN + 8 * ndim) as u64,
-        n,
-    )?;
+    check_frame_lens(args.frames, args.frame_lens, ndim, n)?;
     let _restore = ContextGuard::save()?;
     let dev = device(args.device)?;
     let stream = dev.stream(args.stream)?;
@@ -1860,12 +1855,7 @@ pub unsafe fn decode_sum(args: &DecodeSumArgs<'_>) -> Result<()> {
             got: args.workspace_len,
         });
     }
-    check_frame_lens(
-        args.frames,
-        args.frame_lens,
-        (FIXED_HEADER_LEN + 8 * args.ndim) as u64,
-        n,
-    )?;
+    check_frame_lens(args.frames, args.frame_lens, args.ndim, n)?;
     let b = args.lens_before;
     if b != 0 && (b % 8 != 0 || args.frames.iter().any(|&f| f % 8 != 0 || f < b)) {
         // A misaligned load would be a device fault, which ends the whole context.
