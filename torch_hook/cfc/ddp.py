@@ -637,7 +637,7 @@ class CfcState:
         parameters are ``layout`` (its ``(ordinal, offset, numel)``, or None). Times of the
         bucket with another layout (DDP rebuilt its buckets during the trial, as with
         ``static_graph`` and ``warmup_steps`` below 2) were of other parameters: they go."""
-        layout = None if layout is None else tuple(o for o, _, _ in layout)
+        layout = _layout_ordinals(layout)
         if index in self._trial and self._trial_layouts.get(index, layout) != layout:
             del self._trial[index]
         self._trial_layouts[index] = layout
@@ -1133,7 +1133,7 @@ def _average_bucket(state: CfcState, bucket, for_ddp: bool) -> Any:
     if state._prune is not None:
         state._prune_buckets([k for k, _, _ in parts])
     for k, _, sub in parts:  # what runs, as a checkpoint made now must record it
-        state._layouts[k] = None if sub is None else tuple(o for o, _, _ in sub)
+        state._layouts[k] = _layout_ordinals(sub)
     if buf.device.type == "cuda":
         return _gpu_bucket(state, last, buf, parts, scatter, for_ddp)
     return _cpu_bucket(state, last, buf, parts, scatter, for_ddp)
@@ -1256,6 +1256,12 @@ def register_comm_hook(ddp, state: Optional[CfcState] = None) -> bool:
         ddp.register_comm_hook(state, cfc_hook)
         state._model = weakref.ref(ddp)
     return bool(register)
+
+
+def _layout_ordinals(layout) -> Optional[tuple]:
+    """The parameter ordinals of a bucket's ``(ordinal, offset, numel)`` layout (None: none),
+    what ``_layouts``, the trial's times and its choices compare."""
+    return None if layout is None else tuple(o for o, _, _ in layout)
 
 
 def _key_bucket(key) -> int:
