@@ -990,6 +990,10 @@ __device__ void pack_chunks(const typename D::T* __restrict__ x, u64 n, u32 dtyp
         u64 eps = fixed ? max_err_bits : (u64)__double_as_longlong(P.eps);
         cfc_write_header(out, raw ? 1 : 0, dtype, mode, fixed, n, (u64)__double_as_longlong(P.step), eps,
                          raw ? 0 : n_exc, blen, ndim, dims);
+        // An unusable bound (coded with eps 1, reported by the error word) leaves no frame that
+        // a reader on the device would take: the sums and decoders that may read it before the
+        // host waits check the magic, as the host's readers do.
+        if (pp->error) out[0] = 0;
         *(u64*)(ws + 64) = header_len + blen;
         *(u32*)(ws + 72) = raw ? 1u : 0u;
         if (size_to) *size_to = header_len + blen;
@@ -1286,7 +1290,7 @@ __device__ __forceinline__ void report_bad_frame(u32* status, u32 bit, u32 part)
 
 // Whether the header fields that the CPU's read_header checks and the length checks below do
 // not cover are as it requires: a known bound mode that fits the codec, bits only in bits mode
-// (at most 32), reserved bytes zero, dimensions below 2^63 that multiply to n without overflow, a finite
+// (2 to 32), reserved bytes zero, dimensions below 2^63 that multiply to n without overflow, a finite
 // positive step and a finite eps >= 0 (step 1 and eps 0 in lossless mode), no exceptions in a
 // raw frame. A step of NaN or infinity would otherwise reach the output as values. With
 // `match_dims`, each dimension must also be the caller's (a sum writes its frame with the
@@ -1294,7 +1298,7 @@ __device__ __forceinline__ void report_bad_frame(u32* status, u32 bit, u32 part)
 __device__ __forceinline__ bool header_fields_ok(const u8* f, u64 n, u32 ndim, const Dims& dims, bool match_dims,
                                                  bool raw) {
     const u8 mode = f[8], bits = f[11];
-    bool ok = mode <= 4 && !(mode == 4 && !raw) && bits <= 32 && ((bits != 0) == (mode == 2)) &&
+    bool ok = mode <= 4 && !(mode == 4 && !raw) && (mode == 2 ? bits >= 2 && bits <= 32 : bits == 0) &&
               (f[12] | f[13] | f[14] | f[15]) == 0;
     u64 prod = 1;
     for (u32 i = 0; i < ndim; i++) {
@@ -1669,8 +1673,11 @@ __device__ void sum_pack(const i64* acc, const u32* value_bits, u64 n, u32 dtype
     const u64 ch = (u64)blockIdx.x * ts.tile_chunks + warp;
     const u64 nwords = ts.totals[0], n_exc = ts.totals[1];
     const u64 idx_size = n <= (1ull << 32) ? 4 : 8;
-    if (pp->error & SUM_BAD_FRAME) {  // sum_chunks added nothing: no frame, size 0
+    // A failed sum leaves no frame that a reader on the device would take (a sum of sums, a
+    // decoding queued before the host waits): its magic is broken, size 0.
+    if (pp->error & SUM_BAD_FRAME) {  // sum_chunks added nothing
         if (blockIdx.x == 0 && threadIdx.x == 0) {
+            out[0] = 0;
             *(u64*)(ws + 64) = 0;
             *(u32*)(ws + 72) = 0u;
         }
@@ -1721,6 +1728,7 @@ __device__ void sum_pack(const i64* acc, const u32* value_bits, u64 n, u32 dtype
         const u64 blen = groups + 4 * nwords + n_exc * (idx_size + size);
         cfc_write_header(out, 0, dtype, 3, 0, n, (u64)__double_as_longlong(pp->step),
                          (u64)__double_as_longlong(pp->eps), n_exc, blen, ndim, dims);
+        if (pp->error) out[0] = 0;
         *(u64*)(ws + 64) = pp->error ? 0 : header_len + blen;
         *(u32*)(ws + 72) = 0u;
     }

@@ -97,12 +97,18 @@ struct Kernels {
 }
 
 /// Restores the calling thread's current CUDA context when dropped. Binding a device's context
-/// must not leak out of a call: PyTorch reads the current context as its current device.
-pub(crate) struct ContextGuard(Option<sys::CUcontext>);
+/// must not leak out of a call: PyTorch reads the current context as its current device. cfc's
+/// entry points hold one; so should a caller that drops cfc's GPU objects (their buffers and
+/// streams bind their device's context to be freed) where another device may be current.
+pub struct ContextGuard(Option<sys::CUcontext>);
 
 impl ContextGuard {
-    pub(crate) fn save() -> Result<ContextGuard> {
-        driver_present()?;
+    /// Remembers the calling thread's current context (initializing the driver if need be).
+    ///
+    /// # Errors
+    /// [`Error::CudaUnavailable`] without a driver; [`Error::Cuda`].
+    pub fn save() -> Result<ContextGuard> {
+        driver_initialized()?;
         cudarc::driver::result::ctx::get_current()
             .map(ContextGuard)
             .map_err(driver_err)
@@ -157,6 +163,20 @@ fn driver_present() -> Result<()> {
             "the CUDA driver library (libcuda.so.1) is not present".into(),
         ))
     }
+}
+
+/// [`driver_present`], and the driver initialized (`cuInit`), once per process: the current
+/// context can be asked for only then. PyTorch initializes the driver when it first uses CUDA,
+/// but a process may reach cfc first (`cfc-bench`, a communicator made before any tensor).
+fn driver_initialized() -> Result<()> {
+    static DONE: AtomicBool = AtomicBool::new(false);
+    if DONE.load(Ordering::Relaxed) {
+        return Ok(());
+    }
+    driver_present()?;
+    cudarc::driver::result::init().map_err(driver_err)?;
+    DONE.store(true, Ordering::Relaxed);
+    Ok(())
 }
 
 fn device(ordinal: usize) -> Result<Arc<Device>> {
@@ -578,9 +598,11 @@ pub struct CompressArgs<'a> {
     pub max_error_to: u64,
     /// With an `Abs` bound, 8-aligned device memory whose f64 the encoder reads as `eps` when
     /// it runs, or 0 to take `bound`'s value at the launch. `bound` must hold the value that
-    /// memory will hold (it is what the host checks): the device does not report an unusable
-    /// one (it codes with eps 1 and leaves the residual as it was). For work recorded once as a
-    /// CUDA graph and replayed with each step's bound ([`crate::stream_graph`]).
+    /// memory will hold (it is what the host checks). An unusable one is reported as with a
+    /// `Rel` bound: it codes with eps 1, leaves the residual as it was, sets the workspace's
+    /// error word and breaks the frame's magic, so that readers on the device (a peer's
+    /// `decode_sum`) refuse the frame. For work recorded once as a CUDA graph and replayed with
+    /// each step's bound ([`crate::stream_graph`]).
     pub bound_at: u64,
 }
 
@@ -1056,8 +1078,10 @@ unsafe fn lossless_chunks_on(
 /// Compresses on the device, producing exactly the bytes of [`crate::compress`], and returns
 /// without waiting for the GPU. The frame's size is written (as a u64) at
 /// [`FRAME_SIZE_OFFSET`] of the workspace (and at `size_to`, if given; with error feedback,
-/// the residual's running maximum is raised at `max_error_to`, if given); in `rel` mode a nonzero
-/// u32 at [`BOUND_ERROR_OFFSET`] means the bound was unusable (the CPU codec's `InvalidBound`).
+/// the residual's running maximum is raised at `max_error_to`, if given); in `rel` mode (or
+/// with `bound_at`) a nonzero u32 at [`BOUND_ERROR_OFFSET`] means the bound was unusable (the
+/// CPU codec's `InvalidBound`), and the frame's first byte is then 0, not a magic any reader
+/// takes.
 ///
 /// # Safety
 /// Every pointer must be a device address on `args.device` valid for its stated length until
@@ -1421,7 +1445,9 @@ pub struct SumArgs<'a> {
     /// Workspace, at least [`sum_workspace_len`] bytes. The frame's size is written at
     /// [`FRAME_SIZE_OFFSET`] (0 when the sum failed) and the failure at
     /// [`BOUND_ERROR_OFFSET`] (a u32: [`SUM_STEPS_DIFFER`], [`SUM_OVERFLOW`], [`SUM_BAD_FRAME`]
-    /// and/or [`SUM_EPS_OVERFLOW`], then a u32 that, with [`SUM_BAD_FRAME`], holds a bad frame's index + 1).
+    /// and/or [`SUM_EPS_OVERFLOW`], then a u32 that, with [`SUM_BAD_FRAME`], holds a bad frame's
+    /// index + 1). A failed sum's output starts with a 0 byte, not a magic any reader takes
+    /// (another sum, a decoding, queued before anyone waits for this one).
     pub workspace: u64,
     /// Its size.
     pub workspace_len: u64,
@@ -1863,9 +1889,6 @@ pub unsafe fn decode_sum(args: &DecodeSumArgs<'_>) -> Result<()> {
             "decode_sum: lengths {b} bytes before frames that are not 8-aligned past them"
         )));
     }
-    if n == 0 {
-        return Ok(());
-    }
     let _restore = ContextGuard::save()?;
     let dev = device(args.device)?;
     let stream = dev.stream(args.stream)?;
@@ -1900,6 +1923,11 @@ pub unsafe fn decode_sum(args: &DecodeSumArgs<'_>) -> Result<()> {
             (n, args.dtype, args.ndim, None),
             (args.status, DECODE_BAD_FRAME),
         )?;
+        if n == 0 {
+            // Nothing to write, but the frames were checked: a frame from elsewhere that is
+            // not an empty frame of this dtype is reported for 0 elements as for any other.
+            return Ok(());
+        }
         let (hl, n_a) = (Arg::U64(header_len), Arg::U64(n));
         let one_chunk_per_warp = launch_cfg(decoding.chunk_blocks * BLOCK as u64, BLOCK);
         let sum = [

@@ -27,7 +27,7 @@
 
 use crate::collective::AllReduceReport;
 use crate::cuda;
-use crate::cuda::driver_err;
+use crate::cuda::{driver_err, ContextGuard};
 use crate::error::{Error, Result};
 use crate::format::{DType, FIXED_HEADER_LEN};
 use crate::gpu_memory::{DecodeStatus, DeviceBuffer, PinnedBuffer};
@@ -167,7 +167,11 @@ struct Call<'a> {
 ///
 /// Every rank calls [`GpuAllReducer::allreduce`] with the same size, dtype and options, in the
 /// same order. The first call with new ones checks that (one small exchange): ranks that
-/// disagree all get [`Error::RankMismatch`]. The residuals are kept while the size and options
+/// disagree all get [`Error::RankMismatch`]. A call whose size and options are those of this
+/// rank's last call exchanges nothing first (so as not to wait for the host on every call):
+/// where one rank alone changes them, or fails a call before its collectives (a bad argument,
+/// an allocation) while the others go on, the collectives of the ranks no longer match, and
+/// the ranks fail with an NCCL error or at the communicator's timeout instead. The residuals are kept while the size and options
 /// stay the same; a call with others starts afresh. The bound may change from call to call
 /// and differ between ranks (each frame carries its step): the average is then within the
 /// mean of the ranks' bounds, and the report gives this rank's. With a [`Fallback`], calls
@@ -253,6 +257,7 @@ impl GpuAllReducer {
     /// # Errors
     /// [`Error::Cuda`].
     pub fn new(comm: Communicator) -> Result<GpuAllReducer> {
+        let _restore = ContextGuard::save()?;
         let ctx = comm.context().clone();
         let stream = ctx.new_stream().map_err(driver_err)?;
         Ok(GpuAllReducer {
@@ -262,6 +267,22 @@ impl GpuAllReducer {
             status: DecodeStatus::new(&ctx)?,
             last_call: None,
         })
+    }
+
+    /// Waits for the work of the last call (its all-reduce or exchange, its decoding) to finish
+    /// on the device, within the communicator's timeout: a peer that stopped is then an NCCL
+    /// error, and the communicator is aborted, where a wait for the caller's stream would
+    /// block for good (an uncompressed call's all-reduce is queued on that stream, and nothing
+    /// on the host waits for it).
+    ///
+    /// # Errors
+    /// [`Error::Nccl`] (NCCL's message, or the timeout), CUDA errors.
+    pub fn wait(&mut self) -> Result<()> {
+        let _restore = ContextGuard::save()?;
+        match &self.last_call {
+            Some(last) => self.comm.wait_event(last),
+            None => Ok(()),
+        }
     }
 
     /// The communicator (e.g. to change its timeout, or for a plain all-reduce).
@@ -495,6 +516,9 @@ impl GpuAllReducer {
                 cuda::MAX_SUM_PARTS
             )));
         }
+        // Binding the device's context must not outlive the call (PyTorch reads the current
+        // context as its current device, which may be another one).
+        let _restore = ContextGuard::save()?;
         let device = self.comm.device();
         let call = Call {
             caller: cuda::borrowed_stream(device, stream)?,

@@ -362,18 +362,37 @@ impl std::fmt::Debug for Communicator {
 
 impl Communicator {
     /// Joins the communicator of `id` as `rank` of `world`, on device `device` (its primary
-    /// context, the one PyTorch uses). Waits until every rank has joined (NCCL's rule).
+    /// context, the one PyTorch uses), with the default timeout (`CFC_NCCL_TIMEOUT` seconds,
+    /// else 300). Waits until every rank has joined (NCCL's rule).
     ///
     /// # Errors
     /// [`Error::NcclUnavailable`], [`Error::CudaUnavailable`], [`Error::Nccl`] (NCCL's message),
     /// [`Error::Transport`] for a rank outside `0..world`.
     pub fn new(device: usize, id: &UniqueId, rank: usize, world: usize) -> Result<Communicator> {
+        Communicator::with_timeout(device, id, rank, world, default_timeout())
+    }
+
+    /// As [`Communicator::new`], with `timeout` for the wait for every rank to join as for
+    /// every later wait ([`Communicator::set_timeout`]): a rank that never joins is an error
+    /// after `timeout`, and the communicator is aborted.
+    ///
+    /// # Errors
+    /// As [`Communicator::new`].
+    pub fn with_timeout(
+        device: usize,
+        id: &UniqueId,
+        rank: usize,
+        world: usize,
+        timeout: Duration,
+    ) -> Result<Communicator> {
         if world == 0 || rank >= world || world > i32::MAX as usize {
             return Err(Error::Transport(format!(
                 "rank {rank} of {world} ranks is not a place in a communicator"
             )));
         }
         let nccl = library()?;
+        // (the caller's current context comes back after the device's is bound for the join)
+        let _restore = crate::cuda::ContextGuard::save()?;
         let ctx = crate::cuda::context(device)?;
         let mut raw: RawComm = std::ptr::null_mut();
         let uid = RawUniqueId {
@@ -406,7 +425,7 @@ impl Communicator {
             device,
             rank,
             world,
-            timeout: default_timeout(),
+            timeout,
             spin: Duration::from_millis(5),
             nap: Duration::from_micros(50),
             broken: None,
@@ -725,6 +744,7 @@ impl Drop for Communicator {
         if self.raw.is_null() {
             return;
         }
+        let _restore = crate::cuda::ContextGuard::save().ok();
         let _ = self.ctx.bind_to_thread();
         // Finalize (which a non-blocking communicator does in the background: polled, within
         // the timeout), then free; a communicator that cannot finalize is aborted instead.
@@ -801,6 +821,7 @@ impl Transport for NcclTransport {
                 parts.len()
             )));
         }
+        let _restore = crate::cuda::ContextGuard::save()?;
         let ctx = self.comm.context().clone();
         let cu = self.stream.cu_stream();
         // 1. Every rank's sizes, so that each knows what it receives.

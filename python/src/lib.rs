@@ -962,10 +962,10 @@ fn join_communicator<T: Send>(
         ),
     };
     py.detach(|| {
-        let mut comm = cfc::nccl::Communicator::new(device, &id, rank, world)?;
-        if let Some(t) = timeout {
-            comm.set_timeout(t);
-        }
+        let comm = match timeout {
+            Some(t) => cfc::nccl::Communicator::with_timeout(device, &id, rank, world, t)?,
+            None => cfc::nccl::Communicator::new(device, &id, rank, world)?,
+        };
         then(comm)
     })
     .map_err(to_py)
@@ -975,7 +975,25 @@ fn join_communicator<T: Send>(
 /// own one (`NcclAllReducer`, `BucketExchange`) keep it here.
 // A Mutex only for `Sync` (a communicator's handles are raw pointers); the methods take
 // `&mut self`, so it is never contended.
-struct Closable<T>(std::sync::Mutex<Option<T>>);
+struct Closable<T: Send>(std::sync::Mutex<Option<T>>);
+
+/// Drops `value` (a GPU object of cfc's: its buffers and streams bind their device's context to
+/// be freed), then makes the thread's current CUDA context what it was.
+fn drop_restoring_context<T>(value: T) {
+    let restore = cfc::cuda::ContextGuard::save().ok();
+    drop(value);
+    drop(restore);
+}
+
+/// Leaving a communicator waits for its peers (within its timeout): one collected without
+/// `close()` is left without the GIL too, so that no other Python thread waits meanwhile.
+fn drop_detached<T: Send>(value: Option<T>) {
+    if value.is_some() {
+        // (while the interpreter shuts down, `try_attach` runs nothing: the closure, and the
+        // value in it, are then dropped here as they are)
+        let _ = Python::try_attach(|py| py.detach(move || drop_restoring_context(value)));
+    }
+}
 
 impl<T: Send> Closable<T> {
     fn new(value: T) -> Self {
@@ -995,7 +1013,13 @@ impl<T: Send> Closable<T> {
     /// Drops the value (which leaves the communicator) without the GIL.
     fn close(&mut self, py: Python<'_>) {
         let inner = self.0.get_mut().unwrap_or_else(|p| p.into_inner()).take();
-        py.detach(move || drop(inner));
+        py.detach(move || drop_restoring_context(inner));
+    }
+}
+
+impl<T: Send> Drop for Closable<T> {
+    fn drop(&mut self) {
+        drop_detached(self.0.get_mut().unwrap_or_else(|p| p.into_inner()).take());
     }
 }
 
@@ -1103,6 +1127,14 @@ impl NcclAllReducer {
             .map_err(to_py)
     }
 
+    /// Waits for the last call's work on the GPU (its all-reduce or exchange, its decoding),
+    /// at most the communicator's timeout, without the GIL: a peer that stopped is then a
+    /// CfcError (and the communicator is aborted), not a wait for good.
+    fn wait(&mut self, py: Python<'_>) -> PyResult<()> {
+        let reducer = self.inner.live("NcclAllReducer")?;
+        py.detach(|| reducer.wait()).map_err(to_py)
+    }
+
     /// Leaves the communicator (NCCL finalizes it; waits for this rank's queued work).
     fn close(&mut self, py: Python<'_>) {
         self.inner.close(py);
@@ -1117,6 +1149,14 @@ impl NcclAllReducer {
 struct BucketExchange {
     // Shared with the pipelines made of it (`BucketPipeline`); None once closed.
     inner: cfc::bucket_pipeline::SharedExchange,
+}
+
+impl Drop for BucketExchange {
+    fn drop(&mut self) {
+        // The pipelines made of it may still hold the exchange: only the last holder leaves.
+        let inner = std::mem::take(&mut self.inner);
+        drop_detached(Some(inner));
+    }
 }
 
 impl BucketExchange {
@@ -1338,7 +1378,7 @@ impl BucketExchange {
         let inner = &self.inner;
         py.detach(|| {
             let taken = inner.lock().unwrap_or_else(|p| p.into_inner()).take();
-            drop(taken);
+            drop_restoring_context(taken);
         });
     }
 }

@@ -518,6 +518,121 @@ def test_nccl_all_reducer_orders_calls_that_come_on_different_streams(tmp_path):
         dist.destroy_process_group()
 
 
+@pytest.mark.gpu
+def test_nccl_joining_without_the_other_ranks_ends_at_the_timeout_given():
+    """A communicator of two ranks that only rank 0 joins: the wait for the other rank ends at
+    the reducer's ``timeout`` (here 3 s) with an error. Before, the join waited for the default
+    timeout (300 s, or CFC_NCCL_TIMEOUT) whatever the argument said. (In a fresh process: the
+    aborted join's NCCL threads stay out of the other tests.)"""
+    code = (
+        "import time, cfc._native as n\n"
+        "t0 = time.monotonic()\n"
+        "try:\n    n.NcclAllReducer(0, n.nccl_unique_id(), 0, 2, timeout=3)\n"
+        "except n.CfcError as e:\n    print('CfcError after', round(time.monotonic() - t0, 1), 's:', e)\n"
+    )
+    env = {**os.environ, "CFC_NCCL_TIMEOUT": "240"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=200, env=env)
+    assert r.returncode == 0 and "CfcError after" in r.stdout, r
+    waited = float(r.stdout.split("after")[1].split()[0])
+    assert 2.5 <= waited < 60, r.stdout
+
+
+def _cuda_driver():
+    import ctypes
+
+    try:
+        return ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        pytest.skip("no libcuda.so.1")
+
+
+@pytest.mark.gpu
+def test_nccl_all_reducer_leaves_the_callers_current_context_as_it_was(tmp_path):
+    """PyTorch reads the thread's current CUDA context as its current device, so a call that
+    binds its device's context must put the caller's back. Here the caller's is a context of
+    its own (one GPU is enough to tell it from the device's primary one, which cfc binds):
+    joining, plain and compressed calls, the wait and closing all leave it current. Before,
+    they left the primary context bound (on two GPUs: ``torch.cuda.current_device()`` changed
+    under ``with torch.cuda.device(1)`` after a call on device 0)."""
+    import ctypes
+
+    cuda = _cuda_driver()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        torch.cuda.set_device(0)
+        x = torch.ones(50_000, device="cuda")
+        stream = torch.cuda.current_stream().cuda_stream
+        uid = cfc._native.nccl_unique_id()
+        torch.cuda.synchronize()
+        dev, own = ctypes.c_int(), ctypes.c_void_p()
+        assert cuda.cuDeviceGet(ctypes.byref(dev), 0) == 0
+        made = cuda.cuCtxCreate_v2(ctypes.byref(own), 0, dev)  # also makes it current
+        assert made == 0 and own.value, made
+
+        def current():
+            c = ctypes.c_void_p()
+            assert cuda.cuCtxGetCurrent(ctypes.byref(c)) == 0
+            return c.value
+
+        try:
+            # Only cfc's native calls while it is current (PyTorch's would run in it).
+            r = cfc._native.NcclAllReducer(0, uid, 0, 1, timeout=60)
+            seen = {"join": current()}
+            for fallback in ("always", "never"):
+                r.allreduce(stream, x.data_ptr(), x.numel(), "float32", eps=1e-3, fallback=fallback)
+                seen[fallback] = current()
+            r.wait()
+            seen["wait"] = current()
+            r.close()
+            seen["close"] = current()
+        finally:
+            assert cuda.cuCtxDestroy_v2(own) == 0
+        assert all(c == own.value for c in seen.values()), {k: c == own.value for k, c in seen.items()}
+        torch.cuda.synchronize()
+        assert torch.equal(x.cpu(), torch.ones(50_000)), "the calls' results"
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+def test_nccl_all_reducer_check_waits_for_an_uncompressed_call_through_the_communicator(tmp_path):
+    """check() waits for the last call's work through the communicator (with its timeout), not
+    by synchronizing the stream: an uncompressed call's all-reduce is on the caller's stream,
+    and only that wait can end in an error when a peer stops. On one rank it returns once the
+    call is done; after close it raises."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        torch.cuda.set_device(0)
+        nr = cfc.distributed.NcclAllReducer(eps=EPS, fallback="always", timeout=60)
+        y = data(0, 0, 10000).cuda()
+
+        class Counting:  # the native reducer, counting its waits
+            def __init__(self, inner):
+                self.inner, self.waits = inner, 0
+
+            def wait(self):
+                self.waits += 1
+                return self.inner.wait()
+
+            def __getattr__(self, name):
+                return getattr(self.inner, name)
+
+        nr._native = Counting(nr._native)
+        torch.cuda._sleep(200_000_000)  # the all-reduce waits behind it on the stream
+        assert not nr(y)["compressed"]
+        nr.check()
+        assert nr._native.waits == 1, "check() did not wait through the communicator"
+        done = torch.cuda.Event()
+        done.record()
+        assert done.query(), "check() returned before the call's work was done"
+        assert torch.equal(y.cpu(), data(0, 0, 10000)), "one rank's average is its input"
+        nr.close()
+        with pytest.raises(cfc.CfcError, match="closed"):
+            nr._native.inner.wait()
+    finally:
+        dist.destroy_process_group()
+
+
 def test_nccl_all_reducer_checks_its_options_and_needs_cuda():
     for kw, err in (({}, "exactly one"), ({"eps": 1e-3, "rms": 0.3}, "exactly one"),
                     ({"eps": -1.0}, "positive"), ({"eps": 1e-3, "fallback": True}, "fallback"),

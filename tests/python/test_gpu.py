@@ -257,6 +257,50 @@ def test_gpu_unusable_rel_bound_is_reported_and_leaves_the_residual():
     assert torch.equal(r, before)
 
 
+def test_gpu_sums_and_decodings_refuse_parts_that_failed_before_anyone_waited():
+    """A compression with an unusable rel bound, or a sum of frames of different steps, fails
+    on the device; its error shows when it is waited for. A sum of it queued before that wait
+    (a tree of sums, which waits nowhere) must fail too, as the CPU's would, not add a frame
+    coded with a made-up step: the failed frame's magic is broken on the device, so every
+    reader there refuses it."""
+    from cfc.codec import _decode_status_error, _decode_sum_cuda
+
+    x, y = torch.randn(1000, device="cuda"), torch.randn(1000, device="cuda")
+    good = cfc.compress(x, eps=1e-3)
+    bad_bound = cfc.compress(y, rel=1e-320)
+    bad_sum = cfc.sum_compressed([cfc.compress(x, eps=1e-3), cfc.compress(y, eps=2e-3)])
+    for name, bad in (("rel", bad_bound), ("sum", bad_sum)):
+        for parts in ([good, bad], [bad]):
+            s = cfc.sum_compressed(parts)
+            with pytest.raises(cfc.CfcError, match=f"frame {len(parts) - 1} of the sum"):
+                s.synchronize()
+        out = torch.full((1000,), 7.0, device="cuda")
+        status = _decode_sum_cuda([good._out, bad._out], 1000, "float32", out)
+        assert _decode_status_error(status) is not None, name
+        assert torch.equal(out, torch.full_like(out, 7.0)), name
+    with pytest.raises(ValueError, match="rel"):
+        bad_bound.synchronize()
+    with pytest.raises(cfc.CfcError, match="steps"):
+        bad_sum.synchronize()
+
+
+def test_gpu_zstd_path_checks_as_the_others_do():
+    """A CUDA tensor takes the same arguments on every path: zstd level 0 is refused as on the
+    CPU (it went to the GPU codec, as False does), a residual that requires grad is updated on
+    the zstd path as on the two others (it raised there, after compressing), and a residual
+    that shares the input's memory is refused."""
+    x = torch.randn(1000, device="cuda")
+    with pytest.raises(ValueError, match="zstd"):
+        cfc.compress(x, eps=1e-3, zstd=0)
+    r = {p: torch.zeros(1000, device="cuda", requires_grad=True) for p in ("gpu", "zstd")}
+    cfc.compress(x, eps=1e-3, residual=r["gpu"]).synchronize()
+    cfc.compress(x, eps=1e-3, residual=r["zstd"], zstd=True)
+    assert torch.equal(r["gpu"], r["zstd"]) and r["gpu"].abs().max() > 0
+    buf = torch.randn(2000, device="cuda")
+    with pytest.raises(ValueError, match="shares memory"):
+        cfc.compress(buf[:1000], eps=1e-3, residual=buf[500:1500])
+
+
 def test_gpu_numpy_residual_for_a_cuda_tensor_is_refused():
     with pytest.raises(TypeError, match="residual"):
         cfc.compress(torch.randn(10, device="cuda"), eps=1e-3, residual=np.zeros(10, np.float32))

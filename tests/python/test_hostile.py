@@ -151,6 +151,7 @@ CORRUPTIONS = {
     "lossless mode on quantized codes": lambda b: b.__setitem__(8, 4),
     "bits outside bits mode": lambda b: b.__setitem__(11, 5),
     "bits mode without bits": lambda b: b.__setitem__(8, 2),
+    "bits mode with 1 bit": lambda b: (b.__setitem__(8, 2), b.__setitem__(11, 1)),
     "a reserved byte set": lambda b: b.__setitem__(13, 1),
     "a shape that does not hold n": lambda b: _set_u64(b, 64, N_GPU + 1),
 }
@@ -252,3 +253,24 @@ def test_gpu_sum_refuses_frames_of_another_shape_as_the_cpu_does():
         s.synchronize()
     good = _sum_frames_cuda([_on_gpu(raw), _on_gpu(raw)], "float32", (64, 48))
     assert bytes(good) == bytes(cfc.sum_compressed([cfc.Compressed(raw)] * 2))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("offset, value", [(0, b"XXXX"), (6, b"\x0a"), (16, b"\x05")])
+def test_gpu_decoded_sum_of_no_elements_still_checks_its_frames(offset, value):
+    """A bucket of 0 elements writes nothing, but a frame from elsewhere that is not an empty
+    frame of this dtype (bad magic, another dtype, a count that is not 0) is reported all the
+    same, as the CPU refuses it (before, such a call returned at once and checked nothing)."""
+    from cfc.codec import _decode_status_error, _decode_sum_cuda
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    raw = bytes(cfc.compress(torch.zeros(0), eps=1e-3))
+    bad = bytearray(raw)
+    bad[offset : offset + len(value)] = value
+    with pytest.raises(cfc.FormatError):
+        cfc.decompress(bytes(bad))
+    out = torch.zeros(0, device="cuda")
+    assert _decode_status_error(_decode_sum_cuda([_on_gpu(raw), _on_gpu(raw)], 0, "float32", out)) is None
+    why = _decode_status_error(_decode_sum_cuda([_on_gpu(raw), _on_gpu(bad)], 0, "float32", out))
+    assert why is not None and "frame 1" in why, why

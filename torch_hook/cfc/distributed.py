@@ -382,13 +382,22 @@ class NcclAllReducer:
     A frame from a peer that fails its check on the GPU is not decoded: the tensor keeps its
     input, and so does every later call's. The next compressed call raises ``cfc.CfcError`` on
     every rank alike (after its first exchange, where every rank knows the last call's
-    outcome); :meth:`check` and :meth:`close` wait for the last call's stream and raise it.
+    outcome); :meth:`check` and :meth:`close` wait for the last call's work and raise it.
+
+    Every rank must call it with tensors of the same size and dtype, in the same order. The
+    first call with a new size, dtype or options checks that with one small exchange (ranks
+    that disagree all get ``cfc.CfcError``); later calls like this rank's last one exchange
+    nothing first, so that no call waits for a round trip. A rank that alone changes its
+    tensor, or refuses one (dtype, device, layout) while the others call, is therefore not
+    caught there: the ranks' collectives no longer match, and they fail with an NCCL error or
+    at the timeout. :class:`AllReducer` checks every call instead, at a round trip's cost.
 
     The communicator is made at construction: rank 0 of ``group`` makes an NCCL id and
     broadcasts it over ``group`` (so construction is a collective of ``group``), and every rank
     joins on its current CUDA device. NCCL is loaded by path (``CFC_NCCL_LIBRARY``, else
     ``libnccl.so.2`` / ``libnccl.so`` on the loader's path). A peer that stops answering is an
-    error after ``timeout`` seconds, not a hang: the communicator is non-blocking, which makes
+    error after ``timeout`` seconds (in the call, or in :meth:`check` for work it queued), not a
+    hang: the communicator is non-blocking, which makes
     each NCCL call slower than on torch's own communicator (over NVLink, measured 0.54-0.81x
     of torch's fp32 all-reduce even where ``fallback="auto"`` chose plain;
     ``CFC_NCCL_BLOCKING=1`` makes its calls blocking). Where compression does not pay, the
@@ -512,12 +521,15 @@ class NcclAllReducer:
         return self._native.compressing()
 
     def check(self) -> None:
-        """Wait for the last call's stream, then raise ``cfc.CfcError`` if a frame of any call so
-        far failed its check on the GPU (that call's tensor then kept its input, as every later
-        call's does). Without it, the last call's bad frame shows only at the next compressed
-        call."""
+        """Wait for the last call's work on the GPU, then raise ``cfc.CfcError`` if a frame of any
+        call so far failed its check on the GPU (that call's tensor then kept its input, as every
+        later call's does). Without it, the last call's bad frame shows only at the next
+        compressed call. The wait lasts at most ``timeout`` seconds: a peer that stopped is then
+        a ``cfc.CfcError`` (and the communicator is aborted), where synchronizing the stream
+        would wait for good (an uncompressed call's all-reduce is queued on it, and nothing on
+        the host waits for it)."""
         if self._stream is not None:
-            self._stream.synchronize()
+            self._native.wait()
         self._native.check()
 
     def close(self) -> None:
