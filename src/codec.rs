@@ -17,7 +17,7 @@
 
 use crate::bitplane::{pack32, unpack32, unpack64, width_of};
 use crate::element::{dequantize, Element};
-use crate::error::{Error, FormatError, Result};
+use crate::error::{try_capacity, Error, FormatError, Result};
 use crate::format::{
     checked_shape, BoundMode, Codec, DType, Header, GROUP, MAX_CODE, MAX_ENCODE_WIDTH, MAX_WIDTH,
 };
@@ -575,8 +575,9 @@ fn unzstd(stored: &[u8], raw_len: u64) -> Result<Vec<u8>> {
     let plausible = (stored.len() as u64)
         .saturating_mul(256)
         .saturating_add(1 << 20);
+    // (every allocation here is fallible: the sizes are a hostile frame's to choose)
     if raw_len <= plausible {
-        let mut out = Vec::with_capacity(raw_len as usize);
+        let mut out = try_capacity(raw_len as usize)?;
         // Fails, rather than writing past, if the frame inflates beyond the announced size; the
         // streaming path below then says exactly how the lengths disagree.
         let bulk = zstd::bulk::Decompressor::new()
@@ -588,12 +589,25 @@ fn unzstd(stored: &[u8], raw_len: u64) -> Result<Vec<u8>> {
     let dec = zstd::stream::read::Decoder::with_buffer(stored)
         .map_err(zerr)?
         .single_frame();
-    let mut out = Vec::with_capacity(raw_len.min(plausible) as usize);
+    let mut out: Vec<u8> = try_capacity(raw_len.min(plausible) as usize)?;
     // One byte more than announced tells "longer than announced" apart from "exact" (none
     // past u64::MAX: no body reaches that length anyway).
-    dec.take(raw_len.saturating_add(1))
-        .read_to_end(&mut out)
-        .map_err(zerr)?;
+    let mut dec = dec.take(raw_len.saturating_add(1));
+    // Read in pieces rather than with `read_to_end`, whose growth aborts the process where
+    // memory runs out: a valid frame of long zero runs can inflate by a factor of thousands.
+    let mut piece = vec![0u8; 1 << 20];
+    loop {
+        let got = match dec.read(&mut piece) {
+            Ok(0) => break,
+            Ok(got) => got,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(zerr(e)),
+        };
+        out.try_reserve(got).map_err(|_| Error::Allocation {
+            bytes: out.len() as u64 + got as u64,
+        })?;
+        out.extend_from_slice(&piece[..got]);
+    }
     if out.len() as u64 != raw_len {
         return Err(FormatError::LengthMismatch {
             part: "zstd-decoded body",
@@ -818,11 +832,14 @@ pub fn fixed_rate_size(shape: &[usize], bits: u8) -> Result<u64> {
 }
 
 /// Checks a whole frame, header and body (widths, plane lengths, exception indices, the zstd
-/// stage), without decoding it. A frame that passes decodes without error, on the CPU or on a
-/// GPU (which trusts what the host checked).
+/// stage), without decoding its values. A frame that passes decodes without error, on the CPU
+/// or on a GPU (which trusts what the host checked). A zstd stage is inflated to check the
+/// body beneath it, so that body's memory is needed for the while (a frame of long zero runs
+/// may inflate a thousandfold: the Python layer's `max_nbytes` caps a frame's claim first).
 ///
 /// # Errors
-/// [`Error::Format`] saying what is wrong.
+/// [`Error::Format`] saying what is wrong; [`Error::Allocation`] where an inflated body's
+/// memory cannot be had.
 pub fn validate(frame: &[u8]) -> Result<Header> {
     Body::open(frame).map(|b| b.header)
 }

@@ -114,9 +114,9 @@ pub enum Error {
     /// The error-bounded codec was asked to quantize a dtype other than float32, bfloat16 or
     /// float16 (every dtype can be compressed losslessly).
     NotQuantizable(crate::format::DType),
-    /// Memory for a frame's decoded values could not be had: a valid frame can describe far
-    /// more values than it holds bytes (a tensor of zeros, zstd), so the size is the frame's
-    /// claim, refused here rather than aborting the process.
+    /// Memory for a frame's decoded values, or for its body past a zstd stage, could not be
+    /// had: a valid frame can describe far more than it holds bytes (a tensor of zeros, zstd),
+    /// so the size is the frame's claim, refused here rather than aborting the process.
     Allocation {
         /// Bytes asked for.
         bytes: u64,
@@ -232,7 +232,7 @@ impl fmt::Display for Error {
             Error::Zstd(e) => write!(f, "zstd stage failed: {e}"),
             Error::Allocation { bytes } => write!(
                 f,
-                "could not allocate {bytes} bytes for the values the frame describes"
+                "could not allocate {bytes} bytes for what the frame describes (its values, or its body past a zstd stage)"
             ),
             Error::RankMismatch { what, theirs } => {
                 write!(f, "ranks disagree: {what}, but {theirs}")

@@ -244,8 +244,9 @@ pub fn groups_for(n: u64) -> u64 {
     n.div_ceil(GROUP as u64)
 }
 
-/// The fewest bytes a quantized or raw frame of `n` elements in `ndim` dimensions takes: its
-/// header and a width byte per group (a raw frame's `n` values take at least as many). Shorter
+/// The fewest bytes a quantized or raw frame of `n` elements in `ndim` dimensions without a zstd
+/// stage takes (the frames the GPU reads and writes): its header and a width byte per group (a
+/// raw frame's `n` values take at least as many; a zstd stage may take fewer). Shorter
 /// sizes are refused before anything reads the frame, on the host alike whichever way its
 /// decoding is queued, so that ranks that read the same sizes stop at the same bucket.
 pub fn min_frame_len(n: u64, ndim: usize) -> u64 {
@@ -404,7 +405,12 @@ impl Header {
             return Err(bad_field("group size (log2)", buf[10]));
         }
         let bits = buf[11];
-        if bits > MAX_ENCODE_WIDTH || (bits != 0) != (mode == BoundMode::Bits) {
+        // A fixed width of 2 to 32 in mode bits (what the encoder takes), 0 in the others.
+        let bits_ok = match mode {
+            BoundMode::Bits => (2..=MAX_ENCODE_WIDTH).contains(&bits),
+            _ => bits == 0,
+        };
+        if !bits_ok {
             return Err(bad_field("bits", bits));
         }
         if buf[12..16] != [0u8; 4] {

@@ -129,11 +129,27 @@ impl Codes {
                 self.eps
             ));
         }
+        // Bits wider than the element would be cut to it in the frame, and a code at an
+        // exception would be dropped there (the frame's code is 0): either way the frame would
+        // not give these codes back.
+        let width = 8 * self.dtype.size() as u32;
         let mut prev: Option<u64> = None;
-        for &(i, _) in &self.exceptions {
+        for &(i, b) in &self.exceptions {
             if i >= self.codes.len() as u64 || prev.is_some_and(|p| i <= p) {
                 return bad(format!(
                     "exception index {i} out of range or not increasing"
+                ));
+            }
+            if width < 32 && b >> width != 0 {
+                return bad(format!(
+                    "exception {i} holds bits {b:#x}, wider than a {}-bit element",
+                    width
+                ));
+            }
+            if self.codes[i as usize] != 0 {
+                return bad(format!(
+                    "exception {i} has code {} (codes at exceptions are 0)",
+                    self.codes[i as usize]
                 ));
             }
             prev = Some(i);

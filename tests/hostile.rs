@@ -942,6 +942,9 @@ fn crafted() -> Vec<Case> {
         case("bits_33", set(set(q.clone(), 8, &[2]), 11, &[33]), |e| {
             bad_field(e, "bits")
         }),
+        case("bits_1", set(set(q.clone(), 8, &[2]), 11, &[1]), |e| {
+            bad_field(e, "bits")
+        }),
         case("bits_mode_zero_bits", set(q.clone(), 8, &[2]), |e| {
             bad_field(e, "bits")
         }),
@@ -1419,4 +1422,48 @@ fn hostile_corpus_is_rejected() {
         count += 1;
     }
     assert!(count >= 40, "only {count} corpus files");
+}
+
+/// A zstd stage whose announced size is plausible for its stored bytes (at most 256 bytes per
+/// stored byte, plus 1 MiB: allocated up front) but past the memory at hand is an
+/// [`Error::Allocation`], not an abort of the process. It runs again in a child process whose
+/// address space `ulimit -v` caps at 1.5 GB, below the 2.1 GB the frame announces; there the
+/// infallible allocation this replaced aborted.
+#[test]
+fn an_inflated_size_past_the_memory_at_hand_is_an_error() {
+    const CHILD: &str = "CFC_HOSTILE_ALLOCATION_CHILD";
+    if std::env::var_os(CHILD).is_none() {
+        let exe = std::env::current_exe().expect("the test binary");
+        let out = std::process::Command::new("sh")
+            .arg("-c")
+            .arg("ulimit -v 1500000 && exec \"$0\" --exact an_inflated_size_past_the_memory_at_hand_is_an_error --nocapture")
+            .arg(exe)
+            .env(CHILD, "1")
+            .output()
+            .expect("sh runs");
+        let said = String::from_utf8_lossy(&out.stdout).to_string()
+            + &String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{:?}: {said}", out.status);
+        assert!(said.contains("refused: "), "{said}");
+        return;
+    }
+    // 8 MiB that zstd cannot shrink (stored as they are), announced as the largest plausible
+    // body; a quantized header of 0 exceptions takes any body of 1 to 257 bytes per group.
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    let noise: Vec<u8> = (0..8 << 20)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state as u8
+        })
+        .collect();
+    let stored = zst(&noise);
+    let raw_len = 256 * stored.len() as u64 + (1 << 20);
+    let n = 32 * raw_len;
+    let frame = zstd_frame(header(DType::F32, n, 0, &[]), &stored, raw_len);
+    match validate(&frame) {
+        Err(e @ Error::Allocation { .. }) => println!("refused: {e}"),
+        other => panic!("expected Error::Allocation, got {other:?}"),
+    }
 }

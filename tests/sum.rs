@@ -477,6 +477,7 @@ fn hand_built_codes_are_checked_before_use() {
         ),
         (
             Codes {
+                codes: vec![1, 0, 0, 0],
                 exceptions: vec![(2, 0), (1, 0)],
                 ..good.clone()
             },
@@ -484,10 +485,28 @@ fn hand_built_codes_are_checked_before_use() {
         ),
         (
             Codes {
+                codes: vec![1, 0, 0, 0],
                 exceptions: vec![(2, 0), (2, 0)],
                 ..good.clone()
             },
             "exception index 2",
+        ),
+        // A frame could not give these back: bits wider than the element are cut to it, and
+        // the code at an exception is 0 there.
+        (
+            Codes {
+                dtype: DType::BF16,
+                exceptions: vec![(3, 0x1_7fc0)],
+                ..good.clone()
+            },
+            "wider than a 16-bit element",
+        ),
+        (
+            Codes {
+                exceptions: vec![(2, 0)],
+                ..good.clone()
+            },
+            "exception 2 has code 3",
         ),
     ];
     for (bad, what) in cases {
