@@ -274,6 +274,46 @@ def test_error_feedback_argument_checks():
     with pytest.raises(ValueError, match="read-only"):
         cfc.compress(x.numpy(), eps=1e-3, residual=np.frombuffer(frozen, np.float32))
     assert frozen == bytes(40)
+    # a misaligned array is named as such (it was reported as a size that is not whole elements)
+    r = np.frombuffer(bytearray(41), np.float32, offset=1)
+    with pytest.raises(ValueError, match="aligned"):
+        cfc.compress(x.numpy(), eps=1e-3, residual=r)
+
+
+def test_a_residual_that_shares_the_inputs_memory_is_refused():
+    """The residual is written while the input is read: memory both hold would be read after
+    it was written (and the native call's input and output would alias). Refused before any
+    work, on numpy and torch alike; neighbours that share no byte are fine."""
+    buf = torch.randn(200)
+    for x, r in ((buf[:100], buf[:100]), (buf[:100], buf[50:150]), (buf[50:150], buf[:100])):
+        before = buf.clone()
+        for xx, rr in ((x, r), (x.numpy(), r.numpy())):
+            with pytest.raises(ValueError, match="shares memory"):
+                cfc.compress(xx, eps=1e-3, residual=rr)
+        assert torch.equal(buf, before)
+    want = cfc.compress(buf[:100].clone(), eps=1e-3, residual=buf[100:].clone())
+    assert bytes(cfc.compress(buf[:100], eps=1e-3, residual=buf[100:])) == bytes(want)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.randn(4, 4).to_sparse(),
+    lambda: torch.randn(4, 4).to_sparse_csr(),
+    lambda: torch.nested.nested_tensor([torch.randn(3), torch.randn(5)]),
+    lambda: torch.empty(16, device="meta"),
+])
+def test_tensors_without_plain_memory_are_type_errors(make):
+    x = make()
+    for kw in ({"eps": 1e-3}, {"lossless": True}):
+        with pytest.raises(TypeError, match="dense tensors"):
+            cfc.compress(x, **kw)
+
+
+def test_zstd_levels_are_checked_whatever_the_path():
+    for bad in (0, 23, -1, "1"):
+        with pytest.raises(ValueError, match="zstd"):
+            cfc.compress(torch.randn(10), eps=1e-3, zstd=bad)
+        with pytest.raises(ValueError, match="zstd"):
+            cfc.sum_compressed([cfc.compress(torch.randn(10), eps=1e-3)], zstd=bad)
 
 
 def test_a_one_element_view_of_any_stride():

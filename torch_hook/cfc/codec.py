@@ -547,6 +547,19 @@ def _check_flag(name: str, value: Any) -> None:
         raise TypeError(f"{name} must be True or False, got {value!r}")
 
 
+def _check_dense(t, what: str) -> None:
+    """cfc's codecs read a tensor's memory: a dense tensor with data, not a sparse, nested,
+    meta or mkldnn one (whose memory is not its elements in order)."""
+    if t.layout != _torch().strided or t.is_nested or t.device.type == "meta":
+        raise TypeError(f"{what} takes dense tensors with data, got a {t.layout} tensor on {t.device}")
+
+
+def _check_apart(x_addr: int, x_nbytes: int, r_addr: int, r_nbytes: int) -> None:
+    """The residual is updated in place while the input is read: they must not share memory."""
+    if x_nbytes and r_nbytes and x_addr < r_addr + r_nbytes and r_addr < x_addr + x_nbytes:
+        raise ValueError("residual shares memory with the tensor: give it memory of its own")
+
+
 def _check_residual(residual, x) -> None:
     """A residual must be a contiguous float32 tensor/array of x's size, where x lives."""
     torch = _torch()
@@ -565,6 +578,8 @@ def _check_residual(residual, x) -> None:
             raise TypeError(f"the tensor is on {x_device}: its residual must be a tensor there too")
         if not residual.flags.writeable:
             raise ValueError("residual is a read-only array: it is updated in place")
+        if not residual.flags.aligned:
+            raise ValueError("residual is not aligned to its 4-byte elements")
     else:
         raise TypeError(f"residual must be a float32 tensor or array, got {type(residual).__name__}")
     numel = x.numel() if hasattr(x, "numel") and callable(x.numel) else int(np.prod(np.shape(x)))
@@ -582,6 +597,8 @@ def _compress_cuda(t, name: str, shape, eps, rel, bits, residual=None) -> CudaCo
     t = t.detach().contiguous()
     dev = t.device
     n = t.numel()
+    if residual is not None:
+        _check_apart(t.data_ptr(), n * t.element_size(), residual.data_ptr(), 4 * residual.numel())
     cap = _native.cuda_compress_capacity(n, name, len(shape), eps=eps, rel=rel, bits=bits)
     out = torch.empty(cap, dtype=torch.uint8, device=dev)
     ws = torch.empty(_native.cuda_workspace_len(n, compress=True, feedback=residual is not None),
@@ -710,6 +727,9 @@ def compress(
     rel = None if rel is None else _check_number("rel", rel)
     bits = None if bits is None else _check_bits(bits)
     threads = _check_threads(threads)
+    zstd_level = _zstd_level(zstd)  # (checked before any branch: the same errors on every device)
+    if torch is not None and isinstance(x, torch.Tensor):
+        _check_dense(x, "compress")
     if torch is not None and isinstance(x, torch.Tensor) and x.is_neg():
         # A lazily negated view (the imaginary part of a conjugate): its memory holds -x, and
         # both codecs read memory.
@@ -726,7 +746,7 @@ def compress(
             return _compress_lossless_cuda(x, name)
         data, name, shape = _tensor_bytes(x, lossless=True)
         frame = _native.compress_lossless(
-            _addr(data), data.nbytes, name, list(shape), zstd_level=_zstd_level(zstd), threads=threads
+            _addr(data), data.nbytes, name, list(shape), zstd_level=zstd_level, threads=threads
         )
         return Compressed(frame)
     if (
@@ -753,6 +773,7 @@ def compress(
             r = _flat_view(held).view(torch.uint8).numpy()
         else:
             r = residual.reshape(-1).view(np.uint8)
+        _check_apart(_addr(data), data.nbytes, _addr(r), r.nbytes)
     # `data` and `r` stay referenced until the call returns, so their memory stays valid.
     frame = _native.compress(
         _addr(data),
@@ -762,13 +783,13 @@ def compress(
         eps=eps,
         rel=rel,
         bits=bits,
-        zstd_level=_zstd_level(zstd),
+        zstd_level=zstd_level,
         threads=threads,
         residual_ptr=0 if r is None else _addr(r),
         residual_nbytes=0 if r is None else r.nbytes,
     )
     if host_residual is not None:
-        residual.copy_(host_residual)
+        residual.detach().copy_(host_residual)  # (as the other paths: no autograd on a residual)
     return Compressed(frame)
 
 
@@ -825,6 +846,8 @@ def decompress(c: Any, device: Any = None, *, threads: int = 0, max_nbytes: Opti
             codec = "lossless" if c._mode == "lossless" else "quantized"  # raw frames: read on the GPU
             return _decompress_cuda(c._out, c.numel, c._dtype, c._shape, len(c._shape), after=c._event, codec=codec)
         c = c.to_host()
+    if torch is None and device is not None and str(device) != "cpu":
+        raise ValueError(f"decoding to {device!r} needs torch, which is not installed")
     target = None if device is None or torch is None else torch.device(device)
     if target is not None and target.type == "cuda":
         if target.index is None:
@@ -924,6 +947,7 @@ def sum_compressed(
         cfc.CfcError: different shapes or steps, or codes that overflow 64 bits.
     """
     items = list(items)
+    zstd_level = _zstd_level(zstd)
     for c in items:
         _check_max_nbytes(c, max_nbytes)
     cuda = [isinstance(c, CudaCompressed) for c in items]
@@ -934,7 +958,7 @@ def sum_compressed(
             raise ValueError("the zstd stage is not available on the GPU: sum the frames on the host")
         return _sum_cuda(items)
     frames = [_frame_buffer(c) for c in items]
-    return Compressed(_native.sum_frames(frames, zstd_level=_zstd_level(zstd)))
+    return Compressed(_native.sum_frames(frames, zstd_level=zstd_level))
 
 
 def _sum_cuda(items) -> CudaCompressed:
