@@ -22,7 +22,9 @@ for part in $PARTS; do case $part in
          # the one that waits for a timeout on purpose, on its own (bounded if it hangs)
          timeout 60 .carry/nccl-tests --exact a_peer_that_never_comes_is_an_error_after_the_timeout 2>&1 | tail -6 | tee -a "$OUT/rust_nccl_tests.log" ;;
   nvlink) timeout 300 .carry/cfc-bench $ARGS --json "$OUT/cfc_bench_nvlink.json" --png "$OUT/cfc_bench_nvlink.png" | tee "$OUT/cfc_bench_nvlink.md" ;;
-  py) SIZES=${SIZES:-16M,64M,256M} PARTS=nvlink ITERS=${ITERS:-20} bash scripts/gpu_allreduce.sh 2>&1 | tail -12 ;;
+  # (the same ranks, sizes, bound and chunks as the nvlink part, for a like-for-like table)
+  py) SIZES=${SIZES:-16M,64M,256M} BOUNDS=${BOUNDS:-0.3} NPROC=${GPUS:-2} CHUNK_MB=${CHUNK_MB:-256} PARTS=nvlink \
+        ITERS=${ITERS:-20} bash scripts/gpu_allreduce.sh 2>&1 | tail -12 ;;
   blocking) CFC_NCCL_BLOCKING=1 timeout 300 .carry/cfc-bench $ARGS | tee "$OUT/cfc_bench_nvlink_blocking.md" ;;
   chunks) for mb in 16 256; do timeout 300 .carry/cfc-bench ${ARGS/--chunk-mb ${CHUNK_MB:-256}/--chunk-mb $mb} \
             | tee "$OUT/cfc_bench_nvlink_chunk${mb}.md"; done ;;

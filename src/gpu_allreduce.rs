@@ -285,6 +285,20 @@ impl GpuAllReducer {
         }
     }
 
+    /// Forgets what the calls so far left (the residuals, [`Fallback::Auto`]'s trial and
+    /// choice), after waiting for the last call's work: the next call starts afresh, as a call
+    /// with new options does (its first exchange is collective, so every rank resets at the
+    /// same point). For a benchmark that runs several bounds one after the other.
+    ///
+    /// # Errors
+    /// As [`GpuAllReducer::wait`].
+    pub fn reset(&mut self) -> Result<()> {
+        self.wait()?;
+        let _restore = ContextGuard::save()?;
+        self.plan = None;
+        Ok(())
+    }
+
     /// The communicator (e.g. to change its timeout, or for a plain all-reduce).
     pub fn communicator(&mut self) -> &mut Communicator {
         &mut self.comm
@@ -888,5 +902,41 @@ mod tests {
                 .contains("an earlier call received a bad frame"),
             "{e}"
         );
+    }
+    /// With error feedback, a call leaves residuals that the next call of the same size adds;
+    /// after `reset` the next call starts from none, and so gives what the first call gave
+    /// (one rank: its result is its own input decoded, bit for bit the same from the same
+    /// input). Without the reset, the second call's result differs (it carries the residual).
+    #[test]
+    fn reset_forgets_the_residuals() {
+        if !one_gpu() {
+            return;
+        }
+        let id = crate::nccl::UniqueId::new().unwrap();
+        let comm = Communicator::new(0, &id, 0, 1).unwrap();
+        let stream = comm.context().new_stream().unwrap();
+        let mut reducer = GpuAllReducer::new(comm).unwrap();
+        let x: Vec<f32> = (0..10_000).map(|i| (i as f32 * 0.37).sin() * 0.3).collect();
+        let opts = GpuAllReduceOptions::new(1e-2);
+        let raw = stream.cu_stream() as usize;
+        let call = |reducer: &mut GpuAllReducer| -> Vec<f32> {
+            let d = stream.clone_htod(&x).unwrap();
+            {
+                let (ptr, _sync) = cudarc::driver::DevicePtr::device_ptr(&d, &stream);
+                // SAFETY: `d` holds 10 000 float32 on the communicator's device and outlives
+                // the call (the stream is waited for below); `stream` is live.
+                unsafe { reducer.allreduce(raw, ptr, 10_000, DType::F32, &opts) }.unwrap();
+            }
+            stream.synchronize().unwrap();
+            stream.clone_dtoh(&d).unwrap()
+        };
+        let first = call(&mut reducer);
+        let carried = call(&mut reducer);
+        assert_ne!(
+            first, carried,
+            "the second call adds the first one's residual"
+        );
+        reducer.reset().unwrap();
+        assert_eq!(call(&mut reducer), first, "after reset, as the first call");
     }
 }

@@ -122,7 +122,7 @@ class _Progress:
 
 def _measure(run, setup, sync, align, iters: int, warmup: int, slowest, before=None) -> Dict[str, float]:
     """Median over ``iters`` of (seconds to the result on the device, seconds until the call
-    returned); each iteration's time is the slowest rank's. ``before`` runs after the warm-up."""
+    returned); each iteration's times are the slowest rank's. ``before`` runs after the warm-up."""
     for _ in range(warmup):
         setup()
         pending = run()
@@ -145,7 +145,7 @@ def _measure(run, setup, sync, align, iters: int, warmup: int, slowest, before=N
         t2 = time.perf_counter()
         total.append(t2 - t0)
         call.append(t1 - t0)
-    total = slowest(total)
+    total, call = slowest(total), slowest(call)
     return {"seconds": statistics.median(total), "call_seconds": statistics.median(call)}
 
 

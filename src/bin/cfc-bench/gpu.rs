@@ -106,6 +106,11 @@ fn one_size(
             Method::Plain(DType::BF16) => 1,
             _ => 0,
         };
+        if let Method::Cfc(..) = m {
+            // Each bound starts from zero residuals and runs its own trial: the reducer keeps
+            // both while the size and options stay the same, and the bound is not an option.
+            reducer.reset().map_err(err)?;
+        }
         let (mut times, mut calls, mut sent, mut max_err) = (Vec::new(), Vec::new(), 0, None);
         // Untimed: the first call (set-up; its error is checked), and cfc-auto's trial.
         let untimed = match m {
