@@ -273,11 +273,15 @@ impl GpuAllReducer {
     /// on the device, within the communicator's timeout: a peer that stopped is then an NCCL
     /// error, and the communicator is aborted, where a wait for the caller's stream would
     /// block for good (an uncompressed call's all-reduce is queued on that stream, and nothing
-    /// on the host waits for it).
+    /// on the host waits for it). After the communicator was aborted (the error was then
+    /// reported by the call that met it) there is nothing to wait for: its kernels stopped.
     ///
     /// # Errors
     /// [`Error::Nccl`] (NCCL's message, or the timeout), CUDA errors.
     pub fn wait(&mut self) -> Result<()> {
+        if self.comm.aborted().is_some() {
+            return Ok(());
+        }
         let _restore = ContextGuard::save()?;
         match &self.last_call {
             Some(last) => self.comm.wait_event(last),
@@ -405,7 +409,7 @@ impl GpuAllReducer {
 
     /// The error of a frame that failed its check on the device, as far as the copies of the
     /// decoder's status queued so far have arrived. Nothing is waited for: a caller that has
-    /// waited for the stream of its last call learns about every call so far (as
+    /// waited for its last call ([`GpuAllReducer::wait`]) learns about every call so far (as
     /// `cfc.distributed.NcclAllReducer.check` does, and its `close`). Compressed calls fail
     /// with the error of an earlier call by themselves, once its copy is certain to be in on
     /// every rank.

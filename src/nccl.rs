@@ -374,7 +374,8 @@ impl Communicator {
 
     /// As [`Communicator::new`], with `timeout` for the wait for every rank to join as for
     /// every later wait ([`Communicator::set_timeout`]): a rank that never joins is an error
-    /// after `timeout`, and the communicator is aborted.
+    /// after `timeout`, and the communicator is aborted (not with `CFC_NCCL_BLOCKING=1`, where
+    /// NCCL's join itself blocks until every rank is there).
     ///
     /// # Errors
     /// As [`Communicator::new`].
@@ -464,6 +465,12 @@ impl Communicator {
     /// communicator (default: `CFC_NCCL_TIMEOUT` seconds, or 300).
     pub fn set_timeout(&mut self, timeout: Duration) {
         self.timeout = timeout;
+    }
+
+    /// Why the communicator was aborted (by a timeout, an NCCL error or its owner), if it was:
+    /// its calls fail from then on, and its kernels have stopped.
+    pub fn aborted(&self) -> Option<&str> {
+        self.broken.as_deref()
     }
 
     /// The wait's timeout.

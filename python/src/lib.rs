@@ -989,8 +989,8 @@ fn drop_restoring_context<T>(value: T) {
 /// `close()` is left without the GIL too, so that no other Python thread waits meanwhile.
 fn drop_detached<T: Send>(value: Option<T>) {
     if value.is_some() {
-        // (while the interpreter shuts down, `try_attach` runs nothing: the closure, and the
-        // value in it, are then dropped here as they are)
+        // (`try_attach` runs nothing only where the thread cannot attach at all: the closure,
+        // and the value in it, are then dropped here as they are)
         let _ = Python::try_attach(|py| py.detach(move || drop_restoring_context(value)));
     }
 }
@@ -1118,8 +1118,8 @@ impl NcclAllReducer {
     }
 
     /// Raises the error of a frame that failed its check on the GPU, as far as the copies of
-    /// the decoder's status have arrived (no wait: synchronize the stream of the last call
-    /// first to learn about every call so far).
+    /// the decoder's status have arrived (no wait: `wait()` first to learn about every call
+    /// so far).
     fn check(&mut self) -> PyResult<()> {
         self.inner
             .live("NcclAllReducer")?

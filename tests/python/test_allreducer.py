@@ -605,6 +605,8 @@ def test_nccl_all_reducer_check_waits_for_an_uncompressed_call_through_the_commu
         torch.cuda.set_device(0)
         nr = cfc.distributed.NcclAllReducer(eps=EPS, fallback="always", timeout=60)
         y = data(0, 0, 10000).cuda()
+        assert not nr(y)["compressed"]  # the first call of a size agrees on it (a wait)
+        torch.cuda.synchronize()
 
         class Counting:  # the native reducer, counting its waits
             def __init__(self, inner):
@@ -618,13 +620,14 @@ def test_nccl_all_reducer_check_waits_for_an_uncompressed_call_through_the_commu
                 return getattr(self.inner, name)
 
         nr._native = Counting(nr._native)
-        torch.cuda._sleep(200_000_000)  # the all-reduce waits behind it on the stream
-        assert not nr(y)["compressed"]
+        torch.cuda._sleep(200_000_000)  # about 0.1 s: the call's all-reduce waits behind it
+        slept = torch.cuda.Event()
+        slept.record()
+        assert not nr(y)["compressed"]  # queued: nothing on the host waits for it
+        assert not slept.query(), "the GPU was not behind the call (the test shows nothing)"
         nr.check()
         assert nr._native.waits == 1, "check() did not wait through the communicator"
-        done = torch.cuda.Event()
-        done.record()
-        assert done.query(), "check() returned before the call's work was done"
+        assert slept.query(), "check() returned before the call's work was done"
         assert torch.equal(y.cpu(), data(0, 0, 10000)), "one rank's average is its input"
         nr.close()
         with pytest.raises(cfc.CfcError, match="closed"):

@@ -297,8 +297,9 @@ def test_gpu_zstd_path_checks_as_the_others_do():
     cfc.compress(x, eps=1e-3, residual=r["zstd"], zstd=True)
     assert torch.equal(r["gpu"], r["zstd"]) and r["gpu"].abs().max() > 0
     buf = torch.randn(2000, device="cuda")
-    with pytest.raises(ValueError, match="shares memory"):
-        cfc.compress(buf[:1000], eps=1e-3, residual=buf[500:1500])
+    for zstd in (False, True):
+        with pytest.raises(ValueError, match="shares memory"):
+            cfc.compress(buf[:1000], eps=1e-3, residual=buf[500:1500], zstd=zstd)
 
 
 def test_gpu_numpy_residual_for_a_cuda_tensor_is_refused():

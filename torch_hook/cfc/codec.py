@@ -759,6 +759,10 @@ def compress(
         if residual is not None:
             _check_residual(residual, x)
         return _compress_cuda(x, _dtype_name(x.dtype), tuple(x.shape), eps, rel, bits, residual)
+    if (residual is not None and torch is not None and isinstance(x, torch.Tensor)
+            and isinstance(residual, torch.Tensor) and residual.device == x.device and x.is_contiguous()):
+        # (here too where both go through host copies, as the other paths refuse it)
+        _check_apart(x.data_ptr(), x.numel() * x.element_size(), residual.data_ptr(), 4 * residual.numel())
     data, name, shape = _tensor_bytes(x)
     r = None
     host_residual = None  # a CUDA residual's copy, for a CUDA x that the CPU codec compresses
@@ -846,7 +850,7 @@ def decompress(c: Any, device: Any = None, *, threads: int = 0, max_nbytes: Opti
             codec = "lossless" if c._mode == "lossless" else "quantized"  # raw frames: read on the GPU
             return _decompress_cuda(c._out, c.numel, c._dtype, c._shape, len(c._shape), after=c._event, codec=codec)
         c = c.to_host()
-    if torch is None and device is not None and str(device) != "cpu":
+    if torch is None and device is not None and str(device).split(":")[0] != "cpu":
         raise ValueError(f"decoding to {device!r} needs torch, which is not installed")
     target = None if device is None or torch is None else torch.device(device)
     if target is not None and target.type == "cuda":
