@@ -171,8 +171,8 @@ struct Call<'a> {
 /// rank's last call exchanges nothing first (so as not to wait for the host on every call):
 /// where one rank alone changes them, or fails a call before its collectives (a bad argument,
 /// an allocation) while the others go on, the collectives of the ranks no longer match, and
-/// the ranks fail with an NCCL error or at the communicator's timeout instead. The residuals are kept while the size and options
-/// stay the same; a call with others starts afresh. The bound may change from call to call
+/// the ranks fail with an NCCL error or at the communicator's timeout instead. The residuals
+/// are kept while the size and options stay the same; a call with others starts afresh. The bound may change from call to call
 /// and differ between ranks (each frame carries its step): the average is then within the
 /// mean of the ranks' bounds, and the report gives this rank's. With a [`Fallback`], calls
 /// may go out uncompressed instead, the same way on every rank.
@@ -907,6 +907,7 @@ mod tests {
             "{e}"
         );
     }
+
     /// With error feedback, a call leaves residuals that the next call of the same size adds;
     /// after `reset` the next call starts from none, and so gives what the first call gave
     /// (one rank: its result is its own input decoded, bit for bit the same from the same
