@@ -857,6 +857,14 @@ mod tests {
         }
     }
 
+    /// A reducer over a communicator of one rank on GPU 0, and a stream of its context.
+    fn one_rank_reducer() -> (GpuAllReducer, Arc<CudaStream>) {
+        let id = crate::nccl::UniqueId::new().unwrap();
+        let comm = Communicator::new(0, &id, 0, 1).unwrap();
+        let stream = comm.context().new_stream().unwrap();
+        (GpuAllReducer::new(comm).unwrap(), stream)
+    }
+
     /// A frame that failed its check on the device reaches `check_frames_seen` once the
     /// caller has waited for its stream, and fails every later compressed call (after its
     /// first exchange). One rank on one GPU: its own frames are sound, so the failure is
@@ -866,11 +874,8 @@ mod tests {
         if !one_gpu() {
             return;
         }
-        let id = crate::nccl::UniqueId::new().unwrap();
-        let comm = Communicator::new(0, &id, 0, 1).unwrap();
-        let ctx = comm.context().clone();
-        let stream = ctx.new_stream().unwrap();
-        let mut reducer = GpuAllReducer::new(comm).unwrap();
+        let (mut reducer, stream) = one_rank_reducer();
+        let ctx = stream.context().clone();
         let x: Vec<f32> = (0..10_000).map(|i| (i as f32 * 0.01).sin()).collect();
         let d = stream.clone_htod(&x).unwrap();
         let opts = GpuAllReduceOptions::new(1e-3);
@@ -917,10 +922,7 @@ mod tests {
         if !one_gpu() {
             return;
         }
-        let id = crate::nccl::UniqueId::new().unwrap();
-        let comm = Communicator::new(0, &id, 0, 1).unwrap();
-        let stream = comm.context().new_stream().unwrap();
-        let mut reducer = GpuAllReducer::new(comm).unwrap();
+        let (mut reducer, stream) = one_rank_reducer();
         let x: Vec<f32> = (0..10_000).map(|i| (i as f32 * 0.37).sin() * 0.3).collect();
         let opts = GpuAllReduceOptions::new(1e-2);
         let raw = stream.cu_stream() as usize;

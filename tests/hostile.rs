@@ -1449,15 +1449,11 @@ fn an_inflated_size_past_the_memory_at_hand_is_an_error() {
     }
     // 8 MiB that zstd cannot shrink (stored as they are), announced as the largest plausible
     // body; a quantized header of 0 exceptions takes any body of 1 to 257 bytes per group.
-    let mut state = 0x9e37_79b9_7f4a_7c15u64;
-    let noise: Vec<u8> = (0..8 << 20)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state as u8
-        })
-        .collect();
+    let mut noise = vec![0u8; 8 << 20];
+    rand::RngCore::fill_bytes(
+        &mut <rand::rngs::StdRng as rand::SeedableRng>::seed_from_u64(7),
+        &mut noise,
+    );
     let stored = zst(&noise);
     let raw_len = 256 * stored.len() as u64 + (1 << 20);
     let n = 32 * raw_len;
