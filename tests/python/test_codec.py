@@ -295,6 +295,28 @@ def test_a_residual_that_shares_the_inputs_memory_is_refused():
     assert bytes(cfc.compress(buf[:100], eps=1e-3, residual=buf[100:])) == bytes(want)
 
 
+def test_a_residual_inside_a_strided_inputs_memory_is_refused():
+    """A strided input is read through a contiguous copy, so the native call never sees the
+    overlap; the residual's update would still rewrite the caller's input between its
+    elements. Refused from the memory the input's elements span, negative strides too."""
+    buf = torch.randn(300)
+    strided = (buf[:200:2], buf[:200].view(20, 10).t(), buf.numpy()[199::-2])
+    for x in strided:
+        n = x.size if isinstance(x, np.ndarray) else x.numel()
+        before = buf.clone()
+        pairs = [(x, buf[1:1 + n].numpy())]
+        if isinstance(x, torch.Tensor):
+            pairs += [(x, buf[1:1 + n]), (x.numpy(), buf[1:1 + n].numpy())]
+        for xx, rr in pairs:
+            with pytest.raises(ValueError, match="shares memory"):
+                cfc.compress(xx, eps=1e-3, residual=rr)
+        assert torch.equal(buf, before)
+    # past the last element there is no overlap
+    x = buf[:199:2]
+    want = cfc.compress(x.clone(), eps=1e-3, residual=buf[199:299].clone())
+    assert bytes(cfc.compress(x, eps=1e-3, residual=buf[199:299])) == bytes(want)
+
+
 @pytest.mark.parametrize("make", [
     lambda: torch.randn(4, 4).to_sparse(),
     lambda: torch.randn(4, 4).to_sparse_csr(),

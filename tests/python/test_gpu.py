@@ -300,6 +300,10 @@ def test_gpu_zstd_path_checks_as_the_others_do():
     for zstd in (False, True):
         with pytest.raises(ValueError, match="shares memory"):
             cfc.compress(buf[:1000], eps=1e-3, residual=buf[500:1500], zstd=zstd)
+        before = buf.clone()
+        with pytest.raises(ValueError, match="shares memory"):  # a strided input's span
+            cfc.compress(buf[:2000:2], eps=1e-3, residual=buf[1:1001], zstd=zstd)
+        assert torch.equal(buf, before)
 
 
 def test_gpu_numpy_residual_for_a_cuda_tensor_is_refused():

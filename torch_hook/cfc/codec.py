@@ -560,6 +560,24 @@ def _check_apart(x_addr: int, x_nbytes: int, r_addr: int, r_nbytes: int) -> None
         raise ValueError("residual shares memory with the tensor: give it memory of its own")
 
 
+def _span(x) -> Tuple[int, int]:
+    """(first byte, length) of the memory a tensor's or array's elements lie in, strided or
+    not: a residual must stay out of it even where the codec reads a contiguous copy of x,
+    or the residual's update would rewrite the caller's input."""
+    if isinstance(x, np.ndarray):
+        if not x.size:
+            return 0, 0
+        utils = getattr(np.lib, "array_utils", np)  # numpy 2 moved it; numpy 1 has np.byte_bounds
+        lo, hi = utils.byte_bounds(x)
+        return lo, hi - lo
+    if not x.numel():
+        return 0, 0
+    size = x.element_size()
+    low = sum((n - 1) * st for n, st in zip(x.shape, x.stride()) if st < 0)
+    high = sum((n - 1) * st for n, st in zip(x.shape, x.stride()) if st > 0)
+    return x.data_ptr() + low * size, (high - low + 1) * size
+
+
 def _check_residual(residual, x) -> None:
     """A residual must be a contiguous float32 tensor/array of x's size, where x lives."""
     torch = _torch()
@@ -598,7 +616,7 @@ def _compress_cuda(t, name: str, shape, eps, rel, bits, residual=None) -> CudaCo
     dev = t.device
     n = t.numel()
     if residual is not None:
-        _check_apart(t.data_ptr(), n * t.element_size(), residual.data_ptr(), 4 * residual.numel())
+        _check_apart(*_span(t), residual.data_ptr(), 4 * residual.numel())
     cap = _native.cuda_compress_capacity(n, name, len(shape), eps=eps, rel=rel, bits=bits)
     out = torch.empty(cap, dtype=torch.uint8, device=dev)
     ws = torch.empty(_native.cuda_workspace_len(n, compress=True, feedback=residual is not None),
@@ -758,11 +776,13 @@ def compress(
     ):
         if residual is not None:
             _check_residual(residual, x)
+            _check_apart(*_span(x), residual.data_ptr(), 4 * residual.numel())
         return _compress_cuda(x, _dtype_name(x.dtype), tuple(x.shape), eps, rel, bits, residual)
-    if (residual is not None and torch is not None and isinstance(x, torch.Tensor)
-            and isinstance(residual, torch.Tensor) and residual.device == x.device and x.is_contiguous()):
-        # (here too where both go through host copies, as the other paths refuse it)
-        _check_apart(x.data_ptr(), x.numel() * x.element_size(), residual.data_ptr(), 4 * residual.numel())
+    if residual is not None and torch is not None and isinstance(x, torch.Tensor) \
+            and isinstance(residual, torch.Tensor) and residual.device == x.device:
+        # (here too where both go through host copies, as the other paths refuse it; and for
+        # a strided x, whose contiguous copy alone the native call would see)
+        _check_apart(*_span(x), residual.data_ptr(), 4 * residual.numel())
     data, name, shape = _tensor_bytes(x)
     r = None
     host_residual = None  # a CUDA residual's copy, for a CUDA x that the CPU codec compresses
@@ -778,6 +798,8 @@ def compress(
         else:
             r = residual.reshape(-1).view(np.uint8)
         _check_apart(_addr(data), data.nbytes, _addr(r), r.nbytes)
+        if host_residual is None and (isinstance(x, np.ndarray) or x.device.type == "cpu"):
+            _check_apart(*_span(x), _addr(r), r.nbytes)  # a strided x: `data` is its copy
     # `data` and `r` stay referenced until the call returns, so their memory stays valid.
     frame = _native.compress(
         _addr(data),
