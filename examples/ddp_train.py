@@ -164,6 +164,7 @@ def train(hook: str, data: torch.Tensor, heldout: torch.Tensor, dev: torch.devic
     gen = torch.Generator().manual_seed(args.seed * 1000 + rank)  # the same batches for every hook
     every = args.eval_every or max(1, args.steps // 10)
     losses, evals, tokens, t0 = [], [], 0, time.perf_counter()
+    scoring = 0.0  # seconds of held-out scoring, left out of the training throughput
     for step in range(args.steps):
         chunk = batch(data, gen, args).to(dev, non_blocking=True)
         x, y = chunk[:, :-1], chunk[:, 1:]
@@ -181,11 +182,13 @@ def train(hook: str, data: torch.Tensor, heldout: torch.Tensor, dev: torch.devic
         dist.all_reduce(mean)
         losses.append(mean.item() / world)
         if args.eval_batches and ((step + 1) % every == 0 or step == args.steps - 1):
+            t_eval = time.perf_counter()
             evals.append((step + 1, held_out_loss(model, heldout, dev, args)))
+            scoring += time.perf_counter() - t_eval
         if rank == 0 and (step % 5 == 4 or step == args.steps - 1):
-            rate = tokens / (time.perf_counter() - t0)
+            rate = tokens / (time.perf_counter() - t0 - scoring)
             bar(step + 1, args.steps, f"{hook}: loss {losses[-1]:.3f}, {rate / 1e3:.1f}k tok/s")
-    seconds = time.perf_counter() - t0  # includes the held-out scoring
+    seconds = time.perf_counter() - t0 - scoring  # training steps only
     if args.save is not None and rank == 0:
         # The trained weights, for examples/compress_model.py (the last hook's model wins).
         args.save.parent.mkdir(parents=True, exist_ok=True)
