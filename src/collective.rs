@@ -19,6 +19,12 @@
 //! still takes part in that agreement round, with its error in place of its options, so its
 //! peers get [`Error::PeerRefused`] rather than waiting for it (and it returns its error once
 //! the round is over, or has failed); a peer that stops answering becomes [`Error::Timeout`].
+//! A call that fails on one rank after the agreement (a malformed frame from a peer, memory
+//! running out) still takes part in the rounds that follow, with a failure in place of its
+//! frame, so that its peers get [`Error::PeerFailed`] at once rather than waiting for a round
+//! it would not join, or keeping a step it did not. Only a failure in the last decode, after
+//! every round, stays that rank's alone (every rank decodes the same bytes there, so only
+//! memory running out on one rank can make it).
 
 use crate::codec::{compress, decompress, Bound, CompressOptions};
 use crate::element::Element;
@@ -151,6 +157,38 @@ fn refusal(reason: &str) -> Vec<u8> {
         d.push(b'.');
     }
     d
+}
+
+/// Starts what a rank sends in a data round in place of its frame when the call failed on it
+/// after the agreement round, followed by the rank where the failure began (8 bytes, little
+/// endian) and its error message. A frame starts with the format's magic, never with this.
+const FAILURE: &[u8] = b"cfc: failed: ";
+
+/// What a rank sends for a failure that began on rank `origin` with `reason`.
+fn failure(origin: usize, reason: &str) -> Vec<u8> {
+    let mut cut = reason.len().min(REFUSAL_MESSAGE_MAX);
+    while !reason.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    let mut d = FAILURE.to_vec();
+    d.extend_from_slice(&(origin as u64).to_le_bytes());
+    d.extend_from_slice(&reason.as_bytes()[..cut]);
+    d
+}
+
+/// The first failure among what the ranks sent, as (the rank where it began, its message).
+/// The rank came from a peer: one past the group is reported as the sender.
+fn first_failure(parts: &[Vec<u8>]) -> Option<(usize, String)> {
+    parts.iter().enumerate().find_map(|(sender, d)| {
+        let rest = d.strip_prefix(FAILURE)?;
+        let (origin, reason) = rest.split_at_checked(8)?;
+        let origin = u64::from_le_bytes(origin.try_into().ok()?);
+        let origin = usize::try_from(origin)
+            .ok()
+            .filter(|&o| o < parts.len())
+            .unwrap_or(sender);
+        Some((origin, String::from_utf8_lossy(reason).into_owned()))
+    })
 }
 
 /// The message of a peer's refusal, if `d` is one.
@@ -339,15 +377,15 @@ fn agreed<T: Element, X: Transport + ?Sized>(
         zstd_level: opts.zstd_level,
         threads: 0,
     };
-    let (mut out, sent) = match algorithm {
-        Algorithm::ReduceScatter => reduce_scatter(transport, data, residual, opts, &copts)?,
-        Algorithm::AllGather => all_gather(transport, data, residual, &copts)?,
-    };
-    if opts.average && world > 1 {
-        for v in &mut out {
-            *v = T::from_f32((v.to_f64() / world as f64) as f32);
+    // An average is divided as the sum is decoded, with one rounding to `T` (see
+    // `decode_summed`).
+    let divisor = if opts.average { world as f64 } else { 1.0 };
+    let (out, sent) = match algorithm {
+        Algorithm::ReduceScatter => {
+            reduce_scatter(transport, data, residual, opts, &copts, divisor)?
         }
-    }
+        Algorithm::AllGather => all_gather(transport, data, residual, &copts, divisor)?,
+    };
     let size = std::mem::size_of::<T>() as u64;
     let report = AllReduceReport {
         eps,
@@ -374,13 +412,56 @@ fn quantize<T: Element>(
     }
 }
 
-/// The exact sum of the codes of frames received from the ranks (each checked as it is read).
-fn sum_codes(frames: &[Vec<u8>]) -> Result<Codes> {
+/// The exact sum of the codes of frames received from the ranks (each checked as it is read),
+/// its exceptions divided by `divisor` (see [`decode_summed`]).
+fn sum_codes(frames: &[Vec<u8>], divisor: f64) -> Result<Codes> {
     let parts = frames
         .iter()
         .map(|f| Codes::from_frame(f))
         .collect::<Result<Vec<_>>>()?;
-    Codes::sum(&parts)
+    Codes::sum_dividing_exceptions(&parts, divisor)
+}
+
+/// Appends the values of a summed frame of [`sum_codes`] to `out`, its codes divided by
+/// `divisor` (the number of ranks for an average, else 1), and returns how many there were.
+/// Each code's value `code * step` and its quotient are taken in f64 and rounded as the decode
+/// rule rounds (to f32, then to `T`), and [`sum_codes`] divided the exceptions' totals before
+/// rounding them: so an average is rounded to `T` once, never its sum first (an fp16 sum past
+/// 65504 would be infinite, and a bf16 average over a world that is not a power of two would be
+/// rounded twice). Such a frame is only ever read here: its exceptions hold averages.
+fn decode_summed<T: Element>(frame: &[u8], divisor: f64, out: &mut Vec<T>) -> Result<u64> {
+    if divisor == 1.0 {
+        let (header, values) = decompress::<T>(frame)?;
+        out.extend(values);
+        return Ok(header.n);
+    }
+    let summed = Codes::from_frame(frame)?;
+    if summed.dtype != T::DTYPE {
+        return Err(Error::Incompatible {
+            what: "dtype",
+            left: T::DTYPE.name().into(),
+            right: summed.dtype.name().into(),
+        });
+    }
+    let start = out.len();
+    out.try_reserve(summed.codes.len())
+        .map_err(|_| Error::Allocation {
+            bytes: (summed.codes.len() as u64).saturating_mul(std::mem::size_of::<T>() as u64),
+        })?;
+    let step = summed.step;
+    out.extend(
+        summed
+            .codes
+            .iter()
+            .map(|&q| T::from_f32((q as f64 * step / divisor) as f32)),
+    );
+    for &(i, bits) in &summed.exceptions {
+        // (`Codes::from_frame` checked every index against the element count)
+        if let Some(v) = out.get_mut(start + i as usize) {
+            *v = T::from_bits32(bits);
+        }
+    }
+    Ok(summed.codes.len() as u64)
 }
 
 /// Steps 3-5 of [`allreduce`] as a reduce-scatter of codes and an all-gather of the sums.
@@ -391,14 +472,24 @@ fn reduce_scatter<T: Element, X: Transport + ?Sized>(
     mut residual: Option<&mut [f32]>,
     opts: &AllReduceOptions,
     copts: &CompressOptions,
+    divisor: f64,
 ) -> Result<(Vec<T>, u64)> {
     let (world, rank, n) = (transport.world(), transport.rank(), data.len());
-    // 3. Quantize once, shard by shard, and send shard j to rank j.
+    // 3. Quantize once, shard by shard, and send shard j to rank j. From here on a failure
+    // on this rank is sent in place of what it owes, and returned once the rounds are over.
+    let mut failed_here: Option<Error> = None;
     let mut frames = Vec::with_capacity(world);
     for j in 0..world {
         let s = shard(n, world, j);
         let r = residual.as_deref_mut().map(|r| &mut r[s.clone()]);
-        frames.push(quantize(&data[s], r, copts)?);
+        match quantize(&data[s], r, copts) {
+            Ok(f) => frames.push(f),
+            Err(e) => {
+                frames = vec![failure(rank, &e.to_string()); world];
+                failed_here = Some(e);
+                break;
+            }
+        }
     }
     let mut sent: u64 = frames
         .iter()
@@ -407,23 +498,41 @@ fn reduce_scatter<T: Element, X: Transport + ?Sized>(
         .map(|(_, f)| f.len() as u64)
         .sum();
     let received = transport.all_to_all(frames)?;
-    // 4. Sum this rank's shard exactly, as integer codes, and repack it losslessly.
-    let summed = sum_codes(&received)?.to_frame(opts.zstd_level)?;
+    // 4. Sum this rank's shard exactly, as integer codes, and repack it losslessly (or pass
+    // on a failure: this rank's own, or the first a peer sent).
+    let summed = match (&failed_here, first_failure(&received)) {
+        (Some(e), _) => failure(rank, &e.to_string()),
+        (None, Some((origin, reason))) => failure(origin, &reason),
+        (None, None) => {
+            match sum_codes(&received, divisor).and_then(|c| c.to_frame(opts.zstd_level)) {
+                Ok(frame) => frame,
+                Err(e) => {
+                    let sent_instead = failure(rank, &e.to_string());
+                    failed_here = Some(e);
+                    sent_instead
+                }
+            }
+        }
+    };
     // 5. Everyone gathers every summed shard and decodes.
     let summed_len = summed.len() as u64;
     let shards = transport.all_gather(summed)?;
+    if let Some(e) = failed_here {
+        return Err(e);
+    }
+    if let Some((rank, reason)) = first_failure(&shards) {
+        return Err(Error::PeerFailed { rank, reason });
+    }
     sent += summed_len * (world as u64 - 1);
-    let mut out = Vec::with_capacity(n);
+    let mut out = crate::error::try_capacity(n)?;
     for (j, frame) in shards.iter().enumerate() {
-        let (header, values) = decompress::<T>(frame)?;
-        if header.n != shard(n, world, j).len() as u64 {
+        let got = decode_summed(frame, divisor, &mut out)?;
+        if got != shard(n, world, j).len() as u64 {
             return Err(Error::Transport(format!(
-                "rank {j} returned {} elements for its shard of {}",
-                header.n,
+                "rank {j} returned {got} elements for its shard of {}",
                 shard(n, world, j).len()
             )));
         }
-        out.extend(values);
     }
     Ok((out, sent))
 }
@@ -435,17 +544,29 @@ fn all_gather<T: Element, X: Transport + ?Sized>(
     data: &[T],
     residual: Option<&mut [f32]>,
     copts: &CompressOptions,
+    divisor: f64,
 ) -> Result<(Vec<T>, u64)> {
-    let (world, n) = (transport.world(), data.len());
-    let frame = quantize(data, residual, copts)?;
+    let (world, rank, n) = (transport.world(), transport.rank(), data.len());
+    // A failure to quantize is sent in place of the frame, so that no peer keeps the step.
+    let (frame, failed_here) = match quantize(data, residual, copts) {
+        Ok(frame) => (frame, None),
+        Err(e) => (failure(rank, &e.to_string()), Some(e)),
+    };
     let sent = frame.len() as u64 * (world as u64 - 1);
     let frames = transport.all_gather(frame)?;
-    let summed = sum_codes(&frames)?.to_frame(None)?;
-    let (header, values) = decompress::<T>(&summed)?;
-    if header.n != n as u64 {
+    if let Some(e) = failed_here {
+        return Err(e);
+    }
+    if let Some((rank, reason)) = first_failure(&frames) {
+        return Err(Error::PeerFailed { rank, reason });
+    }
+    // (every rank sums the same frames: a bad one fails every rank alike)
+    let summed = sum_codes(&frames, divisor)?.to_frame(None)?;
+    let mut values = crate::error::try_capacity(n)?;
+    let got = decode_summed(&summed, divisor, &mut values)?;
+    if got != n as u64 {
         return Err(Error::Transport(format!(
-            "the ranks' frames hold {} elements, this rank's buffer {n}",
-            header.n
+            "the ranks' frames hold {got} elements, this rank's buffer {n}"
         )));
     }
     Ok((values, sent))

@@ -95,6 +95,14 @@ pub enum Error {
         /// Its error, as it reported it.
         reason: String,
     },
+    /// A collective failed on a peer after every rank had agreed to run it (a malformed frame
+    /// it received, memory running out), and that peer told the others so in the next round.
+    PeerFailed {
+        /// The rank where the failure began.
+        rank: usize,
+        /// Its error, as it reported it.
+        reason: String,
+    },
     /// A peer did not answer in time.
     Timeout {
         /// The rank waited for.
@@ -239,6 +247,9 @@ impl fmt::Display for Error {
             }
             Error::PeerRefused { rank, reason } => {
                 write!(f, "rank {rank} refused its input: {reason}")
+            }
+            Error::PeerFailed { rank, reason } => {
+                write!(f, "the call failed on rank {rank}: {reason}")
             }
             Error::Timeout { peer, seconds } => {
                 write!(f, "rank {peer} did not answer within {seconds} s")

@@ -233,6 +233,14 @@ impl Codes {
     /// [`Error::Incompatible`] when dtype, shape or step differ; [`Error::InvalidCodes`] for
     /// an inconsistent part; [`Error::CodeOverflow`] if a sum leaves the 64-bit range.
     pub fn sum(parts: &[Codes]) -> Result<Codes> {
+        Codes::sum_dividing_exceptions(parts, 1.0)
+    }
+
+    /// [`Codes::sum`], with each exception's `f64` total divided by `divisor` before it is
+    /// rounded: the sums of an average, whose codes the reader divides as it decodes them in
+    /// `f64` (see `collective::decode_summed`), so that no value is rounded to the element type
+    /// before it is divided (an fp16 total past 65504 would be infinite there).
+    pub(crate) fn sum_dividing_exceptions(parts: &[Codes], divisor: f64) -> Result<Codes> {
         for p in parts {
             p.check()?;
         }
@@ -293,6 +301,7 @@ impl Codes {
                 };
                 total += p.value(i as usize, bits);
             }
+            let total = total / divisor;
             let bits = match first.dtype {
                 DType::F32 => sum_bits::<f32>(total),
                 DType::BF16 => sum_bits::<bf16>(total),

@@ -5,7 +5,7 @@
 
 use cfc::collective::{allreduce, Algorithm, AllReduceOptions, InProcess, Transport};
 use cfc::{Bound, Error};
-use half::bf16;
+use half::{bf16, f16};
 use rand::{Rng, SeedableRng};
 use std::time::Duration;
 
@@ -325,6 +325,135 @@ fn bf16_buffers_reduce_too() {
         let exact = bf16::from_f32(a[i]).to_f64() + bf16::from_f32(b[i]).to_f64();
         let slack = exact.abs() * 2f64.powi(-8); // bf16's final rounding
         assert!((y[i].to_f64() - exact).abs() <= report.bound + slack);
+    }
+}
+
+#[test]
+fn an_average_is_rounded_to_the_element_type_once() {
+    // fp16: 40000 on each rank sums past 65504; the average must not go through that sum.
+    for world in [2, 3, 5] {
+        for algorithm in BOTH {
+            let o = AllReduceOptions {
+                algorithm: Some(algorithm),
+                ..opts(Bound::Abs(1e-3), true)
+            };
+            let results = run(world, Duration::from_secs(10), |t| {
+                allreduce(t, &[f16::from_f32(40000.0); 300], None, &o)
+                    .expect("allreduce")
+                    .0
+            });
+            for y in results {
+                assert!(
+                    y.iter().all(|v| v.to_f32() == 40000.0),
+                    "world {world} {algorithm:?}: {:?}",
+                    &y[..3]
+                );
+            }
+        }
+    }
+    // bf16 with large ulps, worlds that are not powers of two: within eps of the exact average
+    // plus one rounding to bf16 (half an ulp) and the f32 step before it.
+    let n = 4000;
+    let input = |r: usize| -> Vec<bf16> {
+        data(r, 9, n)
+            .iter()
+            .map(|&v| bf16::from_f32(1.0 + 3000.0 * v.abs()))
+            .collect()
+    };
+    for world in [3, 5, 6, 7] {
+        for algorithm in BOTH {
+            let o = AllReduceOptions {
+                algorithm: Some(algorithm),
+                ..opts(Bound::Abs(1e-3), true)
+            };
+            let results = run(world, Duration::from_secs(10), |t| {
+                allreduce(t, &input(t.rank()), None, &o).expect("allreduce")
+            });
+            let inputs: Vec<Vec<bf16>> = (0..world).map(input).collect();
+            let (y, report) = &results[0];
+            for i in 0..n {
+                let exact = inputs.iter().map(|x| x[i].to_f64()).sum::<f64>() / world as f64;
+                let half_ulp = y[i].to_f64().abs() * 2f64.powi(-8);
+                let err = (y[i].to_f64() - exact).abs();
+                assert!(
+                    err <= report.bound + half_ulp * (1.0 + 2f64.powi(-15)),
+                    "world {world} {algorithm:?} element {i}: {} vs exact {exact}",
+                    y[i]
+                );
+            }
+        }
+    }
+}
+
+/// An in-process endpoint that truncates what it sends to one peer in one call.
+struct Truncating {
+    inner: InProcess,
+    call: usize,
+    at_call: usize,
+    to: usize,
+}
+
+impl Transport for Truncating {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    fn world(&self) -> usize {
+        self.inner.world()
+    }
+    fn all_to_all(&mut self, mut parts: Vec<Vec<u8>>) -> cfc::Result<Vec<Vec<u8>>> {
+        self.call += 1;
+        if self.call == self.at_call {
+            parts[self.to].truncate(20);
+        }
+        self.inner.all_to_all(parts)
+    }
+}
+
+#[test]
+fn a_failure_on_one_rank_mid_call_fails_every_rank_at_once() {
+    // Rank 0 sends rank 1 a broken shard (call 2: the frames). Rank 1 cannot sum its shard;
+    // its peers must hear so in the next round instead of waiting for the sum until the
+    // timeout, and no rank keeps the step.
+    let t0 = std::time::Instant::now();
+    let o = AllReduceOptions {
+        algorithm: Some(Algorithm::ReduceScatter),
+        ..opts(Bound::Abs(1e-4), true)
+    };
+    let endpoints = InProcess::group(3, Duration::from_secs(20));
+    let results: Vec<_> = std::thread::scope(|s| {
+        let handles: Vec<_> = endpoints
+            .into_iter()
+            .map(|inner| {
+                let o = &o;
+                s.spawn(move || {
+                    let rank = inner.rank();
+                    let at_call = if rank == 0 { 2 } else { 0 };
+                    let mut t = Truncating {
+                        inner,
+                        call: 0,
+                        at_call,
+                        to: 1,
+                    };
+                    let x = data(rank, 0, 5000);
+                    let mut residual = vec![1e-5f32; 5000];
+                    let r = allreduce(&mut t, &x, Some(&mut residual), o).map(|_| ());
+                    (r, residual.iter().all(|&v| v == 1e-5))
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+    for (rank, (r, kept)) in results.iter().enumerate() {
+        assert!(kept, "rank {rank} changed its residual");
+        if rank == 1 {
+            assert!(matches!(r, Err(Error::Format(_))), "{r:?}");
+        } else {
+            assert!(
+                matches!(r, Err(Error::PeerFailed { rank: 1, reason }) if reason.contains("malformed")),
+                "rank {rank}: {r:?}"
+            );
+        }
     }
 }
 

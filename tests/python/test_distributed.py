@@ -1,5 +1,6 @@
 """cfc.distributed.all_reduce across real processes (torch.distributed, gloo, CPU)."""
 
+import time
 from datetime import timedelta
 
 import pytest
@@ -78,11 +79,38 @@ def _worker(rank, world, init_file, scenario):
             # and the ranks go on together
             y, _ = cfc.distributed.all_reduce(data(rank, 2), eps=1e-5)
             assert (y.double() - sum(data(r, 2).double() for r in range(world))).abs().max() <= world * 1e-5 * 1.01
+        elif scenario == "midcall":
+            # Rank 0 cuts short the shard it sends rank 1 (as if corrupted on the way). Rank 1
+            # cannot sum it; its peers hear so in the next round and raise at once (they used
+            # to wait for rank 1's sum until the group's timeout), no rank keeps the step, and
+            # the ranks go on together.
+            send = cfc.distributed.TorchTransport.all_to_all
+            calls = []
+
+            def cut(self, parts):
+                calls.append(1)
+                if rank == 0 and len(calls) == 2:  # 1: the agreement, 2: the shards
+                    parts = list(parts)
+                    parts[1] = parts[1][:20]
+                return send(self, parts)
+
+            cfc.distributed.TorchTransport.all_to_all = cut
+            try:
+                residual = torch.full((5000,), 1e-6)
+                t0 = time.monotonic()
+                with pytest.raises(cfc.CfcError, match="malformed" if rank == 1 else "failed on rank 1"):
+                    cfc.distributed.all_reduce(data(rank, 0), eps=1e-5, residual=residual)
+                assert time.monotonic() - t0 < 20
+                assert torch.equal(residual, torch.full((5000,), 1e-6))
+            finally:
+                cfc.distributed.TorchTransport.all_to_all = send
+            y, _ = cfc.distributed.all_reduce(data(rank, 2), eps=1e-5)
+            assert (y.double() - sum(data(r, 2).double() for r in range(world))).abs().max() <= world * 1e-5 * 1.01
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("scenario", ["sum", "feedback", "mismatch"])
+@pytest.mark.parametrize("scenario", ["sum", "feedback", "mismatch", "midcall"])
 @pytest.mark.parametrize("world", [2, 3])
 def test_all_reduce_over_gloo(tmp_path, scenario, world):
     mp.spawn(_worker, args=(world, str(tmp_path / "init"), scenario), nprocs=world, join=True)
@@ -119,6 +147,19 @@ def test_a_call_that_fails_leaves_the_residual_as_it_was():
     y, _ = cfc.distributed.all_reduce(x, eps=1e-4, residual=r, transport=_Loopback())
     assert not torch.equal(r, torch.full((5000,), 1e-6))  # one that succeeds does write it
     assert (y.double() - x.double()).abs().max() <= 1e-4 + 1e-6  # within eps of x + residual
+
+
+def test_a_residual_that_shares_the_tensors_memory_is_refused():
+    """The residual is written while the tensor is read: memory both hold (the tensor's own,
+    or one inside a strided tensor's span) is refused before anything moves."""
+    buf = data(0, 0, 300)
+    before = buf.clone()
+    for x, r in ((buf[:100], buf[:100]), (buf[:200:2], buf[1:101])):
+        t = _Loopback()
+        with pytest.raises(ValueError, match="shares memory"):
+            cfc.distributed.all_reduce(x, eps=1e-4, residual=r, transport=t)
+        assert t.calls == 1  # the refusal, in the agreement round
+        assert torch.equal(buf, before)
 
 
 def test_a_transport_of_an_impossible_world_is_refused():

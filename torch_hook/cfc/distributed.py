@@ -24,7 +24,10 @@ import math
 from typing import Any, Dict, List, Optional, Tuple
 
 from cfc import _native
-from cfc.codec import _addr, _check_flag, _dtype_name, _check_number, _check_residual, _flat_view, _tensor_bytes
+from cfc.codec import (
+    _addr, _check_apart, _check_flag, _check_number, _check_residual, _dtype_name, _flat_view, _span,
+    _tensor_bytes,
+)
 
 __all__ = ["AllReducer", "NcclAllReducer", "Pending", "TorchTransport", "all_reduce"]
 
@@ -97,7 +100,9 @@ def all_reduce(
     ``cfc.CfcError`` (no rank hangs on the others). A rank whose own input is refused (a wrong
     dtype, device, bound or residual) raises that error once it has told the others, in the
     round where they compare options (it waits for them there, as a call would), and they
-    raise ``cfc.CfcError``. A call that fails leaves the residual as it was.
+    raise ``cfc.CfcError``. A call that fails on one rank after that round (a malformed frame
+    from a peer) fails on every rank, at once: the failing rank tells the others in the next
+    round. A call that fails leaves the residual as it was.
 
     Args:
         tensor: a CPU float32, bfloat16 or float16 tensor.
@@ -115,7 +120,9 @@ def all_reduce(
 
     Returns:
         (tensor, dict): the result, same shape and dtype; and ``eps``, ``bound`` (on
-        ``|result - exact|``), ``bytes_sent``, ``bytes_uncompressed`` (a ring all-reduce's).
+        ``|result - exact|``, besides the one rounding of the result to the tensor's dtype: an
+        average is divided before it is rounded), ``bytes_sent``, ``bytes_uncompressed`` (a
+        ring all-reduce's).
     """
     import torch
 
@@ -139,6 +146,7 @@ def all_reduce(
                 raise TypeError(f"residual must be a float32 CPU tensor, got {type(residual).__name__}")
             _check_residual(residual, tensor)
             r = _flat_view(residual.detach()).view(torch.uint8).numpy()
+            _check_apart(*_span(tensor), _addr(r), r.nbytes)  # updated while the tensor is read
     except Exception as e:
         # The peers are on their way to the agreement round: refuse there, so that they raise
         # now (cfc.CfcError, "rank R refused its input") rather than wait for this rank.
@@ -329,8 +337,10 @@ class AllReducer:
                 # The previous call's chunks finish first: this call reads what they leave
                 # behind (residuals to send along, the trial's times), and every rank must
                 # read the same.
+                # (a call already waited for is done, or raised its error to the caller once)
                 pending, self._pending = self._pending, None
-                pending.wait()
+                if not pending._waited:
+                    pending.wait()
             self._check(tensor, refused is not None)
         if refused is not None:
             try:
