@@ -42,13 +42,16 @@ fn a_small_run_prints_every_method_and_writes_json() {
     std::fs::remove_file(&json).ok();
     assert_eq!(text.matches("\"method\"").count(), 6, "{text}");
     // every compressed row reports its error, and it is within the bound
+    let mut numbers = 0;
     for part in text.split("\"max_err_over_eps\": ").skip(1) {
         let value = part.split('}').next().unwrap().trim();
         if value != "null" {
             let e: f64 = value.parse().expect("a number");
             assert!((0.0..=1.0 + 1e-9).contains(&e), "error over eps {e}");
+            numbers += 1;
         }
     }
+    assert!(numbers > 0, "no row reports its error: {text}");
 }
 
 #[test]

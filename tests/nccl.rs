@@ -2,7 +2,7 @@
 //! all-reduce.
 //!
 //! The tests that need two GPUs and NCCL return early (printing why) where there are none,
-//! unless `CFC_REQUIRE_GPU=1` is set, as on the GPU machine (`scripts/gpu_rust_tests.sh`):
+//! unless `CFC_REQUIRE_GPU=1` is set, as on the GPU machine (`scripts/gpu_rust.sh`):
 //! there a missing GPU or NCCL fails them instead of skipping them.
 #![cfg(feature = "cuda")]
 

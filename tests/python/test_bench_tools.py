@@ -213,7 +213,16 @@ def test_thread_waits_samples_a_child_waiting_on_a_lock_and_sleeping():
             "threading.Thread(target=e.wait, daemon=True).start(); time.sleep(30)  # cfc-thread-waits-test")
     child = subprocess.Popen([sys.executable, "-c", code])
     try:
-        time.sleep(1.0)
+        deadline = time.monotonic() + 20
+        while len(os.listdir(f"/proc/{child.pid}/task")) < 2:  # its waiting thread has started
+            assert time.monotonic() < deadline and child.poll() is None, "the child did not start"
+            time.sleep(0.05)
+        time.sleep(0.2)  # (the thread reaches its wait)
+        try:  # a machine may forbid reading another process's system calls: then nothing to test
+            with open(f"/proc/{child.pid}/task/{child.pid}/syscall") as f:
+                f.read()
+        except PermissionError:
+            pytest.skip("this machine does not let a process read its child's system calls")
         found = thread_waits.sample("cfc-thread-waits-test", 0.3, 0.01, callers=4)
         try:  # (opening checks that this process may read the child's memory)
             os.close(os.open(f"/proc/{child.pid}/mem", os.O_RDONLY))
@@ -223,8 +232,6 @@ def test_thread_waits_samples_a_child_waiting_on_a_lock_and_sleeping():
     finally:
         child.kill()
         child.wait()
-    if not found:
-        pytest.skip("this machine does not let a process read its child's system calls")
     assert {pid for pid, _ in found} == {str(child.pid)}
     waits = [k for _, c, _ in found.values() for k in c]
     futex = [k for k in waits if k.startswith("futex in ")]

@@ -581,7 +581,7 @@ def slots(rank, world, out):
 
 def trial_timing(rank, world, out):
     """fallback="auto" times each bucket's exchange alone: a rank that reaches its buckets
-    late (rank 1 sleeps 0.3 s before each one during the trial) does not lengthen the other
+    late (rank 1 sleeps 1 s before each one during the trial) does not lengthen the other
     ranks' times, whichever kind of exchange the step tries. (The fastest sample of each kind
     decides; the first compressed one also pays one-off costs such as compiling kernels.)"""
     import time
@@ -598,14 +598,14 @@ def trial_timing(rank, world, out):
 
     def late_hook(st, bucket):
         if rank == 1 and st._phase() == "trial":
-            time.sleep(0.3)
+            time.sleep(1.0)
         return cfc_hook(st, bucket)
 
     ddp, opt = make()
     ddp.register_comm_hook(state, late_hook)
     train(ddp, opt, rank, 6)
     assert times and all(len(v) == 2 for v in times.values()), times
-    assert max(min(v) for v in times.values()) < 0.15, times
+    assert max(min(v) for v in times.values()) < 0.5, times  # (half the sleep: room for a slow machine)
 
 
 def reduce_scatter(rank, world, out):

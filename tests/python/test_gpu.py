@@ -88,10 +88,11 @@ def test_gpu_compress_returns_before_the_gpu_finishes():
 
 def test_gpu_hostile_frames_rejected_before_the_gpu_reads_them():
     frame = bytearray(bytes(cfc.compress(torch.randn(5000), eps=1e-3)))
-    frame[64] = 200  # first width byte: far over 64
-    with pytest.raises(cfc.FormatError):
+    assert frame[72] <= 64  # a 1-D header is 72 bytes: the first group's width byte follows
+    frame[72] = 200  # far over 64
+    with pytest.raises(cfc.FormatError, match="bit width 200"):
         cfc.decompress(bytes(frame), device="cuda")
-    with pytest.raises(cfc.FormatError):
+    with pytest.raises(cfc.FormatError, match="body is 28 bytes"):
         cfc.decompress(bytes(frame)[:100], device="cuda")
 
 
