@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 
 import cfc
+from compress_model import tensors_of  # (examples/, beside this script)
 
 HERE = pathlib.Path(__file__).resolve().parent
 DEFAULT_GRADS = HERE.parent.parent / "shared" / "data" / "grads"
@@ -40,8 +41,10 @@ def gradient_table(folder: pathlib.Path) -> None:
         print(f"(no .npy gradient vectors in {folder}; skipping)")
         return
     grads = [torch.from_numpy(np.load(f)) for f in files]
-    total = sum(g.numel() * 4 for g in grads)
-    print(f"\nReal gradient vectors: {len(files)} x 2M float32 ({total / 1e6:.0f} MB) from {folder}")
+    total = sum(g.numel() * g.element_size() for g in grads)
+    kinds = ", ".join(sorted({str(g.dtype).replace("torch.", "") for g in grads}))
+    print(f"\nReal gradient vectors: {len(files)} of {kinds}, {sum(g.numel() for g in grads) / 1e6:.1f}M values "
+          f"({total / 1e6:.0f} MB) from {folder}")
     print(f"{'eps/RMS':>8} {'ratio':>7} {'+zstd':>7} {'max err/eps':>12} {'violations':>10} "
           f"{'compress GB/s':>14} {'decompress GB/s':>16}")
     for k in (0.3, 0.1, 0.01):
@@ -75,9 +78,12 @@ def language_model() -> nn.Module:
 
 
 def parameter_table(state: dict, eps: float) -> None:
-    tensors = {k: v for k, v in state.items()
-               if isinstance(v, torch.Tensor) and v.dtype in (torch.float32, torch.bfloat16, torch.float16)}
+    tensors = {k: v for k, v in tensors_of(state).items()
+               if v.dtype in (torch.float32, torch.bfloat16, torch.float16)}
     total = sum(v.numel() * v.element_size() for v in tensors.values())
+    if not total:
+        print("\nModel parameters: no float32/bf16/fp16 tensor with data in that file")
+        return
     print(f"\nModel parameters: {len(tensors)} tensors, {sum(v.numel() for v in tensors.values()) / 1e6:.1f}M "
           f"values, {total / 1e6:.0f} MB; bound eps = {eps:g}")
     for label, zstd in (("cfc", False), ("cfc + zstd", True)):

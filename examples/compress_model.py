@@ -25,6 +25,18 @@ HERE = pathlib.Path(__file__).resolve().parent
 TRAINED = HERE.parent / "bench-out" / "ddp_train" / "lm.pt"
 
 
+def tensors_of(obj, prefix: str = "") -> dict:
+    """The tensors of a loaded checkpoint, by dotted name: a state_dict, or a dict holding some
+    (e.g. ``{"model": ..., "opt": ...}``), walked through nested dicts and lists."""
+    if isinstance(obj, torch.Tensor):
+        return {prefix.rstrip("."): obj}
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, (list, tuple)) else ()
+    found = {}
+    for k, v in items:
+        found.update(tensors_of(v, f"{prefix}{k}."))
+    return found
+
+
 def fresh_lm() -> dict:
     """A 6-layer byte-level transformer LM (about 19M parameters), freshly initialised."""
     torch.manual_seed(0)
@@ -86,9 +98,16 @@ def main() -> None:
     else:
         state = fresh_lm()
         print("a freshly initialised 19M-parameter LM (train one with examples/ddp_train.py --save FILE)")
-    state = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+    state = tensors_of(state)
+    known = cfc.codec._DTYPE_NAMES + cfc.codec._LOSSLESS_ONLY
+    skipped = sorted({str(v.dtype).replace("torch.", "") for v in state.values()} - set(known))
+    state = {k: v for k, v in state.items() if str(v.dtype).replace("torch.", "") in known}
+    if skipped:
+        print(f"(left out: tensors of {', '.join(skipped)}, which cfc does not store)")
     ms = methods(args.eps)
     total = sum(v.numel() * v.element_size() for v in state.values())
+    if not total:
+        raise SystemExit("no tensor with data to compress in that file")
     sizes = {m: 0 for m, _ in ms}
     errs = {m: 0.0 for m, _ in ms}
     secs = {m: 0.0 for m, _ in ms}
@@ -105,7 +124,7 @@ def main() -> None:
             row.append((row[2] / max(size, 1), e))
         rows.append(row)
     print(f"\n{len(state)} tensors, {total / 1e6:.1f} MB. Ratio (max error) per method; "
-          f"the {args.top} largest tensors, then all:")
+          f"the {args.top} largest tensors, then the total:")
     head = f"{'tensor':<40} {'dtype':<9} {'MB':>7}" + "".join(f" {m:>20}" for m, _ in ms)
     print(head)
     for r in sorted(rows, key=lambda r: -r[2])[: args.top]:

@@ -197,6 +197,7 @@ def train(hook: str, data: torch.Tensor, heldout: torch.Tensor, dev: torch.devic
     if state is not None:
         s = state.stats()
         out["cfc"] = {k: s[k] for k in ("ratio", "bytes_sent", "bytes_uncompressed", "max_error", "eps", "compressed_buckets", "plain_buckets")}
+        state.close()  # its comm thread and NCCL communicator, before the next hook's run
     return out
 
 
@@ -262,14 +263,14 @@ def main() -> None:
         first = results[0]
         vs = "vs " + first["hook"]
         print(f"\n{'hook':<10} {'final loss':>10} {vs:>14} {'held-out':>10} {vs:>14} {'tok/s':>10} "
-              f"{'bytes/step':>12} {'fewer bytes':>12}")
+              f"{'bytes/step/rank':>15} {'fewer bytes':>12}")
         for r in results:
             line = (f"{r['hook']:<10} {r['final_loss']:>10.4f} {100 * (r['final_loss'] / first['final_loss'] - 1):>+13.2f}% "
                     f"{r['final_held_out']:>10.4f} {100 * (r['final_held_out'] / first['final_held_out'] - 1):>+13.2f}% "
                     f"{r['tokens_per_s']:>10.0f}")
             if "cfc" in r:
                 c = r["cfc"]
-                line += f" {c['bytes_sent'] / args.steps:>12.0f} {c['ratio']:>11.1f}x"
+                line += f" {c['bytes_sent'] / args.steps:>15.0f} {c['ratio']:>11.1f}x"
             print(line)
         if args.out is not None:
             args.out.mkdir(parents=True, exist_ok=True)

@@ -567,7 +567,7 @@ pub struct CompressArgs<'a> {
     pub device: usize,
     /// A `CUstream` of the device's primary context; all work is queued on it.
     pub stream: usize,
-    /// The elements (contiguous, `n * dtype.size()` bytes).
+    /// The elements (contiguous, `n * dtype.size()` bytes, aligned to the element size).
     pub input: u64,
     /// Element count.
     pub n: u64,
@@ -581,11 +581,12 @@ pub struct CompressArgs<'a> {
     pub out: u64,
     /// Its size.
     pub out_len: u64,
-    /// Workspace, at least [`compress_workspace_len`] bytes (`feedback`: a residual is given).
+    /// Workspace, 16-aligned, at least [`compress_workspace_len`] bytes (`feedback`: a
+    /// residual is given).
     pub workspace: u64,
     /// Its size.
     pub workspace_len: u64,
-    /// Error feedback: `n` float32 residuals updated in place (see
+    /// Error feedback: `n` float32 residuals (4-aligned) updated in place (see
     /// [`crate::compress_with_feedback`]), or 0 for none.
     pub residual: u64,
     /// Where the frame's size is also written (a u64, 8-aligned device memory), or 0 for
@@ -1132,15 +1133,20 @@ pub unsafe fn compress(args: &CompressArgs<'_>) -> Result<()> {
             got: args.workspace_len,
         });
     }
-    for (what, at) in [
-        ("frame size's", args.size_to),
-        ("running maximum's", args.max_error_to),
-        ("bound's", args.bound_at),
+    // A misaligned load or store would be a device fault, which ends the whole context: the
+    // u64 and f64 words need 8 bytes, the workspace 16 (its chunk table is stored as `uint4`),
+    // the residual its floats' 4 and the input its elements' size.
+    for (what, at, align) in [
+        ("frame size's", args.size_to, 8),
+        ("running maximum's", args.max_error_to, 8),
+        ("bound's", args.bound_at, 8),
+        ("workspace's", args.workspace, 16),
+        ("residual's", args.residual, 4),
+        ("input's", args.input, args.dtype.size() as u64),
     ] {
-        if at % 8 != 0 {
-            // A misaligned store would be a device fault, which ends the whole context.
+        if at % align != 0 {
             return Err(Error::Cuda(format!(
-                "compress: the {what} address {at:#x} is not 8-aligned"
+                "compress: the {what} address {at:#x} is not {align}-aligned"
             )));
         }
     }

@@ -65,10 +65,15 @@ pub fn rms(x: &[f32]) -> f64 {
     (x.iter().map(|&v| (v as f64) * (v as f64)).sum::<f64>() / x.len() as f64).sqrt()
 }
 
-/// The folder given as the first command-line argument, else `../shared/data/grads`.
+/// The folder given on the command line (`--grads DIR`, as the Python scripts take it, or
+/// `DIR` alone), else `../shared/data/grads`.
 pub fn grads_dir_from_args() -> PathBuf {
-    std::env::args()
-        .nth(1)
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let given = match args.first().map(String::as_str) {
+        Some("--grads") => args.get(1),
+        _ => args.first(),
+    };
+    given
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/data/grads"))
 }

@@ -445,6 +445,18 @@ def test_gpu_compress_reads_its_bound_from_memory_where_asked(dtype):
         with pytest.raises(Exception, match=why):
             _native.cuda_compress(0, stream, x.data_ptr(), n, name, [n], out.data_ptr(), cap, ws.data_ptr(), ws_len,
                                   bound_ptr=at, **kw)
+    # a workspace, residual or input off its alignment would fault on the device: refused
+    wide = torch.empty(ws_len + 16, dtype=torch.uint8, device="cuda")
+    rr = torch.zeros(n + 1, device="cuda")
+    xx = torch.zeros(n + 1, dtype=dtype, device="cuda")
+    for where, (xp, wp, rp) in {
+        "workspace's": (x.data_ptr(), wide.data_ptr() + 8, rr.data_ptr()),
+        "residual's": (x.data_ptr(), ws.data_ptr(), rr.data_ptr() + 2),
+        "input's": (xx.data_ptr() + 1, ws.data_ptr(), rr.data_ptr()),
+    }.items():
+        with pytest.raises(Exception, match=f"{where} address .* is not"):
+            _native.cuda_compress(0, stream, xp, n, name, [n], out.data_ptr(), cap, wp, ws_len, eps=1e-3,
+                                  residual_ptr=rp)
     torch.cuda.synchronize()
     assert not bool(out.any()), "nothing was queued"
 
@@ -493,12 +505,14 @@ def test_gpu_decoded_sum_reads_the_lengths_before_its_frames_where_asked():
         decode(12)
 
 
+@pytest.mark.parametrize("n", [(24 << 20) + 7, (40 << 20) + 3], ids=["24M", "40M"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("feedback", [False, True], ids=["plain", "feedback"])
-def test_gpu_large_input_matches_cpu(dtype, feedback):
+def test_gpu_large_input_matches_cpu(dtype, feedback, n):
     """Inputs large enough to fill the GPU take the encoder's other geometry (4 chunks per warp,
-    from about 17M values on an H200): the same bytes and residuals as the CPU reference."""
-    n = (24 << 20) + 7
+    from about 17M values on an H200): the same bytes and residuals as the CPU reference. From
+    32M values the final scans' runs outgrow one batch of loads per lane (more than 256 spans),
+    their other branch."""
     x = awkward(n, dtype, seed=3)
     bound = {"eps": 1e-3}
     r0 = torch.randn(n, generator=torch.Generator().manual_seed(5)) * 1e-3 if feedback else None

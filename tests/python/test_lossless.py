@@ -480,6 +480,15 @@ def test_compress_model_example_runs(tmp_path):
     assert "TOTAL" in out.stdout and "every bit back: True" in out.stdout
     for method in ("cfc lossless", "zstd -3", "bf16 cast"):
         assert method in out.stdout
+    # a checkpoint that holds its state_dict among other things (the README's recipe saves
+    # {"model": ..., "opt": ..., "cfc": ...}), with a dtype cfc does not store: its tensors by
+    # dotted name, the other left out with a note (it stopped at a division by zero)
+    torch.save({"model": sd, "cfc": {"step": 3}, "extra": [torch.zeros(3, dtype=torch.complex64)]}, f)
+    out = subprocess.run([sys.executable, str(example), "--state-dict", str(f), "--top", "3"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "left out: tensors of complex64" in out.stdout and "every bit back: True" in out.stdout
+    assert f"{len(sd)} tensors" in out.stdout and "model." in out.stdout
 
 
 @pytest.mark.gpu

@@ -117,8 +117,9 @@ class CfcState:
             (over all ranks on CPU; on GPU from the bucket's previous compressed step, so that
             nothing waits for it: over all ranks with the reduce-scatter, per rank with the
             all-gather). The default, ``rms=0.3``, when no bound
-            is given: about 12x fewer bytes on real LM gradients, and with error feedback the
-            loss follows plain all-reduce's.
+            is given: about 12x fewer bytes on the real LM gradient vectors compressed alone,
+            7-10x in DDP training with error feedback (the parity LM and the demo of the
+            README), where the loss follows plain all-reduce's.
         per_tensor: with ``rms``, bound each parameter's gradient by its own scale rather than
             the bucket's (only ``rms`` allows it). One bucket holds parameters whose gradients
             differ by 50x in RMS (an LM's output layer against its MLP weights); under one
@@ -126,9 +127,9 @@ class CfcState:
             bursts through error feedback, which inflates Adam's second moment for them and
             slows their training. Off by default: as built it costs host time on every bucket
             (1.5-1.6x the step time of the default over NCCL's socket transport, in
-            ``docs/perf-notes.md``), about 10% more bytes, and on four seeds of the parity LM it
-            did not train better on average. Each parameter's gradient is
-            divided by its scale before compression and multiplied by it after: the scale is
+            ``docs/perf-notes.md``), about 19% more bytes on the parity LM (6.3x fewer instead of
+            7.5x), and on four seeds of that LM it did not train better on average. Each
+            parameter's gradient is divided by its scale before compression and multiplied by it after: the scale is
             the RMS of that parameter's averaged gradient at the bucket's previous compressed
             step (the same bits on every rank, so no extra collective; at the first compressed
             step, 1), at least 1/100 of the bucket's. The bound ``rms x`` the RMS of the scaled
