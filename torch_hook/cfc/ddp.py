@@ -129,10 +129,10 @@ class CfcState:
             (1.5-1.6x the step time of the default over NCCL's socket transport, in
             ``docs/perf-notes.md``), about 19% more bytes on the parity LM (6.3x fewer instead of
             7.5x), and on four seeds of that LM it did not train better on average. Each
-            parameter's gradient is divided by its scale before compression and multiplied by it after: the scale is
-            the RMS of that parameter's averaged gradient at the bucket's previous compressed
-            step (the same bits on every rank, so no extra collective; at the first compressed
-            step, 1), at least 1/100 of the bucket's. The bound ``rms x`` the RMS of the scaled
+            parameter's gradient is divided by its scale before compression and multiplied by
+            it after: the scale is the RMS of that parameter's averaged gradient at the
+            bucket's previous compressed step (the same bits on every rank, so no extra
+            collective; at the first compressed step, 1), at least 1/100 of the bucket's. The bound ``rms x`` the RMS of the scaled
             bucket then holds per element in scaled units, so ``stats()``'s ``max_error`` and
             ``eps`` are in those units too. Residuals stay in gradient units.
         error_feedback: carry what quantization drops into the next step (per rank, per bucket).
