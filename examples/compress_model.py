@@ -29,7 +29,7 @@ def tensors_of(obj, prefix: str = "") -> dict:
     """The tensors of a loaded checkpoint, by dotted name: a state_dict, or a dict holding some
     (e.g. ``{"model": ..., "opt": ...}``), walked through nested dicts and lists."""
     if isinstance(obj, torch.Tensor):
-        return {prefix.rstrip("."): obj}
+        return {prefix.rstrip("."): obj} if obj.layout == torch.strided else {}  # (dense only)
     items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, (list, tuple)) else ()
     found = {}
     for k, v in items:

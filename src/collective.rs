@@ -22,9 +22,9 @@
 //! A call that fails on one rank after the agreement (a malformed frame from a peer, memory
 //! running out) still takes part in the rounds that follow, with a failure in place of its
 //! frame, so that its peers get [`Error::PeerFailed`] at once rather than waiting for a round
-//! it would not join, or keeping a step it did not. Only a failure in the last decode, after
-//! every round, stays that rank's alone (every rank decodes the same bytes there, so only
-//! memory running out on one rank can make it).
+//! it would not join. A last round of a few bytes, after every rank has decoded its result,
+//! says whether each succeeded: a frame damaged on its way to one rank fails every rank, and no
+//! rank keeps a step that another did not.
 
 use crate::codec::{compress, decompress, Bound, CompressOptions};
 use crate::element::Element;
@@ -290,6 +290,8 @@ fn shard(n: usize, world: usize, j: usize) -> std::ops::Range<usize> {
 /// # Errors
 /// [`Error::RankMismatch`] when ranks disagree on length, dtype or options, and
 /// [`Error::PeerRefused`] when a rank refused its input (on every rank);
+/// [`Error::PeerFailed`] on the others when the call failed on one rank after that (a frame
+/// damaged on its way to it, memory running out), which returns its own error;
 /// [`Error::InvalidBound`] for a bad bound; transport errors ([`Error::Timeout`],
 /// [`Error::Transport`]); [`Error::ShapeMismatch`] for a residual of the wrong length.
 pub fn allreduce<T: Element, X: Transport + ?Sized>(
@@ -524,17 +526,50 @@ fn reduce_scatter<T: Element, X: Transport + ?Sized>(
         return Err(Error::PeerFailed { rank, reason });
     }
     sent += summed_len * (world as u64 - 1);
-    let mut out = crate::error::try_capacity(n)?;
-    for (j, frame) in shards.iter().enumerate() {
-        let got = decode_summed(frame, divisor, &mut out)?;
-        if got != shard(n, world, j).len() as u64 {
-            return Err(Error::Transport(format!(
-                "rank {j} returned {got} elements for its shard of {}",
-                shard(n, world, j).len()
-            )));
+    let decoded = (|| {
+        let mut out = crate::error::try_capacity(n)?;
+        for (j, frame) in shards.iter().enumerate() {
+            let got = decode_summed(frame, divisor, &mut out)?;
+            if got != shard(n, world, j).len() as u64 {
+                return Err(Error::Transport(format!(
+                    "rank {j} returned {got} elements for its shard of {}",
+                    shard(n, world, j).len()
+                )));
+            }
         }
-    }
+        Ok(out)
+    })();
+    let out = all_decoded(transport, decoded)?;
     Ok((out, sent))
+}
+
+/// What a rank sends in the closing round when it decoded its result (never empty: a transport
+/// may not carry empty messages).
+const DECODED: &[u8] = b"ok";
+
+/// Step 6 of [`allreduce`], the closing round: every rank says whether it decoded its result
+/// ([`DECODED`], or a failure), so that all ranks succeed or fail together: a frame
+/// damaged on its way to one rank alone (each rank receives its own copy) fails every rank,
+/// and none keeps the step. Returns this rank's result, its own error, or
+/// [`Error::PeerFailed`].
+fn all_decoded<T, X: Transport + ?Sized>(transport: &mut X, decoded: Result<T>) -> Result<T> {
+    let rank = transport.rank();
+    let status = match &decoded {
+        Ok(_) => DECODED.to_vec(),
+        Err(e) => failure(rank, &e.to_string()),
+    };
+    let statuses = transport.all_gather(status)?;
+    let value = decoded?;
+    if let Some((rank, reason)) = first_failure(&statuses) {
+        return Err(Error::PeerFailed { rank, reason });
+    }
+    if let Some(j) = statuses.iter().position(|d| d != DECODED) {
+        return Err(Error::Transport(format!(
+            "rank {j} sent {} bytes for its status",
+            statuses[j].len()
+        )));
+    }
+    Ok(value)
 }
 
 /// Steps 3-5 of [`allreduce`] as an all-gather of whole frames, summed by every rank (in rank
@@ -560,15 +595,20 @@ fn all_gather<T: Element, X: Transport + ?Sized>(
     if let Some((rank, reason)) = first_failure(&frames) {
         return Err(Error::PeerFailed { rank, reason });
     }
-    // (every rank sums the same frames: a bad one fails every rank alike)
-    let summed = sum_codes(&frames, divisor)?.to_frame(None)?;
-    let mut values = crate::error::try_capacity(n)?;
-    let got = decode_summed(&summed, divisor, &mut values)?;
-    if got != n as u64 {
-        return Err(Error::Transport(format!(
-            "the ranks' frames hold {got} elements, this rank's buffer {n}"
-        )));
-    }
+    // (each rank received its own copy of the frames: one damaged on its way to one rank
+    // fails that rank alone, which the closing round tells the others)
+    let decoded = (|| {
+        let summed = sum_codes(&frames, divisor)?.to_frame(None)?;
+        let mut values = crate::error::try_capacity(n)?;
+        let got = decode_summed(&summed, divisor, &mut values)?;
+        if got != n as u64 {
+            return Err(Error::Transport(format!(
+                "the ranks' frames hold {got} elements, this rank's buffer {n}"
+            )));
+        }
+        Ok(values)
+    })();
+    let values = all_decoded(transport, decoded)?;
     Ok((values, sent))
 }
 

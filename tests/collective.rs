@@ -243,11 +243,12 @@ fn a_call_that_fails_leaves_the_residual_as_it_was() {
             algorithm: Some(algorithm),
             ..opts(Bound::Abs(1e-3), false)
         };
-        // Calls: 1 the agreement, 2 the frames, 3 (reduce-scatter) the summed shards.
+        // Calls: 1 the agreement, 2 the frames, 3 (reduce-scatter) the summed shards, and
+        // last the closing round.
         let rounds = if algorithm == Algorithm::ReduceScatter {
-            3
+            4
         } else {
-            2
+            3
         };
         for fail_at in 2..=rounds {
             let mut residual = vec![1e-4f32; 5000];
@@ -411,50 +412,60 @@ impl Transport for Truncating {
 
 #[test]
 fn a_failure_on_one_rank_mid_call_fails_every_rank_at_once() {
-    // Rank 0 sends rank 1 a broken shard (call 2: the frames). Rank 1 cannot sum its shard;
-    // its peers must hear so in the next round instead of waiting for the sum until the
-    // timeout, and no rank keeps the step.
+    // Rank 0 sends rank 1 a broken frame: with the reduce-scatter its shard (call 2), which
+    // rank 1 cannot sum, or the summed shard it owns (call 3), which rank 1 cannot decode;
+    // with the all-gather its frame (call 2). Rank 1's peers must hear so instead of waiting
+    // for it until the timeout, or keeping a step that rank 1 did not.
     let t0 = std::time::Instant::now();
-    let o = AllReduceOptions {
-        algorithm: Some(Algorithm::ReduceScatter),
-        ..opts(Bound::Abs(1e-4), true)
-    };
-    let endpoints = InProcess::group(3, Duration::from_secs(20));
-    let results: Vec<_> = std::thread::scope(|s| {
-        let handles: Vec<_> = endpoints
-            .into_iter()
-            .map(|inner| {
-                let o = &o;
-                s.spawn(move || {
-                    let rank = inner.rank();
-                    let at_call = if rank == 0 { 2 } else { 0 };
-                    let mut t = Truncating {
-                        inner,
-                        call: 0,
-                        at_call,
-                        to: 1,
-                    };
-                    let x = data(rank, 0, 5000);
-                    let mut residual = vec![1e-5f32; 5000];
-                    let r = allreduce(&mut t, &x, Some(&mut residual), o).map(|_| ());
-                    (r, residual.iter().all(|&v| v == 1e-5))
+    for (algorithm, at_call) in [
+        (Algorithm::ReduceScatter, 2),
+        (Algorithm::ReduceScatter, 3),
+        (Algorithm::AllGather, 2),
+    ] {
+        let o = AllReduceOptions {
+            algorithm: Some(algorithm),
+            ..opts(Bound::Abs(1e-4), true)
+        };
+        let endpoints = InProcess::group(3, Duration::from_secs(20));
+        let results: Vec<_> = std::thread::scope(|s| {
+            let handles: Vec<_> = endpoints
+                .into_iter()
+                .map(|inner| {
+                    let o = &o;
+                    s.spawn(move || {
+                        let rank = inner.rank();
+                        let mut t = Truncating {
+                            inner,
+                            call: 0,
+                            at_call: if rank == 0 { at_call } else { 0 },
+                            to: 1,
+                        };
+                        let x = data(rank, 0, 5000);
+                        let mut residual = vec![1e-5f32; 5000];
+                        let r = allreduce(&mut t, &x, Some(&mut residual), o).map(|_| ());
+                        // and the ranks go on together
+                        let next = allreduce(&mut t, &x, None, o).map(|_| ());
+                        (r, residual.iter().all(|&v| v == 1e-5), next)
+                    })
                 })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    });
-    assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
-    for (rank, (r, kept)) in results.iter().enumerate() {
-        assert!(kept, "rank {rank} changed its residual");
-        if rank == 1 {
-            assert!(matches!(r, Err(Error::Format(_))), "{r:?}");
-        } else {
-            assert!(
-                matches!(r, Err(Error::PeerFailed { rank: 1, reason }) if reason.contains("malformed")),
-                "rank {rank}: {r:?}"
-            );
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let case = format!("{algorithm:?}, call {at_call}");
+        for (rank, (r, kept, next)) in results.iter().enumerate() {
+            assert!(kept, "{case}: rank {rank} changed its residual");
+            assert!(next.is_ok(), "{case}: rank {rank}'s next call: {next:?}");
+            if rank == 1 {
+                assert!(matches!(r, Err(Error::Format(_))), "{case}: {r:?}");
+            } else {
+                assert!(
+                    matches!(r, Err(Error::PeerFailed { rank: 1, reason }) if reason.contains("malformed")),
+                    "{case}, rank {rank}: {r:?}"
+                );
+            }
         }
     }
+    assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
 }
 
 #[test]

@@ -70,7 +70,13 @@ pub fn rms(x: &[f32]) -> f64 {
 pub fn grads_dir_from_args() -> PathBuf {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let given = match args.first().map(String::as_str) {
-        Some("--grads") => args.get(1),
+        Some("--grads") => match args.get(1) {
+            Some(dir) => Some(dir),
+            None => {
+                eprintln!("--grads needs a folder");
+                std::process::exit(2);
+            }
+        },
         _ => args.first(),
     };
     given

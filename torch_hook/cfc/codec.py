@@ -561,9 +561,10 @@ def _check_apart(x_addr: int, x_nbytes: int, r_addr: int, r_nbytes: int) -> None
 
 
 def _span(x) -> Tuple[int, int]:
-    """(first byte, length) of the memory a tensor's or array's elements lie in, strided or
-    not: a residual must stay out of it even where the codec reads a contiguous copy of x,
-    or the residual's update would rewrite the caller's input."""
+    """(first byte, length) of the memory from a tensor's or array's first element to its last,
+    strided or not: a residual must stay out of it even where the codec reads a copy of x, or
+    the residual's update could rewrite the caller's input. (Conservative: for a strided x it
+    also covers the bytes between its elements.)"""
     if isinstance(x, np.ndarray):
         if not x.size:
             return 0, 0
@@ -748,6 +749,7 @@ def compress(
     zstd_level = _zstd_level(zstd)  # (checked before any branch: the same errors on every device)
     if torch is not None and isinstance(x, torch.Tensor):
         _check_dense(x, "compress")
+    caller_x = x  # (its memory is what a residual must stay out of)
     if torch is not None and isinstance(x, torch.Tensor) and x.is_neg():
         # A lazily negated view (the imaginary part of a conjugate): its memory holds -x, and
         # both codecs read memory.
@@ -776,13 +778,13 @@ def compress(
     ):
         if residual is not None:
             _check_residual(residual, x)
-            _check_apart(*_span(x), residual.data_ptr(), 4 * residual.numel())
+            _check_apart(*_span(caller_x), residual.data_ptr(), 4 * residual.numel())
         return _compress_cuda(x, _dtype_name(x.dtype), tuple(x.shape), eps, rel, bits, residual)
     if residual is not None and torch is not None and isinstance(x, torch.Tensor) \
             and isinstance(residual, torch.Tensor) and residual.device == x.device:
         # (here too where both go through host copies, as the other paths refuse it; and for
-        # a strided x, whose contiguous copy alone the native call would see)
-        _check_apart(*_span(x), residual.data_ptr(), 4 * residual.numel())
+        # a strided or negated x, whose copy alone the native call would see)
+        _check_apart(*_span(caller_x), residual.data_ptr(), 4 * residual.numel())
     data, name, shape = _tensor_bytes(x)
     r = None
     host_residual = None  # a CUDA residual's copy, for a CUDA x that the CPU codec compresses
@@ -799,7 +801,7 @@ def compress(
             r = residual.reshape(-1).view(np.uint8)
         _check_apart(_addr(data), data.nbytes, _addr(r), r.nbytes)
         if host_residual is None and (isinstance(x, np.ndarray) or x.device.type == "cpu"):
-            _check_apart(*_span(x), _addr(r), r.nbytes)  # a strided x: `data` is its copy
+            _check_apart(*_span(caller_x), _addr(r), r.nbytes)  # a strided x: `data` is its copy
     # `data` and `r` stay referenced until the call returns, so their memory stays valid.
     frame = _native.compress(
         _addr(data),

@@ -102,7 +102,8 @@ def all_reduce(
     round where they compare options (it waits for them there, as a call would), and they
     raise ``cfc.CfcError``. A call that fails on one rank after that round (a malformed frame
     from a peer) fails on every rank, at once: the failing rank tells the others in the next
-    round. A call that fails leaves the residual as it was.
+    round, or in a closing one after every rank has decoded its result. A call that fails
+    leaves the residual as it was.
 
     Args:
         tensor: a CPU float32, bfloat16 or float16 tensor.
