@@ -336,7 +336,7 @@ pub fn allreduce<T: Element, X: Transport + ?Sized>(
     }
 }
 
-/// Steps 2-5 of [`allreduce`], once every rank has agreed.
+/// Steps 2-6 of [`allreduce`], once every rank has agreed.
 fn agreed<T: Element, X: Transport + ?Sized>(
     transport: &mut X,
     data: &[T],
@@ -466,7 +466,7 @@ fn decode_summed<T: Element>(frame: &[u8], divisor: f64, out: &mut Vec<T>) -> Re
     Ok(summed.codes.len() as u64)
 }
 
-/// Steps 3-5 of [`allreduce`] as a reduce-scatter of codes and an all-gather of the sums.
+/// Steps 3-6 of [`allreduce`] as a reduce-scatter of codes and an all-gather of the sums.
 /// Returns the sum and the bytes this rank sent.
 fn reduce_scatter<T: Element, X: Transport + ?Sized>(
     transport: &mut X,
@@ -572,7 +572,7 @@ fn all_decoded<T, X: Transport + ?Sized>(transport: &mut X, decoded: Result<T>) 
     Ok(value)
 }
 
-/// Steps 3-5 of [`allreduce`] as an all-gather of whole frames, summed by every rank (in rank
+/// Steps 3-6 of [`allreduce`] as an all-gather of whole frames, summed by every rank (in rank
 /// order, exactly, as integer codes). Returns the sum and the bytes this rank sent.
 fn all_gather<T: Element, X: Transport + ?Sized>(
     transport: &mut X,
