@@ -147,12 +147,8 @@ const REFUSAL_MESSAGE_MAX: usize = 512;
 /// What a refusing rank sends: [`REFUSAL`], then `reason` (cut to a character boundary), never
 /// [`DESCRIPTOR_LEN`] bytes in all.
 fn refusal(reason: &str) -> Vec<u8> {
-    let mut cut = reason.len().min(REFUSAL_MESSAGE_MAX);
-    while !reason.is_char_boundary(cut) {
-        cut -= 1;
-    }
     let mut d = REFUSAL.to_vec();
-    d.extend_from_slice(&reason.as_bytes()[..cut]);
+    d.extend_from_slice(cut_message(reason).as_bytes());
     if d.len() == DESCRIPTOR_LEN {
         d.push(b'.');
     }
@@ -166,14 +162,20 @@ const FAILURE: &[u8] = b"cfc: failed: ";
 
 /// What a rank sends for a failure that began on rank `origin` with `reason`.
 fn failure(origin: usize, reason: &str) -> Vec<u8> {
+    let mut d = FAILURE.to_vec();
+    d.extend_from_slice(&(origin as u64).to_le_bytes());
+    d.extend_from_slice(cut_message(reason).as_bytes());
+    d
+}
+
+/// `reason`'s first [`REFUSAL_MESSAGE_MAX`] bytes at most, cut to a character boundary: what
+/// a refusal or a failure carries of an error message.
+fn cut_message(reason: &str) -> &str {
     let mut cut = reason.len().min(REFUSAL_MESSAGE_MAX);
     while !reason.is_char_boundary(cut) {
         cut -= 1;
     }
-    let mut d = FAILURE.to_vec();
-    d.extend_from_slice(&(origin as u64).to_le_bytes());
-    d.extend_from_slice(&reason.as_bytes()[..cut]);
-    d
+    &reason[..cut]
 }
 
 /// The first failure among what the ranks sent, as (the rank where it began, its message).
