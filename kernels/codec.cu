@@ -114,6 +114,67 @@ extern "C" __global__ void cfc_codec_sum_partials(const double* partials, u32 co
     if (copy) *copy = t;
 }
 
+// The statistics of a bucket for the engine's bounds: the sum of squares of the finite values
+// float32(x) + r, added exactly as sum_squares adds them (so the CPU reference gives the same
+// bits), and their largest magnitude; one pair of partials per block, [sum, max].
+template <class D>
+__device__ void stats(const typename D::T* x, u64 n, const float* residual, double* partials) {
+    __shared__ double warp_sum[32];
+    __shared__ double warp_max[32];
+    double s = 0.0, m = 0.0;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
+        float v = D::to_f32(x[i]);
+        if (residual) v += residual[i];
+        if (isfinite(v)) {
+            s += (double)v * (double)v;
+            m = fmax(m, (double)fabsf(v));
+        }
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+        s += __shfl_down_sync(CFC_FULL_MASK, s, o);
+        m = fmax(m, __shfl_down_sync(CFC_FULL_MASK, m, o));
+    }
+    if ((threadIdx.x & 31) == 0) {
+        warp_sum[threadIdx.x >> 5] = s;
+        warp_max[threadIdx.x >> 5] = m;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        double t = 0.0, mm = 0.0;
+        for (u32 w = 0; w < (blockDim.x + 31) / 32; ++w) {
+            t += warp_sum[w];
+            mm = fmax(mm, warp_max[w]);
+        }
+        partials[2 * blockIdx.x] = t;
+        partials[2 * blockIdx.x + 1] = mm;
+    }
+}
+
+#define STATS(name, D)                                                                             \
+    extern "C" __global__ void cfc_codec_stats_##name(const D::T* x, u64 n, const float* residual,  \
+                                                      double* partials) {                          \
+        stats<D>(x, n, residual, partials);                                                        \
+    }
+DEFINE_FOR_DTYPES(STATS)
+
+// The partials of stats added in block order (the sums) and folded (the maxima), written as
+// [sum, max] at out and again every `pitch` bytes, `copies` times (the head of every row a
+// bucket sends). One thread: there are at most a few hundred partials.
+extern "C" __global__ void cfc_codec_stats_total(const double* partials, u32 count, u8* out, u64 pitch,
+                                                 u32 copies) {
+    if (blockIdx.x != 0 || threadIdx.x != 0) return;
+    double t = 0.0, m = 0.0;
+    for (u32 b = 0; b < count; ++b) {
+        t += partials[2 * b];
+        m = fmax(m, partials[2 * b + 1]);
+    }
+    for (u32 c = 0; c < copies; ++c) {
+        double* o = (double*)(out + (u64)c * pitch);
+        o[0] = t;
+        o[1] = m;
+    }
+}
+
 // The largest finite |r| of float32 values raises *target (f64 bits; a maximum is the same in any
 // order): a running maximum that stays on the device across calls.
 extern "C" __global__ void cfc_codec_running_max_abs(const float* r, u64 n, u64* target) {

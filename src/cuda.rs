@@ -94,6 +94,8 @@ struct Kernels {
     sum_squares: CudaFunction,
     sum_partials: CudaFunction,
     running_max_abs: CudaFunction,
+    stats: CudaFunction,
+    stats_total: CudaFunction,
 }
 
 /// Restores the calling thread's current CUDA context when dropped. Binding a device's context
@@ -392,6 +394,8 @@ impl Device {
             sum_squares: self.function(c, "sum_squares", d)?,
             sum_partials: self.function(c, "sum_partials", None)?,
             running_max_abs: self.function(c, "running_max_abs", None)?,
+            stats: self.function(c, "stats", d)?,
+            stats_total: self.function(c, "stats_total", None)?,
         });
         self.kernels
             .lock()
@@ -2091,6 +2095,99 @@ pub unsafe fn sum_squares(args: &SumSquaresArgs) -> Result<()> {
         .map_err(driver_err)
 }
 
+/// Workspace bytes [`stats`] needs: a pair of partials per block.
+pub const STATS_WORKSPACE: u64 = 16 * SUM_SQUARES_BLOCKS;
+
+/// Arguments of [`stats`].
+#[derive(Debug, Clone, Copy)]
+pub struct StatsArgs {
+    /// Device ordinal.
+    pub device: usize,
+    /// A `CUstream` of the device's primary context; the work is queued on it.
+    pub stream: usize,
+    /// `n` elements of `dtype`, device memory.
+    pub data: u64,
+    /// Elements.
+    pub n: u64,
+    /// float32, bfloat16 or float16.
+    pub dtype: DType,
+    /// `n` float32 added to the elements first (error feedback's residual), or 0 for none.
+    pub residual: u64,
+    /// [`STATS_WORKSPACE`] bytes of device memory, 8-aligned.
+    pub workspace: u64,
+    /// Where the statistics go (16 bytes of device memory, 8-aligned), and again every `pitch`
+    /// bytes, `copies` times in all.
+    pub out: u64,
+    /// Bytes between copies (a multiple of 8).
+    pub pitch: u64,
+    /// Copies (at least 1).
+    pub copies: u32,
+}
+
+/// Queues the statistics of the engine's bounds: the sum of squares of the finite values
+/// `float32(data) + residual` (in f64, added in an order that depends on `n` only, as
+/// [`sum_squares`] adds them) and their largest magnitude, written as two f64 at `out` (and
+/// every `pitch` bytes after it, `copies` times).
+///
+/// # Safety
+/// Every address must be valid for the bytes [`StatsArgs`] describes, on `args.device`, until
+/// the queued work completes.
+///
+/// # Errors
+/// [`Error::NotQuantizable`] for a dtype other than float32, bfloat16 and float16; misaligned
+/// outputs; CUDA errors.
+pub unsafe fn stats(args: &StatsArgs) -> Result<()> {
+    if !args.dtype.is_quantizable() {
+        return Err(Error::NotQuantizable(args.dtype));
+    }
+    if args.out % 8 != 0 || args.pitch % 8 != 0 || args.copies == 0 {
+        return Err(Error::Cuda(format!(
+            "stats: outputs at {:#x} every {} bytes, {} times, are not aligned f64 pairs",
+            args.out, args.pitch, args.copies
+        )));
+    }
+    let _restore = ContextGuard::save()?;
+    let dev = device(args.device)?;
+    let stream = dev.stream(args.stream)?;
+    let k = dev.kernels(args.dtype)?;
+    let blocks = args.n.div_ceil(BLOCK as u64).clamp(1, SUM_SQUARES_BLOCKS);
+    let partial = [
+        Arg::Ptr(args.data),
+        Arg::U64(args.n),
+        Arg::Ptr(args.residual),
+        Arg::Ptr(args.workspace),
+    ];
+    // SAFETY: this function's contract; `launch` checks the arguments against the signature.
+    unsafe {
+        launch(
+            &stream,
+            &k.stats,
+            Family::Codec,
+            "stats",
+            launch_cfg(blocks * BLOCK as u64, BLOCK),
+            &partial,
+        )
+    }?;
+    let total = [
+        Arg::Ptr(args.workspace),
+        Arg::U32(blocks as u32),
+        Arg::Ptr(args.out),
+        Arg::U64(args.pitch),
+        Arg::U32(args.copies),
+    ];
+    // SAFETY: as above; `blocks` pairs of partials were written.
+    unsafe {
+        launch(
+            &stream,
+            &k.stats_total,
+            Family::Codec,
+            "stats_total",
+            launch_cfg(32, 32),
+            &total,
+        )
+    }
+}
+
 /// The address through which kernels of the thread's current context reach `addr`: itself for
 /// device memory, the mapped address for pinned host memory; None where kernels cannot reach it
 /// (pageable memory, pinned memory that is not mapped) or the driver does not say. A query:
@@ -2147,6 +2244,56 @@ pub unsafe fn running_max_abs(
             &args,
         )
     }
+}
+
+/// Queues `len` bytes copied from `src` to `dst` (device memory of the stream's device, or
+/// pinned host memory) on `stream`.
+///
+/// # Safety
+/// Both ranges valid until the copy completes; `stream` a live stream of the device's primary
+/// context, current on this thread.
+///
+/// # Errors
+/// CUDA errors.
+pub(crate) unsafe fn copy_async(stream: &CudaStream, dst: u64, src: u64, len: u64) -> Result<()> {
+    if len == 0 {
+        return Ok(());
+    }
+    // SAFETY: this function's contract.
+    unsafe { sys::cuMemcpyAsync(dst, src, len as usize, stream.cu_stream()) }
+        .result()
+        .map_err(driver_err)
+}
+
+/// Queues the writing of the u64 `word` at `dst` and every `pitch` bytes after it, `rows`
+/// times, on `stream` (two 2D memsets of its halves: two driver calls however many rows).
+///
+/// # Safety
+/// `dst` 4-aligned device memory valid for the rows until the memsets complete; `pitch` a
+/// multiple of 4 (at least 8 with more than one row); `stream` live, its context current.
+///
+/// # Errors
+/// CUDA errors.
+pub(crate) unsafe fn put_rows(
+    stream: &CudaStream,
+    dst: u64,
+    pitch: u64,
+    rows: u64,
+    word: u64,
+) -> Result<()> {
+    if rows == 0 {
+        return Ok(());
+    }
+    let pitch = pitch.max(8) as usize;
+    for (at, half) in [(0u64, word as u32), (4, (word >> 32) as u32)] {
+        // SAFETY: this function's contract: one u32 per row, `pitch` apart.
+        unsafe {
+            sys::cuMemsetD2D32Async(dst + at, pitch, half, 1, rows as usize, stream.cu_stream())
+        }
+        .result()
+        .map_err(driver_err)?;
+    }
+    Ok(())
 }
 
 /// Arguments of [`copy_rows`]: `rows` rows of `width` bytes, from `src` (rows `src_pitch` bytes

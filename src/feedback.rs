@@ -86,7 +86,7 @@ pub(crate) fn residual_f32(bytes: &mut [u8]) -> Result<&mut [f32]> {
 
 /// Step 1 of the rule: the compensated value `c` of `x` with residual `r`, and the value sent.
 #[inline]
-fn compensate<T: Element>(x: T, r: f32) -> (f32, T) {
+pub(crate) fn compensate<T: Element>(x: T, r: f32) -> (f32, T) {
     let xf = x.to_f64() as f32;
     if !x.is_finite() {
         (xf, x)

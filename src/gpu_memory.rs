@@ -108,6 +108,19 @@ impl PinnedBuffer {
         self.ptr as u64
     }
 
+    /// Its size in bytes.
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// A copy of its first `len` bytes (at most its size), as the device last wrote them (the
+    /// caller has waited for the copies that wrote them).
+    pub(crate) fn bytes(&self, len: usize) -> Vec<u8> {
+        let len = len.min(self.len);
+        // SAFETY: `len` bytes of this allocation, initialised (zeroed at allocation).
+        unsafe { std::slice::from_raw_parts(self.ptr, len) }.to_vec()
+    }
+
     /// The little-endian u64 at word `i`, as the device last wrote it (the caller has waited
     /// for the copy that wrote it).
     pub(crate) fn u64_at(&self, i: usize) -> u64 {

@@ -149,6 +149,13 @@ pub(crate) const SIGNATURES: &[(Family, &str, bool, &[Ty])] = &[
     (Family::Codec, "sum_squares", true, &[Ptr, U64, Ptr, Ptr]),
     (Family::Codec, "sum_partials", false, &[Ptr, U32, Ptr, Ptr]),
     (Family::Codec, "running_max_abs", false, &[Ptr, U64, Ptr]),
+    (Family::Codec, "stats", true, &[Ptr, U64, Ptr, Ptr]),
+    (
+        Family::Codec,
+        "stats_total",
+        false,
+        &[Ptr, U32, Ptr, U64, U32],
+    ),
     (Family::Lossless, "lengths", false, &[Ptr, U64, U64, Ptr]),
     (
         Family::Lossless,

@@ -26,6 +26,7 @@ pub mod collective;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 mod element;
+pub mod engine;
 mod error;
 mod feedback;
 pub mod format;

@@ -98,6 +98,15 @@ pub struct Library {
         RawComm,
         sys::CUstream,
     ) -> NcclResult,
+    reduce_scatter: unsafe extern "C" fn(
+        *const c_void,
+        *mut c_void,
+        usize,
+        c_int,
+        c_int,
+        RawComm,
+        sys::CUstream,
+    ) -> NcclResult,
     send: unsafe extern "C" fn(
         *const c_void,
         usize,
@@ -158,6 +167,7 @@ impl Library {
             comm_get_async_error: sym!("ncclCommGetAsyncError"),
             all_reduce: sym!("ncclAllReduce"),
             all_gather: sym!("ncclAllGather"),
+            reduce_scatter: sym!("ncclReduceScatter"),
             send: sym!("ncclSend"),
             recv: sym!("ncclRecv"),
             group_start: sym!("ncclGroupStart"),
@@ -344,6 +354,9 @@ pub struct Communicator {
     nap: Duration,
     /// Why the communicator was aborted; every later call fails with it.
     broken: Option<String>,
+    /// A failure board whose failures end every wait at once (the communicator is then
+    /// aborted): NCCL alone cannot tell that a peer died.
+    interrupt: Option<std::sync::Arc<crate::engine::Control>>,
 }
 
 // SAFETY: an NCCL communicator may be used from any thread, one at a time (`&mut self` on every
@@ -430,6 +443,7 @@ impl Communicator {
             spin: Duration::from_millis(5),
             nap: Duration::from_micros(50),
             broken: None,
+            interrupt: None,
         };
         if raw.is_null() {
             comm.check(code, "ncclCommInitRankConfig")?;
@@ -476,6 +490,12 @@ impl Communicator {
     /// The wait's timeout.
     pub fn timeout(&self) -> Duration {
         self.timeout
+    }
+
+    /// Ends every wait at once, aborting the communicator, when a failure is raised on
+    /// `board` (by this rank or a peer).
+    pub fn set_interrupt(&mut self, board: std::sync::Arc<crate::engine::Control>) {
+        self.interrupt = Some(board);
     }
 
     /// How the waits poll: without a pause for their first `spin` (default 5 ms), then with a
@@ -543,6 +563,10 @@ impl Communicator {
             if done(self)? {
                 return Ok(());
             }
+            if let Some(f) = self.interrupt.as_ref().and_then(|b| b.failure()) {
+                let _ = self.abort_with(f.error().to_string());
+                return Err(f.error());
+            }
             let waited = t0.elapsed();
             if waited > self.timeout {
                 let why = format!(
@@ -603,6 +627,48 @@ impl Communicator {
             )
         };
         self.settle(code, "ncclAllReduce")
+    }
+
+    /// Queues a reduce-scatter: `count` elements of `dtype` per rank, summed or averaged
+    /// (`average`) over the ranks, from `send` (`world * count` elements, rank-major) into
+    /// `recv` (`count`), on `stream`.
+    ///
+    /// # Safety
+    /// As [`Communicator::all_reduce`], for `world * count` elements at `send` and `count` at
+    /// `recv`.
+    ///
+    /// # Errors
+    /// As [`Communicator::all_reduce`].
+    pub unsafe fn reduce_scatter(
+        &mut self,
+        send: u64,
+        recv: u64,
+        count: usize,
+        dtype: DType,
+        average: bool,
+        stream: sys::CUstream,
+    ) -> Result<()> {
+        self.usable()?;
+        let dt = match dtype {
+            DType::F32 => NCCL_FLOAT32,
+            DType::BF16 => NCCL_BFLOAT16,
+            DType::F16 => NCCL_FLOAT16,
+            other => return Err(Error::NotQuantizable(other)),
+        };
+        let op = if average { NCCL_AVG } else { NCCL_SUM };
+        // SAFETY: this function's contract.
+        let code = unsafe {
+            (self.nccl.reduce_scatter)(
+                send as *const c_void,
+                recv as *mut c_void,
+                count,
+                dt,
+                op,
+                self.raw,
+                stream,
+            )
+        };
+        self.settle(code, "ncclReduceScatter")
     }
 
     /// Queues an all-gather of `bytes` bytes from every rank: rank `j`'s land at
@@ -729,7 +795,14 @@ impl Communicator {
     /// Leaves the communicator at once, without waiting for its peers (as a rank that gives
     /// up on a job does): the peers' collectives with this rank fail or time out.
     pub fn abort(mut self) {
-        let _ = self.abort_with("aborted by its owner".into());
+        self.abort_now();
+    }
+
+    /// [`Communicator::abort`], keeping the (now unusable) value: its calls fail from then on.
+    pub fn abort_now(&mut self) {
+        if self.broken.is_none() {
+            let _ = self.abort_with("aborted by its owner".into());
+        }
     }
 
     /// Aborts the communicator (NCCL's kernels give up) and returns the error to report.

@@ -1,0 +1,451 @@
+//! The CUDA backend: the kernels of [`crate::cuda`], queued on two streams of the engine's own
+//! (the compute lane and the comm lane), in scratch memory the engine allocates once and reuses.
+//! Nothing here waits for the GPU: the transport waits for marks, polling.
+
+use super::{Backend, Lane, Memory};
+use crate::cuda::{self, driver_err, ContextGuard};
+use crate::engine::job::{Region, Tensor};
+use crate::engine::{Done, ReadyFn};
+use crate::error::{Error, Result};
+use crate::format::DType;
+use crate::gpu_memory::{DeviceBuffer, PinnedBuffer};
+use crate::Bound;
+use cudarc::driver::{sys, CudaContext, CudaEvent, CudaStream};
+use std::sync::Arc;
+
+impl Memory for DeviceBuffer {
+    fn region(&self) -> Region {
+        Region {
+            addr: self.ptr(),
+            len: self.len() as u64,
+        }
+    }
+}
+
+/// Scratch is allocated in steps of this many bytes, so that a bucket whose frames grow a
+/// little reuses its buffers.
+const GRAIN: u64 = 1 << 20;
+
+/// A fetch: pinned host memory the lane copies into, and how many of its bytes it holds.
+pub struct Fetch {
+    host: PinnedBuffer,
+    len: usize,
+}
+
+/// A job's input is ready: an event recorded on the caller's stream.
+pub struct Ready(Option<CudaEvent>);
+
+/// The CUDA backend (see the module docs).
+pub struct CudaBackend {
+    ordinal: usize,
+    ctx: Arc<CudaContext>,
+    compute: Arc<CudaStream>,
+    comm: Arc<CudaStream>,
+    /// The engine's scratch, given back for reuse (rows, on both lanes).
+    pool: Vec<DeviceBuffer>,
+    /// The kernels' workspaces (compute lane only), given back for reuse.
+    work: Vec<DeviceBuffer>,
+    pinned: Vec<PinnedBuffer>,
+    /// The decoding status (8 bytes) and the running maximum of the error left in residuals
+    /// (f64 bits), zeroed once.
+    words: DeviceBuffer,
+}
+
+impl std::fmt::Debug for CudaBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaBackend")
+            .field("device", &self.ordinal)
+            .finish()
+    }
+}
+
+impl CudaBackend {
+    /// A backend on device `ordinal` (its primary context, the one PyTorch uses).
+    ///
+    /// # Errors
+    /// [`Error::CudaUnavailable`], [`Error::Cuda`]; a device older than compute capability 8.0.
+    pub fn new(ordinal: usize) -> Result<CudaBackend> {
+        if !cuda::supported(ordinal) {
+            return Err(Error::CudaUnavailable(format!(
+                "device {ordinal} cannot run cfc's kernels (compute capability 8.0 or newer is needed)"
+            )));
+        }
+        let _restore = ContextGuard::save()?;
+        let ctx = cuda::context(ordinal)?;
+        Ok(CudaBackend {
+            ordinal,
+            compute: ctx.new_stream().map_err(driver_err)?,
+            comm: ctx.new_stream().map_err(driver_err)?,
+            words: DeviceBuffer::zeroed(&ctx, 16)?,
+            ctx,
+            pool: Vec::new(),
+            work: Vec::new(),
+            pinned: Vec::new(),
+        })
+    }
+
+    /// The device ordinal.
+    pub fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+
+    /// The comm lane's stream (for transports).
+    pub(crate) fn comm_stream(&self) -> &Arc<CudaStream> {
+        &self.comm
+    }
+
+    /// The device's primary context.
+    pub(crate) fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    fn stream(&self, lane: Lane) -> &Arc<CudaStream> {
+        match lane {
+            Lane::Compute => &self.compute,
+            Lane::Comm => &self.comm,
+        }
+    }
+
+    fn raw(&self, lane: Lane) -> usize {
+        self.stream(lane).cu_stream() as usize
+    }
+
+    /// A buffer of at least `len` bytes from `pool` (the smallest that fits), or a new one.
+    fn take(
+        ctx: &Arc<CudaContext>,
+        pool: &mut Vec<DeviceBuffer>,
+        len: u64,
+    ) -> Result<DeviceBuffer> {
+        let fits = pool
+            .iter()
+            .enumerate()
+            .filter(|(_, b)| b.len() as u64 >= len)
+            .min_by_key(|(_, b)| b.len())
+            .map(|(i, _)| i);
+        if let Some(i) = fits {
+            return Ok(pool.swap_remove(i));
+        }
+        let size = len.max(1).div_ceil(GRAIN) * GRAIN;
+        DeviceBuffer::new(ctx, size as usize).map_err(|e| match e {
+            Error::Cuda(m) if m.contains("could not allocate") => Error::Allocation { bytes: size },
+            other => other,
+        })
+    }
+
+    /// A kernel workspace of `len` bytes, used on the compute lane and given back at once
+    /// (later compute work is queued after the kernel that uses it).
+    fn workspace(&mut self, len: u64) -> Result<DeviceBuffer> {
+        Self::take(&self.ctx, &mut self.work, len)
+    }
+
+    fn give_back(&mut self, ws: DeviceBuffer) {
+        self.work.push(ws);
+    }
+}
+
+fn event(stream: &CudaStream) -> Result<CudaEvent> {
+    stream
+        .record_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
+        .map_err(driver_err)
+}
+
+impl Backend for CudaBackend {
+    type Buf = DeviceBuffer;
+    type Mark = CudaEvent;
+    type Ready = Ready;
+    type Fetched = Fetch;
+
+    fn label(&self) -> String {
+        format!("cuda:{}", self.ordinal)
+    }
+
+    fn alloc(&mut self, len: u64) -> Result<DeviceBuffer> {
+        Self::take(&self.ctx, &mut self.pool, len)
+    }
+
+    fn free(&mut self, buf: DeviceBuffer) {
+        self.pool.push(buf);
+    }
+
+    fn begin(&mut self, ready: Ready) -> Result<()> {
+        match ready.0 {
+            Some(e) => self.compute.wait(&e).map_err(driver_err),
+            None => Ok(()),
+        }
+    }
+
+    fn join(&mut self, to: Lane, from: Lane) -> Result<()> {
+        let e = event(self.stream(from))?;
+        self.stream(to).wait(&e).map_err(driver_err)
+    }
+
+    fn stats(
+        &mut self,
+        x: Tensor,
+        r: Option<Tensor>,
+        out: Region,
+        pitch: u64,
+        count: u64,
+    ) -> Result<()> {
+        if count == 0 {
+            return Ok(());
+        }
+        // (the last copy's 16 bytes lie within `out`)
+        out.sub((count - 1) * pitch, 16)?;
+        let ws = self.workspace(cuda::STATS_WORKSPACE)?;
+        let args = cuda::StatsArgs {
+            device: self.ordinal,
+            stream: self.raw(Lane::Compute),
+            data: x.addr,
+            n: x.numel,
+            dtype: x.dtype,
+            residual: r.map_or(0, |r| r.addr),
+            workspace: ws.ptr(),
+            out: out.addr,
+            pitch,
+            copies: count as u32,
+        };
+        // SAFETY: the job's tensors (vouched for by the submitter), the workspace just taken,
+        // and `out` checked above; all on this device.
+        let r = unsafe { cuda::stats(&args) };
+        self.give_back(ws);
+        r
+    }
+
+    fn frame_capacity(&self, n: u64, dtype: DType) -> u64 {
+        cuda::compress_capacity(n, dtype, 1, Bound::Abs(1.0)).div_ceil(16) * 16
+    }
+
+    fn compress(
+        &mut self,
+        x: Tensor,
+        r: Option<Tensor>,
+        eps: f64,
+        frame: Region,
+        size_at: Region,
+    ) -> Result<()> {
+        let size_at = size_at.sub(0, 8)?;
+        let ws_len = cuda::compress_workspace_len(x.numel, r.is_some());
+        let ws = self.workspace(ws_len)?;
+        let args = cuda::CompressArgs {
+            device: self.ordinal,
+            stream: self.raw(Lane::Compute),
+            input: x.addr,
+            n: x.numel,
+            dtype: x.dtype,
+            shape: &[x.numel],
+            bound: Bound::Abs(eps),
+            out: frame.addr,
+            out_len: frame.len,
+            workspace: ws.ptr(),
+            workspace_len: ws.len() as u64,
+            residual: r.map_or(0, |r| r.addr),
+            size_to: size_at.addr,
+            max_error_to: if r.is_some() { self.words.ptr() + 8 } else { 0 },
+            bound_at: 0,
+        };
+        // SAFETY: as in `stats`; the frame region is the engine's scratch (checked by `sub`).
+        let out = unsafe { cuda::compress(&args) };
+        self.give_back(ws);
+        out
+    }
+
+    fn sum_capacity(&self, n: u64, dtype: DType) -> u64 {
+        cuda::sum_capacity(n, dtype, 1).div_ceil(16) * 16
+    }
+
+    fn sum(
+        &mut self,
+        frames: &[Region],
+        n: u64,
+        dtype: DType,
+        out: Region,
+        size_at: Region,
+    ) -> Result<()> {
+        let size_at = size_at.sub(0, 8)?;
+        let addrs: Vec<u64> = frames.iter().map(|f| f.addr).collect();
+        let lens: Vec<u64> = frames.iter().map(|f| f.len).collect();
+        let ws = self.workspace(cuda::sum_workspace_len(n, frames.len() as u64))?;
+        let args = cuda::SumArgs {
+            device: self.ordinal,
+            stream: self.raw(Lane::Compute),
+            frames: &addrs,
+            frame_lens: &lens,
+            n,
+            dtype,
+            shape: &[n],
+            out: out.addr,
+            out_len: out.len,
+            workspace: ws.ptr(),
+            workspace_len: ws.len() as u64,
+        };
+        // SAFETY: frames received by the transport into the engine's scratch, the output and the
+        // workspace likewise; the frames are checked on the device before anything is added.
+        let summed = unsafe { cuda::sum(&args) }.and_then(|()| {
+            // The sum's size (0 when it failed) goes to the row's head.
+            // SAFETY: 8 bytes of the workspace and of the head, both live until the copy ran
+            // (the workspace is reused only by later work on this stream).
+            unsafe {
+                cuda::copy_async(
+                    &self.compute,
+                    size_at.addr,
+                    ws.ptr() + cuda::FRAME_SIZE_OFFSET,
+                    8,
+                )
+            }
+        });
+        self.give_back(ws);
+        summed
+    }
+
+    fn decode(
+        &mut self,
+        frames: &[Region],
+        sized: bool,
+        n: u64,
+        dtype: DType,
+        scale: f32,
+        out: Tensor,
+    ) -> Result<()> {
+        let addrs: Vec<u64> = frames.iter().map(|f| f.addr).collect();
+        let lens: Vec<u64> = frames.iter().map(|f| f.len).collect();
+        let ws = self.workspace(cuda::decode_sum_workspace_len(n, frames.len() as u64))?;
+        let args = cuda::DecodeSumArgs {
+            device: self.ordinal,
+            stream: self.raw(Lane::Compute),
+            frames: &addrs,
+            frame_lens: &lens,
+            lens_before: if sized { crate::engine::rows::HEAD } else { 0 },
+            n,
+            dtype,
+            ndim: 1,
+            scale,
+            out: out.addr,
+            out_dtype: out.dtype,
+            workspace: ws.ptr(),
+            workspace_len: ws.len() as u64,
+            status: self.words.ptr(),
+        };
+        // SAFETY: frames in the engine's scratch, the job's output tensor; frames are checked on
+        // the device before anything is written.
+        let r = unsafe { cuda::decode_sum(&args) };
+        self.give_back(ws);
+        r
+    }
+
+    fn fold(&mut self, x: Tensor, r: Tensor) -> Result<()> {
+        // SAFETY: the job's tensors, vouched for by the submitter.
+        unsafe {
+            cuda::fold_residual(
+                self.ordinal,
+                self.raw(Lane::Compute),
+                x.addr,
+                x.numel,
+                x.dtype,
+                r.addr,
+            )
+        }
+    }
+
+    fn put(&mut self, lane: Lane, dst: Region, pitch: u64, count: u64, word: u64) -> Result<()> {
+        if count == 0 {
+            return Ok(());
+        }
+        dst.sub((count - 1) * pitch, 8)?;
+        // SAFETY: checked above; the engine's scratch.
+        unsafe { cuda::put_rows(self.stream(lane), dst.addr, pitch, count, word) }
+    }
+
+    fn fetch(
+        &mut self,
+        lane: Lane,
+        src: Region,
+        pitch: u64,
+        width: u64,
+        rows: u64,
+    ) -> Result<Fetch> {
+        if rows > 0 {
+            src.sub((rows - 1) * pitch, width)?;
+        }
+        let len = (width * rows) as usize;
+        let host = match self.pinned.iter().position(|p| p.len() >= len) {
+            Some(i) => self.pinned.swap_remove(i),
+            None => PinnedBuffer::new(&self.ctx, len.max(4096))?,
+        };
+        let args = cuda::CopyRowsArgs {
+            device: self.ordinal,
+            stream: self.raw(lane),
+            src: src.addr,
+            src_pitch: pitch,
+            dst: host.addr(),
+            dst_pitch: width,
+            width,
+            rows,
+        };
+        // SAFETY: the rows lie in `src` (checked above); the pinned buffer holds `len` bytes
+        // and is read only after the lane is waited for.
+        unsafe { cuda::copy_rows(&args) }?;
+        Ok(Fetch { host, len })
+    }
+
+    fn fetched(&mut self, f: Fetch) -> Vec<u8> {
+        let out = f.host.bytes(f.len);
+        self.pinned.push(f.host);
+        out
+    }
+
+    fn mark(&mut self, lane: Lane) -> Result<CudaEvent> {
+        event(self.stream(lane))
+    }
+
+    fn reached(&mut self, mark: &CudaEvent) -> Result<bool> {
+        mark.try_is_complete().map_err(driver_err)
+    }
+
+    fn status(&self) -> Region {
+        Region {
+            addr: self.words.ptr(),
+            len: 8,
+        }
+    }
+
+    fn max_error(&self) -> Region {
+        Region {
+            addr: self.words.ptr() + 8,
+            len: 8,
+        }
+    }
+
+    fn ready_maker(&self) -> ReadyFn {
+        let ctx = self.ctx.clone();
+        let ordinal = self.ordinal;
+        Arc::new(move |stream: u64| {
+            let _restore = ContextGuard::save()?;
+            ctx.bind_to_thread().map_err(driver_err)?;
+            let s = cuda::borrowed_stream(ordinal, stream as usize)?;
+            let e = event(&s)?;
+            Ok(Box::new(Ready(Some(e))) as Box<dyn std::any::Any + Send>)
+        })
+    }
+
+    fn done(&mut self) -> Result<Done> {
+        let e = Arc::new(event(&self.compute)?);
+        let (ctx, ordinal) = (self.ctx.clone(), self.ordinal);
+        Ok(Box::new(move |stream: u64| {
+            let _restore = ContextGuard::save()?;
+            ctx.bind_to_thread().map_err(driver_err)?;
+            cuda::borrowed_stream(ordinal, stream as usize)?
+                .wait(&e)
+                .map_err(driver_err)
+        }))
+    }
+}
+
+// SAFETY: the backend's streams, events and buffers belong to one context and are used by one
+// thread at a time (the engine's comm thread; `&mut self` on every operation).
+unsafe impl Send for CudaBackend {}
+// SAFETY: as above; a ready event is recorded on one thread and waited for on another, which
+// CUDA allows for events of one context.
+unsafe impl Send for Ready {}
+// SAFETY: pinned host memory owned by the fetch alone.
+unsafe impl Send for Fetch {}

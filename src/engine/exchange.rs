@@ -1,0 +1,560 @@
+//! The two ways a compressed bucket moves, written once over the backend and the transport
+//! (see `rows.rs` for rows, slots and heads).
+//!
+//! **All-gather of frames** ([`Algorithm::AllGather`]): every rank compresses its bucket into a
+//! row, the rows are all-gathered, and every rank decodes every frame, adds them in rank order
+//! and writes the scaled sum over its bucket: the same bits on every rank.
+//!
+//! **Reduce-scatter of codes** ([`Algorithm::ReduceScatter`], and every reduce-scatter job):
+//! every rank compresses each shard of its bucket into a row of its own, with one step shared
+//! by all ranks, and sends row `j` to rank `j`. Rank `j` adds the codes of every rank's frame of
+//! its shard as integers (an exact sum, packed as one frame: no second quantization) and, for an
+//! all-reduce, the sums are all-gathered and every rank decodes each into its shard. A rank sends
+//! about `2 (N - 1) / N` times a compressed bucket instead of `N - 1` times. In the exchange of
+//! shards each pair of ranks has its own slot: the sender knows its frame's size from its own
+//! head and the receiver from the head it received, so a frame that outgrew its slot is sent
+//! again between those two alone.
+//!
+//! Each rank's rounding error is at most `eps` per element and its residual keeps it, so the
+//! average is within `eps` of the exact average, up to the rounding of decoding (in f32, then
+//! the bucket's dtype; a bfloat16 or float16 sum of codes is rounded to its dtype before it is
+//! scaled).
+
+use super::backend::{Backend, Lane, Memory};
+use super::job::{Job, Op, Region};
+use super::options::Algorithm;
+use super::rows::{self, next_slot, round16, Head, CHECK_AT, HEAD, SIZE_AT, STATS_AT};
+use super::transport::Transport;
+use super::worker::Worker;
+use super::Fault;
+use crate::error::{Error, Result};
+
+/// A job's stage after its launch.
+pub(crate) enum Stage<B: Backend> {
+    /// All-gather: the heads are on their way; next, resend if needed and decode.
+    Gathered(Gather<B>),
+    /// Reduce-scatter: the shards' heads are on their way; next, resend pairs and sum.
+    Scattered(Scatter<B>),
+    /// Reduce-scatter of an all-reduce: the sums' heads are on their way; next, decode.
+    Summed(Summed<B>),
+}
+
+/// What a job's stages share.
+struct Common {
+    job: Job,
+    check: u64,
+    eps: f64,
+    /// Bytes this rank sent so far.
+    sent: u64,
+}
+
+pub(crate) struct Gather<B: Backend> {
+    c: Common,
+    cap: u64,
+    slot: u64,
+    mine: B::Buf,
+    recv: B::Buf,
+    heads: B::Fetched,
+    mark: B::Mark,
+}
+
+pub(crate) struct Scatter<B: Backend> {
+    c: Common,
+    /// Element ranges of the shards (start, length).
+    parts: Vec<(u64, u64)>,
+    /// Frame capacity of each shard, and the stride of this rank's rows (the first shard's row).
+    caps: Vec<u64>,
+    stride: u64,
+    mine: B::Buf,
+    /// Rows received, `rstride` apart.
+    recv: B::Buf,
+    rstride: u64,
+    own_heads: B::Fetched,
+    in_heads: B::Fetched,
+    mark: B::Mark,
+}
+
+pub(crate) struct Summed<B: Backend> {
+    c: Common,
+    parts: Vec<(u64, u64)>,
+    sum_caps: Vec<u64>,
+    sums: B::Buf,
+    slot: u64,
+    recv: B::Buf,
+    heads: B::Fetched,
+    mark: B::Mark,
+}
+
+impl<B: Backend, T: Transport<B>> Worker<B, T> {
+    /// The first stage of a job: the uncompressed collective (done), or the compression and
+    /// the first exchange (returns the next stage).
+    pub(super) fn launch(&mut self, job: &Job, compress: bool) -> Result<Option<Stage<B>>> {
+        if !compress {
+            self.plain(job)?;
+            return Ok(None);
+        }
+        if let Some(at) = self.faults.iter().position(|f| *f == Fault::Device) {
+            self.faults.remove(at);
+            return Err(Error::Cuda(format!(
+                "an injected device failure on {}",
+                self.be.label()
+            )));
+        }
+        let kind = matches!(job.op, Op::ReduceScatter { .. }) as u64;
+        let check = rows::check_word(&[
+            self.seq,
+            job.key,
+            job.fingerprint,
+            job.data.numel,
+            job.data.dtype as u64,
+            kind,
+        ]);
+        let eps = self.eps(job, check)?;
+        self.decoded = true;
+        if job.residual.is_some() {
+            self.bucket(job.key)?.dirty = true;
+        }
+        let c = Common {
+            job: *job,
+            check,
+            eps,
+            sent: 0,
+        };
+        // An all-reduce too small for every rank's shard to hold elements goes as an all-gather
+        // (a rule of the bucket's size, the same on every rank).
+        let shards_hold_elements = rows::shards(job.data.numel, self.world)
+            .iter()
+            .all(|s| s.1 > 0);
+        if kind == 1 || (self.algorithm == Algorithm::ReduceScatter && shards_hold_elements) {
+            self.launch_scatter(c).map(|s| Some(Stage::Scattered(s)))
+        } else {
+            self.launch_gather(c).map(|g| Some(Stage::Gathered(g)))
+        }
+    }
+
+    /// Runs a deferred stage; returns the one after it, if any.
+    pub(super) fn stage(&mut self, s: Stage<B>) -> Result<Option<Stage<B>>> {
+        match s {
+            Stage::Gathered(g) => self.finish_gather(g).map(|()| None),
+            Stage::Scattered(s) => self.sum_shards(s),
+            Stage::Summed(s) => self.finish_sums(s).map(|()| None),
+        }
+    }
+
+    /// Corrupts a frame this rank is about to send, where a fault asks for it.
+    fn corrupt(&mut self, frame: Region) -> Result<()> {
+        if let Some(at) = self.faults.iter().position(|f| *f == Fault::Corrupt) {
+            self.faults.remove(at);
+            self.be
+                .put(Lane::Compute, frame.sub(0, 8)?, 8, 1, 0x5eed_dead_beef_0bad)?;
+        }
+        Ok(())
+    }
+
+    fn launch_gather(&mut self, c: Common) -> Result<Gather<B>> {
+        let (x, w) = (c.job.data, self.world as u64);
+        let cap = self.be.frame_capacity(x.numel, x.dtype);
+        let slot = self.bucket(c.job.key)?.slot.min(cap);
+        let mine = self.alloc(HEAD + cap)?;
+        let m = mine.region().sub(0, HEAD + cap)?;
+        self.be
+            .put(Lane::Compute, m.sub(CHECK_AT, 8)?, 8, 1, c.check)?;
+        if self.o.bound.follows_data() {
+            self.be
+                .stats(x, c.job.residual, m.sub(STATS_AT, 16)?, 16, 1)?;
+        }
+        self.be.compress(
+            x,
+            c.job.residual,
+            c.eps,
+            m.sub(HEAD, cap)?,
+            m.sub(SIZE_AT, 8)?,
+        )?;
+        self.corrupt(m.sub(HEAD, cap)?)?;
+        self.be.join(Lane::Comm, Lane::Compute)?;
+        let row = HEAD + slot;
+        let recv = self.alloc(w * row)?;
+        let r = recv.region().sub(0, w * row)?;
+        self.tr.all_gather(&mut self.be, m.sub(0, row)?, r)?;
+        let heads = self.be.fetch(Lane::Comm, r, row, HEAD, w)?;
+        let mark = self.be.mark(Lane::Comm)?;
+        Ok(Gather {
+            c: Common {
+                sent: (w - 1) * row,
+                ..c
+            },
+            cap,
+            slot,
+            mine,
+            recv,
+            heads,
+            mark,
+        })
+    }
+
+    fn finish_gather(&mut self, g: Gather<B>) -> Result<()> {
+        let Gather {
+            mut c,
+            cap,
+            slot,
+            mine,
+            recv,
+            heads,
+            mark,
+        } = g;
+        let w = self.world as u64;
+        self.tr.wait(&mut self.be, &mark)?;
+        let heads = rows::heads(&self.be.fetched(heads), self.world)?;
+        let all: Vec<(usize, Head)> = heads.iter().copied().enumerate().collect();
+        rows::check_heads(&all, c.check, cap, "a frame")?;
+        self.note_stats(&c.job, &heads)?;
+        let largest = heads.iter().map(|h| h.size).max().unwrap_or(0);
+        let (recv, row) = if largest > slot {
+            // A frame outgrew its slot (every rank sees it): every frame again, whole.
+            let row = HEAD + round16(largest);
+            let again = self.alloc(w * row)?;
+            let m = mine.region().sub(0, row)?;
+            let r = again.region().sub(0, w * row)?;
+            self.tr.all_gather(&mut self.be, m, r)?;
+            c.sent += (w - 1) * row;
+            if slot > 0 {
+                self.shared.resend();
+            }
+            self.be.free(recv);
+            (again, row)
+        } else {
+            (recv, HEAD + slot)
+        };
+        self.be.join(Lane::Compute, Lane::Comm)?;
+        let r = recv.region();
+        let frames = heads
+            .iter()
+            .enumerate()
+            .map(|(j, h)| r.sub(j as u64 * row + HEAD, h.size))
+            .collect::<Result<Vec<_>>>()?;
+        let x = c.job.data;
+        self.be.decode(
+            &frames,
+            false,
+            x.numel,
+            x.dtype,
+            c.job.scale.factor(self.world),
+            x,
+        )?;
+        self.bucket(c.job.key)?.slot = next_slot(largest, cap);
+        self.be.free(mine);
+        self.be.free(recv);
+        let uncompressed = 2 * (w - 1) * x.bytes().div_ceil(w);
+        self.shared
+            .account(true, c.sent, uncompressed, c.eps, false);
+        Ok(())
+    }
+
+    /// The next step's statistics from every rank's heads (added in rank order: the same bits
+    /// on every rank).
+    fn note_stats(&mut self, job: &Job, heads: &[Head]) -> Result<()> {
+        if !self.o.bound.follows_data() {
+            return Ok(());
+        }
+        let sum = heads.iter().fold(0.0f64, |a, h| a + h.sum_squares);
+        let max = heads.iter().fold(0.0f64, |a, h| a.max(h.max_abs));
+        self.bucket(job.key)?.stats = Some((sum, max));
+        Ok(())
+    }
+
+    fn launch_scatter(&mut self, c: Common) -> Result<Scatter<B>> {
+        let x = c.job.data;
+        let w = self.world as u64;
+        let parts = match c.job.op {
+            Op::AllReduce => rows::shards(x.numel, self.world),
+            Op::ReduceScatter { .. } => {
+                let l = x.numel / w;
+                (0..w).map(|j| (j * l, l)).collect()
+            }
+        };
+        let caps: Vec<u64> = parts
+            .iter()
+            .map(|&(_, len)| self.be.frame_capacity(len, x.dtype))
+            .collect();
+        let stride = HEAD + caps.iter().copied().max().unwrap_or(0);
+        let mine = self.alloc(w * stride)?;
+        let m = mine.region().sub(0, w * stride)?;
+        // Every row's head carries the whole bucket's statistics and the check word.
+        if self.o.bound.follows_data() {
+            self.be.stats(
+                x,
+                c.job.residual,
+                m.sub(STATS_AT, (w - 1) * stride + 16)?,
+                stride,
+                w,
+            )?;
+        }
+        self.be.put(
+            Lane::Compute,
+            m.sub(CHECK_AT, (w - 1) * stride + 8)?,
+            stride,
+            w,
+            c.check,
+        )?;
+        for (j, &(lo, len)) in parts.iter().enumerate() {
+            let row = m.sub(j as u64 * stride, stride)?;
+            let r = c.job.residual.map(|r| r.slice(lo, len));
+            self.be.compress(
+                x.slice(lo, len),
+                r,
+                c.eps,
+                row.sub(HEAD, caps[j])?,
+                row.sub(SIZE_AT, 8)?,
+            )?;
+            self.corrupt(row.sub(HEAD, caps[j])?)?;
+        }
+        self.be.join(Lane::Comm, Lane::Compute)?;
+        let (send_slots, recv_slots) = {
+            let b = self.bucket(c.job.key)?;
+            (b.send_slots.clone(), b.recv_slots.clone())
+        };
+        let me = self.rank;
+        let rstride = HEAD + recv_slots.iter().copied().max().unwrap_or(0);
+        let recv = self.alloc(w * rstride)?;
+        let r = recv.region().sub(0, w * rstride)?;
+        let mut sends = Vec::with_capacity(self.world);
+        let mut recvs = Vec::with_capacity(self.world);
+        let mut sent = 0;
+        for j in 0..self.world {
+            if j == me {
+                sends.push(m.sub(0, 0)?);
+                recvs.push(r.sub(0, 0)?);
+                continue;
+            }
+            let out = HEAD + send_slots[j].min(caps[j]);
+            sends.push(m.sub(j as u64 * stride, out)?);
+            recvs.push(r.sub(j as u64 * rstride, HEAD + recv_slots[j])?);
+            sent += out;
+        }
+        self.tr.exchange(&mut self.be, &sends, &recvs)?;
+        let own_heads = self.be.fetch(Lane::Comm, m, stride, HEAD, w)?;
+        let in_heads = self.be.fetch(Lane::Comm, r, rstride, HEAD, w)?;
+        let mark = self.be.mark(Lane::Comm)?;
+        Ok(Scatter {
+            c: Common { sent, ..c },
+            parts,
+            caps,
+            stride,
+            mine,
+            recv,
+            rstride,
+            own_heads,
+            in_heads,
+            mark,
+        })
+    }
+
+    /// The exchange of shards has arrived: resend what outgrew its slot (pair by pair), add
+    /// this rank's shard's codes, and for an all-reduce send the sum to every rank.
+    fn sum_shards(&mut self, s: Scatter<B>) -> Result<Option<Stage<B>>> {
+        let Scatter {
+            mut c,
+            parts,
+            caps,
+            stride,
+            mine,
+            recv,
+            rstride,
+            own_heads,
+            in_heads,
+            mark,
+        } = s;
+        let (me, w) = (self.rank, self.world as u64);
+        self.tr.wait(&mut self.be, &mark)?;
+        let own = rows::heads(&self.be.fetched(own_heads), self.world)?;
+        let inn = rows::heads(&self.be.fetched(in_heads), self.world)?;
+        // This rank's own frame of its shard never travelled: its own head stands in.
+        let received: Vec<(usize, Head)> = (0..self.world)
+            .map(|j| (j, if j == me { own[me] } else { inn[j] }))
+            .collect();
+        rows::check_heads(
+            &received,
+            c.check,
+            caps[me],
+            "its frame of this rank's shard",
+        )?;
+        let own_sizes: Vec<(usize, Head)> = own.iter().copied().enumerate().collect();
+        for (j, h) in &own_sizes {
+            if h.size > caps[*j] {
+                return Err(Error::Transport(format!(
+                    "this rank's frame of shard {j} holds {} bytes, past its capacity {}",
+                    h.size, caps[*j]
+                )));
+            }
+        }
+        let heads: Vec<Head> = received.iter().map(|(_, h)| *h).collect();
+        self.note_stats(&c.job, &heads)?;
+        let (send_slots, recv_slots) = {
+            let b = self.bucket(c.job.key)?;
+            (b.send_slots.clone(), b.recv_slots.clone())
+        };
+        // Pairs whose frame outgrew its slot: both sides know it from the same head.
+        let outgrown_out: Vec<usize> = (0..self.world)
+            .filter(|&j| j != me && own[j].size > send_slots[j].min(caps[j]))
+            .collect();
+        let outgrown_in: Vec<usize> = (0..self.world)
+            .filter(|&j| j != me && inn[j].size > recv_slots[j])
+            .collect();
+        let m = mine.region();
+        let r = recv.region();
+        let mut frames: Vec<Region> = (0..self.world)
+            .map(|j| {
+                if j == me {
+                    m.sub(j as u64 * stride + HEAD, own[me].size)
+                } else {
+                    r.sub(j as u64 * rstride + HEAD, inn[j].size.min(recv_slots[j]))
+                }
+            })
+            .collect::<Result<_>>()?;
+        let mut again = None;
+        if !outgrown_out.is_empty() || !outgrown_in.is_empty() {
+            let total: u64 = outgrown_in.iter().map(|&j| round16(inn[j].size)).sum();
+            let buf = self.alloc(total.max(16))?;
+            let b = buf.region();
+            let mut sends = vec![m.sub(0, 0)?; self.world];
+            let mut recvs = vec![b.sub(0, 0)?; self.world];
+            for &j in &outgrown_out {
+                sends[j] = m.sub(j as u64 * stride + HEAD, own[j].size)?;
+                c.sent += own[j].size;
+            }
+            let mut at = 0;
+            for &j in &outgrown_in {
+                recvs[j] = b.sub(at, inn[j].size)?;
+                frames[j] = recvs[j];
+                at += round16(inn[j].size);
+            }
+            self.tr.exchange(&mut self.be, &sends, &recvs)?;
+            if send_slots.iter().chain(&recv_slots).any(|&s| s > 0) {
+                self.shared.resend();
+            }
+            again = Some(buf);
+        }
+        {
+            let world = self.world;
+            let b = self.bucket(c.job.key)?;
+            for j in (0..world).filter(|&j| j != me) {
+                b.send_slots[j] = next_slot(own[j].size, caps[j]);
+                b.recv_slots[j] = next_slot(inn[j].size, caps[me]);
+            }
+        }
+        self.be.join(Lane::Compute, Lane::Comm)?;
+        let x = c.job.data;
+        let (_, len) = parts[me];
+        let sum_caps: Vec<u64> = parts
+            .iter()
+            .map(|&(_, l)| self.be.sum_capacity(l, x.dtype))
+            .collect();
+        let sums = self.alloc(HEAD + sum_caps[me])?;
+        let sm = sums.region().sub(0, HEAD + sum_caps[me])?;
+        self.be.sum(
+            &frames,
+            len,
+            x.dtype,
+            sm.sub(HEAD, sum_caps[me])?,
+            sm.sub(SIZE_AT, 8)?,
+        )?;
+        self.be.free(mine);
+        self.be.free(recv);
+        if let Some(b) = again {
+            self.be.free(b);
+        }
+        let scale = c.job.scale.factor(self.world);
+        if let Op::ReduceScatter { out } = c.job.op {
+            // This rank's shard is all a reduce-scatter wants: decode it (its size is in its head).
+            let frame = [sm.sub(HEAD, sum_caps[me])?];
+            self.be.decode(&frame, true, len, x.dtype, scale, out)?;
+            self.be.free(sums);
+            let uncompressed = (w - 1) * x.bytes().div_ceil(w);
+            self.shared
+                .account(true, c.sent, uncompressed, c.eps, false);
+            return Ok(None);
+        }
+        self.be
+            .put(Lane::Compute, sm.sub(CHECK_AT, 8)?, 8, 1, c.check)?;
+        self.be.join(Lane::Comm, Lane::Compute)?;
+        let slot = self.bucket(c.job.key)?.slot.min(sum_caps[0]);
+        let row = HEAD + slot;
+        let recv = self.alloc(w * row)?;
+        let rr = recv.region().sub(0, w * row)?;
+        self.tr.all_gather(&mut self.be, sm.sub(0, row)?, rr)?;
+        c.sent += (w - 1) * row;
+        let heads = self.be.fetch(Lane::Comm, rr, row, HEAD, w)?;
+        let mark = self.be.mark(Lane::Comm)?;
+        Ok(Some(Stage::Summed(Summed {
+            c,
+            parts,
+            sum_caps,
+            sums,
+            slot,
+            recv,
+            heads,
+            mark,
+        })))
+    }
+
+    /// Every rank's sum of its shard has arrived: decode each into its shard of the bucket.
+    fn finish_sums(&mut self, s: Summed<B>) -> Result<()> {
+        let Summed {
+            mut c,
+            parts,
+            sum_caps,
+            sums,
+            slot,
+            recv,
+            heads,
+            mark,
+        } = s;
+        let w = self.world as u64;
+        self.tr.wait(&mut self.be, &mark)?;
+        let heads = rows::heads(&self.be.fetched(heads), self.world)?;
+        for (j, h) in heads.iter().enumerate() {
+            if h.size == 0 {
+                return Err(Error::PeerFailed {
+                    rank: j,
+                    reason: format!(
+                        "rank {j} could not sum the frames of its shard (a frame it received \
+                         was not one of these elements, or the frames' steps differ)"
+                    ),
+                });
+            }
+            rows::check_heads(&[(j, *h)], c.check, sum_caps[j], "the sum of its shard")?;
+        }
+        let largest = heads.iter().map(|h| h.size).max().unwrap_or(0);
+        let (recv, row) = if largest > slot {
+            let row = HEAD + round16(largest);
+            let again = self.alloc(w * row)?;
+            let r = again.region().sub(0, w * row)?;
+            self.tr
+                .all_gather(&mut self.be, sums.region().sub(0, row)?, r)?;
+            c.sent += (w - 1) * row;
+            if slot > 0 {
+                self.shared.resend();
+            }
+            self.be.free(recv);
+            (again, row)
+        } else {
+            (recv, HEAD + slot)
+        };
+        self.be.join(Lane::Compute, Lane::Comm)?;
+        let x = c.job.data;
+        let scale = c.job.scale.factor(self.world);
+        let r = recv.region();
+        for (j, &(lo, len)) in parts.iter().enumerate() {
+            let frame = [r.sub(j as u64 * row + HEAD, heads[j].size)?];
+            self.be
+                .decode(&frame, false, len, x.dtype, scale, x.slice(lo, len))?;
+        }
+        self.bucket(c.job.key)?.slot = next_slot(largest, sum_caps[0]);
+        self.be.free(sums);
+        self.be.free(recv);
+        let uncompressed = 2 * (w - 1) * x.bytes().div_ceil(w);
+        self.shared
+            .account(true, c.sent, uncompressed, c.eps, false);
+        Ok(())
+    }
+}

@@ -1,0 +1,604 @@
+//! The engine: cfc's one compressed all-reduce (and reduce-scatter), from "bucket ready on the
+//! caller's stream" to "result written in place".
+//!
+//! ```text
+//!            +--------------------- engine (this module) ----------------------+
+//!  submit -> | bound -> compress + error feedback -> exchange -> decode + scale | -> wait
+//!  (1 call)  |  (abs/rms/rel,   (frames, or shards     (all-gather of frames,   |   (the step's
+//!            |   agreed)         of one step)           or reduce-scatter of    |    outcome,
+//!            |                                          codes + all-gather)     |    every rank)
+//!            +---- backend: CUDA kernels | CPU codec ---- transport: NCCL | TCP | threads ----+
+//! ```
+//!
+//! An [`Engine`] is a handle to one comm thread (`worker.rs`), fed first in first out, so that
+//! every rank issues the same collectives in the same order. [`Engine::submit`] hands a job
+//! over and returns at once; [`Engine::wait`] returns once every job submitted is done on the
+//! host (exchanged, decoding queued) and orders the caller's stream after the results, or
+//! reports the failure, on every rank.
+//!
+//! Two seams and nothing else pluggable: the backend (`backend/`: the CPU reference codec, or
+//! the CUDA kernels, which write the same bytes) and the transport (`transport/`: threads of one
+//! process, TCP between processes, NCCL). The same state machine (bounds, slots and resends,
+//! the warm-up, the trial and the fallback, failures) runs on every pair, so CI runs it on the
+//! CPU with several ranks.
+//!
+//! Failures reach every rank: a rank that fails raises it on the failure board (`control.rs`),
+//! which tells its peers at once; a rank whose process dies is seen by its peers' links. Every
+//! wait looks at the board, so no rank waits for a timeout.
+
+pub mod backend;
+pub mod control;
+mod exchange;
+pub mod job;
+pub mod options;
+pub mod policy;
+mod rows;
+pub mod transport;
+mod worker;
+
+pub use control::{Control, Failure};
+pub use job::{Job, Op, Scale, Tensor};
+pub use options::{Algorithm, BoundRule, Fallback, Options};
+pub use policy::{BucketState, EngineState};
+
+use crate::error::{Error, Result};
+use backend::cpu::CpuBackend;
+use backend::Backend;
+use crossbeam_channel::Sender;
+use std::any::Any;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+use transport::host::HostTransport;
+use transport::local::LocalLinks;
+use transport::Transport;
+
+/// A fault to inject into an engine's next compressed job, for tests of failure handling.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    /// The frame this rank sends is corrupted after compression: its peers' decoding refuses it.
+    Corrupt,
+    /// The next scratch allocation fails.
+    Alloc,
+    /// The next compressed job fails as a device error would.
+    Device,
+}
+
+/// Messages to the comm thread.
+pub(crate) enum Msg {
+    Job(Job, Box<dyn Any + Send>),
+    Flush,
+    Agree(u64),
+    Reset,
+    State(Sender<EngineState>),
+    Load(EngineState, Sender<()>),
+    Inject(Fault),
+    Stop,
+}
+
+/// What a caller's stream waits on after a close (an event on the GPU; nothing on the CPU).
+pub(crate) type Done = Box<dyn Fn(u64) -> Result<()> + Send + Sync>;
+/// What a submission records for the engine to wait on (an event on the caller's stream).
+pub(crate) type ReadyFn = Arc<dyn Fn(u64) -> Result<Box<dyn Any + Send>> + Send + Sync>;
+
+/// What the engine has done so far (see [`Engine::stats`]).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Stats {
+    /// Jobs compressed.
+    pub compressed: u64,
+    /// Jobs sent uncompressed.
+    pub plain: u64,
+    /// Bytes this rank sent.
+    pub bytes_sent: u64,
+    /// Bytes a ring collective of the same jobs would have sent uncompressed.
+    pub bytes_uncompressed: u64,
+    /// Exchanges in which a frame outgrew its slot and went again.
+    pub resends: u64,
+    /// The largest bound a job was compressed with.
+    pub eps: f64,
+    /// The largest error left in a residual (what a compressed job did not send).
+    pub max_error: f64,
+    /// Host seconds the comm thread spent on jobs (not waiting for the next one).
+    pub seconds: f64,
+}
+
+struct Progress {
+    /// Closes and agreements published so far, and the outcome of the latest ones (index,
+    /// success), so that a waiter reads its own.
+    published: u64,
+    outcomes: std::collections::VecDeque<(u64, bool)>,
+    /// The first failure (of any rank) the engine's thread saw.
+    failure: Option<Failure>,
+    /// The engine's thread ended abnormally: nothing more is published.
+    dead: bool,
+    done: Option<Arc<Done>>,
+}
+
+/// What the handle and the comm thread share.
+pub(crate) struct Shared {
+    progress: Mutex<Progress>,
+    cv: Condvar,
+    stats: Mutex<Stats>,
+}
+
+impl Shared {
+    fn new() -> Arc<Shared> {
+        Arc::new(Shared {
+            progress: Mutex::new(Progress {
+                published: 0,
+                outcomes: std::collections::VecDeque::new(),
+                failure: None,
+                dead: false,
+                done: None,
+            }),
+            cv: Condvar::new(),
+            stats: Mutex::new(Stats::default()),
+        })
+    }
+
+    fn stats(&self) -> std::sync::MutexGuard<'_, Stats> {
+        self.stats.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The outcome of the next close or agreement (`done`: what the caller's stream waits on).
+    pub(crate) fn publish(&self, ok: bool, done: Option<Done>) {
+        let mut p = self.progress.lock().unwrap_or_else(|e| e.into_inner());
+        p.published += 1;
+        let index = p.published;
+        p.outcomes.push_back((index, ok));
+        if p.outcomes.len() > 64 {
+            p.outcomes.pop_front();
+        }
+        if let Some(d) = done {
+            p.done = Some(Arc::new(d));
+        }
+        self.cv.notify_all();
+    }
+
+    /// A flush with nothing to close: the last close's outcome stands.
+    pub(crate) fn publish_again(&self) {
+        let ok = {
+            let p = self.progress.lock().unwrap_or_else(|e| e.into_inner());
+            p.outcomes.back().is_none_or(|o| o.1)
+        };
+        self.publish(ok, None);
+    }
+
+    /// After the comm thread is gone: every outcome still awaited is a failure.
+    pub(crate) fn fail_all_waiters(&self) {
+        let mut p = self.progress.lock().unwrap_or_else(|e| e.into_inner());
+        p.dead = true;
+        self.cv.notify_all();
+    }
+
+    /// The failure that ended the engine (the first the comm thread saw).
+    pub(crate) fn note_failure(&self, failure: Option<Failure>) {
+        let mut p = self.progress.lock().unwrap_or_else(|e| e.into_inner());
+        if p.failure.is_none() {
+            p.failure = failure;
+        }
+        self.cv.notify_all();
+    }
+
+    pub(crate) fn account(
+        &self,
+        compressed: bool,
+        sent: u64,
+        uncompressed: u64,
+        eps: f64,
+        _resend: bool,
+    ) {
+        let mut s = self.stats();
+        if compressed {
+            s.compressed += 1;
+        } else {
+            s.plain += 1;
+        }
+        s.bytes_sent += sent;
+        s.bytes_uncompressed += uncompressed;
+        s.eps = s.eps.max(eps);
+    }
+
+    pub(crate) fn resend(&self) {
+        self.stats().resends += 1;
+    }
+
+    pub(crate) fn add_seconds(&self, s: f64) {
+        self.stats().seconds += s;
+    }
+
+    pub(crate) fn set_max_error(&self, m: f64) {
+        let mut s = self.stats();
+        s.max_error = s.max_error.max(m);
+    }
+}
+
+/// One rank's handle to an engine; see the module docs.
+pub struct Engine {
+    tx: Sender<Msg>,
+    shared: Arc<Shared>,
+    control: Arc<Control>,
+    ready: ReadyFn,
+    rank: usize,
+    world: usize,
+    options: Options,
+    /// Publications asked for so far (closes, agreements).
+    expected: Mutex<u64>,
+    thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine")
+            .field("rank", &self.rank)
+            .field("world", &self.world)
+            .field("options", &self.options)
+            .finish()
+    }
+}
+
+impl Engine {
+    /// Starts an engine on `be` and `tr` with `options`, and its agreement round with `token`
+    /// (a value every rank must give alike, e.g. which checkpoint it resumed from): ranks that
+    /// disagree on the options or the token get [`Error::RankMismatch`] from their first wait.
+    ///
+    /// # Errors
+    /// [`Error::InvalidBound`] and the other errors of [`Options::check`]; a thread that cannot
+    /// be started.
+    pub(crate) fn start<B: Backend, T: Transport<B> + 'static>(
+        be: B,
+        tr: T,
+        options: Options,
+        token: u64,
+    ) -> Result<Engine> {
+        options.check()?;
+        let (rank, world) = (tr.rank(), tr.world());
+        let control = tr.control().clone();
+        let ready = be.ready_maker();
+        let shared = Shared::new();
+        let (tx, rx) = crossbeam_channel::unbounded();
+        let worker = worker::Worker::new(be, tr, options.clone(), shared.clone(), rx);
+        let thread = std::thread::Builder::new()
+            .name(format!("cfc-engine-{rank}"))
+            .spawn(move || {
+                let fallback = worker.fallback_failure();
+                let control = worker.control();
+                let shared = worker.shared();
+                // A panic on this thread (a bug) must not leave the ranks waiting: it fails the
+                // engine like any other error.
+                let outcome =
+                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || worker.run()));
+                if outcome.is_err() {
+                    control.raise(fallback, true);
+                    shared.note_failure(control.failure());
+                    // Waiters read the failure from now on (no more publications come).
+                    shared.fail_all_waiters();
+                }
+            })
+            .map_err(|e| Error::Transport(format!("cannot start the engine's thread: {e}")))?;
+        let engine = Engine {
+            tx,
+            shared,
+            control,
+            ready,
+            rank,
+            world,
+            options,
+            expected: Mutex::new(0),
+            thread: Mutex::new(Some(thread)),
+        };
+        engine.send_counted(Msg::Agree(token))?;
+        Ok(engine)
+    }
+
+    /// Engines for `world` ranks that are threads of this process, on the CPU backend: one per
+    /// rank, to be driven from one thread each.
+    ///
+    /// # Errors
+    /// As [`Engine::start`].
+    pub fn local_group(world: usize, options: Options) -> Result<Vec<Engine>> {
+        LocalLinks::group(world, options.timeout)
+            .into_iter()
+            .map(|l| Engine::start(CpuBackend::new(), HostTransport::new(l), options.clone(), 0))
+            .collect()
+    }
+
+    /// An engine on the CPU backend over links between processes.
+    ///
+    /// # Errors
+    /// As [`Engine::start`].
+    pub fn on_cpu<L: transport::Links + 'static>(
+        links: L,
+        options: Options,
+        token: u64,
+    ) -> Result<Engine> {
+        Engine::start(CpuBackend::new(), HostTransport::new(links), options, token)
+    }
+
+    /// An engine on the CUDA backend (device `device`) over an NCCL communicator of its own,
+    /// whose waits end at the first failure on `control` (fed by `links`, kept open as long as
+    /// the engine: TCP links in a star around rank 0 between processes, or the shared board of
+    /// ranks that are threads of one process).
+    ///
+    /// # Errors
+    /// As [`Engine::start`]; CUDA errors.
+    #[cfg(feature = "cuda")]
+    pub fn on_cuda_nccl(
+        device: usize,
+        comm: crate::nccl::Communicator,
+        control: Arc<Control>,
+        links: Option<Box<dyn transport::Links>>,
+        options: Options,
+        token: u64,
+    ) -> Result<Engine> {
+        let be = backend::cuda::CudaBackend::new(device)?;
+        let mut comm = comm;
+        comm.set_timeout(options.timeout);
+        let tr = transport::nccl::NcclTransport::new(comm, control, links);
+        Engine::start(be, tr, options, token)
+    }
+
+    /// An engine on the CUDA backend (device `device`) over host links, through host memory
+    /// (ranks that share a GPU, where NCCL refuses them).
+    ///
+    /// # Errors
+    /// As [`Engine::start`]; CUDA errors.
+    #[cfg(feature = "cuda")]
+    pub fn on_cuda_links<L: transport::Links + 'static>(
+        device: usize,
+        links: L,
+        options: Options,
+        token: u64,
+    ) -> Result<Engine> {
+        let be = backend::cuda::CudaBackend::new(device)?;
+        Engine::start(
+            be,
+            transport::staged::StagedTransport::new(links),
+            options,
+            token,
+        )
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Number of ranks.
+    pub fn world(&self) -> usize {
+        self.world
+    }
+
+    /// The options.
+    pub fn options(&self) -> &Options {
+        &self.options
+    }
+
+    /// The failure board (e.g. to see a peer's failure without waiting).
+    pub fn control(&self) -> &Arc<Control> {
+        &self.control
+    }
+
+    fn send(&self, msg: Msg) -> Result<()> {
+        self.tx
+            .send(msg)
+            .map_err(|_| Error::Transport("the engine's thread has ended".into()))
+    }
+
+    fn send_counted(&self, msg: Msg) -> Result<u64> {
+        let mut e = self.expected.lock().unwrap_or_else(|e| e.into_inner());
+        self.send(msg)?;
+        *e += 1;
+        Ok(*e)
+    }
+
+    /// Hands `job` to the engine and returns at once. A job the engine refuses (its dtype,
+    /// lengths, alignment) is refused on every rank: this rank raises it on the failure board.
+    ///
+    /// # Safety
+    /// The job's tensors must be memory of the engine's device (host memory for a CPU engine),
+    /// valid for their elements, and must not be read or written by anything else from this
+    /// call until [`Engine::wait`] returns (on a CUDA engine: work queued on `stream` before
+    /// this call is done first, and work queued on the stream the wait names comes after).
+    /// `stream` is a `CUstream` of the device's primary context (ignored on the CPU).
+    ///
+    /// # Errors
+    /// The failure of any rank, raised so far; the job's refusal (see above).
+    pub unsafe fn submit(&self, job: Job, stream: u64) -> Result<()> {
+        self.control.check()?;
+        let checked = job.check(self.world, self.options.feedback).and_then(|()| {
+            if let Op::ReduceScatter { out } = job.op {
+                let (a, b) = (job.data.region(), out.region());
+                if a.addr < b.addr + b.len && b.addr < a.addr + a.len {
+                    return Err(Error::Transport(
+                        "a reduce-scatter's output lies inside its input".into(),
+                    ));
+                }
+            }
+            Ok(())
+        });
+        if let Err(e) = checked {
+            self.fail(&e.to_string());
+            return Err(e);
+        }
+        let ready = (self.ready)(stream)?;
+        if job.last {
+            self.send_counted(Msg::Job(job, ready))?;
+        } else {
+            self.send(Msg::Job(job, ready))?;
+        }
+        Ok(())
+    }
+
+    /// Waits until every job submitted so far is done on the host (exchanged, its decoding
+    /// queued) and the step is closed, then orders `stream` (a `CUstream`; ignored on the CPU)
+    /// after the results.
+    ///
+    /// # Errors
+    /// The first failure of any rank ([`Error::PeerFailed`] names the rank where it began);
+    /// [`Error::Timeout`] when the engine does not answer within twice its timeout.
+    pub fn wait(&self, stream: u64) -> Result<()> {
+        let want = self.send_counted(Msg::Flush)?;
+        self.wait_for(want)?;
+        let done = self
+            .shared
+            .progress
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .done
+            .clone();
+        match done {
+            Some(d) => d(stream),
+            None => Ok(()),
+        }
+    }
+
+    /// The error a failed wait reports.
+    fn failure_of(&self, p: &Progress) -> Error {
+        match p.failure.clone().or_else(|| self.control.failure()) {
+            Some(f) => f.error(),
+            None => Error::Transport("the engine's thread has ended".into()),
+        }
+    }
+
+    fn wait_for(&self, want: u64) -> Result<()> {
+        let limit = self.options.timeout * 2 + Duration::from_secs(10);
+        let t0 = Instant::now();
+        let mut p = self
+            .shared
+            .progress
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        loop {
+            if p.dead {
+                return Err(self.failure_of(&p));
+            }
+            if p.published >= want {
+                let ok = p.outcomes.iter().find(|o| o.0 == want).is_none_or(|o| o.1);
+                if ok {
+                    return Ok(());
+                }
+                return Err(self.failure_of(&p));
+            }
+            let left = limit.saturating_sub(t0.elapsed());
+            if left.is_zero() {
+                return Err(Error::Timeout {
+                    peer: self.rank,
+                    seconds: limit.as_secs_f64(),
+                });
+            }
+            p = self
+                .shared
+                .cv
+                .wait_timeout(p, left.min(Duration::from_millis(100)))
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+
+    /// Checks again, with every rank, the options and `token` (e.g. after loading a
+    /// checkpoint), in order with the jobs; waits for the round.
+    ///
+    /// # Errors
+    /// [`Error::RankMismatch`] on every rank where they differ; a failure of any rank.
+    pub fn agree(&self, token: u64) -> Result<()> {
+        let want = self.send_counted(Msg::Agree(token))?;
+        self.wait_for(want)
+    }
+
+    /// Fails this rank with `reason` (an error of the caller's, e.g. an exception in a hook):
+    /// every rank's next wait reports it, and every later job is refused.
+    pub fn fail(&self, reason: &str) {
+        self.control.raise(
+            Failure {
+                rank: self.rank,
+                reason: reason.to_string(),
+            },
+            true,
+        );
+    }
+
+    /// What the engine has done so far.
+    pub fn stats(&self) -> Stats {
+        self.shared.stats().clone()
+    }
+
+    /// Forgets every bucket (after the jobs submitted so far): the warm-up and the trial start
+    /// again, residuals of later jobs are the caller's.
+    ///
+    /// # Errors
+    /// The engine's thread has ended.
+    pub fn reset(&self) -> Result<()> {
+        self.send_counted(Msg::Reset).map(|_| ())
+    }
+
+    /// What a checkpoint needs of the engine (after the jobs submitted so far).
+    ///
+    /// # Errors
+    /// The engine's thread has ended.
+    pub fn state(&self) -> Result<EngineState> {
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        self.send(Msg::State(tx))?;
+        rx.recv_timeout(self.options.timeout * 2 + Duration::from_secs(10))
+            .map_err(|_| Error::Transport("the engine's thread did not answer".into()))
+    }
+
+    /// Replaces the engine's state with a checkpoint's (before the next job).
+    ///
+    /// # Errors
+    /// The engine's thread has ended.
+    pub fn load_state(&self, state: EngineState) -> Result<()> {
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        self.send(Msg::Load(state, tx))?;
+        rx.recv_timeout(self.options.timeout * 2 + Duration::from_secs(10))
+            .map_err(|_| Error::Transport("the engine's thread did not answer".into()))
+    }
+
+    /// Makes `fault` happen at the next compressed job (for tests of failure handling).
+    ///
+    /// # Errors
+    /// The engine's thread has ended.
+    pub fn inject(&self, fault: Fault) -> Result<()> {
+        self.send(Msg::Inject(fault))
+    }
+
+    /// Finishes the jobs submitted, then stops the engine's thread and closes its links (its
+    /// peers then know it left on purpose). Waits at most twice the timeout.
+    ///
+    /// # Errors
+    /// The failure of the last step, if any; [`Error::Timeout`].
+    pub fn close(&self) -> Result<()> {
+        let handle = self.thread.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let Some(handle) = handle else {
+            return Ok(());
+        };
+        let outcome = self
+            .send_counted(Msg::Stop)
+            .and_then(|want| self.wait_for(want));
+        let t0 = Instant::now();
+        while !handle.is_finished() && t0.elapsed() < self.options.timeout * 2 {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        if handle.is_finished() {
+            let _ = handle.join();
+        }
+        outcome
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        // Never waits: a process that exits without closing its engines exits at once.
+        if self
+            .thread
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+            .is_some()
+        {
+            let _ = self.tx.send(Msg::Stop);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

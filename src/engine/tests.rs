@@ -1,0 +1,613 @@
+//! The engine's state machine on the CPU backend, with ranks as threads: exchanges against a
+//! reference computed with the codec directly, bounds, slots and resends, the warm-up and the
+//! trial, checkpoints, and failures injected on one rank at every point.
+
+use super::*;
+use crate::codec::{decompress, Bound, CompressOptions};
+use crate::engine::transport::tcp::{Listener, TcpLinks, Topology};
+use crate::feedback::compress_with_feedback;
+use crate::format::DType;
+use std::time::Duration;
+
+/// Runs `f(rank, engine)` on a thread per rank of a local group of `world` engines.
+fn ranks<R: Send>(world: usize, o: &Options, f: impl Fn(usize, &Engine) -> R + Sync) -> Vec<R> {
+    let engines = Engine::local_group(world, o.clone()).unwrap();
+    std::thread::scope(|s| {
+        let hs: Vec<_> = engines
+            .iter()
+            .enumerate()
+            .map(|(r, e)| {
+                let f = &f;
+                s.spawn(move || f(r, e))
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+fn tensor<T>(v: &mut [T], dtype: DType) -> Tensor {
+    Tensor {
+        addr: v.as_mut_ptr() as u64,
+        numel: v.len() as u64,
+        dtype,
+    }
+}
+
+/// Gradient-like values of a rank at a step.
+fn grads(rank: usize, step: usize, n: usize) -> Vec<f32> {
+    (0..n)
+        .map(|i| {
+            let t = (i * 7919 + rank * 104_729 + step * 15_485_863) % 100_003;
+            ((t as f32 / 100_003.0) - 0.5) * 1e-2 * (1.0 + (i % 13) as f32)
+        })
+        .collect()
+}
+
+fn job(key: u64, data: &mut [f32], r: Option<&mut [f32]>, last: bool) -> Job {
+    Job {
+        key,
+        fingerprint: 1,
+        data: tensor(data, DType::F32),
+        residual: r.map(|r| tensor(r, DType::F32)),
+        op: Op::AllReduce,
+        scale: Scale::Average,
+        last,
+        fresh_residual: false,
+    }
+}
+
+fn options(bound: BoundRule) -> Options {
+    let mut o = Options::new(bound);
+    o.min_compress_numel = 1;
+    o.timeout = Duration::from_secs(20);
+    o
+}
+
+/// One all-reduce of every rank's `grads(rank, 0, n)`, with residuals; returns each rank's
+/// result and residual.
+fn one_step(world: usize, o: &Options, n: usize) -> Vec<(Vec<f32>, Vec<f32>)> {
+    ranks(world, o, |rank, e| {
+        let mut x = grads(rank, 0, n);
+        let mut r = vec![0.0f32; n];
+        // SAFETY: `x` and `r` live until the wait below returns.
+        unsafe { e.submit(job(0, &mut x, Some(&mut r), true), 0) }.unwrap();
+        e.wait(0).unwrap();
+        (x, r)
+    })
+}
+
+/// What the all-gather gives: every rank's frame (with error feedback) decoded, added in f32
+/// in rank order, times 1/world.
+fn gather_reference(world: usize, n: usize, eps: f64) -> Vec<f32> {
+    let opts = CompressOptions::new(Bound::Abs(eps));
+    let mut acc = vec![0.0f32; n];
+    for rank in 0..world {
+        let mut r = vec![0.0f32; n];
+        let f = compress_with_feedback(&grads(rank, 0, n), &mut r, &[n], &opts).unwrap();
+        let (_, v) = decompress::<f32>(&f).unwrap();
+        for (a, v) in acc.iter_mut().zip(v) {
+            *a = if rank == 0 { v } else { *a + v };
+        }
+    }
+    let scale = 1.0 / world as f32;
+    acc.iter().map(|a| a * scale).collect()
+}
+
+/// What the reduce-scatter gives: per shard, the exact sum of every rank's frame of it,
+/// decoded, times 1/world.
+fn scatter_reference(world: usize, n: usize, eps: f64) -> Vec<f32> {
+    let opts = CompressOptions::new(Bound::Abs(eps));
+    let mut out = Vec::new();
+    for (lo, len) in rows::shards(n as u64, world) {
+        let (lo, len) = (lo as usize, len as usize);
+        let frames: Vec<Vec<u8>> = (0..world)
+            .map(|rank| {
+                let mut r = vec![0.0f32; len];
+                compress_with_feedback(&grads(rank, 0, n)[lo..lo + len], &mut r, &[len], &opts)
+                    .unwrap()
+            })
+            .collect();
+        let parts: Vec<&[u8]> = frames.iter().map(|f| &f[..]).collect();
+        let (_, v) = decompress::<f32>(&crate::sum_frames(&parts, None).unwrap()).unwrap();
+        out.extend(v.iter().map(|v| v * (1.0 / world as f32)));
+    }
+    out
+}
+
+#[test]
+fn both_exchanges_give_the_reference_bits_on_every_rank() {
+    let n = 10_000;
+    let eps = 1e-4;
+    for world in [1, 2, 3, 4] {
+        for algorithm in [Algorithm::AllGather, Algorithm::ReduceScatter] {
+            let mut o = options(BoundRule::Abs(eps));
+            o.algorithm = Some(algorithm);
+            let got = one_step(world, &o, n);
+            let want = match algorithm {
+                Algorithm::AllGather => gather_reference(world, n, eps),
+                Algorithm::ReduceScatter => scatter_reference(world, n, eps),
+            };
+            for (rank, (x, r)) in got.iter().enumerate() {
+                assert_eq!(x, &want, "world {world}, {algorithm:?}, rank {rank}");
+                // what this rank's rounding dropped is in its residual, within the bound
+                assert!(r.iter().all(|e| e.abs() as f64 <= eps * 1.0001));
+            }
+            // and the average is within the bound of the exact average
+            let exact: Vec<f64> = (0..n)
+                .map(|i| (0..world).map(|k| grads(k, 0, n)[i] as f64).sum::<f64>() / world as f64)
+                .collect();
+            let worst = got[0]
+                .0
+                .iter()
+                .zip(&exact)
+                .map(|(a, b)| (*a as f64 - b).abs())
+                .fold(0.0, f64::max);
+            assert!(
+                worst <= eps * 1.001 + 1e-6,
+                "world {world} {algorithm:?}: {worst}"
+            );
+        }
+    }
+}
+
+#[test]
+fn half_precision_buckets_and_a_reduce_scatter_job() {
+    use half::{bf16, f16};
+    let world = 3;
+    let o = options(BoundRule::Rms(0.1));
+    let n = 3 * 4096;
+    let out = ranks(world, &o, |rank, e| {
+        let mut b: Vec<bf16> = grads(rank, 0, n)
+            .iter()
+            .map(|v| bf16::from_f32(*v))
+            .collect();
+        let mut h: Vec<f16> = grads(rank, 1, n)
+            .iter()
+            .map(|v| f16::from_f32(*v))
+            .collect();
+        let mut x = grads(rank, 2, n);
+        let mut shard = vec![0.0f32; n / world];
+        let mut r = vec![0.0f32; n];
+        // SAFETY: everything lives until the wait.
+        unsafe {
+            e.submit(
+                Job {
+                    data: tensor(&mut b, DType::BF16),
+                    ..job(0, &mut [], None, false)
+                },
+                0,
+            )
+            .unwrap();
+            e.submit(
+                Job {
+                    key: 1,
+                    data: tensor(&mut h, DType::F16),
+                    ..job(1, &mut [], None, false)
+                },
+                0,
+            )
+            .unwrap();
+            e.submit(
+                Job {
+                    key: 2,
+                    residual: Some(tensor(&mut r, DType::F32)),
+                    op: Op::ReduceScatter {
+                        out: tensor(&mut shard, DType::F32),
+                    },
+                    scale: Scale::Sum,
+                    ..job(2, &mut x, None, true)
+                },
+                0,
+            )
+            .unwrap();
+        }
+        e.wait(0).unwrap();
+        let s = e.stats();
+        (b, h, shard, s)
+    });
+    for (rank, (b, h, shard, s)) in out.iter().enumerate() {
+        assert_eq!(b, &out[0].0, "rank {rank}");
+        assert_eq!(h, &out[0].1, "rank {rank}");
+        assert_eq!(s.compressed, 3);
+        let eps = s.eps;
+        // the reduce-scatter's shard is the sum of every rank's shard, within world * eps
+        let l = n / world;
+        for (i, v) in shard.iter().enumerate() {
+            let exact: f64 = (0..world)
+                .map(|k| grads(k, 2, n)[rank * l + i] as f64)
+                .sum();
+            assert!(
+                (*v as f64 - exact).abs() <= world as f64 * eps * 1.001,
+                "{i}"
+            );
+        }
+        let exact_b: Vec<f64> = (0..n)
+            .map(|i| {
+                (0..world)
+                    .map(|k| bf16::from_f32(grads(k, 0, n)[i]).to_f64())
+                    .sum::<f64>()
+                    / 3.0
+            })
+            .collect();
+        for (v, x) in b.iter().zip(&exact_b) {
+            // the bound, plus bf16's roundings of the sum and of the average
+            assert!((v.to_f64() - x).abs() <= eps + 2.0 * x.abs() / 128.0 + 1e-9);
+        }
+    }
+}
+
+#[test]
+fn an_rms_bound_follows_the_previous_step_and_slots_grow_with_the_frames() {
+    let world = 2;
+    let n = 50_000;
+    let o = options(BoundRule::Rms(0.3));
+    let out = ranks(world, &o, |rank, e| {
+        let mut r = vec![0.0f32; n];
+        let mut eps = Vec::new();
+        let mut sent = Vec::new();
+        for step in 0..4 {
+            // step 2's gradients are 4x larger: its frames outgrow the slots sized at step 1
+            let k = if step == 2 { 4.0 } else { 1.0 };
+            let mut x: Vec<f32> = grads(rank, step, n).iter().map(|v| v * k).collect();
+            let before = e.stats();
+            // SAFETY: as in `one_step`.
+            unsafe { e.submit(job(0, &mut x, Some(&mut r), true), 0) }.unwrap();
+            e.wait(0).unwrap();
+            let after = e.stats();
+            eps.push(after.eps);
+            sent.push((
+                after.bytes_sent - before.bytes_sent,
+                after.resends - before.resends,
+            ));
+        }
+        (eps, sent)
+    });
+    let (eps, sent) = &out[0];
+    assert_eq!(out[0], out[1]);
+    // the first step's bound came from its own RMS, the next from the step before: close
+    assert!((eps[1] / eps[0] - 1.0).abs() < 0.2, "{eps:?}");
+    // the first exchange sends the heads, then the frames; the second fits its slot
+    assert_eq!(sent[0].1, 0);
+    assert_eq!(sent[1].1, 0);
+    // 4x larger values take more bits than the slot held: sent again
+    assert_eq!(sent[2].1, 1, "{sent:?}");
+}
+
+#[test]
+fn the_warmup_and_the_trial_choose_alike_on_every_rank() {
+    let world = 3;
+    let n = 20_000;
+    let mut o = options(BoundRule::Rms(0.3));
+    o.warmup_steps = 1;
+    o.fallback = Fallback::Auto { trial_steps: 2 };
+    let out = ranks(world, &o, |rank, e| {
+        let mut r0 = vec![0.0f32; n];
+        let mut r1 = vec![0.0f32; 100];
+        let mut plan = Vec::new();
+        for step in 0..5 {
+            let mut x = grads(rank, step, n);
+            let mut small = grads(rank, step, 100);
+            let before = e.stats();
+            // SAFETY: as in `one_step`.
+            unsafe {
+                e.submit(job(0, &mut x, Some(&mut r0), false), 0).unwrap();
+                e.submit(
+                    Job {
+                        key: 1,
+                        ..job(1, &mut small, Some(&mut r1), true)
+                    },
+                    0,
+                )
+                .unwrap();
+            }
+            e.wait(0).unwrap();
+            let after = e.stats();
+            plan.push((
+                after.compressed - before.compressed,
+                after.plain - before.plain,
+            ));
+        }
+        (plan, e.state().unwrap())
+    });
+    let (plan, state) = &out[0];
+    // warm-up: plain; trial: plain, then compressed (the small bucket too: min_compress_numel 1)
+    assert_eq!(plan[0], (0, 2));
+    assert_eq!(plan[1], (0, 2));
+    assert_eq!(plan[2], (2, 0));
+    let decisions: Vec<_> = state.buckets.iter().map(|b| b.decision).collect();
+    assert!(decisions.iter().all(|d| d.is_some()), "{decisions:?}");
+    for (p, s) in &out {
+        assert_eq!(p, plan);
+        assert_eq!(
+            s.buckets.iter().map(|b| b.decision).collect::<Vec<_>>(),
+            decisions
+        );
+    }
+    assert_eq!(state.step, 5);
+}
+
+#[test]
+fn a_fallback_of_always_sends_the_exact_average() {
+    let mut o = options(BoundRule::Abs(1e-3));
+    o.fallback = Fallback::Always;
+    let world = 3;
+    let n = 1001;
+    let out = ranks(world, &o, |rank, e| {
+        let mut x = grads(rank, 0, n);
+        let mut r: Vec<f32> = (0..n).map(|i| if i == 5 { 0.25 } else { 0.0 }).collect();
+        let j = Job {
+            fresh_residual: true,
+            ..job(0, &mut x, Some(&mut r), true)
+        };
+        // SAFETY: as in `one_step`.
+        unsafe { e.submit(j, 0) }.unwrap();
+        e.wait(0).unwrap();
+        (x, r, e.stats())
+    });
+    for (x, r, s) in &out {
+        assert_eq!(s.plain, 1);
+        assert!(r.iter().all(|v| *v == 0.0), "the residual went along");
+        for (i, v) in x.iter().enumerate() {
+            let want = (0..world)
+                .map(|k| grads(k, 0, n)[i] + if i == 5 { 0.25 } else { 0.0 })
+                .fold(0.0f32, |a, b| a + b)
+                / 3.0;
+            assert!((v - want).abs() <= 1e-6, "{i}");
+        }
+    }
+}
+
+/// Runs three steps of two buckets on `world` ranks, with `setup` applied to `rank`'s engine
+/// first; returns each rank's outcome of each step.
+fn with_fault(
+    world: usize,
+    alg: Algorithm,
+    setup: impl Fn(usize, &Engine) + Sync,
+) -> Vec<Vec<std::result::Result<(), String>>> {
+    let mut o = options(BoundRule::Rms(0.3));
+    o.algorithm = Some(alg);
+    o.timeout = Duration::from_secs(60);
+    let t0 = std::time::Instant::now();
+    let out = ranks(world, &o, |rank, e| {
+        let n = 8192;
+        let (mut r0, mut r1) = (vec![0.0f32; n], vec![0.0f32; n]);
+        let mut outcomes = Vec::new();
+        for step in 0..3 {
+            if step == 1 {
+                setup(rank, e);
+            }
+            let (mut a, mut b) = (grads(rank, step, n), grads(rank, step + 9, n));
+            // SAFETY: as in `one_step`.
+            let submitted = unsafe {
+                e.submit(job(0, &mut a, Some(&mut r0), false), 0)
+                    .and_then(|()| {
+                        e.submit(
+                            Job {
+                                key: 1,
+                                ..job(1, &mut b, Some(&mut r1), true)
+                            },
+                            0,
+                        )
+                    })
+            };
+            let waited = e.wait(0);
+            outcomes.push(submitted.and(waited).map_err(|e| e.to_string()));
+        }
+        outcomes
+    });
+    // no rank waited for the timeout
+    assert!(t0.elapsed() < Duration::from_secs(20), "{:?}", t0.elapsed());
+    out
+}
+
+/// Every rank succeeded at step 0 and failed at steps 1 and 2, naming `rank`.
+fn failed_everywhere(out: &[Vec<std::result::Result<(), String>>], rank: usize, what: &str) {
+    for (r, steps) in out.iter().enumerate() {
+        assert!(steps[0].is_ok(), "rank {r}: {:?}", steps[0]);
+        for s in &steps[1..] {
+            let e = s.as_ref().expect_err("a failed step");
+            assert!(
+                e.contains(&format!("rank {rank}")) && e.contains(what),
+                "rank {r}: {e}"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_failure_on_one_rank_fails_every_rank_at_once() {
+    for world in [2, 3] {
+        for alg in [Algorithm::AllGather, Algorithm::ReduceScatter] {
+            let out = with_fault(world, alg, |rank, e| {
+                if rank == world - 1 {
+                    e.inject(Fault::Alloc).unwrap();
+                }
+            });
+            failed_everywhere(&out, world - 1, "could not allocate");
+            let out = with_fault(world, alg, |rank, e| {
+                if rank == 0 {
+                    e.inject(Fault::Device).unwrap();
+                }
+            });
+            failed_everywhere(&out, 0, "injected device failure");
+            // An exception in the caller (a hook) on one rank.
+            let out = with_fault(world, alg, |rank, e| {
+                if rank == 1 {
+                    e.fail("ValueError: raised in the hook");
+                }
+            });
+            failed_everywhere(&out, 1, "raised in the hook");
+        }
+    }
+}
+
+#[test]
+fn a_corrupt_frame_fails_every_rank_in_the_same_step() {
+    for world in [2, 3] {
+        for alg in [Algorithm::AllGather, Algorithm::ReduceScatter] {
+            let out = with_fault(world, alg, |rank, e| {
+                if rank == 0 {
+                    e.inject(Fault::Corrupt).unwrap();
+                }
+            });
+            for (r, steps) in out.iter().enumerate() {
+                assert!(steps[0].is_ok());
+                let e = steps[1].as_ref().expect_err("step 1 fails");
+                assert!(
+                    e.contains("frame") || e.contains("sum"),
+                    "{world} {alg:?} rank {r}: {e}"
+                );
+                assert!(steps[2].is_err());
+            }
+        }
+    }
+}
+
+#[test]
+fn ranks_that_disagree_all_fail() {
+    // Options.
+    let engines: Vec<Engine> = (0..2)
+        .zip(LocalLinks::group(2, Duration::from_secs(10)))
+        .map(|(r, l)| {
+            let mut o = options(BoundRule::Abs(1e-3));
+            o.warmup_steps = r;
+            Engine::start(CpuBackend::new(), HostTransport::new(l), o, 0).unwrap()
+        })
+        .collect();
+    for e in &engines {
+        let err = e.wait(0).unwrap_err().to_string();
+        assert!(
+            err.contains("warm-up 0") && err.contains("warm-up 1"),
+            "{err}"
+        );
+    }
+    // Buckets of another size on one rank.
+    let o = options(BoundRule::Abs(1e-3));
+    let out = ranks(2, &o, |rank, e| {
+        let mut x = grads(rank, 0, 1000 + rank * 64);
+        // SAFETY: as in `one_step`.
+        unsafe { e.submit(job(0, &mut x, None, true), 0) }.unwrap();
+        e.wait(0).map_err(|e| e.to_string())
+    });
+    for o in out {
+        let e = o.unwrap_err();
+        assert!(e.contains("check word"), "{e}");
+    }
+}
+
+#[test]
+fn a_rank_that_dies_fails_the_others() {
+    let o = options(BoundRule::Abs(1e-3));
+    let mut engines = Engine::local_group(2, o).unwrap();
+    let dead = engines.pop().unwrap();
+    let alive = engines.pop().unwrap();
+    let t0 = std::time::Instant::now();
+    std::thread::scope(|s| {
+        s.spawn(move || {
+            std::thread::sleep(Duration::from_millis(200));
+            // Its thread ends without closing: its links go away without a goodbye.
+            std::mem::forget(dead.tx.clone());
+            drop(dead);
+        });
+        let mut x = grads(0, 0, 4096);
+        // SAFETY: as in `one_step`.
+        unsafe { alive.submit(job(0, &mut x, None, true), 0) }.unwrap();
+        let e = alive.wait(0).unwrap_err().to_string();
+        assert!(e.contains("rank 1"), "{e}");
+    });
+    assert!(t0.elapsed() < Duration::from_secs(10));
+}
+
+#[test]
+fn a_silent_peer_is_a_timeout_and_close_is_bounded() {
+    let mut o = options(BoundRule::Abs(1e-3));
+    o.timeout = Duration::from_millis(500);
+    let engines = Engine::local_group(2, o).unwrap();
+    let mut x = grads(0, 0, 4096);
+    // SAFETY: as in `one_step`.
+    unsafe { engines[0].submit(job(0, &mut x, None, true), 0) }.unwrap();
+    let t0 = std::time::Instant::now();
+    let e = engines[0].wait(0).unwrap_err().to_string();
+    assert!(
+        e.contains("did not answer") || e.contains("timed out") || e.contains("within"),
+        "{e}"
+    );
+    assert!(t0.elapsed() < Duration::from_secs(5));
+    let t0 = std::time::Instant::now();
+    let _ = engines[0].close();
+    let _ = engines[1].close();
+    assert!(t0.elapsed() < Duration::from_secs(5));
+}
+
+#[test]
+fn a_resumed_run_repeats_the_bits_of_the_uninterrupted_one() {
+    let world = 2;
+    let n = 20_000;
+    let mut o = options(BoundRule::Rms(0.3));
+    o.fallback = Fallback::Auto { trial_steps: 2 };
+    let steps = |e: &Engine, rank: usize, r: &mut Vec<f32>, range: std::ops::Range<usize>| {
+        let mut outs = Vec::new();
+        for step in range {
+            let mut x = grads(rank, step, n);
+            // SAFETY: as in `one_step`.
+            unsafe { e.submit(job(0, &mut x, Some(r), true), 0) }.unwrap();
+            e.wait(0).unwrap();
+            outs.push(x);
+        }
+        outs
+    };
+    let straight = ranks(world, &o, |rank, e| {
+        let mut r = vec![0.0f32; n];
+        steps(e, rank, &mut r, 0..6)
+    });
+    let saved = ranks(world, &o, |rank, e| {
+        let mut r = vec![0.0f32; n];
+        steps(e, rank, &mut r, 0..3);
+        (e.state().unwrap(), r)
+    });
+    let resumed = ranks(world, &o, |rank, e| {
+        let (state, r) = &saved[rank];
+        e.load_state(state.clone()).unwrap();
+        let mut r = r.clone();
+        steps(e, rank, &mut r, 3..6)
+    });
+    for rank in 0..world {
+        assert_eq!(&straight[rank][3..], &resumed[rank][..], "rank {rank}");
+    }
+}
+
+#[test]
+fn processes_linked_over_tcp_run_the_same_exchange() {
+    let world = 3;
+    let n = 5000;
+    let o = options(BoundRule::Abs(1e-4));
+    let listeners: Vec<Listener> = (0..world).map(|_| Listener::bind().unwrap()).collect();
+    let addresses: Vec<Vec<String>> = listeners.iter().map(|l| l.addresses()).collect();
+    let out: Vec<Vec<f32>> = std::thread::scope(|s| {
+        let hs: Vec<_> = listeners
+            .into_iter()
+            .enumerate()
+            .map(|(rank, l)| {
+                let (addresses, o) = (&addresses, &o);
+                s.spawn(move || {
+                    let links =
+                        TcpLinks::connect(l, rank, world, addresses, 7, Topology::Mesh, o.timeout)
+                            .unwrap();
+                    let e = Engine::on_cpu(links, o.clone(), 0).unwrap();
+                    let mut x = grads(rank, 0, n);
+                    let mut r = vec![0.0f32; n];
+                    // SAFETY: as in `one_step`.
+                    unsafe { e.submit(job(0, &mut x, Some(&mut r), true), 0) }.unwrap();
+                    e.wait(0).unwrap();
+                    e.close().unwrap();
+                    x
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let want = scatter_reference(world, n, 1e-4);
+    for x in out {
+        assert_eq!(x, want);
+    }
+}

@@ -1,0 +1,551 @@
+//! The comm thread: one per engine, taking messages first in first out, so that every rank
+//! issues the same collectives in the same order whatever the timing.
+//!
+//! Each job runs in stages. Its first stage (the *launch*) queues the compression and the
+//! exchange and returns; the stages after it wait for what the exchange brought (frame sizes,
+//! on the host), so each runs only after the next job's launch ([`DEPTH`]), or when the step
+//! closes: the next bucket is on the wire while this thread waits. Which stage runs when depends
+//! on the order of the jobs only.
+//!
+//! A step closes at a job marked `last` (or a flush): the stages left run, then a closing round
+//! (every rank's decoding status, gathered) makes every rank succeed or fail together, and a
+//! mark after the step's last work is published for the caller's stream to wait on.
+//!
+//! Scratch given back after a stage may be handed out again at once: a stage gives back its
+//! buffers only after queuing its last use of them, on the compute lane after a join from the
+//! comm lane, and every later use of scratch on the comm lane follows a join from the compute
+//! lane (each exchange waits for its own compression).
+//!
+//! On a failure (of this rank, or raised by a peer on the board), the thread aborts the
+//! transport (so that queued collectives give up and the device drains), raises the failure on
+//! the board (which tells the peers), and from then on refuses every job: the caller's wait
+//! reports the failure, on every rank.
+
+use super::backend::{Backend, Lane};
+use super::control::Failure;
+use super::job::{Job, Op, Region};
+use super::options::{Algorithm, BoundRule, Options};
+use super::policy::{decide, EngineState, Phase, Policy};
+use super::transport::Transport;
+use super::{Fault, Msg, Shared};
+use crate::error::{Error, Result};
+use crossbeam_channel::{Receiver, RecvTimeoutError};
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Jobs launched after a job before its next stage runs.
+pub(crate) const DEPTH: u64 = 1;
+
+/// A job's stage after its launch (see the module docs); defined in `exchange.rs`.
+pub(super) use super::exchange::Stage;
+
+/// The comm thread's state.
+pub(crate) struct Worker<B: Backend, T: Transport<B>> {
+    pub(super) be: B,
+    pub(super) tr: T,
+    pub(super) o: Options,
+    pub(super) rank: usize,
+    pub(super) world: usize,
+    pub(super) algorithm: Algorithm,
+    pub(super) policy: Policy,
+    /// Jobs taken so far (the same number on every rank at the same job).
+    pub(super) seq: u64,
+    launched: u64,
+    deferred: VecDeque<(u64, Stage<B>)>,
+    /// A compressed job ran since the last closing round.
+    pub(super) decoded: bool,
+    /// A job came since the last close.
+    open: bool,
+    pub(super) shared: Arc<Shared>,
+    rx: Receiver<Msg>,
+    failed: bool,
+    pub(super) faults: Vec<Fault>,
+    /// Every rank's decoding status, received in the closing round.
+    statuses: Option<B::Buf>,
+}
+
+impl<B: Backend, T: Transport<B>> Worker<B, T> {
+    pub(crate) fn new(be: B, tr: T, o: Options, shared: Arc<Shared>, rx: Receiver<Msg>) -> Self {
+        let (rank, world) = (tr.rank(), tr.world());
+        Worker {
+            algorithm: o.algorithm_for(world),
+            be,
+            tr,
+            o,
+            rank,
+            world,
+            policy: Policy::new(),
+            seq: 0,
+            launched: 0,
+            deferred: VecDeque::new(),
+            decoded: false,
+            open: false,
+            shared,
+            rx,
+            failed: false,
+            faults: Vec::new(),
+            statuses: None,
+        }
+    }
+
+    /// What the thread raises if it panics (a bug): a failure of this rank.
+    pub(crate) fn fallback_failure(&self) -> Failure {
+        Failure {
+            rank: self.rank,
+            reason: "internal: the engine's thread panicked (a bug in cfc)".into(),
+        }
+    }
+
+    /// The failure board.
+    pub(crate) fn control(&self) -> Arc<super::control::Control> {
+        self.tr.control().clone()
+    }
+
+    /// What the thread shares with the handle.
+    pub(crate) fn shared(&self) -> Arc<Shared> {
+        self.shared.clone()
+    }
+
+    /// The thread's loop, until a stop message (or the engine's handle is gone).
+    pub(crate) fn run(mut self) {
+        loop {
+            if !self.failed && self.tr.control().failure().is_some() {
+                // A failure raised elsewhere while this thread was idle: give up now, so that
+                // nothing of this rank's stays queued for peers that are gone.
+                self.fail_with(None);
+            }
+            let msg = match self.rx.recv_timeout(super::transport::BOARD_POLL * 2) {
+                Ok(m) => m,
+                Err(RecvTimeoutError::Timeout) => continue,
+                Err(RecvTimeoutError::Disconnected) => break,
+            };
+            match msg {
+                Msg::Job(job, ready) => {
+                    let last = job.last;
+                    self.open = true;
+                    if !self.failed {
+                        let r = match ready.downcast::<B::Ready>() {
+                            Ok(ready) => self.job(job, *ready),
+                            Err(_) => Err(Error::Transport(
+                                "internal: a job of another backend".into(),
+                            )),
+                        };
+                        if let Err(e) = r {
+                            self.fail_with(Some(e));
+                        }
+                    }
+                    if last {
+                        self.close(true);
+                    }
+                }
+                Msg::Flush => self.close(false),
+                Msg::Agree(token) => {
+                    if !self.failed {
+                        if let Err(e) = self.agree(token) {
+                            self.fail_with(Some(e));
+                        }
+                    }
+                    self.shared.publish(!self.failed, None);
+                }
+                Msg::Reset => {
+                    self.close(false);
+                    self.policy.reset();
+                }
+                Msg::State(reply) => {
+                    let _ = reply.send(self.policy.state());
+                }
+                Msg::Load(state, reply) => {
+                    self.load(state);
+                    let _ = reply.send(());
+                }
+                Msg::Inject(f) => self.faults.push(f),
+                Msg::Stop => {
+                    self.close(false);
+                    break;
+                }
+            }
+        }
+    }
+
+    fn load(&mut self, state: EngineState) {
+        self.policy.load(state);
+    }
+
+    /// The agreement round: every rank's options, world and token, compared on every rank.
+    fn agree(&mut self, token: u64) -> Result<()> {
+        let mine = super::options::descriptor(&self.o, self.world, token);
+        let all = self.tr.gather(&mut self.be, &mine)?;
+        if let Some((j, theirs)) = all.iter().enumerate().find(|(_, d)| **d != all[0]) {
+            return Err(Error::RankMismatch {
+                what: format!("rank 0 has {}", super::options::describe(&all[0])),
+                theirs: format!("rank {j} has {}", super::options::describe(theirs)),
+            });
+        }
+        Ok(())
+    }
+
+    /// One job: its launch, then the stages of earlier jobs now due.
+    fn job(&mut self, job: Job, ready: B::Ready) -> Result<()> {
+        self.seq += 1;
+        let t0 = Instant::now();
+        self.be.begin(ready)?;
+        let n = job.data.numel;
+        let kind = matches!(job.op, Op::ReduceScatter { .. }) as u8;
+        let identity = (job.fingerprint, n, job.data.dtype, kind);
+        let (o, world) = (self.o.clone(), self.world);
+        let phase = self.policy.phase(&o);
+        self.policy.bucket(job.key, identity, &o, world);
+        if job.fresh_residual && job.residual.is_some() {
+            self.bucket(job.key)?.dirty = true;
+        }
+        if n == 0 {
+            return Ok(()); // every rank has nothing to send: nothing moves
+        }
+        let mut compress = self.policy.compress(&o, n);
+        if compress.is_none() && self.policy.undecided() {
+            self.decide()?;
+        }
+        let compress = compress.get_or_insert_with(|| {
+            self.policy
+                .buckets
+                .get(&job.key)
+                .and_then(|b| b.decision)
+                .unwrap_or(true)
+        });
+        let timed = phase == Phase::Trial && n >= o.min_compress_numel;
+        if timed {
+            // The trial times each bucket's exchange alone: everything before it finishes,
+            // untimed, and the ranks line up first (their backward passes reach a bucket at
+            // different times, which would count against whichever way this step tries).
+            if !*compress {
+                self.fold_if_dirty(&job)?;
+            }
+            self.drain()?;
+            let m = self.be.mark(Lane::Compute)?;
+            self.tr.wait(&mut self.be, &m)?;
+            self.tr.gather(&mut self.be, &[])?;
+            let started = Instant::now();
+            if let Some(stage) = self.launch(&job, *compress)? {
+                self.deferred.push_back((self.launched, stage));
+            }
+            self.drain()?;
+            self.be.join(Lane::Compute, Lane::Comm)?;
+            let m = self.be.mark(Lane::Compute)?;
+            self.tr.wait(&mut self.be, &m)?;
+            let seconds = started.elapsed().as_secs_f64();
+            let b = self.bucket(job.key)?;
+            if *compress {
+                b.trial_compressed.push(seconds);
+            } else {
+                b.trial_plain.push(seconds);
+            }
+        } else {
+            let stage = self.launch(&job, *compress)?;
+            self.launched += 1;
+            self.run_due()?;
+            if let Some(s) = stage {
+                self.deferred.push_back((self.launched, s));
+            }
+        }
+        self.shared.add_seconds(t0.elapsed().as_secs_f64());
+        Ok(())
+    }
+
+    pub(super) fn bucket(&mut self, key: u64) -> Result<&mut super::policy::Bucket> {
+        self.policy
+            .buckets
+            .get_mut(&key)
+            .ok_or_else(|| Error::Transport(format!("internal: no bucket {key}")))
+    }
+
+    /// The trial's choice for every timed bucket, from every rank's times.
+    fn decide(&mut self) -> Result<()> {
+        let mine = self.policy.trial_times();
+        let mut bytes = Vec::with_capacity(24 * mine.len());
+        for (k, p, c) in &mine {
+            bytes.extend_from_slice(&k.to_le_bytes());
+            bytes.extend_from_slice(&p.to_le_bytes());
+            bytes.extend_from_slice(&c.to_le_bytes());
+        }
+        let all = self.tr.gather(&mut self.be, &bytes)?;
+        let mut tables = Vec::with_capacity(all.len());
+        for (j, b) in all.iter().enumerate() {
+            let t: Vec<(u64, f64, f64)> = b
+                .chunks_exact(24)
+                .map(|c| {
+                    let w = |i: usize| u64::from_le_bytes(c[i..i + 8].try_into().unwrap_or([0; 8]));
+                    (w(0), f64::from_bits(w(8)), f64::from_bits(w(16)))
+                })
+                .collect();
+            let keys: Vec<u64> = t.iter().map(|e| e.0).collect();
+            let own: Vec<u64> = mine.iter().map(|e| e.0).collect();
+            if b.len() % 24 != 0 || keys != own {
+                return Err(Error::RankMismatch {
+                    what: format!("this rank timed buckets {own:?}"),
+                    theirs: format!("rank {j} timed buckets {keys:?}"),
+                });
+            }
+            tables.push(t);
+        }
+        for (key, compress) in decide(&tables) {
+            if let Some(b) = self.policy.buckets.get_mut(&key) {
+                b.decision = Some(compress);
+            }
+        }
+        tracing::info!(rank = self.rank, decisions = ?self.policy.buckets.iter().map(|(k, b)| (*k, b.decision)).collect::<Vec<_>>(), "cfc trial decided");
+        Ok(())
+    }
+
+    /// Runs the deferred stages that are due (see the module docs).
+    fn run_due(&mut self) -> Result<()> {
+        while let Some((due, _)) = self.deferred.front() {
+            if due + DEPTH > self.launched {
+                break;
+            }
+            let Some((_, stage)) = self.deferred.pop_front() else {
+                break;
+            };
+            if let Some(next) = self.stage(stage)? {
+                self.deferred.push_front((self.launched, next));
+            }
+        }
+        Ok(())
+    }
+
+    /// Runs every deferred stage, in order.
+    fn drain(&mut self) -> Result<()> {
+        while let Some((_, stage)) = self.deferred.pop_front() {
+            if let Some(next) = self.stage(stage)? {
+                self.deferred.push_front((0, next));
+            }
+        }
+        Ok(())
+    }
+
+    /// Closes a step (`last`) or flushes one: the stages left, the closing round, the mark
+    /// for the caller; publishes the outcome.
+    fn close(&mut self, last: bool) {
+        if !self.open && !last {
+            // Nothing since the last close, which published its outcome: this flush is done
+            // (a failure raised since then belongs to a later step).
+            self.shared.publish_again();
+            return;
+        }
+        self.open = false;
+        let mut done = None;
+        if !self.failed {
+            let t0 = Instant::now();
+            let r = self
+                .drain()
+                .and_then(|()| self.closing_round())
+                .and_then(|()| {
+                    self.be.join(Lane::Compute, Lane::Comm)?;
+                    self.be.done()
+                });
+            match r {
+                Ok(d) => done = Some(d),
+                Err(e) => self.fail_with(Some(e)),
+            }
+            self.shared.add_seconds(t0.elapsed().as_secs_f64());
+        }
+        if last {
+            self.policy.end_step(&self.o);
+        }
+        self.shared.publish(done.is_some(), done);
+    }
+
+    /// Every rank's decoding status: a frame that failed its check on one rank (each rank
+    /// receives its own copy) fails every rank, and none keeps a step another did not.
+    fn closing_round(&mut self) -> Result<()> {
+        if !self.decoded {
+            return Ok(());
+        }
+        self.decoded = false;
+        let w = self.world as u64;
+        let statuses = match self.statuses.take() {
+            Some(b) => b,
+            None => self.be.alloc(8 * w)?,
+        };
+        let all = crate::engine::backend::Memory::region(&statuses).sub(0, 8 * w)?;
+        self.be.join(Lane::Comm, Lane::Compute)?;
+        let status = self.be.status();
+        self.tr.all_gather(&mut self.be, status, all)?;
+        let seen = self.be.fetch(Lane::Comm, all, 8, 8, w)?;
+        let max_error = self.be.fetch(Lane::Comm, self.be.max_error(), 8, 8, 1)?;
+        let m = self.be.mark(Lane::Comm)?;
+        self.tr.wait(&mut self.be, &m)?;
+        let seen = self.be.fetched(seen);
+        let max_error = self.be.fetched(max_error);
+        self.statuses = Some(statuses);
+        if let Ok(b) = <[u8; 8]>::try_from(&max_error[..]) {
+            self.shared
+                .set_max_error(f64::from_bits(u64::from_le_bytes(b)));
+        }
+        for (j, s) in seen.chunks_exact(8).enumerate() {
+            let s = u64::from_le_bytes(s.try_into().unwrap_or([0; 8]));
+            if let Some(why) = decode_status_error(s) {
+                return Err(Error::PeerFailed {
+                    rank: j,
+                    reason: format!("rank {j} received a bad frame: {why}"),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Fails this rank: raises `e` on the board (telling the peers) unless a failure is there
+    /// already, aborts the transport and lets the device drain; every later job is refused.
+    pub(super) fn fail_with(&mut self, e: Option<Error>) {
+        if let Some(e) = e {
+            // A peer's failure seen in a wait is on the board already; anything else began here.
+            let failure = match e {
+                Error::PeerFailed { rank, reason } => Failure { rank, reason },
+                other => Failure {
+                    rank: self.rank,
+                    reason: other.to_string(),
+                },
+            };
+            let own = failure.rank == self.rank;
+            self.tr.control().raise(failure, own);
+        }
+        if self.failed {
+            return;
+        }
+        self.failed = true;
+        self.deferred.clear();
+        self.tr.abort();
+        // Let the device finish what it has (the aborted collectives return): the caller may
+        // free the job's memory once it hears of the failure.
+        let t0 = Instant::now();
+        if let Ok(m) = self
+            .be
+            .join(Lane::Compute, Lane::Comm)
+            .and_then(|()| self.be.mark(Lane::Compute))
+        {
+            while !matches!(self.be.reached(&m), Ok(true) | Err(_)) && t0.elapsed() < self.o.timeout
+            {
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+        }
+        self.shared.note_failure(self.tr.control().failure());
+    }
+
+    /// Folds a bucket's residual into its data where it may hold what was not sent yet (an
+    /// uncompressed exchange then sends it along).
+    pub(super) fn fold_if_dirty(&mut self, job: &Job) -> Result<()> {
+        if let Some(r) = job.residual {
+            let b = self.bucket(job.key)?;
+            if b.dirty {
+                b.dirty = false;
+                self.be.fold(job.data, r)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The uncompressed way: the transport's own collective (after the residual, if it holds
+    /// anything unsent).
+    pub(super) fn plain(&mut self, job: &Job) -> Result<()> {
+        self.fold_if_dirty(job)?;
+        self.be.join(Lane::Comm, Lane::Compute)?;
+        let scale = job.scale.factor(self.world);
+        let bytes = job.data.bytes();
+        let w = self.world as u64;
+        let sent = match job.op {
+            Op::AllReduce => {
+                self.tr.all_reduce(&mut self.be, job.data, scale)?;
+                2 * (w - 1) * bytes.div_ceil(w)
+            }
+            Op::ReduceScatter { out } => {
+                self.tr.reduce_scatter(&mut self.be, job.data, out, scale)?;
+                (w - 1) * bytes.div_ceil(w)
+            }
+        };
+        self.be.join(Lane::Compute, Lane::Comm)?;
+        self.shared.account(false, sent, sent, 0.0, false);
+        Ok(())
+    }
+
+    /// The bound of this step for a bucket: fixed, or from its statistics at its last exchange
+    /// (measured now, in a round of its own, at its first).
+    pub(super) fn eps(&mut self, job: &Job, check: u64) -> Result<f64> {
+        let bound = self.o.bound;
+        if let BoundRule::Abs(e) = bound {
+            return Ok(e);
+        }
+        let n = job.data.numel;
+        let stats = match self.bucket(job.key)?.stats {
+            Some(s) => s,
+            None => {
+                let s = self.measure(job, check)?;
+                self.bucket(job.key)?.stats = Some(s);
+                s
+            }
+        };
+        // (every rank's statistics are of its whole bucket: `n` elements each)
+        Ok(bound.eps(stats.0, stats.1, n, self.world))
+    }
+
+    /// Every rank's statistics of a bucket now (a round of 24 bytes per rank).
+    fn measure(&mut self, job: &Job, check: u64) -> Result<(f64, f64)> {
+        let w = self.world as u64;
+        let mine = self.alloc(24)?;
+        let all = self.alloc(24 * w)?;
+        let (m, a) = (region(&mine).sub(0, 24)?, region(&all).sub(0, 24 * w)?);
+        self.be
+            .stats(job.data, job.residual, m.sub(0, 16)?, 16, 1)?;
+        self.be.put(Lane::Compute, m.sub(16, 8)?, 8, 1, check)?;
+        self.be.join(Lane::Comm, Lane::Compute)?;
+        self.tr.all_gather(&mut self.be, m, a)?;
+        let f = self.be.fetch(Lane::Comm, a, 24, 24, w)?;
+        let mark = self.be.mark(Lane::Comm)?;
+        self.tr.wait(&mut self.be, &mark)?;
+        let bytes = self.be.fetched(f);
+        self.be.free(mine);
+        self.be.free(all);
+        let (mut sum, mut max) = (0.0f64, 0.0f64);
+        for (j, r) in bytes.chunks_exact(24).enumerate() {
+            let word = |i: usize| u64::from_le_bytes(r[i..i + 8].try_into().unwrap_or([0; 8]));
+            if word(16) != check {
+                return Err(Error::RankMismatch {
+                    what: format!("this rank's job has check word {check:#018x}"),
+                    theirs: format!("rank {j} measured a job with check word {:#018x}", word(16)),
+                });
+            }
+            sum += f64::from_bits(word(0));
+            max = max.max(f64::from_bits(word(8)));
+        }
+        Ok((sum, max))
+    }
+
+    /// Scratch from the backend (or the injected allocation failure).
+    pub(super) fn alloc(&mut self, len: u64) -> Result<B::Buf> {
+        if let Some(at) = self.faults.iter().position(|f| *f == Fault::Alloc) {
+            self.faults.remove(at);
+            return Err(Error::Allocation { bytes: len });
+        }
+        self.be.alloc(len)
+    }
+}
+
+/// A buffer's whole region.
+pub(super) fn region<M: crate::engine::backend::Memory>(m: &M) -> Region {
+    m.region()
+}
+
+/// What a decoding status (error bits, then the bad frame's index + 1) reports, if anything.
+pub(crate) fn decode_status_error(status: u64) -> Option<String> {
+    let (bits, which) = (status as u32, (status >> 32) as u32);
+    if bits == 0 {
+        return None;
+    }
+    let frame = match which {
+        0 => "a frame".to_string(),
+        i => format!("frame {}", i - 1),
+    };
+    Some(format!(
+        "{frame} of a decoding was not a frame of the elements decoded, laid out as its header \
+         says within its size (error bits {bits:#x}); nothing was decoded from then on"
+    ))
+}
