@@ -173,33 +173,13 @@ def register(ddp, name, clock=None):
         # built-in all-reduce where its probe finds compression does not pay); cfc-auto-hook:
         # fallback="auto" with the hook always registered (its per-bucket choice only);
         # cfc@0.1: rms=0.1; cfc-ag / cfc-rs: the all-gather or the reduce-scatter (default:
-        # cfc's choice); cfc-tensor: one bound per parameter (per_tensor=True); cfc-depthN: the
-        # comm thread's pipeline depth N (default 1); cfc-torch: the compressed exchange over
-        # torch.distributed instead of cfc's native one (default); cfc-pipeline: the steps after
-        # the warm-up through the native bucket pipeline (a Rust thread), not the comm thread;
-        # cfc-napN: the native exchange's waits sleep N us between polls from the start (default:
-        # they poll without a pause for 5 ms); cfc-...-plain: no bucket compressed (every one
-        # NCCL's average through cfc's engine: its threads and collectives without the codec);
-        # cfc-warm: every step a warm-up step (NCCL's average from the autograd thread, inside the
-        # hook, as DDP's built-in all-reduce makes it); cfc-...-graphs: the native exchange
-        # submits each bucket's compression and decoding as one CUDA graph each;
-        # any hook:capN sets bucket_cap_mb
-        rms = float(name.split("@")[1]) if "@" in name else 0.3
+        # cfc's choice); cfc-...-plain: no bucket compressed (every one NCCL's average through
+        # cfc's engine: its thread and collectives without the codec); any hook:capN sets
+        # bucket_cap_mb
+        rms = float(name.split("@")[1].split(":")[0]) if "@" in name else 0.3
         algorithm = "all-gather" if "-ag" in name else "reduce-scatter" if "-rs" in name else None
-        state = cfc.CfcState(rms=rms, fallback="auto" if "auto" in name else False, algorithm=algorithm,
-                             per_tensor="-tensor" in name,
-                             **({"min_compress_numel": 1 << 62} if "-plain" in name else {}),
-                             **({"warmup_steps": 1 << 62} if "-warm" in name else {}))
-        if "-torch" in name:
-            state._use_exchange = False
-        if "-pipeline" in name:
-            state._use_pipeline = True
-        if "-nap" in name:
-            state._exchange_polling = (0, int(name.split("-nap")[1].split("@")[0].split(":")[0]))
-        if "-depth" in name:
-            state._pipeline_depth = int(name.split("-depth")[1].split("@")[0])
-        if "-graphs" in name:
-            state._exchange_graphs = True
+        fallback = "always" if "-plain" in name else "auto" if "auto" in name else "never"
+        state = cfc.CfcState(rms=rms, fallback=fallback, algorithm=algorithm)
         if "auto" in name and "hook" not in name:
             cfc.register_comm_hook(ddp, state)
         else:

@@ -39,7 +39,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import cfc
 
-HOOKS = ("allreduce", "fp16", "bf16", "powersgd", "cfc", "cfc@X", "cfc-tensor", "cfc-tensor@X")
+HOOKS = ("allreduce", "fp16", "bf16", "powersgd", "cfc", "cfc@X")
 
 
 def corpus(limit: int) -> torch.Tensor:
@@ -82,8 +82,7 @@ class LM(nn.Module):
 
 def register(ddp: DDP, hook: str, args):
     """Registers a hook; returns the cfc state (None for PyTorch's hooks). ``cfc@X`` is cfc
-    with ``rms=X`` (default ``--rms``); ``cfc-tensor`` and ``cfc-tensor@X`` bound each parameter by its
-    own scale instead of the bucket's (``per_tensor=True``)."""
+    with ``rms=X`` (default ``--rms``)."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
     if hook == "fp16":
@@ -93,14 +92,13 @@ def register(ddp: DDP, hook: str, args):
     elif hook == "powersgd":
         st = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=4, start_powerSGD_iter=2)
         ddp.register_comm_hook(st, powerSGD_hook.powerSGD_hook)
-    elif hook.partition("@")[0] in ("cfc", "cfc-tensor"):
+    elif hook.partition("@")[0] == "cfc":
         name, _, x = hook.partition("@")
         try:
             rms = float(x) if x else args.rms
         except ValueError:
             raise SystemExit(f"{name}@X needs a number X (rms), got {hook!r}") from None
-        # cfc-tensor: one bound per parameter instead of one per bucket (per_tensor=True)
-        state = cfc.CfcState(rms=rms, per_tensor=name == "cfc-tensor")
+        state = cfc.CfcState(rms=rms)
         ddp.register_comm_hook(state, cfc.cfc_hook)
         return state
     elif hook != "allreduce":
@@ -197,7 +195,7 @@ def train(hook: str, data: torch.Tensor, heldout: torch.Tensor, dev: torch.devic
     if state is not None:
         s = state.stats()
         out["cfc"] = {k: s[k] for k in ("ratio", "bytes_sent", "bytes_uncompressed", "max_error", "eps", "compressed_buckets", "plain_buckets")}
-        state.close()  # its comm thread and NCCL communicator, before the next hook's run
+        state.close()  # its engine (thread, links, NCCL communicator), before the next hook's run
     return out
 
 

@@ -70,53 +70,15 @@ __device__ void fold_residual(typename D::T* x, u64 n, float* residual) {
     }
 DEFINE_FOR_DTYPES(FOLD_RESIDUAL)
 
-// ---- statistics of error feedback (cfc_hook's rms bound and its largest error sent) ----
+// ---- statistics of a bucket (the engine's rms and rel bounds) ----
 
-// Sum of squares of the finite values float32(x) + r (as PyTorch computes x.float() + r; r may
-// be null), non-finite ones counting 0, in f64: one partial sum per block, the block's threads
-// added in a fixed order. The caller launches a number of blocks that depends on n only, and
-// sum_partials adds the partials in block order, so the same input gives the same bits on any
-// GPU (a resumed run then takes the bound the uninterrupted one took).
-template <class D>
-__device__ void sum_squares(const typename D::T* x, u64 n, const float* residual, double* partials) {
-    __shared__ double warp_sum[32];
-    double s = 0.0;
-    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
-        float v = D::to_f32(x[i]);
-        if (residual) v += residual[i];
-        if (isfinite(v)) s += (double)v * (double)v;
-    }
-    for (int o = 16; o > 0; o >>= 1) s += __shfl_down_sync(CFC_FULL_MASK, s, o);
-    if ((threadIdx.x & 31) == 0) warp_sum[threadIdx.x >> 5] = s;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        double t = 0.0;
-        for (u32 w = 0; w < (blockDim.x + 31) / 32; ++w) t += warp_sum[w];
-        partials[blockIdx.x] = t;
-    }
-}
-
-#define SUM_SQUARES(name, D)                                                                       \
-    extern "C" __global__ void cfc_codec_sum_squares_##name(const D::T* x, u64 n,                 \
-                                                            const float* residual, double* partials) { \
-        sum_squares<D>(x, n, residual, partials);                                                  \
-    }
-DEFINE_FOR_DTYPES(SUM_SQUARES)
-
-// The partial sums of sum_squares added in block order (one thread: there are at most a few
-// hundred), into *out, and into *copy unless null (mapped pinned memory, say: the host's copy
-// without a copy queued after this kernel).
-extern "C" __global__ void cfc_codec_sum_partials(const double* partials, u32 count, double* out, double* copy) {
-    if (blockIdx.x != 0 || threadIdx.x != 0) return;
-    double t = 0.0;
-    for (u32 b = 0; b < count; ++b) t += partials[b];
-    *out = t;
-    if (copy) *copy = t;
-}
-
-// The statistics of a bucket for the engine's bounds: the sum of squares of the finite values
-// float32(x) + r, added exactly as sum_squares adds them (so the CPU reference gives the same
-// bits), and their largest magnitude; one pair of partials per block, [sum, max].
+// The statistics of a bucket for the engine's bounds (its rms and rel rules): the sum of squares
+// of the finite values float32(x) + r (as PyTorch computes x.float() + r; r may be null),
+// non-finite ones counting 0, in f64, and their largest magnitude. One pair of partials per
+// block, [sum, max], the block's threads added in a fixed order; the caller launches a number of
+// blocks that depends on n only, and stats_total adds the partials in block order, so the same
+// input gives the same bits on any GPU (and in the CPU reference, which adds in this order: a
+// resumed run then takes the bound the uninterrupted one took).
 template <class D>
 __device__ void stats(const typename D::T* x, u64 n, const float* residual, double* partials) {
     __shared__ double warp_sum[32];
@@ -175,16 +137,6 @@ extern "C" __global__ void cfc_codec_stats_total(const double* partials, u32 cou
     }
 }
 
-// The largest finite |r| of float32 values raises *target (f64 bits; a maximum is the same in any
-// order): a running maximum that stays on the device across calls.
-extern "C" __global__ void cfc_codec_running_max_abs(const float* r, u64 n, u64* target) {
-    double m = 0.0;
-    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
-        const float v = fabsf(r[i]);
-        if (v <= 3.402823466e38f) m = fmax(m, (double)v);  // finite only (NaN fails the test)
-    }
-    block_max_to(target, m);
-}
 
 // The quantization parameters of mode 0 abs (value = eps), 1 rel (value = rel) or 2 bits
 // (value = bits), from the largest finite magnitude `max`. Mirrors quantizer_for() in

@@ -91,9 +91,6 @@ struct Kernels {
     sum_pack: CudaFunction,
     /// `decode_sum_to_<o>`, by output dtype: f32, bf16, f16.
     decode_sum: [CudaFunction; 3],
-    sum_squares: CudaFunction,
-    sum_partials: CudaFunction,
-    running_max_abs: CudaFunction,
     stats: CudaFunction,
     stats_total: CudaFunction,
 }
@@ -391,9 +388,6 @@ impl Device {
                 self.function(c, "decode_sum_to_bf16", d)?,
                 self.function(c, "decode_sum_to_f16", d)?,
             ],
-            sum_squares: self.function(c, "sum_squares", d)?,
-            sum_partials: self.function(c, "sum_partials", None)?,
-            running_max_abs: self.function(c, "running_max_abs", None)?,
             stats: self.function(c, "stats", d)?,
             stats_total: self.function(c, "stats_total", None)?,
         });
@@ -598,7 +592,8 @@ pub struct CompressArgs<'a> {
     /// than by a copy queued after it (one driver call fewer per frame).
     pub size_to: u64,
     /// With error feedback, a running maximum that the largest finite |residual| this frame
-    /// leaves raises (f64 bits in 8-aligned device memory; see [`running_max_abs`]), or 0 for
+    /// leaves raises (f64 bits in 8-aligned device memory, initialised; a maximum of non-negative
+    /// doubles orders as their bits do), or 0 for
     /// none: raised by the last kernel rather than by a kernel of its own after it.
     pub max_error_to: u64,
     /// With an `Abs` bound, 8-aligned device memory whose f64 the encoder reads as `eps` when
@@ -607,7 +602,7 @@ pub struct CompressArgs<'a> {
     /// `Rel` bound: it codes with eps 1, leaves the residual as it was, sets the workspace's
     /// error word and breaks the frame's magic, so that readers on the device (a peer's
     /// `decode_sum`) refuse the frame. For work recorded once as a CUDA graph and replayed with
-    /// each step's bound ([`crate::stream_graph`]).
+    /// each step's bound (a CUDA graph).
     pub bound_at: u64,
 }
 
@@ -1993,110 +1988,12 @@ pub unsafe fn fold_residual(
     unsafe { launch(&stream, &k.fold, Family::Codec, "fold_residual", cfg, &args) }
 }
 
-/// Most blocks [`sum_squares`] launches: a number that depends on the element count only, so
-/// that its partial sums, added in one order, give the same bits on any GPU.
-const SUM_SQUARES_BLOCKS: u64 = 256;
-
-/// Workspace bytes [`sum_squares`] needs: a partial sum per block, then the sum (f64 each).
-pub const SUM_SQUARES_WORKSPACE: u64 = 8 * (SUM_SQUARES_BLOCKS + 1);
-
-/// Arguments of [`sum_squares`].
-#[derive(Debug, Clone, Copy)]
-pub struct SumSquaresArgs {
-    /// Device ordinal.
-    pub device: usize,
-    /// A `CUstream` of the device's primary context; the work is queued on it.
-    pub stream: usize,
-    /// `n` elements of `dtype`, device memory.
-    pub data: u64,
-    /// Elements.
-    pub n: u64,
-    /// float32, bfloat16 or float16.
-    pub dtype: DType,
-    /// `n` float32 added to the elements first (error feedback's residual), or 0 for none.
-    pub residual: u64,
-    /// [`SUM_SQUARES_WORKSPACE`] bytes of device memory, 8-aligned; the sum (f64) is left in
-    /// its last 8 bytes.
-    pub workspace: u64,
-    /// Where the sum is copied (8 bytes of pinned host or device memory), or 0 for nowhere.
-    pub out: u64,
-}
-
-/// Queues the sum of squares of the finite values `float32(data) + residual` (non-finite ones
-/// count 0), in f64, on `args.stream`: the RMS that `cfc_hook`'s `rms` bound follows, without
-/// the tensor operations (conversion, sum, clean-up, dot, copy) PyTorch needs for it, whose
-/// host time every bucket of every step would pay. The result is deterministic: the same input
-/// gives the same bits on any GPU.
-///
-/// # Safety
-/// Every address must be valid for the bytes [`SumSquaresArgs`] describes, on `args.device` (or
-/// pinned host memory for `out`), until the queued work completes.
-///
-/// # Errors
-/// [`Error::NotQuantizable`] for a dtype other than float32, bfloat16 and float16; CUDA errors.
-pub unsafe fn sum_squares(args: &SumSquaresArgs) -> Result<()> {
-    if !args.dtype.is_quantizable() {
-        return Err(Error::NotQuantizable(args.dtype));
-    }
-    let _restore = ContextGuard::save()?;
-    let dev = device(args.device)?;
-    let stream = dev.stream(args.stream)?;
-    let k = dev.kernels(args.dtype)?;
-    // Always at least one block: an empty input still writes its sum, 0.
-    let blocks = args.n.div_ceil(BLOCK as u64).clamp(1, SUM_SQUARES_BLOCKS);
-    let sum_at = args.workspace + 8 * SUM_SQUARES_BLOCKS;
-    let partial = [
-        Arg::Ptr(args.data),
-        Arg::U64(args.n),
-        Arg::Ptr(args.residual),
-        Arg::Ptr(args.workspace),
-    ];
-    // SAFETY: this function's contract; `launch` checks the arguments against the signature.
-    unsafe {
-        launch(
-            &stream,
-            &k.sum_squares,
-            Family::Codec,
-            "sum_squares",
-            launch_cfg(blocks * BLOCK as u64, BLOCK),
-            &partial,
-        )
-    }?;
-    // Where kernels can write `out` (device memory, or pinned memory mapped into the device's
-    // addresses, as PyTorch's and cfc's pinned buffers are), the last kernel writes it too;
-    // elsewhere a copy is queued after it.
-    let copy = match args.out {
-        0 => 0,
-        out => kernel_view(out).filter(|v| v % 8 == 0).unwrap_or(0),
-    };
-    let total = [
-        Arg::Ptr(args.workspace),
-        Arg::U32(blocks as u32),
-        Arg::Ptr(sum_at),
-        Arg::Ptr(copy),
-    ];
-    // SAFETY: as above; `blocks` partials were written, the sum goes after the last possible one.
-    unsafe {
-        launch(
-            &stream,
-            &k.sum_partials,
-            Family::Codec,
-            "sum_partials",
-            launch_cfg(32, 32),
-            &total,
-        )
-    }?;
-    if args.out == 0 || copy != 0 {
-        return Ok(());
-    }
-    // SAFETY: `out` holds 8 bytes until the copy completes (this function's contract).
-    unsafe { sys::cuMemcpyAsync(args.out, sum_at, 8, stream.cu_stream()) }
-        .result()
-        .map_err(driver_err)
-}
+/// Most blocks [`stats`] launches: a number that depends on the element count only, so that
+/// its partial sums, added in one order, give the same bits on any GPU.
+const STATS_BLOCKS: u64 = 256;
 
 /// Workspace bytes [`stats`] needs: a pair of partials per block.
-pub const STATS_WORKSPACE: u64 = 16 * SUM_SQUARES_BLOCKS;
+pub const STATS_WORKSPACE: u64 = 16 * STATS_BLOCKS;
 
 /// Arguments of [`stats`].
 #[derive(Debug, Clone, Copy)]
@@ -2125,8 +2022,8 @@ pub struct StatsArgs {
 }
 
 /// Queues the statistics of the engine's bounds: the sum of squares of the finite values
-/// `float32(data) + residual` (in f64, added in an order that depends on `n` only, as
-/// [`sum_squares`] adds them) and their largest magnitude, written as two f64 at `out` (and
+/// `float32(data) + residual` (in f64, added in an order that depends on `n` only) and their
+/// largest magnitude, written as two f64 at `out` (and
 /// every `pitch` bytes after it, `copies` times).
 ///
 /// # Safety
@@ -2150,7 +2047,7 @@ pub unsafe fn stats(args: &StatsArgs) -> Result<()> {
     let dev = device(args.device)?;
     let stream = dev.stream(args.stream)?;
     let k = dev.kernels(args.dtype)?;
-    let blocks = args.n.div_ceil(BLOCK as u64).clamp(1, SUM_SQUARES_BLOCKS);
+    let blocks = args.n.div_ceil(BLOCK as u64).clamp(1, STATS_BLOCKS);
     let partial = [
         Arg::Ptr(args.data),
         Arg::U64(args.n),
@@ -2184,64 +2081,6 @@ pub unsafe fn stats(args: &StatsArgs) -> Result<()> {
             "stats_total",
             launch_cfg(32, 32),
             &total,
-        )
-    }
-}
-
-/// The address through which kernels of the thread's current context reach `addr`: itself for
-/// device memory, the mapped address for pinned host memory; None where kernels cannot reach it
-/// (pageable memory, pinned memory that is not mapped) or the driver does not say. A query:
-/// it queues nothing.
-fn kernel_view(addr: u64) -> Option<u64> {
-    let mut view: sys::CUdeviceptr = 0;
-    // SAFETY: this attribute's value is a `CUdeviceptr`, written to `view`, which outlives the
-    // call; any `addr` may be asked about.
-    let r = unsafe {
-        sys::cuPointerGetAttribute(
-            (&mut view as *mut sys::CUdeviceptr).cast(),
-            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_POINTER,
-            addr,
-        )
-    };
-    (r == sys::CUresult::CUDA_SUCCESS && view != 0).then_some(view)
-}
-
-/// Queues `*target = max(*target, max |finite r|)` over `n` float32 at `residual`, with the
-/// maximum kept as f64 bits (non-negative doubles order as their bits do) on the device:
-/// `cfc_hook`'s largest error sent, one launch per bucket and no host work to fold them.
-///
-/// # Safety
-/// `residual` must hold `n` float32 and `target` 8 bytes (8-aligned, initialised) of device
-/// memory of `ordinal` until the queued work completes; `stream` a live stream of the device's
-/// primary context.
-///
-/// # Errors
-/// CUDA errors.
-pub unsafe fn running_max_abs(
-    ordinal: usize,
-    stream: usize,
-    residual: u64,
-    n: u64,
-    target: u64,
-) -> Result<()> {
-    if n == 0 {
-        return Ok(());
-    }
-    let _restore = ContextGuard::save()?;
-    let dev = device(ordinal)?;
-    let stream = dev.stream(stream)?;
-    let k = dev.kernels(DType::F32)?;
-    let cfg = launch_cfg(n.min(dev.grid_blocks * BLOCK as u64), BLOCK);
-    let args = [Arg::Ptr(residual), Arg::U64(n), Arg::Ptr(target)];
-    // SAFETY: this function's contract; `launch` checks the arguments against the signature.
-    unsafe {
-        launch(
-            &stream,
-            &k.running_max_abs,
-            Family::Codec,
-            "running_max_abs",
-            cfg,
-            &args,
         )
     }
 }

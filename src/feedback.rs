@@ -95,16 +95,3 @@ pub(crate) fn compensate<T: Element>(x: T, r: f32) -> (f32, T) {
         (c, T::from_f32(c))
     }
 }
-
-/// Largest finite magnitude of the values [`compress_with_feedback`] would compress (`data`
-/// compensated by `residual`), for agreeing on a relative bound across ranks.
-pub(crate) fn max_abs_compensated<T: Element>(data: &[T], residual: Option<&[f32]>) -> f64 {
-    (0..data.len())
-        .map(|i| match residual {
-            Some(r) => compensate(data[i], r[i]).1,
-            None => data[i],
-        })
-        .filter(|v| v.is_finite())
-        .map(|v| v.to_f64().abs())
-        .fold(0.0, f64::max)
-}

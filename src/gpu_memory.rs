@@ -1,7 +1,7 @@
 //! Memory that cfc allocates itself: device buffers and pinned host buffers.
 //!
-//! Only cfc's own collectives ([`crate::nccl`], [`crate::gpu_allreduce`]) use them, for staging
-//! buffers that belong to no caller. The codec in [`crate::cuda`] never allocates: it works in
+//! Only the engine's CUDA backend and transports use them, for scratch that belongs to no
+//! caller. The codec in [`crate::cuda`] never allocates: it works in
 //! the caller's memory.
 
 use crate::cuda::driver_err;
@@ -120,34 +120,6 @@ impl PinnedBuffer {
         // SAFETY: `len` bytes of this allocation, initialised (zeroed at allocation).
         unsafe { std::slice::from_raw_parts(self.ptr, len) }.to_vec()
     }
-
-    /// The little-endian u64 at word `i`, as the device last wrote it (the caller has waited
-    /// for the copy that wrote it).
-    pub(crate) fn u64_at(&self, i: usize) -> u64 {
-        assert!(8 * (i + 1) <= self.len, "pinned read past the end");
-        // SAFETY: in bounds (checked above); the memory is initialised (zeroed at allocation).
-        unsafe { std::ptr::read_unaligned(self.ptr.add(8 * i) as *const u64) }
-    }
-}
-
-impl PinnedBuffer {
-    /// Writes the little-endian u64 at word `i`, for copies to the device queued later to
-    /// read (the caller knows that none queued earlier still reads it).
-    pub(crate) fn set_u64(&mut self, i: usize, value: u64) {
-        assert!(8 * (i + 1) <= self.len, "pinned write past the end");
-        // SAFETY: in bounds (checked above), 8-aligned (as in `u64_now`); volatile, since the
-        // device reads it behind the compiler's back.
-        unsafe { std::ptr::write_volatile(self.ptr.add(8 * i) as *mut u64, value) }
-    }
-
-    /// The u64 at word `i` as it is now, for a word that copies from the device may still be
-    /// writing (a snapshot: the caller waited for nothing).
-    pub(crate) fn u64_now(&self, i: usize) -> u64 {
-        assert!(8 * (i + 1) <= self.len, "pinned read past the end");
-        // SAFETY: in bounds (checked above), 8-aligned (an allocation's start, a multiple of 8
-        // after it); volatile, since the device writes it behind the compiler's back.
-        unsafe { std::ptr::read_volatile(self.ptr.add(8 * i) as *const u64) }
-    }
 }
 
 impl Drop for PinnedBuffer {
@@ -159,66 +131,6 @@ impl Drop for PinnedBuffer {
             .and_then(|()| unsafe { result::free_host(self.ptr as *mut std::ffi::c_void) });
         if let Err(e) = freed {
             tracing::warn!(error = ?e, "could not free pinned memory");
-        }
-    }
-}
-
-/// A decoder's status ([`crate::cuda::DecodeSumArgs::status`]) kept across calls, for frames
-/// that come from other ranks: once one fails its check on the device, nothing more is decoded.
-/// Its copy in pinned memory is queued after each decoding and read without a wait, so a
-/// failure shows at the first call after its copy has arrived (usually the next bucket's).
-pub(crate) struct DecodeStatus {
-    device: DeviceBuffer,
-    seen: PinnedBuffer,
-}
-
-impl DecodeStatus {
-    /// A zeroed status in `ctx`, and its copy.
-    pub(crate) fn new(ctx: &Arc<CudaContext>) -> Result<DecodeStatus> {
-        Ok(DecodeStatus {
-            device: DeviceBuffer::zeroed(ctx, 8)?,
-            seen: PinnedBuffer::new(ctx, 8)?,
-        })
-    }
-
-    /// The status's device address (`DecodeSumArgs::status`).
-    pub(crate) fn ptr(&self) -> u64 {
-        self.device.ptr()
-    }
-
-    /// Queues the copy of the status to the host on `stream`, after the decodings queued there.
-    ///
-    /// # Safety
-    /// `stream` a live `CUstream` of `device`'s primary context, the context of this status.
-    pub(crate) unsafe fn publish(&self, device: usize, stream: usize) -> Result<()> {
-        // SAFETY: 8 bytes of device memory and 8 of pinned memory, both this status's, freed
-        // only with it; the stream is the caller's contract.
-        unsafe {
-            crate::cuda::copy_rows(&crate::cuda::CopyRowsArgs {
-                device,
-                stream,
-                src: self.device.ptr(),
-                src_pitch: 8,
-                dst: self.seen.addr(),
-                dst_pitch: 8,
-                width: 8,
-                rows: 1,
-            })
-        }
-    }
-
-    /// `Ok` while no frame has failed its check, as far as the copies queued so far have
-    /// arrived (nothing is waited for).
-    ///
-    /// # Errors
-    /// [`Error::Transport`]: "`who` received a bad frame: ", then which rank's frame and what
-    /// was wrong with it.
-    pub(crate) fn check(&self, who: &str) -> Result<()> {
-        match crate::cuda::decode_status_error(self.seen.u64_now(0), "rank") {
-            None => Ok(()),
-            Some(why) => Err(Error::Transport(format!(
-                "{who} received a bad frame: {why}"
-            ))),
         }
     }
 }

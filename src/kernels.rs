@@ -146,9 +146,6 @@ pub(crate) const SIGNATURES: &[(Family, &str, bool, &[Ty])] = &[
         true,
         &[Ptr, Ptr, U64, U32, U32, Dims, Ptr, Ptr, Ptr],
     ),
-    (Family::Codec, "sum_squares", true, &[Ptr, U64, Ptr, Ptr]),
-    (Family::Codec, "sum_partials", false, &[Ptr, U32, Ptr, Ptr]),
-    (Family::Codec, "running_max_abs", false, &[Ptr, U64, Ptr]),
     (Family::Codec, "stats", true, &[Ptr, U64, Ptr, Ptr]),
     (
         Family::Codec,

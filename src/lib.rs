@@ -17,12 +17,7 @@
 //! ```
 
 mod bitplane;
-#[cfg(feature = "cuda")]
-pub mod bucket_exchange;
-#[cfg(feature = "cuda")]
-pub mod bucket_pipeline;
 mod codec;
-pub mod collective;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 mod element;
@@ -31,16 +26,12 @@ mod error;
 mod feedback;
 pub mod format;
 #[cfg(feature = "cuda")]
-pub mod gpu_allreduce;
-#[cfg(feature = "cuda")]
 mod gpu_memory;
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 mod kernels;
 pub mod lossless;
 #[cfg(feature = "cuda")]
 pub mod nccl;
-#[cfg(feature = "cuda")]
-pub mod stream_graph;
 mod sum;
 
 pub use bitplane::{unzigzag, zigzag};

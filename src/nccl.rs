@@ -1,4 +1,4 @@
-//! NCCL, loaded at run time, and the transport of [`crate::collective::allreduce`] over it.
+//! NCCL, loaded at run time, and its communicators.
 //!
 //! The library is opened by path: `CFC_NCCL_LIBRARY` when set (and then only that), else
 //! `libnccl.so.2` and `libnccl.so` from the loader's search path. pip's NCCL
@@ -14,17 +14,14 @@
 //! is gone becomes an [`Error::Nccl`] after the communicator's timeout, and the communicator is
 //! aborted, instead of a hang.
 //!
-//! [`NcclTransport`] moves the host bytes of [`crate::collective::allreduce`] (the same
-//! algorithm as over threads and over torch.distributed) through device buffers and NCCL's
-//! send and receive. [`crate::gpu_allreduce::GpuAllReducer`] is the one to use for data that
-//! lives on the GPU.
+//! The engine's NCCL transport (`crate::engine::transport::nccl`) drives a communicator of its
+//! own; its waits also end at the first failure on the engine's failure board
+//! ([`Communicator::set_interrupt`]).
 
-use crate::collective::Transport;
 use crate::cuda::driver_err;
 use crate::error::{Error, Result};
-use crate::gpu_memory::DeviceBuffer;
 use crate::DType;
-use cudarc::driver::{result, sys, CudaContext, CudaEvent, CudaStream};
+use cudarc::driver::{sys, CudaContext, CudaEvent, CudaStream};
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
@@ -834,148 +831,5 @@ impl Drop for Communicator {
             // SAFETY: a live, finalized communicator, destroyed once.
             let _ = unsafe { (self.nccl.comm_destroy)(self.raw) };
         }
-    }
-}
-
-/// [`Transport`] over NCCL: the host bytes of [`crate::collective::allreduce`] are copied to
-/// the device, sent and received with NCCL (point to point, one group per exchange) and copied
-/// back. Each exchange first all-gathers every rank's message sizes.
-///
-/// It runs the same algorithm as the other transports, with the CPU codec, bit for bit. It is
-/// meant for data that lives on the host; [`crate::gpu_allreduce::GpuAllReducer`] keeps GPU
-/// data on the GPU.
-pub struct NcclTransport {
-    comm: Communicator,
-    stream: Arc<CudaStream>,
-    send: DeviceBuffer,
-    recv: DeviceBuffer,
-    /// This rank's message sizes, then every rank's (`world + world * world` u64).
-    sizes: DeviceBuffer,
-}
-
-impl NcclTransport {
-    /// A transport over `comm`, on a stream of its own.
-    ///
-    /// # Errors
-    /// [`Error::Cuda`].
-    pub fn new(comm: Communicator) -> Result<NcclTransport> {
-        let ctx = comm.context().clone();
-        let stream = ctx.new_stream().map_err(driver_err)?;
-        let w = comm.world();
-        Ok(NcclTransport {
-            sizes: DeviceBuffer::new(&ctx, 8 * (w + w * w))?,
-            send: DeviceBuffer::new(&ctx, 0)?,
-            recv: DeviceBuffer::new(&ctx, 0)?,
-            comm,
-            stream,
-        })
-    }
-
-    /// The communicator (e.g. to change its timeout).
-    pub fn communicator(&mut self) -> &mut Communicator {
-        &mut self.comm
-    }
-
-    fn room(buf: &mut DeviceBuffer, ctx: &Arc<CudaContext>, len: usize) -> Result<()> {
-        if buf.len() < len {
-            *buf = DeviceBuffer::new(ctx, len.next_power_of_two())?;
-        }
-        Ok(())
-    }
-}
-
-impl Transport for NcclTransport {
-    fn rank(&self) -> usize {
-        self.comm.rank()
-    }
-
-    fn world(&self) -> usize {
-        self.comm.world()
-    }
-
-    fn all_to_all(&mut self, parts: Vec<Vec<u8>>) -> Result<Vec<Vec<u8>>> {
-        let (world, rank) = (self.comm.world(), self.comm.rank());
-        if parts.len() != world {
-            return Err(Error::Transport(format!(
-                "all_to_all needs one part per rank ({world}), got {}",
-                parts.len()
-            )));
-        }
-        let _restore = crate::cuda::ContextGuard::save()?;
-        let ctx = self.comm.context().clone();
-        let cu = self.stream.cu_stream();
-        // 1. Every rank's sizes, so that each knows what it receives.
-        let mine: Vec<u64> = parts.iter().map(|p| p.len() as u64).collect();
-        let table_at = self.sizes.ptr() + 8 * world as u64;
-        // SAFETY: `sizes` holds `world + world * world` u64; the copies are waited for below
-        // before the host memory goes away (`wait` then the synchronous copy back).
-        unsafe {
-            result::memcpy_htod_async(self.sizes.ptr(), &mine, cu).map_err(driver_err)?;
-            self.comm
-                .all_gather(self.sizes.ptr(), table_at, 8 * world, cu)?;
-        }
-        self.comm.wait(&self.stream)?;
-        let mut table = vec![0u64; world * world];
-        // SAFETY: the stream is idle (waited above); `table` has room for the whole table.
-        unsafe { result::memcpy_dtoh_sync(&mut table, table_at) }.map_err(driver_err)?;
-        // What each peer says it sends here. Its own message to itself is never sent.
-        let incoming: Vec<usize> = (0..world)
-            .map(|j| {
-                if j == rank {
-                    0
-                } else {
-                    table[j * world + rank] as usize
-                }
-            })
-            .collect();
-        let total_in: usize = incoming.iter().sum();
-        if incoming.iter().any(|&x| x > 1 << 40) || table[rank * world..][..world] != mine[..] {
-            return Err(Error::Transport(format!(
-                "ranks exchanged inconsistent message sizes (rank {rank} receives {incoming:?})"
-            )));
-        }
-        // 2. The messages, packed one after another on each side.
-        let out: Vec<u8> = parts
-            .iter()
-            .enumerate()
-            .filter(|(j, _)| *j != rank)
-            .flat_map(|(_, p)| p.iter().copied())
-            .collect();
-        Self::room(&mut self.send, &ctx, out.len())?;
-        Self::room(&mut self.recv, &ctx, total_in)?;
-        let (mut sends, mut recvs) = (Vec::with_capacity(world), Vec::with_capacity(world));
-        let (mut at_out, mut at_in) = (0u64, 0u64);
-        for j in 0..world {
-            let len_out = if j == rank { 0 } else { parts[j].len() };
-            sends.push((self.send.ptr() + at_out, len_out));
-            recvs.push((self.recv.ptr() + at_in, incoming[j]));
-            at_out += len_out as u64;
-            at_in += incoming[j] as u64;
-        }
-        // SAFETY: the buffers hold `out.len()` and `total_in` bytes (made room for above); the
-        // host bytes outlive the copy (waited for before returning).
-        unsafe {
-            if !out.is_empty() {
-                result::memcpy_htod_async(self.send.ptr(), &out, cu).map_err(driver_err)?;
-            }
-            self.comm.send_recv(&sends, &recvs, cu)?;
-        }
-        self.comm.wait(&self.stream)?;
-        let mut back = vec![0u8; total_in];
-        if total_in > 0 {
-            // SAFETY: the stream is idle; `back` has room for every received byte.
-            unsafe { result::memcpy_dtoh_sync(&mut back, self.recv.ptr()) }.map_err(driver_err)?;
-        }
-        let mut got = Vec::with_capacity(world);
-        let mut at = 0;
-        for (j, part) in parts.into_iter().enumerate() {
-            if j == rank {
-                got.push(part);
-            } else {
-                got.push(back[at..at + incoming[j]].to_vec());
-                at += incoming[j];
-            }
-        }
-        Ok(got)
     }
 }

@@ -3,6 +3,10 @@
 use crate::error::{Error, Result};
 use crate::format::DType;
 
+/// The most elements a job may hold: 2^48, far past any device's memory (the CUDA codec's
+/// limit, below which no size the engine computes wraps around).
+pub const MAX_NUMEL: u64 = 1 << 48;
+
 /// Elements in the caller's memory: an address on the engine's device (host memory for a CPU
 /// engine), an element count and a dtype. The memory is contiguous.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -144,6 +148,14 @@ impl Job {
     pub(crate) fn check(&self, world: usize, feedback: bool) -> Result<()> {
         if !self.data.dtype.is_quantizable() {
             return Err(Error::NotQuantizable(self.data.dtype));
+        }
+        if self.data.numel > MAX_NUMEL {
+            // (past it the sizes of frames and rows could wrap around)
+            return Err(Error::ShapeMismatch {
+                shape_elements: Some(MAX_NUMEL),
+                elements: self.data.numel,
+                ndim: 1,
+            });
         }
         let aligned = |t: &Tensor| {
             let size = t.dtype.size() as u64;

@@ -562,26 +562,32 @@ impl Engine {
     }
 
     /// Finishes the jobs submitted, then stops the engine's thread and closes its links (its
-    /// peers then know it left on purpose). Waits at most twice the timeout.
+    /// peers then know it left on purpose). Waits at most twice the timeout. A failure is not
+    /// reported again here: [`Engine::wait`] and [`Engine::submit`] report it.
     ///
     /// # Errors
-    /// The failure of the last step, if any; [`Error::Timeout`].
+    /// [`Error::Timeout`] when the thread does not end in time (it is then left to end alone).
     pub fn close(&self) -> Result<()> {
         let handle = self.thread.lock().unwrap_or_else(|e| e.into_inner()).take();
         let Some(handle) = handle else {
             return Ok(());
         };
-        let outcome = self
+        let _ = self
             .send_counted(Msg::Stop)
             .and_then(|want| self.wait_for(want));
+        let limit = self.options.timeout * 2;
         let t0 = Instant::now();
-        while !handle.is_finished() && t0.elapsed() < self.options.timeout * 2 {
+        while !handle.is_finished() && t0.elapsed() < limit {
             std::thread::sleep(Duration::from_millis(1));
         }
-        if handle.is_finished() {
-            let _ = handle.join();
+        if !handle.is_finished() {
+            return Err(Error::Timeout {
+                peer: self.rank,
+                seconds: limit.as_secs_f64(),
+            });
         }
-        outcome
+        let _ = handle.join();
+        Ok(())
     }
 }
 

@@ -46,7 +46,7 @@ def test_cuda_sum_checks_its_frame_count_before_touching_a_device():
         native.cuda_sum(0, 0, [0], [72 + 31], 1000, "float32", [1000], 0, 1 << 20, 0, 1 << 30)
 
 
-def test_cuda_decode_sum_and_copy_rows_check_their_arguments_before_touching_a_device():
+def test_cuda_decode_sum_checks_its_arguments_before_touching_a_device():
     with pytest.raises(cfc.CfcError, match="1 to 65535 frames"):
         native.cuda_decode_sum(0, 0, [], [], 1, "float32", 1, 1.0, 0, "float32", 0, 1 << 20, 0)
     with pytest.raises(TypeError, match="float64"):
@@ -55,33 +55,59 @@ def test_cuda_decode_sum_and_copy_rows_check_their_arguments_before_touching_a_d
         native.cuda_decode_sum(0, 0, [0], [100], 1 << 20, "float32", 1, 1.0, 0, "float32", 0, 10, 0)
     with pytest.raises(cfc.FormatError, match="frame"):
         native.cuda_decode_sum(0, 0, [0, 0], [4096, 72 + 31], 1000, "float32", 1, 1.0, 0, "float32", 0, 1 << 20, 0)
-    with pytest.raises(cfc.CfcError, match="pitch"):
-        native.cuda_copy_rows(0, 0, 0, 4, 0, 8, 8, 2)
 
 
-@pytest.mark.skipif(native.cuda_available(), reason="checks the errors raised without CUDA")
-def test_bucket_exchange_refuses_bad_arguments_and_a_machine_without_nccl_or_cuda_clearly():
-    with pytest.raises(cfc.CfcError, match="256 hex digits"):
-        native.BucketExchange(0, "xyz", 0, 2)
-    with pytest.raises(cfc.CfcError, match="rank 3 of 2"):
-        native.BucketExchange(0, "00" * 128, 3, 2)
-    with pytest.raises(cfc.CfcError, match="NCCL|CUDA") as missing:
-        native.BucketExchange(0, "00" * 128, 0, 2)
-    assert str(missing.value).count("is not available") == 1, missing.value  # said once
-    # The scratch of a launch: this rank's row (a 16-byte head, then the frame capacity rounded
-    # up to 16 bytes), the workspace, then every rank's rows of the slot asked for (clamped to
-    # the capacity), both 256-byte aligned: only the end moves with the slot. Computed on the
-    # host: no CUDA needed.
-    n, world = 1000, 3
-    cap = native.cuda_compress_capacity(n, "float32", 1, eps=1e-3)
-    for slot, feedback in [(0, False), (100, True), (1 << 40, False)]:
-        at = native.BucketExchange.scratch_layout(n, "float32", 1e-3, feedback, slot, world)
-        assert at["capacity"] == -(-cap // 16) * 16
-        assert at["slot"] == min(-(-slot // 16) * 16, at["capacity"])
-        assert at["workspace_at"] == -(-(16 + at["capacity"]) // 256) * 256
-        assert at["workspace_len"] >= native.cuda_workspace_len(n, compress=True, feedback=feedback)
-        assert at["workspace_len"] >= native.cuda_decode_sum_workspace_len(n, world)
-        assert at["recv_at"] == -(-(at["workspace_at"] + at["workspace_len"]) // 256) * 256
-        assert at["len"] == at["recv_at"] + world * (16 + at["slot"])
+def _engine(**kw):
+    """A one-rank engine (its own listener, its own address)."""
+    listener = native.Listener()
+    opts = dict(bound="rms", value=0.3, error_feedback=True, algorithm=None, fallback="never", trial_steps=0,
+                warmup_steps=0, min_compress_numel=0, timeout=30.0)
+    opts.update(kw)
+    return native.Engine(listener, [listener.addresses()], 0, 1, 7, **opts)
+
+
+def test_the_engine_refuses_bad_options_and_jobs_clearly():
+    for bad, match in [
+        (dict(bound="maybe"), "unknown bound"),
+        (dict(algorithm="ring"), "unknown algorithm"),
+        (dict(fallback="sometimes"), "unknown fallback"),
+        (dict(value=-1.0), "positive"),
+        (dict(bound="rel", value=1.5), "below 1"),
+        (dict(fallback="auto", trial_steps=3), "even number"),
+        (dict(timeout=0.0), "positive"),
+    ]:
+        with pytest.raises((ValueError, cfc.CfcError), match=match):
+            _engine(**bad)
+    listener = native.Listener()
+    assert listener.addresses() and all(":" in a for a in listener.addresses())
+    e = _engine()
+    assert (e.rank, e.world) == (0, 1)
     with pytest.raises(TypeError, match="unsupported dtype"):
-        native.BucketExchange.scratch_layout(n, "complex64", 1e-3, False, 0, world)
+        e.submit(0, 0, (0, 4, "complex64"), None, None, None, True, False, 0)
+    # A refused job fails the engine on every rank (here, the one): later calls say so at once.
+    with pytest.raises(TypeError, match="float64"):
+        e.submit(0, 0, (0, 4, "float64"), None, None, None, True, False, 0)
+    with pytest.raises(cfc.CfcError, match="rank 0"):
+        e.submit(0, 0, (0, 0, "float32"), None, None, None, True, False, 0)
+    e.close()
+    e.close()
+    with pytest.raises(cfc.CfcError, match="closed"):
+        e.wait(0)
+
+
+def test_a_one_rank_engine_averages_a_host_tensor_in_place():
+    import numpy as np
+
+    e = _engine(bound="eps", value=1e-3)
+    x = np.linspace(-1, 1, 10_000, dtype=np.float32)
+    r = np.zeros_like(x)
+    want = x.copy()
+    e.submit(0, 1, (x.ctypes.data, x.size, "float32"), (r.ctypes.data, r.size), None, None, True, False, 0)
+    e.wait(0)
+    assert np.abs(x - want).max() <= 1e-3 * (1 + 1e-6)
+    assert np.abs(r).max() <= 1e-3 * (1 + 1e-6) and np.abs(r).max() > 0
+    s = e.stats()
+    assert s["compressed_buckets"] == 1 and s["bytes_sent"] == 0  # one rank sends nothing
+    state = e.state()
+    assert state["step"] == 1 and state["buckets"][0]["fingerprint"] == 1
+    e.close()

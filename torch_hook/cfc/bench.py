@@ -19,9 +19,6 @@ For each size it times, on the same data in the same process group:
 * ``cfc-auto@B`` (``--auto``): the same with ``fallback="auto"``: each chunk is timed both ways
   during the warm-up calls and then takes the faster (plain NCCL where compressing does not
   pay, e.g. over NVLink);
-* ``cfc-native@B`` (``--native``, CUDA only): :class:`cfc.distributed.NcclAllReducer`, the same
-  GPU codec run entirely by the Rust core over its own NCCL communicator (and
-  ``cfc-native-auto@B`` with ``--auto``: its ``fallback="auto"``, the trial in the warm-up).
 
 Each iteration starts from the same input, after a tiny all-reduce that lines the ranks up;
 its time runs until the result is on the device, and the slowest rank's counts. The table
@@ -155,9 +152,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     p.add_argument("--bounds", default="0.3,0.1", help="cfc bounds as multiples of the data's RMS")
     p.add_argument("--iters", type=int, default=None, help="timed iterations (default 20 GPU, 5 CPU)")
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--chunk-mb", type=float, default=64.0, help="cfc chunk size (MB of float32)")
+    p.add_argument("--chunk-numel", type=int, default=1 << 24, help="elements per cfc chunk (AllReducer's chunk_numel)")
     p.add_argument("--auto", action="store_true", help='also cfc with fallback="auto" at the first bound')
-    p.add_argument("--native", action="store_true", help="also cfc.distributed.NcclAllReducer (CUDA)")
     p.add_argument("--algorithms", default="", help="comma list of all-gather, reduce-scatter (default: cfc's choice)")
     p.add_argument("--grads", default=None, help="folder of .npy gradient vectors")
     p.add_argument("--cpu", action="store_true", help="CPU tensors over gloo, even with GPUs")
@@ -204,7 +200,7 @@ def _run(args, dev, rank: int, world: int) -> Dict[str, Any]:
     iters = args.iters if args.iters is not None else (20 if cuda else 5)
     label = args.label or _guess_transport(cuda)
     base, rms = gradient_data(args.grads)
-    chunk = max(1, int(args.chunk_mb * (1 << 20)) // 4)
+    chunk = max(1, args.chunk_numel)
     algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()] or [None]
     short = {None: "cfc", "all-gather": "cfc-ag", "reduce-scatter": "cfc-rs"}
     if any(a not in short for a in algorithms):
@@ -219,13 +215,6 @@ def _run(args, dev, rank: int, world: int) -> Dict[str, Any]:
     if args.auto and bounds:
         trial = cfc.CfcState(eps=bounds[0] * rms, warmup_steps=0, min_compress_numel=0, fallback="auto")
         reducers[f"cfc-auto@{bounds[0]:g}"] = cfc.distributed.AllReducer(trial, chunk_numel=chunk)
-    natives = {}
-    if args.native and cuda:
-        natives = {f"cfc-native@{b:g}": cfc.distributed.NcclAllReducer(eps=b * rms, chunk_mb=args.chunk_mb) for b in bounds}
-        if args.auto and bounds:
-            natives[f"cfc-native-auto@{bounds[0]:g}"] = cfc.distributed.NcclAllReducer(
-                eps=bounds[0] * rms, chunk_mb=args.chunk_mb, fallback="auto"
-            )
     avg = dist.ReduceOp.AVG if cuda else None
 
     def all_reduce_avg(t):
@@ -246,7 +235,7 @@ def _run(args, dev, rank: int, world: int) -> Dict[str, Any]:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return t.tolist()
 
-    methods = ["fp32", "bf16"] + list(reducers) + list(natives)
+    methods = ["fp32", "bf16"] + list(reducers)
     progress = _Progress(len(sizes) * len(methods), rank == 0)
     rows: List[Dict[str, Any]] = []
     for nbytes in sizes:
@@ -263,20 +252,6 @@ def _run(args, dev, rank: int, world: int) -> Dict[str, Any]:
                 buf = src.clone()
                 t = _measure(lambda: all_reduce_avg(buf), lambda: buf.copy_(src), sync, align, iters, args.warmup, slowest)
                 row.update(t, ratio=1.0 if m == "fp32" else 2.0)
-            elif m in natives:
-                nr = natives[m]
-                y = x.clone()
-                nr(y)  # a first call with this size: zero residuals (and the trial's first call)
-                sync()
-                err = torch.tensor([(y.double() - exact).abs().max().item()], dtype=torch.float64, device=dev)
-                dist.all_reduce(err, op=dist.ReduceOp.MAX)
-                buf = x.clone()
-                reports: List[Dict[str, Any]] = []
-                warm = max(args.warmup, 2 * nr.trials if nr.fallback == "auto" else 0)
-                t = _measure(lambda: reports.append(nr(buf)), lambda: buf.copy_(x), sync, align, iters, warm, slowest)
-                last = reports[-1]
-                row.update(t, ratio=last["bytes_uncompressed"] / last["bytes_sent"], eps=nr.eps,
-                           max_err_over_eps=err.item() / nr.eps, compressed=last["compressed"])
             else:
                 reducer = reducers[m]
                 eps = reducer.state.bound
@@ -301,8 +276,6 @@ def _run(args, dev, rank: int, world: int) -> Dict[str, Any]:
             rows.append(row)
             progress.step(f"{_label(nbytes)} {m}")
         x = exact = buf = None  # free this size's tensors (and residuals) before the next
-        for reducer in reducers.values():
-            reducer.state._forget_buckets()
         if cuda:
             torch.cuda.empty_cache()
 
@@ -312,7 +285,7 @@ def _run(args, dev, rank: int, world: int) -> Dict[str, Any]:
         "backend": dist.get_backend(),
         "transport": label,
         "iters": iters,
-        "chunk_mb": args.chunk_mb,
+        "chunk_numel": chunk,
         "rms": rms,
         "data": args.grads or "random",
         "rows": rows,
@@ -325,6 +298,8 @@ def _run(args, dev, rank: int, world: int) -> Dict[str, Any]:
                 json.dump(result, f, indent=1)
         if args.png:
             _plot(result, args.png)
+    for reducer in reducers.values():
+        reducer.close()
     return result
 
 

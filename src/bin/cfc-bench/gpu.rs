@@ -1,35 +1,38 @@
-//! `cfc-bench --gpu N`: plain NCCL against cfc's GPU all-reduce, one thread per local GPU.
+//! `cfc-bench --gpu N`: plain NCCL against cfc's engine on the GPU, one thread per local GPU.
 //!
 //! Every rank's input is the bench's data tiled from its own offset (as on the CPU). For each
-//! size it times, in this order and on the same communicators:
+//! size it times, each method with engines of its own (one NCCL communicator each):
 //!
-//! * `nccl-fp32`: `ncclAllReduce` (average) of the float32 buffer;
+//! * `nccl-fp32`: the engine's uncompressed all-reduce (`ncclAllReduce`, average) of the float32
+//!   buffer;
 //! * `nccl-bf16`: the same of a bfloat16 copy (the cast is not timed);
-//! * `cfc@B`: [`GpuAllReducer`] with eps = B x the data's RMS and error feedback;
-//! * `cfc-auto@B`: the same with [`Fallback::Auto`]: the reducer times both ways on its first
-//!   calls (3 of each, not timed here) and keeps the faster, which the table names.
+//! * `cfc@B`: the engine with eps = B x the data's RMS and error feedback, the algorithm chosen
+//!   by rank count;
+//! * `cfc-auto@B`: the same with `fallback` auto: the engine times both ways on its first calls
+//!   (3 of each, not timed here) and keeps the faster, which the table names.
 //!
 //! Each timed call starts from the same input (copied in, not timed) after every rank's thread
 //! has met at a barrier, and ends when the rank's stream is done (the result is on the device).
 //! The time of a call is the slowest rank's; the table gives the median. The first call of
 //! each method is not timed (NCCL's and NVRTC's set-up; for cfc the first exchange, which sizes
 //! the slots): it is the one whose error is checked, against the exact average of the inputs
-//! computed on the host, with zero residuals. "call" is the median time until
-//! `allreduce` returned to the caller, before the decoding on the GPU is done.
+//! computed on the host, with zero residuals. "call" is the median time until the engine's
+//! `wait` returned to the caller, before the decoding on the GPU is done.
 //!
 //! NCCL picks its transport as usual: over NVLink between GPUs of one host, or over TCP with
 //! `NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_NET=Socket` (what `scripts/gpu_setup.sh` calls
 //! `$SOCK`), the stand-in for a network.
 
-use super::{label, rank_input, Args};
-use cfc::collective::ring_bytes;
-use cfc::gpu_allreduce::{Fallback, GpuAllReduceOptions, GpuAllReducer};
+use super::{label, rank_input, ring_bytes, Args};
+use cfc::engine::transport::local::LocalLinks;
+use cfc::engine::transport::Links;
+use cfc::engine::{BoundRule, Engine, Fallback, Job, Op, Options, Scale, Tensor};
 use cfc::nccl::{Communicator, UniqueId};
 use cfc::DType;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use std::io::{IsTerminal, Write};
 use std::sync::{Arc, Barrier, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 struct Row {
     size: usize,
@@ -40,14 +43,14 @@ struct Row {
     max_err_over_eps: Option<f64>,
 }
 
-/// One method's per-rank results: per-call seconds (and until the call returned), bytes sent,
-/// largest error of the first call over eps (rank 0 only), and for `cfc-auto` whether the
-/// reducer chose to compress.
+/// One method's per-rank results: per-call seconds (and until the wait returned), bytes sent
+/// per call, largest error of the first call over eps (rank 0 only), and for `cfc-auto` whether
+/// the engine chose to compress.
 type Timing = (Vec<f64>, Vec<f64>, u64, Option<f64>, Option<bool>);
 
 enum Method {
     Plain(DType),
-    /// The bound (x RMS), and whether with [`Fallback::Auto`].
+    /// The bound (x RMS), and whether with the trial of `fallback` auto.
     Cfc(f64, bool),
 }
 
@@ -63,6 +66,23 @@ fn name(m: &Method) -> String {
     }
 }
 
+fn options(m: &Method, rms: f64) -> Options {
+    let mut o = Options::new(BoundRule::Abs(1.0));
+    o.min_compress_numel = 0;
+    match m {
+        Method::Plain(_) => o.fallback = Fallback::Always,
+        Method::Cfc(b, auto) => {
+            o.bound = BoundRule::Abs(b * rms);
+            if *auto {
+                o.fallback = Fallback::Auto {
+                    trial_steps: 2 * TRIALS,
+                };
+            }
+        }
+    }
+    o
+}
+
 fn err(e: impl std::fmt::Display) -> String {
     e.to_string()
 }
@@ -71,121 +91,113 @@ fn ptr(d: &CudaSlice<u8>, s: &Arc<CudaStream>) -> u64 {
     d.device_ptr(s).0
 }
 
-/// Times every method at one size on this rank. Rank 0 also checks the first cfc call's error.
+/// Times one method at one size on this rank. Rank 0 also checks the first cfc call's error.
 #[allow(clippy::too_many_arguments)]
 fn one_size(
-    reducer: &mut GpuAllReducer,
+    engine: &Engine,
     stream: &Arc<CudaStream>,
     barrier: &Barrier,
-    methods: &[Method],
+    m: &Method,
     x: &[f32],
     exact: Option<&[f64]>,
     rms: f64,
     iters: usize,
-    chunk_numel: u64,
-) -> Result<Vec<Timing>, String> {
+    chunk_numel: usize,
+) -> Result<Timing, String> {
     let n = x.len();
-    let f32_bytes: Vec<u8> = x.iter().flat_map(|v| v.to_le_bytes()).collect();
-    let bf16_bytes: Vec<u8> = x
-        .iter()
-        .flat_map(|&v| half::bf16::from_f32(v).to_le_bytes())
-        .collect();
-    let pristine = [
-        stream.clone_htod(&f32_bytes).map_err(err)?,
-        stream.clone_htod(&bf16_bytes).map_err(err)?,
-    ];
-    let mut work = [
-        stream.alloc_zeros::<u8>(f32_bytes.len()).map_err(err)?,
-        stream.alloc_zeros::<u8>(bf16_bytes.len()).map_err(err)?,
-    ];
-    drop((f32_bytes, bf16_bytes));
-    let cu = stream.cu_stream();
-    let mut out = Vec::new();
-    for m in methods {
-        let k = match m {
-            Method::Plain(DType::BF16) => 1,
-            _ => 0,
-        };
-        if let Method::Cfc(..) = m {
-            // Each bound starts from zero residuals and runs its own trial: the reducer keeps
-            // both while the size and options stay the same, and the bound is not an option.
-            reducer.reset().map_err(err)?;
-        }
-        let (mut times, mut calls, mut sent, mut max_err) = (Vec::new(), Vec::new(), 0, None);
-        // Untimed: the first call (set-up; its error is checked), and cfc-auto's trial.
-        let untimed = match m {
-            Method::Cfc(_, true) => 2 * TRIALS as usize,
-            _ => 1,
-        };
-        for i in 0..iters + untimed {
-            stream
-                .memcpy_dtod(&pristine[k], &mut work[k])
-                .map_err(err)?;
-            stream.synchronize().map_err(err)?;
-            barrier.wait();
-            let t0 = Instant::now();
-            let data = ptr(&work[k], stream);
-            let returned = match m {
-                Method::Plain(dtype) => {
-                    // SAFETY: `work[k]` holds `n` elements of `dtype` on this rank's device.
-                    unsafe {
-                        reducer
-                            .communicator()
-                            .all_reduce(data, data, n, *dtype, true, cu)
-                    }
-                    .map_err(err)?;
-                    None
-                }
-                Method::Cfc(b, auto) => {
-                    let opts = GpuAllReduceOptions {
-                        chunk_numel,
-                        fallback: if *auto {
-                            Fallback::Auto { trials: TRIALS }
-                        } else {
-                            Fallback::Never
-                        },
-                        ..GpuAllReduceOptions::new(b * rms)
-                    };
-                    // SAFETY: `work[0]` holds `n` float32 on this rank's device, read back
-                    // below on the same stream.
-                    let report = unsafe {
-                        reducer.allreduce(cu as usize, data, n as u64, DType::F32, &opts)
-                    }
-                    .map_err(err)?;
-                    sent = report.bytes_sent;
-                    Some(t0.elapsed().as_secs_f64())
-                }
+    let dtype = match m {
+        Method::Plain(d) => *d,
+        Method::Cfc(..) => DType::F32,
+    };
+    let bytes: Vec<u8> = match dtype {
+        DType::F32 => x.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        _ => x
+            .iter()
+            .flat_map(|&v| half::bf16::from_f32(v).to_le_bytes())
+            .collect(),
+    };
+    let pristine = stream.clone_htod(&bytes).map_err(err)?;
+    let mut work = stream.alloc_zeros::<u8>(bytes.len()).map_err(err)?;
+    let residual = stream.alloc_zeros::<u8>(4 * n).map_err(err)?;
+    drop(bytes);
+    // Each size starts afresh: zero residuals, and the warm-up and trial again.
+    engine.reset().map_err(err)?;
+    let cu = stream.cu_stream() as u64;
+    let (mut times, mut calls, mut sent, mut max_err) = (Vec::new(), Vec::new(), 0, None);
+    // Untimed: the first call (set-up; its error is checked), and cfc-auto's trial.
+    let untimed = match m {
+        Method::Cfc(_, true) => 2 * TRIALS as usize + 1,
+        _ => 1,
+    };
+    let size = dtype.size() as u64;
+    let cfc = matches!(m, Method::Cfc(..));
+    for i in 0..iters + untimed {
+        stream.memcpy_dtod(&pristine, &mut work).map_err(err)?;
+        stream.synchronize().map_err(err)?;
+        let before = engine.stats().bytes_sent;
+        barrier.wait();
+        let t0 = Instant::now();
+        let data = ptr(&work, stream);
+        let res = ptr(&residual, stream);
+        let chunks = n.div_ceil(chunk_numel).max(1);
+        for c in 0..chunks {
+            let lo = (c * chunk_numel) as u64;
+            let len = (chunk_numel as u64).min(n as u64 - lo);
+            let job = Job {
+                key: c as u64,
+                fingerprint: n as u64,
+                data: Tensor {
+                    addr: data + lo * size,
+                    numel: len,
+                    dtype,
+                },
+                residual: cfc.then_some(Tensor {
+                    addr: res + 4 * lo,
+                    numel: len,
+                    dtype: DType::F32,
+                }),
+                op: Op::AllReduce,
+                scale: Scale::Average,
+                last: c + 1 == chunks,
+                fresh_residual: false,
             };
-            reducer.communicator().wait(stream).map_err(err)?;
-            let dt = t0.elapsed().as_secs_f64();
-            if i == 0 {
-                // (cfc-auto's trial starts with a compressed call.)
-                if let (Method::Cfc(b, _), Some(exact)) = (m, exact) {
-                    let y: Vec<u8> = stream.clone_dtoh(&work[0]).map_err(err)?;
-                    let eps = b * rms;
-                    max_err = Some(
-                        y.chunks_exact(4)
-                            .zip(exact)
-                            .map(|(c, &e)| {
-                                (f32::from_le_bytes([c[0], c[1], c[2], c[3]]) as f64 - e).abs()
-                                    / eps
-                            })
-                            .fold(0.0, f64::max),
-                    );
-                }
-            } else if i >= untimed {
-                times.push(dt);
-                if let Some(r) = returned {
-                    calls.push(r);
-                }
-            }
+            // SAFETY: `work` and `residual` hold `n` elements on this rank's device, read and
+            // written by nothing else until the stream has passed the wait below.
+            unsafe { engine.submit(job, cu) }.map_err(err)?;
         }
-        let chosen = matches!(m, Method::Cfc(_, true))
-            .then(|| reducer.compressing())
-            .flatten();
-        out.push((times, calls, sent, max_err, chosen));
+        engine.wait(cu).map_err(err)?;
+        let returned = t0.elapsed().as_secs_f64();
+        stream.synchronize().map_err(err)?;
+        let dt = t0.elapsed().as_secs_f64();
+        sent = engine.stats().bytes_sent - before;
+        if i == 0 {
+            if let (Method::Cfc(b, _), Some(exact)) = (m, exact) {
+                let y: Vec<u8> = stream.clone_dtoh(&work).map_err(err)?;
+                let eps = b * rms;
+                max_err = Some(
+                    y.chunks_exact(4)
+                        .zip(exact)
+                        .map(|(c, &e)| {
+                            (f32::from_le_bytes([c[0], c[1], c[2], c[3]]) as f64 - e).abs() / eps
+                        })
+                        .fold(0.0, f64::max),
+                );
+            }
+        } else if i >= untimed {
+            times.push(dt);
+            calls.push(returned);
+        }
     }
-    Ok(out)
+    let chosen = match m {
+        Method::Cfc(_, true) => engine
+            .state()
+            .map_err(err)?
+            .buckets
+            .first()
+            .and_then(|b| b.decision),
+        _ => None,
+    };
+    Ok((times, calls, sent, max_err, chosen))
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -207,26 +219,59 @@ pub fn run(args: &Args, base: &[f32], rms: f64, source: &str) -> Result<(), Stri
     let mut methods = vec![Method::Plain(DType::F32), Method::Plain(DType::BF16)];
     methods.extend(args.bounds.iter().map(|&b| Method::Cfc(b, false)));
     methods.extend(args.bounds.iter().map(|&b| Method::Cfc(b, true)));
-    let id = UniqueId::new().map_err(err)?;
+    // An NCCL communicator per method (each engine has its own), and a failure board shared
+    // by the threads of each method's engines.
+    let ids = methods
+        .iter()
+        .map(|_| UniqueId::new().map_err(err))
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut links: Vec<Vec<Option<LocalLinks>>> = (0..world).map(|_| Vec::new()).collect();
+    for _ in &methods {
+        for (rank, l) in LocalLinks::group(world, Duration::from_secs(300))
+            .into_iter()
+            .enumerate()
+        {
+            links[rank].push(Some(l));
+        }
+    }
     let barrier = Barrier::new(world);
     let total = args.sizes.len();
     let show = std::io::stderr().is_terminal();
     let progress = Mutex::new(0usize);
-    // Per size: the exact average, for rank 0's check of the first compressed call.
     let per_rank: Vec<Result<Vec<Vec<Timing>>, String>> = std::thread::scope(|s| {
-        let handles: Vec<_> = (0..world)
-            .map(|rank| {
-                let (barrier, methods, id, progress) = (&barrier, &methods, &id, &progress);
+        let handles: Vec<_> = links
+            .into_iter()
+            .enumerate()
+            .map(|(rank, mut links)| {
+                let (barrier, methods, ids, progress) = (&barrier, &methods, &ids, &progress);
                 s.spawn(move || -> Result<Vec<Vec<Timing>>, String> {
                     // A rank that fails would leave the others at the barrier: end the process.
                     let fail = |e: String| -> ! {
                         eprintln!("cfc-bench: rank {rank}: {e}");
                         std::process::exit(1)
                     };
-                    let comm =
-                        Communicator::new(rank, id, rank, world).unwrap_or_else(|e| fail(err(e)));
-                    let stream = comm.context().new_stream().unwrap_or_else(|e| fail(err(e)));
-                    let mut reducer = GpuAllReducer::new(comm).unwrap_or_else(|e| fail(err(e)));
+                    let ctx = cfc::cuda::context(rank).unwrap_or_else(|e| fail(err(e)));
+                    let stream = ctx.new_stream().unwrap_or_else(|e| fail(err(e)));
+                    let engines: Vec<Engine> = methods
+                        .iter()
+                        .zip(ids)
+                        .zip(links.iter_mut())
+                        .map(|((m, id), l)| {
+                            let l = l.take().unwrap_or_else(|| fail("no links".into()));
+                            let comm = Communicator::new(rank, id, rank, world)
+                                .unwrap_or_else(|e| fail(err(e)));
+                            let control = l.control().clone();
+                            Engine::on_cuda_nccl(
+                                rank,
+                                comm,
+                                control,
+                                Some(Box::new(l)),
+                                options(m, rms),
+                                0,
+                            )
+                            .unwrap_or_else(|e| fail(err(e)))
+                        })
+                        .collect();
                     let mut all = Vec::new();
                     for &size in &args.sizes {
                         let n = size / 4;
@@ -240,20 +285,23 @@ pub fn run(args: &Args, base: &[f32], rms: f64, source: &str) -> Result<(), Stri
                                 })
                                 .collect()
                         });
-                        let chunk = (args.chunk_bytes / 4).max(1) as u64;
-                        let t = one_size(
-                            &mut reducer,
-                            &stream,
-                            barrier,
-                            methods,
-                            &x,
-                            exact.as_deref(),
-                            rms,
-                            args.iters,
-                            chunk,
-                        )
-                        .unwrap_or_else(|e| fail(e));
-                        all.push(t);
+                        let mut per_method = Vec::new();
+                        for (m, e) in methods.iter().zip(&engines) {
+                            let t = one_size(
+                                e,
+                                &stream,
+                                barrier,
+                                m,
+                                &x,
+                                exact.as_deref(),
+                                rms,
+                                args.iters,
+                                args.chunk_numel,
+                            )
+                            .unwrap_or_else(|e| fail(e));
+                            per_method.push(t);
+                        }
+                        all.push(per_method);
                         if rank == 0 && show {
                             let mut done = progress.lock().unwrap_or_else(|p| p.into_inner());
                             *done += 1;
@@ -269,6 +317,9 @@ pub fn run(args: &Args, base: &[f32], rms: f64, source: &str) -> Result<(), Stri
                                 eprintln!();
                             }
                         }
+                    }
+                    for e in &engines {
+                        let _ = e.close();
                     }
                     Ok(all)
                 })
@@ -319,12 +370,12 @@ pub fn run(args: &Args, base: &[f32], rms: f64, source: &str) -> Result<(), Stri
     println!(
         "all-reduce (average) on {world} GPUs over NCCL {major}.{minor}.{patch} \
          (NCCL_P2P_DISABLE={} NCCL_SHM_DISABLE={} NCCL_NET={}); medians of {}, the slowest \
-         rank's; cfc chunks of {}; data: {source}, RMS {rms:.3e}",
+         rank's; cfc jobs of {} elements; data: {source}, RMS {rms:.3e}",
         env("NCCL_P2P_DISABLE"),
         env("NCCL_SHM_DISABLE"),
         env("NCCL_NET"),
         args.iters,
-        label(args.chunk_bytes)
+        args.chunk_numel
     );
     println!(
         "| size | method | time ms | algbw GB/s | busbw GB/s | vs fp32 | vs bf16 | bytes vs ring fp32 | max err / eps | call returns ms |"

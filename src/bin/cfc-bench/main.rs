@@ -1,12 +1,13 @@
 //! `cfc-bench`: cfc's compressed all-reduce against an uncompressed one, on the CPU.
 //!
-//! Ranks are threads of this process, linked by the in-process transport (crossbeam channels),
-//! so it runs on any machine. For each number of ranks and size it times, on the same data:
+//! Ranks are threads of this process, each with an engine ([`cfc::engine::Engine`]) on the CPU
+//! backend, linked by channels, so it runs on any machine. For each number of ranks and size it
+//! times, on the same data:
 //!
-//! * `plain`: an uncompressed all-reduce over the same transport (reduce-scatter of float32
-//!   shards, then all-gather of the averages: what a ring all-reduce sends);
-//! * `cfc-rs@B` and `cfc-ag@B`: [`cfc::collective::allreduce`] with eps = B x RMS of the data,
-//!   error feedback on, as a reduce-scatter of codes and as an all-gather of frames.
+//! * `plain`: the engine's uncompressed all-reduce (`fallback` always: a reduce-scatter of
+//!   float32 shards, then an all-gather of the averages, what a ring all-reduce sends);
+//! * `cfc-rs@B` and `cfc-ag@B`: the engine with eps = B x RMS of the data, error feedback on,
+//!   as a reduce-scatter of codes and as an all-gather of frames.
 //!
 //! It prints median times (the slowest rank's), the bytes each rank sent against a ring
 //! all-reduce of float32, and the largest error of a first call (zero residuals) over the
@@ -15,24 +16,23 @@
 //! mostly measure CPU contention.
 //!
 //! With `--gpu N` (a build with the `cuda` feature) it drives N local GPUs instead, a thread
-//! each, over NCCL: plain `ncclAllReduce` of float32 and of bfloat16 against
-//! [`cfc::gpu_allreduce::GpuAllReducer`] (see `gpu.rs`). `torchrun --nproc_per_node=N -m
+//! each, with the engine on the CUDA backend over NCCL: plain `ncclAllReduce` of float32 and of
+//! bfloat16 against cfc (see `gpu.rs`). `torchrun --nproc_per_node=N -m
 //! cfc.bench` (the Python package) compares the same through PyTorch.
 //!
 //! Run: `cargo run --release --bin cfc-bench -- [--ranks 2,4,8] [--sizes 1M,4M,16M]
 //! [--bounds 0.3,0.1] [--iters 5] [--grads DIR] [--json FILE] [--png FILE]`, or with the GPUs
-//! `cargo run --release --features cuda --bin cfc-bench -- --gpu 2 [--chunk-mb 256] ...`
+//! `cargo run --release --features cuda --bin cfc-bench -- --gpu 2 [--chunk-numel 67108864] ...`
 //!
 //! `--png` draws the JSON's algbw against size with `python3 -m cfc.bench --plot` (the Python
 //! package and matplotlib; `CFC_PYTHON` names another interpreter): one plotting code for both
 //! benchmarks. Without `--json`, the JSON goes next to the PNG.
 
-use cfc::collective::{allreduce, ring_bytes, Algorithm, AllReduceOptions, InProcess, Transport};
-use cfc::Bound;
+use cfc::engine::{Algorithm, BoundRule, Engine, Fallback, Job, Op, Options, Scale, Tensor};
 use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 use std::sync::Barrier;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 #[cfg(feature = "cuda")]
 mod gpu;
@@ -40,9 +40,10 @@ mod gpu;
 mod grads;
 
 const USAGE: &str = "usage: cfc-bench [--ranks 2,4,8] [--sizes 1M,4M,16M] [--bounds 0.3,0.1] \
-[--iters 5] [--grads DIR] [--json FILE] [--png FILE] [--gpu N [--chunk-mb 256]]
-Compressed all-reduce against an uncompressed one over threads (in-process transport, CPU),
-or with --gpu N over NCCL on N local GPUs, a thread each (a build with the cuda feature).";
+[--iters 5] [--grads DIR] [--json FILE] [--png FILE] [--gpu N [--chunk-numel 67108864]]
+Compressed all-reduce against an uncompressed one over threads (CPU engines linked by
+channels), or with --gpu N over NCCL on N local GPUs, a thread each (a build with the cuda
+feature).";
 
 struct Args {
     ranks: Vec<usize>,
@@ -55,8 +56,8 @@ struct Args {
     png: Option<PathBuf>,
     /// GPUs to drive over NCCL (0: the CPU benchmark).
     gpus: usize,
-    /// Bytes per chunk of the GPU all-reduce.
-    chunk_bytes: usize,
+    /// Elements per job of the GPU all-reduce (a tensor is cut into jobs of this many).
+    chunk_numel: usize,
 }
 
 fn parse_size(s: &str) -> Result<usize, String> {
@@ -93,7 +94,7 @@ fn parse_args() -> Result<Args, String> {
         json: None,
         png: None,
         gpus: 0,
-        chunk_bytes: 256 << 20,
+        chunk_numel: 1 << 26,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -139,13 +140,12 @@ fn parse_args() -> Result<Args, String> {
                     .filter(|&g| (1..=64).contains(&g))
                     .ok_or("--gpu needs a GPU count (1 to 64)")?
             }
-            "--chunk-mb" => {
-                a.chunk_bytes = value
-                    .parse::<f64>()
+            "--chunk-numel" => {
+                a.chunk_numel = value
+                    .parse::<usize>()
                     .ok()
-                    .filter(|m| *m > 0.0 && *m <= 65536.0)
-                    .map(|m| (m * (1 << 20) as f64) as usize)
-                    .ok_or("--chunk-mb needs a positive size in MB")?
+                    .filter(|&m| m > 0)
+                    .ok_or("--chunk-numel needs a positive element count")?
             }
             other => return Err(format!("unknown option {other}\n{USAGE}")),
         }
@@ -233,36 +233,6 @@ fn rank_input(base: &[f32], rank: usize, n: usize) -> Vec<f32> {
     base.iter().cycle().skip(start).take(n).copied().collect()
 }
 
-/// An uncompressed all-reduce (average) over the transport: shards to their owners, summed and
-/// divided there, gathered.
-fn plain_allreduce(t: &mut InProcess, x: &[f32]) -> cfc::Result<Vec<f32>> {
-    let world = t.world();
-    let per = x.len().div_ceil(world);
-    let range = |j: usize| (j * per).min(x.len())..((j + 1) * per).min(x.len());
-    let parts = (0..world)
-        .map(|j| bytemuck::cast_slice(&x[range(j)]).to_vec())
-        .collect();
-    let got = t.all_to_all(parts)?;
-    let mine = range(t.rank());
-    let mut sum = vec![0f32; mine.len()];
-    for part in &got {
-        for (s, c) in sum.iter_mut().zip(part.chunks_exact(4)) {
-            *s += f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
-        }
-    }
-    for s in &mut sum {
-        *s /= world as f32;
-    }
-    let sums = t.all_gather(bytemuck::cast_slice(&sum).to_vec())?;
-    Ok(sums
-        .iter()
-        .flat_map(|b| {
-            b.chunks_exact(4)
-                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        })
-        .collect())
-}
-
 struct Row {
     ranks: usize,
     size: usize,
@@ -273,6 +243,27 @@ struct Row {
     max_err_over_eps: Option<f64>,
 }
 
+/// Bytes each rank sends in a ring all-reduce of `bytes` over `world` ranks.
+pub(crate) fn ring_bytes(bytes: u64, world: usize) -> u64 {
+    let w = world.max(1) as u64;
+    2 * (w - 1) * bytes.div_ceil(w)
+}
+
+/// Engine options for a method: `None` is plain (the uncompressed all-reduce), else the bound
+/// and the algorithm; error feedback on, no warm-up, every size compressed.
+pub(crate) fn method_options(bound: Option<(f64, Algorithm)>) -> Options {
+    let mut o = Options::new(BoundRule::Abs(1.0));
+    o.min_compress_numel = 0;
+    match bound {
+        None => o.fallback = Fallback::Always,
+        Some((eps, algorithm)) => {
+            o.bound = BoundRule::Abs(eps);
+            o.algorithm = Some(algorithm);
+        }
+    }
+    o
+}
+
 /// Times `method` on `world` threads: returns (median of the slowest rank's seconds, rank 0's
 /// bytes sent per call, largest error of the first call over eps).
 fn measure(
@@ -280,36 +271,52 @@ fn measure(
     base: &[f32],
     n: usize,
     iters: usize,
-    cfc: Option<AllReduceOptions>,
+    cfc: Option<(f64, Algorithm)>,
     exact: &[f64],
 ) -> (f64, u64, Option<f64>) {
-    let endpoints = InProcess::group(world, Duration::from_secs(300));
+    let engines = Engine::local_group(world, method_options(cfc)).expect("engines");
     let barrier = Barrier::new(world);
     let per_rank: Vec<(Vec<f64>, u64, f64)> = std::thread::scope(|s| {
-        let handles: Vec<_> = endpoints
-            .into_iter()
-            .map(|mut t| {
+        let handles: Vec<_> = engines
+            .iter()
+            .map(|e| {
                 let barrier = &barrier;
                 s.spawn(move || {
-                    let x = rank_input(base, t.rank(), n);
+                    let x = rank_input(base, e.rank(), n);
+                    let mut y = x.clone();
                     let mut residual = vec![0f32; n];
                     let (mut times, mut sent, mut err) = (Vec::new(), 0, 0.0f64);
                     for i in 0..=iters {
                         // call 0: the error check (zero residual) and the warm-up
+                        y.copy_from_slice(&x);
+                        let before = e.stats().bytes_sent;
                         barrier.wait();
                         let t0 = Instant::now();
-                        let y = match &cfc {
-                            None => plain_allreduce(&mut t, &x).expect("plain all-reduce"),
-                            Some(o) => {
-                                let (y, report) = allreduce(&mut t, &x, Some(&mut residual), o)
-                                    .expect("cfc all-reduce");
-                                sent = report.bytes_sent;
-                                y
-                            }
+                        let job = Job {
+                            key: 0,
+                            fingerprint: 0,
+                            data: Tensor {
+                                addr: y.as_mut_ptr() as u64,
+                                numel: n as u64,
+                                dtype: cfc::DType::F32,
+                            },
+                            residual: cfc.map(|_| Tensor {
+                                addr: residual.as_mut_ptr() as u64,
+                                numel: n as u64,
+                                dtype: cfc::DType::F32,
+                            }),
+                            op: Op::AllReduce,
+                            scale: Scale::Average,
+                            last: true,
+                            fresh_residual: false,
                         };
+                        // SAFETY: `y` and `residual` live, untouched, until the wait returns.
+                        unsafe { e.submit(job, 0) }.expect("submit");
+                        e.wait(0).expect("cfc all-reduce");
                         let dt = t0.elapsed().as_secs_f64();
+                        sent = e.stats().bytes_sent - before;
                         if i == 0 {
-                            if let Some(Bound::Abs(eps)) = cfc.map(|o| o.bound) {
+                            if let Some((eps, _)) = cfc {
                                 err = y
                                     .iter()
                                     .zip(exact)
@@ -374,19 +381,13 @@ fn main() {
         }
         return;
     }
-    let mut methods: Vec<(String, Option<AllReduceOptions>)> = vec![("plain".into(), None)];
+    let mut methods: Vec<(String, Option<(f64, Algorithm)>)> = vec![("plain".into(), None)];
     for &b in &args.bounds {
         for (tag, algorithm) in [
             ("rs", Algorithm::ReduceScatter),
             ("ag", Algorithm::AllGather),
         ] {
-            let o = AllReduceOptions {
-                bound: Bound::Abs(b * rms),
-                average: true,
-                zstd_level: None,
-                algorithm: Some(algorithm),
-            };
-            methods.push((format!("cfc-{tag}@{b}"), Some(o)));
+            methods.push((format!("cfc-{tag}@{b}"), Some((b * rms, algorithm))));
         }
     }
     let total = args.ranks.len() * args.sizes.len() * methods.len();
@@ -430,8 +431,8 @@ fn main() {
         }
     }
     println!(
-        "all-reduce (average) over threads (in-process transport, CPU, {} cores); medians of {}; \
-         data: {source}, RMS {rms:.3e}",
+        "all-reduce (average) over threads (CPU engines linked by channels, {} cores); medians \
+         of {}; data: {source}, RMS {rms:.3e}",
         std::thread::available_parallelism().map_or(1, |n| n.get()),
         args.iters
     );

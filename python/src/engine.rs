@@ -1,0 +1,448 @@
+//! The engine of `cfc._native` (`cfc::engine`): one per `CfcState` or `AllReducer`, opened by
+//! `cfc._engine` once the ranks have exchanged their link addresses.
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use crate::codec::dtype_of;
+use crate::error::{to_py, CfcError};
+use cfc::engine::transport::tcp::{Listener as TcpListener, TcpLinks, Topology};
+use cfc::engine::{
+    Algorithm, BoundRule, BucketState, Engine as CoreEngine, EngineState, Fallback, Fault, Job, Op,
+    Options, Scale, Tensor,
+};
+
+/// A bound TCP port for the engine's links: made first, its addresses published to the other
+/// ranks, then handed to `Engine`.
+#[pyclass(module = "cfc._native")]
+pub struct Listener {
+    inner: Mutex<Option<TcpListener>>,
+}
+
+#[pymethods]
+impl Listener {
+    /// Binds a port (on `CFC_LINK_ADDR`, else every interface).
+    #[new]
+    fn new() -> PyResult<Self> {
+        Ok(Listener {
+            inner: Mutex::new(Some(TcpListener::bind().map_err(to_py)?)),
+        })
+    }
+
+    /// The addresses the other ranks may reach this one at, best first.
+    fn addresses(&self) -> PyResult<Vec<String>> {
+        let held = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        held.as_ref()
+            .map(|l| l.addresses())
+            .ok_or_else(|| CfcError::new_err("this listener was given to an engine"))
+    }
+}
+
+/// A tensor as the Python package describes it: (address, element count, dtype name).
+fn tensor(t: (u64, u64, String)) -> PyResult<Tensor> {
+    Ok(Tensor {
+        addr: t.0,
+        numel: t.1,
+        dtype: dtype_of(&t.2)?,
+    })
+}
+
+fn seconds(what: &str, s: f64) -> PyResult<Duration> {
+    Duration::try_from_secs_f64(s)
+        .ok()
+        .filter(|d| !d.is_zero())
+        .ok_or_else(|| PyValueError::new_err(format!("{what} must be positive seconds, got {s}")))
+}
+
+/// The engine's options from the Python package's (already checked there; checked again by the
+/// core).
+#[allow(clippy::too_many_arguments)]
+fn options(
+    bound: &str,
+    value: f64,
+    error_feedback: bool,
+    algorithm: Option<&str>,
+    fallback: &str,
+    trial_steps: u32,
+    warmup_steps: u32,
+    min_compress_numel: u64,
+    timeout: f64,
+) -> PyResult<Options> {
+    let bound = match bound {
+        "eps" => BoundRule::Abs(value),
+        "rms" => BoundRule::Rms(value),
+        "rel" => BoundRule::Rel(value),
+        other => return Err(PyValueError::new_err(format!("unknown bound {other:?}"))),
+    };
+    let algorithm = match algorithm {
+        None => None,
+        Some("all-gather") => Some(Algorithm::AllGather),
+        Some("reduce-scatter") => Some(Algorithm::ReduceScatter),
+        Some(other) => {
+            return Err(PyValueError::new_err(format!(
+                "unknown algorithm {other:?}"
+            )))
+        }
+    };
+    let fallback = match fallback {
+        "never" => Fallback::Never,
+        "always" => Fallback::Always,
+        "auto" => Fallback::Auto { trial_steps },
+        other => return Err(PyValueError::new_err(format!("unknown fallback {other:?}"))),
+    };
+    let o = Options {
+        bound,
+        feedback: error_feedback,
+        algorithm,
+        fallback,
+        warmup_steps,
+        min_compress_numel,
+        timeout: seconds("timeout", timeout)?,
+    };
+    o.check().map_err(to_py)?;
+    Ok(o)
+}
+
+/// One rank's engine: see `cfc::engine`. Made on every rank of a group together.
+#[pyclass(module = "cfc._native")]
+pub struct Engine {
+    inner: Mutex<Option<Arc<CoreEngine>>>,
+    world: usize,
+    rank: usize,
+}
+
+impl Engine {
+    fn live(&self) -> PyResult<Arc<CoreEngine>> {
+        self.inner
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+            .ok_or_else(|| CfcError::new_err("this engine was closed"))
+    }
+}
+
+#[pymethods]
+impl Engine {
+    /// Links this rank with the others and starts its engine; waits for the links, at most
+    /// `timeout` seconds, and runs the agreement round with `agree_token`.
+    ///
+    /// Args:
+    ///     listener: this rank's `Listener` (taken).
+    ///     addresses: every rank's published addresses, by rank.
+    ///     rank, world: this rank and the number of ranks.
+    ///     token: the same on every rank, unique to this engine (its links refuse others).
+    ///     device: the CUDA device for a CUDA engine, or None for a CPU engine.
+    ///     nccl_id: with a device, the NCCL unique id (hex) every rank joins; None to move the
+    ///         device's bytes over the TCP links instead (ranks sharing one GPU).
+    ///     bound, value, error_feedback, algorithm, fallback, trial_steps, warmup_steps,
+    ///         min_compress_numel, timeout: the options (see `cfc.CfcState`).
+    ///     agree_token: what every rank must agree on besides the options.
+    #[new]
+    #[pyo3(signature = (listener, addresses, rank, world, token, *, device=None, nccl_id=None, bound, value, error_feedback, algorithm, fallback, trial_steps, warmup_steps, min_compress_numel, timeout, agree_token=0))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        listener: &Listener,
+        addresses: Vec<Vec<String>>,
+        rank: usize,
+        world: usize,
+        token: u64,
+        device: Option<usize>,
+        nccl_id: Option<String>,
+        bound: &str,
+        value: f64,
+        error_feedback: bool,
+        algorithm: Option<&str>,
+        fallback: &str,
+        trial_steps: u32,
+        warmup_steps: u32,
+        min_compress_numel: u64,
+        timeout: f64,
+        agree_token: u64,
+    ) -> PyResult<Self> {
+        let o = options(
+            bound,
+            value,
+            error_feedback,
+            algorithm,
+            fallback,
+            trial_steps,
+            warmup_steps,
+            min_compress_numel,
+            timeout,
+        )?;
+        let l = listener
+            .inner
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+            .ok_or_else(|| CfcError::new_err("this listener was given to an engine already"))?;
+        let engine = py
+            .detach(move || -> cfc::Result<CoreEngine> {
+                let t = o.timeout;
+                match (device, nccl_id) {
+                    (None, _) => {
+                        let links = TcpLinks::connect(
+                            l,
+                            rank,
+                            world,
+                            &addresses,
+                            token,
+                            Topology::Mesh,
+                            t,
+                        )?;
+                        CoreEngine::on_cpu(links, o, agree_token)
+                    }
+                    (Some(d), None) => {
+                        let links = TcpLinks::connect(
+                            l,
+                            rank,
+                            world,
+                            &addresses,
+                            token,
+                            Topology::Mesh,
+                            t,
+                        )?;
+                        CoreEngine::on_cuda_links(d, links, o, agree_token)
+                    }
+                    (Some(d), Some(id)) => {
+                        let links = TcpLinks::connect(
+                            l,
+                            rank,
+                            world,
+                            &addresses,
+                            token,
+                            Topology::Star,
+                            t,
+                        )?;
+                        let id = cfc::nccl::UniqueId::from_hex(&id)?;
+                        let comm = cfc::nccl::Communicator::with_timeout(d, &id, rank, world, t)?;
+                        let control = cfc::engine::transport::Links::control(&links).clone();
+                        CoreEngine::on_cuda_nccl(
+                            d,
+                            comm,
+                            control,
+                            Some(Box::new(links)),
+                            o,
+                            agree_token,
+                        )
+                    }
+                }
+            })
+            .map_err(to_py)?;
+        Ok(Engine {
+            inner: Mutex::new(Some(Arc::new(engine))),
+            world,
+            rank,
+        })
+    }
+
+    /// This rank.
+    #[getter]
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Number of ranks.
+    #[getter]
+    fn world(&self) -> usize {
+        self.world
+    }
+
+    /// Hands one bucket to the engine and returns at once (see `cfc::engine::Engine::submit`).
+    ///
+    /// Args:
+    ///     key, fingerprint: the bucket's identity from step to step, and what it holds.
+    ///     data: (address, numel, dtype) of the values, reduced in place (an all-reduce) or
+    ///         read (a reduce-scatter, with `out`).
+    ///     residual: (address, numel) of float32 residuals, or None.
+    ///     out: (address, numel) of this rank's shard of a reduce-scatter, or None.
+    ///     scale: what the sum is multiplied by; None: 1 / world (an average).
+    ///     last: the bucket ends a step.
+    ///     fresh: the residual holds values not sent yet.
+    ///     stream: the caller's CUDA stream (0 on the CPU).
+    ///
+    /// The caller keeps every tensor alive and untouched until `wait` returns.
+    #[pyo3(signature = (key, fingerprint, data, residual, out, scale, last, fresh, stream))]
+    #[allow(clippy::too_many_arguments)]
+    fn submit(
+        &self,
+        key: u64,
+        fingerprint: u64,
+        data: (u64, u64, String),
+        residual: Option<(u64, u64)>,
+        out: Option<(u64, u64)>,
+        scale: Option<f32>,
+        last: bool,
+        fresh: bool,
+        stream: u64,
+    ) -> PyResult<()> {
+        let engine = self.live()?;
+        let data = tensor(data)?;
+        let job = Job {
+            key,
+            fingerprint,
+            data,
+            residual: residual.map(|(addr, numel)| Tensor {
+                addr,
+                numel,
+                dtype: cfc::DType::F32,
+            }),
+            op: match out {
+                None => Op::AllReduce,
+                Some((addr, numel)) => Op::ReduceScatter {
+                    out: Tensor {
+                        addr,
+                        numel,
+                        dtype: data.dtype,
+                    },
+                },
+            },
+            scale: scale.map_or(Scale::Average, Scale::Times),
+            last,
+            fresh_residual: fresh,
+        };
+        // SAFETY: the Python package passes tensors of this engine's device that it keeps
+        // alive and leaves untouched until `wait` returns (this method's contract, stated to its
+        // one caller, `cfc._engine`).
+        unsafe { engine.submit(job, stream) }.map_err(to_py)
+    }
+
+    /// Waits until every bucket submitted is done and the step closed, then orders `stream`
+    /// after the results; raises the failure of any rank.
+    fn wait(&self, py: Python<'_>, stream: u64) -> PyResult<()> {
+        let engine = self.live()?;
+        py.detach(|| engine.wait(stream)).map_err(to_py)
+    }
+
+    /// Fails this rank with `reason` (an exception of the caller's): every rank's next wait
+    /// raises it.
+    fn fail(&self, reason: &str) -> PyResult<()> {
+        self.live()?.fail(reason);
+        Ok(())
+    }
+
+    /// The first failure of any rank seen so far, as (rank, reason), or None.
+    fn failure(&self) -> PyResult<Option<(usize, String)>> {
+        Ok(self.live()?.control().failure().map(|f| (f.rank, f.reason)))
+    }
+
+    /// Checks again, with every rank, the options and `token` (after a checkpoint was loaded).
+    fn agree(&self, py: Python<'_>, token: u64) -> PyResult<()> {
+        let engine = self.live()?;
+        py.detach(|| engine.agree(token)).map_err(to_py)
+    }
+
+    /// What the engine has done so far.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.live()?.stats();
+        let d = PyDict::new(py);
+        d.set_item("compressed_buckets", s.compressed)?;
+        d.set_item("plain_buckets", s.plain)?;
+        d.set_item("bytes_sent", s.bytes_sent)?;
+        d.set_item("bytes_uncompressed", s.bytes_uncompressed)?;
+        d.set_item("resends", s.resends)?;
+        d.set_item("eps", s.eps)?;
+        d.set_item("max_error", s.max_error)?;
+        d.set_item("seconds", s.seconds)?;
+        Ok(d)
+    }
+
+    /// Forgets every bucket (after those submitted): the warm-up and the trial start again.
+    fn reset(&self) -> PyResult<()> {
+        self.live()?.reset().map_err(to_py)
+    }
+
+    /// The engine's state for a checkpoint: {"step", "origin", "buckets": [ {key, fingerprint,
+    /// numel, stats, decision, trial_plain, trial_compressed} ]}.
+    fn state<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let engine = self.live()?;
+        let s = py.detach(|| engine.state()).map_err(to_py)?;
+        let d = PyDict::new(py);
+        d.set_item("step", s.step)?;
+        d.set_item("origin", s.origin)?;
+        let buckets = s
+            .buckets
+            .iter()
+            .map(|b| {
+                let e = PyDict::new(py);
+                e.set_item("key", b.key)?;
+                e.set_item("fingerprint", b.fingerprint)?;
+                e.set_item("numel", b.numel)?;
+                e.set_item("stats", b.stats)?;
+                e.set_item("decision", b.decision)?;
+                e.set_item("trial_plain", b.trial_plain.clone())?;
+                e.set_item("trial_compressed", b.trial_compressed.clone())?;
+                Ok(e)
+            })
+            .collect::<PyResult<Vec<_>>>()?;
+        d.set_item("buckets", buckets)?;
+        Ok(d)
+    }
+
+    /// Replaces the engine's state with what `state` gave (checked by the Python package).
+    fn load_state(&self, py: Python<'_>, state: &Bound<'_, PyDict>) -> PyResult<()> {
+        let get = |k: &str| -> PyResult<Bound<'_, PyAny>> {
+            state
+                .get_item(k)?
+                .ok_or_else(|| PyValueError::new_err(format!("an engine state without {k:?}")))
+        };
+        let step: u64 = get("step")?.extract()?;
+        let origin: u64 = get("origin")?.extract()?;
+        let mut buckets = Vec::new();
+        for b in get("buckets")?.try_iter()? {
+            let b = b?;
+            let field = |k: &str| b.get_item(k);
+            buckets.push(BucketState {
+                key: field("key")?.extract()?,
+                fingerprint: field("fingerprint")?.extract()?,
+                numel: field("numel")?.extract()?,
+                stats: field("stats")?.extract()?,
+                decision: field("decision")?.extract()?,
+                trial_plain: field("trial_plain")?.extract()?,
+                trial_compressed: field("trial_compressed")?.extract()?,
+            });
+        }
+        let s = EngineState {
+            step,
+            origin,
+            buckets,
+        };
+        let engine = self.live()?;
+        py.detach(|| engine.load_state(s)).map_err(to_py)
+    }
+
+    /// Makes a fault happen at this rank's next compressed bucket, for tests of failure
+    /// handling: "corrupt" (the frame it sends), "alloc" (its next allocation), "device" (a
+    /// device error).
+    fn inject(&self, fault: &str) -> PyResult<()> {
+        let f = match fault {
+            "corrupt" => Fault::Corrupt,
+            "alloc" => Fault::Alloc,
+            "device" => Fault::Device,
+            other => return Err(PyValueError::new_err(format!("unknown fault {other:?}"))),
+        };
+        self.live()?.inject(f).map_err(to_py)
+    }
+
+    /// Finishes the buckets submitted, then stops the engine and closes its links (at most
+    /// twice its timeout; a failure was raised by `wait` already, not again here). Closing again
+    /// does nothing.
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        let engine = self.inner.lock().unwrap_or_else(|e| e.into_inner()).take();
+        match engine {
+            Some(e) => py.detach(|| e.close()).map_err(to_py),
+            None => Ok(()),
+        }
+    }
+}
+
+/// Adds the engine's classes to the module.
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<Listener>()?;
+    m.add_class::<Engine>()?;
+    Ok(())
+}

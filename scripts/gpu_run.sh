@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# On the GPU machine (no Rust there): what scripts/build_gpu_carry.sh carried in .carry/. PARTS
+# picks what runs, in order:
+#   rust     the engine's GPU tests (the CUDA backend writes the CPU backend's bits; failures on
+#            one GPU rank reach every rank) and the crate's unit tests;
+#   pytest   `pytest -m gpu` of the codec, the hook and AllReducer (PYTEST_K filters);
+#   bench    cfc-bench --gpu over NVLink and over sockets (SIZES, BOUNDS, ITERS);
+#   step     the 217M LM's DDP step time (benches/ddp_step_time.py) over sockets and NVLink,
+#            this wheel against the one in .carry/old/ (when there), one run after the other,
+#            AB_ROUNDS times (default 2);
+# Logs and tables go under $OUT; the last lines printed are a short summary.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+source scripts/gpu_setup.sh
+CFC_NCCL_LIBRARY=$(python3 -c "import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], 'lib', 'libnccl.so.2'))")
+export CFC_NCCL_LIBRARY LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+GPUS=$(nvidia-smi -L | wc -l)
+export CFC_TEST_GPUS=$GPUS CFC_GRADS_DIR=$PWD/.carry/grads
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -2
+PARTS=${PARTS:-rust pytest}
+SUMMARY=$OUT/summary.txt
+: > "$SUMMARY"
+new_site=/tmp/site
+old_site=/tmp/site-old
+if ls .carry/old/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --upgrade --target $old_site .carry/old/*.whl
+fi
+for part in $PARTS; do case $part in
+  rust)
+    CFC_REQUIRE_GPU=1 timeout 300 .carry/engine-cuda-tests --test-threads=1 2>&1 | tail -15 | tee "$OUT/rust_engine_cuda.log"
+    CFC_REQUIRE_GPU=1 timeout 200 .carry/lib-tests --test-threads=2 2>&1 | tail -4 | tee "$OUT/rust_lib.log"
+    grep -h "test result" "$OUT"/rust_*.log >> "$SUMMARY" ;;
+  pytest)
+    timeout ${PYTEST_TIMEOUT:-480} python3 -m pytest -q -p no:cacheprovider -m gpu ${PYTEST_FILES:-tests/python/test_gpu.py tests/python/test_ddp.py tests/python/test_allreducer.py} \
+        ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 | tail -40 | tee "$OUT/pytest_gpu.log"
+    tail -1 "$OUT/pytest_gpu.log" >> "$SUMMARY" ;;
+  bench)
+    ARGS="--gpu $GPUS --grads .carry/grads --sizes ${SIZES:-64M,256M} --bounds ${BOUNDS:-0.3} --iters ${ITERS:-20}"
+    timeout 200 .carry/cfc-bench $ARGS | tee "$OUT/cfc_bench_nvlink.md"
+    env $SOCK timeout 300 .carry/cfc-bench $ARGS | tee "$OUT/cfc_bench_socket.md"
+    { echo "cfc-bench nvlink:"; grep "^|" "$OUT/cfc_bench_nvlink.md"; echo "cfc-bench socket:"; grep "^|" "$OUT/cfc_bench_socket.md"; } >> "$SUMMARY" ;;
+  step)
+    for round in $(seq ${AB_ROUNDS:-2}); do
+      for which in old new; do
+        site=$([ $which = new ] && echo $new_site || echo $old_site)
+        [ -d $site ] || continue
+        for link in socket nvlink; do
+          envs=$([ $link = socket ] && echo "$SOCK" || echo "")
+          hooks=$([ $link = socket ] && echo "${SOCKET_HOOKS:---base noop noop cfc noop}" || echo "${NVLINK_HOOKS:-allreduce cfc-auto allreduce}")
+          env $envs PYTHONPATH=$site timeout 300 torchrun --standalone --nproc_per_node=$GPUS benches/ddp_step_time.py \
+              --steps ${STEPS:-30} $hooks 2>&1 | grep -E "^\||Error|error" | tee "$OUT/step_${link}_${which}_${round}.md"
+          { echo "step $link $which round $round:"; grep "^|" "$OUT/step_${link}_${which}_${round}.md"; } >> "$SUMMARY"
+        done
+      done
+    done ;;
+esac; done
+echo "==== summary"
+cat "$SUMMARY"

@@ -1,0 +1,427 @@
+//! The engine on the GPU: the CUDA backend writes the CPU backend's bits (frames, sums,
+//! statistics, averages, residuals) through the whole engine, over NCCL (one GPU per rank) and
+//! over host links (ranks sharing one GPU); failures on one GPU rank reach every rank through
+//! the failure board, well within the timeout.
+//!
+//! The tests return early (printing why) where there is no GPU or NCCL, unless
+//! `CFC_REQUIRE_GPU=1` is set, as on the GPU machine: there a missing GPU fails them.
+#![cfg(feature = "cuda")]
+
+use cfc::engine::transport::local::LocalLinks;
+use cfc::engine::transport::Links;
+use cfc::engine::{Algorithm, BoundRule, Engine, Fallback, Fault, Job, Op, Options, Scale, Tensor};
+use cfc::nccl::{Communicator, UniqueId};
+use cfc::DType;
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// GPUs usable here (0 where there are none: the tests then return, unless required).
+fn gpus() -> usize {
+    let required = std::env::var("CFC_REQUIRE_GPU").is_ok_and(|v| v == "1");
+    let n = if cfc::cuda::supported(0) {
+        cfc::cuda::device_count()
+    } else {
+        0
+    };
+    if n == 0 {
+        assert!(
+            !required,
+            "CFC_REQUIRE_GPU=1 but no GPU cfc supports is visible"
+        );
+        eprintln!("skipped: no GPU");
+    }
+    n
+}
+
+fn nccl() -> bool {
+    match cfc::nccl::library() {
+        Ok(_) => true,
+        Err(e) => {
+            let required = std::env::var("CFC_REQUIRE_GPU").is_ok_and(|v| v == "1");
+            assert!(!required, "CFC_REQUIRE_GPU=1 but NCCL does not load: {e}");
+            eprintln!("skipped: no NCCL ({e})");
+            false
+        }
+    }
+}
+
+/// Gradient-like values of a rank at a step.
+fn grads(rank: usize, step: usize, n: usize) -> Vec<f32> {
+    (0..n)
+        .map(|i| {
+            let t = (i * 7919 + rank * 104_729 + step * 15_485_863) % 100_003;
+            let v = ((t as f32 / 100_003.0) - 0.5) * 1e-2 * (1.0 + (i % 13) as f32);
+            if i == 77 && step == 1 {
+                f32::NAN
+            } else {
+                v
+            }
+        })
+        .collect()
+}
+
+fn bytes_of(x: &[f32], dtype: DType) -> Vec<u8> {
+    match dtype {
+        DType::F32 => x.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        DType::BF16 => x
+            .iter()
+            .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
+            .collect(),
+        _ => x
+            .iter()
+            .flat_map(|v| half::f16::from_f32(*v).to_le_bytes())
+            .collect(),
+    }
+}
+
+/// What one rank ends with after `steps` steps of two buckets (an all-reduce and a
+/// reduce-scatter): every step's results and residuals, as bytes.
+type Outcome = Vec<Vec<u8>>;
+
+/// Runs the steps on one rank's engine, its memory on the host (`stream` None) or on the GPU.
+fn drive(
+    e: &Engine,
+    rank: usize,
+    dtype: DType,
+    n: usize,
+    steps: usize,
+    stream: Option<&Arc<CudaStream>>,
+) -> Outcome {
+    let world = e.world();
+    let size = dtype.size();
+    let mut out = Vec::new();
+    match stream {
+        None => {
+            let mut r0 = vec![0f32; n];
+            let mut r1 = vec![0f32; n];
+            for step in 0..steps {
+                let mut a = bytes_of(&grads(rank, step, n), dtype);
+                let b_in = bytes_of(&grads(rank, step + 7, n), dtype);
+                let mut shard = vec![0u8; n / world * size];
+                let t = |v: &mut [u8], numel: usize, d: DType| Tensor {
+                    addr: v.as_mut_ptr() as u64,
+                    numel: numel as u64,
+                    dtype: d,
+                };
+                let mut b = b_in.clone();
+                let jobs = [
+                    Job {
+                        key: 0,
+                        fingerprint: 1,
+                        data: t(&mut a, n, dtype),
+                        residual: Some(t(bytemuck::cast_slice_mut(&mut r0), n, DType::F32)),
+                        op: Op::AllReduce,
+                        scale: Scale::Average,
+                        last: false,
+                        fresh_residual: false,
+                    },
+                    Job {
+                        key: 1,
+                        fingerprint: 2,
+                        data: t(&mut b, n, dtype),
+                        residual: Some(t(bytemuck::cast_slice_mut(&mut r1), n, DType::F32)),
+                        op: Op::ReduceScatter {
+                            out: t(&mut shard, n / world, dtype),
+                        },
+                        scale: Scale::Sum,
+                        last: true,
+                        fresh_residual: false,
+                    },
+                ];
+                for j in jobs {
+                    // SAFETY: everything lives until the wait.
+                    unsafe { e.submit(j, 0) }.unwrap();
+                }
+                e.wait(0).unwrap();
+                out.extend([
+                    a,
+                    shard,
+                    bytemuck::cast_slice(&r0).to_vec(),
+                    bytemuck::cast_slice(&r1).to_vec(),
+                ]);
+            }
+        }
+        Some(s) => {
+            let mut r0 = s.alloc_zeros::<u8>(4 * n).unwrap();
+            let mut r1 = s.alloc_zeros::<u8>(4 * n).unwrap();
+            let cu = s.cu_stream() as u64;
+            for step in 0..steps {
+                let a: CudaSlice<u8> = s
+                    .clone_htod(&bytes_of(&grads(rank, step, n), dtype))
+                    .unwrap();
+                let b: CudaSlice<u8> = s
+                    .clone_htod(&bytes_of(&grads(rank, step + 7, n), dtype))
+                    .unwrap();
+                let shard = s.alloc_zeros::<u8>(n / world * size).unwrap();
+                let p = |d: &CudaSlice<u8>| d.device_ptr(s).0;
+                let t = |addr: u64, numel: usize, d: DType| Tensor {
+                    addr,
+                    numel: numel as u64,
+                    dtype: d,
+                };
+                let jobs = [
+                    Job {
+                        key: 0,
+                        fingerprint: 1,
+                        data: t(p(&a), n, dtype),
+                        residual: Some(t(p(&r0), n, DType::F32)),
+                        op: Op::AllReduce,
+                        scale: Scale::Average,
+                        last: false,
+                        fresh_residual: false,
+                    },
+                    Job {
+                        key: 1,
+                        fingerprint: 2,
+                        data: t(p(&b), n, dtype),
+                        residual: Some(t(p(&r1), n, DType::F32)),
+                        op: Op::ReduceScatter {
+                            out: t(p(&shard), n / world, dtype),
+                        },
+                        scale: Scale::Sum,
+                        last: true,
+                        fresh_residual: false,
+                    },
+                ];
+                for j in jobs {
+                    // SAFETY: the buffers live on this rank's device until the stream is synced.
+                    unsafe { e.submit(j, cu) }.unwrap();
+                }
+                e.wait(cu).unwrap();
+                s.synchronize().unwrap();
+                out.extend([
+                    s.clone_dtoh(&a).unwrap(),
+                    s.clone_dtoh(&shard).unwrap(),
+                    s.clone_dtoh(&r0).unwrap(),
+                    s.clone_dtoh(&r1).unwrap(),
+                ]);
+                let _ = (&mut r0, &mut r1);
+            }
+        }
+    }
+    out
+}
+
+fn options(bound: BoundRule, algorithm: Algorithm) -> Options {
+    let mut o = Options::new(bound);
+    o.algorithm = Some(algorithm);
+    o.min_compress_numel = 1;
+    o.timeout = Duration::from_secs(60);
+    o
+}
+
+/// The CPU engine's outcome on every rank.
+fn on_cpu(world: usize, o: &Options, dtype: DType, n: usize, steps: usize) -> Vec<Outcome> {
+    let engines = Engine::local_group(world, o.clone()).unwrap();
+    std::thread::scope(|s| {
+        let hs: Vec<_> = engines
+            .iter()
+            .enumerate()
+            .map(|(r, e)| s.spawn(move || drive(e, r, dtype, n, steps, None)))
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+/// The CUDA engine's outcome on every rank: over NCCL with a GPU each (`shared` false), or
+/// over host links with every rank on GPU 0.
+fn on_gpu(
+    world: usize,
+    shared: bool,
+    o: &Options,
+    dtype: DType,
+    n: usize,
+    steps: usize,
+) -> Vec<Outcome> {
+    let links = LocalLinks::group(world, o.timeout);
+    let id = UniqueId::new().unwrap();
+    std::thread::scope(|s| {
+        let hs: Vec<_> = links
+            .into_iter()
+            .enumerate()
+            .map(|(rank, l)| {
+                let (o, id) = (o.clone(), &id);
+                s.spawn(move || {
+                    let device = if shared { 0 } else { rank };
+                    let ctx = cfc::cuda::context(device).unwrap();
+                    let stream = ctx.new_stream().unwrap();
+                    let e = if shared {
+                        Engine::on_cuda_links(device, l, o, 0).unwrap()
+                    } else {
+                        let comm = Communicator::new(device, id, rank, world).unwrap();
+                        let control = l.control().clone();
+                        Engine::on_cuda_nccl(device, comm, control, Some(Box::new(l)), o, 0)
+                            .unwrap()
+                    };
+                    let out = drive(&e, rank, dtype, n, steps, Some(&stream));
+                    e.close().unwrap();
+                    out
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+#[test]
+fn the_cuda_engine_writes_the_bits_of_the_cpu_engine() {
+    let g = gpus();
+    if g == 0 || !nccl() {
+        return;
+    }
+    let n = 3 * 40_000 + 96; // three shards of whole groups, a last group not full
+    let mut cases = vec![(1, false), (2, true), (3, true)];
+    if g >= 2 {
+        cases.push((2, false));
+    }
+    for (world, shared) in cases {
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            for (bound, alg) in [
+                (BoundRule::Rms(0.3), Algorithm::ReduceScatter),
+                (BoundRule::Abs(2e-4), Algorithm::AllGather),
+                (BoundRule::Rel(0.01), Algorithm::AllGather),
+            ] {
+                let n = n - n % world;
+                let o = options(bound, alg);
+                let cpu = on_cpu(world, &o, dtype, n, 3);
+                let gpu = on_gpu(world, shared, &o, dtype, n, 3);
+                for rank in 0..world {
+                    for (k, (c, d)) in cpu[rank].iter().zip(&gpu[rank]).enumerate() {
+                        assert!(c == d, "world {world} shared {shared} {dtype:?} {bound:?} {alg:?} rank {rank}: output {k} differs");
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Two steps on every GPU rank, with `setup` run on `rank`'s engine before the second; each
+/// rank's outcome of each step.
+fn gpu_fault(world: usize, setup: impl Fn(usize, &Engine) + Sync) -> Vec<Vec<Result<(), String>>> {
+    let mut o = options(BoundRule::Rms(0.3), Algorithm::for_world(world));
+    o.timeout = Duration::from_secs(120);
+    let links = LocalLinks::group(world, o.timeout);
+    let id = UniqueId::new().unwrap();
+    let t0 = Instant::now();
+    let out = std::thread::scope(|s| {
+        let hs: Vec<_> = links
+            .into_iter()
+            .enumerate()
+            .map(|(rank, l)| {
+                let (o, id, setup) = (o.clone(), &id, &setup);
+                s.spawn(move || {
+                    let comm = Communicator::new(rank, id, rank, world).unwrap();
+                    let control = l.control().clone();
+                    let e =
+                        Engine::on_cuda_nccl(rank, comm, control, Some(Box::new(l)), o, 0).unwrap();
+                    let stream = cfc::cuda::context(rank).unwrap().new_stream().unwrap();
+                    let cu = stream.cu_stream() as u64;
+                    let n = 1 << 20;
+                    let x: CudaSlice<u8> = stream
+                        .clone_htod(&bytes_of(&grads(rank, 0, n), DType::F32))
+                        .unwrap();
+                    let r = stream.alloc_zeros::<u8>(4 * n).unwrap();
+                    let mut outcomes = Vec::new();
+                    for step in 0..3 {
+                        if step == 1 {
+                            setup(rank, &e);
+                        }
+                        let job = Job {
+                            key: 0,
+                            fingerprint: 1,
+                            data: Tensor {
+                                addr: x.device_ptr(&stream).0,
+                                numel: n as u64,
+                                dtype: DType::F32,
+                            },
+                            residual: Some(Tensor {
+                                addr: r.device_ptr(&stream).0,
+                                numel: n as u64,
+                                dtype: DType::F32,
+                            }),
+                            op: Op::AllReduce,
+                            scale: Scale::Average,
+                            last: true,
+                            fresh_residual: false,
+                        };
+                        // SAFETY: the buffers live until the stream is synced below.
+                        let r = unsafe { e.submit(job, cu) }.and_then(|()| e.wait(cu));
+                        stream.synchronize().unwrap();
+                        outcomes.push(r.map_err(|e| e.to_string()));
+                    }
+                    outcomes
+                })
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| h.join().unwrap())
+            .collect::<Vec<_>>()
+    });
+    assert!(
+        t0.elapsed() < Duration::from_secs(60),
+        "a rank waited for the timeout: {:?}",
+        t0.elapsed()
+    );
+    out
+}
+
+#[test]
+fn a_failure_on_one_gpu_rank_fails_every_rank_at_once() {
+    let g = gpus();
+    if g < 2 || !nccl() {
+        eprintln!("skipped: the failure tests over NCCL need 2 GPUs");
+        return;
+    }
+    for (fault, what) in [
+        (Some(Fault::Alloc), "could not allocate"),
+        (Some(Fault::Device), "injected device failure"),
+        (Some(Fault::Corrupt), "frame"),
+        (None, "raised in the caller"),
+    ] {
+        let out = gpu_fault(2, |rank, e| {
+            if rank == 1 {
+                match fault {
+                    Some(f) => e.inject(f).unwrap(),
+                    None => e.fail("raised in the caller"),
+                }
+            }
+        });
+        for (rank, steps) in out.iter().enumerate() {
+            assert!(steps[0].is_ok(), "{what}: rank {rank}: {:?}", steps[0]);
+            for s in &steps[1..] {
+                let e = s.as_ref().expect_err("a failed step");
+                assert!(
+                    e.contains("rank 1") || e.contains("rank 0"),
+                    "{what}: rank {rank}: {e}"
+                );
+                assert!(e.contains(what), "{what}: rank {rank}: {e}");
+            }
+        }
+    }
+}
+
+#[test]
+fn a_plain_fallback_is_ncclallreduce() {
+    let g = gpus();
+    if g == 0 || !nccl() {
+        return;
+    }
+    let world = g.min(2);
+    let mut o = options(BoundRule::Abs(1e-3), Algorithm::AllGather);
+    o.fallback = Fallback::Always;
+    let gpu = on_gpu(world, false, &o, DType::F32, 4096, 1);
+    for out in &gpu {
+        let y: Vec<f32> = out[0]
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        for (i, v) in y.iter().enumerate() {
+            let want: f32 = (0..world).map(|k| grads(k, 0, 4096)[i]).sum::<f32>() / world as f32;
+            assert!(
+                (v - want).abs() <= 1e-6 * want.abs().max(1e-3),
+                "{i}: {v} {want}"
+            );
+        }
+    }
+}

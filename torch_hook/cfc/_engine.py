@@ -1,0 +1,104 @@
+"""Opening cfc's engine (``cfc::engine`` in the Rust core) for a torch.distributed process group.
+
+Every rank of the group opens its engine at the same point (the first bucket of a
+:class:`cfc.CfcState`, the first call of an :class:`cfc.distributed.AllReducer`). The ranks
+exchange what they need through the group's store, not through a collective of the group (a
+DDP hook must not issue collectives of DDP's own group): each rank's link addresses, and for
+CUDA engines over NCCL, rank 0's NCCL id. The engine then joins its own links (TCP: the data of
+CPU engines, the failure board of CUDA ones) and its own NCCL communicator; nothing of torch's
+is used after that, so the engine never waits for torch's collectives nor they for it.
+
+Which engine: CPU tensors run the CPU backend over TCP; CUDA tensors of a group whose backend
+takes them with NCCL run the CUDA backend over NCCL; CUDA tensors of a gloo group (ranks that
+share a GPU, where NCCL refuses them) run the CUDA backend over TCP, through host memory.
+"""
+
+from __future__ import annotations
+
+import itertools
+import zlib
+from typing import Any, Dict, List, Optional, Tuple
+
+from cfc import _native
+
+# Engines opened so far per group (by its ranks): every rank opens its group's engines in the
+# same order, so the n-th engine of a group has the same keys in the store on every rank.
+_opened: Dict[Tuple[int, ...], "itertools.count[int]"] = {}
+
+
+def _store(group: Any) -> Any:
+    """The group's store (a prefix of the default store)."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    get = getattr(c10d, "_get_process_group_store", None)
+    if get is not None:
+        return get(group)
+    ranks = ",".join(str(r) for r in dist.get_process_group_ranks(group))  # pragma: no cover
+    return dist.PrefixStore(f"cfc-group-{ranks}/", c10d._get_default_store())  # pragma: no cover
+
+
+def _uses_nccl(group: Any) -> bool:
+    """Whether the group moves CUDA tensors with NCCL (alone, or in a mixed backend)."""
+    import torch.distributed as dist
+
+    return "nccl" in str(dist.get_backend(group)).lower()
+
+
+def open_engine(group: Any, device: Any, options: Dict[str, Any], agree_token: int = 0) -> Any:
+    """Opens this rank's engine over ``group`` for tensors on ``device`` (a ``torch.device``),
+    with ``options`` (the keyword arguments of ``_native.Engine``'s options). A collective of
+    the group's ranks, through its store; raises ``cfc.CfcError`` on every rank where it fails
+    (rank 0 could not make an NCCL id, a link could not be made, the ranks' options differ)."""
+    import torch.distributed as dist
+
+    ranks = tuple(dist.get_process_group_ranks(group))
+    rank, world = dist.get_rank(group), len(ranks)
+    n = next(_opened.setdefault(ranks, itertools.count()))
+    prefix = f"cfc/engine/{n}"
+    store = _store(group)
+    listener = _native.Listener()
+    store.set(f"{prefix}/links/{rank}", ",".join(listener.addresses()))
+    cuda = device.type == "cuda"
+    nccl_id: Optional[str] = None
+    if cuda and _uses_nccl(group):
+        if rank == 0:
+            try:
+                store.set(f"{prefix}/nccl", "id:" + _native.nccl_unique_id())
+            except _native.CfcError as e:  # every rank fails alike, none waits for an id
+                store.set(f"{prefix}/nccl", f"error:{e}")
+        said = store.get(f"{prefix}/nccl").decode()
+        if not said.startswith("id:"):
+            raise _native.CfcError(f"rank 0 could not make an NCCL id: {said[6:]}")
+        nccl_id = said[3:]
+    addresses: List[List[str]] = [store.get(f"{prefix}/links/{j}").decode().split(",") for j in range(world)]
+    token = zlib.crc32(f"{prefix}/{ranks}".encode()) | (n << 32)
+    return _native.Engine(
+        listener, addresses, rank, world, token,
+        device=device.index if cuda else None, nccl_id=nccl_id, agree_token=agree_token, **options,
+    )
+
+
+def describe(t: Any) -> Tuple[int, int, str]:
+    """A contiguous tensor as the engine takes it: (address, element count, dtype name)."""
+    from cfc.codec import _dtype_name
+
+    return (t.data_ptr(), t.numel(), _dtype_name(t.dtype))
+
+
+def stream_of(t: Any) -> int:
+    """The calling thread's current CUDA stream on ``t``'s device (0 for a CPU tensor)."""
+    if t.device.type != "cuda":
+        return 0
+    import torch
+
+    return torch.cuda.current_stream(t.device).cuda_stream
+
+
+def stream_of_device(device: Any) -> int:
+    """The calling thread's current CUDA stream on ``device`` (0 for the CPU or none)."""
+    if device is None or device.type != "cuda":
+        return 0
+    import torch
+
+    return torch.cuda.current_stream(device).cuda_stream

@@ -1,0 +1,107 @@
+"""The checkpoint of a :class:`cfc.CfcState` (``state_dict`` / ``load_state_dict``): its fields
+checked before anything changes."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, Mapping, Sequence
+
+from cfc.ddp.options import Options
+
+# 4: the engine's state (per-bucket statistics and choices) in one field
+STATE_VERSION = 4
+
+
+def _sequence(value: Any, what: str) -> Sequence:
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"not a cfc_hook state: {what} is a {type(value).__name__}, not a list")
+    return value
+
+
+def _count(value: Any, what: str, key: bool = False) -> int:
+    if key and isinstance(value, str) and value.isdigit():
+        value = int(value)  # a key that went through a format whose keys are strings
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"not a cfc_hook state: {what} is {value!r}, not an integer >= 0")
+    return value
+
+
+def _number(value: Any, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"not a cfc_hook state: {what} is {value!r}, not a number")
+    return float(value)
+
+
+def _mapping(sd: Mapping, name: str) -> Mapping:
+    if name not in sd:
+        raise ValueError(f"not a cfc_hook state: no {name!r}")
+    value = sd[name]
+    if not isinstance(value, Mapping):
+        raise ValueError(f"not a cfc_hook state: {name!r} is a {type(value).__name__}, not a mapping")
+    return value
+
+
+def _engine_state(e: Mapping) -> Dict[str, Any]:
+    """The engine's part, checked: what ``_native.Engine.load_state`` takes."""
+    buckets = []
+    for b in _sequence(e.get("buckets"), "the engine's buckets"):
+        if not isinstance(b, Mapping):
+            raise ValueError(f"not a cfc_hook state: an engine bucket is {b!r}")
+        stats = b.get("stats")
+        if stats is not None:
+            stats = tuple(_number(x, "a bucket's statistics") for x in _sequence(stats, "statistics"))
+            if len(stats) != 2:
+                raise ValueError("not a cfc_hook state: a bucket's statistics are not (sum of squares, max)")
+        decision = b.get("decision")
+        if decision is not None and not isinstance(decision, bool):
+            raise ValueError(f"not a cfc_hook state: a bucket's decision is {decision!r}")
+        buckets.append({
+            "key": _count(b.get("key"), "a bucket key"),
+            "fingerprint": _count(b.get("fingerprint"), "a bucket fingerprint"),
+            "numel": _count(b.get("numel"), "a bucket's size"),
+            "stats": stats,
+            "decision": decision,
+            "trial_plain": [_number(t, "a trial time") for t in _sequence(b.get("trial_plain", []), "trial times")],
+            "trial_compressed": [_number(t, "a trial time")
+                                 for t in _sequence(b.get("trial_compressed", []), "trial times")],
+        })
+    return {"step": _count(e.get("step"), "the engine's step"),
+            "origin": _count(e.get("origin"), "the engine's origin"), "buckets": buckets}
+
+
+def parse_state(sd: Mapping, options: Options, rank: int, world: int) -> Dict[str, Any]:
+    """The fields of a state saved by ``CfcState.state_dict``, checked and converted, or
+    ``ValueError`` naming the first field that is not what ``state_dict`` makes. CPU residuals are
+    kept as they are, not copied (a large model's take as much memory as its parameters)."""
+    import torch
+
+    if not isinstance(sd, Mapping) or sd.get("version") != STATE_VERSION:
+        raise ValueError("not a cfc_hook state (or one of another version)")
+    saved_rank, saved_world = _count(sd.get("rank"), "rank"), _count(sd.get("world"), "world")
+    if (saved_world, saved_rank) != (world, rank):
+        raise ValueError(
+            f"this state was saved by rank {saved_rank} of {saved_world}; this is rank {rank} of {world} "
+            "(each rank loads its own)"
+        )
+    if dict(_mapping(sd, "options")) != options.saved():
+        raise ValueError(f"this state was saved with {dict(sd['options'])}; these options are {options.saved()}")
+    residuals = {}
+    for o, r in _mapping(sd, "residuals").items():
+        o = _count(o, "a residual's parameter ordinal", key=True)
+        if not (isinstance(r, torch.Tensor) and r.dtype == torch.float32 and r.dim() == 1
+                and r.layout == torch.strided and r.device.type != "meta"):
+            raise ValueError(f"the residual of parameter {o} is not a 1-D float32 dense tensor: not a saved state")
+        r = r.detach().cpu()
+        if not bool(torch.isfinite(r).all()):
+            # the codec never leaves a non-finite value in a residual (it would reach the
+            # gradients of every rank)
+            raise ValueError(f"the residual of parameter {o} holds a NaN or an infinity: not a saved state")
+        residuals[o] = r
+    layouts = {_count(i, "a bucket index", key=True): tuple(_count(x, "a layout's ordinal")
+                                                             for x in _sequence(l, "a layout"))
+               for i, l in _mapping(sd, "layouts").items()}
+    step = _count(sd.get("step"), "step")
+    engine = _engine_state(_mapping(sd, "engine"))
+    if not math.isfinite(float(step)):  # pragma: no cover - an int
+        raise ValueError("not a cfc_hook state")
+    return {"step": step, "residuals": residuals, "layouts": layouts, "engine": engine}

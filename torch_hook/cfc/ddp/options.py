@@ -1,0 +1,123 @@
+"""The options of :class:`cfc.CfcState`, checked once and frozen.
+
+The same names are used by :class:`cfc.distributed.AllReducer` (which takes a ``CfcState``) and by
+``python -m cfc.bench``: ``eps`` / ``rel`` / ``rms`` (the bound), ``error_feedback``,
+``warmup_steps``, ``min_compress_numel``, ``fallback`` (``"never"``, ``"auto"``, ``"always"``),
+``trial_steps``, ``algorithm``, ``timeout``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import math
+import os
+from typing import Any, Dict, Optional
+
+from cfc.codec import _check_flag, _check_integer, _check_number
+
+BOUND_KINDS = ("eps", "rel", "rms")
+ALGORITHMS = ("all-gather", "reduce-scatter")
+FALLBACKS = ("never", "auto", "always")
+# The absolute bounds the codec accepts (src/codec.rs, check_abs_bound): normal float64 values
+# up to a quarter of the largest, so that a step of 2 eps and its sums stay finite.
+EPS_MIN, EPS_MAX = 2.2250738585072014e-308, 1.7976931348623157e308 / 4
+# How long any wait for a peer lasts before the engine fails, unless `timeout=` says.
+DEFAULT_TIMEOUT = float(os.environ.get("CFC_TIMEOUT", "300"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """Checked options (see :class:`cfc.CfcState` for their meaning)."""
+
+    bound_kind: str = "rms"
+    bound: float = 0.3
+    error_feedback: bool = True
+    warmup_steps: int = 2
+    min_compress_numel: int = 16384
+    fallback: str = "never"
+    trial_steps: int = 0
+    algorithm: Optional[str] = None
+    timeout: float = DEFAULT_TIMEOUT
+    log_every: int = 0
+
+    @classmethod
+    def parse(
+        cls,
+        *,
+        eps: Any = None,
+        rel: Any = None,
+        rms: Any = None,
+        error_feedback: Any = True,
+        warmup_steps: Any = 2,
+        min_compress_numel: Any = 16384,
+        fallback: Any = "never",
+        trial_steps: Any = 4,
+        algorithm: Any = None,
+        timeout: Any = None,
+        log_every: Any = 0,
+    ) -> "Options":
+        """Checks every option; raises ``ValueError`` or ``TypeError`` naming the first bad one."""
+        given = [(k, v) for k, v in (("eps", eps), ("rel", rel), ("rms", rms)) if v is not None]
+        if len(given) > 1:
+            raise ValueError(f"give at most one of eps, rel, rms; got {[k for k, _ in given]}")
+        kind, value = given[0] if given else ("rms", 0.3)
+        bound = _check_number(kind, value)
+        if not (math.isfinite(bound) and bound > 0):
+            raise ValueError(f"{kind} must be positive and finite, got {value!r}")
+        if kind == "rel" and bound >= 1:
+            # Every element lies within the bucket's largest magnitude of zero: all would come
+            # back as zero, every step, and the residuals would only grow.
+            raise ValueError(f"rel must be below 1 (rel=0.01 is 1% of the largest magnitude), got {value!r}")
+        if kind == "eps" and not (EPS_MIN <= bound <= EPS_MAX):
+            raise ValueError(f"eps must lie between {EPS_MIN:g} and {EPS_MAX:g}, got {value!r}")
+        _check_flag("error_feedback", error_feedback)
+        counts = {}
+        for name, count in (("warmup_steps", warmup_steps), ("min_compress_numel", min_compress_numel),
+                            ("log_every", log_every), ("trial_steps", trial_steps)):
+            counts[name] = _check_integer(name, count)
+            if counts[name] < 0:
+                raise ValueError(f"{name} must be >= 0, got {count}")
+        if fallback is False:
+            fallback = "never"  # the documented spelling of "always compress"
+        if fallback not in FALLBACKS:
+            raise ValueError(f"fallback must be 'never' (or False), 'auto' or 'always', got {fallback!r}")
+        trial = counts["trial_steps"] if fallback == "auto" else 0
+        if fallback == "auto" and (trial < 2 or trial % 2):
+            raise ValueError(f"trial_steps must be an even number >= 2, got {trial_steps}")
+        if algorithm is not None and algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm must be None, 'all-gather' or 'reduce-scatter', got {algorithm!r}")
+        if timeout is None:
+            seconds = DEFAULT_TIMEOUT
+        elif isinstance(timeout, datetime.timedelta):
+            seconds = timeout.total_seconds()
+        elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+            seconds = float(timeout)
+        else:
+            raise ValueError(f"timeout must be positive seconds or a timedelta, got {timeout!r}")
+        if not (math.isfinite(seconds) and seconds > 0):
+            raise ValueError(f"timeout must be positive, got {timeout!r}")
+        return cls(
+            bound_kind=kind, bound=bound, error_feedback=bool(error_feedback),
+            warmup_steps=counts["warmup_steps"], min_compress_numel=counts["min_compress_numel"],
+            fallback=fallback, trial_steps=trial, algorithm=algorithm, timeout=seconds,
+            log_every=counts["log_every"],
+        )
+
+    def engine(self) -> Dict[str, Any]:
+        """The options as ``_native.Engine`` takes them."""
+        return {
+            "bound": self.bound_kind, "value": self.bound, "error_feedback": self.error_feedback,
+            "algorithm": self.algorithm, "fallback": self.fallback, "trial_steps": self.trial_steps,
+            "warmup_steps": self.warmup_steps, "min_compress_numel": self.min_compress_numel,
+            "timeout": self.timeout,
+        }
+
+    def saved(self) -> Dict[str, Any]:
+        """What a checkpoint records and compares (the timeout and logging may differ)."""
+        d = dataclasses.asdict(self)
+        del d["timeout"], d["log_every"]
+        return d
+
+    def describe(self) -> str:
+        return ", ".join(f"{k}={v!r}" for k, v in self.saved().items())

@@ -1,0 +1,317 @@
+"""``CfcState``: the options and per-rank state of :func:`cfc.cfc_hook`, and its engine."""
+
+from __future__ import annotations
+
+import logging
+import math
+import zlib
+from typing import Any, Dict, List, Mapping, Optional
+
+import cfc
+from cfc import _engine
+from cfc.ddp.options import Options
+from cfc.ddp.residuals import Residuals
+from cfc.ddp.checkpoint import STATE_VERSION, parse_state
+
+logger = logging.getLogger("cfc")
+
+
+class CfcState:
+    """Options and per-rank state of :func:`cfc.cfc_hook` (and of
+    :class:`cfc.distributed.AllReducer`).
+
+    Args:
+        process_group: the group DDP reduces over (default: the world).
+            :func:`cfc.register_comm_hook` gives a state without one DDP's group, and refuses a
+            state with another; with DDP's own ``register_comm_hook`` on a DDP model over a
+            subgroup, pass that group here (a bucket does not say which group it is reduced
+            over).
+        eps: absolute bound on each rank's quantization error, per element.
+        rel: bound relative to the bucket's largest magnitude over all ranks, at the bucket's
+            previous step (at its first, this step's); below 1.
+        rms: bound relative to the root mean square of the bucket's finite values (gradient
+            plus residual) over all ranks, at the bucket's previous step (at its first, this
+            step's): nothing waits for it. The default, ``rms=0.3``, when no bound is given.
+        error_feedback: carry what quantization drops into the next step (per rank, per
+            bucket). (With ``find_unused_parameters``, DDP writes no gradient for a parameter
+            that no rank used in a step, so what its residual sent that step is lost: the hook
+            cannot tell such a parameter from one whose gradient is zero.)
+        warmup_steps: steps of plain all-reduce first. DDP rebuilds its buckets after the first
+            step, so residuals start on stable buckets.
+        min_compress_numel: buckets with fewer elements are all-reduced plainly (compressing
+            them costs more than the bytes it saves). So are buckets of sparse gradients and of
+            dtypes other than float32, bfloat16 and float16 (logged once per kind).
+        fallback: ``"never"`` (or ``False``): always compress (after the warm-up);
+            ``"auto"``: time plain and compressed all-reduce of every bucket for
+            ``trial_steps`` steps after the warm-up (alternating) and keep, per bucket, the
+            faster (the slowest rank's time decides, so all ranks choose alike);
+            ``"always"``: never compress (to compare). A bucket sent plainly still pays for
+            running a Python hook: :func:`cfc.register_comm_hook` with ``"auto"`` first checks
+            whether compression pays at all, and where it does not leaves DDP's built-in
+            all-reduce in place.
+        trial_steps: steps of that trial (an even number; half of each way; the fastest time of
+            each way counts).
+        log_every: log :meth:`stats` (logger ``"cfc"``, INFO) every this many steps; 0: never.
+        algorithm: how a compressed bucket moves: ``"reduce-scatter"`` (each rank owns a shard,
+            sums everyone's codes for it and sends the sum on: a rank sends about twice a
+            compressed bucket however many ranks there are) or ``"all-gather"`` (every rank's
+            compressed bucket to every rank: one exchange instead of two, fewer bytes with 2
+            ranks). Default (None): the all-gather for 2 ranks, the reduce-scatter from 3.
+        timeout: seconds (or a ``timedelta``) any wait for a peer may last before every rank
+            fails (default ``CFC_TIMEOUT``, else 300). A failure on any rank (an exception, a
+            bad frame, a process that died) ends the waits of every rank at once, without
+            waiting for this.
+
+    Every rank must use the same options: the engine checks them when it starts (at the first
+    bucket), and every rank's ``backward()`` raises ``cfc.CfcError`` (which DDP reports as a
+    ``RuntimeError`` naming it) if they differ. The state may be made before the process group
+    (it binds to it at the first bucket). Make one on every rank, and one per DDP model.
+
+    :meth:`close` lets go of the engine (its thread, links and NCCL communicator); a process
+    that never calls it still exits at once.
+    """
+
+    def __init__(
+        self,
+        process_group: Any = None,
+        *,
+        eps: Optional[float] = None,
+        rel: Optional[float] = None,
+        rms: Optional[float] = None,
+        error_feedback: bool = True,
+        warmup_steps: int = 2,
+        min_compress_numel: int = 16384,
+        fallback: Any = "never",
+        trial_steps: int = 4,
+        log_every: int = 0,
+        algorithm: Optional[str] = None,
+        timeout: Any = None,
+    ):
+        self.options = Options.parse(
+            eps=eps, rel=rel, rms=rms, error_feedback=error_feedback, warmup_steps=warmup_steps,
+            min_compress_numel=min_compress_numel, fallback=fallback, trial_steps=trial_steps,
+            log_every=log_every, algorithm=algorithm, timeout=timeout,
+        )
+        self.process_group = process_group
+        self.rank, self.world = -1, 0
+        self.step = 0  # steps closed (a bucket with is_last())
+        self.probe: Optional[Dict[str, Any]] = None  # what register_comm_hook's probe found
+        self._engine: Any = None
+        self._device: Any = None
+        self._residuals = Residuals()
+        # Until the engine opens: a loaded checkpoint's engine state, and the token every rank
+        # must agree on (which checkpoint it resumed from).
+        self._loaded: Optional[Dict[str, Any]] = None
+        self._token = 0
+        self._agree_again = False
+        self._keep: List[Any] = []  # tensors the engine works on until the step's wait
+        self._scatters: List[Any] = []  # parts to write back into their buckets after the wait
+        self._plain_kinds: set = set()
+        self._base: Dict[str, float] = {}  # what reset_stats() subtracts
+        self._closed = False
+        self._model: Any = None  # a weak reference to the DDP model register_comm_hook gave it to
+
+    # The options, under the names CfcState always had.
+    bound_kind = property(lambda self: self.options.bound_kind)
+    bound = property(lambda self: self.options.bound)
+    error_feedback = property(lambda self: self.options.error_feedback)
+    warmup_steps = property(lambda self: self.options.warmup_steps)
+    min_compress_numel = property(lambda self: self.options.min_compress_numel)
+    fallback = property(lambda self: self.options.fallback)
+    trial_steps = property(lambda self: self.options.trial_steps)
+    algorithm = property(lambda self: self.options.algorithm)
+    timeout = property(lambda self: self.options.timeout)
+    log_every = property(lambda self: self.options.log_every)
+
+    def __getstate__(self) -> Dict[str, Any]:
+        """Pickles the options only: the process group, engine and residuals belong to the
+        process (rebuilt at the next bucket), as with PyTorch's own hook states."""
+        return {"options": self.options}
+
+    def __setstate__(self, d: Dict[str, Any]) -> None:
+        o = d["options"]
+        self.__init__(
+            **{o.bound_kind: o.bound}, error_feedback=o.error_feedback, warmup_steps=o.warmup_steps,
+            min_compress_numel=o.min_compress_numel, fallback=o.fallback,
+            trial_steps=o.trial_steps or 4, log_every=o.log_every, algorithm=o.algorithm, timeout=o.timeout,
+        )
+
+    def _bind(self) -> None:
+        """Binds the state to its process group (at the first bucket, or when a checkpoint is
+        loaded), so a state can be made before ``init_process_group`` (Lightning does)."""
+        import torch.distributed as dist
+
+        if self.world:
+            return
+        if not dist.is_initialized():
+            raise RuntimeError("cfc_hook needs an initialised torch.distributed process group")
+        pg = self.process_group if self.process_group is not None else dist.group.WORLD
+        self.process_group = pg
+        self.rank, self.world = dist.get_rank(pg), dist.get_world_size(pg)
+
+    def _engine_for(self, device: Any) -> Any:
+        """The engine, opened at the first use (a collective of the group's ranks)."""
+        if self._closed:
+            raise cfc.CfcError("this CfcState was closed (CfcState.close()); make a new one to go on")
+        if self._engine is None:
+            self._bind()
+            self._engine = _engine.open_engine(self.process_group, device, self.options.engine(), self._token)
+            self._device = device
+            if self._loaded is not None:
+                self._engine.load_state(self._loaded)
+                self._loaded = None
+            self._agree_again = False
+        elif device != self._device:
+            raise ValueError(f"cfc_hook drives one device per process; buckets on {self._device} and {device}")
+        if self._agree_again:  # a checkpoint was loaded since the engine opened
+            self._agree_again = False
+            self._engine.agree(self._token)
+        return self._engine
+
+    def _feeds(self, buf: Any) -> bool:
+        """Whether a bucket gets a residual: error feedback, a bucket cfc compresses, past the
+        warm-up (buckets are rebuilt after the first step)."""
+        return (self.options.error_feedback and buf.numel() >= self.options.min_compress_numel
+                and self.step >= self.options.warmup_steps)
+
+    def _end_step(self, stream: int) -> None:
+        """At a step's last bucket: wait for the engine (every bucket done on every rank, or its
+        failure raised), write back the parts, and count the step."""
+        try:
+            if self._engine is not None:
+                self._engine.wait(stream)
+            for scatter in self._scatters:
+                scatter()
+        finally:
+            self._scatters = []
+            self._keep = []
+            self._residuals.end_step()
+            self.step += 1
+        if self._residuals.saved_layouts and self.step >= self._token_step + 2:
+            # A fresh DDP model keeps its initial buckets for one step (two with static_graph),
+            # then rebuilds them: from then on a loaded layout is of no more use.
+            self._residuals.saved_layouts = {}
+        if self.options.log_every and self.step % self.options.log_every == 0 and logger.isEnabledFor(logging.INFO):
+            logger.info("cfc step %d: %s", self.step, self.stats())
+
+    _token_step = 0  # the step a checkpoint was loaded at
+
+    def close(self) -> None:
+        """Let go of the engine (its thread, links and NCCL communicator), once the work
+        submitted is done. Call it on every rank when training with the hook is over; a process
+        that does not still exits at once. Afterwards the hook refuses buckets (``backward()``
+        raises a ``RuntimeError`` naming ``cfc.CfcError``); ``stats()`` and ``state_dict()`` still
+        work. Calling it again does nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            self._final_stats = dict(engine.stats())
+            engine.close()
+
+    # ---- stats ----
+
+    def _raw_stats(self) -> Dict[str, float]:
+        keys = ("compressed_buckets", "plain_buckets", "bytes_sent", "bytes_uncompressed", "resends",
+                "eps", "max_error", "seconds")
+        if self._engine is not None:
+            s = dict(self._engine.stats())
+        else:
+            s = dict(getattr(self, "_final_stats", {}))
+        s = {k: s.get(k, 0) for k in keys}
+        s["residual_resets"] = self._residuals.resets
+        return s
+
+    def reset_stats(self) -> None:
+        """Zero the counters of :meth:`stats`."""
+        self._base = self._raw_stats()
+
+    def stats(self) -> Dict[str, float]:
+        """Counters since the start (or :meth:`reset_stats`), as a plain dict.
+
+        * ``step``: completed steps;
+        * ``compressed_buckets`` / ``plain_buckets``: buckets each way;
+        * ``bytes_sent``: bytes this rank sent; ``bytes_uncompressed``: what a plain ring
+          all-reduce of the same buckets would send; ``ratio``: the second over the first;
+        * ``max_error``: the largest quantization error of any element this rank sent (what its
+          residual kept, measured at each step's close), next to ``eps``, the largest bound
+          used; NaN with ``error_feedback=False`` once a bucket was compressed (not measured);
+        * ``seconds``: host time the engine's thread spent on buckets;
+        * ``residual_resets``: residuals restarted because a bucket changed in a way its
+          parameters could not be followed;
+        * ``resends``: exchanges in which a frame outgrew its slot and went again.
+        """
+        s = self._raw_stats()
+        for k in ("compressed_buckets", "plain_buckets", "bytes_sent", "bytes_uncompressed", "resends",
+                  "seconds", "residual_resets"):
+            s[k] -= self._base.get(k, 0)
+        if not self.options.error_feedback and s["compressed_buckets"]:
+            s["max_error"] = math.nan
+        s["step"] = self.step
+        s["ratio"] = s["bytes_uncompressed"] / s["bytes_sent"] if s["bytes_sent"] else 0.0
+        return s
+
+    # ---- checkpoints ----
+
+    def state_dict(self) -> Dict[str, Any]:
+        """This rank's state: step, residuals (on the CPU), bucket layouts, and the engine's
+        per-bucket statistics and choices. Save one per rank (residuals differ between ranks)."""
+        self._bind()
+        if self._engine is not None:
+            self._engine.wait(_engine.stream_of_device(self._device))
+            engine = dict(self._engine.state())
+        else:
+            engine = self._loaded or {"step": self.step, "origin": 0, "buckets": []}
+        layouts = {**self._residuals.saved_layouts,
+                   **{i: l for i, l in self._residuals.layouts.items() if l is not None}}
+        return {
+            "version": STATE_VERSION,
+            "rank": self.rank,
+            "world": self.world,
+            "options": self.options.saved(),
+            "step": self.step,
+            "residuals": self._residuals.saved(),  # per parameter ordinal
+            "layouts": layouts,
+            "engine": engine,
+            "stats": self.stats(),
+        }
+
+    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` saved on this rank.
+
+        Raises:
+            ValueError: the state was saved by another rank, world size or options, or is not
+                one :meth:`state_dict` makes (a missing or malformed field; residuals that are
+                not finite 1-D float32 dense tensors). Nothing is changed then. (A residual
+                whose size does not match its parameter's restarts at zero, counted in
+                ``residual_resets``.)
+            cfc.CfcError: the state was closed.
+
+        The residuals are kept as given until their buckets first use them (not copied): leave
+        the loaded tensors unchanged until the next step. At the next bucket every rank checks
+        that every rank loaded a state of the same step, buckets and choices; otherwise every
+        rank's ``backward()`` raises.
+
+        A fresh DDP model runs its first step (its first two with ``static_graph``) on its
+        initial buckets, where the hook replays the saved run's buckets from the state, so that
+        the resumed run repeats the bits of the uninterrupted one.
+        """
+        if self._closed:
+            raise cfc.CfcError("this CfcState was closed (CfcState.close()); make a new one to go on")
+        self._bind()
+        loaded = parse_state(sd, self.options, self.rank, self.world)  # all checked first
+        if self._engine is not None:  # a load mid-run: the engine's work is all done first
+            self._engine.wait(_engine.stream_of_device(self._device))
+        self.step = loaded["step"]
+        self._token_step = self.step
+        self._residuals.load(loaded["residuals"], loaded["layouts"])
+        shared = repr((sorted(loaded["layouts"].items()),
+                       [(b["key"], b["decision"]) for b in loaded["engine"]["buckets"]]))
+        self._token = (self.step << 32) | zlib.crc32(shared.encode())
+        if self._engine is not None:
+            self._engine.load_state(loaded["engine"])
+            self._agree_again = True
+        else:
+            self._loaded = loaded["engine"]
+        self.reset_stats()
