@@ -395,7 +395,7 @@ class Runner:
             if not self.state.probe["registered"]:
                 return out  # DDP's own all-reduce: the state saw nothing
         s = self.state.stats()
-        return {**out, **{k: s[k] for k in ("ratio", "max_error", "eps", "compressed_buckets", "plain_buckets", "direct_buckets")}}
+        return {**out, **{k: s[k] for k in ("ratio", "max_error", "eps", "compressed_buckets", "plain_buckets")}}
 
 
 def _spinner(event):

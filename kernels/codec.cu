@@ -1613,8 +1613,8 @@ DEFINE_FOR_DTYPES(SUM_CHUNKS)
 // where v_p[i] is what decompress gives for frame p (its dtype's value, exceptions included),
 // widened to f32, and the sum runs in f32 in part order from v_0 (so -0.0 stays -0.0). The
 // product is skipped when s is 1: one frame then decodes to decompress's values, into any of
-// the three output dtypes (NaN payloads are not kept: f32 arithmetic and the f16 widening
-// make any NaN the canonical one). Nothing but the output is written: the average of an
+// the three output dtypes (a NaN comes out as the output dtype's canonical quiet NaN, whatever
+// its payload was). Nothing but the output is written: the average of an
 // all-reduce needs no decoded copy of each rank's frame.
 template <class D, class O>
 __device__ void decode_sum(const u64* frames, u32 parts, u64 header_len, u64 n, u8* part_ws, u64 stride,
@@ -1638,7 +1638,10 @@ __device__ void decode_sum(const u64* frames, u32 parts, u64 header_len, u64 n, 
 #pragma unroll
     for (int u = 0; u < CHUNK_GROUPS; ++u) {
         const u32 j = u * CFC_GROUP + lane;
-        if (j < have) oc[j] = O::from_f32(scale == 1.0f ? acc[u] : acc[u] * scale);
+        const float r = scale == 1.0f ? acc[u] : acc[u] * scale;
+        // A NaN is written as the dtype's canonical quiet NaN: which payload f32 arithmetic
+        // and the f16 widening leave differs between machines (the CPU reference does this too).
+        if (j < have) oc[j] = O::from_f32(isnan(r) ? __int_as_float(0x7fc00000) : r);
     }
 }
 

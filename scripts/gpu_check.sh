@@ -14,5 +14,4 @@ if [ "${SANITIZE:-1}" = 1 ] && command -v compute-sanitizer >/dev/null; then
   compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -m gpu tests/python/test_gpu.py \
     -k "real_gradients or hostile or 1000 or 33 or feedback or capacity" 2>&1 | tail -6 | tee "$OUT/sanitizer.log"
 fi
-[ "${PROFILE:-0}" = 1 ] && python3 benches/gpu_profile.py --grads "$CFC_GRADS_DIR" 2>&1 | tee "$OUT/gpu_profile.log"
 python3 benches/gpu_codec.py --grads "${CFC_GRADS_DIR:?no gradient vectors found}" --json "$OUT/gpu_codec.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/gpu_bench.log"

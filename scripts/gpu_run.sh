@@ -6,8 +6,11 @@
 #   pytest   `pytest -m gpu` of the codec, the hook and AllReducer (PYTEST_K filters);
 #   bench    cfc-bench --gpu over NVLink and over sockets (SIZES, BOUNDS, ITERS);
 #   step     the 217M LM's DDP step time (benches/ddp_step_time.py) over sockets and NVLink,
-#            this wheel against the one in .carry/old/ (when there), one run after the other,
-#            AB_ROUNDS times (default 2);
+#            this wheel against the one in .carry/old/ (when there; with the benchmark script of
+#            its own, .carry/old/ddp_step_time.py), one run after the other, AB_ROUNDS times
+#            (default 2);
+#   parity   examples/ddp_train.py deterministically, plain all-reduce and cfc, over SEEDS
+#            (default "0 1 2"), then benches/parity_table.py;
 # Logs and tables go under $OUT; the last lines printed are a short summary.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -31,8 +34,8 @@ for part in $PARTS; do case $part in
     CFC_REQUIRE_GPU=1 timeout 200 .carry/lib-tests --test-threads=2 2>&1 | tail -4 | tee "$OUT/rust_lib.log"
     grep -h "test result" "$OUT"/rust_*.log >> "$SUMMARY" ;;
   pytest)
-    timeout ${PYTEST_TIMEOUT:-480} python3 -m pytest -q -p no:cacheprovider -m gpu ${PYTEST_FILES:-tests/python/test_gpu.py tests/python/test_ddp.py tests/python/test_allreducer.py} \
-        ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 | tail -40 | tee "$OUT/pytest_gpu.log"
+    timeout ${PYTEST_TIMEOUT:-480} python3 -m pytest -q -p no:cacheprovider -m gpu ${PYTEST_ARGS:-} ${PYTEST_FILES:-tests/python/test_gpu.py tests/python/test_ddp.py tests/python/test_allreducer.py} \
+        ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 | tee "$OUT/pytest_gpu.log" | tail -60
     tail -1 "$OUT/pytest_gpu.log" >> "$SUMMARY" ;;
   bench)
     ARGS="--gpu $GPUS --grads .carry/grads --sizes ${SIZES:-64M,256M} --bounds ${BOUNDS:-0.3} --iters ${ITERS:-20}"
@@ -44,15 +47,25 @@ for part in $PARTS; do case $part in
       for which in old new; do
         site=$([ $which = new ] && echo $new_site || echo $old_site)
         [ -d $site ] || continue
-        for link in socket nvlink; do
+        for link in ${LINKS:-socket nvlink}; do
+          [ $link = nvlink ] && [ -n "${NVLINK_WHICH:-}" ] && [ $which != "$NVLINK_WHICH" ] && continue
           envs=$([ $link = socket ] && echo "$SOCK" || echo "")
           hooks=$([ $link = socket ] && echo "${SOCKET_HOOKS:---base noop noop cfc noop}" || echo "${NVLINK_HOOKS:-allreduce cfc-auto allreduce}")
-          env $envs PYTHONPATH=$site timeout 300 torchrun --standalone --nproc_per_node=$GPUS benches/ddp_step_time.py \
+          script=$([ $which = old ] && [ -f .carry/old/ddp_step_time.py ] && echo .carry/old/ddp_step_time.py || echo benches/ddp_step_time.py)
+          env $envs PYTHONPATH=$site timeout 300 torchrun --standalone --nproc_per_node=$GPUS $script \
               --steps ${STEPS:-30} $hooks 2>&1 | grep -E "^\||Error|error" | tee "$OUT/step_${link}_${which}_${round}.md"
           { echo "step $link $which round $round:"; grep "^|" "$OUT/step_${link}_${which}_${round}.md"; } >> "$SUMMARY"
         done
       done
     done ;;
+  parity)
+    for seed in ${SEEDS:-0 1 2}; do
+      timeout 400 torchrun --standalone --nproc_per_node=$GPUS examples/ddp_train.py --deterministic \
+          --hook ${TRAIN_HOOKS:-allreduce,cfc} --seed $seed --steps ${TRAIN_STEPS:-1000} --d-model 256 --layers 4 \
+          --heads 8 --batch 32 --seq 256 --out "$OUT/ddp_parity_seed$seed" 2>&1 | tail -4
+    done
+    python3 benches/parity_table.py "$OUT"/ddp_parity_seed*/losses.json | tee "$OUT/ddp_parity.md"
+    cat "$OUT/ddp_parity.md" >> "$SUMMARY" ;;
 esac; done
 echo "==== summary"
 cat "$SUMMARY"

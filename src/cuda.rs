@@ -1842,7 +1842,7 @@ pub fn decode_status_error(status: u64, source: &str) -> Option<String> {
 /// writes nothing but the output: `out[i] = scale * (v_0[i] + v_1[i] + ...)`, where `v_p[i]`
 /// is what [`decompress`] gives for frame `p`, widened to f32; the sum runs in f32 in frame
 /// order from `v_0[i]`, and the product (skipped when `scale` is 1) is rounded to f32, then
-/// to `out_dtype` (to nearest even). NaN stays NaN, but its payload is not kept. One frame
+/// to `out_dtype` (to nearest even). A NaN comes out as `out_dtype`'s canonical quiet NaN. One frame
 /// with `scale` 1 gives [`decompress`]'s values, in any output dtype. Nothing waits for the
 /// GPU.
 ///

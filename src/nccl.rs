@@ -560,7 +560,7 @@ impl Communicator {
             if done(self)? {
                 return Ok(());
             }
-            if let Some(f) = self.interrupt.as_ref().and_then(|b| b.failure()) {
+            if let Some(f) = self.interrupt.as_ref().and_then(|b| b.due()) {
                 let _ = self.abort_with(f.error().to_string());
                 return Err(f.error());
             }

@@ -8,6 +8,10 @@
 //! bytes) looks at the board between polls, so a failure ends the waits of every rank within
 //! milliseconds, where a collective on its own would wait for its timeout (over NVLink, NCCL
 //! cannot tell that a peer died).
+//!
+//! A failure carries the number of the job it happened at (every rank numbers its jobs alike).
+//! A rank's waits end only for a failure at or before the job it is working on: a peer that
+//! failed at a later job had finished this one, and so the work this rank waits for will come.
 
 use crate::error::Error;
 use std::sync::{Arc, Mutex};
@@ -19,6 +23,9 @@ pub struct Failure {
     pub rank: usize,
     /// Its error, in words.
     pub reason: String,
+    /// The job it happened at (counted from 1 in the order of submission, the same on every
+    /// rank), or 0 where that is not known (a process that died): then it ends every wait.
+    pub job: u64,
 }
 
 impl Failure {
@@ -38,6 +45,8 @@ pub(crate) type Tell = Box<dyn Fn(&Failure) + Send + Sync>;
 pub struct Control {
     first: Mutex<Option<Failure>>,
     tell: Mutex<Option<Tell>>,
+    /// The job this rank's engine is working on (see the module docs).
+    now: std::sync::atomic::AtomicU64,
 }
 
 impl std::fmt::Debug for Control {
@@ -66,6 +75,7 @@ impl Control {
         Arc::new(Control {
             first: Mutex::new(None),
             tell: Mutex::new(None),
+            now: std::sync::atomic::AtomicU64::new(0),
         })
     }
 
@@ -78,8 +88,8 @@ impl Control {
     /// this rank's own (`tell`), tells the peers. Returns whether it was the first.
     pub fn raise(&self, failure: Failure, tell: bool) -> bool {
         let failure = Failure {
-            rank: failure.rank,
             reason: cut(&failure.reason).to_string(),
+            ..failure
         };
         {
             let mut first = self.first.lock().unwrap_or_else(|e| e.into_inner());
@@ -102,9 +112,21 @@ impl Control {
         self.first.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
-    /// [`Control::failure`] as the error to return.
+    /// Notes the job this rank works on (its waits end for failures at or before it).
+    pub(crate) fn set_now(&self, job: u64) {
+        self.now.store(job, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// The first failure, if it ends this rank's waits now: one at or before the job this rank
+    /// works on (see the module docs).
+    pub fn due(&self) -> Option<Failure> {
+        let now = self.now.load(std::sync::atomic::Ordering::SeqCst);
+        self.failure().filter(|f| f.job == 0 || f.job <= now)
+    }
+
+    /// [`Control::due`] as the error a wait returns.
     pub fn check(&self) -> crate::Result<()> {
-        match self.failure() {
+        match self.due() {
             Some(f) => Err(f.error()),
             None => Ok(()),
         }
@@ -128,14 +150,16 @@ mod tests {
         assert!(c.raise(
             Failure {
                 rank: 2,
-                reason: "é".repeat(REASON_MAX)
+                reason: "é".repeat(REASON_MAX),
+                job: 5,
             },
             true
         ));
         assert!(!c.raise(
             Failure {
                 rank: 0,
-                reason: "later".into()
+                reason: "later".into(),
+                job: 0,
             },
             true
         ));
@@ -143,6 +167,10 @@ mod tests {
         let f = c.failure().expect("a failure");
         assert_eq!(f.rank, 2);
         assert!(f.reason.len() <= REASON_MAX);
+        // A failure at job 5 ends the waits of a rank at job 5 or later, not before.
+        c.set_now(4);
+        assert!(c.check().is_ok() && c.failure().is_some());
+        c.set_now(5);
         assert!(matches!(c.check(), Err(Error::PeerFailed { rank: 2, .. })));
     }
 }

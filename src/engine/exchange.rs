@@ -212,7 +212,7 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
         let (recv, row) = if largest > slot {
             // A frame outgrew its slot (every rank sees it): every frame again, whole.
             let row = HEAD + round16(largest);
-            let again = self.alloc(w * row)?;
+            let again = self.alloc_for_comm(w * row)?;
             let m = mine.region().sub(0, row)?;
             let r = again.region().sub(0, w * row)?;
             self.tr.all_gather(&mut self.be, m, r)?;
@@ -414,7 +414,7 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
         let mut again = None;
         if !outgrown_out.is_empty() || !outgrown_in.is_empty() {
             let total: u64 = outgrown_in.iter().map(|&j| round16(inn[j].size)).sum();
-            let buf = self.alloc(total.max(16))?;
+            let buf = self.alloc_for_comm(total.max(16))?;
             let b = buf.region();
             let mut sends = vec![m.sub(0, 0)?; self.world];
             let mut recvs = vec![b.sub(0, 0)?; self.world];
@@ -527,7 +527,7 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
         let largest = heads.iter().map(|h| h.size).max().unwrap_or(0);
         let (recv, row) = if largest > slot {
             let row = HEAD + round16(largest);
-            let again = self.alloc(w * row)?;
+            let again = self.alloc_for_comm(w * row)?;
             let r = again.region().sub(0, w * row)?;
             self.tr
                 .all_gather(&mut self.be, sums.region().sub(0, row)?, r)?;

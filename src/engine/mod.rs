@@ -223,6 +223,8 @@ pub struct Engine {
     options: Options,
     /// Publications asked for so far (closes, agreements).
     expected: Mutex<u64>,
+    /// Jobs handed over so far.
+    submitted: std::sync::atomic::AtomicU64,
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
@@ -284,6 +286,7 @@ impl Engine {
             world,
             options,
             expected: Mutex::new(0),
+            submitted: std::sync::atomic::AtomicU64::new(0),
             thread: Mutex::new(Some(thread)),
         };
         engine.send_counted(Msg::Agree(token))?;
@@ -404,7 +407,9 @@ impl Engine {
     /// # Errors
     /// The failure of any rank, raised so far; the job's refusal (see above).
     pub unsafe fn submit(&self, job: Job, stream: u64) -> Result<()> {
-        self.control.check()?;
+        if let Some(f) = self.control.failure() {
+            return Err(f.error());
+        }
         let checked = job.check(self.world, self.options.feedback).and_then(|()| {
             if let Op::ReduceScatter { out } = job.op {
                 let (a, b) = (job.data.region(), out.region());
@@ -426,6 +431,8 @@ impl Engine {
         } else {
             self.send(Msg::Job(job, ready))?;
         }
+        self.submitted
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         Ok(())
     }
 
@@ -506,12 +513,15 @@ impl Engine {
     }
 
     /// Fails this rank with `reason` (an error of the caller's, e.g. an exception in a hook):
-    /// every rank's next wait reports it, and every later job is refused.
+    /// every rank's next wait reports it, and every later job is refused. The failure is at the
+    /// next job (this rank's peers finish the jobs it submitted).
     pub fn fail(&self, reason: &str) {
+        let next = self.submitted.load(std::sync::atomic::Ordering::SeqCst) + 1;
         self.control.raise(
             Failure {
                 rank: self.rank,
                 reason: reason.to_string(),
+                job: next,
             },
             true,
         );

@@ -14,7 +14,10 @@
 //! Scratch given back after a stage may be handed out again at once: a stage gives back its
 //! buffers only after queuing its last use of them, on the compute lane after a join from the
 //! comm lane, and every later use of scratch on the comm lane follows a join from the compute
-//! lane (each exchange waits for its own compression).
+//! lane issued after it was handed out (each exchange waits for its own compression; a resend,
+//! which has no compression before it, joins first: `Worker::alloc_for_comm`). Without that
+//! join, a resend's rows could land in a buffer whose decoding, on the compute lane, was still
+//! reading it.
 //!
 //! On a failure (of this rank, or raised by a peer on the board), the thread aborts the
 //! transport (so that queued collectives give up and the device drains), raises the failure on
@@ -94,6 +97,7 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
         Failure {
             rank: self.rank,
             reason: "internal: the engine's thread panicked (a bug in cfc)".into(),
+            job: 0,
         }
     }
 
@@ -110,7 +114,7 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
     /// The thread's loop, until a stop message (or the engine's handle is gone).
     pub(crate) fn run(mut self) {
         loop {
-            if !self.failed && self.tr.control().failure().is_some() {
+            if !self.failed && self.tr.control().due().is_some() {
                 // A failure raised elsewhere while this thread was idle: give up now, so that
                 // nothing of this rank's stays queued for peers that are gone.
                 self.fail_with(None);
@@ -188,6 +192,7 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
     /// One job: its launch, then the stages of earlier jobs now due.
     fn job(&mut self, job: Job, ready: B::Ready) -> Result<()> {
         self.seq += 1;
+        self.tr.control().set_now(self.seq);
         let t0 = Instant::now();
         self.be.begin(ready)?;
         let n = job.data.numel;
@@ -400,10 +405,15 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
         if let Some(e) = e {
             // A peer's failure seen in a wait is on the board already; anything else began here.
             let failure = match e {
-                Error::PeerFailed { rank, reason } => Failure { rank, reason },
+                Error::PeerFailed { rank, reason } => Failure {
+                    rank,
+                    reason,
+                    job: self.seq,
+                },
                 other => Failure {
                     rank: self.rank,
                     reason: other.to_string(),
+                    job: self.seq,
                 },
             };
             let own = failure.rank == self.rank;
@@ -517,6 +527,15 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
             max = max.max(f64::from_bits(word(8)));
         }
         Ok((sum, max))
+    }
+
+    /// Scratch that the comm lane writes next, where no join from the compute lane comes
+    /// between (a resend): the buffer may have been given back by a stage whose decoding, on the
+    /// compute lane, still reads it, so the comm lane first waits for the compute lane.
+    pub(super) fn alloc_for_comm(&mut self, len: u64) -> Result<B::Buf> {
+        let buf = self.alloc(len)?;
+        self.be.join(Lane::Comm, Lane::Compute)?;
+        Ok(buf)
     }
 
     /// Scratch from the backend (or the injected allocation failure).

@@ -199,7 +199,9 @@ fn decode_sum<T: Element>(frames: &[&[u8]], scale: f32, out: &mut [T]) -> Result
         }
     }
     for (o, a) in out.iter_mut().zip(&acc) {
-        *o = T::from_f32(if scale == 1.0 { *a } else { *a * scale });
+        let r = if scale == 1.0 { *a } else { *a * scale };
+        // A NaN is the dtype's canonical quiet NaN, as the kernel writes it.
+        *o = T::from_f32(if r.is_nan() { f32::NAN } else { r });
     }
     Ok(())
 }

@@ -143,6 +143,15 @@ impl CudaBackend {
     }
 }
 
+/// `e` with the operation it came from, so that a device error (reported by the next call after
+/// the kernel that caused it, or at once with `CUDA_LAUNCH_BLOCKING=1`) says where it surfaced.
+fn during(op: &'static str) -> impl Fn(Error) -> Error {
+    move |e| match e {
+        Error::Cuda(m) => Error::Cuda(format!("{op}: {m}")),
+        other => other,
+    }
+}
+
 fn event(stream: &CudaStream) -> Result<CudaEvent> {
     stream
         .record_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
@@ -175,8 +184,11 @@ impl Backend for CudaBackend {
     }
 
     fn join(&mut self, to: Lane, from: Lane) -> Result<()> {
-        let e = event(self.stream(from))?;
-        self.stream(to).wait(&e).map_err(driver_err)
+        let e = event(self.stream(from)).map_err(during("join"))?;
+        self.stream(to)
+            .wait(&e)
+            .map_err(driver_err)
+            .map_err(during("join"))
     }
 
     fn stats(
@@ -207,7 +219,7 @@ impl Backend for CudaBackend {
         };
         // SAFETY: the job's tensors (vouched for by the submitter), the workspace just taken,
         // and `out` checked above; all on this device.
-        let r = unsafe { cuda::stats(&args) };
+        let r = unsafe { cuda::stats(&args) }.map_err(during("stats"));
         self.give_back(ws);
         r
     }
@@ -245,7 +257,7 @@ impl Backend for CudaBackend {
             bound_at: 0,
         };
         // SAFETY: as in `stats`; the frame region is the engine's scratch (checked by `sub`).
-        let out = unsafe { cuda::compress(&args) };
+        let out = unsafe { cuda::compress(&args) }.map_err(during("compress"));
         self.give_back(ws);
         out
     }
@@ -295,7 +307,7 @@ impl Backend for CudaBackend {
             }
         });
         self.give_back(ws);
-        summed
+        summed.map_err(during("sum"))
     }
 
     fn decode(
@@ -328,7 +340,7 @@ impl Backend for CudaBackend {
         };
         // SAFETY: frames in the engine's scratch, the job's output tensor; frames are checked on
         // the device before anything is written.
-        let r = unsafe { cuda::decode_sum(&args) };
+        let r = unsafe { cuda::decode_sum(&args) }.map_err(during("decode"));
         self.give_back(ws);
         r
     }
@@ -345,6 +357,7 @@ impl Backend for CudaBackend {
                 r.addr,
             )
         }
+        .map_err(during("fold"))
     }
 
     fn put(&mut self, lane: Lane, dst: Region, pitch: u64, count: u64, word: u64) -> Result<()> {
@@ -354,6 +367,7 @@ impl Backend for CudaBackend {
         dst.sub((count - 1) * pitch, 8)?;
         // SAFETY: checked above; the engine's scratch.
         unsafe { cuda::put_rows(self.stream(lane), dst.addr, pitch, count, word) }
+            .map_err(during("put"))
     }
 
     fn fetch(
@@ -384,7 +398,7 @@ impl Backend for CudaBackend {
         };
         // SAFETY: the rows lie in `src` (checked above); the pinned buffer holds `len` bytes
         // and is read only after the lane is waited for.
-        unsafe { cuda::copy_rows(&args) }?;
+        unsafe { cuda::copy_rows(&args) }.map_err(during("fetch"))?;
         Ok(Fetch { host, len })
     }
 

@@ -128,7 +128,8 @@ pub(crate) trait Backend: Send + 'static {
     /// Queues on the compute lane `out = scale * (v_0 + v_1 + ...)`, where `v_p` is the decoded
     /// frame `p` (of its region's length, or with `sized` of the length in the row head
     /// [`crate::engine::rows`] places before it, at most its region's) widened to f32, the sum running in f32 in frame order and the product (skipped
-    /// when `scale` is 1) rounded to f32 and then to `out`'s dtype. A frame that is not what its
+    /// when `scale` is 1) rounded to f32 and then to `out`'s dtype, a NaN as the dtype's
+    /// canonical quiet NaN (its payload is not kept). A frame that is not what its
     /// header says sets the decoding status ([`Backend::status`]) and nothing is written, then
     /// or later, until the status is cleared.
     ///

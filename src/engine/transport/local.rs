@@ -1,6 +1,6 @@
-//! [`Links`] between ranks that are threads of one process: crossbeam channels, and one failure
-//! board shared by every rank (a failure raised on any rank is on all of them at once).
-//! For tests, examples and the CPU mode of `cfc-bench`.
+//! [`Links`] between ranks that are threads of one process: crossbeam channels, and a failure
+//! board per rank whose failures reach the others' boards at once (each rank's waits still end
+//! only for failures at or before its own job). For tests, examples and `cfc-bench`.
 
 use super::{Links, BOARD_POLL};
 use crate::engine::control::{Control, Failure};
@@ -43,14 +43,28 @@ impl LocalLinks {
         let channels: Vec<Vec<_>> = (0..world)
             .map(|_| (0..world).map(|_| crossbeam_channel::unbounded()).collect())
             .collect();
-        let control = Control::new();
+        let controls: Vec<Arc<Control>> = (0..world).map(|_| Control::new()).collect();
+        for (rank, c) in controls.iter().enumerate() {
+            // (weak: the boards do not keep each other alive)
+            let others: Vec<std::sync::Weak<Control>> = controls
+                .iter()
+                .enumerate()
+                .filter(|(j, _)| *j != rank)
+                .map(|(_, o)| Arc::downgrade(o))
+                .collect();
+            c.set_tell(Box::new(move |f: &Failure| {
+                for o in others.iter().filter_map(|o| o.upgrade()) {
+                    o.raise(f.clone(), false);
+                }
+            }));
+        }
         (0..world)
             .map(|rank| LocalLinks {
                 rank,
                 to: (0..world).map(|b| channels[rank][b].0.clone()).collect(),
                 from: (0..world).map(|a| channels[a][rank].1.clone()).collect(),
                 gone: vec![false; world],
-                control: control.clone(),
+                control: controls[rank].clone(),
                 timeout,
             })
             .collect()
@@ -101,8 +115,10 @@ impl Links for LocalLinks {
                     let failure = Failure {
                         rank: peer,
                         reason: "its thread ended without closing its engine".into(),
+                        job: 0,
                     };
-                    self.control.raise(failure, false);
+                    // (told on: ranks not linked to it wait on it through others)
+                    self.control.raise(failure, true);
                     self.control.check()?;
                 }
             }

@@ -33,25 +33,30 @@ impl<L: Links> StagedTransport<L> {
     }
 }
 
-/// The bytes of `r` (device memory), once the comm lane has done what was queued on it.
+/// The bytes of `r` (device memory), copied on the comm lane after what was queued on it, and
+/// waited for. (The driver's synchronous copies go on the legacy stream, which the engine's
+/// streams do not wait for: every copy here is queued on the comm lane instead.)
 fn down(be: &CudaBackend, r: Region) -> Result<Vec<u8>> {
-    be.comm_stream().synchronize().map_err(driver_err)?;
+    let s = be.comm_stream();
     let mut v = vec![0u8; r.len as usize];
     if r.len > 0 {
-        // SAFETY: a region the engine checked (its scratch or a job's tensor); the lane is idle.
-        unsafe { result::memcpy_dtoh_sync(&mut v, r.addr) }.map_err(driver_err)?;
+        // SAFETY: a region the engine checked (its scratch or a job's tensor); `v` outlives the
+        // copy (waited for below).
+        unsafe { result::memcpy_dtoh_async(&mut v, r.addr, s.cu_stream()) }.map_err(driver_err)?;
     }
+    s.synchronize().map_err(driver_err)?;
     Ok(v)
 }
 
-/// `bytes` into `r` (device memory), waited for.
-fn up(r: Region, bytes: &[u8]) -> Result<()> {
+/// `bytes` into `r` (device memory), copied on the comm lane and waited for.
+fn up(be: &CudaBackend, r: Region, bytes: &[u8]) -> Result<()> {
+    let s = be.comm_stream();
     if !bytes.is_empty() {
-        // SAFETY: as in `down`, for writes of `bytes.len() <= r.len` bytes.
-        unsafe { result::memcpy_htod_sync(r.addr, &bytes[..bytes.len().min(r.len as usize)]) }
-            .map_err(driver_err)?;
+        let bytes = &bytes[..bytes.len().min(r.len as usize)];
+        // SAFETY: as in `down`, for writes of at most `r.len` bytes; `bytes` outlives the copy.
+        unsafe { result::memcpy_htod_async(r.addr, bytes, s.cu_stream()) }.map_err(driver_err)?;
     }
-    Ok(())
+    s.synchronize().map_err(driver_err)
 }
 
 impl<L: Links> Transport<CudaBackend> for StagedTransport<L> {
@@ -71,7 +76,7 @@ impl<L: Links> Transport<CudaBackend> for StagedTransport<L> {
         let mine = down(be, send)?;
         let mut all = vec![0u8; recv.len as usize];
         host::all_gather(&mut self.links, &mine, &mut all)?;
-        up(recv, &all)
+        up(be, recv, &all)
     }
 
     fn exchange(&mut self, be: &mut CudaBackend, sends: &[Region], recvs: &[Region]) -> Result<()> {
@@ -83,7 +88,7 @@ impl<L: Links> Transport<CudaBackend> for StagedTransport<L> {
             host::exchange(&mut self.links, &s, &mut r)?;
         }
         for (r, bytes) in recvs.iter().zip(&into) {
-            up(*r, bytes)?;
+            up(be, *r, bytes)?;
         }
         Ok(())
     }
@@ -91,7 +96,7 @@ impl<L: Links> Transport<CudaBackend> for StagedTransport<L> {
     fn all_reduce(&mut self, be: &mut CudaBackend, data: Tensor, scale: f32) -> Result<()> {
         let mut bytes = down(be, data.region())?;
         host::all_reduce(&mut self.links, &mut bytes, data.dtype, scale)?;
-        up(data.region(), &bytes)
+        up(be, data.region(), &bytes)
     }
 
     fn reduce_scatter(
@@ -104,7 +109,7 @@ impl<L: Links> Transport<CudaBackend> for StagedTransport<L> {
         let bytes = down(be, data.region())?;
         let mut shard = vec![0u8; out.bytes() as usize];
         host::reduce_scatter(&mut self.links, &bytes, &mut shard, data.dtype, scale)?;
-        up(out.region(), &shard)
+        up(be, out.region(), &shard)
     }
 
     fn gather(&mut self, _be: &mut CudaBackend, mine: &[u8]) -> Result<Vec<Vec<u8>>> {

@@ -155,9 +155,10 @@ impl std::fmt::Debug for TcpLinks {
     }
 }
 
-/// The failure frame's payload: the origin rank, then the reason.
+/// The failure frame's payload: the origin rank, its job, then the reason.
 fn failure_payload(f: &Failure) -> Vec<u8> {
     let mut p = (f.rank as u64).to_le_bytes().to_vec();
+    p.extend_from_slice(&f.job.to_le_bytes());
     p.extend_from_slice(f.reason.as_bytes());
     p
 }
@@ -381,11 +382,14 @@ impl ReaderContext {
                         return; // the links were dropped
                     }
                 }
-                KIND_FAILURE if payload.len() >= 8 => {
-                    let origin = u64::from_le_bytes(payload[..8].try_into().unwrap_or([0; 8]));
+                KIND_FAILURE if payload.len() >= 16 => {
+                    let word = |i: usize| {
+                        u64::from_le_bytes(payload[i..i + 8].try_into().unwrap_or([0; 8]))
+                    };
                     let f = Failure {
-                        rank: usize::try_from(origin).unwrap_or(self.peer),
-                        reason: String::from_utf8_lossy(&payload[8..]).into_owned(),
+                        rank: usize::try_from(word(0)).unwrap_or(self.peer),
+                        reason: String::from_utf8_lossy(&payload[16..]).into_owned(),
+                        job: word(8),
                     };
                     self.raise(f);
                 }
@@ -400,6 +404,7 @@ impl ReaderContext {
             self.raise(Failure {
                 rank: self.peer,
                 reason: why,
+                job: 0,
             });
         }
     }
@@ -558,6 +563,7 @@ mod tests {
             Failure {
                 rank: 2,
                 reason: "boom".into(),
+                job: 0,
             },
             true,
         );
