@@ -1,4 +1,4 @@
-# Sourced by scripts/gpu_ddp.sh and scripts/gpu_allreduce.sh on the GPU machine (no Rust there):
+# Sourced by scripts/gpu_run.sh and scripts/gpu_lossless.sh on the GPU machine (no Rust there):
 # $OUT for logs, cfc installed from the wheel carried in .carry/, NVLink multicast off (DEVICE.md),
 # and $SOCK, the environment that makes NCCL use TCP over loopback (the socket transport).
 OUT=${OUT:-/tmp/cfc-out}; mkdir -p "$OUT"

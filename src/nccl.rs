@@ -322,9 +322,9 @@ impl UniqueId {
 }
 
 /// How long a wait on NCCL may see no progress before the communicator is aborted, unless
-/// [`Communicator::set_timeout`] says otherwise: `CFC_NCCL_TIMEOUT` seconds, default 300.
+/// [`Communicator::set_timeout`] says otherwise: `CFC_TIMEOUT` seconds, default 300.
 fn default_timeout() -> Duration {
-    std::env::var("CFC_NCCL_TIMEOUT")
+    std::env::var("CFC_TIMEOUT")
         .ok()
         .and_then(|s| s.parse::<f64>().ok())
         .filter(|s| *s > 0.0)
@@ -372,7 +372,7 @@ impl std::fmt::Debug for Communicator {
 
 impl Communicator {
     /// Joins the communicator of `id` as `rank` of `world`, on device `device` (its primary
-    /// context, the one PyTorch uses), with the default timeout (`CFC_NCCL_TIMEOUT` seconds,
+    /// context, the one PyTorch uses), with the default timeout (`CFC_TIMEOUT` seconds,
     /// else 300). Waits until every rank has joined (NCCL's rule).
     ///
     /// # Errors
@@ -473,7 +473,7 @@ impl Communicator {
     }
 
     /// How long [`Communicator::wait`] waits without progress before it aborts the
-    /// communicator (default: `CFC_NCCL_TIMEOUT` seconds, or 300).
+    /// communicator (default: `CFC_TIMEOUT` seconds, or 300).
     pub fn set_timeout(&mut self, timeout: Duration) {
         self.timeout = timeout;
     }

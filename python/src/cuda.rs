@@ -413,7 +413,7 @@ fn decompress_args(
 }
 
 /// A new NCCL unique id, as hex: one rank makes it and hands it to the others (e.g. over
-/// torch.distributed), who all pass it to `NcclAllReducer`. Loads NCCL: `CFC_NCCL_LIBRARY` if
+/// the process group's store), who all pass it to `Engine`. Loads NCCL: `CFC_NCCL_LIBRARY` if
 /// set, else `libnccl.so.2` or `libnccl.so` (once torch has loaded pip's `libnccl.so.2`, that
 /// name finds torch's copy).
 #[pyfunction]
