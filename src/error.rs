@@ -129,6 +129,10 @@ pub enum Error {
         /// Bytes asked for.
         bytes: u64,
     },
+    /// The engine touched memory on one lane before ordering that lane after another lane's
+    /// use of the same bytes: on a GPU the two could run at once. Raised by the CPU backend's
+    /// lane check (on in tests), which finds such a bug of cfc's without a GPU.
+    LaneOrder(String),
 }
 
 /// An empty vector with room for `n` values, or [`Error::Allocation`] where the memory cannot
@@ -242,6 +246,7 @@ impl fmt::Display for Error {
                 f,
                 "could not allocate {bytes} bytes for what the frame describes (its values, or its body past a zstd stage)"
             ),
+            Error::LaneOrder(what) => write!(f, "lanes out of order (a bug of cfc's): {what}"),
             Error::RankMismatch { what, theirs } => {
                 write!(f, "ranks disagree: {what}, but {theirs}")
             }

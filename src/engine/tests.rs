@@ -273,6 +273,51 @@ fn an_rms_bound_follows_the_previous_step_and_slots_grow_with_the_frames() {
     assert_eq!(sent[2].1, 1, "{sent:?}");
 }
 
+/// A step of a large bucket, then a small one whose frames outgrow their slot: the small one's
+/// resend reuses the large one's buffers, which the comm lane may write only after the compute
+/// lane's decoding of the large one (on a GPU, two streams). The CPU backend's lane check
+/// fails the step where that order is missing.
+#[test]
+fn a_resend_after_a_larger_bucket_waits_for_its_decoding() {
+    let (big, small) = (60_000, 6_000);
+    for world in [2, 3] {
+        for algorithm in [Algorithm::AllGather, Algorithm::ReduceScatter] {
+            let mut o = options(BoundRule::Rms(0.3));
+            o.algorithm = Some(algorithm);
+            let out = ranks(world, &o, |rank, e| {
+                let (mut ra, mut rb) = (vec![0.0f32; big], vec![0.0f32; small]);
+                let mut resends = 0;
+                for step in 0..3 {
+                    let mut a = grads(rank, step, big);
+                    // the small bucket's values grow 8x at step 2: more bits than its slot held
+                    let k = if step == 2 { 8.0 } else { 1.0 };
+                    let mut b: Vec<f32> =
+                        grads(rank + 7, step, small).iter().map(|v| v * k).collect();
+                    // SAFETY: the tensors live until the wait below returns.
+                    unsafe {
+                        e.submit(job(0, &mut a, Some(&mut ra), false), 0)?;
+                        e.submit(job(1, &mut b, Some(&mut rb), true), 0)?;
+                    }
+                    e.wait(0)?;
+                    resends = e.stats().resends;
+                    if step == 2 {
+                        return Ok((a, b, resends));
+                    }
+                }
+                unreachable!("{resends}")
+            });
+            let out: Vec<_> = out
+                .into_iter()
+                .map(|r: Result<_>| {
+                    r.unwrap_or_else(|e| panic!("world {world}, {algorithm:?}: {e}"))
+                })
+                .collect();
+            assert!(out[0].2 >= 1, "world {world}, {algorithm:?}: no resend");
+            assert!(out.iter().all(|o| o.0 == out[0].0 && o.1 == out[0].1));
+        }
+    }
+}
+
 #[test]
 fn the_warmup_and_the_trial_choose_alike_on_every_rank() {
     let world = 3;

@@ -16,17 +16,17 @@ GRADS = pathlib.Path(
 #   "cuda":       NCCL, one GPU per rank, CFC_TEST_GPUS of them (default 2; 4 on a 4-GPU
 #                 machine checks that nothing assumes 2 ranks);
 #   "shared-gpu": gloo, CFC_TEST_SHARED_RANKS ranks (default 3) all on cuda:0. This runs the
-#                 GPU codec and cfc's exchange over torch.distributed at a world size above 1
-#                 on a machine with one GPU (gloo carries CUDA tensors through host memory).
-#                 NCCL refuses two ranks on one GPU, so the native exchange and NCCL's own
-#                 paths need "cuda".
+#                 CUDA engine at a world size above 1 on a machine with one GPU, its rows
+#                 moved through host memory (NCCL refuses two ranks on one GPU).
 GPUS = int(os.environ.get("CFC_TEST_GPUS", "2"))
 # CFC_TEST_ONE_RANK=1 with CFC_TEST_GPUS=1 runs the "cuda" scenarios at world size 1 on one GPU
-# (those that compare ranks, or expect two ranks' bytes, then prove less or fail by design; run
-# them twice, e.g. with CFC_TEST_PIPELINE=1, which puts the pipeline under every test that does
-# not name its own way, and compare the outcomes).
+# (those that compare ranks, or expect two ranks' bytes, then prove less or fail by design).
 ONE_RANK = os.environ.get("CFC_TEST_ONE_RANK") == "1"
 SHARED_RANKS = int(os.environ.get("CFC_TEST_SHARED_RANKS", "3"))
+# Every CPU engine the tests start (in this process and the ranks it spawns) checks that its
+# lanes are ordered wherever they share memory (src/engine/backend/lanes.rs): on a GPU a missing
+# order is a race, which the CPU backend then reports as an error.
+os.environ.setdefault("CFC_CHECK_LANES", "1")
 
 
 def world_of(device):

@@ -1,8 +1,10 @@
 //! The reference backend: the CPU codec, run at once on the engine's comm thread, in host
 //! memory. It writes the bytes the CUDA backend writes (frames, sums, statistics, decoded
 //! values), which is what makes it the reference: the same engine runs on it in CI, and the
-//! GPU tests compare the two.
+//! GPU tests compare the two. Its lane check ([`LaneCheck`]) finds the joins between the lanes
+//! that the engine leaves out, which on a GPU would be races.
 
+use super::lanes::LaneCheck;
 use super::{Backend, Lane, Memory};
 use crate::codec::{compress, decompress, Bound, CompressOptions};
 use crate::element::Element;
@@ -32,6 +34,15 @@ pub struct CpuBackend {
     pool: Vec<HostBuf>,
     /// The decoding status, then the running maximum of the error left in residuals.
     words: Box<[u64; 2]>,
+    /// The lane check, where wanted ([`LaneCheck::wanted`]).
+    lanes: Option<LaneCheck>,
+}
+
+/// A point on a lane (see [`Backend::mark`]): the lane's clock in the lane check.
+#[derive(Debug, Clone, Copy)]
+pub struct HostMark {
+    lane: Lane,
+    at: u64,
 }
 
 impl Default for CpuBackend {
@@ -46,6 +57,28 @@ impl CpuBackend {
         CpuBackend {
             pool: Vec::new(),
             words: Box::new([0; 2]),
+            lanes: LaneCheck::wanted(),
+        }
+    }
+
+    /// Records for the lane check that `lane` reads (or with `write`, writes) `r`.
+    pub(crate) fn touch(
+        &mut self,
+        lane: Lane,
+        r: Region,
+        write: bool,
+        what: &'static str,
+    ) -> Result<()> {
+        match &mut self.lanes {
+            Some(c) => c.touch(lane, r, write, what),
+            None => Ok(()),
+        }
+    }
+
+    /// The host waited for `mark`: later work on either lane follows what came before it.
+    pub(crate) fn waited(&mut self, mark: &HostMark) {
+        if let Some(c) = &mut self.lanes {
+            c.reached(mark.lane, mark.at);
         }
     }
 }
@@ -229,7 +262,7 @@ macro_rules! with_float {
 
 impl Backend for CpuBackend {
     type Buf = HostBuf;
-    type Mark = ();
+    type Mark = HostMark;
     type Ready = ();
     type Fetched = Vec<u8>;
 
@@ -239,7 +272,7 @@ impl Backend for CpuBackend {
 
     fn alloc(&mut self, len: u64) -> Result<HostBuf> {
         let words = len.div_ceil(16) as usize;
-        if let Some(at) = self.pool.iter().position(|b| b.0.len() >= words) {
+        if let Some(at) = super::best_fit(&self.pool, |b| b.region().len, len) {
             return Ok(self.pool.swap_remove(at));
         }
         let mut v = Vec::new();
@@ -260,7 +293,10 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn join(&mut self, _to: Lane, _from: Lane) -> Result<()> {
+    fn join(&mut self, to: Lane, from: Lane) -> Result<()> {
+        if let Some(c) = &mut self.lanes {
+            c.join(to, from);
+        }
         Ok(())
     }
 
@@ -272,6 +308,18 @@ impl Backend for CpuBackend {
         pitch: u64,
         count: u64,
     ) -> Result<()> {
+        self.touch(Lane::Compute, x.region(), false, "the statistics")?;
+        if let Some(r) = r {
+            self.touch(Lane::Compute, r.region(), false, "the statistics")?;
+        }
+        for i in 0..count {
+            self.touch(
+                Lane::Compute,
+                out.sub(i * pitch, 16)?,
+                true,
+                "the statistics",
+            )?;
+        }
         // SAFETY: the job's tensors (vouched for by the submitter, checked against each other
         // by `Job::check`).
         let (sum, max) = with_float!(x.dtype, T, unsafe {
@@ -298,6 +346,14 @@ impl Backend for CpuBackend {
         frame: Region,
         size_at: Region,
     ) -> Result<()> {
+        self.touch(Lane::Compute, x.region(), false, "compression")?;
+        if let Some(r) = r {
+            self.touch(Lane::Compute, r.region(), true, "compression")?;
+        }
+        self.touch(Lane::Compute, frame, true, "compression")?;
+        self.touch(Lane::Compute, size_at.sub(0, 8)?, true, "compression")?;
+        let max_error = self.max_error();
+        self.touch(Lane::Compute, max_error, true, "compression")?;
         let opts = CompressOptions {
             bound: Bound::Abs(eps),
             zstd_level: None,
@@ -351,6 +407,11 @@ impl Backend for CpuBackend {
         out: Region,
         size_at: Region,
     ) -> Result<()> {
+        for f in frames {
+            self.touch(Lane::Compute, *f, false, "the sum of frames")?;
+        }
+        self.touch(Lane::Compute, out, true, "the sum of frames")?;
+        self.touch(Lane::Compute, size_at.sub(0, 8)?, true, "the sum of frames")?;
         // SAFETY: scratch regions (rows received by the transport), checked by the caller.
         let parts: Vec<&[u8]> = frames.iter().map(|f| unsafe { bytes(*f) }).collect();
         // A frame that is not one of these elements, or frames that cannot be summed, leave a
@@ -382,6 +443,19 @@ impl Backend for CpuBackend {
         scale: f32,
         out: Tensor,
     ) -> Result<()> {
+        let status = self.status();
+        self.touch(Lane::Compute, status, true, "decoding")?;
+        for f in frames {
+            if sized {
+                let head = Region {
+                    addr: f.addr.wrapping_sub(crate::engine::rows::HEAD),
+                    len: 8,
+                };
+                self.touch(Lane::Compute, head, false, "decoding")?;
+            }
+            self.touch(Lane::Compute, *f, false, "decoding")?;
+        }
+        self.touch(Lane::Compute, out.region(), true, "decoding")?;
         if self.words[0] != 0 {
             return Ok(()); // an earlier frame was bad: nothing more is decoded
         }
@@ -419,6 +493,8 @@ impl Backend for CpuBackend {
     }
 
     fn fold(&mut self, x: Tensor, r: Tensor) -> Result<()> {
+        self.touch(Lane::Compute, x.region(), true, "folding a residual")?;
+        self.touch(Lane::Compute, r.region(), true, "folding a residual")?;
         // SAFETY: the job's tensors (see `compress`).
         with_float!(x.dtype, T, unsafe {
             let data: &mut [T] = elements_mut(x);
@@ -431,7 +507,10 @@ impl Backend for CpuBackend {
         })
     }
 
-    fn put(&mut self, _lane: Lane, dst: Region, pitch: u64, count: u64, word: u64) -> Result<()> {
+    fn put(&mut self, lane: Lane, dst: Region, pitch: u64, count: u64, word: u64) -> Result<()> {
+        for i in 0..count {
+            self.touch(lane, dst.sub(i * pitch, 8)?, true, "a check word")?;
+        }
         for i in 0..count {
             // SAFETY: 8 bytes of the engine's scratch, checked by `sub`.
             unsafe { bytes_mut(dst.sub(i * pitch, 8)?) }.copy_from_slice(&word.to_le_bytes());
@@ -441,12 +520,20 @@ impl Backend for CpuBackend {
 
     fn fetch(
         &mut self,
-        _lane: Lane,
+        lane: Lane,
         src: Region,
         pitch: u64,
         width: u64,
         rows: u64,
     ) -> Result<Vec<u8>> {
+        for i in 0..rows {
+            self.touch(
+                lane,
+                src.sub(i * pitch, width)?,
+                false,
+                "a copy to the host",
+            )?;
+        }
         let mut out = Vec::with_capacity((width * rows) as usize);
         for i in 0..rows {
             // SAFETY: checked by `sub`.
@@ -459,11 +546,13 @@ impl Backend for CpuBackend {
         f
     }
 
-    fn mark(&mut self, _lane: Lane) -> Result<()> {
-        Ok(())
+    fn mark(&mut self, lane: Lane) -> Result<HostMark> {
+        let at = self.lanes.as_ref().map_or(0, |c| c.now(lane));
+        Ok(HostMark { lane, at })
     }
 
-    fn reached(&mut self, _mark: &()) -> Result<bool> {
+    fn reached(&mut self, mark: &HostMark) -> Result<bool> {
+        self.waited(mark);
         Ok(true)
     }
 

@@ -116,13 +116,7 @@ impl CudaBackend {
         pool: &mut Vec<DeviceBuffer>,
         len: u64,
     ) -> Result<DeviceBuffer> {
-        let fits = pool
-            .iter()
-            .enumerate()
-            .filter(|(_, b)| b.len() as u64 >= len)
-            .min_by_key(|(_, b)| b.len())
-            .map(|(i, _)| i);
-        if let Some(i) = fits {
+        if let Some(i) = super::best_fit(pool, |b| b.len() as u64, len) {
             return Ok(pool.swap_remove(i));
         }
         let size = len.max(1).div_ceil(GRAIN) * GRAIN;

@@ -15,10 +15,22 @@
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub(crate) mod lanes;
 
 use crate::engine::job::{Region, Tensor};
 use crate::error::Result;
 use crate::format::DType;
+
+/// Which given-back buffer of `pool` to hand out for `len` bytes: the smallest that holds them.
+/// Both backends choose alike, so that the CPU tests reuse buffers as the GPU does (and the
+/// CPU backend's lane check sees the same reuse).
+pub(crate) fn best_fit<T>(pool: &[T], size: impl Fn(&T) -> u64, len: u64) -> Option<usize> {
+    pool.iter()
+        .enumerate()
+        .filter(|(_, b)| size(b) >= len)
+        .min_by_key(|(_, b)| size(b))
+        .map(|(i, _)| i)
+}
 
 /// A lane of work (see the module docs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

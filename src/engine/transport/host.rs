@@ -4,7 +4,8 @@
 
 use super::{Links, Transport};
 use crate::element::Element;
-use crate::engine::backend::cpu::CpuBackend;
+use crate::engine::backend::cpu::{CpuBackend, HostMark};
+use crate::engine::backend::Lane;
 use crate::engine::control::Control;
 use crate::engine::job::{Region, Tensor};
 use crate::error::{Error, Result};
@@ -282,13 +283,21 @@ impl<L: Links> Transport<CpuBackend> for HostTransport<L> {
         self.links.control()
     }
 
-    fn all_gather(&mut self, _be: &mut CpuBackend, send: Region, recv: Region) -> Result<()> {
+    fn all_gather(&mut self, be: &mut CpuBackend, send: Region, recv: Region) -> Result<()> {
+        be.touch(Lane::Comm, send, false, "the all-gather")?;
+        be.touch(Lane::Comm, recv, true, "the all-gather")?;
         // SAFETY: the engine's scratch (regions it checked), in disjoint buffers.
         let (send, recv) = unsafe { (host(send), host_mut(recv)) };
         all_gather(&mut self.links, send, recv)
     }
 
-    fn exchange(&mut self, _be: &mut CpuBackend, sends: &[Region], recvs: &[Region]) -> Result<()> {
+    fn exchange(&mut self, be: &mut CpuBackend, sends: &[Region], recvs: &[Region]) -> Result<()> {
+        for r in sends {
+            be.touch(Lane::Comm, *r, false, "the exchange")?;
+        }
+        for r in recvs {
+            be.touch(Lane::Comm, *r, true, "the exchange")?;
+        }
         // SAFETY: as above: the send rows and the receive rows lie in different buffers, and
         // the receive rows do not overlap each other.
         let sends: Vec<&[u8]> = sends.iter().map(|r| unsafe { host(*r) }).collect();
@@ -297,7 +306,8 @@ impl<L: Links> Transport<CpuBackend> for HostTransport<L> {
         exchange(&mut self.links, &sends, &mut recvs)
     }
 
-    fn all_reduce(&mut self, _be: &mut CpuBackend, data: Tensor, scale: f32) -> Result<()> {
+    fn all_reduce(&mut self, be: &mut CpuBackend, data: Tensor, scale: f32) -> Result<()> {
+        be.touch(Lane::Comm, data.region(), true, "the plain all-reduce")?;
         // SAFETY: the job's tensor, vouched for by the submitter.
         let bytes = unsafe { host_mut(data.region()) };
         all_reduce(&mut self.links, bytes, data.dtype, scale)
@@ -305,11 +315,13 @@ impl<L: Links> Transport<CpuBackend> for HostTransport<L> {
 
     fn reduce_scatter(
         &mut self,
-        _be: &mut CpuBackend,
+        be: &mut CpuBackend,
         data: Tensor,
         out: Tensor,
         scale: f32,
     ) -> Result<()> {
+        be.touch(Lane::Comm, data.region(), false, "the plain reduce-scatter")?;
+        be.touch(Lane::Comm, out.region(), true, "the plain reduce-scatter")?;
         // SAFETY: the job's tensors, vouched for by the submitter (the output apart from the
         // input: `Engine::submit` refuses an overlap).
         let (src, dst) = unsafe { (host(data.region()), host_mut(out.region())) };
@@ -320,9 +332,10 @@ impl<L: Links> Transport<CpuBackend> for HostTransport<L> {
         gather(&mut self.links, mine)
     }
 
-    fn wait(&mut self, _be: &mut CpuBackend, _mark: &()) -> Result<()> {
+    fn wait(&mut self, be: &mut CpuBackend, mark: &HostMark) -> Result<()> {
         // The CPU backend's work is done when its call returns: nothing to wait for (and a
-        // failure raised since belongs to later work).
+        // failure raised since belongs to later work). The lane check learns of the wait.
+        be.waited(mark);
         Ok(())
     }
 
