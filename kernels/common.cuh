@@ -67,7 +67,7 @@ struct F16 {
     static const int SIZE = 2;
 };
 
-// Error feedback (src/feedback.rs). The compensated value of x with residual r: a NaN residual
+// Error feedback (src/codec/feedback.rs). The compensated value of x with residual r: a NaN residual
 // counts as 0 and a non-finite x is kept, so that no arithmetic ever sees a NaN.
 __device__ __forceinline__ float cfc_compensate(float xf, float r) {
     return (!isfinite(xf) || isnan(r)) ? xf : xf + r;

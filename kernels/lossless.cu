@@ -1,4 +1,4 @@
-// The lossless codec's decoder on the GPU: the bytes of src/lossless.rs's decode, for a frame
+// The lossless codec's decoder on the GPU: the bytes of src/codec/lossless.rs's decode, for a frame
 // the host has checked (cfc::validate). One block of LL_THREADS threads per chunk of
 // LL_CHUNK words: the chunk table gives each chunk's method and length, and an exclusive scan
 // of the lengths (kernels/scan.cu, between the two kernels here) gives its offset.
@@ -272,7 +272,7 @@ extern "C" __global__ void cfc_lossless_decode_w8(const u8* frame, u64 header_le
     ll_decode<u64>(frame, header_len, n, offsets, out, first, last);
 }
 
-// ---- The encoder: the bytes of src/lossless.rs's compress_lossless_bytes ----
+// ---- The encoder: the bytes of src/codec/lossless.rs's compress_lossless_bytes ----
 //
 // Pass 1 (one block per chunk): count each bit's ones with ballots, plan a pack block exactly
 // as plan_pack() does (majority base, bits ranked by disagreement, one histogram of each
@@ -326,7 +326,7 @@ __device__ u32 ll_scan_groups(const u32* v, u32* out, u32* scratch) {
     return total;
 }
 
-// Plans a pack block for src[0..m) into e.plan[which] (as plan_pack in src/lossless.rs).
+// Plans a pack block for src[0..m) into e.plan[which] (as plan_pack in src/codec/lossless.rs).
 template <class W>
 __device__ void ll_plan(const W* src, u32 m, LLEnc<W>& e, int which) {
     const u32 bits = 8 * sizeof(W);

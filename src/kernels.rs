@@ -2,13 +2,18 @@
 
 use crate::format::DType;
 
-/// `kernels/common.cuh`, spliced in front of each family (NVRTC gets a single source).
-const COMMON: &str = include_str!("../kernels/common.cuh");
+/// The headers of `kernels/`, by the name their `#include` lines give them.
+const HEADERS: &[(&str, &str)] = &[
+    ("common.cuh", include_str!("../kernels/common.cuh")),
+    ("../common.cuh", include_str!("../kernels/common.cuh")),
+    ("codec.cuh", include_str!("../kernels/codec/codec.cuh")),
+    ("codes.cuh", include_str!("../kernels/codec/codes.cuh")),
+];
 
-/// A kernel family: one `.cu` file, compiled and cached as one module per device.
+/// A kernel family: compiled and cached as one module per device.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) enum Family {
-    /// `kernels/codec.cu`: quantize, pack, decode.
+    /// `kernels/codec/`: bounds and statistics, encode, decode, sums of frames, decoded sums.
     Codec,
     /// `kernels/scan.cu`: exclusive prefix sums on the device.
     Scan,
@@ -17,25 +22,62 @@ pub(crate) enum Family {
 }
 
 impl Family {
-    fn file(self) -> (&'static str, &'static str) {
+    /// The family's name and its source files, in the order they are spliced together.
+    fn files(self) -> (&'static str, &'static [&'static str]) {
         match self {
-            Family::Codec => ("codec", include_str!("../kernels/codec.cu")),
-            Family::Scan => ("scan", include_str!("../kernels/scan.cu")),
-            Family::Lossless => ("lossless", include_str!("../kernels/lossless.cu")),
+            Family::Codec => (
+                "codec",
+                &[
+                    include_str!("../kernels/codec/bounds.cu"),
+                    include_str!("../kernels/codec/encode.cu"),
+                    include_str!("../kernels/codec/decode.cu"),
+                    include_str!("../kernels/codec/sum.cu"),
+                    include_str!("../kernels/codec/decode_sum.cu"),
+                ],
+            ),
+            Family::Scan => ("scan", &[include_str!("../kernels/scan.cu")]),
+            Family::Lossless => ("lossless", &[include_str!("../kernels/lossless.cu")]),
         }
     }
 
     /// The family's name as used in kernel names (`cfc_<family>_...`).
     pub(crate) fn name(self) -> &'static str {
-        self.file().0
+        self.files().0
     }
 
-    /// Source ready for NVRTC: `common.cuh` inlined in place of its `#include`.
+    /// One source for NVRTC: the family's files in order, each of cfc's headers inlined where
+    /// it is first included and left out after (as `#pragma once` would), so NVRTC needs no
+    /// include path of cfc's own.
     pub(crate) fn source(self) -> String {
-        self.file()
-            .1
-            .replace("#include \"common.cuh\"", COMMON)
-            .replace("#pragma once", "")
+        let mut done: Vec<&str> = Vec::new();
+        let mut out = String::new();
+        for file in self.files().1 {
+            splice(file, &mut done, &mut out);
+        }
+        out
+    }
+}
+
+/// Appends `text` to `out` with its includes of cfc's headers inlined (see [`Family::source`]).
+fn splice(text: &str, done: &mut Vec<&'static str>, out: &mut String) {
+    for line in text.lines() {
+        let included = line
+            .strip_prefix("#include \"")
+            .and_then(|rest| rest.strip_suffix('"'))
+            .and_then(|name| HEADERS.iter().find(|(n, _)| *n == name));
+        match included {
+            Some(&(_, header)) => {
+                if !done.contains(&header) {
+                    done.push(header);
+                    splice(header, done, out);
+                }
+            }
+            None if line.trim() == "#pragma once" => {}
+            None => {
+                out.push_str(line);
+                out.push('\n');
+            }
+        }
     }
 }
 
@@ -257,15 +299,19 @@ mod tests {
     fn signatures_match_the_kernel_sources() {
         for &(family, op, per_dtype, sig) in SIGNATURES {
             let src = family.source();
-            assert!(!src.contains("#include \"common.cuh\""));
+            assert!(
+                !src.contains(".cuh\""),
+                "a header of cfc's was left to NVRTC"
+            );
             // Per-dtype kernels are stamped by a macro as `cfc_<family>_<op>_##name(`.
             let name = if per_dtype {
                 format!("{}_##name", kernel_name(family, op, None))
             } else {
                 kernel_name(family, op, None)
             };
-            let found = params(&src, &format!("void {name}"))
-                .unwrap_or_else(|| panic!("{name} is not defined in kernels/{}.cu", family.name()));
+            let found = params(&src, &format!("void {name}")).unwrap_or_else(|| {
+                panic!("{name} is not defined in the {} kernels", family.name())
+            });
             let types: Vec<Ty> = found.iter().map(|p| ty_of(p)).collect();
             assert_eq!(types, sig, "{name}: sources say {found:?}");
         }

@@ -16,23 +16,20 @@
 //! # Ok::<(), cfc::Error>(())
 //! ```
 
-mod bitplane;
 mod codec;
 #[cfg(feature = "cuda")]
 pub mod cuda;
-mod element;
 pub mod engine;
 mod error;
-mod feedback;
-pub mod format;
-#[cfg(feature = "cuda")]
-mod gpu_memory;
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 mod kernels;
-pub mod lossless;
 #[cfg(feature = "cuda")]
 pub mod nccl;
-mod sum;
+
+// The codec's modules, at the crate's root as well: `cfc::format` and `cfc::lossless` are part
+// of the API, and the rest of the crate names them from there.
+use codec::{bitplane, element, feedback, sum};
+pub use codec::{format, lossless};
 
 pub use bitplane::{unzigzag, zigzag};
 pub use codec::{

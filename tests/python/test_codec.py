@@ -1,4 +1,4 @@
-"""cfc.compress / cfc.decompress on CPU tensors and numpy arrays (mirrors src/codec.rs)."""
+"""cfc.compress / cfc.decompress on CPU tensors and numpy arrays (mirrors src/codec/bounded.rs)."""
 
 import pickle
 

@@ -286,7 +286,7 @@ class PinnedCompressed:
         return f"cfc.PinnedCompressed(shape={self.shape}, dtype={self._info['dtype']}, nbytes={self.nbytes})"
 
 
-# Elements per chunk of a lossless frame (src/lossless.rs, CHUNK).
+# Elements per chunk of a lossless frame (src/codec/lossless.rs, CHUNK).
 _LOSSLESS_CHUNK = 4096
 # A fetch copies a lossless frame in pieces of about this many bytes (at most 6 pieces), so
 # that decoding each piece overlaps the copy of the next. Smaller pieces cost more host time

@@ -3,12 +3,12 @@
 //! Nothing here waits for the GPU: the transport waits for marks, polling.
 
 use super::{Backend, Lane, Memory};
+use crate::cuda::memory::{DeviceBuffer, PinnedBuffer};
 use crate::cuda::{self, driver_err, ContextGuard};
 use crate::engine::job::{Region, Tensor};
 use crate::engine::{Done, ReadyFn};
 use crate::error::{Error, Result};
 use crate::format::DType;
-use crate::gpu_memory::{DeviceBuffer, PinnedBuffer};
 use crate::Bound;
 use cudarc::driver::{sys, CudaContext, CudaEvent, CudaStream};
 use std::sync::Arc;

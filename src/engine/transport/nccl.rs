@@ -6,11 +6,11 @@
 //! stop and the streams drain.
 
 use super::Transport;
+use crate::cuda::memory::DeviceBuffer;
 use crate::engine::backend::cuda::CudaBackend;
 use crate::engine::control::Control;
 use crate::engine::job::{Region, Tensor};
 use crate::error::{Error, Result};
-use crate::gpu_memory::DeviceBuffer;
 use crate::nccl::Communicator;
 use cudarc::driver::{result, CudaEvent};
 use std::sync::Arc;

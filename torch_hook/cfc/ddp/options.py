@@ -19,7 +19,7 @@ from cfc.codec import _check_flag, _check_integer, _check_number
 BOUND_KINDS = ("eps", "rel", "rms")
 ALGORITHMS = ("all-gather", "reduce-scatter")
 FALLBACKS = ("never", "auto", "always")
-# The absolute bounds the codec accepts (src/codec.rs, check_abs_bound): normal float64 values
+# The absolute bounds the codec accepts (src/codec/bounded.rs, check_abs_bound): normal float64 values
 # up to a quarter of the largest, so that a step of 2 eps and its sums stay finite.
 EPS_MIN, EPS_MAX = 2.2250738585072014e-308, 1.7976931348623157e308 / 4
 # How long any wait for a peer lasts before the engine fails, unless `timeout=` says.

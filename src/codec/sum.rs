@@ -6,11 +6,12 @@
 //! quantizes once, the codes are summed as integers and repacked losslessly with a few more
 //! bits, and no second quantization error is ever added.
 
-use crate::bitplane::{pack64, unzigzag, width_of, zigzag};
-use crate::codec::{finish_frame, Body};
-use crate::element::{dequantize, Element};
+use crate::codec::bitplane::{pack64, unzigzag, width_of, zigzag};
+use crate::codec::element::{dequantize, Element};
+use crate::codec::format::finish_frame;
+use crate::codec::format::{BoundMode, Codec, DType, Header, GROUP};
+use crate::codec::frame::Body;
 use crate::error::{Error, Result};
-use crate::format::{BoundMode, Codec, DType, Header, GROUP};
 use half::{bf16, f16};
 
 /// The integer codes of a frame, with its exactly stored exceptions.
@@ -53,7 +54,13 @@ impl Codes {
                 let mut raw = std::borrow::Cow::Borrowed(&body.raw[..]);
                 if h.codec == Codec::Lossless {
                     let mut bytes = crate::error::try_filled(n.saturating_mul(size), 0u8)?;
-                    crate::lossless::decode_body(&body.raw, &body.chunks, size, &mut bytes, 0);
+                    crate::codec::lossless::decode_body(
+                        &body.raw,
+                        &body.chunks,
+                        size,
+                        &mut bytes,
+                        0,
+                    );
                     raw = std::borrow::Cow::Owned(bytes);
                 }
                 let mut all = crate::error::try_capacity(n)?;
@@ -70,7 +77,7 @@ impl Codes {
                 for (&w, out) in body.widths().iter().zip(codes.chunks_mut(GROUP)) {
                     let (mine, rest) = planes.split_at(w as usize * 4);
                     planes = rest;
-                    crate::bitplane::unpack64(mine, &mut zz);
+                    crate::codec::bitplane::unpack64(mine, &mut zz);
                     for (o, &z) in out.iter_mut().zip(zz.iter()) {
                         *o = unzigzag(z);
                     }
@@ -105,11 +112,11 @@ impl Codes {
         if !self.dtype.is_quantizable() {
             return Err(Error::NotQuantizable(self.dtype));
         }
-        if self.shape.len() > crate::format::MAX_NDIM {
+        if self.shape.len() > crate::codec::format::MAX_NDIM {
             return bad(format!(
                 "{} dimensions (at most {})",
                 self.shape.len(),
-                crate::format::MAX_NDIM
+                crate::codec::format::MAX_NDIM
             ));
         }
         let n = self.shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
@@ -165,7 +172,7 @@ impl Codes {
         self.check()?;
         let n = self.codes.len();
         let groups = n.div_ceil(GROUP);
-        let index_size = crate::format::index_size_for(n as u64);
+        let index_size = crate::codec::format::index_size_for(n as u64);
         let mut body = Vec::with_capacity(groups * 5);
         let mut planes = Vec::new();
         let mut zz = [0u64; GROUP];

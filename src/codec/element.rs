@@ -1,6 +1,7 @@
 //! The element types cfc compresses, behind one trait so the codec is written once.
 
-use crate::format::DType;
+use crate::codec::format::DType;
+use crate::error::{Error, Result};
 use half::{bf16, f16};
 
 /// A floating-point element type the codec handles.
@@ -99,4 +100,18 @@ impl Element for f16 {
 #[inline(always)]
 pub(crate) fn dequantize<T: Element>(q: i64, step: f64) -> T {
     T::from_f32((q as f64 * step) as f32)
+}
+
+/// Raw little-endian bytes as elements of `T`: borrowed when aligned, copied otherwise.
+pub(crate) fn elements<T: Element>(bytes: &[u8]) -> Result<std::borrow::Cow<'_, [T]>> {
+    if bytes.len() % std::mem::size_of::<T>() != 0 {
+        return Err(Error::MisalignedInput {
+            len: bytes.len(),
+            element_size: std::mem::size_of::<T>(),
+        });
+    }
+    Ok(match bytemuck::try_cast_slice::<u8, T>(bytes) {
+        Ok(data) => std::borrow::Cow::Borrowed(data),
+        Err(_) => std::borrow::Cow::Owned(bytemuck::pod_collect_to_vec::<u8, T>(bytes)),
+    })
 }

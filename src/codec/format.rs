@@ -6,6 +6,8 @@
 
 use crate::error::{Error, FormatError, Result};
 
+/// Elements per chunk of a lossless body (the last chunk may be shorter).
+pub const CHUNK: usize = 4096;
 /// The four bytes every frame starts with.
 pub const MAGIC: [u8; 4] = *b"CFCF";
 /// The format version this crate writes and reads.
@@ -255,7 +257,7 @@ pub fn min_frame_len(n: u64, ndim: usize) -> u64 {
 
 /// Number of lossless chunks for `n` elements.
 fn groups_for_chunks(n: u64) -> u64 {
-    n.div_ceil(crate::lossless::CHUNK as u64)
+    n.div_ceil(CHUNK as u64)
 }
 
 /// Size in bytes of one exception index for a tensor of `n` elements.
@@ -576,4 +578,30 @@ impl Header {
 /// Reads a frame's header only: cheap, for inspecting a buffer.
 pub fn read_header(buf: &[u8]) -> Result<Header> {
     Header::parse(buf).map(|(h, _)| h)
+}
+
+/// Applies the optional zstd stage and writes header + body.
+pub(crate) fn finish_frame(
+    mut header: Header,
+    body: Vec<u8>,
+    zstd_level: Option<i32>,
+) -> Result<Vec<u8>> {
+    header.raw_body_len = body.len() as u64;
+    let stored = match zstd_level {
+        Some(level) => {
+            let z = zstd::bulk::compress(&body, level).map_err(Error::Zstd)?;
+            if z.len() < body.len() {
+                header.zstd = true;
+                z
+            } else {
+                body
+            }
+        }
+        None => body,
+    };
+    header.body_len = stored.len() as u64;
+    let mut out = Vec::with_capacity(header.len() + stored.len());
+    header.write(&mut out);
+    out.extend_from_slice(&stored);
+    Ok(out)
 }

@@ -9,10 +9,10 @@
 //! 3. `r' = c - f32(decoded v)` in f32, or 0 where `c` or the decoded value is not finite (an
 //!    overflowing step is skipped by the optimizer; its NaN must not poison later steps).
 
+use crate::codec::element::Element;
+use crate::codec::format::DType;
 use crate::codec::{compress, decompress, elements, CompressOptions};
-use crate::element::Element;
 use crate::error::{Error, Result};
-use crate::format::DType;
 use half::{bf16, f16};
 
 /// Compresses `data + residual` and updates `residual` in place (see the module docs).

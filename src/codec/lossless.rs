@@ -18,12 +18,13 @@
 //! Chunks are independent, so work is split into contiguous ranges of chunks, one per thread,
 //! and the bytes never depend on the number of threads.
 
-use crate::codec::{finish_frame, map_ranges, split_groups, thread_count};
+use crate::codec::format::{
+    bad_field, checked_shape, finish_frame, u64_at, BoundMode, Codec, DType, Header, GROUP,
+};
+use crate::codec::parallel::{map_ranges, split_groups, thread_count};
 use crate::error::{Error, FormatError, Result};
-use crate::format::{bad_field, checked_shape, u64_at, BoundMode, Codec, DType, Header, GROUP};
 
-/// Elements per chunk (the last chunk may be shorter).
-pub const CHUNK: usize = 4096;
+pub use crate::codec::format::CHUNK;
 /// Bytes of a pack header: exception count (u16), reserved (u16), mask (u64), base (u64).
 const PACK_HEADER: usize = 20;
 /// Bits of a chunk-table entry that hold the payload length; the method sits above them.

@@ -4,7 +4,7 @@
 //! bit `p` of code `j`. This is the layout a CUDA warp produces with one `__ballot_sync` per
 //! plane, and it leaves the high, mostly-zero planes in whole words, which a zstd stage finds.
 
-use crate::format::GROUP;
+use crate::codec::format::GROUP;
 
 /// Zigzag-encodes a signed code so small magnitudes of either sign get small unsigned values.
 #[inline(always)]
