@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 import cfc
-from cfc.codec import _decode_sum_cuda, _decompress_cuda
+from cfc._gpu import _decode_sum_cuda, _decompress_cuda
 from gpu_codec import gpu_median, load_grads, wall_median
 
 HERE = pathlib.Path(__file__).resolve().parent

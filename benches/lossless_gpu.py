@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 import cfc
-from cfc.codec import _decompress_cuda
+from cfc._gpu import _decompress_cuda
 
 
 def median_ms(fn, iters):

@@ -99,7 +99,7 @@ def main() -> None:
         state = fresh_lm()
         print("a freshly initialised 19M-parameter LM (train one with examples/ddp_train.py --save FILE)")
     state = tensors_of(state)
-    known = cfc.codec._DTYPE_NAMES + cfc.codec._LOSSLESS_ONLY
+    known = cfc._checks._DTYPE_NAMES + cfc._checks._LOSSLESS_ONLY
     skipped = sorted({str(v.dtype).replace("torch.", "") for v in state.values()} - set(known))
     state = {k: v for k, v in state.items() if str(v.dtype).replace("torch.", "") in known}
     if skipped:

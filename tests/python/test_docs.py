@@ -4,6 +4,7 @@ import doctest
 
 import cfc
 import cfc.checkpoint
+import cfc._gpu
 import cfc.codec
 import cfc.compat
 import cfc.ddp
@@ -13,7 +14,7 @@ import cfc.distributed
 def test_docstring_examples():
     # Examples that need a process group or GPUs are marked `# doctest: +SKIP` line by line
     # (doctest knows no other skip marker), and are still parsed here.
-    for module in (cfc, cfc.codec, cfc.checkpoint, cfc.compat, cfc.ddp, cfc.distributed):
+    for module in (cfc, cfc.codec, cfc._gpu, cfc.checkpoint, cfc.compat, cfc.ddp, cfc.distributed):
         result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
         assert result.failed == 0, f"{result.failed} doctest failure(s) in {module.__name__}"
         assert result.attempted > 0 or module not in (cfc, cfc.codec)

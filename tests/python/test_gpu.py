@@ -264,7 +264,7 @@ def test_gpu_sums_and_decodings_refuse_parts_that_failed_before_anyone_waited():
     (a tree of sums, which waits nowhere) must fail too, as the CPU's would, not add a frame
     coded with a made-up step: the failed frame's magic is broken on the device, so every
     reader there refuses it."""
-    from cfc.codec import _decode_status_error, _decode_sum_cuda
+    from cfc._gpu import _decode_status_error, _decode_sum_cuda
 
     x, y = torch.randn(1000, device="cuda"), torch.randn(1000, device="cuda")
     good = cfc.compress(x, eps=1e-3)
@@ -582,7 +582,7 @@ def test_gpu_sum_ignores_the_padding_codes_of_a_partial_last_group():
     format leaves free. Here they are all near the top of the 64-bit range (a sum frame's
     width of 64), so adding two would overflow. Decoding and the CPU's sum ignore them; the
     GPU's sum gives the CPU's bytes instead of an overflow."""
-    from cfc.codec import _sum_frames_cuda
+    from cfc._gpu import _sum_frames_cuda
 
     frame = bytearray(bytes(cfc.compress(torch.zeros(33), eps=1e-3))[:72])  # the 1-D header
     frame[8] = 3  # a sum frame: codes up to 64 bits wide
@@ -681,7 +681,7 @@ def same_values(got, want):
 def test_gpu_decoded_sum_is_the_frames_decoded_and_added(dtype, out_dtype, parts, n):
     """Frames with different steps, NaN, infinities and outliers (exceptions in some frames
     only): the fused kernel writes what decoding each frame and adding them gives."""
-    from cfc.codec import _decode_sum_cuda
+    from cfc._gpu import _decode_sum_cuda
 
     xs = [awkward(n, dtype, seed=10 * parts + i).cuda() for i in range(parts)]
     cs = [cfc.compress(x, eps=1e-3 * (i + 1)) for i, x in enumerate(xs)]
@@ -695,7 +695,7 @@ def test_gpu_decoded_sum_is_the_frames_decoded_and_added(dtype, out_dtype, parts
 def test_gpu_decoded_sum_of_sum_frames(grads, out_dtype):
     """The reduce-scatter's last step: a frame of summed codes (64-bit widths possible),
     decoded, divided by the world size and written in the bucket's dtype."""
-    from cfc.codec import _decode_sum_cuda
+    from cfc._gpu import _decode_sum_cuda
 
     for name, g in grads.items():
         x = torch.from_numpy(g).cuda()

@@ -188,7 +188,7 @@ def gpu_frame():
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", list(CORRUPTIONS))
 def test_gpu_decoded_sum_refuses_a_bad_frame_and_writes_nothing(gpu_frame, name):
-    from cfc.codec import _decode_status_error, _decode_sum_cuda
+    from cfc._gpu import _decode_status_error, _decode_sum_cuda
 
     c, raw = gpu_frame
     bad = bytearray(raw)
@@ -213,7 +213,7 @@ def test_gpu_decoded_sum_refuses_a_bad_frame_and_writes_nothing(gpu_frame, name)
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", list(CORRUPTIONS))
 def test_gpu_sum_of_frames_refuses_a_bad_frame(gpu_frame, name):
-    from cfc.codec import _sum_frames_cuda
+    from cfc._gpu import _sum_frames_cuda
 
     _, raw = gpu_frame
     bad = bytearray(raw)
@@ -227,7 +227,7 @@ def test_gpu_sum_of_frames_refuses_a_bad_frame(gpu_frame, name):
 
 @pytest.mark.gpu
 def test_gpu_frames_too_short_for_their_widths_are_refused_on_the_host(gpu_frame):
-    from cfc.codec import _decode_sum_cuda
+    from cfc._gpu import _decode_sum_cuda
 
     _, raw = gpu_frame
     out = torch.zeros(N_GPU, device="cuda")
@@ -240,7 +240,7 @@ def test_gpu_sum_refuses_frames_of_another_shape_as_the_cpu_does():
     """A frame of shape (64, 48) summed as (48, 64): the same element count, dimensions that
     differ. The CPU refuses to add frames of different shapes, so the GPU's check does too
     (without it, the sum came back as a frame of the caller's shape)."""
-    from cfc.codec import _sum_frames_cuda
+    from cfc._gpu import _sum_frames_cuda
 
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
@@ -262,7 +262,7 @@ def test_gpu_decoded_sum_of_no_elements_still_checks_its_frames(offset, value):
     """A bucket of 0 elements writes nothing, but a frame from elsewhere that is not an empty
     frame of this dtype (bad magic, another dtype, a count that is not 0) is reported all the
     same, as the CPU refuses it (before, such a call returned at once and checked nothing)."""
-    from cfc.codec import _decode_status_error, _decode_sum_cuda
+    from cfc._gpu import _decode_status_error, _decode_sum_cuda
 
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")

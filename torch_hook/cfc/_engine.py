@@ -81,7 +81,7 @@ def open_engine(group: Any, device: Any, options: Dict[str, Any], agree_token: i
 
 def describe(t: Any) -> Tuple[int, int, str]:
     """A contiguous tensor as the engine takes it: (address, element count, dtype name)."""
-    from cfc.codec import _dtype_name
+    from cfc._checks import _dtype_name
 
     return (t.data_ptr(), t.numel(), _dtype_name(t.dtype))
 

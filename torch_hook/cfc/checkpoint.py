@@ -30,7 +30,8 @@ import zlib
 from typing import Any, Callable, Dict, Mapping, Optional, Union
 
 from cfc import _native
-from cfc.codec import _DTYPE_NAMES, _LOSSLESS_ONLY, Compressed, _check_flag, _dtype_name, compress, decompress
+from cfc._checks import _DTYPE_NAMES, _LOSSLESS_ONLY, _check_flag, _dtype_name
+from cfc.codec import Compressed, compress, decompress
 
 __all__ = ["save", "load"]
 

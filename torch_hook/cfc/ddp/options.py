@@ -14,7 +14,7 @@ import math
 import os
 from typing import Any, Dict, Optional
 
-from cfc.codec import _check_flag, _check_integer, _check_number
+from cfc._checks import _check_flag, _check_integer, _check_number
 
 BOUND_KINDS = ("eps", "rel", "rms")
 ALGORITHMS = ("all-gather", "reduce-scatter")
