@@ -180,7 +180,8 @@ impl BoundMode {
             BoundMode::Lossless => "lossless",
         }
     }
-    fn code(self) -> u8 {
+    /// The mode's number in frames, and in the kernels' parameters.
+    pub(crate) fn code(self) -> u8 {
         match self {
             BoundMode::Abs => 0,
             BoundMode::Rel => 1,

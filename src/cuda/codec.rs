@@ -141,11 +141,8 @@ pub unsafe fn compress(args: &CompressArgs<'_>) -> Result<()> {
     };
     let layout = tile_layout(n, WARPS * wc);
     let header_len = (FIXED_HEADER_LEN + 8 * ndim) as u64;
-    let mode_code = match mode {
-        BoundMode::Abs => 0u32,
-        BoundMode::Rel => 1,
-        _ => 2,
-    };
+    // The kernels number the modes as frames do (`make_params` in kernels/codec/codec.cuh).
+    let mode_code = u32::from(mode.code());
     let elements = launch_cfg(n.min(dev.grid_blocks * BLOCK as u64), BLOCK);
     let one_tile_each = launch_cfg(layout.tiles * BLOCK as u64, BLOCK);
     let encoder_threads = (WARPS * wc * CHUNK_GROUPS) as u32;
