@@ -370,6 +370,17 @@ impl std::fmt::Debug for Communicator {
     }
 }
 
+/// NCCL's data type and operation for a reduction of `dtype`, summed or averaged.
+fn reduction(dtype: DType, average: bool) -> Result<(c_int, c_int)> {
+    let dt = match dtype {
+        DType::F32 => NCCL_FLOAT32,
+        DType::BF16 => NCCL_BFLOAT16,
+        DType::F16 => NCCL_FLOAT16,
+        other => return Err(Error::NotQuantizable(other)),
+    };
+    Ok((dt, if average { NCCL_AVG } else { NCCL_SUM }))
+}
+
 impl Communicator {
     /// Joins the communicator of `id` as `rank` of `world`, on device `device` (its primary
     /// context, the one PyTorch uses), with the default timeout (`CFC_TIMEOUT` seconds,
@@ -604,13 +615,7 @@ impl Communicator {
         stream: sys::CUstream,
     ) -> Result<()> {
         self.usable()?;
-        let dt = match dtype {
-            DType::F32 => NCCL_FLOAT32,
-            DType::BF16 => NCCL_BFLOAT16,
-            DType::F16 => NCCL_FLOAT16,
-            other => return Err(Error::NotQuantizable(other)),
-        };
-        let op = if average { NCCL_AVG } else { NCCL_SUM };
+        let (dt, op) = reduction(dtype, average)?;
         // SAFETY: this function's contract.
         let code = unsafe {
             (self.nccl.all_reduce)(
@@ -646,13 +651,7 @@ impl Communicator {
         stream: sys::CUstream,
     ) -> Result<()> {
         self.usable()?;
-        let dt = match dtype {
-            DType::F32 => NCCL_FLOAT32,
-            DType::BF16 => NCCL_BFLOAT16,
-            DType::F16 => NCCL_FLOAT16,
-            other => return Err(Error::NotQuantizable(other)),
-        };
-        let op = if average { NCCL_AVG } else { NCCL_SUM };
+        let (dt, op) = reduction(dtype, average)?;
         // SAFETY: this function's contract.
         let code = unsafe {
             (self.nccl.reduce_scatter)(

@@ -151,6 +151,30 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
         Ok(())
     }
 
+    /// A row outgrew its slot (every rank sees it, in the heads): every rank's row again, whole
+    /// (`largest` bytes after its head), from the start of `mine` into a new buffer that takes
+    /// the place of `recv`. Returns that buffer and its row length.
+    fn gather_again(
+        &mut self,
+        mine: Region,
+        largest: u64,
+        slot: u64,
+        recv: B::Buf,
+        c: &mut Common,
+    ) -> Result<(B::Buf, u64)> {
+        let w = self.world as u64;
+        let row = HEAD + round16(largest);
+        let again = self.alloc_for_comm(w * row)?;
+        let r = again.region().sub(0, w * row)?;
+        self.tr.all_gather(&mut self.be, mine.sub(0, row)?, r)?;
+        c.sent += (w - 1) * row;
+        if slot > 0 {
+            self.shared.resend(); // (with no slot yet, sending the heads first is the plan)
+        }
+        self.be.free(recv);
+        Ok((again, row))
+    }
+
     fn launch_gather(&mut self, c: Common) -> Result<Gather<B>> {
         let (x, w) = (c.job.data, self.world as u64);
         let cap = self.be.frame_capacity(x.numel, x.dtype);
@@ -210,18 +234,7 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
         self.note_stats(&c.job, &heads)?;
         let largest = heads.iter().map(|h| h.size).max().unwrap_or(0);
         let (recv, row) = if largest > slot {
-            // A frame outgrew its slot (every rank sees it): every frame again, whole.
-            let row = HEAD + round16(largest);
-            let again = self.alloc_for_comm(w * row)?;
-            let m = mine.region().sub(0, row)?;
-            let r = again.region().sub(0, w * row)?;
-            self.tr.all_gather(&mut self.be, m, r)?;
-            c.sent += (w - 1) * row;
-            if slot > 0 {
-                self.shared.resend();
-            }
-            self.be.free(recv);
-            (again, row)
+            self.gather_again(mine.region(), largest, slot, recv, &mut c)?
         } else {
             (recv, HEAD + slot)
         };
@@ -526,17 +539,7 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
         }
         let largest = heads.iter().map(|h| h.size).max().unwrap_or(0);
         let (recv, row) = if largest > slot {
-            let row = HEAD + round16(largest);
-            let again = self.alloc_for_comm(w * row)?;
-            let r = again.region().sub(0, w * row)?;
-            self.tr
-                .all_gather(&mut self.be, sums.region().sub(0, row)?, r)?;
-            c.sent += (w - 1) * row;
-            if slot > 0 {
-                self.shared.resend();
-            }
-            self.be.free(recv);
-            (again, row)
+            self.gather_again(sums.region(), largest, slot, recv, &mut c)?
         } else {
             (recv, HEAD + slot)
         };
