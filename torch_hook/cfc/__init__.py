@@ -54,3 +54,12 @@ __all__ = [
     "save",
     "sum_compressed",
 ]
+
+
+def __getattr__(name: str):
+    # cfc.fsdp imports torch's FSDP2 at once: loaded on first use, so `import cfc` stays light.
+    if name == "fsdp":
+        import importlib
+
+        return importlib.import_module("cfc.fsdp")
+    raise AttributeError(f"module 'cfc' has no attribute {name!r}")

@@ -1,0 +1,270 @@
+"""cfc.fsdp: FSDP2 (``fully_shard``) with cfc's reduce-scatter, against plain FSDP2 from the same
+weights and batches: 2 and 3 processes with gloo on the CPU (in CI), and one GPU per rank over
+NCCL (``-m gpu``)."""
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+
+import cfc
+import cfc.fsdp
+from cfc import CfcState
+from conftest import close_cfc_states, enough_gpus, place_rank, world_of
+
+fsdp = pytest.importorskip("torch.distributed.fsdp")
+if not hasattr(getattr(fsdp, "FSDPModule", object), "set_custom_reduce_scatter"):
+    pytest.skip("this torch has no FSDPModule.set_custom_reduce_scatter", allow_module_level=True)
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
+
+DEV = torch.device("cpu")  # set in each worker process
+
+
+def make(state=None, reduce_dtype=None, register=True, sgd=False):
+    """A 3-layer MLP (about 140k parameters; the last layer below cfc's default minimum size),
+    each layer and the whole model under fully_shard, and cfc's reduce-scatter installed."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 10)).to(DEV)
+    mp_policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype) if reduce_dtype is not None else MixedPrecisionPolicy()
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mp_policy=mp_policy)
+    fully_shard(model, mp_policy=mp_policy)
+    if register:
+        state = cfc.fsdp.register(model, state)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05) if sgd else torch.optim.Adam(model.parameters(), lr=2e-3)
+    return model, opt, state
+
+
+def batch(rank, step, n=32):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(n, 64, generator=g)
+    w = torch.randn(64, 10, generator=torch.Generator().manual_seed(7))
+    return x.to(DEV), (x @ w).argmax(1).to(DEV)
+
+
+def loss_of(model, rank, step):
+    x, y = batch(rank, step)
+    return nn.functional.cross_entropy(model(x).float(), y)
+
+
+def grads(model):
+    """This rank's shards of every gradient."""
+    return [p.grad.to_local().detach().clone() for p in model.parameters()]
+
+
+def train(model, opt, rank, steps, start=0):
+    losses = []
+    for step in range(start, start + steps):
+        loss = loss_of(model, rank, step)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        t = loss.detach().clone()
+        dist.all_reduce(t)
+        losses.append(t.item() / dist.get_world_size())
+    return losses
+
+
+# ---- scenarios (run on every rank) ----
+
+
+def bound(rank, world, out):
+    """One backward: every shard of every gradient within eps of plain FSDP2's (the average of
+    the ranks' errors, each within eps), with fewer bytes; float32, bfloat16 and float16
+    reduce dtypes (FSDP asks for a sum of pre-divided float16 gradients)."""
+    eps = 1e-4
+    for reduce_dtype in (None, torch.bfloat16, torch.float16):
+        plain, _, _ = make(register=False, reduce_dtype=reduce_dtype)
+        model, _, state = make(CfcState(eps=eps, warmup_steps=0, min_compress_numel=4000), reduce_dtype=reduce_dtype)
+        for m in (plain, model):
+            loss_of(m, rank, 0).backward()
+        # Each rank's values come back within eps; an average of them within eps, a sum (what
+        # FSDP asks of float16, divided before) within world * eps. Plus the dtype's roundings
+        # of the result, on either side.
+        within = eps * (world if reduce_dtype == torch.float16 else 1)
+        slack = {None: 1e-6, torch.bfloat16: 2 ** -6, torch.float16: 2 ** -9}[reduce_dtype]  # 2 ulps
+        for a, b in zip(grads(plain), grads(model)):
+            assert (a.float() - b.float()).abs().max().item() <= within + slack * a.float().abs().max().item() + 1e-7
+        s = state.stats()
+        assert s["compressed_buckets"] == 2 and s["plain_buckets"] == 1, s
+        assert s["bytes_sent"] < s["bytes_uncompressed"], s
+        assert 0 < s["max_error"] <= eps * (1 + 1e-6), s
+        state.close()
+
+
+def parity(rank, world, out):
+    """Training with cfc's default bound follows plain FSDP2, every rank with the same
+    parameters; error feedback carries what each step drops."""
+    plain, popt, _ = make(register=False)
+    model, opt, state = make()
+    base = train(plain, popt, rank, 30)
+    got = train(model, opt, rank, 30)
+    assert got[-1] < 0.6 * got[0], got  # it learned
+    assert abs(got[-1] - base[-1]) <= 0.05 * base[-1], (got[-1], base[-1])
+    for p in model.parameters():
+        full = p.full_tensor()
+        everyone = [torch.empty_like(full) for _ in range(world)]
+        dist.all_gather(everyone, full)
+        assert all(torch.equal(e, everyone[0]) for e in everyone)
+    s = state.stats()
+    assert s["ratio"] > 3 and s["step"] == 30 * 3, s
+
+
+def accumulate(rank, world, out):
+    """set_requires_gradient_sync(False) for a micro-batch: no reduce-scatter then, and the
+    synced step's gradients are those of both micro-batches, within eps."""
+    eps = 1e-4
+    plain, _, _ = make(register=False)
+    model, _, state = make(CfcState(eps=eps, warmup_steps=0, min_compress_numel=0))
+    for m in (plain, model):
+        m.set_requires_gradient_sync(False)
+        loss_of(m, rank, 0).backward()
+        m.set_requires_gradient_sync(True)
+        loss_of(m, rank, 1).backward()
+    assert state.stats()["compressed_buckets"] == 3
+    for a, b in zip(grads(plain), grads(model)):
+        assert (a - b).abs().max().item() <= eps * (1 + 1e-5) + 1e-7
+
+
+def overflow(rank, world, out):
+    """A gradient that overflows on one rank comes back non-finite on every rank (what a
+    GradScaler looks for), and the next step is finite again."""
+    model, _, state = make(CfcState(warmup_steps=0, min_compress_numel=0))
+    loss = loss_of(model, rank, 0)
+    (loss * (float("inf") if rank == 0 else 1.0)).backward()
+    assert all(not torch.isfinite(g).all() for g in grads(model)[:1])
+    model.zero_grad(set_to_none=True)
+    loss_of(model, rank, 1).backward()
+    # (a residual holds what a step sent; an infinite step leaves residuals that are not finite
+    # only where the gradient was, and the next finite step clears them)
+    assert all(torch.isfinite(g).all() for g in grads(model)), "the step after an overflow is finite"
+
+
+def mismatch(rank, world, out):
+    """Ranks with different options all raise, naming both, before any gradient moves."""
+    model, _, _ = make(CfcState(rms=0.3 if rank == 0 else 0.1, warmup_steps=0))
+    t0 = time.monotonic()
+    with pytest.raises(cfc.CfcError, match="rms=3e-1.*rms=1e-1"):
+        loss_of(model, rank, 0).backward()
+    assert time.monotonic() - t0 < 30
+
+
+def failures(rank, world, out):
+    """A failure on one rank (an exception in cfc's call, a corrupt frame, an allocation, a
+    device error) makes backward() raise on every rank within seconds."""
+    for kind in ["call", "corrupt", "alloc", "device"]:
+        model, opt, state = make(CfcState(warmup_steps=0, min_compress_numel=0, timeout=120))
+        train(model, opt, rank, 1)
+        culprit = world - 1
+        if rank == culprit:
+            if kind == "call":
+                real = state._residuals.get
+                calls = []
+
+                def get(*a, **kw):
+                    calls.append(1)
+                    if len(calls) == 2:
+                        raise RuntimeError("raised in the reduce-scatter")
+                    return real(*a, **kw)
+
+                state._residuals.get = get
+            else:
+                state._engine.inject(kind)
+        what = {"call": "raised in the reduce-scatter", "corrupt": "frame", "alloc": "could not allocate",
+                "device": "injected device failure"}[kind]
+        t0 = time.monotonic()
+        with pytest.raises(Exception, match=what) as failed:
+            loss_of(model, rank, 1).backward()
+        if rank != culprit and kind != "corrupt":
+            assert f"rank {culprit}" in str(failed.value), failed.value
+        assert time.monotonic() - t0 < 30, "waited for the timeout"
+        # The engine refuses any later reduce-scatter at once. (What FSDP itself does in the
+        # step after an exception in its backward is FSDP's: it may skip its reduce-scatters.)
+        comm = cfc.fsdp.CfcReduceScatter(state, 0)
+        x = comm.allocate((4096 * world,), dtype=torch.float32, device=DEV)
+        with pytest.raises(cfc.CfcError):
+            comm(comm.allocate((4096,), dtype=torch.float32, device=DEV), x.normal_(), state.process_group, dist.ReduceOp.AVG)
+        state.close()
+
+
+def resume(rank, world, out):
+    """A run resumed after step 2 from this rank's model shards and cfc state (SGD: no optimizer
+    state) computes the bits of the uninterrupted one; without the cfc state it does not."""
+    model, opt, state = make(sgd=True)
+    train(model, opt, rank, 2)
+    shards = {k: v.to_local().clone() for k, v in model.state_dict().items()}
+    saved = state.state_dict()
+    want = train(model, opt, rank, 2, start=2)
+    want_params = [p.to_local().clone() for p in model.parameters()]
+
+    def resumed(load):
+        model2, opt2, state2 = make(sgd=True)
+        for k, v in model2.state_dict().items():
+            v.to_local().copy_(shards[k])
+        if load:
+            state2.load_state_dict(saved)
+        got = train(model2, opt2, rank, 2, start=2)
+        return got, [p.to_local() for p in model2.parameters()]
+
+    got, params = resumed(True)
+    assert got == want
+    assert all(torch.equal(a, b) for a, b in zip(want_params, params))
+    got, params = resumed(False)  # residuals lost: other bits
+    assert not all(torch.equal(a, b) for a, b in zip(want_params, params))
+
+
+def refusals(rank, world, out):
+    """What register refuses, before anything runs."""
+    model, _, _ = make(register=False)
+    with pytest.raises(ValueError, match="auto"):
+        cfc.fsdp.register(model, CfcState(fallback="auto"))
+    with pytest.raises(TypeError, match="CfcState"):
+        cfc.fsdp.register(model, object())
+    with pytest.raises(TypeError, match="no FSDPModule"):
+        cfc.fsdp.register(nn.Linear(2, 2))
+
+
+SCENARIOS = {f.__name__: f for f in (bound, parity, accumulate, overflow, mismatch, failures, resume, refusals)}
+
+
+def _worker(rank, world, init_file, scenario, out, device="cpu"):
+    global DEV
+    DEV, backend = place_rank(device, rank)
+    if DEV.type == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # the same bits every run
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cuda.matmul.allow_tf32 = False
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    try:
+        SCENARIOS[scenario](rank, world, out)
+    finally:
+        close_cfc_states()
+
+
+def spawn(tmp_path, scenario, world=None, device="cpu"):
+    world = world or world_of(device)
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    mp.spawn(_worker, args=(world, str(tmp_path / "init"), scenario, out, device), nprocs=world, join=True)
+    return out.get() if not out.empty() else None
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_fsdp(tmp_path, scenario, device):
+    enough_gpus(device)
+    spawn(tmp_path, scenario, device=device)
+
+
+@pytest.mark.parametrize("scenario", ["bound", "failures"])
+def test_fsdp_three_ranks(tmp_path, scenario):
+    spawn(tmp_path, scenario, world=3)

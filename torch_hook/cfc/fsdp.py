@@ -1,0 +1,185 @@
+"""cfc for FSDP2: a compressed reduce-scatter of ``fully_shard``'s gradients.
+
+:func:`register` installs a :class:`CfcReduceScatter` on every ``FSDPModule`` of a model
+(through ``FSDPModule.set_custom_reduce_scatter``, torch 2.9 and later). FSDP hands each call a
+flat, padded, rank-major input (one shard per rank, in ``reduce_dtype``) and an output for this
+rank's shard; cfc's engine (the one behind :func:`cfc.cfc_hook`) quantizes the whole input once,
+with a step every rank shares and with error feedback, sums every rank's codes for each shard
+exactly as integers, and writes this rank's averaged (or summed, as FSDP asks) shard.
+
+The call returns once its result is queued on the current stream (FSDP's reduce-scatter
+stream), as FSDP requires: unlike the DDP hook, each group's exchange is waited for on the host
+before the next group's backward is queued.
+
+Memory: with error feedback, each rank keeps a float32 residual per element of each group's
+reduce-scatter input, i.e. 4 bytes per unsharded parameter (``error_feedback=False`` keeps
+none).
+
+Example::
+
+    >>> # needs an initialised process group: not run as a doctest
+    >>> for layer in model.layers:  # doctest: +SKIP
+    ...     fully_shard(layer)
+    >>> fully_shard(model)  # doctest: +SKIP
+    >>> state = cfc.fsdp.register(model)  # doctest: +SKIP
+    >>> loss.backward()  # every group's gradients reduce-scattered by cfc  # doctest: +SKIP
+    >>> state.stats()["ratio"]  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, List, Optional
+
+from cfc import _engine
+from cfc.ddp.hook import _compressible, _fail
+from cfc.ddp.residuals import fingerprint
+from cfc.ddp.state import CfcState
+
+logger = logging.getLogger("cfc")
+
+__all__ = ["CfcReduceScatter", "register"]
+
+try:  # the interface FSDP2 takes (a private module of torch: its path may move)
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _ReduceScatter
+except ImportError:  # pragma: no cover - torch without FSDP2's custom reduce-scatter
+    _ReduceScatter = object  # type: ignore[assignment,misc]
+
+
+class CfcReduceScatter(_ReduceScatter):  # type: ignore[misc,valid-type]
+    """FSDP2's reduce-scatter through cfc's engine, for one ``FSDPModule`` (made by
+    :func:`register`, which gives each module its own ``key``: its error-feedback residual and
+    its slots are kept under it).
+
+    Args:
+        state: the options and per-rank state (:class:`cfc.CfcState`), shared by the model's
+            modules; its process group is the one FSDP reduce-scatters over.
+        key: this module's identity in the state, the same on every rank.
+    """
+
+    def __init__(self, state: CfcState, key: int):
+        self.state, self.key = state, key
+
+    def allocate(self, size: Any, *, dtype: Any, device: Any) -> Any:
+        import torch
+
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: Any, input_tensor: Any, group: Any, op: Any, async_op: bool = False) -> Any:
+        reduce_scatter(self.state, self.key, output_tensor, input_tensor, group, op)
+        if not async_op:
+            return None
+        import torch
+
+        done = torch.futures.Future()
+        done.set_result([output_tensor])
+        return torch._C._distributed_c10d._create_work_from_future(done)
+
+
+def register(model: Any, state: Optional[CfcState] = None) -> CfcState:
+    """Install cfc's reduce-scatter on every ``FSDPModule`` of ``model`` (``fully_shard``
+    applied first), on every rank, and return the state it runs on.
+
+    Args:
+        model: a module on which ``fully_shard`` was called (it, or modules inside it).
+        state: the options (:class:`cfc.CfcState`); default ``CfcState(warmup_steps=0)``, a
+            bound of 0.3 x each group's RMS. Here a *step* is one reduce-scatter (one module's
+            gradients), so ``warmup_steps`` counts those. ``fallback="auto"`` is not supported
+            yet (``"never"`` and ``"always"`` are).
+
+    Raises:
+        TypeError: ``state`` is not a ``cfc.CfcState``; ``model`` holds no ``FSDPModule``.
+        ValueError: ``fallback="auto"``.
+        RuntimeError: this torch has no ``FSDPModule.set_custom_reduce_scatter``.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    state = state if state is not None else CfcState(warmup_steps=0)
+    if not isinstance(state, CfcState):
+        raise TypeError(f"state must be a cfc.CfcState, got {type(state).__name__}")
+    if state.fallback == "auto":
+        raise ValueError("fallback='auto' is not supported for FSDP2 yet: use 'never' or 'always'")
+    if _ReduceScatter is object or not hasattr(FSDPModule, "set_custom_reduce_scatter"):
+        raise RuntimeError("cfc.fsdp needs FSDPModule.set_custom_reduce_scatter (torch 2.9 or later)")
+    modules: List[Any] = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not modules:
+        raise TypeError("the model holds no FSDPModule: call fully_shard on it (or on its layers) first")
+    for key, m in enumerate(modules):
+        m.set_custom_reduce_scatter(CfcReduceScatter(state, key))
+    return state
+
+
+def _scale_of(op: Any) -> Any:
+    """The engine's scale for FSDP's reduce op: None for an average, 1.0 for a sum, and
+    ``False`` for any other op (a pre-multiplied sum), which goes to torch's own reduce-scatter."""
+    import torch.distributed as dist
+
+    if op == dist.ReduceOp.AVG:
+        return None
+    if op == dist.ReduceOp.SUM:
+        return 1.0
+    return False
+
+
+def _bind_group(state: CfcState, group: Any) -> None:
+    """The state reduces over FSDP's group: the first call binds it, later ones must agree."""
+    import torch.distributed as dist
+
+    if state.process_group is None and not state.world:
+        state.process_group = group
+    bound = state.process_group if state.process_group is not None else dist.group.WORLD
+    if bound is not group and dist.get_process_group_ranks(bound) != dist.get_process_group_ranks(group):
+        raise ValueError("one CfcState serves one process group: FSDP reduce-scatters over ranks "
+                         f"{dist.get_process_group_ranks(group)}, the state over "
+                         f"{dist.get_process_group_ranks(bound)}")
+    state._bind()
+
+
+def reduce_scatter(state: CfcState, key: int, out: Any, inp: Any, group: Any, op: Any) -> None:
+    """One FSDP reduce-scatter: ``inp`` (``world`` shards, rank-major) reduced over ``group``
+    into ``out`` (this rank's shard), queued on the current stream before this returns. A
+    failure here, or on any other rank, raises on every rank (``cfc.CfcError`` naming the rank
+    where it began, or this rank's own error)."""
+    try:
+        if not isinstance(state, CfcState):
+            raise TypeError(f"the state must be a cfc.CfcState, got {type(state).__name__}")
+        _bind_group(state, group)
+        scale = _scale_of(op)
+        if out.dtype != inp.dtype or out.device != inp.device:
+            raise ValueError(f"reduce-scatter of {inp.dtype} on {inp.device} into {out.dtype} on {out.device}")
+        if not (inp.is_contiguous() and out.is_contiguous()):
+            raise ValueError("FSDP's reduce-scatter tensors must be contiguous")
+        if inp.numel() != out.numel() * state.world:
+            raise ValueError(f"a reduce-scatter of {inp.numel()} elements over {state.world} ranks "
+                             f"cannot fill a shard of {out.numel()}")
+        if scale is False or not _compressible(inp):
+            _plain(state, out, inp, op)
+            return
+        engine = state._engine_for(inp.device)
+        flat, shard = inp.view(-1), out.view(-1)
+        r, fresh = state._residuals.get(key, None, flat) if state._feeds(flat) else (None, False)
+        state._keep.append((flat, shard, r))
+        stream = _engine.stream_of(flat)
+        engine.submit(
+            key, fingerprint(None, flat), _engine.describe(flat),
+            None if r is None else (r.data_ptr(), r.numel()),
+            (shard.data_ptr(), shard.numel()), scale, True, fresh, stream,
+        )
+        state._end_step(stream)
+    except BaseException as e:  # noqa: BLE001 - re-raised: FSDP's backward() raises it
+        _fail(state, e, last=True)  # the peers' waits end with it
+        raise
+
+
+def _plain(state: CfcState, out: Any, inp: Any, op: Any) -> None:
+    """A reduce-scatter cfc does not compress (a dtype it does not quantize, a pre-multiplied
+    sum): torch's own, once the engine has finished what it was given."""
+    import torch.distributed as dist
+
+    kind = f"{inp.dtype} with {op}"
+    if kind not in state._plain_kinds:
+        state._plain_kinds.add(kind)
+        logger.warning("cfc.fsdp: reduce-scatters of %s go through torch.distributed uncompressed", kind)
+    if state._engine is not None:
+        state._engine.wait(_engine.stream_of_device(state._device))
+    dist.reduce_scatter_tensor(out, inp, op=op, group=state.process_group)
