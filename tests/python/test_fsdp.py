@@ -24,7 +24,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E4
 DEV = torch.device("cpu")  # set in each worker process
 
 
-def make(state=None, reduce_dtype=None, register=True, sgd=False):
+def make(state=None, reduce_dtype=None, register=True, sgd=False, mesh=None, replicas=None):
     """A 3-layer MLP (about 140k parameters; the last layer below cfc's default minimum size),
     each layer and the whole model under fully_shard, and cfc's reduce-scatter installed."""
     torch.manual_seed(0)
@@ -32,10 +32,10 @@ def make(state=None, reduce_dtype=None, register=True, sgd=False):
     mp_policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype) if reduce_dtype is not None else MixedPrecisionPolicy()
     for layer in model:
         if isinstance(layer, nn.Linear):
-            fully_shard(layer, mp_policy=mp_policy)
-    fully_shard(model, mp_policy=mp_policy)
+            fully_shard(layer, mp_policy=mp_policy, mesh=mesh)
+    fully_shard(model, mp_policy=mp_policy, mesh=mesh)
     if register:
-        state = cfc.fsdp.register(model, state)
+        state = cfc.fsdp.register(model, state, replicas=replicas)
     opt = torch.optim.SGD(model.parameters(), lr=0.05) if sgd else torch.optim.Adam(model.parameters(), lr=2e-3)
     return model, opt, state
 
@@ -218,6 +218,29 @@ def resume(rank, world, out):
     assert not all(torch.equal(a, b) for a, b in zip(want_params, params))
 
 
+def replicas(rank, world, out):
+    """Two replicas of a model sharded over two ranks each: cfc's reduce-scatter within a
+    replica, then cfc's average over the replicas (the all-reduce hook), against native HSDP:
+    every shard of every gradient within 2 eps (each of the two averages adds at most eps)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    eps = 1e-4
+    mesh = init_device_mesh(DEV.type, (world // 2, 2), mesh_dim_names=("replicate", "shard"))
+    plain, _, _ = make(register=False, mesh=mesh)
+    across = CfcState(eps=eps, warmup_steps=0, min_compress_numel=4000, process_group=mesh["replicate"].get_group())
+    model, _, state = make(CfcState(eps=eps, warmup_steps=0, min_compress_numel=4000), mesh=mesh["shard"],
+                           replicas=across)
+    for m in (plain, model):
+        loss_of(m, rank, 0).backward()
+    for a, b in zip(grads(plain), grads(model)):
+        assert (a - b).abs().max().item() <= 2 * eps * (1 + 1e-5) + 1e-7
+    for s in (state, across):
+        st = s.stats()
+        assert st["compressed_buckets"] == 2 and st["plain_buckets"] == 1, st
+    with pytest.raises(ValueError, match="replicate group"):
+        cfc.fsdp.register(model, state, replicas=state)
+
+
 def refusals(rank, world, out):
     """What register refuses, before anything runs."""
     model, _, _ = make(register=False)
@@ -230,6 +253,8 @@ def refusals(rank, world, out):
 
 
 SCENARIOS = {f.__name__: f for f in (bound, parity, accumulate, overflow, mismatch, failures, resume, refusals)}
+# (replicas needs 4 ranks: test_fsdp_replicas)
+SCENARIOS["replicas"] = replicas
 
 
 def _worker(rank, world, init_file, scenario, out, device="cpu"):
@@ -259,7 +284,7 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+@pytest.mark.parametrize("scenario", sorted(set(SCENARIOS) - {"replicas"}))
 def test_fsdp(tmp_path, scenario, device):
     enough_gpus(device)
     spawn(tmp_path, scenario, device=device)
@@ -268,3 +293,11 @@ def test_fsdp(tmp_path, scenario, device):
 @pytest.mark.parametrize("scenario", ["bound", "failures"])
 def test_fsdp_three_ranks(tmp_path, scenario):
     spawn(tmp_path, scenario, world=3)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fsdp_replicas(tmp_path, device):
+    enough_gpus(device)
+    if device == "cuda" and world_of(device) < 4:
+        pytest.skip("needs 4 GPUs")
+    spawn(tmp_path, "replicas", world=4, device=device)

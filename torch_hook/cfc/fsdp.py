@@ -11,6 +11,12 @@ The call returns once its result is queued on the current stream (FSDP's reduce-
 stream), as FSDP requires: unlike the DDP hook, each group's exchange is waited for on the host
 before the next group's backward is queued.
 
+Replicas (HSDP): shard the model over one dimension of a (replicate, shard) mesh with
+``fully_shard(model, mesh=mesh["shard"])`` and give ``register`` a second state bound to the
+replicate group (``replicas=cfc.CfcState(process_group=mesh["replicate"].get_group())``): each
+reduce-scatter's output is then averaged over the replicas by cfc as well, through FSDP's
+all-reduce hook, in place of native HSDP's uncompressed all-reduce.
+
 Memory: with error feedback, each rank keeps a float32 residual per element of each group's
 reduce-scatter input, i.e. 4 bytes per unsharded parameter (``error_feedback=False`` keeps
 none).
@@ -28,6 +34,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, List, Optional
 
@@ -38,7 +45,7 @@ from cfc.ddp.state import CfcState
 
 logger = logging.getLogger("cfc")
 
-__all__ = ["CfcReduceScatter", "register"]
+__all__ = ["CfcReduceScatter", "average_replicas", "register"]
 
 try:  # the interface FSDP2 takes (a private module of torch: its path may move)
     from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _ReduceScatter
@@ -76,7 +83,7 @@ class CfcReduceScatter(_ReduceScatter):  # type: ignore[misc,valid-type]
         return torch._C._distributed_c10d._create_work_from_future(done)
 
 
-def register(model: Any, state: Optional[CfcState] = None) -> CfcState:
+def register(model: Any, state: Optional[CfcState] = None, *, replicas: Optional[CfcState] = None) -> CfcState:
     """Install cfc's reduce-scatter on every ``FSDPModule`` of ``model`` (``fully_shard``
     applied first), on every rank, and return the state it runs on.
 
@@ -86,6 +93,9 @@ def register(model: Any, state: Optional[CfcState] = None) -> CfcState:
             bound of 0.3 x each group's RMS. Here a *step* is one reduce-scatter (one module's
             gradients), so ``warmup_steps`` counts those. ``fallback="auto"`` is not supported
             yet (``"never"`` and ``"always"`` are).
+        replicas: for replicas of the sharded model (see the module docs), a second state,
+            whose process group is the replicate group: the average over the replicas of each
+            reduce-scatter's output, compressed, through ``FSDPModule.set_all_reduce_hook``.
 
     Raises:
         TypeError: ``state`` is not a ``cfc.CfcState``; ``model`` holds no ``FSDPModule``.
@@ -95,10 +105,14 @@ def register(model: Any, state: Optional[CfcState] = None) -> CfcState:
     from torch.distributed.fsdp import FSDPModule
 
     state = state if state is not None else CfcState(warmup_steps=0)
-    if not isinstance(state, CfcState):
-        raise TypeError(f"state must be a cfc.CfcState, got {type(state).__name__}")
-    if state.fallback == "auto":
-        raise ValueError("fallback='auto' is not supported for FSDP2 yet: use 'never' or 'always'")
+    for s in (state, replicas):
+        if s is not None and not isinstance(s, CfcState):
+            raise TypeError(f"states must be cfc.CfcState, got {type(s).__name__}")
+        if s is not None and s.fallback == "auto":
+            raise ValueError("fallback='auto' is not supported for FSDP2 yet: use 'never' or 'always'")
+    if replicas is not None and (replicas is state or replicas.process_group is None):
+        raise ValueError("replicas must be a CfcState of its own, made with the replicate group "
+                         "(process_group=mesh['replicate'].get_group())")
     if _ReduceScatter is object or not hasattr(FSDPModule, "set_custom_reduce_scatter"):
         raise RuntimeError("cfc.fsdp needs FSDPModule.set_custom_reduce_scatter (torch 2.9 or later)")
     modules: List[Any] = [m for m in model.modules() if isinstance(m, FSDPModule)]
@@ -106,6 +120,8 @@ def register(model: Any, state: Optional[CfcState] = None) -> CfcState:
         raise TypeError("the model holds no FSDPModule: call fully_shard on it (or on its layers) first")
     for key, m in enumerate(modules):
         m.set_custom_reduce_scatter(CfcReduceScatter(state, key))
+        if replicas is not None:
+            m.set_all_reduce_hook(functools.partial(average_replicas, replicas, key))
     return state
 
 
@@ -183,3 +199,28 @@ def _plain(state: CfcState, out: Any, inp: Any, op: Any) -> None:
     if state._engine is not None:
         state._engine.wait(_engine.stream_of_device(state._device))
     dist.reduce_scatter_tensor(out, inp, op=op, group=state.process_group)
+
+
+def average_replicas(state: CfcState, key: int, shard: Any) -> None:
+    """FSDP's all-reduce hook for replicas: ``shard`` (a reduce-scatter's output) averaged in
+    place over the state's process group (the replicate group), queued on the current stream
+    before this returns."""
+    try:
+        if not isinstance(state, CfcState):
+            raise TypeError(f"the state must be a cfc.CfcState, got {type(state).__name__}")
+        state._bind()
+        if not (_compressible(shard) and shard.is_contiguous()):
+            raise ValueError(f"cfc averages dense contiguous float32, bfloat16 or float16 shards, got {shard.dtype}")
+        engine = state._engine_for(shard.device)
+        flat = shard.view(-1)
+        r, fresh = state._residuals.get(key, None, flat) if state._feeds(flat) else (None, False)
+        state._keep.append((flat, r))
+        stream = _engine.stream_of(flat)
+        engine.submit(
+            key, fingerprint(None, flat), _engine.describe(flat),
+            None if r is None else (r.data_ptr(), r.numel()), None, None, True, fresh, stream,
+        )
+        state._end_step(stream)
+    except BaseException as e:  # noqa: BLE001 - re-raised: FSDP's backward() raises it
+        _fail(state, e, last=True)
+        raise
