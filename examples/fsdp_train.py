@@ -10,7 +10,8 @@ gloo and the CPU otherwise::
 
 Each way trains from the same initial weights on the same batches, and the run ends with a
 table: final training loss (mean of the last 10% of steps) and held-out loss, each against the
-first way's, cfc's bytes against plain float32's, and the median step time.
+first way's, cfc's bytes against plain float32's, and the median step time. ``noop`` moves no
+gradients at all (each rank keeps its own shard): the floor for the step time.
 """
 
 from __future__ import annotations
@@ -29,7 +30,19 @@ import cfc
 import cfc.fsdp
 from ddp_train import LM, batch, corpus, held_out_loss, lr_factor
 
-WAYS = ("plain", "bf16", "cfc", "cfc@X")
+WAYS = ("noop", "plain", "bf16", "cfc", "cfc@X")
+
+
+class NoComm(cfc.fsdp._ReduceScatter):  # type: ignore[misc,valid-type]
+    """The floor: each rank keeps its own shard of its own gradients (no traffic; the model
+    then trains on one rank's data per shard, so only its step time means anything)."""
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        output_tensor.copy_(input_tensor.view(group.size(), -1)[group.rank()])
+        return None
 
 
 def build(way: str, dev: torch.device, args) -> tuple:
@@ -40,6 +53,10 @@ def build(way: str, dev: torch.device, args) -> tuple:
         fully_shard(layer, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
     state = None
+    if way == "noop":
+        for m in model.modules():
+            if hasattr(m, "set_custom_reduce_scatter"):
+                m.set_custom_reduce_scatter(NoComm())
     if way.startswith("cfc"):
         rms = float(way.split("@", 1)[1]) if "@" in way else args.rms
         state = cfc.fsdp.register(model, cfc.CfcState(rms=rms, warmup_steps=0))

@@ -11,6 +11,8 @@
 #            (default 2);
 #   parity   examples/ddp_train.py deterministically, plain all-reduce and cfc, over SEEDS
 #            (default "0 1 2"), then benches/parity_table.py;
+#   fsdp     examples/fsdp_train.py over sockets and NVLink: noop (no gradient traffic), plain
+#            float32, bfloat16 reduce_dtype and cfc (FSDP_ARGS: model size, steps);
 # Logs and tables go under $OUT; the last lines printed are a short summary.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -34,7 +36,7 @@ for part in $PARTS; do case $part in
     CFC_REQUIRE_GPU=1 timeout 200 .carry/lib-tests --test-threads=2 2>&1 | tail -4 | tee "$OUT/rust_lib.log"
     grep -h "test result" "$OUT"/rust_*.log >> "$SUMMARY" ;;
   pytest)
-    timeout ${PYTEST_TIMEOUT:-480} python3 -m pytest -q -p no:cacheprovider -m gpu ${PYTEST_ARGS:-} ${PYTEST_FILES:-tests/python/test_gpu.py tests/python/test_ddp.py tests/python/test_allreducer.py} \
+    timeout ${PYTEST_TIMEOUT:-480} python3 -m pytest -q -p no:cacheprovider -m gpu ${PYTEST_ARGS:-} ${PYTEST_FILES:-tests/python/test_gpu.py tests/python/test_ddp.py tests/python/test_allreducer.py tests/python/test_fsdp.py} \
         ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 | tee "$OUT/pytest_gpu.log" | tail -60
     tail -1 "$OUT/pytest_gpu.log" >> "$SUMMARY" ;;
   bench)
@@ -66,6 +68,14 @@ for part in $PARTS; do case $part in
     done
     python3 benches/parity_table.py "$OUT"/ddp_parity_seed*/losses.json | tee "$OUT/ddp_parity.md"
     cat "$OUT/ddp_parity.md" >> "$SUMMARY" ;;
+  fsdp)
+    for link in ${LINKS:-socket nvlink}; do
+      envs=$([ $link = socket ] && echo "$SOCK" || echo "")
+      env $envs PYTHONPATH=/tmp/site timeout 400 torchrun --standalone --nproc_per_node=$GPUS examples/fsdp_train.py \
+          --comm noop,plain,bf16,cfc ${FSDP_ARGS:---d-model 1024 --layers 8 --heads 16 --seq 256 --batch 8 --steps 30} \
+          2>&1 | tail -7 | tee "$OUT/fsdp_$link.md"
+      { echo "fsdp $link:"; cat "$OUT/fsdp_$link.md"; } >> "$SUMMARY"
+    done ;;
 esac; done
 echo "==== summary"
 cat "$SUMMARY"
