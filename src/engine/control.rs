@@ -70,7 +70,7 @@ pub(crate) fn cut(reason: &str) -> &str {
 }
 
 impl Control {
-    /// A board that tells no one (yet: see [`Control::set_tell`]).
+    /// A board that tells no one (yet: see `Control::set_tell`).
     pub fn new() -> Arc<Control> {
         Arc::new(Control {
             first: Mutex::new(None),

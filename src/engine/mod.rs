@@ -297,7 +297,7 @@ impl Engine {
     /// rank, to be driven from one thread each.
     ///
     /// # Errors
-    /// As [`Engine::start`].
+    /// As `Engine::start`.
     pub fn local_group(world: usize, options: Options) -> Result<Vec<Engine>> {
         LocalLinks::group(world, options.timeout)
             .into_iter()
@@ -308,7 +308,7 @@ impl Engine {
     /// An engine on the CPU backend over links between processes.
     ///
     /// # Errors
-    /// As [`Engine::start`].
+    /// As `Engine::start`.
     pub fn on_cpu<L: transport::Links + 'static>(
         links: L,
         options: Options,
@@ -323,7 +323,7 @@ impl Engine {
     /// ranks that are threads of one process).
     ///
     /// # Errors
-    /// As [`Engine::start`]; CUDA errors.
+    /// As `Engine::start`; CUDA errors.
     #[cfg(feature = "cuda")]
     pub fn on_cuda_nccl(
         device: usize,
@@ -344,7 +344,7 @@ impl Engine {
     /// (ranks that share a GPU, where NCCL refuses them).
     ///
     /// # Errors
-    /// As [`Engine::start`]; CUDA errors.
+    /// As `Engine::start`; CUDA errors.
     #[cfg(feature = "cuda")]
     pub fn on_cuda_links<L: transport::Links + 'static>(
         device: usize,

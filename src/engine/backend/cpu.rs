@@ -1,7 +1,7 @@
 //! The reference backend: the CPU codec, run at once on the engine's comm thread, in host
 //! memory. It writes the bytes the CUDA backend writes (frames, sums, statistics, decoded
 //! values), which is what makes it the reference: the same engine runs on it in CI, and the
-//! GPU tests compare the two. Its lane check ([`LaneCheck`]) finds the joins between the lanes
+//! GPU tests compare the two. Its lane check (`LaneCheck`) finds the joins between the lanes
 //! that the engine leaves out, which on a GPU would be races.
 
 use super::lanes::LaneCheck;
@@ -38,7 +38,7 @@ pub struct CpuBackend {
     lanes: Option<LaneCheck>,
 }
 
-/// A point on a lane (see [`Backend::mark`]): the lane's clock in the lane check.
+/// A point on a lane (see `Backend::mark`): the lane's clock in the lane check.
 #[derive(Debug, Clone, Copy)]
 pub struct HostMark {
     lane: Lane,

@@ -3,13 +3,13 @@
 //! Two backends write the same bytes: [`cpu::CpuBackend`], the reference (the CPU codec, run
 //! at once on the comm thread), and `cuda::CudaBackend` (the CUDA kernels, queued on two
 //! streams of the engine's own). The engine calls them with addresses: its own scratch
-//! ([`Backend::alloc`]) and the job's tensors, which [`crate::engine::Engine::submit`]'s caller
+//! (`Backend::alloc`) and the job's tensors, which [`crate::engine::Engine::submit`]'s caller
 //! vouched for. Ranges of scratch are checked before use ([`Region::sub`]).
 //!
 //! Work goes on two lanes: *compute* (the codec) and *comm* (the transport's collectives).
 //! On the GPU they are two streams, so that one bucket's exchange overlaps the next one's
-//! compression; [`Backend::join`] orders one after the other. A scratch buffer given back with
-//! [`Backend::free`] may be handed out again at once: every later use of it is queued after a
+//! compression; `Backend::join` orders one after the other. A scratch buffer given back with
+//! `Backend::free` may be handed out again at once: every later use of it is queued after a
 //! join from the lane that last used it (see `worker.rs`).
 
 pub mod cpu;
@@ -68,7 +68,7 @@ pub(crate) trait Backend: Send + 'static {
     /// [`crate::Error::Allocation`] or a device error.
     fn alloc(&mut self, len: u64) -> Result<Self::Buf>;
 
-    /// Gives scratch back for later [`Backend::alloc`]s (see the module docs).
+    /// Gives scratch back for later `Backend::alloc`s (see the module docs).
     fn free(&mut self, buf: Self::Buf);
 
     /// Orders the compute lane after the caller's submission of a job.

@@ -1,6 +1,6 @@
 //! The transport seam of the engine: how bytes move between the ranks.
 //!
-//! A [`Transport`] moves rows of a backend's memory: an all-gather of one row per rank, an
+//! A `Transport` moves rows of a backend's memory: an all-gather of one row per rank, an
 //! exchange of a row with each peer (lengths agreed by both sides), plain all-reduce and
 //! reduce-scatter of tensors (the uncompressed fallback), and small host messages (agreement,
 //! trial times). Every rank calls the same operations in the same order; the engine's single
