@@ -1,7 +1,7 @@
 """The all-reduce's last step on the GPU: every rank's frame decoded, added, divided by the
 world size and written in the bucket's dtype. The fused kernel (``_decode_sum_cuda``: one pass
-that reads only the frames) against the route it replaces in cfc_hook (decode each frame into
-its own array, add in float32, divide, copy into the bucket), in one run.
+that reads only the frames, as the engine runs it) against decoding each frame into its own
+array, adding in float32, dividing and copying into the bucket, in one run.
 
 Data: float32 made by tiling the real gradient vectors (``--grads``), scaled differently per
 frame, eps = k x RMS; the frames are compressed once beforehand. "GPU" is the GPU's time per

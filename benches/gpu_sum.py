@@ -1,7 +1,7 @@
 """Sums of compressed frames on the GPU: codes added in an integer accumulator and packed as one
-frame (``cfc.sum_compressed`` of ``CudaCompressed`` frames), against the float route it
-replaces in the reduce-scatter (decode every frame, add in float32, compress the sum again) and
-the CPU reference (``cfc.sum_compressed`` of host frames), in one run.
+frame (``cfc.sum_compressed`` of ``CudaCompressed`` frames, the engine's reduce-scatter step),
+against decoding every frame, adding in float32 and compressing the sum again, and against the
+CPU reference (``cfc.sum_compressed`` of host frames), in one run.
 
 Data: float32 made by tiling the real gradient vectors (``--grads``), scaled differently per
 part, eps = k x RMS; every part is compressed once on the GPU beforehand. Timings are CUDA-event
