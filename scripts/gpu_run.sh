@@ -3,7 +3,7 @@
 # picks what runs, in order:
 #   rust     the engine's GPU tests (the CUDA backend writes the CPU backend's bits; failures on
 #            one GPU rank reach every rank) and the crate's unit tests;
-#   pytest   `pytest -m gpu` of the codec, the hook and AllReducer (PYTEST_K filters);
+#   pytest   `pytest -m gpu` of the codec, the hook, AllReducer and cfc.fsdp (PYTEST_K filters);
 #   bench    cfc-bench --gpu over NVLink and over sockets (SIZES, BOUNDS, ITERS);
 #   step     the 217M LM's DDP step time (benches/ddp_step_time.py) over sockets and NVLink,
 #            this wheel against the one in .carry/old/ (when there; with the benchmark script of

@@ -26,7 +26,7 @@
 
 use super::backend::{Backend, Lane};
 use super::control::Failure;
-use super::job::{Job, Op, Region};
+use super::job::{Job, Op, Region, Tensor};
 use super::options::{Algorithm, BoundRule, Options};
 use super::policy::{decide, EngineState, Phase, Policy};
 use super::transport::Transport;
@@ -66,6 +66,8 @@ pub(crate) struct Worker<B: Backend, T: Transport<B>> {
     pub(super) faults: Vec<Fault>,
     /// Every rank's decoding status, received in the closing round.
     statuses: Option<B::Buf>,
+    /// The tensors of the step's jobs, handed back to the caller at its close.
+    step_tensors: Vec<Tensor>,
 }
 
 impl<B: Backend, T: Transport<B>> Worker<B, T> {
@@ -89,6 +91,7 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
             failed: false,
             faults: Vec::new(),
             statuses: None,
+            step_tensors: Vec::new(),
         }
     }
 
@@ -195,6 +198,13 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
         self.tr.control().set_now(self.seq);
         let t0 = Instant::now();
         self.be.begin(ready)?;
+        let mut mine = vec![job.data];
+        mine.extend(job.residual);
+        if let Op::ReduceScatter { out } = job.op {
+            mine.push(out);
+        }
+        self.be.caller_touches(&mine)?;
+        self.step_tensors.extend(mine);
         let n = job.data.numel;
         let kind = matches!(job.op, Op::ReduceScatter { .. }) as u8;
         let identity = (job.fingerprint, n, job.data.dtype, kind);
@@ -346,6 +356,8 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
                 .and_then(|()| self.closing_round())
                 .and_then(|()| {
                     self.be.join(Lane::Compute, Lane::Comm)?;
+                    let handed = std::mem::take(&mut self.step_tensors);
+                    self.be.caller_touches(&handed)?;
                     self.be.done()
                 });
             match r {
@@ -354,6 +366,7 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
             }
             self.shared.add_seconds(t0.elapsed().as_secs_f64());
         }
+        self.step_tensors.clear();
         if last {
             self.policy.end_step(&self.o);
         }

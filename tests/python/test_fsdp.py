@@ -24,11 +24,11 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E4
 DEV = torch.device("cpu")  # set in each worker process
 
 
-def make(state=None, reduce_dtype=None, register=True, sgd=False, mesh=None, replicas=None):
+def make(state=None, reduce_dtype=None, register=True, sgd=False, mesh=None, replicas=None, dtype=torch.float32):
     """A 3-layer MLP (about 140k parameters; the last layer below cfc's default minimum size),
     each layer and the whole model under fully_shard, and cfc's reduce-scatter installed."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 10)).to(DEV)
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 10)).to(DEV, dtype)
     mp_policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype) if reduce_dtype is not None else MixedPrecisionPolicy()
     for layer in model:
         if isinstance(layer, nn.Linear):
@@ -49,7 +49,8 @@ def batch(rank, step, n=32):
 
 def loss_of(model, rank, step):
     x, y = batch(rank, step)
-    return nn.functional.cross_entropy(model(x).float(), y)
+    dtype = next(model.parameters()).dtype
+    return nn.functional.cross_entropy(model(x.to(dtype)).float(), y)
 
 
 def grads(model):
@@ -133,16 +134,37 @@ def accumulate(rank, world, out):
 
 def overflow(rank, world, out):
     """A gradient that overflows on one rank comes back non-finite on every rank (what a
-    GradScaler looks for), and the next step is finite again."""
+    GradScaler looks for), and the next step is finite again (the codec leaves a residual of 0
+    where a value was not finite)."""
     model, _, state = make(CfcState(warmup_steps=0, min_compress_numel=0))
     loss = loss_of(model, rank, 0)
     (loss * (float("inf") if rank == 0 else 1.0)).backward()
-    assert all(not torch.isfinite(g).all() for g in grads(model)[:1])
+    assert all(not torch.isfinite(g).all() for g in grads(model))
     model.zero_grad(set_to_none=True)
     loss_of(model, rank, 1).backward()
-    # (a residual holds what a step sent; an infinite step leaves residuals that are not finite
-    # only where the gradient was, and the next finite step clears them)
     assert all(torch.isfinite(g).all() for g in grads(model)), "the step after an overflow is finite"
+    assert state.stats()["compressed_buckets"] == 6
+
+
+def feedback(rank, world, out):
+    """Error feedback carries what each step drops into the group's next step: the same
+    gradients eight times (no optimizer step) add up to eight times plain FSDP2's within one
+    eps, where rounding them alike every time would drift by up to eight. Every group keeps its
+    residual from one step to the next, and a checkpoint holds them all."""
+    eps, steps = 1e-3, 8
+    plain, _, _ = make(register=False)
+    model, _, state = make(CfcState(eps=eps, warmup_steps=0, min_compress_numel=0))
+    loss_of(plain, rank, 0).backward()
+    want = [g * steps for g in grads(plain)]
+    total = None
+    for _ in range(steps):
+        model.zero_grad(set_to_none=True)
+        loss_of(model, rank, 0).backward()
+        total = grads(model) if total is None else [t + g for t, g in zip(total, grads(model))]
+        assert len(state._residuals.by_bucket) == 3
+    worst = max((t - w).abs().max().item() for t, w in zip(total, want))
+    assert worst <= eps * (1 + 1e-3) + 1e-6, worst
+    assert len(state.state_dict()["residuals"]) == 3
 
 
 def mismatch(rank, world, out):
@@ -234,11 +256,59 @@ def replicas(rank, world, out):
         loss_of(m, rank, 0).backward()
     for a, b in zip(grads(plain), grads(model)):
         assert (a - b).abs().max().item() <= 2 * eps * (1 + 1e-5) + 1e-7
+    # codes add exactly: the replicas hold the same bits
+    group = mesh["replicate"].get_group()
+    for g in grads(model):
+        everyone = [torch.empty_like(g) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(everyone, g, group=group)
+        assert all(torch.equal(e, everyone[0]) for e in everyone)
     for s in (state, across):
         st = s.stats()
         assert st["compressed_buckets"] == 2 and st["plain_buckets"] == 1, st
     with pytest.raises(ValueError, match="replicate group"):
         cfc.fsdp.register(model, state, replicas=state)
+
+
+def replica_failure(rank, world, out):
+    """With replicas, a failure in one rank's reduce-scatter reaches every rank within seconds,
+    those waiting in the replicas' engine included."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(DEV.type, (world // 2, 2), mesh_dim_names=("replicate", "shard"))
+    across = CfcState(warmup_steps=0, min_compress_numel=0, timeout=120, process_group=mesh["replicate"].get_group())
+    model, opt, state = make(CfcState(warmup_steps=0, min_compress_numel=0, timeout=120), mesh=mesh["shard"],
+                             replicas=across)
+    train(model, opt, rank, 1)
+    if rank == 0:
+        real = state._residuals.get
+
+        def get(*a, **kw):
+            raise RuntimeError("raised in the reduce-scatter")
+
+        state._residuals.get = get
+    t0 = time.monotonic()
+    with pytest.raises(Exception, match="raised in the reduce-scatter"):
+        loss_of(model, rank, 1).backward()
+    assert time.monotonic() - t0 < 30, "waited for the timeout"
+    if rank == 0:
+        state._residuals.get = real
+
+
+def plain_paths(rank, world, out):
+    """What cfc does not compress goes through torch's own reduce-scatter, with plain FSDP2's
+    bits: float64 groups. And a call with async_op gives a Work that is already done."""
+    plain, _, _ = make(register=False, dtype=torch.float64)
+    model, _, state = make(CfcState(warmup_steps=0, min_compress_numel=0), dtype=torch.float64)
+    for m in (plain, model):
+        loss_of(m, rank, 0).backward()
+    assert all(torch.equal(a, b) for a, b in zip(grads(plain), grads(model)))
+    assert state.stats()["compressed_buckets"] == 0
+    comm = cfc.fsdp.CfcReduceScatter(state, 99)
+    x = comm.allocate((8192 * world,), dtype=torch.float32, device=DEV).normal_()
+    y = comm.allocate((8192,), dtype=torch.float32, device=DEV)
+    work = comm(y, x, state.process_group, dist.ReduceOp.SUM, async_op=True)
+    assert work.wait()
+    assert state.stats()["compressed_buckets"] == 1
 
 
 def refusals(rank, world, out):
@@ -252,9 +322,10 @@ def refusals(rank, world, out):
         cfc.fsdp.register(nn.Linear(2, 2))
 
 
-SCENARIOS = {f.__name__: f for f in (bound, parity, accumulate, overflow, mismatch, failures, resume, refusals)}
-# (replicas needs 4 ranks: test_fsdp_replicas)
-SCENARIOS["replicas"] = replicas
+SCENARIOS = {f.__name__: f for f in (bound, parity, accumulate, overflow, feedback, mismatch, failures, resume,
+                                      plain_paths, refusals)}
+FOUR_RANKS = {f.__name__: f for f in (replicas, replica_failure)}  # (test_fsdp_replicas)
+SCENARIOS.update(FOUR_RANKS)
 
 
 def _worker(rank, world, init_file, scenario, out, device="cpu"):
@@ -284,7 +355,7 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("scenario", sorted(set(SCENARIOS) - {"replicas"}))
+@pytest.mark.parametrize("scenario", sorted(set(SCENARIOS) - set(FOUR_RANKS)))
 def test_fsdp(tmp_path, scenario, device):
     enough_gpus(device)
     spawn(tmp_path, scenario, device=device)
@@ -296,8 +367,9 @@ def test_fsdp_three_ranks(tmp_path, scenario):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_fsdp_replicas(tmp_path, device):
+@pytest.mark.parametrize("scenario", sorted(FOUR_RANKS))
+def test_fsdp_replicas(tmp_path, scenario, device):
     enough_gpus(device)
     if device == "cuda" and world_of(device) < 4:
         pytest.skip("needs 4 GPUs")
-    spawn(tmp_path, "replicas", world=4, device=device)
+    spawn(tmp_path, scenario, world=4, device=device)

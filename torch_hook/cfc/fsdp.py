@@ -89,17 +89,24 @@ def register(model: Any, state: Optional[CfcState] = None, *, replicas: Optional
 
     Args:
         model: a module on which ``fully_shard`` was called (it, or modules inside it).
-        state: the options (:class:`cfc.CfcState`); default ``CfcState(warmup_steps=0)``, a
-            bound of 0.3 x each group's RMS. Here a *step* is one reduce-scatter (one module's
-            gradients), so ``warmup_steps`` counts those. ``fallback="auto"`` is not supported
-            yet (``"never"`` and ``"always"`` are).
+        state: the options (:class:`cfc.CfcState`, not used elsewhere); default
+            ``CfcState(warmup_steps=0)``, a bound of 0.3 x each group's RMS. Here a *step* is
+            one reduce-scatter (one module's gradients), so ``warmup_steps`` counts those.
+            ``fallback="auto"`` is not supported yet (``"never"`` and ``"always"`` are). Its
+            process group, when not given, is FSDP's shard group.
         replicas: for replicas of the sharded model (see the module docs), a second state,
             whose process group is the replicate group: the average over the replicas of each
             reduce-scatter's output, compressed, through ``FSDPModule.set_all_reduce_hook``.
 
+    Reduce-scatters cfc does not compress go through torch's own, uncompressed, after a log
+    line: groups of a dtype other than float32, bfloat16 and float16, and the pre-multiplied
+    sums FSDP asks for after ``set_gradient_divide_factor`` with a factor other than the
+    shard group's size.
+
     Raises:
-        TypeError: ``state`` is not a ``cfc.CfcState``; ``model`` holds no ``FSDPModule``.
-        ValueError: ``fallback="auto"``.
+        TypeError: a state is not a ``cfc.CfcState``; ``model`` holds no ``FSDPModule``.
+        ValueError: ``fallback="auto"``; ``replicas`` without a process group of its own, or
+            with a model sharded over a 2-D mesh (native HSDP already averages its replicas).
         RuntimeError: this torch has no ``FSDPModule.set_custom_reduce_scatter``.
     """
     from torch.distributed.fsdp import FSDPModule
@@ -118,11 +125,36 @@ def register(model: Any, state: Optional[CfcState] = None, *, replicas: Optional
     modules: List[Any] = [m for m in model.modules() if isinstance(m, FSDPModule)]
     if not modules:
         raise TypeError("the model holds no FSDPModule: call fully_shard on it (or on its layers) first")
+    groups = [g for g in (_param_group(m) for m in modules) if g is not None]
+    if replicas is not None and any(getattr(g, "_is_hsdp", False) for g in groups):
+        raise ValueError("the model is sharded over a 2-D mesh (native HSDP), which averages the replicas "
+                         "itself: shard it over mesh['shard'] to have cfc average them")
+    if state.process_group is None and groups:
+        # FSDP's shard group, known now: a checkpoint loaded before the first backward binds to it.
+        state.process_group = getattr(getattr(groups[0], "mesh_info", None), "shard_process_group", None)
+    for s in (state, replicas):
+        if s is not None:
+            s._residuals.keep_unseen = True  # one group per step: every residual lives on
     for key, m in enumerate(modules):
         m.set_custom_reduce_scatter(CfcReduceScatter(state, key))
         if replicas is not None:
-            m.set_all_reduce_hook(functools.partial(average_replicas, replicas, key))
+            m.set_all_reduce_hook(functools.partial(average_replicas, replicas, key, state))
+    state._fsdp_replicas = replicas  # told of this state's failures (see reduce_scatter)
     return state
+
+
+def _param_group(module: Any) -> Any:
+    """FSDP's parameter group of ``module`` (None for one without parameters, or where this
+    torch keeps it elsewhere: FSDP's private layout)."""
+    try:
+        st = module._get_fsdp_state()
+        groups = getattr(st, "_fsdp_param_groups", None)
+        if groups is None:
+            g = getattr(st, "_fsdp_param_group", None)
+            groups = [g] if g is not None else []
+        return groups[0] if groups else None
+    except Exception:  # noqa: BLE001 - a private API: without it, the group binds at the first call
+        return None
 
 
 def _scale_of(op: Any) -> Any:
@@ -151,11 +183,39 @@ def _bind_group(state: CfcState, group: Any) -> None:
     state._bind()
 
 
+def _submit(state: CfcState, key: int, data: Any, out: Any, scale: Any) -> None:
+    """One job of the engine, and the wait for it: ``data`` reduced in place (``out`` None) or
+    into ``out`` (a reduce-scatter), queued on the current stream when this returns."""
+    engine = state._engine_for(data.device)
+    # The whole input as one "parameter" of ordinal `key`: its residual is saved in checkpoints.
+    r, fresh = state._residuals.get(key, ((key, 0, data.numel()),), data) if state._feeds(data) else (None, False)
+    state._keep.append((data, out, r))
+    stream = _engine.stream_of(data)
+    engine.submit(
+        key, fingerprint(None, data), _engine.describe(data),
+        None if r is None else (r.data_ptr(), r.numel()),
+        None if out is None else (out.data_ptr(), out.numel()), scale, True, fresh, stream,
+    )
+    state._end_step(stream)
+
+
+def _failed(state: CfcState, step: int, e: BaseException, linked: Optional[CfcState]) -> None:
+    """A failure here: the state's peers hear of it (and the peers of ``linked``, the other
+    state of a model with replicas, whose ranks may be waiting in its engine), and the step
+    closes unless it already did."""
+    _fail(state, e, last=state.step == step)
+    engine = getattr(linked, "_engine", None)
+    if engine is not None:
+        engine.fail(f"{type(e).__name__}: {e}")
+
+
 def reduce_scatter(state: CfcState, key: int, out: Any, inp: Any, group: Any, op: Any) -> None:
     """One FSDP reduce-scatter: ``inp`` (``world`` shards, rank-major) reduced over ``group``
-    into ``out`` (this rank's shard), queued on the current stream before this returns. A
-    failure here, or on any other rank, raises on every rank (``cfc.CfcError`` naming the rank
-    where it began, or this rank's own error)."""
+    into ``out`` (this rank's shard), queued on the current stream before this returns. Once
+    the engine runs, a failure here or on any other rank raises on every rank (``cfc.CfcError``
+    naming the rank where it began, or this rank's own error); a refusal before it (a group or
+    tensor that does not fit) raises here, as it does on every rank that makes the same call."""
+    step = getattr(state, "step", 0)
     try:
         if not isinstance(state, CfcState):
             raise TypeError(f"the state must be a cfc.CfcState, got {type(state).__name__}")
@@ -169,58 +229,57 @@ def reduce_scatter(state: CfcState, key: int, out: Any, inp: Any, group: Any, op
             raise ValueError(f"a reduce-scatter of {inp.numel()} elements over {state.world} ranks "
                              f"cannot fill a shard of {out.numel()}")
         if scale is False or not _compressible(inp):
-            _plain(state, out, inp, op)
+            _plain(state, f"reduce-scatters of {inp.dtype} with {op}",
+                   lambda: _torch_reduce_scatter(out, inp, op, state.process_group))
             return
-        engine = state._engine_for(inp.device)
-        flat, shard = inp.view(-1), out.view(-1)
-        r, fresh = state._residuals.get(key, None, flat) if state._feeds(flat) else (None, False)
-        state._keep.append((flat, shard, r))
-        stream = _engine.stream_of(flat)
-        engine.submit(
-            key, fingerprint(None, flat), _engine.describe(flat),
-            None if r is None else (r.data_ptr(), r.numel()),
-            (shard.data_ptr(), shard.numel()), scale, True, fresh, stream,
-        )
-        state._end_step(stream)
+        _submit(state, key, inp.view(-1), out.view(-1), scale)
     except BaseException as e:  # noqa: BLE001 - re-raised: FSDP's backward() raises it
-        _fail(state, e, last=True)  # the peers' waits end with it
+        if isinstance(state, CfcState):
+            _failed(state, step, e, getattr(state, "_fsdp_replicas", None))
         raise
 
 
-def _plain(state: CfcState, out: Any, inp: Any, op: Any) -> None:
-    """A reduce-scatter cfc does not compress (a dtype it does not quantize, a pre-multiplied
-    sum): torch's own, once the engine has finished what it was given."""
-    import torch.distributed as dist
-
-    kind = f"{inp.dtype} with {op}"
-    if kind not in state._plain_kinds:
-        state._plain_kinds.add(kind)
-        logger.warning("cfc.fsdp: reduce-scatters of %s go through torch.distributed uncompressed", kind)
-    if state._engine is not None:
-        state._engine.wait(_engine.stream_of_device(state._device))
-    dist.reduce_scatter_tensor(out, inp, op=op, group=state.process_group)
-
-
-def average_replicas(state: CfcState, key: int, shard: Any) -> None:
+def average_replicas(state: CfcState, key: int, sharded: Optional[CfcState], shard: Any) -> None:
     """FSDP's all-reduce hook for replicas: ``shard`` (a reduce-scatter's output) averaged in
-    place over the state's process group (the replicate group), queued on the current stream
-    before this returns."""
+    place over ``state``'s process group (the replicate group), queued on the current stream
+    before this returns. ``sharded``: the state of the reduce-scatters, told of a failure here."""
+    step = getattr(state, "step", 0)
     try:
         if not isinstance(state, CfcState):
             raise TypeError(f"the state must be a cfc.CfcState, got {type(state).__name__}")
         state._bind()
-        if not (_compressible(shard) and shard.is_contiguous()):
-            raise ValueError(f"cfc averages dense contiguous float32, bfloat16 or float16 shards, got {shard.dtype}")
-        engine = state._engine_for(shard.device)
-        flat = shard.view(-1)
-        r, fresh = state._residuals.get(key, None, flat) if state._feeds(flat) else (None, False)
-        state._keep.append((flat, r))
-        stream = _engine.stream_of(flat)
-        engine.submit(
-            key, fingerprint(None, flat), _engine.describe(flat),
-            None if r is None else (r.data_ptr(), r.numel()), None, None, True, fresh, stream,
-        )
-        state._end_step(stream)
+        if not shard.is_contiguous():
+            raise ValueError("FSDP's reduce-scatter output must be contiguous")
+        if not _compressible(shard):
+            _plain(state, f"replica averages of {shard.dtype}",
+                   lambda: _torch_average(shard, state.process_group))
+            return
+        _submit(state, key, shard.view(-1), None, None)
     except BaseException as e:  # noqa: BLE001 - re-raised: FSDP's backward() raises it
-        _fail(state, e, last=True)
+        if isinstance(state, CfcState):
+            _failed(state, step, e, sharded)
         raise
+
+
+def _torch_reduce_scatter(out: Any, inp: Any, op: Any, group: Any) -> None:
+    import torch.distributed as dist
+
+    dist.reduce_scatter_tensor(out, inp, op=op, group=group)
+
+
+def _torch_average(t: Any, group: Any) -> None:
+    import torch.distributed as dist
+
+    dist.all_reduce(t, group=group)
+    t.div_(dist.get_world_size(group))
+
+
+def _plain(state: CfcState, kind: str, run: Any) -> None:
+    """What cfc does not compress (a dtype it does not quantize, a pre-multiplied sum): torch's
+    own collective, once the engine has finished what it was given."""
+    if kind not in state._plain_kinds:
+        state._plain_kinds.add(kind)
+        logger.warning("cfc.fsdp: %s go through torch.distributed uncompressed", kind)
+    if state._engine is not None:
+        state._engine.wait(_engine.stream_of_device(state._device))
+    run()

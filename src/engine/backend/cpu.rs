@@ -293,6 +293,13 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn caller_touches(&mut self, tensors: &[Tensor]) -> Result<()> {
+        for t in tensors {
+            self.touch(Lane::Compute, t.region(), true, "the caller")?;
+        }
+        Ok(())
+    }
+
     fn join(&mut self, to: Lane, from: Lane) -> Result<()> {
         if let Some(c) = &mut self.lanes {
             c.join(to, from);

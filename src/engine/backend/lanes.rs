@@ -10,7 +10,8 @@
 //! [`crate::engine::backend::Backend::join`] or by the host having waited for a mark of the
 //! other lane recorded after it (work queued after such a wait starts after that work ended).
 //!
-//! It is on in the crate's tests and wherever `CFC_CHECK_LANES=1` (the Python tests set it).
+//! It is on in the crate's unit tests (`src/engine/tests.rs`) and wherever `CFC_CHECK_LANES=1`
+//! (the Python tests set it).
 
 use crate::engine::backend::Lane;
 use crate::engine::job::Region;
@@ -24,6 +25,13 @@ fn index(lane: Lane) -> usize {
     match lane {
         Lane::Compute => 0,
         Lane::Comm => 1,
+    }
+}
+
+fn other_lane(lane: Lane) -> Lane {
+    match lane {
+        Lane::Compute => Lane::Comm,
+        Lane::Comm => Lane::Compute,
     }
 }
 
@@ -127,14 +135,15 @@ impl LaneCheck {
                 name(p.lane),
             )));
         }
-        // Forget what this access makes redundant: anything of the same range or inside it on
-        // this lane that a later conflicting access would conflict with here as well, and
-        // anything ordered before a write that covers it.
+        // Forget what can no longer conflict with anything: an access the other lane is already
+        // ordered after (same-lane accesses never conflict), and anything of this range or
+        // inside it on this lane that a later conflicting access would conflict with here as
+        // well.
         let after = self.after;
         let within = |p: &Access| p.start >= now.start && p.end <= now.end;
         self.seen.retain(|p| {
-            !(within(p)
-                && ((p.lane == lane && (write || !p.write)) || (write && ordered(p, &after))))
+            let settled = after[index(other_lane(p.lane))][index(p.lane)] >= p.at;
+            !(settled || (within(p) && p.lane == lane && (write || !p.write)))
         });
         if self.seen.len() >= KEEP {
             self.seen.drain(..KEEP / 2);

@@ -77,6 +77,19 @@ pub(crate) trait Backend: Send + 'static {
     /// Device errors.
     fn begin(&mut self, ready: Self::Ready) -> Result<()>;
 
+    /// The caller's use of a job's tensors, for checks only: after [`Backend::begin`] (the
+    /// caller wrote them before it submitted the job) and before [`Backend::done`] (the caller
+    /// uses them once the step is done), each as a write on the compute lane, the one lane the
+    /// caller's stream is ordered with. Nothing on a GPU; the CPU backend's lane check records
+    /// them, so that a comm-lane use of a tensor without a join from the compute lane first, or
+    /// a step that ends without a join from the comm lane, is found.
+    ///
+    /// # Errors
+    /// The lane check's (see `lanes.rs`).
+    fn caller_touches(&mut self, _tensors: &[Tensor]) -> Result<()> {
+        Ok(())
+    }
+
     /// Orders `to` after everything queued on `from` so far.
     ///
     /// # Errors

@@ -44,6 +44,7 @@ def reduce_bucket(state: CfcState, bucket: Any, for_ddp: bool) -> Any:
     import torch
 
     last = False
+    step = getattr(state, "step", None)  # (a step closed by _end_step is not closed again)
     try:
         if not isinstance(state, CfcState):
             raise TypeError(f"cfc_hook's state must be a cfc.CfcState, got {type(state).__name__}")
@@ -71,7 +72,7 @@ def reduce_bucket(state: CfcState, bucket: Any, for_ddp: bool) -> Any:
         if last:
             state._end_step(_engine.stream_of(buf))
     except BaseException as e:  # noqa: BLE001 - handed to DDP (backward() raises it) or AllReducer
-        _fail(state, e, last)
+        _fail(state, e, last and getattr(state, "step", None) == step)
         return _failed_future(e, for_ddp)
     done = torch.futures.Future()
     done.set_result(buf)
@@ -79,8 +80,9 @@ def reduce_bucket(state: CfcState, bucket: Any, for_ddp: bool) -> Any:
 
 
 def _fail(state: Any, e: BaseException, last: bool) -> None:
-    """A failure in this rank's hook: the peers hear of it (their waits end), and at the step's
-    last bucket the step still closes here (its earlier buckets' memory is let go)."""
+    """A failure in this rank's hook: the peers hear of it (their waits end), and where the
+    step's last bucket failed before the step closed (``last``), the step closes here (its
+    earlier buckets' memory is let go)."""
     engine = getattr(state, "_engine", None)
     if engine is not None and not isinstance(e, cfc.CfcError):
         engine.fail(f"{type(e).__name__}: {e}")

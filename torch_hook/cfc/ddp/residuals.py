@@ -42,6 +42,10 @@ class Residuals:
         self.saved_layouts: Dict[int, tuple] = {}  # bucket -> ordinals, from a checkpoint
         self.resets = 0  # residuals restarted at zero (counted in stats)
         self.seen: set = set()  # buckets run this step
+        # Whether a bucket's residual outlives a step in which it did not run. DDP runs every
+        # bucket every step (one that does not run was rebuilt into others); FSDP2 runs one
+        # group per step (cfc.fsdp), so there every residual is kept.
+        self.keep_unseen = False
 
     def layout(self, bucket: Any, buf: Any) -> Layout:
         """(ordinal, offset, numel) of each parameter in the bucket's buffer ``buf``; None when
@@ -122,8 +126,8 @@ class Residuals:
 
     def end_step(self) -> None:
         """At a step's end: residuals of buckets that did not run go (what they held lives on
-        in the buckets that took their parameters)."""
-        for k in [k for k in self.by_bucket if k not in self.seen]:
+        in the buckets that took their parameters), unless ``keep_unseen``."""
+        for k in [k for k in self.by_bucket if k not in self.seen and not self.keep_unseen]:
             del self.by_bucket[k]
         live = {id(r) for _, r in self.by_bucket.values()}
         for o in [o for o, (t, _, _) in self.where.items() if id(t) not in live]:
