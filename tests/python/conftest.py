@@ -45,6 +45,42 @@ def place_rank(device, rank):
     return dev, "nccl" if device == "cuda" else "gloo"
 
 
+def run_scenario(rank, world, init_file, module, scenario, out, device="cpu"):
+    """One rank of a multi-process test, in its own process: ``module.SCENARIOS[scenario]``
+    (a function of ``(rank, world, out)``) with the module's ``DEV`` set to this rank's device,
+    its process group joined, and the cfc states it leaves closed before the process ends."""
+    import importlib
+
+    import torch
+    import torch.distributed as dist
+
+    mod = importlib.import_module(module)
+    mod.DEV, backend = place_rank(device, rank)
+    if mod.DEV.type == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # the same bits every run
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cuda.matmul.allow_tf32 = False
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    try:
+        mod.SCENARIOS[scenario](rank, world, out)
+    finally:
+        close_cfc_states()
+        dist.destroy_process_group()
+
+
+def spawn_scenario(tmp_path, module, scenario, world, device="cpu"):
+    """Runs ``scenario`` of test module ``module`` on ``world`` processes; returns what one of
+    them put in its queue, if any."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    mp.spawn(run_scenario, args=(world, str(tmp_path / "init"), module, scenario, out, device), nprocs=world,
+             join=True)
+    return out.get() if not out.empty() else None
+
+
 def enough_gpus(device):
     """Skip a test on ``device`` where this machine has too few GPUs for it."""
     import torch

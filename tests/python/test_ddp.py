@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import cfc
 from cfc import CfcState, cfc_hook
-from conftest import close_cfc_states, enough_gpus, place_rank, world_of
+from conftest import close_cfc_states, enough_gpus, run_scenario, spawn_scenario, world_of
 
 
 class Net(nn.Module):
@@ -83,22 +83,6 @@ def same_on_all_ranks(t):
     everyone = [torch.empty_like(t) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, t.contiguous())
     return all(torch.equal(e, everyone[0]) for e in everyone)
-
-
-def _worker(rank, world, init_file, scenario, out, device="cpu"):
-    global DEV
-    DEV, backend = place_rank(device, rank)
-    if DEV.type == "cuda":
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # the same bits every run
-        torch.use_deterministic_algorithms(True)
-        torch.backends.cuda.matmul.allow_tf32 = False
-    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
-    torch.set_num_threads(1)
-    try:
-        SCENARIOS[scenario](rank, world, out)
-    finally:
-        close_cfc_states()
-        dist.destroy_process_group()
 
 
 def parity(rank, world, out):
@@ -448,11 +432,7 @@ SCENARIOS = {
 
 
 def spawn(tmp_path, scenario, world=None, device="cpu"):
-    world = world or world_of(device)
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    mp.spawn(_worker, args=(world, str(tmp_path / "init"), scenario, out, device), nprocs=world, join=True)
-    return out.get() if not out.empty() else None
+    return spawn_scenario(tmp_path, "test_ddp", scenario, world or world_of(device), device)
 
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu), pytest.param("shared-gpu", marks=pytest.mark.gpu)]
@@ -498,7 +478,8 @@ def test_a_rank_that_dies_fails_the_others_within_seconds(tmp_path, device):
     world = world_of(device)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, world, str(tmp_path / "init"), "rank_dies", out, device))
+    procs = [ctx.Process(target=run_scenario, args=(r, world, str(tmp_path / "init"), "test_ddp", "rank_dies", out,
+                                                    device))
              for r in range(world)]
     for p in procs:
         p.start()

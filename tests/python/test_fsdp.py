@@ -2,19 +2,17 @@
 weights and batches: 2 and 3 processes with gloo on the CPU (in CI), and one GPU per rank over
 NCCL (``-m gpu``)."""
 
-import os
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 
 import cfc
 import cfc.fsdp
 from cfc import CfcState
-from conftest import close_cfc_states, enough_gpus, place_rank, world_of
+from conftest import enough_gpus, spawn_scenario, world_of
 
 fsdp = pytest.importorskip("torch.distributed.fsdp")
 if not hasattr(getattr(fsdp, "FSDPModule", object), "set_custom_reduce_scatter"):
@@ -328,27 +326,8 @@ FOUR_RANKS = {f.__name__: f for f in (replicas, replica_failure)}  # (test_fsdp_
 SCENARIOS.update(FOUR_RANKS)
 
 
-def _worker(rank, world, init_file, scenario, out, device="cpu"):
-    global DEV
-    DEV, backend = place_rank(device, rank)
-    if DEV.type == "cuda":
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # the same bits every run
-        torch.use_deterministic_algorithms(True)
-        torch.backends.cuda.matmul.allow_tf32 = False
-    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
-    torch.set_num_threads(1)
-    try:
-        SCENARIOS[scenario](rank, world, out)
-    finally:
-        close_cfc_states()
-
-
 def spawn(tmp_path, scenario, world=None, device="cpu"):
-    world = world or world_of(device)
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    mp.spawn(_worker, args=(world, str(tmp_path / "init"), scenario, out, device), nprocs=world, join=True)
-    return out.get() if not out.empty() else None
+    return spawn_scenario(tmp_path, "test_fsdp", scenario, world or world_of(device), device)
 
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
