@@ -318,6 +318,13 @@ impl Engine {
         py.detach(|| engine.wait(stream)).map_err(to_py)
     }
 
+    /// Closes the step without a job of its own (see `cfc::engine::Engine::end_step`); raises
+    /// the failure of any rank.
+    fn end_step(&self, py: Python<'_>) -> PyResult<()> {
+        let engine = self.live()?;
+        py.detach(|| engine.end_step()).map_err(to_py)
+    }
+
     /// Fails this rank with `reason` (an exception of the caller's): every rank's next wait
     /// raises it.
     fn fail(&self, reason: &str) -> PyResult<()> {

@@ -67,6 +67,7 @@ pub enum Fault {
 pub(crate) enum Msg {
     Job(Job, Box<dyn Any + Send>),
     Flush,
+    EndStep,
     Agree(u64),
     Reset,
     State(Sender<EngineState>),
@@ -457,6 +458,19 @@ impl Engine {
             Some(d) => d(stream),
             None => Ok(()),
         }
+    }
+
+    /// Closes the step without a job of its own: for callers that learn where a step ends only
+    /// after its last job (FSDP2 runs one group per call, [`Engine::wait`]ing for each, and
+    /// ends the step when the backward pass does). The warm-up and the trial count such steps.
+    /// Every rank must call it at the same point of its jobs. Waits like [`Engine::wait`],
+    /// without ordering a stream.
+    ///
+    /// # Errors
+    /// As [`Engine::wait`].
+    pub fn end_step(&self) -> Result<()> {
+        let want = self.send_counted(Msg::EndStep)?;
+        self.wait_for(want)
     }
 
     /// The error a failed wait reports.

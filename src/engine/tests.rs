@@ -318,6 +318,53 @@ fn a_resend_after_a_larger_bucket_waits_for_its_decoding() {
     }
 }
 
+/// Steps that end after their jobs (FSDP2's way: each job waited for alone, the step ended
+/// when the backward pass ends): a wait does not count a step, `end_step` does, and the
+/// warm-up and the trial count those steps, alike on every rank.
+#[test]
+fn steps_ended_apart_from_their_jobs_drive_the_warmup_and_the_trial() {
+    let mut o = options(BoundRule::Rms(0.3));
+    o.warmup_steps = 1;
+    o.fallback = Fallback::Auto { trial_steps: 2 };
+    let n = 20_000;
+    let out = ranks(2, &o, |rank, e| {
+        let mut per_step = Vec::new();
+        for step in 0..5 {
+            let before = e.stats();
+            for key in 0..3u64 {
+                let mut x = grads(rank + key as usize, step, n);
+                // SAFETY: `x` lives until the wait below returns.
+                unsafe { e.submit(job(key, &mut x, None, false), 0) }.unwrap();
+                e.wait(0).unwrap();
+            }
+            e.end_step().unwrap();
+            let after = e.stats();
+            per_step.push((
+                after.plain - before.plain,
+                after.compressed - before.compressed,
+            ));
+        }
+        (per_step, e.state().unwrap())
+    });
+    let decisions = |s: &EngineState| s.buckets.iter().map(|b| b.decision).collect::<Vec<_>>();
+    assert_eq!(out[0].0, out[1].0);
+    assert_eq!(decisions(&out[0].1), decisions(&out[1].1));
+    let (per_step, state) = &out[0];
+    assert_eq!(
+        per_step[0],
+        (3, 0),
+        "the warm-up step goes plain: {per_step:?}"
+    );
+    // the trial: each bucket one way in one step and the other way in the next
+    assert_eq!(per_step[1].0 + per_step[2].0, 3, "{per_step:?}");
+    assert_eq!(per_step[1].1 + per_step[2].1, 3, "{per_step:?}");
+    assert_eq!(state.step, 5);
+    assert!(
+        state.buckets.iter().all(|b| b.decision.is_some()),
+        "{state:?}"
+    );
+}
+
 #[test]
 fn the_warmup_and_the_trial_choose_alike_on_every_rank() {
     let world = 3;

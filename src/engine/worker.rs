@@ -147,6 +147,7 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
                     }
                 }
                 Msg::Flush => self.close(false),
+                Msg::EndStep => self.close(true),
                 Msg::Agree(token) => {
                     if !self.failed {
                         if let Err(e) = self.agree(token) {

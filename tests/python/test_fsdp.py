@@ -111,7 +111,7 @@ def parity(rank, world, out):
         dist.all_gather(everyone, full)
         assert all(torch.equal(e, everyone[0]) for e in everyone)
     s = state.stats()
-    assert s["ratio"] > 3 and s["step"] == 30 * 3, s
+    assert s["ratio"] > 3 and s["step"] == 30, s  # a step is a backward pass
 
 
 def accumulate(rank, world, out):
@@ -163,6 +163,31 @@ def feedback(rank, world, out):
     worst = max((t - w).abs().max().item() for t, w in zip(total, want))
     assert worst <= eps * (1 + 1e-3) + 1e-6, worst
     assert len(state.state_dict()["residuals"]) == 3
+
+
+def fallback(rank, world, out):
+    """Steps are backward passes: one of warm-up (every group plain), then fallback="auto"'s
+    trial (each group one way in one pass and the other way in the next), then every group
+    keeps the way every rank's timings chose alike. fallback="always" never compresses."""
+    model, opt, state = make(CfcState(warmup_steps=1, fallback="auto", trial_steps=2, min_compress_numel=0))
+    per_step = []
+    for step in range(5):
+        before = state.stats()
+        train(model, opt, rank, 1, start=step)
+        after = state.stats()
+        per_step.append(tuple(after[k] - before[k] for k in ("plain_buckets", "compressed_buckets")))
+    assert per_step[0] == (3, 0), per_step
+    assert per_step[1][0] + per_step[2][0] == 3 and per_step[1][1] + per_step[2][1] == 3, per_step
+    assert state.stats()["step"] == 5
+    decisions = [(b["key"], b["decision"]) for b in state.state_dict()["engine"]["buckets"]]
+    assert len(decisions) == 3 and all(d is not None for _, d in decisions), decisions
+    everyone = [None] * world
+    dist.all_gather_object(everyone, sorted(decisions))
+    assert all(e == everyone[0] for e in everyone), everyone
+    model, opt, state = make(CfcState(warmup_steps=0, fallback="always", min_compress_numel=0))
+    train(model, opt, rank, 2)
+    s = state.stats()
+    assert s["compressed_buckets"] == 0 and s["plain_buckets"] == 6, s
 
 
 def mismatch(rank, world, out):
@@ -312,16 +337,14 @@ def plain_paths(rank, world, out):
 def refusals(rank, world, out):
     """What register refuses, before anything runs."""
     model, _, _ = make(register=False)
-    with pytest.raises(ValueError, match="auto"):
-        cfc.fsdp.register(model, CfcState(fallback="auto"))
     with pytest.raises(TypeError, match="CfcState"):
         cfc.fsdp.register(model, object())
     with pytest.raises(TypeError, match="no FSDPModule"):
         cfc.fsdp.register(nn.Linear(2, 2))
 
 
-SCENARIOS = {f.__name__: f for f in (bound, parity, accumulate, overflow, feedback, mismatch, failures, resume,
-                                      plain_paths, refusals)}
+SCENARIOS = {f.__name__: f for f in (bound, parity, accumulate, overflow, feedback, fallback, mismatch, failures,
+                                      resume, plain_paths, refusals)}
 FOUR_RANKS = {f.__name__: f for f in (replicas, replica_failure)}  # (test_fsdp_replicas)
 SCENARIOS.update(FOUR_RANKS)
 

@@ -90,10 +90,11 @@ def register(model: Any, state: Optional[CfcState] = None, *, replicas: Optional
     Args:
         model: a module on which ``fully_shard`` was called (it, or modules inside it).
         state: the options (:class:`cfc.CfcState`, not used elsewhere); default
-            ``CfcState(warmup_steps=0)``, a bound of 0.3 x each group's RMS. Here a *step* is
-            one reduce-scatter (one module's gradients), so ``warmup_steps`` counts those.
-            ``fallback="auto"`` is not supported yet (``"never"`` and ``"always"`` are). Its
-            process group, when not given, is FSDP's shard group.
+            ``CfcState(warmup_steps=0)``, a bound of 0.3 x each group's RMS. A *step* is a
+            backward pass that reduce-scatters (``warmup_steps`` and ``trial_steps`` count
+            those; with ``fallback="auto"`` each group keeps the faster way, plain or
+            compressed, as its trial found). Its process group, when not given, is FSDP's
+            shard group.
         replicas: for replicas of the sharded model (see the module docs), a second state,
             whose process group is the replicate group: the average over the replicas of each
             reduce-scatter's output, compressed, through ``FSDPModule.set_all_reduce_hook``.
@@ -105,7 +106,7 @@ def register(model: Any, state: Optional[CfcState] = None, *, replicas: Optional
 
     Raises:
         TypeError: a state is not a ``cfc.CfcState``; ``model`` holds no ``FSDPModule``.
-        ValueError: ``fallback="auto"``; ``replicas`` without a process group of its own, or
+        ValueError: ``replicas`` without a process group of its own, or
             with a model sharded over a 2-D mesh (native HSDP already averages its replicas).
         RuntimeError: this torch has no ``FSDPModule.set_custom_reduce_scatter``.
     """
@@ -115,8 +116,6 @@ def register(model: Any, state: Optional[CfcState] = None, *, replicas: Optional
     for s in (state, replicas):
         if s is not None and not isinstance(s, CfcState):
             raise TypeError(f"states must be cfc.CfcState, got {type(s).__name__}")
-        if s is not None and s.fallback == "auto":
-            raise ValueError("fallback='auto' is not supported for FSDP2 yet: use 'never' or 'always'")
     if replicas is not None and (replicas is state or replicas.process_group is None):
         raise ValueError("replicas must be a CfcState of its own, made with the replicate group "
                          "(process_group=mesh['replicate'].get_group())")
@@ -185,8 +184,10 @@ def _bind_group(state: CfcState, group: Any) -> None:
 
 def _submit(state: CfcState, key: int, data: Any, out: Any, scale: Any) -> None:
     """One job of the engine, and the wait for it: ``data`` reduced in place (``out`` None) or
-    into ``out`` (a reduce-scatter), queued on the current stream when this returns."""
+    into ``out`` (a reduce-scatter), queued on the current stream when this returns. The step
+    (what the warm-up and the trial count) ends with the backward pass (:func:`_end_step`)."""
     engine = state._engine_for(data.device)
+    in_backward = _open_step(state)
     # The whole input as one "parameter" of ordinal `key`: its residual is saved in checkpoints.
     r, fresh = state._residuals.get(key, ((key, 0, data.numel()),), data) if state._feeds(data) else (None, False)
     state._keep.append((data, out, r))
@@ -194,16 +195,52 @@ def _submit(state: CfcState, key: int, data: Any, out: Any, scale: Any) -> None:
     engine.submit(
         key, fingerprint(None, data), _engine.describe(data),
         None if r is None else (r.data_ptr(), r.numel()),
-        None if out is None else (out.data_ptr(), out.numel()), scale, True, fresh, stream,
+        None if out is None else (out.data_ptr(), out.numel()), scale, False, fresh, stream,
     )
-    state._end_step(stream)
+    try:
+        engine.wait(stream)
+    finally:
+        state._keep = []
+    if not in_backward:
+        _end_step(state)
 
 
-def _failed(state: CfcState, step: int, e: BaseException, linked: Optional[CfcState]) -> None:
+def _open_step(state: CfcState) -> bool:
+    """At the first group of a backward pass: the step ends when the pass does (a callback of
+    autograd's, after FSDP's own). Returns False outside a backward pass (a reduce-scatter
+    called directly), where the step is the call."""
+    if getattr(state, "_fsdp_step_open", False):
+        return True
+    from torch.autograd import Variable
+
+    try:
+        Variable._execution_engine.queue_callback(functools.partial(_end_step, state))
+    except RuntimeError:  # "Final callbacks can only be installed during backward pass"
+        return False
+    state._fsdp_step_open = True
+    return True
+
+
+def _end_step(state: CfcState) -> None:
+    """The end of a step: the engine closes it (alike on every rank: each rank's backward
+    pass ends after the same groups), and the state counts it."""
+    state._fsdp_step_open = False
+    try:
+        if state._engine is not None:
+            state._engine.end_step()
+    finally:
+        state._residuals.end_step()
+        state.step += 1
+    if state.options.log_every and state.step % state.options.log_every == 0:
+        logger.info("cfc.fsdp step %d: %s", state.step, state.stats())
+
+
+def _failed(state: CfcState, e: BaseException, linked: Optional[CfcState]) -> None:
     """A failure here: the state's peers hear of it (and the peers of ``linked``, the other
-    state of a model with replicas, whose ranks may be waiting in its engine), and the step
-    closes unless it already did."""
-    _fail(state, e, last=state.step == step)
+    state of a model with replicas, whose ranks may be waiting in its engine). The backward
+    pass raises, so its step does not end: the next pass opens one again."""
+    _fail(state, e, last=False)
+    state._fsdp_step_open = False
     engine = getattr(linked, "_engine", None)
     if engine is not None:
         engine.fail(f"{type(e).__name__}: {e}")
@@ -215,7 +252,6 @@ def reduce_scatter(state: CfcState, key: int, out: Any, inp: Any, group: Any, op
     the engine runs, a failure here or on any other rank raises on every rank (``cfc.CfcError``
     naming the rank where it began, or this rank's own error); a refusal before it (a group or
     tensor that does not fit) raises here, as it does on every rank that makes the same call."""
-    step = getattr(state, "step", 0)
     try:
         if not isinstance(state, CfcState):
             raise TypeError(f"the state must be a cfc.CfcState, got {type(state).__name__}")
@@ -235,7 +271,7 @@ def reduce_scatter(state: CfcState, key: int, out: Any, inp: Any, group: Any, op
         _submit(state, key, inp.view(-1), out.view(-1), scale)
     except BaseException as e:  # noqa: BLE001 - re-raised: FSDP's backward() raises it
         if isinstance(state, CfcState):
-            _failed(state, step, e, getattr(state, "_fsdp_replicas", None))
+            _failed(state, e, getattr(state, "_fsdp_replicas", None))
         raise
 
 
@@ -243,7 +279,6 @@ def average_replicas(state: CfcState, key: int, sharded: Optional[CfcState], sha
     """FSDP's all-reduce hook for replicas: ``shard`` (a reduce-scatter's output) averaged in
     place over ``state``'s process group (the replicate group), queued on the current stream
     before this returns. ``sharded``: the state of the reduce-scatters, told of a failure here."""
-    step = getattr(state, "step", 0)
     try:
         if not isinstance(state, CfcState):
             raise TypeError(f"the state must be a cfc.CfcState, got {type(state).__name__}")
@@ -257,7 +292,7 @@ def average_replicas(state: CfcState, key: int, sharded: Optional[CfcState], sha
         _submit(state, key, shard.view(-1), None, None)
     except BaseException as e:  # noqa: BLE001 - re-raised: FSDP's backward() raises it
         if isinstance(state, CfcState):
-            _failed(state, step, e, sharded)
+            _failed(state, e, sharded)
         raise
 
 
