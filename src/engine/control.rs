@@ -9,9 +9,13 @@
 //! milliseconds, where a collective on its own would wait for its timeout (over NVLink, NCCL
 //! cannot tell that a peer died).
 //!
-//! A failure carries the number of the job it happened at (every rank numbers its jobs alike).
-//! A rank's waits end only for a failure at or before the job it is working on: a peer that
-//! failed at a later job had finished this one, and so the work this rank waits for will come.
+//! A failure carries the *point* it happened at: the engine's messages that may run
+//! collectives (its jobs, and the step ends, agreements, resets and the stop between them) are
+//! numbered alike on every rank, since every rank sends the same ones in the same order. A
+//! rank's waits end only for a failure at or before the point it is working on: a peer that
+//! failed at a later point had finished this one, and so the work this rank waits for will come.
+//! A caller's failure (`Engine::fail`) is at the next point, so that the peers finish what this
+//! rank has sent and this rank gives up at the next thing it would do, whatever that is.
 
 use crate::error::Error;
 use std::sync::{Arc, Mutex};
@@ -23,9 +27,9 @@ pub struct Failure {
     pub rank: usize,
     /// Its error, in words.
     pub reason: String,
-    /// The job it happened at (counted from 1 in the order of submission, the same on every
-    /// rank), or 0 where that is not known (a process that died): then it ends every wait.
-    pub job: u64,
+    /// The point it happened at (counted from 1, the same on every rank: see the module
+    /// docs), or 0 where that is not known (a process that died): then it ends every wait.
+    pub at: u64,
 }
 
 impl Failure {
@@ -45,7 +49,7 @@ pub(crate) type Tell = Box<dyn Fn(&Failure) + Send + Sync>;
 pub struct Control {
     first: Mutex<Option<Failure>>,
     tell: Mutex<Option<Tell>>,
-    /// The job this rank's engine is working on (see the module docs).
+    /// The point this rank's engine is working on (see the module docs).
     now: std::sync::atomic::AtomicU64,
 }
 
@@ -112,16 +116,16 @@ impl Control {
         self.first.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
-    /// Notes the job this rank works on (its waits end for failures at or before it).
-    pub(crate) fn set_now(&self, job: u64) {
-        self.now.store(job, std::sync::atomic::Ordering::SeqCst);
+    /// Notes the point this rank works on (its waits end for failures at or before it).
+    pub(crate) fn set_now(&self, point: u64) {
+        self.now.store(point, std::sync::atomic::Ordering::SeqCst);
     }
 
-    /// The first failure, if it ends this rank's waits now: one at or before the job this rank
-    /// works on (see the module docs).
+    /// The first failure, if it ends this rank's waits now: one at or before the point this
+    /// rank works on (see the module docs).
     pub fn due(&self) -> Option<Failure> {
         let now = self.now.load(std::sync::atomic::Ordering::SeqCst);
-        self.failure().filter(|f| f.job == 0 || f.job <= now)
+        self.failure().filter(|f| f.at == 0 || f.at <= now)
     }
 
     /// [`Control::due`] as the error a wait returns.
@@ -151,7 +155,7 @@ mod tests {
             Failure {
                 rank: 2,
                 reason: "é".repeat(REASON_MAX),
-                job: 5,
+                at: 5,
             },
             true
         ));
@@ -159,7 +163,7 @@ mod tests {
             Failure {
                 rank: 0,
                 reason: "later".into(),
-                job: 0,
+                at: 0,
             },
             true
         ));
@@ -167,7 +171,7 @@ mod tests {
         let f = c.failure().expect("a failure");
         assert_eq!(f.rank, 2);
         assert!(f.reason.len() <= REASON_MAX);
-        // A failure at job 5 ends the waits of a rank at job 5 or later, not before.
+        // A failure at point 5 ends the waits of a rank at point 5 or later, not before.
         c.set_now(4);
         assert!(c.check().is_ok() && c.failure().is_some());
         c.set_now(5);

@@ -462,8 +462,11 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
             .iter()
             .map(|&(_, l)| self.be.sum_capacity(l, x.dtype))
             .collect();
-        let sums = self.alloc(HEAD + sum_caps[me])?;
-        let sm = sums.region().sub(0, HEAD + sum_caps[me])?;
+        // Sized for the largest shard's sum, not this rank's: the all-gather that follows sends
+        // rows of one slot (taken from the largest) from every rank, the last shard's included.
+        let widest = sum_caps.iter().copied().max().unwrap_or(0);
+        let sums = self.alloc(HEAD + widest)?;
+        let sm = sums.region().sub(0, HEAD + widest)?;
         self.be.sum(
             &frames,
             len,
@@ -490,7 +493,7 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
         self.be
             .put(Lane::Compute, sm.sub(CHECK_AT, 8)?, 8, 1, c.check)?;
         self.be.join(Lane::Comm, Lane::Compute)?;
-        let slot = self.bucket(c.job.key)?.slot.min(sum_caps[0]);
+        let slot = self.bucket(c.job.key)?.slot.min(widest);
         let row = HEAD + slot;
         let recv = self.alloc(w * row)?;
         let rr = recv.region().sub(0, w * row)?;
@@ -552,7 +555,8 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
             self.be
                 .decode(&frame, false, len, x.dtype, scale, x.slice(lo, len))?;
         }
-        self.bucket(c.job.key)?.slot = next_slot(largest, sum_caps[0]);
+        let widest = sum_caps.iter().copied().max().unwrap_or(0);
+        self.bucket(c.job.key)?.slot = next_slot(largest, widest);
         self.be.free(sums);
         self.be.free(recv);
         let uncompressed = 2 * (w - 1) * x.bytes().div_ceil(w);

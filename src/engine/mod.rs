@@ -76,6 +76,17 @@ pub(crate) enum Msg {
     Stop,
 }
 
+impl Msg {
+    /// Whether it is a *point* of the failure board (it may run collectives; every rank sends
+    /// the same ones in the same order): see `control.rs`.
+    pub(crate) fn is_point(&self) -> bool {
+        matches!(
+            self,
+            Msg::Job(..) | Msg::Flush | Msg::EndStep | Msg::Agree(_) | Msg::Reset | Msg::Stop
+        )
+    }
+}
+
 /// What a caller's stream waits on after a close (an event on the GPU; nothing on the CPU).
 pub(crate) type Done = Box<dyn Fn(u64) -> Result<()> + Send + Sync>;
 /// What a submission records for the engine to wait on (an event on the caller's stream).
@@ -224,8 +235,8 @@ pub struct Engine {
     options: Options,
     /// Publications asked for so far (closes, agreements).
     expected: Mutex<u64>,
-    /// Jobs handed over so far.
-    submitted: std::sync::atomic::AtomicU64,
+    /// Points (see `Msg::is_point`) handed over so far.
+    points: std::sync::atomic::AtomicU64,
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
@@ -287,7 +298,7 @@ impl Engine {
             world,
             options,
             expected: Mutex::new(0),
-            submitted: std::sync::atomic::AtomicU64::new(0),
+            points: std::sync::atomic::AtomicU64::new(0),
             thread: Mutex::new(Some(thread)),
         };
         engine.send_counted(Msg::Agree(token))?;
@@ -383,9 +394,15 @@ impl Engine {
     }
 
     fn send(&self, msg: Msg) -> Result<()> {
+        let point = msg.is_point();
         self.tx
             .send(msg)
-            .map_err(|_| Error::Transport("the engine's thread has ended".into()))
+            .map_err(|_| Error::Transport("the engine's thread has ended".into()))?;
+        if point {
+            self.points
+                .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+        Ok(())
     }
 
     fn send_counted(&self, msg: Msg) -> Result<u64> {
@@ -432,8 +449,6 @@ impl Engine {
         } else {
             self.send(Msg::Job(job, ready))?;
         }
-        self.submitted
-            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         Ok(())
     }
 
@@ -528,14 +543,15 @@ impl Engine {
 
     /// Fails this rank with `reason` (an error of the caller's, e.g. an exception in a hook):
     /// every rank's next wait reports it, and every later job is refused. The failure is at the
-    /// next job (this rank's peers finish the jobs it submitted).
+    /// next point (see `control.rs`): this rank's peers finish the jobs it submitted, and this
+    /// rank gives up at its next job, wait, step end or close, as they do.
     pub fn fail(&self, reason: &str) {
-        let next = self.submitted.load(std::sync::atomic::Ordering::SeqCst) + 1;
+        let next = self.points.load(std::sync::atomic::Ordering::SeqCst) + 1;
         self.control.raise(
             Failure {
                 rank: self.rank,
                 reason: reason.to_string(),
-                job: next,
+                at: next,
             },
             true,
         );

@@ -273,6 +273,37 @@ fn an_rms_bound_follows_the_previous_step_and_slots_grow_with_the_frames() {
     assert_eq!(sent[2].1, 1, "{sent:?}");
 }
 
+/// The reduce-scatter of codes when the last shard is much shorter than the others (an element
+/// count that does not divide into the ranks): every rank's row of the sums' all-gather is one
+/// slot, sized from the largest shard, so the short shard's rank must hold that much too, from
+/// the second step on, when the slot comes from the step before.
+#[test]
+fn a_short_last_shard_takes_the_slot_of_the_largest() {
+    let world = 4;
+    let g = crate::format::GROUP;
+    let n = 3 * 4 * g + 5; // shards of 4 groups, 4, 4 and 5 elements
+    let mut o = options(BoundRule::Rms(0.3));
+    o.algorithm = Some(Algorithm::ReduceScatter);
+    let out = ranks(world, &o, |rank, e| {
+        let mut r = vec![0.0f32; n];
+        let mut x = Vec::new();
+        for step in 0..3 {
+            x = grads(rank, step, n);
+            // SAFETY: `x` and `r` live until the wait below returns.
+            unsafe { e.submit(job(0, &mut x, Some(&mut r), true), 0) }
+                .map_err(|e| format!("step {step}: {e}"))?;
+            e.wait(0).map_err(|e| format!("step {step}: {e}"))?;
+        }
+        Ok::<_, String>(x)
+    });
+    let out: Vec<Vec<f32>> = out
+        .into_iter()
+        .enumerate()
+        .map(|(rank, r)| r.unwrap_or_else(|e| panic!("rank {rank}: {e}")))
+        .collect();
+    assert!(out.iter().all(|x| x == &out[0]));
+}
+
 /// A step of a large bucket, then a small one whose frames outgrow their slot: the small one's
 /// resend reuses the large one's buffers, which the comm lane may write only after the compute
 /// lane's decoding of the large one (on a GPU, two streams). The CPU backend's lane check
@@ -529,6 +560,61 @@ fn a_failure_on_one_rank_fails_every_rank_at_once() {
                 }
             });
             failed_everywhere(&out, 1, "raised in the hook");
+        }
+    }
+}
+
+/// An exception in the caller in the middle of a step, on one rank: that rank submits no more
+/// jobs and goes straight to its wait and its close. Its peers either submit the rest of the
+/// step, or wait at the same point. Either way the step fails on every rank (the failure is at
+/// the failing rank's next point, its wait, which its peers reach with their next job or their
+/// own wait), and no rank waits for the timeout.
+#[test]
+fn a_caller_that_fails_mid_step_fails_that_step_on_every_rank() {
+    for world in [2, 3] {
+        for alg in [Algorithm::AllGather, Algorithm::ReduceScatter] {
+            for peers_finish in [false, true] {
+                let mut o = options(BoundRule::Rms(0.3));
+                o.algorithm = Some(alg);
+                o.timeout = Duration::from_secs(60);
+                let t0 = std::time::Instant::now();
+                let out = ranks(world, &o, |rank, e| {
+                    let n = 8192;
+                    let (mut r0, mut r1) = (vec![0.0f32; n], vec![0.0f32; n]);
+                    let mut outcomes = Vec::new();
+                    for step in 0..2 {
+                        let (mut a, mut b) = (grads(rank, step, n), grads(rank, step + 9, n));
+                        // SAFETY: as in `one_step`.
+                        let mut r = unsafe { e.submit(job(0, &mut a, Some(&mut r0), false), 0) };
+                        if step == 1 && rank == 1 {
+                            e.fail("ValueError: raised in the hook");
+                        } else if step == 0 || peers_finish {
+                            // SAFETY: as above.
+                            r = r.and_then(|()| unsafe {
+                                e.submit(
+                                    Job {
+                                        key: 1,
+                                        ..job(1, &mut b, Some(&mut r1), true)
+                                    },
+                                    0,
+                                )
+                            });
+                        }
+                        outcomes.push(r.and(e.wait(0)).map_err(|e| e.to_string()));
+                    }
+                    let closed = e.close().map_err(|e| e.to_string());
+                    (outcomes, closed)
+                });
+                let took = t0.elapsed();
+                let case = format!("world {world}, {alg:?}, peers finish: {peers_finish}");
+                assert!(took < Duration::from_secs(10), "{case}: {took:?}");
+                for (r, (steps, closed)) in out.iter().enumerate() {
+                    assert!(steps[0].is_ok(), "{case}, rank {r}: {:?}", steps[0]);
+                    let e = steps[1].as_ref().expect_err("step 1 fails");
+                    assert!(e.contains("raised in the hook"), "{case}, rank {r}: {e}");
+                    assert!(closed.is_ok(), "{case}, rank {r}: {closed:?}");
+                }
+            }
         }
     }
 }

@@ -54,6 +54,8 @@ pub(crate) struct Worker<B: Backend, T: Transport<B>> {
     pub(super) policy: Policy,
     /// Jobs taken so far (the same number on every rank at the same job).
     pub(super) seq: u64,
+    /// Points taken so far (see `Msg::is_point`; the failure board's clock).
+    point: u64,
     launched: u64,
     deferred: VecDeque<(u64, Stage<B>)>,
     /// A compressed job ran since the last closing round.
@@ -82,6 +84,7 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
             world,
             policy: Policy::new(),
             seq: 0,
+            point: 0,
             launched: 0,
             deferred: VecDeque::new(),
             decoded: false,
@@ -100,7 +103,7 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
         Failure {
             rank: self.rank,
             reason: "internal: the engine's thread panicked (a bug in cfc)".into(),
-            job: 0,
+            at: 0,
         }
     }
 
@@ -127,6 +130,15 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
                 Err(RecvTimeoutError::Timeout) => continue,
                 Err(RecvTimeoutError::Disconnected) => break,
             };
+            if msg.is_point() {
+                self.point += 1;
+                self.tr.control().set_now(self.point);
+                if !self.failed && self.tr.control().due().is_some() {
+                    // This rank's caller failed before this point (`Engine::fail`), or a peer
+                    // did: give up here, as every rank does at this same point.
+                    self.fail_with(None);
+                }
+            }
             match msg {
                 Msg::Job(job, ready) => {
                     let last = job.last;
@@ -196,7 +208,6 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
     /// One job: its launch, then the stages of earlier jobs now due.
     fn job(&mut self, job: Job, ready: B::Ready) -> Result<()> {
         self.seq += 1;
-        self.tr.control().set_now(self.seq);
         let t0 = Instant::now();
         self.be.begin(ready)?;
         let mut mine = vec![job.data];
@@ -422,12 +433,12 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
                 Error::PeerFailed { rank, reason } => Failure {
                     rank,
                     reason,
-                    job: self.seq,
+                    at: self.point,
                 },
                 other => Failure {
                     rank: self.rank,
                     reason: other.to_string(),
-                    job: self.seq,
+                    at: self.point,
                 },
             };
             let own = failure.rank == self.rank;
@@ -437,20 +448,38 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
             return;
         }
         self.failed = true;
-        self.deferred.clear();
+        // The stages left hold scratch that queued work may still use: abort first, so that
+        // collectives waiting on a peer give up, then let the device drain, then let go.
+        let stages = std::mem::take(&mut self.deferred);
         self.tr.abort();
         // Let the device finish what it has (the aborted collectives return): the caller may
         // free the job's memory once it hears of the failure.
         let t0 = Instant::now();
-        if let Ok(m) = self
+        let drained = match self
             .be
             .join(Lane::Compute, Lane::Comm)
             .and_then(|()| self.be.mark(Lane::Compute))
         {
-            while !matches!(self.be.reached(&m), Ok(true) | Err(_)) && t0.elapsed() < self.o.timeout
-            {
-                std::thread::sleep(std::time::Duration::from_millis(1));
-            }
+            Ok(m) => loop {
+                match self.be.reached(&m) {
+                    Ok(true) => break true,
+                    Err(_) => break false,
+                    Ok(false) if t0.elapsed() >= self.o.timeout => break false,
+                    Ok(false) => std::thread::sleep(std::time::Duration::from_millis(1)),
+                }
+            },
+            Err(_) => false,
+        };
+        if drained {
+            drop(stages);
+        } else {
+            // The device may never finish: leak its memory rather than wait to free it.
+            tracing::error!(
+                rank = self.rank,
+                "the device did not drain after the failure; the engine's scratch is leaked"
+            );
+            self.be.abandon();
+            std::mem::forget(stages);
         }
         self.shared.note_failure(self.tr.control().failure());
     }

@@ -10,14 +10,36 @@ use crate::engine::{Done, ReadyFn};
 use crate::error::{Error, Result};
 use crate::format::DType;
 use crate::Bound;
+use crossbeam_channel::{Receiver, Sender};
 use cudarc::driver::{sys, CudaContext, CudaEvent, CudaStream};
 use std::sync::Arc;
 
-impl Memory for DeviceBuffer {
+/// The engine's scratch on the device. Dropped anywhere, it goes back to its backend's pool
+/// instead of being freed: `cuMemFree` waits for the device, and a stage that fails unwinds
+/// while collectives it queued may run until the transport is aborted (`Worker::fail_with`
+/// aborts, then lets the device drain). Given back with `Backend::free` or dropped, a buffer
+/// is handed out again by a later `alloc` under the same rules.
+pub struct Scratch {
+    buf: Option<DeviceBuffer>,
+    home: Sender<DeviceBuffer>,
+}
+
+impl Memory for Scratch {
     fn region(&self) -> Region {
-        Region {
-            addr: self.ptr(),
-            len: self.len() as u64,
+        self.buf
+            .as_ref()
+            .map_or(Region { addr: 0, len: 0 }, |b| Region {
+                addr: b.ptr(),
+                len: b.len() as u64,
+            })
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        if let Some(b) = self.buf.take() {
+            // With the backend gone, the buffer is freed here (the device is idle by then).
+            let _ = self.home.send(b);
         }
     }
 }
@@ -27,9 +49,51 @@ impl Memory for DeviceBuffer {
 const GRAIN: u64 = 1 << 20;
 
 /// A fetch: pinned host memory the lane copies into, and how many of its bytes it holds.
+/// Dropped, its memory goes back to the backend (as [`Scratch`] does, and for the same reason:
+/// `cuMemFreeHost` waits for the device).
 pub struct Fetch {
-    host: PinnedBuffer,
+    host: Option<PinnedBuffer>,
     len: usize,
+    home: Sender<PinnedBuffer>,
+}
+
+impl Drop for Fetch {
+    fn drop(&mut self) {
+        if let Some(h) = self.host.take() {
+            let _ = self.home.send(h);
+        }
+    }
+}
+
+/// Memory handed out by a backend and coming back when dropped: the pool, and the way back.
+struct Pool<T> {
+    free: Vec<T>,
+    home: Sender<T>,
+    back: Receiver<T>,
+}
+
+impl<T> Pool<T> {
+    fn new() -> Pool<T> {
+        let (home, back) = crossbeam_channel::unbounded();
+        Pool {
+            free: Vec::new(),
+            home,
+            back,
+        }
+    }
+
+    /// The free buffers, with those dropped since.
+    fn gathered(&mut self) -> &mut Vec<T> {
+        self.free.extend(self.back.try_iter());
+        &mut self.free
+    }
+
+    /// Leaks every buffer (see `Backend::abandon`).
+    fn leak(&mut self) {
+        for b in self.gathered().drain(..) {
+            std::mem::forget(b);
+        }
+    }
 }
 
 /// A job's input is ready: an event recorded on the caller's stream.
@@ -42,13 +106,15 @@ pub struct CudaBackend {
     compute: Arc<CudaStream>,
     comm: Arc<CudaStream>,
     /// The engine's scratch, given back for reuse (rows, on both lanes).
-    pool: Vec<DeviceBuffer>,
+    pool: Pool<DeviceBuffer>,
     /// The kernels' workspaces (compute lane only), given back for reuse.
     work: Vec<DeviceBuffer>,
-    pinned: Vec<PinnedBuffer>,
+    pinned: Pool<PinnedBuffer>,
+    /// The device may never finish its queued work (`Backend::abandon`): leak, don't free.
+    abandoned: bool,
     /// The decoding status (8 bytes) and the running maximum of the error left in residuals
     /// (f64 bits), zeroed once.
-    words: DeviceBuffer,
+    words: std::mem::ManuallyDrop<DeviceBuffer>,
 }
 
 impl std::fmt::Debug for CudaBackend {
@@ -76,11 +142,12 @@ impl CudaBackend {
             ordinal,
             compute: ctx.new_stream().map_err(driver_err)?,
             comm: ctx.new_stream().map_err(driver_err)?,
-            words: DeviceBuffer::zeroed(&ctx, 16)?,
+            words: std::mem::ManuallyDrop::new(DeviceBuffer::zeroed(&ctx, 16)?),
             ctx,
-            pool: Vec::new(),
+            pool: Pool::new(),
             work: Vec::new(),
-            pinned: Vec::new(),
+            pinned: Pool::new(),
+            abandoned: false,
         })
     }
 
@@ -153,7 +220,7 @@ fn event(stream: &CudaStream) -> Result<CudaEvent> {
 }
 
 impl Backend for CudaBackend {
-    type Buf = DeviceBuffer;
+    type Buf = Scratch;
     type Mark = CudaEvent;
     type Ready = Ready;
     type Fetched = Fetch;
@@ -162,12 +229,20 @@ impl Backend for CudaBackend {
         format!("cuda:{}", self.ordinal)
     }
 
-    fn alloc(&mut self, len: u64) -> Result<DeviceBuffer> {
-        Self::take(&self.ctx, &mut self.pool, len)
+    fn alloc(&mut self, len: u64) -> Result<Scratch> {
+        let buf = Self::take(&self.ctx, self.pool.gathered(), len)?;
+        Ok(Scratch {
+            buf: Some(buf),
+            home: self.pool.home.clone(),
+        })
     }
 
-    fn free(&mut self, buf: DeviceBuffer) {
-        self.pool.push(buf);
+    fn free(&mut self, buf: Scratch) {
+        drop(buf); // back to the pool (see `Scratch`)
+    }
+
+    fn abandon(&mut self) {
+        self.abandoned = true;
     }
 
     fn begin(&mut self, ready: Ready) -> Result<()> {
@@ -376,8 +451,9 @@ impl Backend for CudaBackend {
             src.sub((rows - 1) * pitch, width)?;
         }
         let len = (width * rows) as usize;
-        let host = match self.pinned.iter().position(|p| p.len() >= len) {
-            Some(i) => self.pinned.swap_remove(i),
+        let pinned = self.pinned.gathered();
+        let host = match pinned.iter().position(|p| p.len() >= len) {
+            Some(i) => pinned.swap_remove(i),
             None => PinnedBuffer::new(&self.ctx, len.max(4096))?,
         };
         let args = cuda::CopyRowsArgs {
@@ -390,16 +466,20 @@ impl Backend for CudaBackend {
             width,
             rows,
         };
-        // SAFETY: the rows lie in `src` (checked above); the pinned buffer holds `len` bytes
-        // and is read only after the lane is waited for.
+        let fetch = Fetch {
+            host: Some(host),
+            len,
+            home: self.pinned.home.clone(),
+        };
+        // SAFETY: the rows lie in `src` (checked above); the pinned buffer holds `len` bytes,
+        // is read only after the lane is waited for, and is never freed while a copy may run
+        // (dropped, it goes back to the backend: see `Fetch`).
         unsafe { cuda::copy_rows(&args) }.map_err(during("fetch"))?;
-        Ok(Fetch { host, len })
+        Ok(fetch)
     }
 
     fn fetched(&mut self, f: Fetch) -> Vec<u8> {
-        let out = f.host.bytes(f.len);
-        self.pinned.push(f.host);
-        out
+        f.host.as_ref().map_or_else(Vec::new, |h| h.bytes(f.len))
     }
 
     fn mark(&mut self, lane: Lane) -> Result<CudaEvent> {
@@ -446,6 +526,22 @@ impl Backend for CudaBackend {
                 .wait(&e)
                 .map_err(driver_err)
         }))
+    }
+}
+
+impl Drop for CudaBackend {
+    fn drop(&mut self) {
+        if self.abandoned {
+            // Freeing would wait for a device that may never finish (see `Backend::abandon`).
+            self.pool.leak();
+            self.pinned.leak();
+            for b in self.work.drain(..) {
+                std::mem::forget(b);
+            }
+        } else {
+            // SAFETY: dropped once, here, and never used again.
+            unsafe { std::mem::ManuallyDrop::drop(&mut self.words) };
+        }
     }
 }
 

@@ -71,6 +71,11 @@ pub(crate) trait Backend: Send + 'static {
     /// Gives scratch back for later `Backend::alloc`s (see the module docs).
     fn free(&mut self, buf: Self::Buf);
 
+    /// The device may never finish its queued work (a collective whose peer is gone, not
+    /// ended by the transport's abort): from now on memory is leaked rather than freed, since
+    /// freeing device memory waits for the device.
+    fn abandon(&mut self) {}
+
     /// Orders the compute lane after the caller's submission of a job.
     ///
     /// # Errors

@@ -115,11 +115,14 @@ impl Links for LocalLinks {
                     let failure = Failure {
                         rank: peer,
                         reason: "its thread ended without closing its engine".into(),
-                        job: 0,
+                        at: 0,
                     };
                     // (told on: ranks not linked to it wait on it through others)
-                    self.control.raise(failure, true);
+                    self.control.raise(failure.clone(), true);
                     self.control.check()?;
+                    // (an earlier failure, at a later point, holds the board: nothing more can
+                    // come from this peer all the same)
+                    return Err(failure.error());
                 }
             }
         }

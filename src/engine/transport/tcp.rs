@@ -158,7 +158,7 @@ impl std::fmt::Debug for TcpLinks {
 /// The failure frame's payload: the origin rank, its job, then the reason.
 fn failure_payload(f: &Failure) -> Vec<u8> {
     let mut p = (f.rank as u64).to_le_bytes().to_vec();
-    p.extend_from_slice(&f.job.to_le_bytes());
+    p.extend_from_slice(&f.at.to_le_bytes());
     p.extend_from_slice(f.reason.as_bytes());
     p
 }
@@ -389,7 +389,7 @@ impl ReaderContext {
                     let f = Failure {
                         rank: usize::try_from(word(0)).unwrap_or(self.peer),
                         reason: String::from_utf8_lossy(&payload[16..]).into_owned(),
-                        job: word(8),
+                        at: word(8),
                     };
                     self.raise(f);
                 }
@@ -404,7 +404,7 @@ impl ReaderContext {
             self.raise(Failure {
                 rank: self.peer,
                 reason: why,
-                job: 0,
+                at: 0,
             });
         }
     }
@@ -473,10 +473,13 @@ impl Links for TcpLinks {
                         });
                     }
                 }
-                // The reader ended: it raised why on the board.
+                // The reader ended (it raised why on the board): nothing more can come.
                 Err(RecvTimeoutError::Disconnected) => {
                     self.control.check()?;
-                    std::thread::sleep(BOARD_POLL);
+                    return Err(match self.control.failure() {
+                        Some(f) => f.error(),
+                        None => Error::Transport(format!("the link to rank {peer} closed")),
+                    });
                 }
             }
         }
@@ -563,7 +566,7 @@ mod tests {
             Failure {
                 rank: 2,
                 reason: "boom".into(),
-                job: 0,
+                at: 0,
             },
             true,
         );
