@@ -5,14 +5,19 @@
 #            one GPU rank reach every rank) and the crate's unit tests;
 #   pytest   `pytest -m gpu` of the codec, the hook, AllReducer and cfc.fsdp (PYTEST_K filters);
 #   bench    cfc-bench --gpu over NVLink and over sockets (SIZES, BOUNDS, ITERS);
+#   pybench  python -m cfc.bench under torchrun over NVLink and over sockets, both algorithms
+#            (PYSIZES, BOUNDS);
 #   step     the 217M LM's DDP step time (benches/ddp_step_time.py) over sockets and NVLink,
 #            this wheel against the one in .carry/old/ (when there; with the benchmark script of
 #            its own, .carry/old/ddp_step_time.py), one run after the other, AB_ROUNDS times
-#            (default 2);
+#            (default 2); WHICH="new" skips the old wheel, NVLINK_WHICH=new runs only the new
+#            one over NVLink; SOCKET_HOOKS and NVLINK_HOOKS are the benchmark's arguments;
 #   parity   examples/ddp_train.py deterministically, plain all-reduce and cfc, over SEEDS
 #            (default "0 1 2"), then benches/parity_table.py;
 #   fsdp     examples/fsdp_train.py over sockets and NVLink: noop (no gradient traffic), plain
 #            float32, bfloat16 reduce_dtype and cfc (FSDP_ARGS: model size, steps);
+# NPROC: ranks of the torchrun and cfc-bench parts (default: every GPU, one rank each); the
+# tests take CFC_TEST_GPUS (default: every GPU).
 # Logs and tables go under $OUT; the last lines printed are a short summary.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -20,11 +25,12 @@ source scripts/gpu_setup.sh
 CFC_NCCL_LIBRARY=$(python3 -c "import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], 'lib', 'libnccl.so.2'))")
 export CFC_NCCL_LIBRARY LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 GPUS=$(nvidia-smi -L | wc -l)
-export CFC_TEST_GPUS=$GPUS CFC_GRADS_DIR=$PWD/.carry/grads
+NPROC=${NPROC:-$GPUS}
+export CFC_TEST_GPUS=${CFC_TEST_GPUS:-$GPUS} CFC_GRADS_DIR=$PWD/.carry/grads
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -2
 PARTS=${PARTS:-rust pytest}
 SUMMARY=$OUT/summary.txt
-: > "$SUMMARY"
+touch "$SUMMARY"  # (appended to: several calls of one run share it)
 new_site=/tmp/site
 old_site=/tmp/site-old
 if ls .carry/old/*.whl >/dev/null 2>&1; then
@@ -32,7 +38,7 @@ if ls .carry/old/*.whl >/dev/null 2>&1; then
 fi
 for part in $PARTS; do case $part in
   rust)
-    CFC_REQUIRE_GPU=1 timeout 300 .carry/engine-cuda-tests --test-threads=1 2>&1 | tail -15 | tee "$OUT/rust_engine_cuda.log"
+    CFC_REQUIRE_GPU=1 timeout ${RUST_TIMEOUT:-300} .carry/engine-cuda-tests --test-threads=1 2>&1 | tail -15 | tee "$OUT/rust_engine_cuda.log"
     CFC_REQUIRE_GPU=1 timeout 200 .carry/lib-tests --test-threads=2 2>&1 | tail -4 | tee "$OUT/rust_lib.log"
     grep -h "test result" "$OUT"/rust_*.log >> "$SUMMARY" ;;
   pytest)
@@ -40,13 +46,21 @@ for part in $PARTS; do case $part in
         ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 | tee "$OUT/pytest_gpu.log" | tail -60
     tail -1 "$OUT/pytest_gpu.log" >> "$SUMMARY" ;;
   bench)
-    ARGS="--gpu $GPUS --grads .carry/grads --sizes ${SIZES:-64M,256M} --bounds ${BOUNDS:-0.3} --iters ${ITERS:-20}"
-    timeout 200 .carry/cfc-bench $ARGS | tee "$OUT/cfc_bench_nvlink.md"
-    env $SOCK timeout 300 .carry/cfc-bench $ARGS | tee "$OUT/cfc_bench_socket.md"
-    { echo "cfc-bench nvlink:"; grep "^|" "$OUT/cfc_bench_nvlink.md"; echo "cfc-bench socket:"; grep "^|" "$OUT/cfc_bench_socket.md"; } >> "$SUMMARY" ;;
+    ARGS="--gpu $NPROC --grads .carry/grads --sizes ${SIZES:-64M,256M} --bounds ${BOUNDS:-0.3} --iters ${ITERS:-20}"
+    timeout 200 .carry/cfc-bench $ARGS | tee "$OUT/cfc_bench_nvlink_$NPROC.md"
+    env $SOCK timeout 300 .carry/cfc-bench $ARGS | tee "$OUT/cfc_bench_socket_$NPROC.md"
+    { echo "cfc-bench nvlink, $NPROC ranks:"; grep "^|" "$OUT/cfc_bench_nvlink_$NPROC.md"; echo "cfc-bench socket, $NPROC ranks:"; grep "^|" "$OUT/cfc_bench_socket_$NPROC.md"; } >> "$SUMMARY" ;;
+  pybench)
+    for link in ${LINKS:-socket nvlink}; do
+      envs=$([ $link = socket ] && echo "$SOCK" || echo "")
+      env $envs timeout 300 torchrun --standalone --nproc_per_node=$NPROC -m cfc.bench --grads .carry/grads \
+          --sizes ${PYSIZES:-16M,64M,256M} --bounds ${BOUNDS:-0.3} --algorithms all-gather,reduce-scatter \
+          --label $link 2>&1 | grep -E "^\||Error|error" | tee "$OUT/pybench_${link}_$NPROC.md"
+      { echo "python -m cfc.bench $link, $NPROC ranks:"; grep "^|" "$OUT/pybench_${link}_$NPROC.md"; } >> "$SUMMARY"
+    done ;;
   step)
     for round in $(seq ${AB_ROUNDS:-2}); do
-      for which in old new; do
+      for which in ${WHICH:-old new}; do
         site=$([ $which = new ] && echo $new_site || echo $old_site)
         [ -d $site ] || continue
         for link in ${LINKS:-socket nvlink}; do
@@ -54,15 +68,15 @@ for part in $PARTS; do case $part in
           envs=$([ $link = socket ] && echo "$SOCK" || echo "")
           hooks=$([ $link = socket ] && echo "${SOCKET_HOOKS:---base noop noop cfc noop}" || echo "${NVLINK_HOOKS:-allreduce cfc-auto allreduce}")
           script=$([ $which = old ] && [ -f .carry/old/ddp_step_time.py ] && echo .carry/old/ddp_step_time.py || echo benches/ddp_step_time.py)
-          env $envs PYTHONPATH=$site timeout 300 torchrun --standalone --nproc_per_node=$GPUS $script \
-              --steps ${STEPS:-30} $hooks 2>&1 | grep -E "^\||Error|error" | tee "$OUT/step_${link}_${which}_${round}.md"
-          { echo "step $link $which round $round:"; grep "^|" "$OUT/step_${link}_${which}_${round}.md"; } >> "$SUMMARY"
+          env $envs PYTHONPATH=$site timeout 300 torchrun --standalone --nproc_per_node=$NPROC $script \
+              --steps ${STEPS:-30} $hooks 2>&1 | grep -E "^\||Error|error" | tee "$OUT/step_${link}_${NPROC}_${which}_${round}.md"
+          { echo "step $link $NPROC ranks $which round $round:"; grep "^|" "$OUT/step_${link}_${NPROC}_${which}_${round}.md"; } >> "$SUMMARY"
         done
       done
     done ;;
   parity)
     for seed in ${SEEDS:-0 1 2}; do
-      timeout 400 torchrun --standalone --nproc_per_node=$GPUS examples/ddp_train.py --deterministic \
+      timeout 400 torchrun --standalone --nproc_per_node=$NPROC examples/ddp_train.py --deterministic \
           --hook ${TRAIN_HOOKS:-allreduce,cfc} --seed $seed --steps ${TRAIN_STEPS:-1000} --d-model 256 --layers 4 \
           --heads 8 --batch 32 --seq 256 --out "$OUT/ddp_parity_seed$seed" 2>&1 | tail -4
     done
@@ -71,10 +85,10 @@ for part in $PARTS; do case $part in
   fsdp)
     for link in ${LINKS:-socket nvlink}; do
       envs=$([ $link = socket ] && echo "$SOCK" || echo "")
-      env $envs PYTHONPATH=/tmp/site timeout 400 torchrun --standalone --nproc_per_node=$GPUS examples/fsdp_train.py \
+      env $envs PYTHONPATH=/tmp/site timeout 400 torchrun --standalone --nproc_per_node=$NPROC examples/fsdp_train.py \
           --comm noop,plain,bf16,cfc ${FSDP_ARGS:---d-model 1024 --layers 8 --heads 16 --seq 256 --batch 8 --steps 30} \
-          2>&1 | tail -7 | tee "$OUT/fsdp_$link.md"
-      { echo "fsdp $link:"; cat "$OUT/fsdp_$link.md"; } >> "$SUMMARY"
+          2>&1 | tail -7 | tee "$OUT/fsdp_${link}_$NPROC.md"
+      { echo "fsdp $link, $NPROC ranks:"; cat "$OUT/fsdp_${link}_$NPROC.md"; } >> "$SUMMARY"
     done ;;
 esac; done
 echo "==== summary"

@@ -275,6 +275,10 @@ fn the_cuda_engine_writes_the_bits_of_the_cpu_engine() {
     if g >= 2 {
         cases.push((2, false));
     }
+    if g >= 4 {
+        // one GPU per rank over NCCL at 4 ranks (the reduce-scatter's default from 3 ranks)
+        cases.push((4, false));
+    }
     for (world, shared) in cases {
         for dtype in [DType::F32, DType::BF16, DType::F16] {
             for (bound, alg) in [
@@ -379,7 +383,8 @@ fn a_failure_on_one_gpu_rank_fails_every_rank_at_once() {
         (Some(Fault::Corrupt), "frame"),
         (None, "raised in the caller"),
     ] {
-        let out = gpu_fault(2, |rank, e| {
+        for world in if g >= 4 { vec![2, 4] } else { vec![2] } {
+        let out = gpu_fault(world, |rank, e| {
             if rank == 1 {
                 match fault {
                     Some(f) => e.inject(f).unwrap(),
@@ -395,8 +400,9 @@ fn a_failure_on_one_gpu_rank_fails_every_rank_at_once() {
                     e.contains("rank 1") || e.contains("rank 0"),
                     "{what}: rank {rank}: {e}"
                 );
-                assert!(e.contains(what), "{what}: rank {rank}: {e}");
+                assert!(e.contains(what), "{what}: world {world}, rank {rank}: {e}");
             }
+        }
         }
     }
 }
