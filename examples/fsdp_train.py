@@ -11,7 +11,9 @@ gloo and the CPU otherwise::
 Each way trains from the same initial weights on the same batches, and the run ends with a
 table: final training loss (mean of the last 10% of steps) and held-out loss, each against the
 first way's, cfc's bytes against plain float32's, and the median step time. ``noop`` moves no
-gradients at all (each rank keeps its own shard): the floor for the step time.
+gradients at all (each rank keeps its own shard): the floor for the step time. ``cfc-auto`` is
+cfc with ``fallback="auto"``: each group is timed both ways over the first steps and keeps the
+faster (plain where compression does not pay, as over NVLink).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import cfc
 import cfc.fsdp
 from ddp_train import LM, batch, corpus, held_out_loss, lr_factor
 
-WAYS = ("noop", "plain", "bf16", "cfc", "cfc@X")
+WAYS = ("noop", "plain", "bf16", "cfc", "cfc@X", "cfc-auto", "cfc-auto@X")
 
 
 class NoComm(cfc.fsdp._ReduceScatter):  # type: ignore[misc,valid-type]
@@ -59,7 +61,8 @@ def build(way: str, dev: torch.device, args) -> tuple:
                 m.set_custom_reduce_scatter(NoComm())
     if way.startswith("cfc"):
         rms = float(way.split("@", 1)[1]) if "@" in way else args.rms
-        state = cfc.fsdp.register(model, cfc.CfcState(rms=rms, warmup_steps=0))
+        fallback = "auto" if way.startswith("cfc-auto") else "never"
+        state = cfc.fsdp.register(model, cfc.CfcState(rms=rms, warmup_steps=0, fallback=fallback))
     return model, state
 
 

@@ -6,7 +6,8 @@
 #   pytest   `pytest -m gpu` of the codec, the hook, AllReducer and cfc.fsdp (PYTEST_K filters);
 #   bench    cfc-bench --gpu over NVLink and over sockets (SIZES, BOUNDS, ITERS);
 #   pybench  python -m cfc.bench under torchrun over NVLink and over sockets, both algorithms
-#            (PYSIZES, BOUNDS);
+#            (PYSIZES, BOUNDS, ALGORITHMS), the wheels of WHICH (default new; "old new" for the
+#            A/B), AB_ROUNDS times (default 1);
 #   step     the 217M LM's DDP step time (benches/ddp_step_time.py) over sockets and NVLink,
 #            this wheel against the one in .carry/old/ (when there; with the benchmark script of
 #            its own, .carry/old/ddp_step_time.py), one run after the other, AB_ROUNDS times
@@ -15,7 +16,8 @@
 #   parity   examples/ddp_train.py deterministically, plain all-reduce and cfc, over SEEDS
 #            (default "0 1 2"), then benches/parity_table.py;
 #   fsdp     examples/fsdp_train.py over sockets and NVLink: noop (no gradient traffic), plain
-#            float32, bfloat16 reduce_dtype and cfc (FSDP_ARGS: model size, steps);
+#            float32, bfloat16 reduce_dtype, cfc and cfc with fallback="auto" (FSDP_WAYS picks;
+#            FSDP_ARGS: model size, steps);
 # NPROC: ranks of the torchrun and cfc-bench parts (default: every GPU, one rank each); the
 # tests take CFC_TEST_GPUS (default: every GPU).
 # Logs and tables go under $OUT; the last lines printed are a short summary.
@@ -51,12 +53,20 @@ for part in $PARTS; do case $part in
     env $SOCK timeout 300 .carry/cfc-bench $ARGS | tee "$OUT/cfc_bench_socket_$NPROC.md"
     { echo "cfc-bench nvlink, $NPROC ranks:"; grep "^|" "$OUT/cfc_bench_nvlink_$NPROC.md"; echo "cfc-bench socket, $NPROC ranks:"; grep "^|" "$OUT/cfc_bench_socket_$NPROC.md"; } >> "$SUMMARY" ;;
   pybench)
-    for link in ${LINKS:-socket nvlink}; do
-      envs=$([ $link = socket ] && echo "$SOCK" || echo "")
-      env $envs timeout 300 torchrun --standalone --nproc_per_node=$NPROC -m cfc.bench --grads .carry/grads \
-          --sizes ${PYSIZES:-16M,64M,256M} --bounds ${BOUNDS:-0.3} --algorithms all-gather,reduce-scatter \
-          --label $link 2>&1 | grep -E "^\||Error|error" | tee "$OUT/pybench_${link}_$NPROC.md"
-      { echo "python -m cfc.bench $link, $NPROC ranks:"; grep "^|" "$OUT/pybench_${link}_$NPROC.md"; } >> "$SUMMARY"
+    for round in $(seq ${AB_ROUNDS:-1}); do
+      for which in ${WHICH:-new}; do
+        site=$([ $which = new ] && echo $new_site || echo $old_site)
+        [ -d $site ] || continue
+        for link in ${LINKS:-socket nvlink}; do
+          envs=$([ $link = socket ] && echo "$SOCK" || echo "")
+          log="$OUT/pybench_${link}_${NPROC}_${which}_$round.md"
+          env $envs PYTHONPATH=$site timeout 300 torchrun --standalone --nproc_per_node=$NPROC -m cfc.bench \
+              --grads .carry/grads --sizes ${PYSIZES:-16M,64M,256M} --bounds ${BOUNDS:-0.3} \
+              --algorithms ${ALGORITHMS:-all-gather,reduce-scatter} --label $link 2>&1 \
+              | grep -E "^\||Error|error" | tee "$log"
+          { echo "python -m cfc.bench $link, $NPROC ranks, $which round $round:"; grep "^|" "$log"; } >> "$SUMMARY"
+        done
+      done
     done ;;
   step)
     for round in $(seq ${AB_ROUNDS:-2}); do
@@ -86,8 +96,8 @@ for part in $PARTS; do case $part in
     for link in ${LINKS:-socket nvlink}; do
       envs=$([ $link = socket ] && echo "$SOCK" || echo "")
       env $envs PYTHONPATH=/tmp/site timeout 400 torchrun --standalone --nproc_per_node=$NPROC examples/fsdp_train.py \
-          --comm noop,plain,bf16,cfc ${FSDP_ARGS:---d-model 1024 --layers 8 --heads 16 --seq 256 --batch 8 --steps 30} \
-          2>&1 | tail -7 | tee "$OUT/fsdp_${link}_$NPROC.md"
+          --comm ${FSDP_WAYS:-noop,plain,bf16,cfc,cfc-auto} ${FSDP_ARGS:---d-model 1024 --layers 8 --heads 16 --seq 256 --batch 8 --steps 30} \
+          2>&1 | tail -8 | tee "$OUT/fsdp_${link}_$NPROC.md"
       { echo "fsdp $link, $NPROC ranks:"; cat "$OUT/fsdp_${link}_$NPROC.md"; } >> "$SUMMARY"
     done ;;
 esac; done
