@@ -384,25 +384,25 @@ fn a_failure_on_one_gpu_rank_fails_every_rank_at_once() {
         (None, "raised in the caller"),
     ] {
         for world in if g >= 4 { vec![2, 4] } else { vec![2] } {
-        let out = gpu_fault(world, |rank, e| {
-            if rank == 1 {
-                match fault {
-                    Some(f) => e.inject(f).unwrap(),
-                    None => e.fail("raised in the caller"),
+            let out = gpu_fault(world, |rank, e| {
+                if rank == 1 {
+                    match fault {
+                        Some(f) => e.inject(f).unwrap(),
+                        None => e.fail("raised in the caller"),
+                    }
+                }
+            });
+            for (rank, steps) in out.iter().enumerate() {
+                assert!(steps[0].is_ok(), "{what}: rank {rank}: {:?}", steps[0]);
+                for s in &steps[1..] {
+                    let e = s.as_ref().expect_err("a failed step");
+                    assert!(
+                        e.contains("rank 1") || e.contains("rank 0"),
+                        "{what}: rank {rank}: {e}"
+                    );
+                    assert!(e.contains(what), "{what}: world {world}, rank {rank}: {e}");
                 }
             }
-        });
-        for (rank, steps) in out.iter().enumerate() {
-            assert!(steps[0].is_ok(), "{what}: rank {rank}: {:?}", steps[0]);
-            for s in &steps[1..] {
-                let e = s.as_ref().expect_err("a failed step");
-                assert!(
-                    e.contains("rank 1") || e.contains("rank 0"),
-                    "{what}: rank {rank}: {e}"
-                );
-                assert!(e.contains(what), "{what}: world {world}, rank {rank}: {e}");
-            }
-        }
         }
     }
 }

@@ -327,8 +327,11 @@ impl Engine {
 
     /// Fails this rank with `reason` (an exception of the caller's): every rank's next wait
     /// raises it.
-    fn fail(&self, reason: &str) -> PyResult<()> {
-        self.live()?.fail(reason);
+    fn fail(&self, py: Python<'_>, reason: &str) -> PyResult<()> {
+        let engine = self.live()?;
+        let reason = reason.to_string();
+        // (telling the peers writes to their links: without the GIL)
+        py.detach(|| engine.fail(&reason));
         Ok(())
     }
 

@@ -443,7 +443,14 @@ impl Engine {
             self.fail(&e.to_string());
             return Err(e);
         }
-        let ready = (self.ready)(stream)?;
+        let ready = match (self.ready)(stream) {
+            Ok(r) => r,
+            Err(e) => {
+                // (the peers would otherwise wait for this rank's job)
+                self.fail(&e.to_string());
+                return Err(e);
+            }
+        };
         if job.last {
             self.send_counted(Msg::Job(job, ready))?;
         } else {

@@ -669,7 +669,30 @@ fn ranks_that_disagree_all_fail() {
     });
     for o in out {
         let e = o.unwrap_err();
-        assert!(e.contains("check word"), "{e}");
+        assert!(e.contains("ranks disagree") && e.contains("1064"), "{e}");
+    }
+    // Plain exchanges (no frame, no check word): another bucket of the same size, or another
+    // size, on one rank fails every rank before anything is reduced.
+    let mut o = options(BoundRule::Abs(1e-3));
+    o.min_compress_numel = 1 << 40;
+    for (fingerprint, extra) in [(2, 0), (1, 64)] {
+        let out = ranks(2, &o, |rank, e| {
+            let mut x = grads(rank, 0, 1000 + rank * extra);
+            let j = Job {
+                fingerprint: if rank == 1 { fingerprint } else { 1 },
+                ..job(0, &mut x, None, true)
+            };
+            // SAFETY: as in `one_step`.
+            unsafe { e.submit(j, 0) }.unwrap();
+            e.wait(0).map_err(|e| e.to_string())
+        });
+        for o in out {
+            let e = o.unwrap_err();
+            assert!(
+                e.contains("ranks disagree") && e.contains("fingerprint 0x2") == (fingerprint == 2),
+                "{e}"
+            );
+        }
     }
 }
 

@@ -32,6 +32,7 @@ use super::policy::{decide, EngineState, Phase, Policy};
 use super::transport::Transport;
 use super::{Fault, Msg, Shared};
 use crate::error::{Error, Result};
+use crate::format::DType;
 use crossbeam_channel::{Receiver, RecvTimeoutError};
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -222,6 +223,14 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
         let identity = (job.fingerprint, n, job.data.dtype, kind);
         let (o, world) = (self.o.clone(), self.world);
         let phase = self.policy.phase(&o);
+        let fresh = self
+            .policy
+            .buckets
+            .get(&job.key)
+            .is_none_or(|b| b.identity != identity);
+        if fresh {
+            self.agree_on_job(job.key, identity)?;
+        }
         self.policy.bucket(job.key, identity, &o, world);
         if job.fresh_residual && job.residual.is_some() {
             self.bucket(job.key)?.dirty = true;
@@ -277,6 +286,47 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
         }
         self.shared.add_seconds(t0.elapsed().as_secs_f64());
         Ok(())
+    }
+
+    /// A bucket seen for the first time, or changed: every rank must be at the same bucket (its
+    /// key, what it holds, its size, dtype and kind), or the collectives that follow would not
+    /// match. A compressed exchange checks every frame's check word, but a plain one has no
+    /// header: without this round, ranks that disagree would reduce unrelated tensors or, with
+    /// different sizes, stall. Once per bucket, not per step.
+    fn agree_on_job(&mut self, key: u64, identity: (u64, u64, DType, u8)) -> Result<()> {
+        let (fingerprint, n, dtype, kind) = identity;
+        let word = dtype.code() as u64 | (kind as u64) << 8;
+        let mine: Vec<u8> = [key, fingerprint, n, word]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        let all = self.tr.gather(&mut self.be, &mine)?;
+        let describe = |d: &[u8]| {
+            let at = |i: usize| {
+                d.get(8 * i..8 * i + 8)
+                    .and_then(|b| b.try_into().ok())
+                    .map_or(0, u64::from_le_bytes)
+            };
+            let dtype = DType::from_code(at(3) as u8).map_or("?", |d| d.name());
+            let what = if at(3) >> 8 == 1 {
+                "reduce-scatter"
+            } else {
+                "all-reduce"
+            };
+            format!(
+                "bucket {} ({what} of {} {dtype} elements, fingerprint {:#x})",
+                at(0),
+                at(2),
+                at(1)
+            )
+        };
+        match all.iter().enumerate().find(|(_, d)| **d != all[0]) {
+            Some((j, theirs)) => Err(Error::RankMismatch {
+                what: format!("rank 0's job {} is {}", self.seq, describe(&all[0])),
+                theirs: format!("rank {j}'s is {}", describe(theirs)),
+            }),
+            None => Ok(()),
+        }
     }
 
     pub(super) fn bucket(&mut self, key: u64) -> Result<&mut super::policy::Bucket> {

@@ -292,6 +292,9 @@ impl TcpLinks {
                 Some(s) => {
                     let _ = s.set_nodelay(true);
                     let _ = s.set_read_timeout(None);
+                    // A peer that stops reading (a stopped process) fails a write after the
+                    // timeout instead of blocking this rank, and its board's `tell`, for good.
+                    let _ = s.set_write_timeout(Some(timeout));
                     let reader = s
                         .try_clone()
                         .map_err(|e| Error::Transport(format!("a link: {e}")))?;
