@@ -1,0 +1,349 @@
+"""Training quality over seeds: every hook's held-out loss against plain all-reduce's, at every
+tenth of training, on two model families, with the time each hook takes to reach plain's final
+held-out loss.
+
+Run it under torchrun: NCCL and one GPU per process where there are GPUs, gloo and the CPU
+otherwise::
+
+    torchrun --standalone --nproc_per_node=2 benches/quality.py --seeds 5 \\
+        --hooks allreduce,cfc,cfc@0.1,cfc-noef,bf16,fp16,powersgd --png quality.png
+
+Families (``--families``):
+
+* ``lm``: the byte-level transformer LM of ``examples/ddp_train.py`` on the Python standard
+  library's sources (the last 5% held out), AdamW, warm-up and cosine decay, bf16 autocast on
+  GPUs;
+* ``conv``: a convolutional net learning a fixed random teacher of the same shape on Gaussian
+  images (mean squared error over the teacher's output variance, so the optimum is 0 and the
+  first step is near 1), Adam, the same schedule, a fixed held-out set.
+
+For each family and seed every hook trains from the same initial weights on the same batches;
+the held-out loss is scored at every tenth of the steps. The table gives, per hook and point,
+the mean over seeds of ``held-out / plain's held-out - 1`` (same seed, same point) and its
+standard error; then the bytes against a ring all-reduce of float32 (cfc's own count; PyTorch's
+hooks: 2x for fp16/bf16) and the median over seeds of the wall time (training steps only) at
+which the hook's held-out loss first reached plain's final one. The first hook is the
+reference (``allreduce`` by default); a hook named twice is an A/A copy: on the CPU two runs
+of one hook give the same bits, on GPUs they show the noise.
+
+Hooks: ``allreduce`` (DDP's own), ``fp16``, ``bf16``, ``powersgd`` (rank 4), ``cfc`` (its
+defaults, or ``--rms``), ``cfc@X`` (``rms=X``), ``cfc-noef`` and ``cfc-noef@X`` (no error
+feedback). ``--json`` keeps every curve; ``--png`` draws the mean gaps with their standard
+error as bands (needs matplotlib).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+
+import cfc  # noqa: E402
+from ddp_train import LM, batch, corpus, held_out_loss, lr_factor  # noqa: E402
+
+POINTS = 10  # scored at every tenth of training
+
+
+class Teacher(nn.Module):
+    """The conv family's model (teacher and student alike): two 3x3 convolutions, a pooling
+    and a linear map to 10 outputs."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv2d(3, width, 3, padding=1), nn.GELU(),
+            nn.Conv2d(width, width, 3, padding=1), nn.GELU(),
+            nn.AdaptiveAvgPool2d(4), nn.Flatten(), nn.Linear(16 * width, 10))
+
+    def forward(self, x):
+        return self.body(x)
+
+
+class ConvTask:
+    """Images and the teacher's outputs for them; the teacher is fixed by the family, not by
+    the seed, so that every seed learns the same function."""
+
+    def __init__(self, args, dev):
+        g = torch.Generator().manual_seed(4321)
+        self.teacher = Teacher(args.width)
+        with torch.no_grad():
+            for p in self.teacher.parameters():
+                # weights at He scale (their fan-in), biases small
+                std = (2.0 / p[0].numel()) ** 0.5 if p.dim() > 1 else 0.1
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+        self.teacher.to(dev).eval()
+        self.heldout = torch.randn(512, 3, 16, 16, generator=g).to(dev)
+        with torch.no_grad():
+            self.heldout_y = self.teacher(self.heldout)
+        self.scale = self.heldout_y.var().item()
+        self.args, self.dev, self.lr = args, dev, args.conv_lr
+
+    def model(self):
+        return Teacher(self.args.width)
+
+    def batch(self, gen):
+        x = torch.randn(self.args.batch, 3, 16, 16, generator=gen).to(self.dev)
+        with torch.no_grad():
+            y = self.teacher(x)
+        return x, y
+
+    def loss(self, model, xy):
+        x, y = xy
+        return nn.functional.mse_loss(model(x), y) / self.scale
+
+    @torch.no_grad()
+    def held_out(self, model):
+        return (nn.functional.mse_loss(model(self.heldout), self.heldout_y) / self.scale).item()
+
+
+class LMTask:
+    """The byte-level LM of examples/ddp_train.py."""
+
+    def __init__(self, args, dev):
+        data = corpus(int(args.corpus_mb * 2**20))
+        split = data.numel() - data.numel() // 20
+        self.data, self.heldout = data[:split], data[split:]
+        self.args, self.dev, self.lr = args, dev, args.lr
+
+    def model(self):
+        a = self.args
+        return LM(a.d_model, a.layers, a.heads, a.seq)
+
+    def batch(self, gen):
+        return batch(self.data, gen, self.args).to(self.dev)
+
+    def loss(self, model, chunk):
+        with torch.autocast(self.dev.type, dtype=torch.bfloat16, enabled=self.dev.type == "cuda"):
+            logits = model(chunk[:, :-1])
+        return nn.functional.cross_entropy(logits.float().flatten(0, 1), chunk[:, 1:].flatten())
+
+    def held_out(self, model):
+        return held_out_loss(model, self.heldout, self.dev, self.args)
+
+
+def register(ddp: DDP, hook: str, args):
+    """Registers `hook` on `ddp`; returns the cfc state, or None."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    name, _, x = hook.partition("@")
+    if name == "fp16":
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif name == "bf16":
+        ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+    elif name == "powersgd":
+        st = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=4, start_powerSGD_iter=2)
+        ddp.register_comm_hook(st, powerSGD_hook.powerSGD_hook)
+    elif name in ("cfc", "cfc-noef"):
+        kw = {"error_feedback": name == "cfc"}
+        if x or args.rms is not None:
+            kw["rms"] = float(x) if x else args.rms
+        state = cfc.CfcState(**kw)
+        ddp.register_comm_hook(state, cfc.cfc_hook)
+        return state
+    elif name != "allreduce":
+        raise SystemExit(f"unknown hook {hook!r}")
+    return None
+
+
+def fewer_bytes(hook: str, state) -> float:
+    if state is not None:
+        return state.stats()["ratio"]
+    return {"fp16": 2.0, "bf16": 2.0}.get(hook.partition("@")[0], 1.0) if hook != "powersgd" else math.nan
+
+
+def train(task, hook: str, seed: int, args, dev) -> dict:
+    """One run: held-out loss and training wall time at every tenth of the steps."""
+    rank = dist.get_rank()
+    torch.manual_seed(seed)
+    model = task.model().to(dev)
+    ddp = DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None)
+    state = register(ddp, hook, args)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=task.lr, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, args))
+    gen = torch.Generator().manual_seed(seed * 1000 + rank)  # the same batches for every hook
+    marks = {max(1, round(args.steps * (i + 1) / POINTS)) for i in range(POINTS)}
+    points, wall = [], 0.0
+    for step in range(1, args.steps + 1):
+        xy = task.batch(gen)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        loss = task.loss(ddp, xy)
+        loss.backward()
+        if args.clip > 0:
+            torch.nn.utils.clip_grad_norm_(ddp.parameters(), args.clip)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        wall += time.perf_counter() - t0
+        if step in marks:
+            points.append({"step": step, "held_out": task.held_out(model), "seconds": wall})
+    out = {"hook": hook, "seed": seed, "points": points, "fewer_bytes": fewer_bytes(hook, state)}
+    if state is not None:
+        state.close()
+    return out
+
+
+def labelled(hooks: list[str]) -> list[str]:
+    seen: dict[str, int] = {}
+    out = []
+    for h in hooks:
+        seen[h] = seen.get(h, 0) + 1
+        out.append(h if seen[h] == 1 else f"{h} ({seen[h]})")
+    return out
+
+
+def summarize(runs: list[dict], labels: list[str]) -> dict:
+    """Per label: the mean gap to the reference (the first label) and its standard error at
+    each point, the bytes, and the time to the reference's final held-out loss."""
+    ref = labels[0]
+    by = {(r["label"], r["seed"]): r for r in runs}
+    seeds = sorted({r["seed"] for r in runs})
+    out = {}
+    for label in labels:
+        gaps = []  # per seed: the gap at each point
+        times = []
+        for s in seeds:
+            mine, base = by[(label, s)]["points"], by[(ref, s)]["points"]
+            gaps.append([m["held_out"] / b["held_out"] - 1 for m, b in zip(mine, base)])
+            target = base[-1]["held_out"]
+            times.append(next((m["seconds"] for m in mine if m["held_out"] <= target), math.inf))
+        cols = list(zip(*gaps))
+        mean = [statistics.fmean(c) for c in cols]
+        se = [statistics.stdev(c) / math.sqrt(len(c)) if len(c) > 1 else math.nan for c in cols]
+        out[label] = {
+            "steps": [p["step"] for p in by[(label, seeds[0])]["points"]],
+            "mean_gap": mean,
+            "se": se,
+            "fewer_bytes": statistics.fmean(by[(label, s)]["fewer_bytes"] for s in seeds),
+            "time_to_target": statistics.median(times),
+            "reached": sum(t < math.inf for t in times),
+            "seeds": len(seeds),
+        }
+    return out
+
+
+def print_table(family: str, summary: dict, args) -> None:
+    labels = list(summary)
+    steps = summary[labels[0]]["steps"]
+    print(f"\n{family}: held-out loss against {labels[0]}'s (mean over {args.seeds} seeds, +- standard "
+          f"error), at each tenth of {args.steps} steps")
+    print("| hook | " + " | ".join(f"{100 * (i + 1) // POINTS}%" for i in range(len(steps)))
+          + " | fewer bytes | time to the reference's final loss |")
+    print("|---|" + "---|" * len(steps) + "---|---|")
+    for label, s in summary.items():
+        cells = [f"{100 * m:+.2f}% +- {100 * e:.2f}" if not math.isnan(e) else f"{100 * m:+.2f}%"
+                 for m, e in zip(s["mean_gap"], s["se"])]
+        t = (f"{s['time_to_target']:.1f} s ({s['reached']}/{s['seeds']} seeds)" if s["reached"] * 2 > s["seeds"]
+             else f"not reached ({s['reached']}/{s['seeds']} seeds)")
+        b = "-" if math.isnan(s["fewer_bytes"]) else f"{s['fewer_bytes']:.1f}x"
+        print(f"| {label} | " + " | ".join(cells) + f" | {b} | {t} |")
+
+
+def draw(path: Path, summaries: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(summaries), figsize=(6 * len(summaries), 4), squeeze=False)
+    for ax, (family, summary) in zip(axes[0], summaries.items()):
+        for label, s in list(summary.items())[1:]:
+            m = [100 * v for v in s["mean_gap"]]
+            e = [0.0 if math.isnan(v) else 100 * v for v in s["se"]]
+            line, = ax.plot(s["steps"], m, "o-", markersize=3, label=label)
+            ax.fill_between(s["steps"], [a - b for a, b in zip(m, e)], [a + b for a, b in zip(m, e)],
+                            color=line.get_color(), alpha=0.2)
+        ax.axhline(0, color="black", linewidth=0.8)
+        ax.set_title(f"{family}: held-out loss vs {list(summary)[0]}")
+        ax.set_xlabel("step")
+        ax.set_ylabel("gap (%), mean +- s.e. over seeds")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--families", default="lm,conv")
+    p.add_argument("--hooks", default="allreduce,cfc,cfc@0.1,cfc-noef,bf16,fp16,powersgd",
+                   help="comma-separated; the first is the reference")
+    p.add_argument("--seeds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--lr", type=float, default=2e-3, help="lm: the peak learning rate")
+    p.add_argument("--conv-lr", type=float, default=3e-4, help="conv: the peak learning rate")
+    p.add_argument("--clip", type=float, default=1.0, help="clip the gradient norm at this (0: no clipping)")
+    p.add_argument("--schedule", choices=("cosine", "constant"), default="cosine")
+    p.add_argument("--rms", type=float, default=None, help="cfc's bound for `cfc` (default: CfcState's)")
+    p.add_argument("--batch", type=int, default=16, help="examples per rank and step")
+    p.add_argument("--seq", type=int, default=256, help="lm: bytes per sequence")
+    p.add_argument("--d-model", type=int, default=256, help="lm")
+    p.add_argument("--layers", type=int, default=4, help="lm")
+    p.add_argument("--heads", type=int, default=8, help="lm")
+    p.add_argument("--eval-batches", type=int, default=8, help="lm: held-out batches per scoring")
+    p.add_argument("--corpus-mb", type=float, default=16.0, help="lm")
+    p.add_argument("--width", type=int, default=64, help="conv: channels")
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--png", type=Path, default=None)
+    args = p.parse_args()
+    if "RANK" not in os.environ:
+        raise SystemExit("run under torchrun, e.g. torchrun --standalone --nproc_per_node=2 " + sys.argv[0])
+    use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= int(os.environ["LOCAL_WORLD_SIZE"])
+    if use_cuda:
+        dev = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(dev)
+    else:
+        dev = torch.device("cpu")
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // int(os.environ["LOCAL_WORLD_SIZE"])))
+    dist.init_process_group("nccl" if use_cuda else "gloo")
+    rank = dist.get_rank()
+    hooks = [h.strip() for h in args.hooks.split(",") if h.strip()]
+    labels = labelled(hooks)
+    tasks = {"lm": LMTask, "conv": ConvTask}
+    summaries, everything = {}, {}
+    for family in [f.strip() for f in args.families.split(",") if f.strip()]:
+        if family not in tasks:
+            raise SystemExit(f"unknown family {family!r}; choose from {', '.join(tasks)}")
+        task = tasks[family](args, dev)
+        runs = []
+        for seed in range(args.seeds):
+            for hook, label in zip(hooks, labels):
+                r = train(task, hook, seed, args, dev)
+                r["label"] = label
+                runs.append(r)
+                if rank == 0:
+                    last = r["points"][-1]
+                    print(f"{family} seed {seed} {label}: held-out {last['held_out']:.4f} "
+                          f"after {last['seconds']:.1f} s", flush=True)
+        summaries[family] = summarize(runs, labels)
+        everything[family] = runs
+    if rank == 0:
+        for family, s in summaries.items():
+            print_table(family, s, args)
+        if args.json is not None:
+            args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
+                                             "summaries": summaries, "runs": everything}, indent=1))
+        if args.png is not None:
+            try:
+                draw(args.png, summaries)
+            except ImportError:
+                print("(no matplotlib: no PNG)")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
