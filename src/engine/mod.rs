@@ -592,8 +592,15 @@ impl Engine {
     /// Replaces the engine's state with a checkpoint's (before the next job).
     ///
     /// # Errors
-    /// The engine's thread has ended.
+    /// A state whose origin (where its warm-up began) is past its step; the engine's thread
+    /// has ended.
     pub fn load_state(&self, state: EngineState) -> Result<()> {
+        if state.origin > state.step {
+            return Err(Error::Transport(format!(
+                "a checkpoint whose warm-up began at step {}, past its step {}",
+                state.origin, state.step
+            )));
+        }
         let (tx, rx) = crossbeam_channel::bounded(1);
         self.send(Msg::Load(state, tx))?;
         rx.recv_timeout(self.options.timeout * 2 + Duration::from_secs(10))

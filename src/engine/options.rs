@@ -119,6 +119,9 @@ pub enum Fallback {
     },
 }
 
+/// The longest timeout an engine takes (the waits that allow for twice it stay finite).
+pub const MAX_TIMEOUT: Duration = Duration::from_secs(30 * 86_400);
+
 /// The options of an engine. Every rank must give the same ones (checked when the engine
 /// starts: ranks that differ all get [`Error::RankMismatch`]).
 #[derive(Debug, Clone, PartialEq)]
@@ -161,7 +164,7 @@ impl Options {
     /// # Errors
     /// [`Error::InvalidBound`] for a bound that is not positive and finite, a `rel` of 1 or
     /// more, an `eps` outside what the codec takes; [`Error::Transport`] for an odd or short
-    /// trial, or a zero timeout.
+    /// trial, or a timeout of zero or past [`MAX_TIMEOUT`].
     pub fn check(&self) -> Result<()> {
         let v = self.bound.value();
         if !(v.is_finite() && v > 0.0) {
@@ -192,8 +195,12 @@ impl Options {
                 )));
             }
         }
-        if self.timeout.is_zero() {
-            return Err(Error::Transport("the timeout must be positive".into()));
+        if self.timeout.is_zero() || self.timeout > MAX_TIMEOUT {
+            return Err(Error::Transport(format!(
+                "the timeout must be positive and at most {} days, got {:?}",
+                MAX_TIMEOUT.as_secs() / 86_400,
+                self.timeout
+            )));
         }
         Ok(())
     }
@@ -315,6 +322,15 @@ mod tests {
         o.fallback = Fallback::Auto { trial_steps: 3 };
         assert!(o.check().is_err());
         o.fallback = Fallback::Auto { trial_steps: 2 };
+        assert!(o.check().is_ok());
+        // a timeout whose double would overflow a wait is refused, not a panic later
+        o.timeout = Duration::from_secs(u64::MAX / 2);
+        assert!(o
+            .check()
+            .unwrap_err()
+            .to_string()
+            .contains("at most 30 days"));
+        o.timeout = MAX_TIMEOUT;
         assert!(o.check().is_ok());
     }
 

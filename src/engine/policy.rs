@@ -112,7 +112,7 @@ impl Policy {
     }
 
     pub fn phase(&self, o: &Options) -> Phase {
-        let age = self.step - self.origin;
+        let age = self.step.saturating_sub(self.origin);
         if age < o.warmup_steps as u64 {
             Phase::Warmup
         } else if age < o.warmup_steps as u64 + o.trial_steps() {
@@ -167,7 +167,13 @@ impl Policy {
         match self.phase(o) {
             Phase::Warmup => Some(false),
             // plain first: the first compressed step also sizes the slots
-            Phase::Trial => Some((self.step - self.origin - o.warmup_steps as u64) % 2 == 1),
+            Phase::Trial => Some(
+                (self
+                    .step
+                    .saturating_sub(self.origin + o.warmup_steps as u64))
+                    % 2
+                    == 1,
+            ),
             Phase::Run if o.trial_steps() > 0 => None,
             Phase::Run => Some(true),
         }

@@ -223,12 +223,9 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
         let identity = (job.fingerprint, n, job.data.dtype, kind);
         let (o, world) = (self.o.clone(), self.world);
         let phase = self.policy.phase(&o);
-        let fresh = self
-            .policy
-            .buckets
-            .get(&job.key)
-            .is_none_or(|b| b.identity != identity);
-        if fresh {
+        // Every rank is in the same phase at the same job (the steps count alike), so that
+        // this round is taken everywhere or nowhere.
+        if phase == Phase::Warmup || self.policy.step == self.policy.origin {
             self.agree_on_job(job.key, identity)?;
         }
         self.policy.bucket(job.key, identity, &o, world);
@@ -288,11 +285,12 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
         Ok(())
     }
 
-    /// A bucket seen for the first time, or changed: every rank must be at the same bucket (its
-    /// key, what it holds, its size, dtype and kind), or the collectives that follow would not
-    /// match. A compressed exchange checks every frame's check word, but a plain one has no
-    /// header: without this round, ranks that disagree would reduce unrelated tensors or, with
-    /// different sizes, stall. Once per bucket, not per step.
+    /// In the warm-up (and in the first step where there is none), every job: every rank must
+    /// be at the same bucket (its key, what it holds, its size, dtype and kind), or the
+    /// collectives that follow would not match. A compressed exchange checks every frame's
+    /// check word, but a plain one has no header: ranks that disagree would reduce unrelated
+    /// tensors or, with different sizes, stall. Checked where a run begins (different models
+    /// or data on the ranks), not on every step, which would cost a round per plain job.
     fn agree_on_job(&mut self, key: u64, identity: (u64, u64, DType, u8)) -> Result<()> {
         let (fingerprint, n, dtype, kind) = identity;
         let word = dtype.code() as u64 | (kind as u64) << 8;
@@ -307,18 +305,23 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
                     .and_then(|b| b.try_into().ok())
                     .map_or(0, u64::from_le_bytes)
             };
-            let dtype = DType::from_code(at(3) as u8).map_or("?", |d| d.name());
-            let what = if at(3) >> 8 == 1 {
-                "reduce-scatter"
-            } else {
-                "all-reduce"
+            let what = match at(3) >> 8 {
+                0 => "all-reduce",
+                1 => "reduce-scatter",
+                _ => "",
             };
-            format!(
-                "bucket {} ({what} of {} {dtype} elements, fingerprint {:#x})",
-                at(0),
-                at(2),
-                at(1)
-            )
+            match DType::from_code(at(3) as u8) {
+                Some(dtype) if d.len() == 32 && !what.is_empty() => format!(
+                    "bucket {} ({what} of {} {} elements, fingerprint {:#x})",
+                    at(0),
+                    at(2),
+                    dtype.name(),
+                    at(1)
+                ),
+                // (its message was of another round: that rank is at another job)
+                _ => "not a job's description (that rank is at another point of its work)"
+                    .to_string(),
+            }
         };
         match all.iter().enumerate().find(|(_, d)| **d != all[0]) {
             Some((j, theirs)) => Err(Error::RankMismatch {

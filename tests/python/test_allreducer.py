@@ -133,8 +133,9 @@ def _worker(rank, world, init_file, scenario, device, algorithm=None):
             # ranks that disagree on the size all raise; the state is then done (a failure is
             # final: a later call raises at once), and a new one goes on
             n = 10000 if rank == 0 else 9000
-            # (found by the check words of the rows, or by the lengths a transport receives)
-            with pytest.raises(cfc.CfcError, match="check word|were agreed|did not answer"):
+            # (found by the rows' check words, the lengths a transport receives, or the
+            # agreement on every job of a run's first step)
+            with pytest.raises(cfc.CfcError, match="check word|were agreed|did not answer|ranks disagree"):
                 reducer(data(rank, 0, n).to(dev)).wait()
             t0 = time.monotonic()
             with pytest.raises(cfc.CfcError):

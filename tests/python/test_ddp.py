@@ -574,6 +574,7 @@ def test_a_state_dict_that_is_not_one_is_refused_and_changes_nothing(tmp_path):
             (dict(good, residuals={0: torch.zeros(4).to_sparse()}), "dense"),
             (dict(good, layouts={"a": [1]}), "bucket index"),
             (dict(good, engine={"step": 1, "origin": 0, "buckets": [{"key": 0}]}), "fingerprint"),
+            (dict(good, engine=dict(good["engine"], origin=good["engine"]["step"] + 1)), "past its step"),
             (dict(good, engine=dict(good["engine"], buckets=[dict(b, decision="yes") for b in good["engine"]["buckets"]]
                                     or [{"key": 0, "fingerprint": 1, "numel": 1, "decision": "yes"}])), "decision"),
         ]

@@ -65,8 +65,10 @@ def _engine_state(e: Mapping) -> Dict[str, Any]:
             "trial_compressed": [_number(t, "a trial time")
                                  for t in _sequence(b.get("trial_compressed", []), "trial times")],
         })
-    return {"step": _count(e.get("step"), "the engine's step"),
-            "origin": _count(e.get("origin"), "the engine's origin"), "buckets": buckets}
+    step, origin = _count(e.get("step"), "the engine's step"), _count(e.get("origin"), "the engine's origin")
+    if origin > step:
+        raise ValueError(f"not a cfc_hook state: the engine's origin {origin} is past its step {step}")
+    return {"step": step, "origin": origin, "buckets": buckets}
 
 
 def parse_state(sd: Mapping, options: Options, rank: int, world: int) -> Dict[str, Any]:
