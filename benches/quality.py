@@ -28,7 +28,10 @@ of one hook give the same bits, on GPUs they show the noise.
 
 Hooks: ``allreduce`` (DDP's own), ``fp16``, ``bf16``, ``powersgd`` (rank 4), ``cfc`` (its
 defaults, or ``--rms``), ``cfc@X`` (``rms=X``), ``cfc-noef`` and ``cfc-noef@X`` (no error
-feedback). ``--json`` keeps every curve; ``--png`` draws the mean gaps with their standard
+feedback). ``--fsdp`` trains with FSDP2 instead (``fully_shard`` on every transformer layer, or
+the conv net whole, and on the model): ``allreduce`` is then FSDP's own float32 reduce-scatter,
+``bf16`` its ``reduce_dtype=bfloat16``, and the ``cfc`` ways go through ``cfc.fsdp.register``
+(``warmup_steps=0``, as its default). ``--json`` keeps every curve; ``--png`` draws the mean gaps with their standard
 error as bands (needs matplotlib).
 """
 
@@ -133,6 +136,36 @@ class LMTask:
         return held_out_loss(model, self.heldout, self.dev, self.args)
 
 
+def cfc_state(hook: str, args, **extra):
+    """The CfcState of a ``cfc``, ``cfc@X``, ``cfc-noef`` or ``cfc-noef@X`` way."""
+    name, _, x = hook.partition("@")
+    kw = {"error_feedback": name == "cfc", **extra}
+    if x or args.rms is not None:
+        kw["rms"] = float(x) if x else args.rms
+    return cfc.CfcState(**kw)
+
+
+def sharded(task, hook: str, args, dev):
+    """The task's model under FSDP2 with `hook`'s reduce-scatter; returns it and the cfc
+    state (or None)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    name = hook.partition("@")[0]
+    if name not in ("allreduce", "bf16", "cfc", "cfc-noef"):
+        raise SystemExit(f"{hook!r} is not a way of --fsdp (allreduce, bf16, cfc, cfc@X, cfc-noef)")
+    model = task.model().to(dev)
+    policy = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16 if name == "bf16" else None)
+    for layer in getattr(getattr(model, "blocks", None), "layers", []):
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    state = None
+    if name.startswith("cfc"):
+        import cfc.fsdp
+
+        state = cfc.fsdp.register(model, cfc_state(hook, args, warmup_steps=0))
+    return model, state
+
+
 def register(ddp: DDP, hook: str, args):
     """Registers `hook` on `ddp`; returns the cfc state, or None."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
@@ -146,10 +179,7 @@ def register(ddp: DDP, hook: str, args):
         st = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=4, start_powerSGD_iter=2)
         ddp.register_comm_hook(st, powerSGD_hook.powerSGD_hook)
     elif name in ("cfc", "cfc-noef"):
-        kw = {"error_feedback": name == "cfc"}
-        if x or args.rms is not None:
-            kw["rms"] = float(x) if x else args.rms
-        state = cfc.CfcState(**kw)
+        state = cfc_state(hook, args)
         ddp.register_comm_hook(state, cfc.cfc_hook)
         return state
     elif name != "allreduce":
@@ -167,9 +197,13 @@ def train(task, hook: str, seed: int, args, dev) -> dict:
     """One run: held-out loss and training wall time at every tenth of the steps."""
     rank = dist.get_rank()
     torch.manual_seed(seed)
-    model = task.model().to(dev)
-    ddp = DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None)
-    state = register(ddp, hook, args)
+    if args.fsdp:
+        model, state = sharded(task, hook, args, dev)
+        ddp = model  # (FSDP2 shards in place: the model is its own wrapper)
+    else:
+        model = task.model().to(dev)
+        ddp = DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None)
+        state = register(ddp, hook, args)
     opt = torch.optim.AdamW(ddp.parameters(), lr=task.lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, args))
     gen = torch.Generator().manual_seed(seed * 1000 + rank)  # the same batches for every hook
@@ -240,8 +274,9 @@ def summarize(runs: list[dict], labels: list[str]) -> dict:
 def print_table(family: str, summary: dict, args) -> None:
     labels = list(summary)
     steps = summary[labels[0]]["steps"]
-    print(f"\n{family}: held-out loss against {labels[0]}'s (mean over {args.seeds} seeds, +- standard "
-          f"error), at each tenth of {args.steps} steps")
+    how = "FSDP2" if args.fsdp else "DDP"
+    print(f"\n{family}, {how}: held-out loss against {labels[0]}'s (mean over {args.seeds} seeds, +- "
+          f"standard error), at each tenth of {args.steps} steps")
     print("| hook | " + " | ".join(f"{100 * (i + 1) // POINTS}%" for i in range(len(steps)))
           + " | fewer bytes | time to the reference's final loss |")
     print("|---|" + "---|" * len(steps) + "---|---|")
@@ -297,6 +332,7 @@ def main() -> None:
     p.add_argument("--eval-batches", type=int, default=8, help="lm: held-out batches per scoring")
     p.add_argument("--corpus-mb", type=float, default=16.0, help="lm")
     p.add_argument("--width", type=int, default=64, help="conv: channels")
+    p.add_argument("--fsdp", action="store_true", help="train with FSDP2 (see above)")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--png", type=Path, default=None)
     args = p.parse_args()

@@ -39,3 +39,21 @@ def test_quality_bench_compares_each_hook_with_the_reference_of_its_seed(tmp_pat
         first = [x for x in runs if x["seed"] == seed and x["label"] == "allreduce"][0]["points"]
         assert first[-1]["held_out"] < 0.8 * first[0]["held_out"]  # plain training learns the teacher
     assert "| cfc |" in r.stdout and "time to the reference's final loss" in r.stdout
+
+
+def test_quality_bench_runs_fsdp2_ways(tmp_path):
+    """--fsdp: FSDP2's own float32 reduce-scatter as the reference (its rerun the same bits),
+    and cfc.fsdp's, which compresses."""
+    bench = pathlib.Path(__file__).resolve().parents[2] / "benches" / "quality.py"
+    out = tmp_path / "q.json"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(bench),
+        "--fsdp", "--families", "conv", "--seeds", "2", "--steps", "10", "--hooks", "allreduce,allreduce,cfc",
+        "--json", str(out),
+    ]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    s = json.loads(out.read_text())["summaries"]["conv"]
+    assert s["allreduce (2)"]["mean_gap"] == [0.0] * 10
+    assert s["cfc"]["fewer_bytes"] > 4 and any(g != 0.0 for g in s["cfc"]["mean_gap"])
+    assert "conv, FSDP2" in r.stdout
