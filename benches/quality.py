@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import statistics
 import sys
 import time
@@ -54,7 +53,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 import cfc  # noqa: E402
-from ddp_train import LM, batch, corpus, held_out_loss, lr_factor  # noqa: E402
+import ddp_train  # noqa: E402
+from ddp_train import LM, batch, corpus, held_out_loss, lr_factor, start  # noqa: E402
 
 POINTS = 10  # scored at every tenth of training
 
@@ -167,24 +167,13 @@ def sharded(task, hook: str, args, dev):
 
 
 def register(ddp: DDP, hook: str, args):
-    """Registers `hook` on `ddp`; returns the cfc state, or None."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
-
-    name, _, x = hook.partition("@")
-    if name == "fp16":
-        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
-    elif name == "bf16":
-        ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
-    elif name == "powersgd":
-        st = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=4, start_powerSGD_iter=2)
-        ddp.register_comm_hook(st, powerSGD_hook.powerSGD_hook)
-    elif name in ("cfc", "cfc-noef"):
+    """Registers `hook` on `ddp`; returns the cfc state, or None. PyTorch's hooks as
+    examples/ddp_train.py registers them; the cfc ways with this benchmark's options."""
+    if hook.partition("@")[0] in ("cfc", "cfc-noef"):
         state = cfc_state(hook, args)
         ddp.register_comm_hook(state, cfc.cfc_hook)
         return state
-    elif name != "allreduce":
-        raise SystemExit(f"unknown hook {hook!r}")
-    return None
+    return ddp_train.register(ddp, hook, args)
 
 
 def fewer_bytes(hook: str, state) -> float:
@@ -336,16 +325,7 @@ def main() -> None:
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--png", type=Path, default=None)
     args = p.parse_args()
-    if "RANK" not in os.environ:
-        raise SystemExit("run under torchrun, e.g. torchrun --standalone --nproc_per_node=2 " + sys.argv[0])
-    use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= int(os.environ["LOCAL_WORLD_SIZE"])
-    if use_cuda:
-        dev = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(dev)
-    else:
-        dev = torch.device("cpu")
-        torch.set_num_threads(max(1, (os.cpu_count() or 2) // int(os.environ["LOCAL_WORLD_SIZE"])))
-    dist.init_process_group("nccl" if use_cuda else "gloo")
+    dev = start()
     rank = dist.get_rank()
     hooks = [h.strip() for h in args.hooks.split(",") if h.strip()]
     labels = labelled(hooks)

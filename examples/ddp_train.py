@@ -80,6 +80,22 @@ class LM(nn.Module):
         return self.head(self.norm(x))
 
 
+def start() -> torch.device:
+    """This rank's device, its process group started (under torchrun): NCCL and one GPU per
+    process where there are enough GPUs, gloo and the CPU (its cores shared out) otherwise."""
+    if "RANK" not in os.environ:
+        raise SystemExit("run under torchrun, e.g. torchrun --standalone --nproc_per_node=2 " + sys.argv[0])
+    use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= int(os.environ["LOCAL_WORLD_SIZE"])
+    if use_cuda:
+        dev = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(dev)
+    else:
+        dev = torch.device("cpu")
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // int(os.environ["LOCAL_WORLD_SIZE"])))
+    dist.init_process_group("nccl" if use_cuda else "gloo")
+    return dev
+
+
 def register(ddp: DDP, hook: str, args):
     """Registers a hook; returns the cfc state (None for PyTorch's hooks). ``cfc@X`` is cfc
     with ``rms=X`` (default ``--rms``)."""
@@ -223,20 +239,12 @@ def main() -> None:
     p.add_argument("--save", type=Path, default=None, help="save the trained model's state_dict here")
     args = p.parse_args()
 
-    if "RANK" not in os.environ:
-        raise SystemExit("run under torchrun, e.g. torchrun --standalone --nproc_per_node=2 " + sys.argv[0])
     if args.deterministic:
         # cuBLAS needs this before its first use to pick deterministic reductions
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=True)
-    use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= int(os.environ["LOCAL_WORLD_SIZE"])
-    if use_cuda:
-        dev = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(dev)
-    else:
-        dev = torch.device("cpu")
-        torch.set_num_threads(max(1, (os.cpu_count() or 2) // int(os.environ["LOCAL_WORLD_SIZE"])))
-    dist.init_process_group("nccl" if use_cuda else "gloo")
+    dev = start()
+    use_cuda = dev.type == "cuda"
     rank, world = dist.get_rank(), dist.get_world_size()
     data = corpus(int(args.corpus_mb * 2**20))
     split = data.numel() - data.numel() // 20  # the last 5%: held out
