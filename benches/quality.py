@@ -264,8 +264,8 @@ def print_table(family: str, summary: dict, args) -> None:
     labels = list(summary)
     steps = summary[labels[0]]["steps"]
     how = "FSDP2" if args.fsdp else "DDP"
-    print(f"\n{family}, {how}: held-out loss against {labels[0]}'s (mean over {args.seeds} seeds, +- "
-          f"standard error), at each tenth of {args.steps} steps")
+    print(f"\n{family}, {how}: held-out loss against {labels[0]}'s (mean over {summary[labels[0]]['seeds']} "
+          f"seeds, +- standard error), at each tenth of {steps[-1]} steps")
     print("| hook | " + " | ".join(f"{100 * (i + 1) // POINTS}%" for i in range(len(steps)))
           + " | fewer bytes | time to the reference's final loss |")
     print("|---|" + "---|" * len(steps) + "---|---|")
@@ -301,6 +301,31 @@ def draw(path: Path, summaries: dict) -> None:
     fig.savefig(path, dpi=120)
 
 
+def summarize_saved(args) -> None:
+    """The tables and PNG of a saved --json, from its runs: a run cut short counts the seeds
+    that every hook finished."""
+    summaries = {}
+    for path in args.summarize:
+        saved = json.loads(path.read_text())
+        args.fsdp = saved["args"].get("fsdp") == "True"
+        for family, runs in saved["runs"].items():
+            summarize_family(summaries, family, runs, args)
+    if args.png is not None:
+        draw(args.png, summaries)
+
+
+def summarize_family(summaries: dict, family: str, runs: list, args) -> None:
+    """Adds the table of one family's saved runs, over the seeds every hook finished."""
+    labels = list(dict.fromkeys(r["label"] for r in runs))
+    done = [s for s in sorted({r["seed"] for r in runs})
+            if {r["label"] for r in runs if r["seed"] == s} == set(labels)]
+    runs = [r for r in runs if r["seed"] in done]
+    if runs:
+        name = family + (" (FSDP2)" if args.fsdp else "")
+        summaries[name] = summarize(runs, labels)
+        print_table(family, summaries[name], args)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--families", default="lm,conv")
@@ -324,18 +349,29 @@ def main() -> None:
     p.add_argument("--fsdp", action="store_true", help="train with FSDP2 (see above)")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--png", type=Path, default=None)
+    p.add_argument("--summarize", type=Path, nargs="+", default=None,
+                   help="no training: the tables (and --png) of --json files, over the seeds every hook finished")
     args = p.parse_args()
+    if args.summarize is not None:
+        return summarize_saved(args)
     dev = start()
     rank = dist.get_rank()
     hooks = [h.strip() for h in args.hooks.split(",") if h.strip()]
     labels = labelled(hooks)
     tasks = {"lm": LMTask, "conv": ConvTask}
     summaries, everything = {}, {}
+
+    def write_json() -> None:
+        # Rewritten after every seed, so that a run cut short keeps the seeds it finished.
+        if rank == 0 and args.json is not None:
+            args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
+                                             "summaries": summaries, "runs": everything}, indent=1))
+
     for family in [f.strip() for f in args.families.split(",") if f.strip()]:
         if family not in tasks:
             raise SystemExit(f"unknown family {family!r}; choose from {', '.join(tasks)}")
         task = tasks[family](args, dev)
-        runs = []
+        runs = everything[family] = []
         for seed in range(args.seeds):
             for hook, label in zip(hooks, labels):
                 r = train(task, hook, seed, args, dev)
@@ -345,14 +381,12 @@ def main() -> None:
                     last = r["points"][-1]
                     print(f"{family} seed {seed} {label}: held-out {last['held_out']:.4f} "
                           f"after {last['seconds']:.1f} s", flush=True)
+            write_json()
         summaries[family] = summarize(runs, labels)
-        everything[family] = runs
+        if rank == 0:  # (each family's table as soon as it is done)
+            print_table(family, summaries[family], args)
+    write_json()
     if rank == 0:
-        for family, s in summaries.items():
-            print_table(family, s, args)
-        if args.json is not None:
-            args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                             "summaries": summaries, "runs": everything}, indent=1))
         if args.png is not None:
             try:
                 draw(args.png, summaries)

@@ -18,6 +18,8 @@
 #   fsdp     examples/fsdp_train.py over sockets and NVLink: noop (no gradient traffic), plain
 #            float32, bfloat16 reduce_dtype, cfc and cfc with fallback="auto" (FSDP_WAYS picks;
 #            FSDP_ARGS: model size, steps);
+#   quality  benches/quality.py over sockets (QUALITY_ARGS: families, hooks, seeds, sizes; --fsdp
+#            for FSDP2), its table and JSON under $OUT (QUALITY_NAME names them, default quality);
 # NPROC: ranks of the torchrun and cfc-bench parts (default: every GPU, one rank each); the
 # tests take CFC_TEST_GPUS (default: every GPU).
 # Logs and tables go under $OUT; the last lines printed are a short summary.
@@ -100,6 +102,11 @@ for part in $PARTS; do case $part in
           2>&1 | tail -8 | tee "$OUT/fsdp_${link}_$NPROC.md"
       { echo "fsdp $link, $NPROC ranks:"; cat "$OUT/fsdp_${link}_$NPROC.md"; } >> "$SUMMARY"
     done ;;
+  quality)
+    name=${QUALITY_NAME:-quality}
+    env $SOCK PYTHONPATH=/tmp/site timeout ${QUALITY_TIMEOUT:-560} torchrun --standalone --nproc_per_node=$NPROC benches/quality.py \
+        ${QUALITY_ARGS:-} --json "$OUT/$name.json" 2>&1 | grep -vE "^W[0-9]|\*\*\*|OMP_NUM" | tee "$OUT/$name.log" | tail -40
+    { echo "$name, $NPROC ranks:"; grep -E "^\||held-out loss against" "$OUT/$name.log"; } >> "$SUMMARY" ;;
 esac; done
 echo "==== summary"
 cat "$SUMMARY"

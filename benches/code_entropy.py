@@ -1,0 +1,46 @@
+"""How close cfc's frames come to the entropy of the codes they hold.
+
+For each float32 gradient slice of a folder (default ``../shared/data/grads``) and each bound
+``k x RMS``: the order-0 entropy of the quantized codes (``round(x / (2 eps))``), in bits per
+value, against the bits per value of cfc's frame (no zstd stage) at the same bound. The first
+is what any coder of one code at a time could reach; the gap is what a better entropy coder
+could still take.
+
+    python benches/code_entropy.py [--grads DIR] [--bounds 0.05,0.1,0.3]
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import cfc
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--grads", type=Path, default=Path(__file__).resolve().parents[2] / "shared/data/grads")
+    p.add_argument("--bounds", default="0.05,0.1,0.3", help="bounds, as multiples of each slice's RMS")
+    args = p.parse_args()
+    files = sorted(args.grads.glob("*.npy"))
+    if not files:
+        raise SystemExit(f"no .npy gradient slices in {args.grads}")
+    print("| slice | k | entropy of the codes | cfc frame | fewer bytes: entropy / cfc |")
+    print("|---|---|---|---|---|")
+    for f in files:
+        x = torch.from_numpy(np.load(f).astype(np.float32)).flatten()
+        rms = x.double().pow(2).mean().sqrt().item()
+        for k in (float(b) for b in args.bounds.split(",")):
+            eps = k * rms
+            _, counts = torch.unique(torch.round(x.double() / (2 * eps)).to(torch.int64), return_counts=True)
+            prob = counts.double() / counts.sum()
+            entropy = -(prob * prob.log2()).sum().item()
+            frame = 8 * cfc.compress(x, eps=eps).nbytes / x.numel()
+            print(f"| {f.stem} | {k:g} | {entropy:.2f} bits | {frame:.2f} bits | {32 / entropy:.1f}x / {32 / frame:.1f}x |")
+
+
+if __name__ == "__main__":
+    main()
