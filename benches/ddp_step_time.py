@@ -172,7 +172,8 @@ def register(ddp, name, clock=None):
         # cfc; cfc-auto: fallback="auto" through cfc.register_comm_hook (which keeps DDP's
         # built-in all-reduce where its probe finds compression does not pay); cfc-auto-hook:
         # fallback="auto" with the hook always registered (its per-bucket choice only);
-        # cfc@0.1: rms=0.1; cfc-ag / cfc-rs: the all-gather or the reduce-scatter (default:
+        # cfc@0.1: rms=0.1 (without @X: rms=0.3, as the step times in docs/performance.md;
+        # CfcState's own default is 0.05); cfc-ag / cfc-rs: the all-gather or the reduce-scatter (default:
         # cfc's choice); cfc-...-plain: no bucket compressed (every one NCCL's average through
         # cfc's engine: its thread and collectives without the codec); any hook:capN sets
         # bucket_cap_mb

@@ -114,7 +114,7 @@ def register(ddp: DDP, hook: str, args):
             rms = float(x) if x else args.rms
         except ValueError:
             raise SystemExit(f"{name}@X needs a number X (rms), got {hook!r}") from None
-        state = cfc.CfcState(rms=rms)
+        state = cfc.CfcState() if rms is None else cfc.CfcState(rms=rms)
         ddp.register_comm_hook(state, cfc.cfc_hook)
         return state
     elif hook != "allreduce":
@@ -225,7 +225,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--rms", type=float, default=0.3, help="cfc's bound, relative to the bucket's RMS")
+    p.add_argument("--rms", type=float, default=None, help="cfc's bound, relative to the bucket's RMS (default: CfcState's)")
     p.add_argument("--schedule", choices=("cosine", "constant"), default="cosine",
                    help="learning rate after the warm-up: cosine decay to 0.1 x --lr, or constant")
     p.add_argument("--clip", type=float, default=1.0, help="clip the gradient norm at this (0: no clipping)")

@@ -62,7 +62,8 @@ def build(way: str, dev: torch.device, args) -> tuple:
     if way.startswith("cfc"):
         rms = float(way.split("@", 1)[1]) if "@" in way else args.rms
         fallback = "auto" if way.startswith("cfc-auto") else "never"
-        state = cfc.fsdp.register(model, cfc.CfcState(rms=rms, warmup_steps=0, fallback=fallback))
+        bound = {} if rms is None else {"rms": rms}
+        state = cfc.fsdp.register(model, cfc.CfcState(**bound, warmup_steps=0, fallback=fallback))
     return model, state
 
 
@@ -111,7 +112,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--rms", type=float, default=0.3, help="cfc's bound, relative to each group's RMS")
+    p.add_argument("--rms", type=float, default=None, help="cfc's bound, relative to each group's RMS (default: CfcState's)")
     p.add_argument("--schedule", choices=("cosine", "constant"), default="cosine")
     p.add_argument("--eval-batches", type=int, default=8)
     p.add_argument("--corpus-mb", type=float, default=16.0)

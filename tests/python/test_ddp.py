@@ -234,7 +234,11 @@ def variants(rank, world, out):
         for p in ddp.parameters():
             assert same_on_all_ranks(p.detach()), (kw, dtype)
         s = state.stats()
-        assert s["compressed_buckets"] > 0 and s["ratio"] > 4 / world, (kw, dtype, s)
+        # (bfloat16 and float16 buckets start from half the bytes, and at the default bound
+        # (rms=0.05) a few percent of their values, whose dtype's spacing there is too coarse
+        # for it, travel as exceptions)
+        least = 4 / world if dtype == torch.float32 else 3 / world
+        assert s["compressed_buckets"] > 0 and s["ratio"] > least, (kw, dtype, s)
         # (in bf16/fp16 the error sent includes rounding the compensated value to the dtype,
         # relative to the value, not to eps)
         slack = 1 + 1e-6 if dtype == torch.float32 else 2
@@ -446,8 +450,9 @@ def test_training_parity_with_fewer_bytes(tmp_path, device):
     assert r["cfc"] < 0.5 * r["first"], r  # it learned
     assert abs(r["cfc"] - r["plain"]) <= 0.02 * r["plain"], r
     # the reduce-scatter from 3 ranks sends about 2 compressed buckets per rank; the all-gather
-    # of 2 ranks one; a ring all-reduce 2 (n - 1) / n plain ones
-    assert s["ratio"] >= 6, s
+    # of 2 ranks one; a ring all-reduce 2 (n - 1) / n plain ones. At the default bound
+    # (rms=0.05) this model's buckets compress about 4.6x.
+    assert s["ratio"] >= 4, s
     assert 0 < s["max_error"] <= s["eps"] * (1 + 1e-6), s
 
 
@@ -518,7 +523,7 @@ def test_a_script_that_never_closes_its_state_exits_at_once(tmp_path):
 def test_state_options_are_checked():
     early = CfcState(eps=1e-3)  # before the process group, as Lightning makes it
     assert early.bound_kind == "eps" and early.bound == 1e-3 and early.rank == -1
-    assert CfcState().options.bound_kind == "rms" and CfcState().bound == 0.3
+    assert CfcState().options.bound_kind == "rms" and CfcState().bound == 0.05
     for bad, match in [
         (dict(eps=1e-3, rms=0.3), "at most one"),
         (dict(rel=1.0), "below 1"),

@@ -56,7 +56,7 @@ class AllReducer:
 
     Args:
         state: the options (:class:`cfc.CfcState`; its ``warmup_steps`` and ``fallback`` count
-            calls as steps). Default: ``CfcState(warmup_steps=0)``, a bound of 0.3 x each
+            calls as steps). Default: ``CfcState(warmup_steps=0)``, a bound of 0.05 x each
             chunk's RMS.
         chunk_numel: elements per chunk (default 16 Mi: 64 MB of float32; smaller chunks
             overlap better, each costs some host time on the engine's thread).

@@ -90,7 +90,7 @@ def register(model: Any, state: Optional[CfcState] = None, *, replicas: Optional
     Args:
         model: a module on which ``fully_shard`` was called (it, or modules inside it).
         state: the options (:class:`cfc.CfcState`, not used elsewhere); default
-            ``CfcState(warmup_steps=0)``, a bound of 0.3 x each group's RMS. A *step* is a
+            ``CfcState(warmup_steps=0)``, a bound of 0.05 x each group's RMS. A *step* is a
             backward pass that reduce-scatters (``warmup_steps`` and ``trial_steps`` count
             those; with ``fallback="auto"`` each group keeps the faster way, plain or
             compressed, as its trial found). Its process group, when not given, is FSDP's

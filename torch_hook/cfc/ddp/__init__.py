@@ -6,7 +6,7 @@ Example::
     >>> from cfc import CfcState, cfc_hook  # doctest: +SKIP
     >>> ddp.register_comm_hook(CfcState(), cfc_hook)  # doctest: +SKIP
 
-Every bucket is quantized with a strict bound (by default ``0.3 x`` the RMS of the bucket's
+Every bucket is quantized with a strict bound (by default ``0.05 x`` the RMS of the bucket's
 gradient), with error feedback: what rounding drops on a rank is added to that rank's next
 gradient, so over many steps nothing is lost. NaN and infinities travel exactly, so AMP's
 GradScaler still sees an overflow on any rank.
