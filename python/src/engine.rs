@@ -335,6 +335,13 @@ impl Engine {
         Ok(())
     }
 
+    /// Whether the engine is done with the memory of every job submitted before the latest
+    /// wait (see `cfc::engine::Engine::settled`): False after a wait that ran out of time while
+    /// the engine was still at work, whose tensors must then be kept alive.
+    fn settled(&self) -> PyResult<bool> {
+        Ok(self.live()?.settled())
+    }
+
     /// The first failure of any rank seen so far, as (rank, reason), or None.
     fn failure(&self) -> PyResult<Option<(usize, String)>> {
         Ok(self.live()?.control().failure().map(|f| (f.rank, f.reason)))
@@ -427,12 +434,13 @@ impl Engine {
 
     /// Makes a fault happen at this rank's next compressed bucket, for tests of failure
     /// handling: "corrupt" (the frame it sends), "alloc" (its next allocation), "device" (a
-    /// device error).
+    /// device error), "hang" (it never finishes, as a device or link that never answers).
     fn inject(&self, fault: &str) -> PyResult<()> {
         let f = match fault {
             "corrupt" => Fault::Corrupt,
             "alloc" => Fault::Alloc,
             "device" => Fault::Device,
+            "hang" => Fault::Hang,
             other => return Err(PyValueError::new_err(format!("unknown fault {other:?}"))),
         };
         self.live()?.inject(f).map_err(to_py)

@@ -100,6 +100,13 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
                 self.be.label()
             )));
         }
+        if let Some(at) = self.faults.iter().position(|f| *f == Fault::Hang) {
+            self.faults.remove(at);
+            loop {
+                self.tr.control().check()?;
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+        }
         let kind = matches!(job.op, Op::ReduceScatter { .. }) as u64;
         let check = rows::check_word(&[
             self.seq,

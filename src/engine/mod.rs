@@ -61,7 +61,14 @@ pub enum Fault {
     Alloc,
     /// The next compressed job fails as a device error would.
     Device,
+    /// The next compressed job hangs (looking only at the failure board), as a device or a
+    /// link that never answers would: the caller's wait runs out of time.
+    Hang,
 }
+
+/// How long a wait that ran out of time gives the engine's thread to give up its work (see
+/// [`Engine::settled`]).
+const GIVE_UP_GRACE: Duration = Duration::from_secs(10);
 
 /// Messages to the comm thread.
 pub(crate) enum Msg {
@@ -122,6 +129,9 @@ struct Progress {
     failure: Option<Failure>,
     /// The engine's thread ended abnormally: nothing more is published.
     dead: bool,
+    /// The device did not drain after a failure: work queued on the caller's memory may still
+    /// run (see [`Engine::settled`]).
+    stranded: bool,
     done: Option<Arc<Done>>,
 }
 
@@ -140,6 +150,7 @@ impl Shared {
                 outcomes: std::collections::VecDeque::new(),
                 failure: None,
                 dead: false,
+                stranded: false,
                 done: None,
             }),
             cv: Condvar::new(),
@@ -183,6 +194,14 @@ impl Shared {
     }
 
     /// The failure that ended the engine (the first the comm thread saw).
+    /// Notes that the device did not drain after a failure (see [`Engine::settled`]).
+    pub(crate) fn note_stranded(&self) {
+        self.progress
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .stranded = true;
+    }
+
     pub(crate) fn note_failure(&self, failure: Option<Failure>) {
         let mut p = self.progress.lock().unwrap_or_else(|e| e.into_inner());
         if p.failure.is_none() {
@@ -235,6 +254,9 @@ pub struct Engine {
     options: Options,
     /// Publications asked for so far (closes, agreements).
     expected: Mutex<u64>,
+    /// Whether jobs were sent after the latest counted message (their memory is in use until a
+    /// later one is published: see [`Engine::settled`]).
+    uncounted: std::sync::atomic::AtomicBool,
     /// Points (see `Msg::is_point`) handed over so far.
     points: std::sync::atomic::AtomicU64,
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
@@ -298,6 +320,7 @@ impl Engine {
             world,
             options,
             expected: Mutex::new(0),
+            uncounted: std::sync::atomic::AtomicBool::new(false),
             points: std::sync::atomic::AtomicU64::new(0),
             thread: Mutex::new(Some(thread)),
         };
@@ -409,6 +432,8 @@ impl Engine {
         let mut e = self.expected.lock().unwrap_or_else(|e| e.into_inner());
         self.send(msg)?;
         *e += 1;
+        self.uncounted
+            .store(false, std::sync::atomic::Ordering::SeqCst);
         Ok(*e)
     }
 
@@ -454,7 +479,10 @@ impl Engine {
         if job.last {
             self.send_counted(Msg::Job(job, ready))?;
         } else {
+            let _counted = self.expected.lock().unwrap_or_else(|e| e.into_inner());
             self.send(Msg::Job(job, ready))?;
+            self.uncounted
+                .store(true, std::sync::atomic::Ordering::SeqCst);
         }
         Ok(())
     }
@@ -524,10 +552,7 @@ impl Engine {
             }
             let left = limit.saturating_sub(t0.elapsed());
             if left.is_zero() {
-                return Err(Error::Timeout {
-                    peer: self.rank,
-                    seconds: limit.as_secs_f64(),
-                });
+                return Err(self.give_up(p, want, limit));
             }
             p = self
                 .shared
@@ -536,6 +561,59 @@ impl Engine {
                 .unwrap_or_else(|e| e.into_inner())
                 .0;
         }
+    }
+
+    /// A wait that ran out of time: a failure of every rank, so that the engine's thread gives
+    /// up at its next look at the board and lets go of the caller's memory, and a short grace
+    /// for it to say so (see [`Engine::settled`]).
+    fn give_up(&self, p: std::sync::MutexGuard<'_, Progress>, want: u64, limit: Duration) -> Error {
+        let seconds = limit.as_secs_f64();
+        let failure = Failure {
+            rank: self.rank,
+            reason: format!(
+                "rank {}'s engine did not finish its work within {seconds} s",
+                self.rank
+            ),
+            at: 0,
+        };
+        // (raising tells the peers over their links: not under the progress lock)
+        drop(p);
+        self.control.raise(failure, true);
+        let t0 = Instant::now();
+        let mut p = self
+            .shared
+            .progress
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        while !(p.dead || p.published >= want) && t0.elapsed() < GIVE_UP_GRACE {
+            p = self
+                .shared
+                .cv
+                .wait_timeout(p, Duration::from_millis(50))
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        Error::Timeout {
+            peer: self.rank,
+            seconds,
+        }
+    }
+
+    /// Whether the engine is done with the memory of every job submitted: it finished them,
+    /// or gave them up after a failure and its device drained. Only then may the caller free
+    /// that memory. It is false while jobs are at work (jobs submitted since the latest wait,
+    /// step end or close count as at work), and after a wait that ran out of time while the
+    /// engine's thread was still at work, or whose device never drained: the caller must then
+    /// keep the memory alive.
+    pub fn settled(&self) -> bool {
+        let sent = self.expected.lock().unwrap_or_else(|e| e.into_inner());
+        let uncounted = self.uncounted.load(std::sync::atomic::Ordering::SeqCst);
+        let p = self
+            .shared
+            .progress
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        !p.stranded && (p.dead || (!uncounted && p.published >= *sent))
     }
 
     /// Checks again, with every rank, the options and `token` (e.g. after loading a

@@ -741,6 +741,35 @@ fn a_silent_peer_is_a_timeout_and_close_is_bounded() {
 }
 
 #[test]
+fn a_wait_that_runs_out_of_time_fails_the_engine_and_lets_its_memory_go_only_once_given_up() {
+    let mut o = options(BoundRule::Abs(1e-3));
+    o.timeout = Duration::from_millis(200);
+    let engines = Engine::local_group(1, o).unwrap();
+    let e = &engines[0];
+    e.inject(Fault::Hang).unwrap();
+    let mut x = grads(0, 0, 4096);
+    // SAFETY: as in `one_step`; `x` outlives the engine's work (checked with `settled`).
+    unsafe { e.submit(job(0, &mut x, None, true), 0) }.unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+    assert!(!e.settled(), "a job still at work is not settled");
+    let t0 = std::time::Instant::now();
+    let err = e.wait(0).unwrap_err();
+    assert!(matches!(err, Error::Timeout { .. }), "{err}");
+    // The wait failed the engine, whose thread gave the job up: the memory may go now.
+    assert!(e.settled());
+    assert!(t0.elapsed() < Duration::from_secs(15), "{:?}", t0.elapsed());
+    let failure = e.control().failure().expect("a failure on the board");
+    assert!(
+        failure.reason.contains("did not finish its work"),
+        "{}",
+        failure.reason
+    );
+    // SAFETY: as above.
+    let refused = unsafe { e.submit(job(0, &mut x, None, true), 0) };
+    assert!(refused.is_err());
+}
+
+#[test]
 fn a_resumed_run_repeats_the_bits_of_the_uninterrupted_one() {
     let world = 2;
     let n = 20_000;

@@ -533,6 +533,7 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
             );
             self.be.abandon();
             std::mem::forget(stages);
+            self.shared.note_stranded();
         }
         self.shared.note_failure(self.tr.control().failure());
     }

@@ -520,6 +520,32 @@ def test_a_script_that_never_closes_its_state_exits_at_once(tmp_path):
     assert time.monotonic() - t0 < 60
 
 
+def test_tensors_stay_alive_while_the_engine_may_still_use_them():
+    """After a wait that ran out of time the engine may still be at work on the step's tensors:
+    the state keeps them until a later wait finds the engine settled."""
+
+    class Engine:
+        busy = True
+
+        def settled(self):
+            return not self.busy
+
+    state = CfcState()
+    state._engine = Engine()
+    first = [torch.zeros(4)]
+    state._keep = list(first)
+    state._let_go()
+    assert state._keep == [] and state._held == first  # still in use: kept
+    second = [torch.ones(4)]
+    state._keep = list(second)
+    state._let_go()
+    assert state._held == first + second
+    state._engine.busy = False
+    state._let_go()
+    assert state._held == [] and state._keep == []  # settled: let go
+    state._engine = None
+
+
 def test_state_options_are_checked():
     early = CfcState(eps=1e-3)  # before the process group, as Lightning makes it
     assert early.bound_kind == "eps" and early.bound == 1e-3 and early.rank == -1

@@ -200,7 +200,7 @@ def _submit(state: CfcState, key: int, data: Any, out: Any, scale: Any) -> None:
     try:
         engine.wait(stream)
     finally:
-        state._keep = []
+        state._let_go()
     if not in_backward:
         _end_step(state)
 

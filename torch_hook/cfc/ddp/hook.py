@@ -87,7 +87,8 @@ def _fail(state: Any, e: BaseException, last: bool) -> None:
     if engine is not None and not isinstance(e, cfc.CfcError):
         engine.fail(f"{type(e).__name__}: {e}")
     if last and isinstance(state, CfcState):
-        state._scatters, state._keep = [], []
+        state._scatters = []
+        state._let_go()
         state._residuals.end_step()
         state.step += 1
 

@@ -107,6 +107,7 @@ class CfcState:
         self._token = 0
         self._agree_again = False
         self._keep: List[Any] = []  # tensors the engine works on until the step's wait
+        self._held: List[Any] = []  # tensors of earlier steps the engine may still use (_let_go)
         self._scatters: List[Any] = []  # parts to write back into their buckets after the wait
         self._plain_kinds: set = set()
         self._base: Dict[str, float] = {}  # what reset_stats() subtracts
@@ -186,7 +187,7 @@ class CfcState:
                 scatter()
         finally:
             self._scatters = []
-            self._keep = []
+            self._let_go()
             self._residuals.end_step()
             self.step += 1
         if self._residuals.saved_layouts and self.step >= self._token_step + 2:
@@ -197,6 +198,22 @@ class CfcState:
             logger.info("cfc step %d: %s", self.step, self.stats())
 
     _token_step = 0  # the step a checkpoint was loaded at
+
+    def _let_go(self) -> None:
+        """Drops the tensors the engine worked on since the last wait, once it is done with
+        them. After a wait that ran out of time the engine may still be at work on them (its
+        thread gives up at its next look at the failure board; a device may never drain): they
+        are then kept alive, and let go at a later wait that finds the engine settled, so that
+        the engine never writes into memory that was freed."""
+        held, self._keep = self._held + self._keep, []
+        try:
+            settled = self._engine is None or self._engine.settled()
+        except cfc.CfcError:  # closed: its close() waited for its thread
+            settled = True
+        if not settled and not self._held:
+            logger.error("cfc: a wait ran out of time while the engine was still at work on this rank's "
+                         "tensors; they are kept alive until it lets go of them")
+        self._held = [] if settled else held
 
     def close(self) -> None:
         """Let go of the engine (its thread, links and NCCL communicator), once the work
