@@ -121,10 +121,11 @@ pub struct Stats {
 }
 
 struct Progress {
-    /// Closes and agreements published so far, and the outcome of the latest ones (index,
-    /// success), so that a waiter reads its own.
+    /// Closes and agreements published so far, and the first of them that failed: outcomes
+    /// only go from success to failure (a failed engine fails everything after), so every
+    /// waiter reads its own from these two, however long ago it was published.
     published: u64,
-    outcomes: std::collections::VecDeque<(u64, bool)>,
+    first_failed: Option<u64>,
     /// The first failure (of any rank) the engine's thread saw.
     failure: Option<Failure>,
     /// The engine's thread ended abnormally: nothing more is published.
@@ -133,6 +134,13 @@ struct Progress {
     /// run (see [`Engine::settled`]).
     stranded: bool,
     done: Option<Arc<Done>>,
+}
+
+impl Progress {
+    /// Whether publication `index` (counted from 1, already published) was a success.
+    fn succeeded(&self, index: u64) -> bool {
+        self.first_failed.is_none_or(|f| index < f)
+    }
 }
 
 /// What the handle and the comm thread share.
@@ -147,7 +155,7 @@ impl Shared {
         Arc::new(Shared {
             progress: Mutex::new(Progress {
                 published: 0,
-                outcomes: std::collections::VecDeque::new(),
+                first_failed: None,
                 failure: None,
                 dead: false,
                 stranded: false,
@@ -166,10 +174,8 @@ impl Shared {
     pub(crate) fn publish(&self, ok: bool, done: Option<Done>) {
         let mut p = self.progress.lock().unwrap_or_else(|e| e.into_inner());
         p.published += 1;
-        let index = p.published;
-        p.outcomes.push_back((index, ok));
-        if p.outcomes.len() > 64 {
-            p.outcomes.pop_front();
+        if !ok && p.first_failed.is_none() {
+            p.first_failed = Some(p.published);
         }
         if let Some(d) = done {
             p.done = Some(Arc::new(d));
@@ -181,7 +187,7 @@ impl Shared {
     pub(crate) fn publish_again(&self) {
         let ok = {
             let p = self.progress.lock().unwrap_or_else(|e| e.into_inner());
-            p.outcomes.back().is_none_or(|o| o.1)
+            p.first_failed.is_none()
         };
         self.publish(ok, None);
     }
@@ -544,7 +550,7 @@ impl Engine {
                 return Err(self.failure_of(&p));
             }
             if p.published >= want {
-                let ok = p.outcomes.iter().find(|o| o.0 == want).is_none_or(|o| o.1);
+                let ok = p.succeeded(want);
                 if ok {
                     return Ok(());
                 }

@@ -741,6 +741,30 @@ fn a_silent_peer_is_a_timeout_and_close_is_bounded() {
 }
 
 #[test]
+fn every_outcome_is_remembered_however_many_follow() {
+    let shared = Shared::new();
+    for _ in 0..200 {
+        shared.publish(true, None);
+    }
+    shared.publish(false, None);
+    shared.publish_again();
+    shared.publish(false, None);
+    let p = shared.progress.lock().unwrap();
+    assert_eq!(p.published, 203);
+    assert!(p.succeeded(1) && p.succeeded(200));
+    assert!(!p.succeeded(201) && !p.succeeded(202) && !p.succeeded(203));
+    drop(p);
+    // A failure long ago is still a failure (a bounded list of outcomes forgot it, and a
+    // waiter that came late read a success).
+    let shared = Shared::new();
+    shared.publish(false, None);
+    for _ in 0..100 {
+        shared.publish_again();
+    }
+    assert!(!shared.progress.lock().unwrap().succeeded(1));
+}
+
+#[test]
 fn a_wait_that_runs_out_of_time_fails_the_engine_and_lets_its_memory_go_only_once_given_up() {
     let mut o = options(BoundRule::Abs(1e-3));
     o.timeout = Duration::from_millis(200);
