@@ -446,9 +446,9 @@ impl Engine {
         self.live()?.inject(f).map_err(to_py)
     }
 
-    /// Finishes the buckets submitted, then stops the engine and closes its links (at most
-    /// twice its timeout; a failure was raised by `wait` already, not again here). Closing again
-    /// does nothing.
+    /// Finishes the buckets submitted, then stops the engine and closes its links (waiting at
+    /// most as long as `wait`; a failure was raised by `wait` already, not again here). Closing
+    /// again does nothing.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
         let engine = self.inner.lock().unwrap_or_else(|e| e.into_inner()).take();
         match engine {

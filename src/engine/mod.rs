@@ -700,8 +700,9 @@ impl Engine {
     }
 
     /// Finishes the jobs submitted, then stops the engine's thread and closes its links (its
-    /// peers then know it left on purpose). Waits at most twice the timeout. A failure is not
-    /// reported again here: [`Engine::wait`] and [`Engine::submit`] report it.
+    /// peers then know it left on purpose). Waits at most as long as [`Engine::wait`] (twice
+    /// the timeout and 10 s, then a grace of 10 s where the thread is still at work). A failure
+    /// is not reported again here: [`Engine::wait`] and [`Engine::submit`] report it.
     ///
     /// # Errors
     /// [`Error::Timeout`] when the thread does not end in time (it is then left to end alone).
@@ -710,11 +711,13 @@ impl Engine {
         let Some(handle) = handle else {
             return Ok(());
         };
+        // One deadline for the whole close: the thread ends right after the stop's outcome is
+        // published, so the wait for that is the wait for the thread.
+        let limit = self.options.timeout * 2 + Duration::from_secs(10) + GIVE_UP_GRACE;
+        let t0 = Instant::now();
         let _ = self
             .send_counted(Msg::Stop)
             .and_then(|want| self.wait_for(want));
-        let limit = self.options.timeout * 2;
-        let t0 = Instant::now();
         while !handle.is_finished() && t0.elapsed() < limit {
             std::thread::sleep(Duration::from_millis(1));
         }
