@@ -184,10 +184,25 @@ def fallback(rank, world, out):
     everyone = [None] * world
     dist.all_gather_object(everyone, sorted(decisions))
     assert all(e == everyone[0] for e in everyone), everyone
-    model, opt, state = make(CfcState(warmup_steps=0, fallback="always", min_compress_numel=0))
+    # The groups the trial chose plain go through torch's reduce-scatter, not the engine.
+    plain = {k for k, d in decisions if d is False}
+    assert state._plain_keys == plain, (state._plain_keys, decisions)
+    before, engine_before = state.stats(), state._engine.stats()
+    train(model, opt, rank, 1, start=5)
+    after, engine_after = state.stats(), state._engine.stats()
+    assert engine_after["plain_buckets"] == engine_before["plain_buckets"], (engine_before, engine_after)
+    assert after["plain_buckets"] - before["plain_buckets"] == len(plain), (before, after, plain)
+    assert after["compressed_buckets"] - before["compressed_buckets"] == 3 - len(plain), (before, after)
+    # fallback="always" is FSDP's own reduce-scatter, bit for bit, without the engine's thread.
+    model, opt, state = make(CfcState(warmup_steps=0, fallback="always", min_compress_numel=0), sgd=True)
+    reference, ropt, _ = make(register=False, sgd=True)
     train(model, opt, rank, 2)
+    train(reference, ropt, rank, 2)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(p.to_local(), q.to_local())
     s = state.stats()
     assert s["compressed_buckets"] == 0 and s["plain_buckets"] == 6, s
+    assert state._engine.stats()["plain_buckets"] == 0
 
 
 def mismatch(rank, world, out):

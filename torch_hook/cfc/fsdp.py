@@ -8,8 +8,10 @@ with a step every rank shares and with error feedback, sums every rank's codes f
 exactly as integers, and writes this rank's averaged (or summed, as FSDP asks) shard.
 
 The call returns once its result is queued on the current stream (FSDP's reduce-scatter
-stream), as FSDP requires: unlike the DDP hook, each group's exchange is waited for on the host
-before the next group's backward is queued.
+stream), as FSDP requires: unlike the DDP hook, each compressed group's exchange is waited for
+on the host before the next group's backward is queued. A group sent plainly (every group with
+``fallback="always"``; with ``"auto"``, those whose trial chose plain) goes through torch's own
+reduce-scatter on that stream instead, with no wait on the host.
 
 Replicas (HSDP): shard the model over one dimension of a (replicate, shard) mesh with
 ``fully_shard(model, mesh=mesh["shard"])`` and give ``register`` a second state bound to the
@@ -205,6 +207,27 @@ def _submit(state: CfcState, key: int, data: Any, out: Any, scale: Any) -> None:
         _end_step(state)
 
 
+def _direct(state: CfcState, key: int, out: Any, inp: Any, op: Any) -> None:
+    """A group sent plainly (``fallback="always"``, or the trial of ``"auto"`` chose so for
+    it): torch's own reduce-scatter, queued on the current stream, without the engine's thread
+    and without waiting on the host, so that such a group costs what FSDP's own reduce-scatter
+    does. The step still opens and ends with the engine (which counts steps alike on every
+    rank, and may run the trial again), and what the group's residual still holds from its
+    compressed steps goes out with its first plain one."""
+    in_backward = _open_step(state)
+    held = state._residuals.by_bucket.get(key)
+    if held is not None and key not in state._folded:
+        inp.view(-1).add_(held[1].view(-1).to(inp.dtype))
+        held[1].zero_()
+    state._folded.add(key)
+    _torch_reduce_scatter(out, inp, op, state.process_group)
+    state._direct["plain_buckets"] += 1
+    w = state.world
+    state._direct["bytes_sent"] += (w - 1) * -(-inp.numel() * inp.element_size() // w)
+    if not in_backward:
+        _end_step(state)
+
+
 def _open_step(state: CfcState) -> bool:
     """At the first group of a backward pass: the step ends when the pass does (a callback of
     autograd's, after FSDP's own). Returns False outside a backward pass (a reduce-scatter
@@ -231,6 +254,10 @@ def _end_step(state: CfcState) -> None:
     finally:
         state._residuals.end_step()
         state.step += 1
+    if state.options.fallback == "auto" and state._engine is not None:
+        # The groups the trial chose plain, alike on every rank (decided from every rank's
+        # times), read once per step: the next step sends them without the engine.
+        state._plain_keys = {b["key"] for b in state._engine.state()["buckets"] if b["decision"] is False}
     if state.options.log_every and state.step % state.options.log_every == 0:
         logger.info("cfc.fsdp step %d: %s", state.step, state.stats())
 
@@ -268,6 +295,11 @@ def reduce_scatter(state: CfcState, key: int, out: Any, inp: Any, group: Any, op
             _plain(state, f"reduce-scatters of {inp.dtype} with {op}",
                    lambda: _torch_reduce_scatter(out, inp, op, state.process_group))
             return
+        state._engine_for(inp.device)  # (opened, and the ranks' options agreed, in any case)
+        if state.options.fallback == "always" or key in state._plain_keys:
+            _direct(state, key, out, inp, op)
+            return
+        state._folded.discard(key)
         _submit(state, key, inp.view(-1), out.view(-1), scale)
     except BaseException as e:  # noqa: BLE001 - re-raised: FSDP's backward() raises it
         if isinstance(state, CfcState):

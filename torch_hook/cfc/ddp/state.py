@@ -110,6 +110,11 @@ class CfcState:
         self._held: List[Any] = []  # tensors of earlier steps the engine may still use (_let_go)
         self._scatters: List[Any] = []  # parts to write back into their buckets after the wait
         self._plain_kinds: set = set()
+        # cfc.fsdp's groups sent plainly without the engine (see cfc.fsdp._direct): the keys
+        # the trial chose plain, the keys whose residual went out with them, and their counts
+        self._plain_keys: set = set()
+        self._folded: set = set()
+        self._direct = {"plain_buckets": 0, "bytes_sent": 0}
         self._base: Dict[str, float] = {}  # what reset_stats() subtracts
         self._closed = False
         self._model: Any = None  # a weak reference to the DDP model register_comm_hook gave it to
@@ -239,6 +244,9 @@ class CfcState:
         else:
             s = dict(getattr(self, "_final_stats", {}))
         s = {k: s.get(k, 0) for k in keys}
+        s["plain_buckets"] += self._direct["plain_buckets"]
+        s["bytes_sent"] += self._direct["bytes_sent"]
+        s["bytes_uncompressed"] += self._direct["bytes_sent"]
         s["residual_resets"] = self._residuals.resets
         return s
 
