@@ -199,7 +199,6 @@ impl Shared {
         self.cv.notify_all();
     }
 
-    /// The failure that ended the engine (the first the comm thread saw).
     /// Notes that the device did not drain after a failure (see [`Engine::settled`]).
     pub(crate) fn note_stranded(&self) {
         self.progress
@@ -208,6 +207,7 @@ impl Shared {
             .stranded = true;
     }
 
+    /// The failure that ended the engine (the first the comm thread saw).
     pub(crate) fn note_failure(&self, failure: Option<Failure>) {
         let mut p = self.progress.lock().unwrap_or_else(|e| e.into_inner());
         if p.failure.is_none() {
