@@ -96,6 +96,40 @@ def bound(rank, world, out):
         state.close()
 
 
+def every_step_within_bound(rank, world, out):
+    """Over ten training steps with error feedback and a bound that follows the data, every
+    reduce-scatter's output lies within 2 eps of the exact average of the ranks' inputs (each
+    rank's decoded value within eps of its gradient plus residual, each residual within eps):
+    what FSDP gets from cfc is the gradient it handed over, step after step, on the streams
+    FSDP runs it on."""
+    for bound in (dict(eps=1e-4), dict(rms=0.3)):
+        _within_bound_for_ten_steps(rank, world, bound)
+
+
+def _within_bound_for_ten_steps(rank, world, bound):
+    model, opt, state = make(CfcState(**bound, warmup_steps=0, min_compress_numel=4000))
+    checks = []
+    real = cfc.fsdp.reduce_scatter
+
+    def checked(st, key, out_, inp, group, op):
+        exact = inp.detach().float().clone()
+        dist.all_reduce(exact, group=group)  # (queued on FSDP's stream, before cfc reads inp)
+        mine = exact.view(world, -1)[dist.get_rank(group)] / world
+        real(st, key, out_, inp, group, op)
+        checks.append((st.step, key, (out_.float() - mine).abs().max(), mine.abs().max()))
+
+    cfc.fsdp.reduce_scatter = checked
+    try:
+        train(model, opt, rank, 10)
+    finally:
+        cfc.fsdp.reduce_scatter = real
+    eps = state.stats()["eps"]  # the largest bound any group used (rms: the groups' differ)
+    assert eps > 0 and state.stats()["compressed_buckets"] == 20, state.stats()
+    for step, key, err, scale in checks:
+        assert err.item() <= 2 * eps * (1 + 1e-5) + 1e-6 * scale.item(), (bound, step, key, err.item(), eps)
+    state.close()
+
+
 def parity(rank, world, out):
     """Training with cfc's default bound follows plain FSDP2, every rank with the same
     parameters; error feedback carries what each step drops."""
@@ -358,7 +392,7 @@ def refusals(rank, world, out):
         cfc.fsdp.register(nn.Linear(2, 2))
 
 
-SCENARIOS = {f.__name__: f for f in (bound, parity, accumulate, overflow, feedback, fallback, mismatch, failures,
+SCENARIOS = {f.__name__: f for f in (bound, every_step_within_bound, parity, accumulate, overflow, feedback, fallback, mismatch, failures,
                                       resume, plain_paths, refusals)}
 FOUR_RANKS = {f.__name__: f for f in (replicas, replica_failure)}  # (test_fsdp_replicas)
 SCENARIOS.update(FOUR_RANKS)
