@@ -288,28 +288,37 @@ def failures(rank, world, out):
 
 def resume(rank, world, out):
     """A run resumed after step 2 from this rank's model shards and cfc state (SGD: no optimizer
-    state) computes the bits of the uninterrupted one; without the cfc state it does not."""
-    model, opt, state = make(sgd=True)
-    train(model, opt, rank, 2)
-    shards = {k: v.to_local().clone() for k, v in model.state_dict().items()}
-    saved = state.state_dict()
-    want = train(model, opt, rank, 2, start=2)
-    want_params = [p.to_local().clone() for p in model.parameters()]
+    state) computes the bits of the uninterrupted one; without the cfc state it does not. So
+    does one with fallback="auto" resumed after its trial, whose groups chosen plain go
+    through torch's reduce-scatter at once."""
+    for kw, before in ((dict(), 2), (dict(fallback="auto", trial_steps=2, min_compress_numel=0), 3)):
+        model, opt, state = make(CfcState(warmup_steps=0, **kw), sgd=True)
+        train(model, opt, rank, before)
+        shards = {k: v.to_local().clone() for k, v in model.state_dict().items()}
+        saved = state.state_dict()
+        plain_at_save = set(state._plain_keys)
+        want = train(model, opt, rank, 2, start=before)
+        want_params = [p.to_local().clone() for p in model.parameters()]
 
-    def resumed(load):
-        model2, opt2, state2 = make(sgd=True)
-        for k, v in model2.state_dict().items():
-            v.to_local().copy_(shards[k])
-        if load:
-            state2.load_state_dict(saved)
-        got = train(model2, opt2, rank, 2, start=2)
-        return got, [p.to_local() for p in model2.parameters()]
+        def resumed(load):
+            model2, opt2, state2 = make(CfcState(warmup_steps=0, **kw), sgd=True)
+            for k, v in model2.state_dict().items():
+                v.to_local().copy_(shards[k])
+            if load:
+                state2.load_state_dict(saved)
+                # the groups the saved trial chose plain go through torch's reduce-scatter from
+                # the first step on, as in the uninterrupted run
+                chosen = {b["key"] for b in saved["engine"]["buckets"] if b["decision"] is False}
+                assert state2._plain_keys == chosen == plain_at_save, (state2._plain_keys, chosen)
+            got = train(model2, opt2, rank, 2, start=before)
+            return got, [p.to_local() for p in model2.parameters()]
 
-    got, params = resumed(True)
-    assert got == want
-    assert all(torch.equal(a, b) for a, b in zip(want_params, params))
-    got, params = resumed(False)  # residuals lost: other bits
-    assert not all(torch.equal(a, b) for a, b in zip(want_params, params))
+        got, params = resumed(True)
+        assert got == want, kw
+        assert all(torch.equal(a, b) for a, b in zip(want_params, params)), kw
+        if not kw:
+            got, params = resumed(False)  # residuals lost: other bits
+            assert not all(torch.equal(a, b) for a, b in zip(want_params, params))
 
 
 def replicas(rank, world, out):

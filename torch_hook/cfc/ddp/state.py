@@ -333,6 +333,11 @@ class CfcState:
         self.step = loaded["step"]
         self._token_step = self.step
         self._residuals.load(loaded["residuals"], loaded["layouts"])
+        # (cfc.fsdp: the groups the saved trial chose plain go through torch from the next step,
+        # as they did in the saved run; their residuals go out with their first plain call)
+        self._plain_keys = ({b["key"] for b in loaded["engine"]["buckets"] if b["decision"] is False}
+                            if self.options.fallback == "auto" else set())
+        self._folded = set()
         shared = repr((sorted(loaded["layouts"].items()),
                        [(b["key"], b["decision"]) for b in loaded["engine"]["buckets"]]))
         self._token = (self.step << 32) | zlib.crc32(shared.encode())
