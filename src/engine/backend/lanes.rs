@@ -10,7 +10,7 @@
 //! [`crate::engine::backend::Backend::join`] or by the host having waited for a mark of the
 //! other lane recorded after it (work queued after such a wait starts after that work ended).
 //!
-//! It is on in the crate's unit tests (`src/engine/tests.rs`) and wherever `CFC_CHECK_LANES=1`
+//! It is on in the crate's unit tests (`src/engine/tests/`) and wherever `CFC_CHECK_LANES=1`
 //! (the Python tests set it).
 
 use crate::engine::backend::Lane;
