@@ -170,9 +170,25 @@ impl Shared {
         self.stats.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    fn progress(&self) -> std::sync::MutexGuard<'_, Progress> {
+        self.progress.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Lets go of `p` until the comm thread publishes something, or `at_most` has passed.
+    fn wait<'a>(
+        &self,
+        p: std::sync::MutexGuard<'a, Progress>,
+        at_most: Duration,
+    ) -> std::sync::MutexGuard<'a, Progress> {
+        self.cv
+            .wait_timeout(p, at_most)
+            .unwrap_or_else(|e| e.into_inner())
+            .0
+    }
+
     /// The outcome of the next close or agreement (`done`: what the caller's stream waits on).
     pub(crate) fn publish(&self, ok: bool, done: Option<Done>) {
-        let mut p = self.progress.lock().unwrap_or_else(|e| e.into_inner());
+        let mut p = self.progress();
         p.published += 1;
         if !ok && p.first_failed.is_none() {
             p.first_failed = Some(p.published);
@@ -186,7 +202,7 @@ impl Shared {
     /// A flush with nothing to close: the last close's outcome stands.
     pub(crate) fn publish_again(&self) {
         let ok = {
-            let p = self.progress.lock().unwrap_or_else(|e| e.into_inner());
+            let p = self.progress();
             p.first_failed.is_none()
         };
         self.publish(ok, None);
@@ -194,22 +210,19 @@ impl Shared {
 
     /// After the comm thread is gone: every outcome still awaited is a failure.
     pub(crate) fn fail_all_waiters(&self) {
-        let mut p = self.progress.lock().unwrap_or_else(|e| e.into_inner());
+        let mut p = self.progress();
         p.dead = true;
         self.cv.notify_all();
     }
 
     /// Notes that the device did not drain after a failure (see [`Engine::settled`]).
     pub(crate) fn note_stranded(&self) {
-        self.progress
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .stranded = true;
+        self.progress().stranded = true;
     }
 
     /// The failure that ended the engine (the first the comm thread saw).
     pub(crate) fn note_failure(&self, failure: Option<Failure>) {
-        let mut p = self.progress.lock().unwrap_or_else(|e| e.into_inner());
+        let mut p = self.progress();
         if p.failure.is_none() {
             p.failure = failure;
         }
@@ -503,13 +516,7 @@ impl Engine {
     pub fn wait(&self, stream: u64) -> Result<()> {
         let want = self.send_counted(Msg::Flush)?;
         self.wait_for(want)?;
-        let done = self
-            .shared
-            .progress
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .done
-            .clone();
+        let done = self.shared.progress().done.clone();
         match done {
             Some(d) => d(stream),
             None => Ok(()),
@@ -540,11 +547,7 @@ impl Engine {
     fn wait_for(&self, want: u64) -> Result<()> {
         let limit = self.options.timeout * 2 + Duration::from_secs(10);
         let t0 = Instant::now();
-        let mut p = self
-            .shared
-            .progress
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
+        let mut p = self.shared.progress();
         loop {
             if p.dead {
                 return Err(self.failure_of(&p));
@@ -560,12 +563,7 @@ impl Engine {
             if left.is_zero() {
                 return Err(self.give_up(p, want, limit));
             }
-            p = self
-                .shared
-                .cv
-                .wait_timeout(p, left.min(Duration::from_millis(100)))
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
+            p = self.shared.wait(p, left.min(Duration::from_millis(100)));
         }
     }
 
@@ -586,18 +584,9 @@ impl Engine {
         drop(p);
         self.control.raise(failure, true);
         let t0 = Instant::now();
-        let mut p = self
-            .shared
-            .progress
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
+        let mut p = self.shared.progress();
         while !(p.dead || p.published >= want) && t0.elapsed() < GIVE_UP_GRACE {
-            p = self
-                .shared
-                .cv
-                .wait_timeout(p, Duration::from_millis(50))
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
+            p = self.shared.wait(p, Duration::from_millis(50));
         }
         Error::Timeout {
             peer: self.rank,
@@ -614,11 +603,7 @@ impl Engine {
     pub fn settled(&self) -> bool {
         let sent = self.expected.lock().unwrap_or_else(|e| e.into_inner());
         let uncounted = self.uncounted.load(std::sync::atomic::Ordering::SeqCst);
-        let p = self
-            .shared
-            .progress
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
+        let p = self.shared.progress();
         !p.stranded && (p.dead || (!uncounted && p.published >= *sent))
     }
 

@@ -4,6 +4,15 @@
 //! memory go only once the engine is done with it.
 
 use super::*;
+/// The options of the steps failures are injected into: an rms bound, `alg`, and a timeout no
+/// test should reach (a failure ends every wait at once).
+fn fault_options(alg: Algorithm) -> Options {
+    let mut o = options(BoundRule::Rms(0.3));
+    o.algorithm = Some(alg);
+    o.timeout = Duration::from_secs(60);
+    o
+}
+
 /// Runs three steps of two buckets on `world` ranks, with `setup` applied to `rank`'s engine
 /// first; returns each rank's outcome of each step.
 fn with_fault(
@@ -11,11 +20,8 @@ fn with_fault(
     alg: Algorithm,
     setup: impl Fn(usize, &Engine) + Sync,
 ) -> Vec<Vec<std::result::Result<(), String>>> {
-    let mut o = options(BoundRule::Rms(0.3));
-    o.algorithm = Some(alg);
-    o.timeout = Duration::from_secs(60);
     let t0 = std::time::Instant::now();
-    let out = ranks(world, &o, |rank, e| {
+    let out = ranks(world, &fault_options(alg), |rank, e| {
         let n = 8192;
         let (mut r0, mut r1) = (vec![0.0f32; n], vec![0.0f32; n]);
         let mut outcomes = Vec::new();
@@ -98,11 +104,8 @@ fn a_caller_that_fails_mid_step_fails_that_step_on_every_rank() {
     for world in [2, 3] {
         for alg in [Algorithm::AllGather, Algorithm::ReduceScatter] {
             for peers_finish in [false, true] {
-                let mut o = options(BoundRule::Rms(0.3));
-                o.algorithm = Some(alg);
-                o.timeout = Duration::from_secs(60);
                 let t0 = std::time::Instant::now();
-                let out = ranks(world, &o, |rank, e| {
+                let out = ranks(world, &fault_options(alg), |rank, e| {
                     let n = 8192;
                     let (mut r0, mut r1) = (vec![0.0f32; n], vec![0.0f32; n]);
                     let mut outcomes = Vec::new();
