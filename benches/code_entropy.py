@@ -4,9 +4,11 @@ For each float32 gradient slice of a folder (default ``../shared/data/grads``) a
 ``k x RMS``: the order-0 entropy of the quantized codes (``round(x / (2 eps))``), in bits per
 value, against the bits per value of cfc's frame (no zstd stage) at the same bound. The first
 is what any coder of one code at a time could reach; the gap is what a better entropy coder
-could still take.
+could still take. With ``--dtypes``, each slice is also cast to bfloat16 and float16: their
+frames against the dtype's own bytes, and the values that travel as exceptions (where the
+dtype's spacing is coarser than the bound).
 
-    python benches/code_entropy.py [--grads DIR] [--bounds 0.05,0.1,0.3]
+    python benches/code_entropy.py [--grads DIR] [--bounds 0.05,0.1,0.3] [--dtypes]
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--grads", type=Path, default=Path(__file__).resolve().parents[2] / "shared/data/grads")
     p.add_argument("--bounds", default="0.05,0.1,0.3", help="bounds, as multiples of each slice's RMS")
+    p.add_argument("--dtypes", action="store_true", help="also bfloat16 and float16: ratio and exceptions")
     args = p.parse_args()
     files = sorted(args.grads.glob("*.npy"))
     if not files:
@@ -40,6 +43,19 @@ def main() -> None:
             entropy = -(prob * prob.log2()).sum().item()
             frame = 8 * cfc.compress(x, eps=eps).nbytes / x.numel()
             print(f"| {f.stem} | {k:g} | {entropy:.2f} bits | {frame:.2f} bits | {32 / entropy:.1f}x / {32 / frame:.1f}x |")
+    if args.dtypes:
+        print("\n| slice | dtype | k | fewer bytes than the dtype's own | exceptions |")
+        print("|---|---|---|---|---|")
+        for f in files:
+            x = torch.from_numpy(np.load(f).astype(np.float32)).flatten()
+            for dtype in (torch.bfloat16, torch.float16):
+                y = x.to(dtype)
+                rms = y.double().pow(2).mean().sqrt().item()
+                for k in (float(b) for b in args.bounds.split(",")):
+                    c = cfc.compress(y, eps=k * rms)
+                    info = cfc.codec.frame_info(c)
+                    print(f"| {f.stem} | {str(dtype)[6:]} | {k:g} | {y.numel() * y.element_size() / c.nbytes:.2f}x "
+                          f"| {100 * info['exceptions'] / y.numel():.2f}% |")
 
 
 if __name__ == "__main__":

@@ -235,8 +235,8 @@ def variants(rank, world, out):
             assert same_on_all_ranks(p.detach()), (kw, dtype)
         s = state.stats()
         # (bfloat16 and float16 buckets start from half the bytes, and at the default bound
-        # (rms=0.05) a few percent of their values, whose dtype's spacing there is too coarse
-        # for it, travel as exceptions)
+        # (rms=0.05) some of their values, where the dtype's spacing is coarser than the bound,
+        # travel as exceptions: up to 1.3% on the real gradient slices, benches/code_entropy.py)
         least = 4 / world if dtype == torch.float32 else 3 / world
         assert s["compressed_buckets"] > 0 and s["ratio"] > least, (kw, dtype, s)
         # (in bf16/fp16 the error sent includes rounding the compensated value to the dtype,
