@@ -3,7 +3,7 @@
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyBytes, PyDict};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -351,6 +351,14 @@ impl Engine {
     fn agree(&self, py: Python<'_>, token: u64) -> PyResult<()> {
         let engine = self.live()?;
         py.detach(|| engine.agree(token)).map_err(to_py)
+    }
+
+    /// Every rank's `mine` (a few bytes), in rank order, on every rank: a round of the
+    /// engine's links that a failure anywhere ends (see `Engine::gather`).
+    fn gather<'py>(&self, py: Python<'py>, mine: Vec<u8>) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+        let engine = self.live()?;
+        let all = py.detach(|| engine.gather(&mine)).map_err(to_py)?;
+        Ok(all.iter().map(|b| PyBytes::new(py, b)).collect())
     }
 
     /// What the engine has done so far.

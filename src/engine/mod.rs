@@ -76,6 +76,8 @@ pub(crate) enum Msg {
     Flush,
     EndStep,
     Agree(u64),
+    /// Every rank's bytes, in rank order, to every rank (see [`Engine::gather`]).
+    Gather(Vec<u8>, Sender<Vec<Vec<u8>>>),
     Reset,
     State(Sender<EngineState>),
     Load(EngineState, Sender<()>),
@@ -89,7 +91,13 @@ impl Msg {
     pub(crate) fn is_point(&self) -> bool {
         matches!(
             self,
-            Msg::Job(..) | Msg::Flush | Msg::EndStep | Msg::Agree(_) | Msg::Reset | Msg::Stop
+            Msg::Job(..)
+                | Msg::Flush
+                | Msg::EndStep
+                | Msg::Agree(_)
+                | Msg::Gather(..)
+                | Msg::Reset
+                | Msg::Stop
         )
     }
 }
@@ -615,6 +623,21 @@ impl Engine {
     pub fn agree(&self, token: u64) -> Result<()> {
         let want = self.send_counted(Msg::Agree(token))?;
         self.wait_for(want)
+    }
+
+    /// Every rank's `mine` (a few bytes: what the ranks must agree on, e.g. cfc.fsdp's
+    /// per-parameter sums of squares), in rank order, on every rank: a round of the engine's
+    /// own links, in order with the jobs, that a failure anywhere ends as it ends any wait
+    /// (where a collective of the caller's process group would wait for its timeout).
+    ///
+    /// # Errors
+    /// A failure of any rank; the timeout.
+    pub fn gather(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        let want = self.send_counted(Msg::Gather(mine.to_vec(), tx))?;
+        self.wait_for(want)?;
+        rx.try_recv()
+            .map_err(|_| Error::Transport("internal: a gather published without its bytes".into()))
     }
 
     /// Fails this rank with `reason` (an error of the caller's, e.g. an exception in a hook):

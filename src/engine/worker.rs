@@ -169,6 +169,17 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
                     }
                     self.shared.publish(!self.failed, None);
                 }
+                Msg::Gather(mine, reply) => {
+                    if !self.failed {
+                        match self.tr.gather(&mut self.be, &mine) {
+                            Ok(all) => {
+                                let _ = reply.send(all);
+                            }
+                            Err(e) => self.fail_with(Some(e)),
+                        }
+                    }
+                    self.shared.publish(!self.failed, None);
+                }
                 Msg::Reset => {
                     self.close(false);
                     self.policy.reset();

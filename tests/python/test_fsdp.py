@@ -11,7 +11,7 @@ import torch.nn as nn
 
 import cfc
 import cfc.fsdp
-from cfc import CfcState
+from cfc import CfcState, _param_scales
 from conftest import enough_gpus, spawn_scenario, world_of
 
 fsdp = pytest.importorskip("torch.distributed.fsdp")
@@ -115,19 +115,71 @@ def _within_bound_for_ten_steps(rank, world, bound):
         exact = inp.detach().float().clone()
         dist.all_reduce(exact, group=group)  # (queued on FSDP's stream, before cfc reads inp)
         mine = exact.view(world, -1)[dist.get_rank(group)] / world
+        # With rms=, each parameter goes in scaled by a power of two (cfc._param_scales) and
+        # the bound holds in those units: the same factors, agreed the same way, rescale the error.
+        lengths = st._fsdp_lengths.get(key)
+        scaled = "rms" in bound and lengths is not None and inp.numel() >= 4000
+        f = _param_scales.agree(inp.view(world, -1), lengths, gather_over(group)) if scaled else torch.ones_like(mine)
+        assert f is not None
         real(st, key, out_, inp, group, op)
-        checks.append((st.step, key, (out_.float() - mine).abs().max(), mine.abs().max()))
+        checks.append((st.step, key, ((out_.float() - mine) * f).abs().max(), (mine * f).abs().max()))
 
     cfc.fsdp.reduce_scatter = checked
     try:
         train(model, opt, rank, 10)
     finally:
         cfc.fsdp.reduce_scatter = real
-    eps = state.stats()["eps"]  # the largest bound any group used (rms: the groups' differ)
+    eps = state.stats()["eps"]  # the largest bound any group used (rms: the groups' differ; scaled)
     assert eps > 0 and state.stats()["compressed_buckets"] == 20, state.stats()
     for step, key, err, scale in checks:
         assert err.item() <= 2 * eps * (1 + 1e-5) + 1e-6 * scale.item(), (bound, step, key, err.item(), eps)
     state.close()
+
+
+def gather_over(group):
+    """What ``Engine.gather`` does, through torch's process group (for checks)."""
+    def gather(mine):
+        everyone = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, mine, group=group)
+        return everyone
+    return gather
+
+
+def per_parameter(rank, world, out):
+    """One group whose two parameters' gradients differ 1000x in size: with per-parameter
+    scales (the default) the small one comes back within a few percent of its own RMS; one
+    step for the whole group (``per_parameter=False``) rounds it to nothing."""
+    n = 4096
+
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.big, self.small = nn.Parameter(torch.zeros(n)), nn.Parameter(torch.zeros(n))
+
+        def forward(self, a, b):
+            return (self.big * a).sum() + (self.small * b).sum()
+
+    g = torch.Generator().manual_seed(rank)
+    a, b = torch.randn(n, generator=g).to(DEV), (1e-3 * torch.randn(n, generator=g)).to(DEV)
+    exact = torch.stack([a, b])
+    dist.all_reduce(exact)
+    exact /= world
+    errors = {}
+    for scaled in (True, False):
+        model = Two().to(DEV)
+        fully_shard(model)
+        state = cfc.fsdp.register(model, CfcState(rms=0.05, warmup_steps=0, min_compress_numel=0),
+                                  per_parameter=scaled)
+        model(a, b).backward()
+        err = []
+        for p, want in zip((model.big, model.small), exact):
+            got = p.grad.full_tensor()
+            err.append(((got - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt()).item())
+        errors[scaled] = err
+        assert state.stats()["compressed_buckets"] == 1, state.stats()
+        state.close()
+    assert errors[True][0] < 0.05 and errors[True][1] < 0.05, errors  # each within its own k x RMS
+    assert errors[False][0] < 0.05 and errors[False][1] > 0.5, errors
 
 
 def parity(rank, world, out):
@@ -401,7 +453,7 @@ def refusals(rank, world, out):
         cfc.fsdp.register(nn.Linear(2, 2))
 
 
-SCENARIOS = {f.__name__: f for f in (bound, every_step_within_bound, parity, accumulate, overflow, feedback, fallback, mismatch, failures,
+SCENARIOS = {f.__name__: f for f in (bound, every_step_within_bound, per_parameter, parity, accumulate, overflow, feedback, fallback, mismatch, failures,
                                       resume, plain_paths, refusals)}
 FOUR_RANKS = {f.__name__: f for f in (replicas, replica_failure)}  # (test_fsdp_replicas)
 SCENARIOS.update(FOUR_RANKS)

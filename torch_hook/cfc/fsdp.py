@@ -13,6 +13,13 @@ on the host before the next group's backward is queued. A group sent plainly (ev
 ``fallback="always"``; with ``"auto"``, those whose trial chose plain) goes through torch's own
 reduce-scatter on that stream instead, with no wait on the host.
 
+Per-parameter scales (``register(..., per_parameter=True)``, the default): FSDP groups
+parameters by module, so one group can hold gradients of very different sizes (an LM's output
+head with its embeddings). Before a group is quantized, each parameter's gradient is multiplied
+by a power of two that brings its RMS over the ranks near 1 (agreed by one small all-reduce per
+group), so that a bound of ``rms=k`` gives every parameter a step of about ``k`` times its own
+RMS instead of a share of its group's; the result is divided back. See ``cfc._param_scales``.
+
 Replicas (HSDP): shard the model over one dimension of a (replicate, shard) mesh with
 ``fully_shard(model, mesh=mesh["shard"])`` and give ``register`` a second state bound to the
 replicate group (``replicas=cfc.CfcState(process_group=mesh["replicate"].get_group())``): each
@@ -40,7 +47,7 @@ import functools
 import logging
 from typing import Any, List, Optional
 
-from cfc import _engine
+from cfc import _engine, _param_scales
 from cfc.ddp.hook import _compressible, _fail
 from cfc.ddp.residuals import fingerprint
 from cfc.ddp.state import CfcState
@@ -85,7 +92,8 @@ class CfcReduceScatter(_ReduceScatter):  # type: ignore[misc,valid-type]
         return torch._C._distributed_c10d._create_work_from_future(done)
 
 
-def register(model: Any, state: Optional[CfcState] = None, *, replicas: Optional[CfcState] = None) -> CfcState:
+def register(model: Any, state: Optional[CfcState] = None, *, replicas: Optional[CfcState] = None,
+             per_parameter: bool = True) -> CfcState:
     """Install cfc's reduce-scatter on every ``FSDPModule`` of ``model`` (``fully_shard``
     applied first), on every rank, and return the state it runs on.
 
@@ -100,6 +108,14 @@ def register(model: Any, state: Optional[CfcState] = None, *, replicas: Optional
         replicas: for replicas of the sharded model (see the module docs), a second state,
             whose process group is the replicate group: the average over the replicas of each
             reduce-scatter's output, compressed, through ``FSDPModule.set_all_reduce_hook``.
+        per_parameter: with a bound that follows the data (``rms=``, ``rel=``), scale each
+            parameter's gradient by a power of two that brings its RMS over the ranks into
+            [0.5, 1) before its group is quantized (one small all-reduce per group), so that
+            each parameter's step is ``rms`` times its own RMS within a factor of two rather
+            than a share of its group's, which FSDP's grouping by module sets (see
+            ``cfc._param_scales``). The state's ``eps`` and ``max_error`` are then in those
+            scaled units. With ``eps=`` (an absolute bound), and for float16 groups, there is
+            no scaling.
 
     Reduce-scatters cfc does not compress go through torch's own, uncompressed, after a log
     line: groups of a dtype other than float32, bfloat16 and float16, and the pre-multiplied
@@ -138,8 +154,10 @@ def register(model: Any, state: Optional[CfcState] = None, *, replicas: Optional
             s._residuals.keep_unseen = True  # one group per step: every residual lives on
     for key, m in enumerate(modules):
         m.set_custom_reduce_scatter(CfcReduceScatter(state, key))
+        state._fsdp_lengths[key] = _param_scales.row_lengths(_param_group(m)) if per_parameter else None
         if replicas is not None:
             m.set_all_reduce_hook(functools.partial(average_replicas, replicas, key, state))
+            replicas._fsdp_lengths[key] = state._fsdp_lengths[key]
     state._fsdp_replicas = replicas  # told of this state's failures (see reduce_scatter)
     return state
 
@@ -186,13 +204,27 @@ def _bind_group(state: CfcState, group: Any) -> None:
 
 def _submit(state: CfcState, key: int, data: Any, out: Any, scale: Any) -> None:
     """One job of the engine, and the wait for it: ``data`` reduced in place (``out`` None) or
-    into ``out`` (a reduce-scatter), queued on the current stream when this returns. The step
-    (what the warm-up and the trial count) ends with the backward pass (:func:`_end_step`)."""
+    into ``out`` (a reduce-scatter, ``data`` one row per rank), queued on the current stream
+    when this returns. The step (what the warm-up and the trial count) ends with the backward
+    pass (:func:`_end_step`). With per-parameter scales (:mod:`cfc._param_scales`, agreed
+    through the engine), the data and residual go in scaled and come out in their own units."""
     engine = state._engine_for(data.device)
     in_backward = _open_step(state)
     # The whole input as one "parameter" of ordinal `key`: its residual is saved in checkpoints.
     r, fresh = state._residuals.get(key, ((key, 0, data.numel()),), data) if state._feeds(data) else (None, False)
     state._keep.append((data, out, r))
+    scaled = state.options.bound_kind != "eps" and _param_scales.scalable(data.dtype)
+    lengths = state._fsdp_lengths.get(key) if scaled else None
+    rows = 1 if out is None else state.world
+    factors = None if lengths is None else _param_scales.agree(data.view(rows, -1), lengths, engine.gather)
+    if lengths is not None and factors is None and key not in state._unscaled:
+        state._unscaled.add(key)
+        logger.warning("cfc.fsdp: group %d's input does not match its parameters' layout (a parameter "
+                       "without a gradient?); it is sent without per-parameter scales", key)
+    if factors is not None:
+        data.view(rows, -1).mul_(factors)
+        if r is not None:
+            r.view(rows, -1).mul_(factors)
     stream = _engine.stream_of(data)
     engine.submit(
         key, fingerprint(None, data), _engine.describe(data),
@@ -201,8 +233,21 @@ def _submit(state: CfcState, key: int, data: Any, out: Any, scale: Any) -> None:
     )
     try:
         engine.wait(stream)
+    except BaseException:
+        if factors is not None and r is not None:
+            # The residual is in this call's scaled units, and the engine may still write it:
+            # it goes (held until the engine has settled), and the group's next call starts a
+            # new one at zero.
+            state._residuals.by_bucket.pop(key, None)
+            state._residuals.where.pop(key, None)
+        raise
     finally:
         state._let_go()
+    if factors is not None:  # (after a wait that returned: the engine has finished with them)
+        inverse = factors.reciprocal()
+        (data if out is None else out).view(1, -1).mul_(inverse)
+        if r is not None:
+            r.view(rows, -1).mul_(inverse)
     if not in_backward:
         _end_step(state)
 

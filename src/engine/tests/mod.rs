@@ -481,6 +481,33 @@ fn a_fallback_of_always_sends_the_exact_average() {
 }
 
 #[test]
+fn a_gather_gives_every_rank_every_ranks_bytes_and_ends_with_a_peers_failure() {
+    let o = options(BoundRule::Rms(0.3));
+    let world = 3;
+    let out = ranks(world, &o, |rank, e| {
+        let mine = vec![rank as u8; 8 + rank];
+        let all = e.gather(&mine).unwrap();
+        // Rank 2 fails before the second round; the others must not wait for it.
+        if rank == 2 {
+            e.fail("ValueError: raised before the gather");
+            return (all, None);
+        }
+        let t0 = std::time::Instant::now();
+        let second = e.gather(&mine);
+        assert!(t0.elapsed() < Duration::from_secs(5), "waited for the timeout");
+        (all, Some(second.map(|_| ()).map_err(|e| e.to_string())))
+    });
+    for (rank, (all, second)) in out.iter().enumerate() {
+        let want: Vec<Vec<u8>> = (0..world).map(|j| vec![j as u8; 8 + j]).collect();
+        assert_eq!(all, &want, "rank {rank}");
+        if let Some(second) = second {
+            let e = second.as_ref().unwrap_err();
+            assert!(e.contains("rank 2") && e.contains("raised before the gather"), "{e}");
+        }
+    }
+}
+
+#[test]
 fn a_resumed_run_repeats_the_bits_of_the_uninterrupted_one() {
     let world = 2;
     let n = 20_000;

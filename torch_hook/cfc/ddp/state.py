@@ -114,6 +114,10 @@ class CfcState:
         # the trial chose plain, the keys whose residual went out with them, and their counts
         self._plain_keys: set = set()
         self._folded: set = set()
+        # cfc.fsdp's per-parameter scales (cfc._param_scales): each group's row lengths by key
+        # (None: scaled whole), and the groups whose input did not match them (logged once)
+        self._fsdp_lengths: Dict[int, Any] = {}
+        self._unscaled: set = set()
         self._direct = {"plain_buckets": 0, "bytes_sent": 0}
         self._base: Dict[str, float] = {}  # what reset_stats() subtracts
         self._closed = False

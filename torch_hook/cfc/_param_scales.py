@@ -1,0 +1,89 @@
+"""Per-parameter scales of :mod:`cfc.fsdp`: each parameter's gradient multiplied by a power of
+two, the same on every rank, that brings its root mean square over the ranks into [0.5, 1)
+before its group is quantized, and divided out of the result after.
+
+Why: FSDP2 reduce-scatters a module's parameters as one group, and a bound that follows the data
+(``rms=``, ``rel=``) sets one step for the whole group. Groups mix gradients of very different
+sizes: in the byte-level LM of ``examples/``, the root group holds the output head (RMS about
+1e-3 to 1e-2) with the token and position embeddings (1e-5 to 4e-4), so at ``rms=0.05`` the
+embeddings' step is 1.7-5x their own RMS and 95-99% of their values round to 0, leaving them to
+error feedback alone (``benches/group_scales.py`` prints this per parameter). Scaled, every
+parameter's step is ``k`` times its own RMS within a factor of two, whatever the grouping. A
+power of two changes no bit of a value (barring subnormals), so the codes still add exactly and
+the bound holds for each parameter in its own units.
+
+The scales are agreed through the engine (``Engine.gather``: one float64 per parameter and
+rank, over the engine's own links), which waits on the host for the group's input. float16
+groups are sent unscaled (see :func:`scalable`).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, List, Optional, Tuple
+
+
+def row_lengths(param_group: Any) -> Optional[Tuple[int, ...]]:
+    """The elements each parameter of an FSDP parameter group takes in one rank's row of the
+    reduce-scatter input (its padded shard), in the order FSDP lays them out; None where this
+    torch keeps them elsewhere (FSDP's private layout)."""
+    try:
+        params = param_group.fsdp_params
+        order = list(getattr(param_group, "_reduce_scatter_param_indices", None) or range(len(params)))
+        return tuple(int(params[i].padded_sharded_param_size.numel()) for i in order)
+    except Exception:  # noqa: BLE001 - a private API: without it, the group is scaled whole
+        return None
+
+
+def scalable(dtype: Any) -> bool:
+    """Whether scaling values of ``dtype`` by powers of two changes no bit: float32 and
+    bfloat16 (float16's narrow exponent range would overflow or lose subnormal bits)."""
+    import torch
+
+    return dtype in (torch.float32, torch.bfloat16)
+
+
+@functools.lru_cache(maxsize=1024)
+def _on_device(lengths: Tuple[int, ...], device: Any) -> Any:
+    """``lengths`` as a tensor on ``device``, made once (no copy from the host per call)."""
+    import torch
+
+    return torch.tensor(lengths, device=device)
+
+
+def agree(rows: Any, lengths: Tuple[int, ...], gather: Callable[[bytes], List[bytes]]) -> Optional[Any]:
+    """The factor of every column of ``rows`` (a 2-D view: one row per rank's shard, or one
+    row) as a float32 tensor of the row's length, from each parameter's sum of squares over
+    every rank; None where ``lengths`` does not tile a row (a parameter without a gradient this
+    step: the group is then sent unscaled).
+
+    ``gather`` is the engine's (``Engine.gather``): every rank's sums, in rank order, through
+    the engine's own links, so that a peer that failed ends this wait as it ends the engine's
+    (a collective of torch's process group would wait for its timeout, and leave the group
+    out of step for every later collective). It waits on the host for this rank's sums."""
+    import torch
+
+    if sum(lengths) != rows.shape[1] or not lengths:
+        return None
+    sizes = _on_device(tuple(lengths), rows.device)
+    norms, at = [], 0
+    for n in lengths:
+        norms.append(torch.linalg.vector_norm(rows[:, at : at + n], dtype=torch.float32))
+        at += n
+    # (float32 norms, squared in float64: a sum of squares of large gradients stays finite)
+    mine = torch.stack(norms).double().square().cpu()
+    everyone = gather(mine.numpy().tobytes())
+    if any(len(b) != len(everyone[0]) for b in everyone):
+        raise ValueError("cfc.fsdp: the ranks' groups hold different numbers of parameters "
+                         f"({sorted({len(b) // 8 for b in everyone})})")
+    sq = torch.zeros_like(mine)
+    for b in everyone:  # (in rank order: every rank adds the same numbers in the same order)
+        sq += torch.frombuffer(bytearray(b), dtype=torch.float64)
+    count = torch.tensor(lengths, dtype=torch.float64) * (rows.shape[0] * len(everyone))
+    rms = (sq / count).sqrt().float()
+    # rms = m * 2**e with m in [0.5, 1): the factor 2**-e brings it to m, made from its bits
+    # (frexp and the bits are exact). A zero or non-finite RMS (an overflow) keeps the factor 1.
+    _, e = torch.frexp(rms)
+    e = torch.where(torch.isfinite(rms) & (rms > 0), e, torch.zeros_like(e)).clamp(-64, 64)
+    factors = ((127 - e).to(torch.int32) << 23).view(torch.float32)
+    return factors.to(rows.device).repeat_interleave(sizes, output_size=rows.shape[1])
