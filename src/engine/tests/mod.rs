@@ -494,7 +494,10 @@ fn a_gather_gives_every_rank_every_ranks_bytes_and_ends_with_a_peers_failure() {
         }
         let t0 = std::time::Instant::now();
         let second = e.gather(&mine);
-        assert!(t0.elapsed() < Duration::from_secs(5), "waited for the timeout");
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "waited for the timeout"
+        );
         (all, Some(second.map(|_| ()).map_err(|e| e.to_string())))
     });
     for (rank, (all, second)) in out.iter().enumerate() {
@@ -502,7 +505,10 @@ fn a_gather_gives_every_rank_every_ranks_bytes_and_ends_with_a_peers_failure() {
         assert_eq!(all, &want, "rank {rank}");
         if let Some(second) = second {
             let e = second.as_ref().unwrap_err();
-            assert!(e.contains("rank 2") && e.contains("raised before the gather"), "{e}");
+            assert!(
+                e.contains("rank 2") && e.contains("raised before the gather"),
+                "{e}"
+            );
         }
     }
 }
