@@ -6,7 +6,7 @@ Why: FSDP2 reduce-scatters a module's parameters as one group, and a bound that 
 (``rms=``, ``rel=``) sets one step for the whole group. Groups mix gradients of very different
 sizes: in the byte-level LM of ``examples/``, the root group holds the output head (RMS about
 1e-3 to 1e-2) with the token and position embeddings (1e-5 to 4e-4), so at ``rms=0.05`` the
-embeddings' step is 1.7-5x their own RMS and 95-99% of their values round to 0, leaving them to
+embeddings' step is 1.1-5.3x their own RMS and 94-99.7% of their values round to 0, leaving them to
 error feedback alone (``benches/group_scales.py`` prints this per parameter). Scaled, every
 parameter's step is ``k`` times its own RMS within a factor of two, whatever the grouping. A
 power of two changes no bit of a value (barring subnormals), so the codes still add exactly and

@@ -16,8 +16,8 @@ reduce-scatter on that stream instead, with no wait on the host.
 Per-parameter scales (``register(..., per_parameter=True)``, the default): FSDP groups
 parameters by module, so one group can hold gradients of very different sizes (an LM's output
 head with its embeddings). Before a group is quantized, each parameter's gradient is multiplied
-by a power of two that brings its RMS over the ranks near 1 (agreed by one small all-reduce per
-group), so that a bound of ``rms=k`` gives every parameter a step of about ``k`` times its own
+by a power of two that brings its RMS over the ranks near 1 (the ranks' sums of squares go
+through the engine, a few bytes per parameter, waited for on the host), so that a bound of ``rms=k`` gives every parameter a step of about ``k`` times its own
 RMS instead of a share of its group's; the result is divided back. See ``cfc._param_scales``.
 
 Replicas (HSDP): shard the model over one dimension of a (replicate, shard) mesh with
@@ -110,7 +110,7 @@ def register(model: Any, state: Optional[CfcState] = None, *, replicas: Optional
             reduce-scatter's output, compressed, through ``FSDPModule.set_all_reduce_hook``.
         per_parameter: with a bound that follows the data (``rms=``, ``rel=``), scale each
             parameter's gradient by a power of two that brings its RMS over the ranks into
-            [0.5, 1) before its group is quantized (one small all-reduce per group), so that
+            [0.5, 1) before its group is quantized (agreed through the engine), so that
             each parameter's step is ``rms`` times its own RMS within a factor of two rather
             than a share of its group's, which FSDP's grouping by module sets (see
             ``cfc._param_scales``). The state's ``eps`` and ``max_error`` are then in those
