@@ -32,7 +32,8 @@ feedback). ``--fsdp`` trains with FSDP2 instead (``fully_shard`` on every transf
 the conv net whole, and on the model): ``allreduce`` is then FSDP's own float32 reduce-scatter,
 ``bf16`` its ``reduce_dtype=bfloat16``, and the ``cfc`` ways go through ``cfc.fsdp.register``
 (``warmup_steps=0``, as its default; ``cfc-group`` and ``cfc-group@X`` with one step per
-FSDP group, ``per_parameter=False``). ``--json`` keeps every curve; ``--png`` draws the mean gaps with their standard
+FSDP group, ``per_parameter=False``; ``cfc-r4`` and ``cfc-r4@X`` with residuals kept in 4 bits,
+``residual_bits=4``). ``--json`` keeps every curve; ``--png`` draws the mean gaps with their standard
 error as bands (needs matplotlib).
 """
 
@@ -140,7 +141,7 @@ class LMTask:
 def cfc_state(hook: str, args, **extra):
     """The CfcState of a ``cfc``, ``cfc@X``, ``cfc-noef`` or ``cfc-noef@X`` way."""
     name, _, x = hook.partition("@")
-    kw = {"error_feedback": name in ("cfc", "cfc-group"), **extra}
+    kw = {"error_feedback": name in ("cfc", "cfc-group", "cfc-r4"), **extra}
     if x or args.rms is not None:
         kw["rms"] = float(x) if x else args.rms
     return cfc.CfcState(**kw)
@@ -152,8 +153,8 @@ def sharded(task, hook: str, args, dev):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     name = hook.partition("@")[0]
-    if name not in ("allreduce", "bf16", "cfc", "cfc-noef", "cfc-group"):
-        raise SystemExit(f"{hook!r} is not a way of --fsdp (allreduce, bf16, cfc, cfc@X, cfc-noef, cfc-group)")
+    if name not in ("allreduce", "bf16", "cfc", "cfc-noef", "cfc-group", "cfc-r4"):
+        raise SystemExit(f"{hook!r} is not a way of --fsdp (allreduce, bf16, cfc, cfc@X, cfc-noef, cfc-group, cfc-r4)")
     model = task.model().to(dev)
     policy = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16 if name == "bf16" else None)
     for layer in getattr(getattr(model, "blocks", None), "layers", []):
@@ -163,7 +164,8 @@ def sharded(task, hook: str, args, dev):
     if name.startswith("cfc"):
         import cfc.fsdp
 
-        state = cfc.fsdp.register(model, cfc_state(hook, args, warmup_steps=0), per_parameter=name != "cfc-group")
+        state = cfc.fsdp.register(model, cfc_state(hook, args, warmup_steps=0), per_parameter=name != "cfc-group",
+                                  residual_bits=4 if name == "cfc-r4" else 32)
     return model, state
 
 

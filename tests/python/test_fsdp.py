@@ -22,7 +22,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E4
 DEV = torch.device("cpu")  # set in each worker process
 
 
-def make(state=None, reduce_dtype=None, register=True, sgd=False, mesh=None, replicas=None, dtype=torch.float32):
+def make(state=None, reduce_dtype=None, register=True, sgd=False, mesh=None, replicas=None, dtype=torch.float32,
+         **register_kw):
     """A 3-layer MLP (about 140k parameters; the last layer below cfc's default minimum size),
     each layer and the whole model under fully_shard, and cfc's reduce-scatter installed."""
     torch.manual_seed(0)
@@ -33,7 +34,7 @@ def make(state=None, reduce_dtype=None, register=True, sgd=False, mesh=None, rep
             fully_shard(layer, mp_policy=mp_policy, mesh=mesh)
     fully_shard(model, mp_policy=mp_policy, mesh=mesh)
     if register:
-        state = cfc.fsdp.register(model, state, replicas=replicas)
+        state = cfc.fsdp.register(model, state, replicas=replicas, **register_kw)
     opt = torch.optim.SGD(model.parameters(), lr=0.05) if sgd else torch.optim.Adam(model.parameters(), lr=2e-3)
     return model, opt, state
 
@@ -119,8 +120,8 @@ def _within_bound_for_ten_steps(rank, world, bound):
         # the bound holds in those units: the same factors, agreed the same way, rescale the error.
         lengths = st._fsdp_lengths.get(key)
         scaled = "rms" in bound and lengths is not None and inp.numel() >= 4000
-        f = _param_scales.agree(inp.view(world, -1), lengths, gather_over(group)) if scaled else torch.ones_like(mine)
-        assert f is not None
+        f = _param_scales.agree(inp.view(world, -1), lengths, gather_over(group)) if scaled else None
+        f = _param_scales.columns(f, lengths) if scaled else torch.ones_like(mine)
         real(st, key, out_, inp, group, op)
         checks.append((st.step, key, ((out_.float() - mine) * f).abs().max(), (mine * f).abs().max()))
 
@@ -254,6 +255,44 @@ def feedback(rank, world, out):
     assert len(state.state_dict()["residuals"]) == 3
 
 
+def packed_feedback(rank, world, out):
+    """residual_bits=4: between calls every group keeps its residual as 4-bit codes (half a
+    byte per element, no float32 residual left), and error feedback still carries what each
+    step drops: eight identical steps add up to eight times plain FSDP2's within 1.6 eps (each
+    step loses at most a fourteenth of eps to the codes; without feedback up to 8 eps). With
+    per-parameter scales too (rms=), the same holds in each parameter's own units."""
+    eps, steps = 1e-3, 8
+    plain, _, _ = make(register=False)
+    loss_of(plain, rank, 0).backward()
+    want = [p.grad.full_tensor() * steps for p in plain.parameters()]
+    for bound in (dict(eps=eps), dict(rms=0.3)):
+        model, _, state = make(CfcState(**bound, warmup_steps=0, min_compress_numel=0), residual_bits=4)
+        total = None
+        for _ in range(steps):
+            model.zero_grad(set_to_none=True)
+            loss_of(model, rank, 0).backward()
+            got = [p.grad.full_tensor() for p in model.parameters()]
+            total = got if total is None else [t + g for t, g in zip(total, got)]
+            assert not state._residuals.by_bucket and len(state._packed) == 3, state._residuals.by_bucket
+        sizes = [m.weight.numel() + m.bias.numel() for m in model if isinstance(m, nn.Linear)]
+        packed = sorted(p.codes.numel() for p in state._packed.values())
+        assert packed == sorted(-(-n // world * world) // 2 for n in sizes) or packed == sorted((n + 1) // 2 for n in sizes), (packed, sizes)
+        if "eps" in bound:
+            worst = max((t - w).abs().max().item() for t, w in zip(total, want))
+            assert worst <= 1.6 * eps, worst
+        else:
+            # Each parameter's step is 0.3 x its scaled RMS (below 1) over its factor (at most
+            # twice its RMS): at most 0.6 x its RMS, and the sum drifts by at most 1.6 steps.
+            # (The groups are a weight and its bias: the bound is the larger of the two's.)
+            for t, w in zip(total, want):
+                rms = (w / steps).pow(2).mean().sqrt().item()
+                assert (t - w).abs().max().item() <= 1.6 * 0.6 * rms * 1.05, ((t - w).abs().max().item(), rms)
+        assert len(state.state_dict()["residuals"]) == 3
+        state.close()
+    with pytest.raises(ValueError, match="residual_bits"):
+        cfc.fsdp.register(plain, residual_bits=8)
+
+
 def fallback(rank, world, out):
     """Steps are backward passes: one of warm-up (every group plain), then fallback="auto"'s
     trial (each group one way in one pass and the other way in the next), then every group
@@ -346,8 +385,10 @@ def resume(rank, world, out):
     state) computes the bits of the uninterrupted one; without the cfc state it does not. So
     does one with fallback="auto" resumed after its trial, whose groups chosen plain go
     through torch's reduce-scatter at once."""
-    for kw, before in ((dict(), 2), (dict(fallback="auto", trial_steps=2, min_compress_numel=0), 3)):
-        model, opt, state = make(CfcState(warmup_steps=0, **kw), sgd=True)
+    ways = ((dict(), 2, {}), (dict(fallback="auto", trial_steps=2, min_compress_numel=0), 3, {}),
+            (dict(), 2, dict(residual_bits=4)))
+    for kw, before, reg in ways:
+        model, opt, state = make(CfcState(warmup_steps=0, **kw), sgd=True, **reg)
         train(model, opt, rank, before)
         shards = {k: v.to_local().clone() for k, v in model.state_dict().items()}
         saved = state.state_dict()
@@ -356,7 +397,7 @@ def resume(rank, world, out):
         want_params = [p.to_local().clone() for p in model.parameters()]
 
         def resumed(load):
-            model2, opt2, state2 = make(CfcState(warmup_steps=0, **kw), sgd=True)
+            model2, opt2, state2 = make(CfcState(warmup_steps=0, **kw), sgd=True, **reg)
             for k, v in model2.state_dict().items():
                 v.to_local().copy_(shards[k])
             if load:
@@ -369,8 +410,8 @@ def resume(rank, world, out):
             return got, [p.to_local() for p in model2.parameters()]
 
         got, params = resumed(True)
-        assert got == want, kw
-        assert all(torch.equal(a, b) for a, b in zip(want_params, params)), kw
+        assert got == want, (kw, reg)
+        assert all(torch.equal(a, b) for a, b in zip(want_params, params)), (kw, reg)
         if not kw:
             got, params = resumed(False)  # residuals lost: other bits
             assert not all(torch.equal(a, b) for a, b in zip(want_params, params))
@@ -456,7 +497,8 @@ def refusals(rank, world, out):
         cfc.fsdp.register(nn.Linear(2, 2))
 
 
-SCENARIOS = {f.__name__: f for f in (bound, every_step_within_bound, per_parameter, parity, accumulate, overflow, feedback, fallback, mismatch, failures,
+SCENARIOS = {f.__name__: f for f in (bound, every_step_within_bound, per_parameter, parity, accumulate, overflow, feedback,
+                                      packed_feedback, fallback, mismatch, failures,
                                       resume, plain_paths, refusals)}
 FOUR_RANKS = {f.__name__: f for f in (replicas, replica_failure)}  # (test_fsdp_replicas)
 SCENARIOS.update(FOUR_RANKS)

@@ -52,10 +52,11 @@ def _on_device(lengths: Tuple[int, ...], device: Any) -> Any:
 
 
 def agree(rows: Any, lengths: Tuple[int, ...], gather: Callable[[bytes], List[bytes]]) -> Optional[Any]:
-    """The factor of every column of ``rows`` (a 2-D view: one row per rank's shard, or one
-    row) as a float32 tensor of the row's length, from each parameter's sum of squares over
-    every rank; None where ``lengths`` does not tile a row (a parameter without a gradient this
-    step: the group is then sent unscaled).
+    """Each parameter's factor (float32, on ``rows``' device) for ``rows`` (a 2-D view: one row
+    per rank's shard, or one row; parameter ``i`` takes ``lengths[i]`` columns), from its sum
+    of squares over every rank; None where ``lengths`` does not tile a row (a parameter without
+    a gradient this step: the group is then sent unscaled). :func:`columns` spreads them over
+    a row.
 
     ``gather`` is the engine's (``Engine.gather``): every rank's sums, in rank order, through
     the engine's own links, so that a peer that failed ends this wait as it ends the engine's
@@ -65,7 +66,6 @@ def agree(rows: Any, lengths: Tuple[int, ...], gather: Callable[[bytes], List[by
 
     if sum(lengths) != rows.shape[1] or not lengths:
         return None
-    sizes = _on_device(tuple(lengths), rows.device)
     norms, at = [], 0
     for n in lengths:
         norms.append(torch.linalg.vector_norm(rows[:, at : at + n], dtype=torch.float32))
@@ -86,4 +86,10 @@ def agree(rows: Any, lengths: Tuple[int, ...], gather: Callable[[bytes], List[by
     _, e = torch.frexp(rms)
     e = torch.where(torch.isfinite(rms) & (rms > 0), e, torch.zeros_like(e)).clamp(-64, 64)
     factors = ((127 - e).to(torch.int32) << 23).view(torch.float32)
-    return factors.to(rows.device).repeat_interleave(sizes, output_size=rows.shape[1])
+    return factors.to(rows.device)
+
+
+def columns(factors: Any, lengths: Tuple[int, ...]) -> Any:
+    """Per-parameter ``factors`` as one per column of a row (parameter ``i`` over
+    ``lengths[i]`` columns)."""
+    return factors.repeat_interleave(_on_device(tuple(lengths), factors.device), output_size=sum(lengths))

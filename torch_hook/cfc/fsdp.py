@@ -26,9 +26,10 @@ replicate group (``replicas=cfc.CfcState(process_group=mesh["replicate"].get_gro
 reduce-scatter's output is then averaged over the replicas by cfc as well, through FSDP's
 all-reduce hook, in place of native HSDP's uncompressed all-reduce.
 
-Memory: with error feedback, each rank keeps a float32 residual per element of each group's
-reduce-scatter input, i.e. 4 bytes per unsharded parameter (``error_feedback=False`` keeps
-none).
+Memory: with error feedback, each rank keeps a residual per element of each group's
+reduce-scatter input: float32, 4 bytes per unsharded parameter, or with ``residual_bits=4``
+half a byte between the group's calls (plus 4 bytes per group and per parameter), and a float32
+residual for the group being reduced (``error_feedback=False`` keeps none).
 
 Example::
 
@@ -47,7 +48,7 @@ import functools
 import logging
 from typing import Any, List, Optional
 
-from cfc import _engine, _param_scales
+from cfc import _engine, _packed_residuals, _param_scales
 from cfc.ddp.hook import _compressible, _fail
 from cfc.ddp.residuals import fingerprint
 from cfc.ddp.state import CfcState
@@ -93,7 +94,7 @@ class CfcReduceScatter(_ReduceScatter):  # type: ignore[misc,valid-type]
 
 
 def register(model: Any, state: Optional[CfcState] = None, *, replicas: Optional[CfcState] = None,
-             per_parameter: bool = True) -> CfcState:
+             per_parameter: bool = True, residual_bits: int = 32) -> CfcState:
     """Install cfc's reduce-scatter on every ``FSDPModule`` of ``model`` (``fully_shard``
     applied first), on every rank, and return the state it runs on.
 
@@ -116,6 +117,11 @@ def register(model: Any, state: Optional[CfcState] = None, *, replicas: Optional
             ``cfc._param_scales``). The state's ``eps`` and ``max_error`` are then in those
             scaled units. With ``eps=`` (an absolute bound), and for float16 groups, there is
             no scaling.
+        residual_bits: 32 keeps each group's error-feedback residual as float32 (4 bytes per
+            unsharded parameter); 4 keeps it, between the group's calls, as 4-bit codes and one
+            number per group (half a byte per parameter; the float32 residual of one group
+            lives during its call), losing at most a fourteenth of its largest value per step
+            (see ``cfc._packed_residuals``).
 
     Reduce-scatters cfc does not compress go through torch's own, uncompressed, after a log
     line: groups of a dtype other than float32, bfloat16 and float16, and the pre-multiplied
@@ -125,7 +131,8 @@ def register(model: Any, state: Optional[CfcState] = None, *, replicas: Optional
     Raises:
         TypeError: a state is not a ``cfc.CfcState``; ``model`` holds no ``FSDPModule``.
         ValueError: ``replicas`` without a process group of its own, or
-            with a model sharded over a 2-D mesh (native HSDP already averages its replicas).
+            with a model sharded over a 2-D mesh (native HSDP already averages its replicas);
+            ``residual_bits`` other than 32 or 4.
         RuntimeError: this torch has no ``FSDPModule.set_custom_reduce_scatter``.
     """
     from torch.distributed.fsdp import FSDPModule
@@ -134,6 +141,8 @@ def register(model: Any, state: Optional[CfcState] = None, *, replicas: Optional
     for s in (state, replicas):
         if s is not None and not isinstance(s, CfcState):
             raise TypeError(f"states must be cfc.CfcState, got {type(s).__name__}")
+    if residual_bits not in (32, 4):
+        raise ValueError(f"residual_bits must be 32 or 4, got {residual_bits!r}")
     if replicas is not None and (replicas is state or replicas.process_group is None):
         raise ValueError("replicas must be a CfcState of its own, made with the replicate group "
                          "(process_group=mesh['replicate'].get_group())")
@@ -152,6 +161,8 @@ def register(model: Any, state: Optional[CfcState] = None, *, replicas: Optional
     for s in (state, replicas):
         if s is not None:
             s._residuals.keep_unseen = True  # one group per step: every residual lives on
+            s._residual_bits = residual_bits
+            s._residuals.held_elsewhere = functools.partial(_saved_packed, s)
     for key, m in enumerate(modules):
         m.set_custom_reduce_scatter(CfcReduceScatter(state, key))
         state._fsdp_lengths[key] = _param_scales.row_lengths(_param_group(m)) if per_parameter else None
@@ -210,13 +221,23 @@ def _submit(state: CfcState, key: int, data: Any, out: Any, scale: Any) -> None:
     through the engine), the data and residual go in scaled and come out in their own units."""
     engine = state._engine_for(data.device)
     in_backward = _open_step(state)
+    rows = 1 if out is None else state.world
+    packed = state._packed.pop(key, None)
+    if packed is not None and state._feeds(data):  # (its float32 form, for this call)
+        r = _in_own_units(state, key, packed)
+        if r.numel() == data.numel() and r.device == data.device:
+            state._residuals.by_bucket[key] = ((((key, 0, r.numel()),), str(data.dtype), r.numel()), r)
+            state._residuals.where[key] = (r, 0, r.numel())
+        else:  # (FSDP changed the group's size: counted, as any residual restarted)
+            logger.warning("cfc.fsdp: group %d's input changed size; its residual restarts at zero", key)
+            state._residuals.resets += 1
     # The whole input as one "parameter" of ordinal `key`: its residual is saved in checkpoints.
     r, fresh = state._residuals.get(key, ((key, 0, data.numel()),), data) if state._feeds(data) else (None, False)
     state._keep.append((data, out, r))
     scaled = state.options.bound_kind != "eps" and _param_scales.scalable(data.dtype)
     lengths = state._fsdp_lengths.get(key) if scaled else None
-    rows = 1 if out is None else state.world
-    factors = None if lengths is None else _param_scales.agree(data.view(rows, -1), lengths, engine.gather)
+    per_param = None if lengths is None else _param_scales.agree(data.view(rows, -1), lengths, engine.gather)
+    factors = None if per_param is None else _param_scales.columns(per_param, lengths)
     if lengths is not None and factors is None and key not in state._unscaled:
         state._unscaled.add(key)
         logger.warning("cfc.fsdp: group %d's input does not match its parameters' layout (a parameter "
@@ -246,8 +267,14 @@ def _submit(state: CfcState, key: int, data: Any, out: Any, scale: Any) -> None:
     if factors is not None:  # (after a wait that returned: the engine has finished with them)
         inverse = factors.reciprocal()
         (data if out is None else out).view(1, -1).mul_(inverse)
-        if r is not None:
-            r.view(rows, -1).mul_(inverse)
+    if r is not None and state._residual_bits == 4:
+        # Kept as codes, in the units it was quantized in (every parameter's within one eps);
+        # the float32 tensor goes once the engine has settled (state._let_go).
+        state._packed[key] = _packed_residuals.pack(r, per_param, rows)
+        state._residuals.by_bucket.pop(key, None)
+        state._residuals.where.pop(key, None)
+    elif r is not None and factors is not None:
+        r.view(rows, -1).mul_(factors.reciprocal())
     if not in_backward:
         _end_step(state)
 
@@ -260,6 +287,9 @@ def _direct(state: CfcState, key: int, out: Any, inp: Any, op: Any) -> None:
     rank, and may run the trial again), and what the group's residual still holds from its
     compressed steps goes out with its first plain one."""
     in_backward = _open_step(state)
+    packed = state._packed.pop(key, None)
+    if packed is not None:
+        inp.view(-1).add_(_in_own_units(state, key, packed).to(inp.dtype))
     held = state._residuals.by_bucket.get(key)
     if held is not None and key not in state._folded:
         inp.view(-1).add_(held[1].view(-1).to(inp.dtype))
@@ -271,6 +301,21 @@ def _direct(state: CfcState, key: int, out: Any, inp: Any, op: Any) -> None:
     state._direct["bytes_sent"] += (w - 1) * -(-inp.numel() * inp.element_size() // w)
     if not in_backward:
         _end_step(state)
+
+
+def _in_own_units(state: CfcState, key: int, packed: Any) -> Any:
+    """A packed residual as float32, in its parameters' own units (its per-parameter factors
+    divided out)."""
+    r = _packed_residuals.unpack(packed)
+    if packed.factors is not None:
+        r.view(packed.rows, -1).mul_(_param_scales.columns(packed.factors.reciprocal(), state._fsdp_lengths[key]))
+    return r
+
+
+def _saved_packed(state: CfcState) -> dict:
+    """The packed residuals as a checkpoint keeps every residual: float32 on the CPU, in
+    their own units, by key."""
+    return {key: _in_own_units(state, key, p).cpu() for key, p in state._packed.items()}
 
 
 def _open_step(state: CfcState) -> bool:

@@ -46,6 +46,8 @@ class Residuals:
         # bucket every step (one that does not run was rebuilt into others); FSDP2 runs one
         # group per step (cfc.fsdp), so there every residual is kept.
         self.keep_unseen = False
+        # What else holds residuals for checkpoints (cfc.fsdp's packed ones): ordinal -> tensor
+        self.held_elsewhere: Optional[Callable[[], Dict[int, Any]]] = None
 
     def layout(self, bucket: Any, buf: Any) -> Layout:
         """(ordinal, offset, numel) of each parameter in the bucket's buffer ``buf``; None when
@@ -137,6 +139,8 @@ class Residuals:
     def saved(self) -> Dict[int, Any]:
         """Every parameter's residual, on the CPU (the engine has finished with them)."""
         out = {o: t[off : off + n].detach().cpu().clone() for o, (t, off, n) in self.where.items()}
+        if self.held_elsewhere is not None:
+            out.update(self.held_elsewhere())
         out.update({o: v for o, v in self.pending.items() if o not in out})
         return out
 

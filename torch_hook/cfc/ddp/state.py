@@ -118,6 +118,9 @@ class CfcState:
         # (None: scaled whole), and the groups whose input did not match them (logged once)
         self._fsdp_lengths: Dict[int, Any] = {}
         self._unscaled: set = set()
+        # cfc.fsdp's residuals kept in 4 bits between calls (cfc._packed_residuals), by key
+        self._residual_bits = 32
+        self._packed: Dict[int, Any] = {}
         self._direct = {"plain_buckets": 0, "bytes_sent": 0}
         self._base: Dict[str, float] = {}  # what reset_stats() subtracts
         self._closed = False
@@ -337,6 +340,7 @@ class CfcState:
         self.step = loaded["step"]
         self._token_step = self.step
         self._residuals.load(loaded["residuals"], loaded["layouts"])
+        self._packed = {}
         # (cfc.fsdp: the groups the saved trial chose plain go through torch from the next step,
         # as they did in the saved run; their residuals go out with their first plain call)
         self._plain_keys = ({b["key"] for b in loaded["engine"]["buckets"] if b["decision"] is False}

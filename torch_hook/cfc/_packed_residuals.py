@@ -1,0 +1,60 @@
+"""Error-feedback residuals of :mod:`cfc.fsdp` kept in 4 bits per element between calls
+(``register(..., residual_bits=4)``): half a byte per unsharded parameter instead of 4.
+
+A residual is what the decoder did not reproduce: within the group's step ``eps`` everywhere
+(in the units the group was quantized in: with per-parameter scales, every parameter's residual
+lies within the same scaled ``eps``). So one number per group, the largest magnitude over 7,
+and a signed code in -7..7 per element keep it to within 1/14 of that largest magnitude; the
+rounding is lost, as the decoder's rounding would be without error feedback, but it is at most
+a fourteenth of it. Between its calls a group keeps only the codes, the number and its
+per-parameter factors; during its call the residual is a float32 tensor again (one group at a
+time: FSDP's reduce-scatters run one after the other).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+LEVELS = 7  # codes -7..7, two to a byte
+
+
+@dataclass
+class Packed:
+    """A residual of ``numel`` float32 values as 4-bit codes times ``step`` (a 0-d float32
+    tensor on the residual's device), in the units of ``factors`` (the per-parameter factors
+    of the call that left it, over each of its ``rows``, or None)."""
+
+    codes: Any
+    step: Any
+    numel: int
+    factors: Optional[Any]
+    rows: int
+
+    def nbytes(self) -> int:
+        f = 0 if self.factors is None else self.factors.numel() * self.factors.element_size()
+        return self.codes.numel() + self.step.element_size() + f
+
+
+def pack(r: Any, factors: Optional[Any] = None, rows: int = 1) -> Packed:
+    """``r`` (float32, 1-D, finite) as 4-bit codes (see the module docs), with the factors of
+    the units it is in."""
+    import torch
+
+    top = r.abs().amax()
+    step = torch.where(top > 0, top / LEVELS, torch.ones_like(top))
+    codes = torch.round(r / step).clamp_(-LEVELS, LEVELS).to(torch.int32)
+    if codes.numel() % 2:
+        codes = torch.cat([codes, codes.new_zeros(1)])
+    pairs = codes.view(-1, 2) & 0xF
+    return Packed((pairs[:, 0] | (pairs[:, 1] << 4)).to(torch.uint8), step, r.numel(), factors, rows)
+
+
+def unpack(p: Packed) -> Any:
+    """The float32 residual of ``p``, in the units it was packed in."""
+    import torch
+
+    b = p.codes.to(torch.int32)
+    nibbles = torch.stack([b & 0xF, b >> 4], 1).view(-1)[: p.numel]
+    codes = nibbles - 16 * (nibbles > 7).to(torch.int32)  # (4-bit two's complement)
+    return codes.to(torch.float32) * p.step
