@@ -1,0 +1,76 @@
+"""The pieces cfc.fsdp runs each group through, without processes: per-parameter scales
+(``cfc._param_scales``) and residuals in 4 bits (``cfc._packed_residuals``)."""
+
+import math
+
+import pytest
+import torch
+
+from cfc import _packed_residuals, _param_scales
+
+
+def gathered(*ranks):
+    """A stand-in for Engine.gather: these ranks' float64 sums (rank 0 is the caller's own
+    bytes, replaced by what the caller sends)."""
+    def gather(mine):
+        return [mine] + [torch.tensor(r, dtype=torch.float64).numpy().tobytes() for r in ranks]
+    return gather
+
+
+def test_scales_are_powers_of_two_that_bring_each_parameters_rms_into_half_to_one():
+    g = torch.Generator().manual_seed(0)
+    lengths = (300, 5, 1000)
+    rows = torch.cat([1e-5 * torch.randn(2, 300, generator=g), 40 * torch.randn(2, 5, generator=g),
+                      torch.randn(2, 1000, generator=g)], 1)
+    other = [float(s) for s in (4e-8, 3e3, 2e3)]  # another rank's sums of squares
+    f = _param_scales.agree(rows, lengths, gathered(other))
+    assert f.dtype == torch.float32 and f.shape == (3,)
+    at = 0
+    for i, n in enumerate(lengths):
+        mantissa, _ = math.frexp(f[i].item())
+        assert mantissa == 0.5, f[i]  # a power of two
+        sq = rows[:, at : at + n].double().square().sum().item() + other[i]
+        rms = math.sqrt(sq / (2 * n * 2))  # two rows here, two ranks
+        assert 0.5 <= rms * f[i].item() < 1, (i, rms, f[i])
+        at += n
+    cols = _param_scales.columns(f, lengths)
+    assert cols.shape == (1305,) and cols[0] == f[0] and cols[300] == f[1] and cols[-1] == f[2]
+
+
+def test_a_zero_or_overflowing_parameter_keeps_the_factor_one():
+    rows = torch.tensor([[0.0, 0.0, float("inf"), 1.0]])
+    f = _param_scales.agree(rows, (2, 2), gathered([0.0, 1.0]))
+    assert f.tolist() == [1.0, 1.0]
+
+
+def test_a_layout_that_does_not_tile_the_row_is_sent_unscaled():
+    assert _param_scales.agree(torch.ones(2, 10), (4, 5), gathered([1.0, 1.0])) is None
+
+
+def test_ranks_with_different_parameters_are_refused():
+    with pytest.raises(ValueError, match="different numbers of parameters"):
+        _param_scales.agree(torch.ones(1, 10), (4, 6), gathered([1.0]))
+
+
+def test_only_dtypes_that_scale_exactly_are_scaled():
+    assert _param_scales.scalable(torch.float32) and _param_scales.scalable(torch.bfloat16)
+    assert not _param_scales.scalable(torch.float16)
+
+
+@pytest.mark.parametrize("n", [1, 2, 1001, 4096])
+def test_a_packed_residual_is_within_a_fourteenth_of_its_largest_value(n):
+    r = 1e-3 * torch.randn(n, generator=torch.Generator().manual_seed(n))
+    p = _packed_residuals.pack(r)
+    assert p.codes.dtype == torch.uint8 and p.codes.numel() == (n + 1) // 2
+    back = _packed_residuals.unpack(p)
+    assert back.shape == r.shape
+    assert (back - r).abs().max().item() <= r.abs().max().item() / 14 * (1 + 1e-6)
+    # the largest value and its sign come back exactly (code +-7)
+    i = r.abs().argmax()
+    assert torch.isclose(back[i], r[i], rtol=1e-6)
+
+
+def test_a_zero_residual_packs_to_zero():
+    p = _packed_residuals.pack(torch.zeros(7))
+    assert torch.equal(_packed_residuals.unpack(p), torch.zeros(7))
+    assert p.nbytes() == 4 + 4  # the codes, and the one number
