@@ -13,7 +13,9 @@ table: final training loss (mean of the last 10% of steps) and held-out loss, ea
 first way's, cfc's bytes against plain float32's, and the median step time. ``noop`` moves no
 gradients at all (each rank keeps its own shard): the floor for the step time. ``cfc-auto`` is
 cfc with ``fallback="auto"``: each group is timed both ways over the first steps and keeps the
-faster (plain where compression does not pay, as over NVLink).
+faster (plain where compression does not pay, as over NVLink). ``cfc-group`` is cfc with one
+step per FSDP group (``per_parameter=False``), ``cfc-r4`` cfc with residuals kept in 4 bits
+(``residual_bits=4``).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import cfc
 import cfc.fsdp
 from ddp_train import LM, batch, corpus, held_out_loss, lr_factor
 
-WAYS = ("noop", "plain", "bf16", "cfc", "cfc@X", "cfc-auto", "cfc-auto@X")
+WAYS = ("noop", "plain", "bf16", "cfc", "cfc@X", "cfc-auto", "cfc-auto@X", "cfc-group", "cfc-group@X", "cfc-r4", "cfc-r4@X")
 
 
 class NoComm(cfc.fsdp._ReduceScatter):  # type: ignore[misc,valid-type]
@@ -63,7 +65,9 @@ def build(way: str, dev: torch.device, args) -> tuple:
         rms = float(way.split("@", 1)[1]) if "@" in way else args.rms
         fallback = "auto" if way.startswith("cfc-auto") else "never"
         bound = {} if rms is None else {"rms": rms}
-        state = cfc.fsdp.register(model, cfc.CfcState(**bound, warmup_steps=0, fallback=fallback))
+        state = cfc.fsdp.register(model, cfc.CfcState(**bound, warmup_steps=0, fallback=fallback),
+                                  per_parameter=not way.startswith("cfc-group"),
+                                  residual_bits=4 if way.startswith("cfc-r4") else 32)
     return model, state
 
 
@@ -128,8 +132,13 @@ def main() -> None:
     data = corpus(int(args.corpus_mb * 2**20))
     cut = int(data.numel() * 0.95)
     train_data, heldout = data[:cut], data[cut:]
+    ways = args.comm.split(",")
+    known = {w.split("@")[0] for w in WAYS}
+    for way in ways:
+        if way.split("@")[0] not in known:
+            raise SystemExit(f"{way!r} is not a way: {', '.join(WAYS)}")
     results = {}
-    for way in args.comm.split(","):
+    for way in ways:
         results[way] = train(way, train_data, heldout, dev, args)
     if rank == 0:
         first = next(iter(results.values()))
