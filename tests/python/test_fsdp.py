@@ -118,7 +118,7 @@ def _within_bound_for_ten_steps(rank, world, bound):
         mine = exact.view(world, -1)[dist.get_rank(group)] / world
         # With rms=, each parameter goes in scaled by a power of two (cfc._param_scales) and
         # the bound holds in those units: the same factors, agreed the same way, rescale the error.
-        lengths = st._fsdp_lengths.get(key)
+        lengths = _param_scales.row_lengths(st._fsdp_groups.get(key))
         scaled = "rms" in bound and lengths is not None and inp.numel() >= 4000
         f = _param_scales.agree(inp.view(world, -1), lengths, gather_over(group)) if scaled else None
         f = _param_scales.columns(f, lengths) if scaled else torch.ones_like(mine)

@@ -14,7 +14,7 @@ time: FSDP's reduce-scatters run one after the other).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 LEVELS = 7  # codes -7..7, two to a byte
 
@@ -23,20 +23,22 @@ LEVELS = 7  # codes -7..7, two to a byte
 class Packed:
     """A residual of ``numel`` float32 values as 4-bit codes times ``step`` (a 0-d float32
     tensor on the residual's device), in the units of ``factors`` (the per-parameter factors
-    of the call that left it, over each of its ``rows``, or None)."""
+    of the call that left it, parameter ``i`` over ``lengths[i]`` columns of each of its
+    ``rows``; or None)."""
 
     codes: Any
     step: Any
     numel: int
-    factors: Optional[Any]
-    rows: int
+    factors: Optional[Any] = None
+    rows: int = 1
+    lengths: Optional[Tuple[int, ...]] = None
 
     def nbytes(self) -> int:
         f = 0 if self.factors is None else self.factors.numel() * self.factors.element_size()
         return self.codes.numel() + self.step.element_size() + f
 
 
-def pack(r: Any, factors: Optional[Any] = None, rows: int = 1) -> Packed:
+def pack(r: Any, factors: Optional[Any] = None, rows: int = 1, lengths: Optional[Tuple[int, ...]] = None) -> Packed:
     """``r`` (float32, 1-D, finite) as 4-bit codes (see the module docs), with the factors of
     the units it is in."""
     import torch
@@ -47,7 +49,7 @@ def pack(r: Any, factors: Optional[Any] = None, rows: int = 1) -> Packed:
     if codes.numel() % 2:
         codes = torch.cat([codes, codes.new_zeros(1)])
     pairs = codes.view(-1, 2) & 0xF
-    return Packed((pairs[:, 0] | (pairs[:, 1] << 4)).to(torch.uint8), step, r.numel(), factors, rows)
+    return Packed((pairs[:, 0] | (pairs[:, 1] << 4)).to(torch.uint8), step, r.numel(), factors, rows, lengths)
 
 
 def unpack(p: Packed) -> Any:

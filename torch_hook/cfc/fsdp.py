@@ -165,10 +165,11 @@ def register(model: Any, state: Optional[CfcState] = None, *, replicas: Optional
             s._residuals.held_elsewhere = functools.partial(_saved_packed, s)
     for key, m in enumerate(modules):
         m.set_custom_reduce_scatter(CfcReduceScatter(state, key))
-        state._fsdp_lengths[key] = _param_scales.row_lengths(_param_group(m)) if per_parameter else None
+        # (its layout is read at each call: FSDP settles it at its lazy init, after this)
+        state._fsdp_groups[key] = _param_group(m) if per_parameter else None
         if replicas is not None:
             m.set_all_reduce_hook(functools.partial(average_replicas, replicas, key, state))
-            replicas._fsdp_lengths[key] = state._fsdp_lengths[key]
+            replicas._fsdp_groups[key] = state._fsdp_groups[key]
     state._fsdp_replicas = replicas  # told of this state's failures (see reduce_scatter)
     return state
 
@@ -224,7 +225,7 @@ def _submit(state: CfcState, key: int, data: Any, out: Any, scale: Any) -> None:
     rows = 1 if out is None else state.world
     packed = state._packed.pop(key, None)
     if packed is not None and state._feeds(data):  # (its float32 form, for this call)
-        r = _in_own_units(state, key, packed)
+        r = _in_own_units(packed)
         if r.numel() == data.numel() and r.device == data.device:
             state._residuals.by_bucket[key] = ((((key, 0, r.numel()),), str(data.dtype), r.numel()), r)
             state._residuals.where[key] = (r, 0, r.numel())
@@ -235,7 +236,8 @@ def _submit(state: CfcState, key: int, data: Any, out: Any, scale: Any) -> None:
     r, fresh = state._residuals.get(key, ((key, 0, data.numel()),), data) if state._feeds(data) else (None, False)
     state._keep.append((data, out, r))
     scaled = state.options.bound_kind != "eps" and _param_scales.scalable(data.dtype)
-    lengths = state._fsdp_lengths.get(key) if scaled else None
+    group = state._fsdp_groups.get(key) if scaled else None
+    lengths = None if group is None else _param_scales.row_lengths(group)
     per_param = None if lengths is None else _param_scales.agree(data.view(rows, -1), lengths, engine.gather)
     factors = None if per_param is None else _param_scales.columns(per_param, lengths)
     if lengths is not None and factors is None and key not in state._unscaled:
@@ -270,7 +272,7 @@ def _submit(state: CfcState, key: int, data: Any, out: Any, scale: Any) -> None:
     if r is not None and state._residual_bits == 4:
         # Kept as codes, in the units it was quantized in (every parameter's within one eps);
         # the float32 tensor goes once the engine has settled (state._let_go).
-        state._packed[key] = _packed_residuals.pack(r, per_param, rows)
+        state._packed[key] = _packed_residuals.pack(r, per_param, rows, lengths)
         state._residuals.by_bucket.pop(key, None)
         state._residuals.where.pop(key, None)
     elif r is not None and factors is not None:
@@ -289,7 +291,7 @@ def _direct(state: CfcState, key: int, out: Any, inp: Any, op: Any) -> None:
     in_backward = _open_step(state)
     packed = state._packed.pop(key, None)
     if packed is not None:
-        inp.view(-1).add_(_in_own_units(state, key, packed).to(inp.dtype))
+        inp.view(-1).add_(_in_own_units(packed).to(inp.dtype))
     held = state._residuals.by_bucket.get(key)
     if held is not None and key not in state._folded:
         inp.view(-1).add_(held[1].view(-1).to(inp.dtype))
@@ -303,19 +305,19 @@ def _direct(state: CfcState, key: int, out: Any, inp: Any, op: Any) -> None:
         _end_step(state)
 
 
-def _in_own_units(state: CfcState, key: int, packed: Any) -> Any:
+def _in_own_units(packed: Any) -> Any:
     """A packed residual as float32, in its parameters' own units (its per-parameter factors
     divided out)."""
     r = _packed_residuals.unpack(packed)
     if packed.factors is not None:
-        r.view(packed.rows, -1).mul_(_param_scales.columns(packed.factors.reciprocal(), state._fsdp_lengths[key]))
+        r.view(packed.rows, -1).mul_(_param_scales.columns(packed.factors.reciprocal(), packed.lengths))
     return r
 
 
 def _saved_packed(state: CfcState) -> dict:
     """The packed residuals as a checkpoint keeps every residual: float32 on the CPU, in
     their own units, by key."""
-    return {key: _in_own_units(state, key, p).cpu() for key, p in state._packed.items()}
+    return {key: _in_own_units(p).cpu() for key, p in state._packed.items()}
 
 
 def _open_step(state: CfcState) -> bool:

@@ -114,9 +114,9 @@ class CfcState:
         # the trial chose plain, the keys whose residual went out with them, and their counts
         self._plain_keys: set = set()
         self._folded: set = set()
-        # cfc.fsdp's per-parameter scales (cfc._param_scales): each group's row lengths by key
-        # (None: scaled whole), and the groups whose input did not match them (logged once)
-        self._fsdp_lengths: Dict[int, Any] = {}
+        # cfc.fsdp's per-parameter scales (cfc._param_scales): each key's FSDP parameter group
+        # (None: not scaled), and the groups whose input did not match its layout (logged once)
+        self._fsdp_groups: Dict[int, Any] = {}
         self._unscaled: set = set()
         # cfc.fsdp's residuals kept in 4 bits between calls (cfc._packed_residuals), by key
         self._residual_bits = 32
