@@ -223,17 +223,17 @@ def _submit(state: CfcState, key: int, data: Any, out: Any, scale: Any) -> None:
     engine = state._engine_for(data.device)
     in_backward = _open_step(state)
     rows = 1 if out is None else state.world
+    # The whole input as one "parameter" of ordinal `key`: its residual is saved in checkpoints.
+    layout = ((key, 0, data.numel()),)
     packed = state._packed.pop(key, None)
     if packed is not None and state._feeds(data):  # (its float32 form, for this call)
         r = _in_own_units(packed)
         if r.numel() == data.numel() and r.device == data.device:
-            state._residuals.by_bucket[key] = ((((key, 0, r.numel()),), str(data.dtype), r.numel()), r)
-            state._residuals.where[key] = (r, 0, r.numel())
+            state._residuals.put(key, layout, data, r)
         else:  # (FSDP changed the group's size: counted, as any residual restarted)
             logger.warning("cfc.fsdp: group %d's input changed size; its residual restarts at zero", key)
             state._residuals.resets += 1
-    # The whole input as one "parameter" of ordinal `key`: its residual is saved in checkpoints.
-    r, fresh = state._residuals.get(key, ((key, 0, data.numel()),), data) if state._feeds(data) else (None, False)
+    r, fresh = state._residuals.get(key, layout, data) if state._feeds(data) else (None, False)
     state._keep.append((data, out, r))
     scaled = state.options.bound_kind != "eps" and _param_scales.scalable(data.dtype)
     group = state._fsdp_groups.get(key) if scaled else None
@@ -261,22 +261,21 @@ def _submit(state: CfcState, key: int, data: Any, out: Any, scale: Any) -> None:
             # The residual is in this call's scaled units, and the engine may still write it:
             # it goes (held until the engine has settled), and the group's next call starts a
             # new one at zero.
-            state._residuals.by_bucket.pop(key, None)
-            state._residuals.where.pop(key, None)
+            state._residuals.drop(key, layout)
         raise
     finally:
         state._let_go()
-    if factors is not None:  # (after a wait that returned: the engine has finished with them)
-        inverse = factors.reciprocal()
+    # (after a wait that returned: the engine has finished with them)
+    inverse = None if factors is None else factors.reciprocal()
+    if inverse is not None:
         (data if out is None else out).view(1, -1).mul_(inverse)
     if r is not None and state._residual_bits == 4:
         # Kept as codes, in the units it was quantized in (every parameter's within one eps);
         # the float32 tensor goes once the engine has settled (state._let_go).
         state._packed[key] = _packed_residuals.pack(r, per_param, rows, lengths)
-        state._residuals.by_bucket.pop(key, None)
-        state._residuals.where.pop(key, None)
-    elif r is not None and factors is not None:
-        r.view(rows, -1).mul_(factors.reciprocal())
+        state._residuals.drop(key, layout)
+    elif r is not None and inverse is not None:
+        r.view(rows, -1).mul_(inverse)
     if not in_backward:
         _end_step(state)
 

@@ -101,7 +101,7 @@ class Residuals:
         import torch
 
         self.seen.add(index)
-        key = (layout, str(buf.dtype), buf.numel())
+        key = self._key(layout, buf)
         held = self.by_bucket.get(index)
         if held is not None and held[0] == key and held[1].device == buf.device:
             return held[1], False
@@ -125,6 +125,25 @@ class Residuals:
             self.resets += 1
         self.by_bucket[index] = (key, r)
         return r, True
+
+    @staticmethod
+    def _key(layout: Layout, buf: Any) -> tuple:
+        """What a bucket's residual was made for: its layout, dtype and size."""
+        return (layout, str(buf.dtype), buf.numel())
+
+    def put(self, index: int, layout: Layout, buf: Any, r: Any) -> None:
+        """``r`` as the residual of bucket ``index`` (holding ``buf``, laid out as ``layout``):
+        what :meth:`get` returns next, as one that exchanges have sent (cfc.fsdp's residuals
+        kept packed between calls)."""
+        self.by_bucket[index] = (self._key(layout, buf), r)
+        for o, off, n in layout or ():
+            self.where[o] = (r, off, n)
+
+    def drop(self, index: int, layout: Layout) -> None:
+        """Forgets bucket ``index``'s residual (and its parameters'), e.g. one kept elsewhere."""
+        self.by_bucket.pop(index, None)
+        for o, _, _ in layout or ():
+            self.where.pop(o, None)
 
     def end_step(self) -> None:
         """At a step's end: residuals of buckets that did not run go (what they held lives on
