@@ -139,17 +139,19 @@ def batch(data: torch.Tensor, gen: torch.Generator, args) -> torch.Tensor:
 @torch.no_grad()
 def held_out_loss(model: nn.Module, heldout: torch.Tensor, dev: torch.device, args) -> float:
     """Mean loss on ``args.eval_batches`` fixed batches of held-out bytes (the same for every
-    hook, seed and step), split over the ranks."""
+    hook, seed and step), split over the ranks. Every rank runs as many forward passes as the
+    others (a sharded model's forward is a collective): a rank past the last batch runs the
+    first one again and does not count it."""
     rank, world = dist.get_rank(), dist.get_world_size()
     gen = torch.Generator().manual_seed(1234)
+    chunks = [batch(heldout, gen, args) for _ in range(args.eval_batches)]
     total = torch.zeros(2, dtype=torch.float64, device=dev)
-    for i in range(args.eval_batches):
-        chunk = batch(heldout, gen, args)
-        if i % world != rank:
-            continue
-        chunk = chunk.to(dev)
+    for i in range(rank, -(-len(chunks) // world) * world, world):
+        chunk = chunks[i if i < len(chunks) else 0].to(dev)
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
             logits = model(chunk[:, :-1])
+        if i >= len(chunks):
+            continue
         loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), chunk[:, 1:].flatten(), reduction="sum")
         total += torch.stack([loss.double(), torch.tensor(chunk[:, 1:].numel(), dtype=torch.float64, device=dev)])
     dist.all_reduce(total)

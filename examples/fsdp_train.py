@@ -16,6 +16,11 @@ cfc with ``fallback="auto"``: each group is timed both ways over the first steps
 faster (plain where compression does not pay, as over NVLink). ``cfc-group`` is cfc with one
 step per FSDP group (``per_parameter=False``), ``cfc-r4`` cfc with residuals kept in 4 bits
 (``residual_bits=4``).
+
+Step times of ways run one after the other drift (clocks, the allocator, the link), so
+``--rounds N`` trains every way N times, each round in a rotated order, and reports each way's
+median over the rounds with their spread; a way named twice (``--comm plain,cfc,plain``) is an
+A/A copy that shows the noise.
 """
 
 from __future__ import annotations
@@ -121,6 +126,7 @@ def main() -> None:
     p.add_argument("--eval-batches", type=int, default=8)
     p.add_argument("--corpus-mb", type=float, default=16.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rounds", type=int, default=1, help="train every way this many times, in rotated orders")
     args = p.parse_args()
 
     cuda = torch.cuda.is_available()
@@ -137,18 +143,26 @@ def main() -> None:
     for way in ways:
         if way.split("@")[0] not in known:
             raise SystemExit(f"{way!r} is not a way: {', '.join(WAYS)}")
-    results = {}
-    for way in ways:
-        results[way] = train(way, train_data, heldout, dev, args)
+    # A way named twice is an A/A copy: labelled "plain#2", trained alike.
+    labels = [w if ways[:i].count(w) == 0 else f"{w}#{ways[:i].count(w) + 1}" for i, w in enumerate(ways)]
+    results: dict = {label: [] for label in labels}
+    for r in range(args.rounds):
+        turn = r % len(ways)
+        for way, label in list(zip(ways, labels))[turn:] + list(zip(ways, labels))[:turn]:
+            results[label].append(train(way, train_data, heldout, dev, args))
     if rank == 0:
-        first = next(iter(results.values()))
-        print(f"{first['params'] / 1e6:.1f}M parameters, {dist.get_world_size()} ranks, {dev.type}")
-        print(f"{'way':10} {'final loss':>11} {'vs first':>9} {'held-out':>9} {'vs first':>9} {'step ms':>8} {'fewer bytes':>12}")
-        for way, r in results.items():
+        first = results[labels[0]][0]
+        print(f"{first['params'] / 1e6:.1f}M parameters, {dist.get_world_size()} ranks, {dev.type}, "
+              f"{args.rounds} round(s), step ms: median over rounds (min-max)")
+        print(f"{'way':10} {'final loss':>11} {'vs first':>9} {'held-out':>9} {'vs first':>9} {'step ms':>8} "
+              f"{'min-max':>13} {'fewer bytes':>12}")
+        for label in labels:
+            runs = results[label]
+            r, ms = runs[0], [x["step_ms"] for x in runs]
             fewer = f"{r['stats']['ratio']:.1f}x" if "stats" in r else ""
-            print(f"{way:10} {r['final']:11.4f} {100 * (r['final'] / first['final'] - 1):+8.2f}% "
+            print(f"{label:10} {r['final']:11.4f} {100 * (r['final'] / first['final'] - 1):+8.2f}% "
                   f"{r['held_out']:9.4f} {100 * (r['held_out'] / first['held_out'] - 1):+8.2f}% "
-                  f"{r['step_ms']:8.1f} {fewer:>12}")
+                  f"{statistics.median(ms):8.1f} {f'{min(ms):.1f}-{max(ms):.1f}':>13} {fewer:>12}")
     dist.destroy_process_group()
 
 

@@ -17,7 +17,7 @@
 #            (default "0 1 2"), then benches/parity_table.py;
 #   fsdp     examples/fsdp_train.py over sockets and NVLink: noop (no gradient traffic), plain
 #            float32, bfloat16 reduce_dtype, cfc and cfc with fallback="auto" (FSDP_WAYS picks;
-#            FSDP_ARGS: model size, steps);
+#            FSDP_ARGS: model size, steps, --rounds; FSDP_TIMEOUT per link, default 400 s);
 #   quality  benches/quality.py over sockets (QUALITY_ARGS: families, hooks, seeds, sizes; --fsdp
 #            for FSDP2), its table and JSON under $OUT (QUALITY_NAME names them, default quality);
 # NPROC: ranks of the torchrun and cfc-bench parts (default: every GPU, one rank each); the
@@ -97,9 +97,9 @@ for part in $PARTS; do case $part in
   fsdp)
     for link in ${LINKS:-socket nvlink}; do
       envs=$([ $link = socket ] && echo "$SOCK" || echo "")
-      env $envs PYTHONPATH=/tmp/site timeout 400 torchrun --standalone --nproc_per_node=$NPROC examples/fsdp_train.py \
+      env $envs PYTHONPATH=/tmp/site timeout ${FSDP_TIMEOUT:-400} torchrun --standalone --nproc_per_node=$NPROC examples/fsdp_train.py \
           --comm ${FSDP_WAYS:-noop,plain,bf16,cfc,cfc-auto} ${FSDP_ARGS:---d-model 1024 --layers 8 --heads 16 --seq 256 --batch 8 --steps 30} \
-          2>&1 | tail -8 | tee "$OUT/fsdp_${link}_$NPROC.md"
+          2>&1 | grep -vE "^W[0-9]|\*\*\*|OMP_NUM" | tail -14 | tee "$OUT/fsdp_${link}_$NPROC.md"
       { echo "fsdp $link, $NPROC ranks:"; cat "$OUT/fsdp_${link}_$NPROC.md"; } >> "$SUMMARY"
     done ;;
   quality)
