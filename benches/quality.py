@@ -307,12 +307,14 @@ def draw(path: Path, summaries: dict) -> None:
 def summarize_saved(args) -> None:
     """The tables and PNG of a saved --json, from its runs: a run cut short counts the seeds
     that every hook finished."""
-    summaries = {}
-    for path in args.summarize:
+    summaries, merged = {}, {}
+    for path in args.summarize:  # (files of one setup split by --first-seed add up)
         saved = json.loads(path.read_text())
         args.fsdp = saved["args"].get("fsdp") == "True"
         for family, runs in saved["runs"].items():
-            summarize_family(summaries, family, runs, args)
+            merged.setdefault(family, {}).update({(r["label"], r["seed"]): r for r in runs})
+    for family, runs in merged.items():
+        summarize_family(summaries, family, list(runs.values()), args)
     if args.png is not None:
         draw(args.png, summaries)
 
@@ -350,6 +352,8 @@ def main() -> None:
     p.add_argument("--corpus-mb", type=float, default=16.0, help="lm")
     p.add_argument("--width", type=int, default=64, help="conv: channels")
     p.add_argument("--fsdp", action="store_true", help="train with FSDP2 (see above)")
+    p.add_argument("--first-seed", type=int, default=0,
+                   help="seeds first-seed .. first-seed + seeds - 1 (a run split over calls; --summarize joins them)")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--png", type=Path, default=None)
     p.add_argument("--summarize", type=Path, nargs="+", default=None,
@@ -375,7 +379,7 @@ def main() -> None:
             raise SystemExit(f"unknown family {family!r}; choose from {', '.join(tasks)}")
         task = tasks[family](args, dev)
         runs = everything[family] = []
-        for seed in range(args.seeds):
+        for seed in range(args.first_seed, args.first_seed + args.seeds):
             for hook, label in zip(hooks, labels):
                 r = train(task, hook, seed, args, dev)
                 r["label"] = label
