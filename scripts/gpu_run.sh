@@ -18,6 +18,8 @@
 #   fsdp     examples/fsdp_train.py over sockets and NVLink: noop (no gradient traffic), plain
 #            float32, bfloat16 reduce_dtype, cfc and cfc with fallback="auto" (FSDP_WAYS picks;
 #            FSDP_ARGS: model size, steps, --rounds; FSDP_TIMEOUT per link, default 400 s);
+#   fsdphost benches/fsdp_host_time.py over NVLink: where cfc.fsdp's calls hold the host
+#            (FSDP_HOST_WAYS, default cfc-group,cfc,cfc-r4; FSDP_HOST_ARGS: model size, steps);
 #   quality  benches/quality.py over sockets (QUALITY_ARGS: families, hooks, seeds, sizes; --fsdp
 #            for FSDP2), its table and JSON under $OUT (QUALITY_NAME names them, default quality);
 # NPROC: ranks of the torchrun and cfc-bench parts (default: every GPU, one rank each); the
@@ -102,6 +104,11 @@ for part in $PARTS; do case $part in
           2>&1 | grep -vE "^W[0-9]|\*\*\*|OMP_NUM" | tail -14 | tee "$OUT/fsdp_${link}_$NPROC.md"
       { echo "fsdp $link, $NPROC ranks:"; cat "$OUT/fsdp_${link}_$NPROC.md"; } >> "$SUMMARY"
     done ;;
+  fsdphost)
+    PYTHONPATH=/tmp/site timeout 200 torchrun --standalone --nproc_per_node=$NPROC benches/fsdp_host_time.py \
+        --comm ${FSDP_HOST_WAYS:-cfc-group,cfc,cfc-r4} ${FSDP_HOST_ARGS:-} 2>&1 | grep -vE "^W[0-9]|\*\*\*|OMP_NUM" \
+        | tail -6 | tee "$OUT/fsdp_host_$NPROC.md"
+    { echo "fsdp host time, $NPROC ranks:"; cat "$OUT/fsdp_host_$NPROC.md"; } >> "$SUMMARY" ;;
   quality)
     name=${QUALITY_NAME:-quality}
     env $SOCK PYTHONPATH=/tmp/site timeout ${QUALITY_TIMEOUT:-560} torchrun --standalone --nproc_per_node=$NPROC benches/quality.py \

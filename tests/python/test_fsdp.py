@@ -121,7 +121,7 @@ def _within_bound_for_ten_steps(rank, world, bound):
         lengths = _param_scales.row_lengths(st._fsdp_groups.get(key))
         scaled = "rms" in bound and lengths is not None and inp.numel() >= 4000
         f = _param_scales.agree(inp.view(world, -1), lengths, gather_over(group)) if scaled else None
-        f = _param_scales.columns(f, lengths) if scaled else torch.ones_like(mine)
+        f = _param_scales.columns(f, lengths, mine.device) if scaled else torch.ones_like(mine)
         real(st, key, out_, inp, group, op)
         checks.append((st.step, key, ((out_.float() - mine) * f).abs().max(), (mine * f).abs().max()))
 

@@ -74,3 +74,18 @@ def test_a_zero_residual_packs_to_zero():
     p = _packed_residuals.pack(torch.zeros(7))
     assert torch.equal(_packed_residuals.unpack(p), torch.zeros(7))
     assert p.nbytes() == 4 + 4  # the codes, and the one number
+
+
+def test_a_packed_residual_comes_back_in_the_units_of_the_call_that_reads_it():
+    from cfc.fsdp import _in_own_units, _unpacked
+
+    lengths = (3, 5)
+    own = torch.randn(2, 8, generator=torch.Generator().manual_seed(1))
+    before = torch.tensor([4.0, 0.5])  # the factors of the call that packed it
+    p = _packed_residuals.pack((own * _param_scales.columns(before, lengths)).view(-1), before, 2, lengths)
+    back = _in_own_units(p).view(2, 8)
+    assert (back - own).abs().max() <= (own * _param_scales.columns(before, lengths)).abs().max() / 14 / 0.5
+    for now in (torch.tensor([4.0, 0.5]), torch.tensor([1.0, 2.0]), None):
+        cols = torch.ones(8) if now is None else _param_scales.columns(now, lengths)
+        got = _unpacked(p, now, 2, lengths if now is not None else None).view(2, 8)
+        assert torch.equal(got, back * cols), now  # (powers of two: exactly)

@@ -52,16 +52,17 @@ def _on_device(lengths: Tuple[int, ...], device: Any) -> Any:
 
 
 def agree(rows: Any, lengths: Tuple[int, ...], gather: Callable[[bytes], List[bytes]]) -> Optional[Any]:
-    """Each parameter's factor (float32, on ``rows``' device) for ``rows`` (a 2-D view: one row
-    per rank's shard, or one row; parameter ``i`` takes ``lengths[i]`` columns), from its sum
-    of squares over every rank; None where ``lengths`` does not tile a row (a parameter without
-    a gradient this step: the group is then sent unscaled). :func:`columns` spreads them over
-    a row.
+    """Each parameter's factor (a float32 tensor on the host, so that callers can tell without
+    waiting on the device which factors are 1) for ``rows`` (a 2-D view: one row per rank's
+    shard, or one row; parameter ``i`` takes ``lengths[i]`` columns), from its sum of squares
+    over every rank; None where ``lengths`` does not tile a row (a parameter without a gradient
+    this step: the group is then sent unscaled). :func:`columns` spreads them over a row.
 
     ``gather`` is the engine's (``Engine.gather``): every rank's sums, in rank order, through
     the engine's own links, so that a peer that failed ends this wait as it ends the engine's
     (a collective of torch's process group would wait for its timeout, and leave the group
     out of step for every later collective). It waits on the host for this rank's sums."""
+    import numpy as np
     import torch
 
     if sum(lengths) != rows.shape[1] or not lengths:
@@ -71,25 +72,36 @@ def agree(rows: Any, lengths: Tuple[int, ...], gather: Callable[[bytes], List[by
         norms.append(torch.linalg.vector_norm(rows[:, at : at + n], dtype=torch.float32))
         at += n
     # (float32 norms, squared in float64: a sum of squares of large gradients stays finite)
-    mine = torch.stack(norms).double().square().cpu()
-    everyone = gather(mine.numpy().tobytes())
+    mine = torch.stack(norms).cpu().numpy().astype(np.float64) ** 2
+    everyone = gather(mine.tobytes())
     if any(len(b) != len(everyone[0]) for b in everyone):
         raise ValueError("cfc.fsdp: the ranks' groups hold different numbers of parameters "
                          f"({sorted({len(b) // 8 for b in everyone})})")
-    sq = torch.zeros_like(mine)
+    # (the host's arithmetic in numpy: a few microseconds, where each torch op on the CPU costs
+    # more, on the thread that queues the backward pass)
+    sq = np.zeros_like(mine)
     for b in everyone:  # (in rank order: every rank adds the same numbers in the same order)
-        sq += torch.frombuffer(bytearray(b), dtype=torch.float64)
-    count = torch.tensor(lengths, dtype=torch.float64) * (rows.shape[0] * len(everyone))
-    rms = (sq / count).sqrt().float()
+        sq += np.frombuffer(b, dtype=np.float64)
+    count = np.asarray(lengths, dtype=np.float64) * (rows.shape[0] * len(everyone))
+    with np.errstate(over="ignore", invalid="ignore"):
+        rms = np.sqrt(sq / count).astype(np.float32)
     # rms = m * 2**e with m in [0.5, 1): the factor 2**-e brings it to m, made from its bits
     # (frexp and the bits are exact). A zero or non-finite RMS (an overflow) keeps the factor 1.
-    _, e = torch.frexp(rms)
-    e = torch.where(torch.isfinite(rms) & (rms > 0), e, torch.zeros_like(e)).clamp(-64, 64)
-    factors = ((127 - e).to(torch.int32) << 23).view(torch.float32)
-    return factors.to(rows.device)
+    _, e = np.frexp(rms)
+    e = np.where(np.isfinite(rms) & (rms > 0), e, 0).clip(-64, 64)
+    factors = ((127 - e).astype(np.int32) << 23).view(np.float32)
+    return torch.from_numpy(factors)
 
 
-def columns(factors: Any, lengths: Tuple[int, ...]) -> Any:
+def columns(factors: Any, lengths: Tuple[int, ...], device: Any = None) -> Any:
     """Per-parameter ``factors`` as one per column of a row (parameter ``i`` over
-    ``lengths[i]`` columns)."""
-    return factors.repeat_interleave(_on_device(tuple(lengths), factors.device), output_size=sum(lengths))
+    ``lengths[i]`` columns), on ``device`` (default: the factors'). Host factors go to a GPU
+    through pinned memory, queued on the current stream: a plain copy would wait on the host
+    for everything queued on that stream (the engine's decoding, for the factors' inverse)."""
+    import torch
+
+    device = factors.device if device is None else torch.device(device)
+    if factors.device != device:
+        pinned = device.type == "cuda" and factors.device.type == "cpu"
+        factors = (factors.pin_memory() if pinned else factors).to(device, non_blocking=pinned)
+    return factors.repeat_interleave(_on_device(tuple(lengths), device), output_size=sum(lengths))

@@ -225,28 +225,31 @@ def _submit(state: CfcState, key: int, data: Any, out: Any, scale: Any) -> None:
     rows = 1 if out is None else state.world
     # The whole input as one "parameter" of ordinal `key`: its residual is saved in checkpoints.
     layout = ((key, 0, data.numel()),)
+    scaled = state.options.bound_kind != "eps" and _param_scales.scalable(data.dtype)
+    group = state._fsdp_groups.get(key) if scaled else None
+    lengths = None if group is None else _param_scales.row_lengths(group)
+    per_param = None if lengths is None else _param_scales.agree(data.view(rows, -1), lengths, engine.gather)
+    if lengths is not None and per_param is None and key not in state._unscaled:
+        state._unscaled.add(key)
+        logger.warning("cfc.fsdp: group %d's input does not match its parameters' layout (a parameter "
+                       "without a gradient?); it is sent without per-parameter scales", key)
+    if per_param is not None and bool((per_param == 1).all()):
+        per_param = None  # (known on the host: the units are the parameters' own, nothing to multiply)
+    factors = None if per_param is None else _param_scales.columns(per_param, lengths, data.device)
     packed = state._packed.pop(key, None)
+    in_units = False  # whether the residual is already in this call's units
     if packed is not None and state._feeds(data):  # (its float32 form, for this call)
-        r = _in_own_units(packed)
-        if r.numel() == data.numel() and r.device == data.device:
-            state._residuals.put(key, layout, data, r)
+        if packed.numel == data.numel() and packed.codes.device == data.device:
+            state._residuals.put(key, layout, data, _unpacked(packed, per_param, rows, lengths))
+            in_units = True
         else:  # (FSDP changed the group's size: counted, as any residual restarted)
             logger.warning("cfc.fsdp: group %d's input changed size; its residual restarts at zero", key)
             state._residuals.resets += 1
     r, fresh = state._residuals.get(key, layout, data) if state._feeds(data) else (None, False)
     state._keep.append((data, out, r))
-    scaled = state.options.bound_kind != "eps" and _param_scales.scalable(data.dtype)
-    group = state._fsdp_groups.get(key) if scaled else None
-    lengths = None if group is None else _param_scales.row_lengths(group)
-    per_param = None if lengths is None else _param_scales.agree(data.view(rows, -1), lengths, engine.gather)
-    factors = None if per_param is None else _param_scales.columns(per_param, lengths)
-    if lengths is not None and factors is None and key not in state._unscaled:
-        state._unscaled.add(key)
-        logger.warning("cfc.fsdp: group %d's input does not match its parameters' layout (a parameter "
-                       "without a gradient?); it is sent without per-parameter scales", key)
     if factors is not None:
         data.view(rows, -1).mul_(factors)
-        if r is not None:
+        if r is not None and not in_units:
             r.view(rows, -1).mul_(factors)
     stream = _engine.stream_of(data)
     engine.submit(
@@ -266,7 +269,7 @@ def _submit(state: CfcState, key: int, data: Any, out: Any, scale: Any) -> None:
     finally:
         state._let_go()
     # (after a wait that returned: the engine has finished with them)
-    inverse = None if factors is None else factors.reciprocal()
+    inverse = None if per_param is None else _param_scales.columns(per_param.reciprocal(), lengths, data.device)
     if inverse is not None:
         (data if out is None else out).view(1, -1).mul_(inverse)
     if r is not None and state._residual_bits == 4:
@@ -304,13 +307,27 @@ def _direct(state: CfcState, key: int, out: Any, inp: Any, op: Any) -> None:
         _end_step(state)
 
 
-def _in_own_units(packed: Any) -> Any:
-    """A packed residual as float32, in its parameters' own units (its per-parameter factors
-    divided out)."""
+def _unpacked(packed: Any, per_param: Any = None, rows: int = 1, lengths: Any = None) -> Any:
+    """A packed residual as float32, in the units of ``per_param`` (per-parameter factors over
+    ``rows`` rows of ``lengths`` columns; None: the parameters' own units). Factors are powers
+    of two, so their ratios are exact, and where they did not change nothing is multiplied."""
     r = _packed_residuals.unpack(packed)
-    if packed.factors is not None:
-        r.view(packed.rows, -1).mul_(_param_scales.columns(packed.factors.reciprocal(), packed.lengths))
+    now, before = per_param, packed.factors
+    if before is not None and now is not None and (packed.rows, packed.lengths) == (rows, tuple(lengths)):
+        ratio = now / before
+        if not bool((ratio == 1).all()):
+            r.view(rows, -1).mul_(_param_scales.columns(ratio, lengths, r.device))
+        return r
+    if before is not None:
+        r.view(packed.rows, -1).mul_(_param_scales.columns(before.reciprocal(), packed.lengths, r.device))
+    if now is not None:
+        r.view(rows, -1).mul_(_param_scales.columns(now, lengths, r.device))
     return r
+
+
+def _in_own_units(packed: Any) -> Any:
+    """A packed residual as float32, in its parameters' own units."""
+    return _unpacked(packed)
 
 
 def _saved_packed(state: CfcState) -> dict:
