@@ -4,10 +4,11 @@ millisecond it holds the host is a millisecond the next group's backward is not 
 
 Trains ``examples/fsdp_train.py``'s LM with each ``--comm`` way (its ``cfc*`` ways) and times,
 on the host (no extra synchronisation), per step: the whole reduce-scatter calls, and inside
-them the per-parameter scales' agreement (``_param_scales.agree``: the ranks' sums of squares,
-waited for, then the factors), the factors spread over columns, and the 4-bit residuals'
-packing and unpacking. The rest of a call is the engine's submit and wait and the scaling
-multiplications. Under torchrun, on GPUs::
+them a group's first agreement of its per-parameter scales (``agree now``: its input's sums of
+squares, waited for, gathered from every rank), the factors spread over columns, and the 4-bit
+residuals' packing and unpacking; and, outside the calls, the agreement of every group's next
+factors when the step ends (``agree at step end``). The rest of a call is the engine's submit
+and wait and the scaling multiplications. Under torchrun, on GPUs::
 
     torchrun --standalone --nproc_per_node=2 benches/fsdp_host_time.py --comm cfc-group,cfc,cfc-r4 \\
         --d-model 1024 --layers 8 --heads 16 --seq 256 --batch 8 --steps 25
@@ -37,9 +38,10 @@ from cfc import _packed_residuals, _param_scales  # noqa: E402
 from ddp_train import batch, corpus, lr_factor  # noqa: E402
 from fsdp_train import build  # noqa: E402
 
-SPOTS = {  # what is timed: (module, attribute) -> label
+SPOTS = {  # what is timed: (module or class, attribute) -> label
     (cfc.fsdp, "reduce_scatter"): "calls",
-    (_param_scales, "agree"): "agree",
+    (_param_scales, "agree_norms"): "agree now",
+    (_param_scales.Lagged, "agree_step"): "agree at step end",
     (_param_scales, "columns"): "columns",
     (_packed_residuals, "pack"): "pack",
     (cfc.fsdp, "_unpacked"): "unpack",
@@ -110,7 +112,7 @@ def main() -> None:
     if dist.get_rank() == 0:
         labels = ["step", *SPOTS.values()]
         print(f"host ms per step (median), {dist.get_world_size()} ranks, {dev.type}; calls = the reduce-scatter "
-              "calls in all, the rest inside them")
+              "calls in all, the rest inside them but the step end's agreement")
         print("| way | " + " | ".join(labels) + " |")
         print("|---" * (len(labels) + 1) + "|")
         for way, r in rows.items():

@@ -2,6 +2,7 @@
 weights and batches: 2 and 3 processes with gloo on the CPU (in CI), and one GPU per rank over
 NCCL (``-m gpu``)."""
 
+import math
 import time
 
 import pytest
@@ -120,7 +121,11 @@ def _within_bound_for_ten_steps(rank, world, bound):
         # the bound holds in those units: the same factors, agreed the same way, rescale the error.
         lengths = _param_scales.row_lengths(st._fsdp_groups.get(key))
         scaled = "rms" in bound and lengths is not None and inp.numel() >= 4000
-        f = _param_scales.agree(inp.view(world, -1), lengths, gather_over(group)) if scaled else None
+        # (the factors the call uses: agreed at the last step's end, or, at a group's first
+        # call, from this input, as the call agrees them)
+        f = st._scales.factors(key, world, lengths) if scaled else None
+        if scaled and f is None:
+            f = _param_scales.agree(inp.view(world, -1), lengths, gather_over(group))
         f = _param_scales.columns(f, lengths, mine.device) if scaled else torch.ones_like(mine)
         real(st, key, out_, inp, group, op)
         checks.append((st.step, key, ((out_.float() - mine) * f).abs().max(), (mine * f).abs().max()))
@@ -184,6 +189,54 @@ def per_parameter(rank, world, out):
         # each within its own k x RMS (bfloat16: plus its rounding of the result, 2**-9 relative)
         assert errors[True][0] < 0.05 and errors[True][1] < 0.05, (dtype, errors)
         assert errors[False][0] < 0.05 and errors[False][1] > 0.5, (dtype, errors)
+
+
+def lagged_scales(rank, world, out):
+    """A group's first call agrees its per-parameter factors from its own input (waiting on the
+    host); every later call uses those agreed from the group's sums of the step before, all
+    groups' in one round of the engine at the step's end: the factors follow a gradient that
+    grows 1024x one step late, exactly."""
+    n = 4096
+
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.big, self.small = nn.Parameter(torch.zeros(n)), nn.Parameter(torch.zeros(n))
+
+        def forward(self, a, b):
+            return (self.big * a).sum() + (self.small * b).sum()
+
+    g = torch.Generator().manual_seed(rank)
+    a, b = torch.randn(n, generator=g).to(DEV), (1e-3 * torch.randn(n, generator=g)).to(DEV)
+
+    def expected(x):  # the power of two that brings x's RMS over every rank into [0.5, 1)
+        sq = x.double().square().sum()
+        dist.all_reduce(sq)
+        m, e = math.frexp(math.sqrt(sq.item() / (n * world)))
+        return 2.0 ** -e
+
+    model = Two().to(DEV)
+    fully_shard(model)
+    state = cfc.fsdp.register(model, CfcState(rms=0.05, warmup_steps=0, min_compress_numel=0))
+    agreed_now = []
+    real = _param_scales.agree_norms
+    _param_scales.agree_norms = lambda *a, **k: agreed_now.append(1) or real(*a, **k)
+    try:
+        used = []
+        for step, small in enumerate((b, 1024 * b, 1024 * b)):
+            used.append(state._scales.factors(0, world, (n // world, n // world)))
+            model(a, small).backward()
+            model.zero_grad()
+            f = state._scales.factors(0, world, (n // world, n // world))
+            assert f.tolist() == [expected(a), expected(small)], (step, f, expected(a), expected(small))
+    finally:
+        _param_scales.agree_norms = real
+    assert agreed_now == [1], agreed_now  # only the first call waited for its own
+    assert used[0] is None  # (the first call's came from its own input)
+    assert used[1].tolist() == [expected(a), expected(b)]  # step 2: step 1's, though it grew
+    assert used[2].tolist() == [expected(a), expected(1024 * b)]
+    assert expected(1024 * b) == expected(b) / 1024
+    state.close()
 
 
 def parity(rank, world, out):
@@ -408,6 +461,8 @@ def resume(rank, world, out):
                 # the first step on, as in the uninterrupted run
                 chosen = {b["key"] for b in saved["engine"]["buckets"] if b["decision"] is False}
                 assert state2._plain_keys == chosen == plain_at_save, (state2._plain_keys, chosen)
+                # the per-parameter factors the next calls use, agreed before the save
+                assert saved["scales"] and state2._scales.saved() == saved["scales"], saved["scales"]
             got = train(model2, opt2, rank, 2, start=before)
             return got, [p.to_local() for p in model2.parameters()]
 
@@ -499,7 +554,7 @@ def refusals(rank, world, out):
         cfc.fsdp.register(nn.Linear(2, 2))
 
 
-SCENARIOS = {f.__name__: f for f in (bound, every_step_within_bound, per_parameter, parity, accumulate, overflow, feedback,
+SCENARIOS = {f.__name__: f for f in (bound, every_step_within_bound, per_parameter, lagged_scales, parity, accumulate, overflow, feedback,
                                       packed_feedback, fallback, mismatch, failures,
                                       resume, plain_paths, refusals)}
 FOUR_RANKS = {f.__name__: f for f in (replicas, replica_failure)}  # (test_fsdp_replicas)

@@ -13,8 +13,13 @@ power of two changes no bit of a value (barring subnormals), so the codes still 
 the bound holds for each parameter in its own units.
 
 The scales are agreed through the engine (``Engine.gather``: one float64 per parameter and
-rank, over the engine's own links), which waits on the host for the group's input. float16
-groups are sent unscaled (see :func:`scalable`).
+rank, over the engine's own links). A group's first call agrees its own (:func:`agree`, which
+waits on the host for the group's input); from then on a call uses the factors agreed from its
+group's sums of the step before (:class:`Lagged`: the sums are copied to the host without a
+wait, and every group's go through the engine in one round when the step ends), so that the
+call hands its job to the engine at once, as an unscaled one does. A factor one step old still
+brings a parameter's RMS near 1 (gradients' sizes move slowly), and the bound holds in the
+scaled units whatever the factors. float16 groups are sent unscaled (see :func:`scalable`).
 """
 
 from __future__ import annotations
@@ -51,46 +56,162 @@ def _on_device(lengths: Tuple[int, ...], device: Any) -> Any:
     return torch.tensor(lengths, device=device)
 
 
-def agree(rows: Any, lengths: Tuple[int, ...], gather: Callable[[bytes], List[bytes]]) -> Optional[Any]:
-    """Each parameter's factor (a float32 tensor on the host, so that callers can tell without
-    waiting on the device which factors are 1) for ``rows`` (a 2-D view: one row per rank's
-    shard, or one row; parameter ``i`` takes ``lengths[i]`` columns), from its sum of squares
-    over every rank; None where ``lengths`` does not tile a row (a parameter without a gradient
-    this step: the group is then sent unscaled). :func:`columns` spreads them over a row.
-
-    ``gather`` is the engine's (``Engine.gather``): every rank's sums, in rank order, through
-    the engine's own links, so that a peer that failed ends this wait as it ends the engine's
-    (a collective of torch's process group would wait for its timeout, and leave the group
-    out of step for every later collective). It waits on the host for this rank's sums."""
-    import numpy as np
+def norms(rows: Any, lengths: Tuple[int, ...]) -> Optional[Any]:
+    """Each parameter's float32 norm over ``rows`` (a 2-D view: one row per rank's shard, or one
+    row; parameter ``i`` takes ``lengths[i]`` columns), on ``rows``' device; None where
+    ``lengths`` does not tile a row (a parameter without a gradient this step: the group is then
+    sent unscaled)."""
     import torch
 
     if sum(lengths) != rows.shape[1] or not lengths:
         return None
-    norms, at = [], 0
+    out, at = [], 0
     for n in lengths:
-        norms.append(torch.linalg.vector_norm(rows[:, at : at + n], dtype=torch.float32))
+        out.append(torch.linalg.vector_norm(rows[:, at : at + n], dtype=torch.float32))
         at += n
-    # (float32 norms, squared in float64: a sum of squares of large gradients stays finite)
-    mine = torch.stack(norms).cpu().numpy().astype(np.float64) ** 2
-    everyone = gather(mine.tobytes())
-    if any(len(b) != len(everyone[0]) for b in everyone):
-        raise ValueError("cfc.fsdp: the ranks' groups hold different numbers of parameters "
-                         f"({sorted({len(b) // 8 for b in everyone})})")
+    return torch.stack(out)
+
+
+def _squares(norms_on_host: Any) -> Any:
+    """Norms as float64 sums of squares (squared in float64: a sum of squares of large gradients
+    stays finite)."""
+    import numpy as np
+
+    return norms_on_host.numpy().astype(np.float64) ** 2
+
+
+def factors_of(everyone: List[Any], lengths: Tuple[int, ...], rows: int) -> Any:
+    """The factors (float32, on the host) from every rank's sums of squares (``everyone``: one
+    float64 array per rank, in rank order, each over ``rows`` rows of ``lengths`` columns)."""
+    import numpy as np
+    import torch
+
     # (the host's arithmetic in numpy: a few microseconds, where each torch op on the CPU costs
     # more, on the thread that queues the backward pass)
-    sq = np.zeros_like(mine)
-    for b in everyone:  # (in rank order: every rank adds the same numbers in the same order)
-        sq += np.frombuffer(b, dtype=np.float64)
-    count = np.asarray(lengths, dtype=np.float64) * (rows.shape[0] * len(everyone))
+    sq = np.zeros(len(lengths), dtype=np.float64)
+    for mine in everyone:  # (in rank order: every rank adds the same numbers in the same order)
+        sq += mine
+    count = np.asarray(lengths, dtype=np.float64) * (rows * len(everyone))
     with np.errstate(over="ignore", invalid="ignore"):
         rms = np.sqrt(sq / count).astype(np.float32)
     # rms = m * 2**e with m in [0.5, 1): the factor 2**-e brings it to m, made from its bits
     # (frexp and the bits are exact). A zero or non-finite RMS (an overflow) keeps the factor 1.
     _, e = np.frexp(rms)
     e = np.where(np.isfinite(rms) & (rms > 0), e, 0).clip(-64, 64)
-    factors = ((127 - e).astype(np.int32) << 23).view(np.float32)
-    return torch.from_numpy(factors)
+    return torch.from_numpy(((127 - e).astype(np.int32) << 23).view(np.float32))
+
+
+def _split(everyone: List[bytes], what: str) -> List[Any]:
+    """Every rank's gathered bytes as float64 arrays; ``ValueError`` (``what``) where their
+    sizes differ."""
+    import numpy as np
+
+    if any(len(b) != len(everyone[0]) for b in everyone):
+        raise ValueError(f"cfc.fsdp: {what} ({sorted({len(b) // 8 for b in everyone})} numbers per rank)")
+    return [np.frombuffer(b, dtype=np.float64) for b in everyone]
+
+
+def agree(rows: Any, lengths: Tuple[int, ...], gather: Callable[[bytes], List[bytes]]) -> Optional[Any]:
+    """Each parameter's factor (a float32 tensor on the host, so that callers can tell without
+    waiting on the device which factors are 1) for ``rows`` (see :func:`norms`), from its sum of
+    squares over every rank, agreed now; None where ``lengths`` does not tile a row.
+    :func:`columns` spreads them over a row."""
+    n = norms(rows, lengths)
+    return None if n is None else agree_norms(n, lengths, rows.shape[0], gather)
+
+
+def agree_norms(n: Any, lengths: Tuple[int, ...], rows: int, gather: Callable[[bytes], List[bytes]]) -> Any:
+    """:func:`agree` from this rank's :func:`norms`.
+
+    ``gather`` is the engine's (``Engine.gather``): every rank's sums, in rank order, through
+    the engine's own links, so that a peer that failed ends this wait as it ends the engine's
+    (a collective of torch's process group would wait for its timeout, and leave the group
+    out of step for every later collective). It waits on the host for this rank's sums."""
+    everyone = _split(gather(_squares(n.cpu()).tobytes()), "the ranks' groups hold different numbers of parameters")
+    return factors_of(everyone, lengths, rows)
+
+
+class Lagged:
+    """Factors agreed one step late: each group's call uses those agreed from its sums of the
+    step before (:meth:`factors`) and leaves its own sums (:meth:`note`), copied to the host
+    without a wait; :meth:`agree_step` agrees every group's at once when the step ends (one
+    round of the engine's links a step, where :func:`agree` takes one a call, after a wait for
+    the group's input). Every rank makes the same calls, so every rank holds the same factors.
+    """
+
+    def __init__(self) -> None:
+        # key -> ((rows, lengths), factors): what the group's next call uses
+        self.agreed: dict = {}
+        # key -> ((rows, lengths), norms on the host, the copy's CUDA event or None): this
+        # step's, not yet agreed
+        self.noted: dict = {}
+
+    def factors(self, key: int, rows: int, lengths: Tuple[int, ...]) -> Optional[Any]:
+        """The factors agreed for the group's layout at the last step's end (None: none yet,
+        or agreed for another layout)."""
+        held = self.agreed.get(key)
+        return held[1] if held is not None and held[0] == (rows, tuple(lengths)) else None
+
+    def note(self, key: int, rows: int, lengths: Tuple[int, ...], n: Any) -> None:
+        """This call's norms (:func:`norms`), copied to the host in stream order, without a
+        wait: they are read when the step ends (after the copy's event, which by then has
+        almost always passed)."""
+        import torch
+
+        done = None
+        if n.device.type == "cuda":
+            host = torch.empty(n.shape, dtype=n.dtype, pin_memory=True)
+            host.copy_(n, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        else:
+            host = n.cpu()
+        self.noted[key] = ((rows, tuple(lengths)), host, done)
+
+    def set(self, key: int, rows: int, lengths: Tuple[int, ...], factors: Any) -> None:
+        """Factors agreed now (a group's first call, :func:`agree`) for the group's next call."""
+        self.agreed[key] = ((rows, tuple(lengths)), factors)
+
+    def agree_step(self, gather: Callable[[bytes], List[bytes]]) -> None:
+        """At a step's end, on every rank: every group's noted sums go through ``gather`` in
+        one round, and give each group's factors for its next call.
+
+        Raises:
+            ValueError: the ranks noted different groups or layouts (on every rank alike)."""
+        import zlib
+
+        import numpy as np
+
+        noted, self.noted = self.noted, {}
+        if not noted:
+            return
+        keys = sorted(noted)
+        for _, _, done in noted.values():
+            if done is not None:
+                done.synchronize()
+        shape = zlib.crc32(repr([(k, noted[k][0]) for k in keys]).encode())
+        mine = np.concatenate([np.asarray([shape], dtype=np.float64)] + [_squares(noted[k][1]) for k in keys])
+        everyone = _split(gather(mine.tobytes()), "the ranks reduce-scattered different groups this step")
+        if any(e[0] != everyone[0][0] for e in everyone):
+            raise ValueError("cfc.fsdp: the ranks reduce-scattered different groups or layouts this step")
+        at = 1
+        for k in keys:
+            (rows, lengths), _, _ = noted[k]
+            self.agreed[k] = ((rows, lengths), factors_of([e[at : at + len(lengths)] for e in everyone], lengths, rows))
+            at += len(lengths)
+
+    def saved(self) -> dict:
+        """The agreed factors, for a checkpoint: key -> [rows, lengths, factors]."""
+        return {k: [rows, list(lengths), [float(x) for x in f.tolist()]]
+                for k, ((rows, lengths), f) in self.agreed.items()}
+
+    def load(self, saved: dict) -> None:
+        """What :meth:`saved` gave (checked by ``cfc.ddp.checkpoint``); nothing noted."""
+        import torch
+
+        self.agreed = {k: ((rows, tuple(lengths)), torch.tensor(f, dtype=torch.float32))
+                       for k, (rows, lengths, f) in saved.items()}
+        self.noted = {}
 
 
 def columns(factors: Any, lengths: Tuple[int, ...], device: Any = None) -> Any:

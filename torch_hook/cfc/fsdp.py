@@ -16,9 +16,12 @@ reduce-scatter on that stream instead, with no wait on the host.
 Per-parameter scales (``register(..., per_parameter=True)``, the default): FSDP groups
 parameters by module, so one group can hold gradients of very different sizes (an LM's output
 head with its embeddings). Before a group is quantized, each parameter's gradient is multiplied
-by a power of two that brings its RMS over the ranks near 1 (the ranks' sums of squares go
-through the engine, a few bytes per parameter, waited for on the host), so that a bound of ``rms=k`` gives every parameter a step of about ``k`` times its own
-RMS instead of a share of its group's; the result is divided back. See ``cfc._param_scales``.
+by a power of two that brings its RMS over the ranks near 1, so that a bound of ``rms=k``
+gives every parameter a step of about ``k`` times its own RMS instead of a share of its
+group's; the result is divided back. The factors a call uses were agreed from its group's sums
+of squares of the step before (the ranks' sums go through the engine in one round when a step
+ends, a few bytes per parameter; a group's first call agrees its own, waiting on the host). See
+``cfc._param_scales``.
 
 Replicas (HSDP): shard the model over one dimension of a (replicate, shard) mesh with
 ``fully_shard(model, mesh=mesh["shard"])`` and give ``register`` a second state bound to the
@@ -111,7 +114,8 @@ def register(model: Any, state: Optional[CfcState] = None, *, replicas: Optional
             reduce-scatter's output, compressed, through ``FSDPModule.set_all_reduce_hook``.
         per_parameter: with a bound that follows the data (``rms=``, ``rel=``), scale each
             parameter's gradient by a power of two that brings its RMS over the ranks into
-            [0.5, 1) before its group is quantized (agreed through the engine), so that
+            [0.5, 1) before its group is quantized (agreed through the engine from the
+            group's sums of the step before; at its first call, from its own), so that
             each parameter's step is ``rms`` times its own RMS within a factor of two rather
             than a share of its group's, which FSDP's grouping by module sets (see
             ``cfc._param_scales``). The state's ``eps`` and ``max_error`` are then in those
@@ -228,8 +232,18 @@ def _submit(state: CfcState, key: int, data: Any, out: Any, scale: Any) -> None:
     scaled = state.options.bound_kind != "eps" and _param_scales.scalable(data.dtype)
     group = state._fsdp_groups.get(key) if scaled else None
     lengths = None if group is None else _param_scales.row_lengths(group)
-    per_param = None if lengths is None else _param_scales.agree(data.view(rows, -1), lengths, engine.gather)
-    if lengths is not None and per_param is None and key not in state._unscaled:
+    norms = None if lengths is None else _param_scales.norms(data.view(rows, -1), lengths)
+    per_param = None
+    if norms is not None:
+        # The factors agreed from the group's sums of the last step, this step's noted for the
+        # next; a group's first call (or first with a new layout) agrees its own, waiting.
+        per_param = state._scales.factors(key, rows, lengths)
+        if per_param is None:
+            per_param = _param_scales.agree_norms(norms, lengths, rows, engine.gather)
+            state._scales.set(key, rows, lengths, per_param)
+        else:
+            state._scales.note(key, rows, lengths, norms)
+    if lengths is not None and norms is None and key not in state._unscaled:
         state._unscaled.add(key)
         logger.warning("cfc.fsdp: group %d's input does not match its parameters' layout (a parameter "
                        "without a gradient?); it is sent without per-parameter scales", key)
@@ -358,6 +372,7 @@ def _end_step(state: CfcState) -> None:
     state._fsdp_step_open = False
     try:
         if state._engine is not None:
+            state._scales.agree_step(state._engine.gather)  # (the next step's per-parameter scales)
             state._engine.end_step()
     finally:
         state._residuals.end_step()
@@ -376,6 +391,7 @@ def _failed(state: CfcState, e: BaseException, linked: Optional[CfcState]) -> No
     pass raises, so its step does not end: the next pass opens one again."""
     _fail(state, e, last=False)
     state._fsdp_step_open = False
+    state._scales.noted.clear()  # (this step's sums are not agreed: it does not end)
     engine = getattr(linked, "_engine", None)
     if engine is not None:
         engine.fail(f"{type(e).__name__}: {e}")

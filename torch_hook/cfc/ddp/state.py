@@ -8,7 +8,7 @@ import zlib
 from typing import Any, Dict, List, Mapping, Optional
 
 import cfc
-from cfc import _engine
+from cfc import _engine, _param_scales
 from cfc.ddp.options import Options
 from cfc.ddp.residuals import Residuals
 from cfc.ddp.checkpoint import STATE_VERSION, parse_state
@@ -118,6 +118,7 @@ class CfcState:
         # (None: not scaled), and the groups whose input did not match its layout (logged once)
         self._fsdp_groups: Dict[int, Any] = {}
         self._unscaled: set = set()
+        self._scales = _param_scales.Lagged()  # the factors each group's next call uses
         # cfc.fsdp's residuals kept in 4 bits between calls (cfc._packed_residuals), by key
         self._residual_bits = 32
         self._packed: Dict[int, Any] = {}
@@ -308,6 +309,7 @@ class CfcState:
             "residuals": self._residuals.saved(),  # per parameter ordinal
             "layouts": layouts,
             "engine": engine,
+            "scales": self._scales.saved(),  # (cfc.fsdp's per-parameter factors, by group)
             "stats": self.stats(),
         }
 
@@ -341,13 +343,15 @@ class CfcState:
         self._token_step = self.step
         self._residuals.load(loaded["residuals"], loaded["layouts"])
         self._packed = {}
+        self._scales.load(loaded["scales"])
         # (cfc.fsdp: the groups the saved trial chose plain go through torch from the next step,
         # as they did in the saved run; their residuals go out with their first plain call)
         self._plain_keys = ({b["key"] for b in loaded["engine"]["buckets"] if b["decision"] is False}
                             if self.options.fallback == "auto" else set())
         self._folded = set()
         shared = repr((sorted(loaded["layouts"].items()),
-                       [(b["key"], b["decision"]) for b in loaded["engine"]["buckets"]]))
+                       [(b["key"], b["decision"]) for b in loaded["engine"]["buckets"]],
+                       sorted(loaded["scales"].items())))
         self._token = (self.step << 32) | zlib.crc32(shared.encode())
         if self._engine is not None:
             self._engine.load_state(loaded["engine"])
