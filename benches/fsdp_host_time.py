@@ -10,7 +10,7 @@ residuals' packing and unpacking; and, outside the calls, the agreement of every
 factors when the step ends (``agree at step end``). The rest of a call is the engine's submit
 and wait and the scaling multiplications. Under torchrun, on GPUs::
 
-    torchrun --standalone --nproc_per_node=2 benches/fsdp_host_time.py --comm cfc-group,cfc,cfc-r4 \\
+    torchrun --standalone --nproc_per_node=2 benches/fsdp_host_time.py --comm cfc-group,cfc,cfc-lag,cfc-r4 \\
         --d-model 1024 --layers 8 --heads 16 --seq 256 --batch 8 --steps 25
 
 Medians over the steps after the first fifth, rank 0's.
@@ -61,7 +61,7 @@ def timed(spent: dict, label: str, f):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--comm", default="cfc-group,cfc,cfc-r4")
+    p.add_argument("--comm", default="cfc-group,cfc,cfc-lag,cfc-r4")
     p.add_argument("--steps", type=int, default=25)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=256)

@@ -33,7 +33,7 @@ the conv net whole, and on the model): ``allreduce`` is then FSDP's own float32 
 ``bf16`` its ``reduce_dtype=bfloat16``, and the ``cfc`` ways go through ``cfc.fsdp.register``
 (``warmup_steps=0``, as its default; ``cfc-group`` and ``cfc-group@X`` with one step per
 FSDP group, ``per_parameter=False``; ``cfc-r4`` and ``cfc-r4@X`` with residuals kept in 4 bits,
-``residual_bits=4``). ``--json`` keeps every curve; ``--png`` draws the mean gaps with their standard
+``residual_bits=4``; ``cfc-lag`` with scales agreed a step late, ``lagged_scales=True``). ``--json`` keeps every curve; ``--png`` draws the mean gaps with their standard
 error as bands (needs matplotlib).
 """
 
@@ -141,7 +141,7 @@ class LMTask:
 def cfc_state(hook: str, args, **extra):
     """The CfcState of a ``cfc``, ``cfc@X``, ``cfc-noef`` or ``cfc-noef@X`` way."""
     name, _, x = hook.partition("@")
-    kw = {"error_feedback": name in ("cfc", "cfc-group", "cfc-r4"), **extra}
+    kw = {"error_feedback": name in ("cfc", "cfc-group", "cfc-r4", "cfc-lag"), **extra}
     if x or args.rms is not None:
         kw["rms"] = float(x) if x else args.rms
     return cfc.CfcState(**kw)
@@ -153,8 +153,8 @@ def sharded(task, hook: str, args, dev):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     name = hook.partition("@")[0]
-    if name not in ("allreduce", "bf16", "cfc", "cfc-noef", "cfc-group", "cfc-r4"):
-        raise SystemExit(f"{hook!r} is not a way of --fsdp (allreduce, bf16, cfc, cfc@X, cfc-noef, cfc-group, cfc-r4)")
+    if name not in ("allreduce", "bf16", "cfc", "cfc-noef", "cfc-group", "cfc-r4", "cfc-lag"):
+        raise SystemExit(f"{hook!r} is not a way of --fsdp (allreduce, bf16, cfc, cfc@X, cfc-noef, cfc-group, cfc-r4, cfc-lag)")
     model = task.model().to(dev)
     policy = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16 if name == "bf16" else None)
     for layer in getattr(getattr(model, "blocks", None), "layers", []):
@@ -165,7 +165,7 @@ def sharded(task, hook: str, args, dev):
         import cfc.fsdp
 
         state = cfc.fsdp.register(model, cfc_state(hook, args, warmup_steps=0), per_parameter=name != "cfc-group",
-                                  residual_bits=4 if name == "cfc-r4" else 32)
+                                  residual_bits=4 if name == "cfc-r4" else 32, lagged_scales=name == "cfc-lag")
     return model, state
 
 

@@ -15,7 +15,7 @@ gradients at all (each rank keeps its own shard): the floor for the step time. `
 cfc with ``fallback="auto"``: each group is timed both ways over the first steps and keeps the
 faster (plain where compression does not pay, as over NVLink). ``cfc-group`` is cfc with one
 step per FSDP group (``per_parameter=False``), ``cfc-r4`` cfc with residuals kept in 4 bits
-(``residual_bits=4``).
+(``residual_bits=4``), ``cfc-lag`` cfc with scales agreed a step late (``lagged_scales=True``).
 
 Step times of ways run one after the other drift (clocks, the allocator, the link), so
 ``--rounds N`` trains every way N times, each round in a rotated order, and reports each way's
@@ -39,7 +39,7 @@ import cfc
 import cfc.fsdp
 from ddp_train import LM, batch, corpus, held_out_loss, lr_factor
 
-WAYS = ("noop", "plain", "bf16", "cfc", "cfc@X", "cfc-auto", "cfc-auto@X", "cfc-group", "cfc-group@X", "cfc-r4", "cfc-r4@X")
+WAYS = ("noop", "plain", "bf16", "cfc", "cfc@X", "cfc-auto", "cfc-auto@X", "cfc-group", "cfc-group@X", "cfc-r4", "cfc-r4@X", "cfc-lag", "cfc-lag@X")
 
 
 class NoComm(cfc.fsdp._ReduceScatter):  # type: ignore[misc,valid-type]
@@ -72,7 +72,8 @@ def build(way: str, dev: torch.device, args) -> tuple:
         bound = {} if rms is None else {"rms": rms}
         state = cfc.fsdp.register(model, cfc.CfcState(**bound, warmup_steps=0, fallback=fallback),
                                   per_parameter=not way.startswith("cfc-group"),
-                                  residual_bits=4 if way.startswith("cfc-r4") else 32)
+                                  residual_bits=4 if way.startswith("cfc-r4") else 32,
+                                  lagged_scales=way.startswith("cfc-lag"))
     return model, state
 
 
@@ -155,14 +156,15 @@ def main() -> None:
         print(f"{first['params'] / 1e6:.1f}M parameters, {dist.get_world_size()} ranks, {dev.type}, "
               f"{args.rounds} round(s), step ms: median over rounds (min-max)")
         print(f"{'way':10} {'final loss':>11} {'vs first':>9} {'held-out':>9} {'vs first':>9} {'step ms':>8} "
-              f"{'min-max':>13} {'fewer bytes':>12}")
+              f"{'min-max':>13} {'fewer bytes':>12} {'resends':>8}")
         for label in labels:
             runs = results[label]
             r, ms = runs[0], [x["step_ms"] for x in runs]
             fewer = f"{r['stats']['ratio']:.1f}x" if "stats" in r else ""
+            resends = r["stats"]["resends"] if "stats" in r else ""
             print(f"{label:10} {r['final']:11.4f} {100 * (r['final'] / first['final'] - 1):+8.2f}% "
                   f"{r['held_out']:9.4f} {100 * (r['held_out'] / first['held_out'] - 1):+8.2f}% "
-                  f"{statistics.median(ms):8.1f} {f'{min(ms):.1f}-{max(ms):.1f}':>13} {fewer:>12}")
+                  f"{statistics.median(ms):8.1f} {f'{min(ms):.1f}-{max(ms):.1f}':>13} {fewer:>12} {resends:>8}")
     dist.destroy_process_group()
 
 

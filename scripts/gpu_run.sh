@@ -19,7 +19,7 @@
 #            float32, bfloat16 reduce_dtype, cfc and cfc with fallback="auto" (FSDP_WAYS picks;
 #            FSDP_ARGS: model size, steps, --rounds; FSDP_TIMEOUT per link, default 400 s);
 #   fsdphost benches/fsdp_host_time.py over NVLink: where cfc.fsdp's calls hold the host
-#            (FSDP_HOST_WAYS, default cfc-group,cfc,cfc-r4; FSDP_HOST_ARGS: model size, steps);
+#            (FSDP_HOST_WAYS, default cfc-group,cfc,cfc-lag,cfc-r4; FSDP_HOST_ARGS: model size, steps);
 #   quality  benches/quality.py over sockets (QUALITY_ARGS: families, hooks, seeds, sizes; --fsdp
 #            for FSDP2), its table and JSON under $OUT (QUALITY_NAME names them, default quality);
 # NPROC: ranks of the torchrun and cfc-bench parts (default: every GPU, one rank each); the
@@ -106,7 +106,7 @@ for part in $PARTS; do case $part in
     done ;;
   fsdphost)
     PYTHONPATH=/tmp/site timeout 200 torchrun --standalone --nproc_per_node=$NPROC benches/fsdp_host_time.py \
-        --comm ${FSDP_HOST_WAYS:-cfc-group,cfc,cfc-r4} ${FSDP_HOST_ARGS:-} 2>&1 | grep -vE "^W[0-9]|\*\*\*|OMP_NUM" \
+        --comm ${FSDP_HOST_WAYS:-cfc-group,cfc,cfc-lag,cfc-r4} ${FSDP_HOST_ARGS:-} 2>&1 | grep -vE "^W[0-9]|\*\*\*|OMP_NUM" \
         | tail -6 | tee "$OUT/fsdp_host_$NPROC.md"
     { echo "fsdp host time, $NPROC ranks:"; cat "$OUT/fsdp_host_$NPROC.md"; } >> "$SUMMARY" ;;
   quality)

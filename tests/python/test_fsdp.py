@@ -104,12 +104,12 @@ def every_step_within_bound(rank, world, out):
     rank's decoded value within eps of its gradient plus residual, each residual within eps):
     what FSDP gets from cfc is the gradient it handed over, step after step, on the streams
     FSDP runs it on."""
-    for bound in (dict(eps=1e-4), dict(rms=0.3)):
-        _within_bound_for_ten_steps(rank, world, bound)
+    for bound, lagged in ((dict(eps=1e-4), False), (dict(rms=0.3), False), (dict(rms=0.3), True)):
+        _within_bound_for_ten_steps(rank, world, bound, lagged)
 
 
-def _within_bound_for_ten_steps(rank, world, bound):
-    model, opt, state = make(CfcState(**bound, warmup_steps=0, min_compress_numel=4000))
+def _within_bound_for_ten_steps(rank, world, bound, lagged):
+    model, opt, state = make(CfcState(**bound, warmup_steps=0, min_compress_numel=4000), lagged_scales=lagged)
     checks = []
     real = cfc.fsdp.reduce_scatter
 
@@ -192,10 +192,10 @@ def per_parameter(rank, world, out):
 
 
 def lagged_scales(rank, world, out):
-    """A group's first call agrees its per-parameter factors from its own input (waiting on the
-    host); every later call uses those agreed from the group's sums of the step before, all
-    groups' in one round of the engine at the step's end: the factors follow a gradient that
-    grows 1024x one step late, exactly."""
+    """With lagged_scales=True a group's first call agrees its per-parameter factors from its
+    own input (waiting on the host); every later call uses those agreed from the group's sums
+    of the step before, all groups' in one round of the engine at the step's end: the factors
+    follow a gradient that grows 1024x one step late, exactly."""
     n = 4096
 
     class Two(nn.Module):
@@ -217,7 +217,7 @@ def lagged_scales(rank, world, out):
 
     model = Two().to(DEV)
     fully_shard(model)
-    state = cfc.fsdp.register(model, CfcState(rms=0.05, warmup_steps=0, min_compress_numel=0))
+    state = cfc.fsdp.register(model, CfcState(rms=0.05, warmup_steps=0, min_compress_numel=0), lagged_scales=True)
     agreed_now = []
     real = _param_scales.agree_norms
     _param_scales.agree_norms = lambda *a, **k: agreed_now.append(1) or real(*a, **k)
@@ -441,7 +441,7 @@ def resume(rank, world, out):
     does one with fallback="auto" resumed after its trial, whose groups chosen plain go
     through torch's reduce-scatter at once."""
     ways = ((dict(), 2, {}), (dict(fallback="auto", trial_steps=2, min_compress_numel=0), 3, {}),
-            (dict(), 2, dict(residual_bits=4)))
+            (dict(), 2, dict(residual_bits=4)), (dict(), 2, dict(lagged_scales=True, residual_bits=4)))
     for kw, before, reg in ways:
         model, opt, state = make(CfcState(warmup_steps=0, **kw), sgd=True, **reg)
         train(model, opt, rank, before)
@@ -461,8 +461,9 @@ def resume(rank, world, out):
                 # the first step on, as in the uninterrupted run
                 chosen = {b["key"] for b in saved["engine"]["buckets"] if b["decision"] is False}
                 assert state2._plain_keys == chosen == plain_at_save, (state2._plain_keys, chosen)
-                # the per-parameter factors the next calls use, agreed before the save
-                assert saved["scales"] and state2._scales.saved() == saved["scales"], saved["scales"]
+                # lagged: the per-parameter factors the next calls use, agreed before the save
+                assert bool(saved["scales"]) == bool(reg.get("lagged_scales"))
+                assert state2._scales.saved() == saved["scales"], saved["scales"]
             got = train(model2, opt2, rank, 2, start=before)
             return got, [p.to_local() for p in model2.parameters()]
 

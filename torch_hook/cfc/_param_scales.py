@@ -13,13 +13,15 @@ power of two changes no bit of a value (barring subnormals), so the codes still 
 the bound holds for each parameter in its own units.
 
 The scales are agreed through the engine (``Engine.gather``: one float64 per parameter and
-rank, over the engine's own links). A group's first call agrees its own (:func:`agree`, which
-waits on the host for the group's input); from then on a call uses the factors agreed from its
-group's sums of the step before (:class:`Lagged`: the sums are copied to the host without a
-wait, and every group's go through the engine in one round when the step ends), so that the
-call hands its job to the engine at once, as an unscaled one does. A factor one step old still
-brings a parameter's RMS near 1 (gradients' sizes move slowly), and the bound holds in the
-scaled units whatever the factors. float16 groups are sent unscaled (see :func:`scalable`).
+rank, over the engine's own links). By default each call agrees its own (:func:`agree`, which
+waits on the host for the group's input). With ``lagged_scales=True`` a call uses the factors
+agreed from its group's sums of the step before (:class:`Lagged`: the sums are copied to the
+host without a wait, and every group's go through the engine in one round when the step ends;
+a group's first call agrees its own), so that the call hands its job to the engine at once, as
+an unscaled one does. A factor one step old brings a parameter's RMS near 1 less tightly, so
+more frames outgrow their slots and go again; the bound holds in the scaled units whatever the
+factors. float16 groups
+are sent unscaled (see :func:`scalable`).
 """
 
 from __future__ import annotations

@@ -18,10 +18,10 @@ parameters by module, so one group can hold gradients of very different sizes (a
 head with its embeddings). Before a group is quantized, each parameter's gradient is multiplied
 by a power of two that brings its RMS over the ranks near 1, so that a bound of ``rms=k``
 gives every parameter a step of about ``k`` times its own RMS instead of a share of its
-group's; the result is divided back. The factors a call uses were agreed from its group's sums
-of squares of the step before (the ranks' sums go through the engine in one round when a step
-ends, a few bytes per parameter; a group's first call agrees its own, waiting on the host). See
-``cfc._param_scales``.
+group's; the result is divided back. The ranks agree the factors through the engine (their
+sums of squares, a few bytes per parameter): by default in each call, waiting on the host for
+the group's input before the engine gets it; with ``lagged_scales=True``, from the group's sums
+of the step before, every group's in one round when a step ends. See ``cfc._param_scales``.
 
 Replicas (HSDP): shard the model over one dimension of a (replicate, shard) mesh with
 ``fully_shard(model, mesh=mesh["shard"])`` and give ``register`` a second state bound to the
@@ -97,7 +97,7 @@ class CfcReduceScatter(_ReduceScatter):  # type: ignore[misc,valid-type]
 
 
 def register(model: Any, state: Optional[CfcState] = None, *, replicas: Optional[CfcState] = None,
-             per_parameter: bool = True, residual_bits: int = 32) -> CfcState:
+             per_parameter: bool = True, residual_bits: int = 32, lagged_scales: bool = False) -> CfcState:
     """Install cfc's reduce-scatter on every ``FSDPModule`` of ``model`` (``fully_shard``
     applied first), on every rank, and return the state it runs on.
 
@@ -114,8 +114,7 @@ def register(model: Any, state: Optional[CfcState] = None, *, replicas: Optional
             reduce-scatter's output, compressed, through ``FSDPModule.set_all_reduce_hook``.
         per_parameter: with a bound that follows the data (``rms=``, ``rel=``), scale each
             parameter's gradient by a power of two that brings its RMS over the ranks into
-            [0.5, 1) before its group is quantized (agreed through the engine from the
-            group's sums of the step before; at its first call, from its own), so that
+            [0.5, 1) before its group is quantized (agreed through the engine), so that
             each parameter's step is ``rms`` times its own RMS within a factor of two rather
             than a share of its group's, which FSDP's grouping by module sets (see
             ``cfc._param_scales``). The state's ``eps`` and ``max_error`` are then in those
@@ -126,6 +125,12 @@ def register(model: Any, state: Optional[CfcState] = None, *, replicas: Optional
             number per group (half a byte per parameter; the float32 residual of one group
             lives during its call), losing at most a fourteenth of its largest value per step
             (see ``cfc._packed_residuals``).
+        lagged_scales: with ``per_parameter``, each call uses the factors agreed from its
+            group's sums of the step before (every group's in one round of the engine when a
+            step ends; a group's first call agrees its own), instead of waiting on the host for
+            its own input's sums before the engine gets the job. The factors then follow the
+            gradients a step late: on a small LM (CPU, 2 ranks) quality was alike and about 10%
+            more bytes went out (more frames outgrew their slots and were sent again).
 
     Reduce-scatters cfc does not compress go through torch's own, uncompressed, after a log
     line: groups of a dtype other than float32, bfloat16 and float16, and the pre-multiplied
@@ -166,6 +171,7 @@ def register(model: Any, state: Optional[CfcState] = None, *, replicas: Optional
         if s is not None:
             s._residuals.keep_unseen = True  # one group per step: every residual lives on
             s._residual_bits = residual_bits
+            s._lagged_scales = lagged_scales
             s._residuals.held_elsewhere = functools.partial(_saved_packed, s)
     for key, m in enumerate(modules):
         m.set_custom_reduce_scatter(CfcReduceScatter(state, key))
@@ -235,12 +241,14 @@ def _submit(state: CfcState, key: int, data: Any, out: Any, scale: Any) -> None:
     norms = None if lengths is None else _param_scales.norms(data.view(rows, -1), lengths)
     per_param = None
     if norms is not None:
-        # The factors agreed from the group's sums of the last step, this step's noted for the
-        # next; a group's first call (or first with a new layout) agrees its own, waiting.
-        per_param = state._scales.factors(key, rows, lengths)
+        # Lagged: the factors agreed from the group's sums of the last step, this step's noted
+        # for the next. Otherwise (and at a lagged group's first call, or first with a new
+        # layout) the group's own, agreed now, waiting on the host for its input.
+        per_param = state._scales.factors(key, rows, lengths) if state._lagged_scales else None
         if per_param is None:
             per_param = _param_scales.agree_norms(norms, lengths, rows, engine.gather)
-            state._scales.set(key, rows, lengths, per_param)
+            if state._lagged_scales:
+                state._scales.set(key, rows, lengths, per_param)
         else:
             state._scales.note(key, rows, lengths, norms)
     if lengths is not None and norms is None and key not in state._unscaled:

@@ -118,7 +118,8 @@ class CfcState:
         # (None: not scaled), and the groups whose input did not match its layout (logged once)
         self._fsdp_groups: Dict[int, Any] = {}
         self._unscaled: set = set()
-        self._scales = _param_scales.Lagged()  # the factors each group's next call uses
+        self._lagged_scales = False
+        self._scales = _param_scales.Lagged()  # with _lagged_scales: each group's next factors
         # cfc.fsdp's residuals kept in 4 bits between calls (cfc._packed_residuals), by key
         self._residual_bits = 32
         self._packed: Dict[int, Any] = {}
