@@ -20,8 +20,7 @@ host without a wait, and every group's go through the engine in one round when t
 a group's first call agrees its own), so that the call hands its job to the engine at once, as
 an unscaled one does. A factor one step old brings a parameter's RMS near 1 less tightly, so
 more frames outgrow their slots and go again; the bound holds in the scaled units whatever the
-factors. float16 groups
-are sent unscaled (see :func:`scalable`).
+factors. float16 groups are sent unscaled (see :func:`scalable`).
 """
 
 from __future__ import annotations
