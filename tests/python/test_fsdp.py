@@ -151,22 +151,30 @@ def gather_over(group):
     return gather
 
 
+class Two(nn.Module):
+    """One FSDP group of two parameters whose gradients are this rank's ``a`` and ``b``
+    (:meth:`inputs`: ``b`` 1000x smaller than ``a``)."""
+
+    N = 4096
+
+    def __init__(self):
+        super().__init__()
+        self.big, self.small = nn.Parameter(torch.zeros(self.N)), nn.Parameter(torch.zeros(self.N))
+
+    def forward(self, a, b):
+        return (self.big * a).sum() + (self.small * b).sum()
+
+    @classmethod
+    def inputs(cls, rank):
+        g = torch.Generator().manual_seed(rank)
+        return torch.randn(cls.N, generator=g).to(DEV), (1e-3 * torch.randn(cls.N, generator=g)).to(DEV)
+
+
 def per_parameter(rank, world, out):
     """One group whose two parameters' gradients differ 1000x in size: with per-parameter
     scales (the default) the small one comes back within a few percent of its own RMS; one
     step for the whole group (``per_parameter=False``) rounds it to nothing."""
-    n = 4096
-
-    class Two(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.big, self.small = nn.Parameter(torch.zeros(n)), nn.Parameter(torch.zeros(n))
-
-        def forward(self, a, b):
-            return (self.big * a).sum() + (self.small * b).sum()
-
-    g = torch.Generator().manual_seed(rank)
-    a, b = torch.randn(n, generator=g).to(DEV), (1e-3 * torch.randn(n, generator=g)).to(DEV)
+    a, b = Two.inputs(rank)
     for dtype in (torch.float32, torch.bfloat16):  # (bfloat16: FSDP reduces in the gradients' dtype)
         x, y = a.to(dtype), b.to(dtype)
         exact = torch.stack([x, y]).float()
@@ -196,18 +204,8 @@ def lagged_scales(rank, world, out):
     own input (waiting on the host); every later call uses those agreed from the group's sums
     of the step before, all groups' in one round of the engine at the step's end: the factors
     follow a gradient that grows 1024x one step late, exactly."""
-    n = 4096
-
-    class Two(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.big, self.small = nn.Parameter(torch.zeros(n)), nn.Parameter(torch.zeros(n))
-
-        def forward(self, a, b):
-            return (self.big * a).sum() + (self.small * b).sum()
-
-    g = torch.Generator().manual_seed(rank)
-    a, b = torch.randn(n, generator=g).to(DEV), (1e-3 * torch.randn(n, generator=g)).to(DEV)
+    n = Two.N
+    a, b = Two.inputs(rank)
 
     def expected(x):  # the power of two that brings x's RMS over every rank into [0.5, 1)
         sq = x.double().square().sum()

@@ -78,13 +78,13 @@ def test_a_zero_residual_packs_to_zero():
 
 
 def test_a_packed_residual_comes_back_in_the_units_of_the_call_that_reads_it():
-    from cfc.fsdp import _in_own_units, _unpacked
+    from cfc.fsdp import _unpacked
 
     lengths = (3, 5)
     own = torch.randn(2, 8, generator=torch.Generator().manual_seed(1))
     before = torch.tensor([4.0, 0.5])  # the factors of the call that packed it
     p = _packed_residuals.pack((own * _param_scales.columns(before, lengths)).view(-1), before, 2, lengths)
-    back = _in_own_units(p).view(2, 8)
+    back = _unpacked(p).view(2, 8)  # (in its own units)
     assert (back - own).abs().max() <= (own * _param_scales.columns(before, lengths)).abs().max() / 14 / 0.5
     for now in (torch.tensor([4.0, 0.5]), torch.tensor([1.0, 2.0]), None):
         cols = torch.ones(8) if now is None else _param_scales.columns(now, lengths)

@@ -291,7 +291,7 @@ def _submit(state: CfcState, key: int, data: Any, out: Any, scale: Any) -> None:
     finally:
         state._let_go()
     # (after a wait that returned: the engine has finished with them)
-    inverse = None if per_param is None else _param_scales.columns(per_param.reciprocal(), lengths, data.device)
+    inverse = None if factors is None else factors.reciprocal()  # (exact: powers of two)
     if inverse is not None:
         (data if out is None else out).view(1, -1).mul_(inverse)
     if r is not None and state._residual_bits == 4:
@@ -315,7 +315,7 @@ def _direct(state: CfcState, key: int, out: Any, inp: Any, op: Any) -> None:
     in_backward = _open_step(state)
     packed = state._packed.pop(key, None)
     if packed is not None:
-        inp.view(-1).add_(_in_own_units(packed).to(inp.dtype))
+        inp.view(-1).add_(_unpacked(packed).to(inp.dtype))
     held = state._residuals.by_bucket.get(key)
     if held is not None and key not in state._folded:
         inp.view(-1).add_(held[1].view(-1).to(inp.dtype))
@@ -347,15 +347,10 @@ def _unpacked(packed: Any, per_param: Any = None, rows: int = 1, lengths: Any = 
     return r
 
 
-def _in_own_units(packed: Any) -> Any:
-    """A packed residual as float32, in its parameters' own units."""
-    return _unpacked(packed)
-
-
 def _saved_packed(state: CfcState) -> dict:
     """The packed residuals as a checkpoint keeps every residual: float32 on the CPU, in
     their own units, by key."""
-    return {key: _in_own_units(p).cpu() for key, p in state._packed.items()}
+    return {key: _unpacked(p).cpu() for key, p in state._packed.items()}
 
 
 def _open_step(state: CfcState) -> bool:
