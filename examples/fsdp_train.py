@@ -156,15 +156,18 @@ def main() -> None:
         print(f"{first['params'] / 1e6:.1f}M parameters, {dist.get_world_size()} ranks, {dev.type}, "
               f"{args.rounds} round(s), step ms: median over rounds (min-max)")
         print(f"{'way':10} {'final loss':>11} {'vs first':>9} {'held-out':>9} {'vs first':>9} {'step ms':>8} "
-              f"{'min-max':>13} {'fewer bytes':>12} {'resends':>8}")
+              f"{'min-max':>13} {'fewer bytes':>12} {'resends':>8} {'compressed':>11}")
         for label in labels:
             runs = results[label]
             r, ms = runs[0], [x["step_ms"] for x in runs]
             fewer = f"{r['stats']['ratio']:.1f}x" if "stats" in r else ""
             resends = r["stats"]["resends"] if "stats" in r else ""
+            # (the share of cfc's reduce-scatter calls that went compressed)
+            calls = r["stats"]["compressed_buckets"] + r["stats"]["plain_buckets"] if "stats" in r else 0
+            compressed = f"{100 * r['stats']['compressed_buckets'] / calls:.0f}%" if calls else ""
             print(f"{label:10} {r['final']:11.4f} {100 * (r['final'] / first['final'] - 1):+8.2f}% "
                   f"{r['held_out']:9.4f} {100 * (r['held_out'] / first['held_out'] - 1):+8.2f}% "
-                  f"{statistics.median(ms):8.1f} {f'{min(ms):.1f}-{max(ms):.1f}':>13} {fewer:>12} {resends:>8}")
+                  f"{statistics.median(ms):8.1f} {f'{min(ms):.1f}-{max(ms):.1f}':>13} {fewer:>12} {resends:>8} {compressed:>11}")
     dist.destroy_process_group()
 
 

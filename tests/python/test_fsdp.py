@@ -352,14 +352,16 @@ def fallback(rank, world, out):
     keeps the way every rank's timings chose alike. fallback="always" never compresses."""
     model, opt, state = make(CfcState(warmup_steps=1, fallback="auto", trial_steps=2, min_compress_numel=0))
     per_step = []
-    for step in range(5):
+    for step in range(4):
         before = state.stats()
         train(model, opt, rank, 1, start=step)
         after = state.stats()
         per_step.append(tuple(after[k] - before[k] for k in ("plain_buckets", "compressed_buckets")))
+        if step == 2:
+            saved = state.state_dict()  # (after the trial's steps, before its choice: see below)
     assert per_step[0] == (3, 0), per_step
     assert per_step[1][0] + per_step[2][0] == 3 and per_step[1][1] + per_step[2][1] == 3, per_step
-    assert state.stats()["step"] == 5
+    assert state.stats()["step"] == 4
     decisions = [(b["key"], b["decision"]) for b in state.state_dict()["engine"]["buckets"]]
     assert len(decisions) == 3 and all(d is not None for _, d in decisions), decisions
     everyone = [None] * world
@@ -368,12 +370,42 @@ def fallback(rank, world, out):
     # The groups the trial chose plain go through torch's reduce-scatter, not the engine.
     plain = {k for k, d in decisions if d is False}
     assert state._plain_keys == plain, (state._plain_keys, decisions)
+    # Then the check (see below); once its verdict keeps the trial's ways (here a clock that
+    # finds compressed steps fast), the groups the trial chose plain go through torch.
+    state._step_check.clock = lambda: state.stats()["plain_buckets"]
+    train(model, opt, rank, 2, start=4)
     before, engine_before = state.stats(), state._engine.stats()
-    train(model, opt, rank, 1, start=5)
+    train(model, opt, rank, 1, start=6)
     after, engine_after = state.stats(), state._engine.stats()
     assert engine_after["plain_buckets"] == engine_before["plain_buckets"], (engine_before, engine_after)
     assert after["plain_buckets"] - before["plain_buckets"] == len(plain), (before, after, plain)
     assert after["compressed_buckets"] - before["compressed_buckets"] == 3 - len(plain), (before, after)
+    # The check after the trial (in steps 4-5; then every group plain unless the trial's ways
+    # were faster), with the trial's choice made "compress every group" through the checkpoint
+    # of step 3, and step times from a clock that counts the step's groups: every way the same
+    # on every rank, whichever rank's steps were slower.
+    state.close()
+    for e in saved["engine"]["buckets"]:
+        e["decision"] = True
+    for costs, keeps in (({0: (1, 0), 1: (1, 0)}, True), ({0: (1, 0), 1: (1, 10)}, False),
+                         ({0: (1, 10), 1: (1, 10)}, False)):
+        model, opt, state = make(CfcState(warmup_steps=1, fallback="auto", trial_steps=2, min_compress_numel=0))
+        state.load_state_dict(saved)
+        plain_cost, compressed_cost = costs[rank % 2]
+        state._step_check.clock = lambda: (plain_cost * state.stats()["plain_buckets"]
+                                           + compressed_cost * state.stats()["compressed_buckets"])
+        per_step = []
+        for step in range(3, 8):
+            before = state.stats()
+            train(model, opt, rank, 1, start=step)
+            after = state.stats()
+            per_step.append(tuple(after[k] - before[k] for k in ("plain_buckets", "compressed_buckets")))
+        after_check = (0, 3) if keeps else (3, 0)
+        assert per_step == [(0, 3), (3, 0), (0, 3), after_check, after_check], (costs, per_step)
+        assert state.state_dict()["step_check"]["verdict"] is keeps
+        if not keeps:
+            assert state._engine.stats()["compressed_buckets"] == 6  # (steps 3 and 5 only)
+        state.close()
     # fallback="always" is FSDP's own reduce-scatter, bit for bit, without the engine's thread.
     model, opt, state = make(CfcState(warmup_steps=0, fallback="always", min_compress_numel=0), sgd=True)
     reference, ropt, _ = make(register=False, sgd=True)
@@ -462,6 +494,10 @@ def resume(rank, world, out):
                 # lagged: the per-parameter factors the next calls use, agreed before the save
                 assert bool(saved["scales"]) == bool(reg.get("lagged_scales"))
                 assert state2._scales.saved() == saved["scales"], saved["scales"]
+                # fallback="auto": the check over whole steps goes on where it was
+                assert ("step_check" in saved) == (kw.get("fallback") == "auto")
+                if "step_check" in saved:
+                    assert state2._step_check.saved() == saved["step_check"]
             got = train(model2, opt2, rank, 2, start=before)
             return got, [p.to_local() for p in model2.parameters()]
 

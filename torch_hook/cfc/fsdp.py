@@ -11,7 +11,9 @@ The call returns once its result is queued on the current stream (FSDP's reduce-
 stream), as FSDP requires: unlike the DDP hook, each compressed group's exchange is waited for
 on the host before the next group's backward is queued. A group sent plainly (every group with
 ``fallback="always"``; with ``"auto"``, those whose trial chose plain) goes through torch's own
-reduce-scatter on that stream instead, with no wait on the host.
+reduce-scatter on that stream instead, with no wait on the host. Because of that wait, the
+trial's per-group choice is then checked over whole steps (:mod:`cfc._step_check`): every group
+goes plain unless the trial's ways make the step faster.
 
 Per-parameter scales (``register(..., per_parameter=True)``, the default): FSDP groups
 parameters by module, so one group can hold gradients of very different sizes (an LM's output
@@ -51,7 +53,7 @@ import functools
 import logging
 from typing import Any, List, Optional
 
-from cfc import _engine, _packed_residuals, _param_scales
+from cfc import _engine, _packed_residuals, _param_scales, _step_check
 from cfc.ddp.hook import _compressible, _fail
 from cfc.ddp.residuals import fingerprint
 from cfc.ddp.state import CfcState
@@ -107,8 +109,10 @@ def register(model: Any, state: Optional[CfcState] = None, *, replicas: Optional
             ``CfcState(warmup_steps=0)``, a bound of 0.05 x each group's RMS. A *step* is a
             backward pass that reduce-scatters (``warmup_steps`` and ``trial_steps`` count
             those; with ``fallback="auto"`` each group keeps the faster way, plain or
-            compressed, as its trial found). Its process group, when not given, is FSDP's
-            shard group.
+            compressed, as its trial found, and then ``trial_steps`` more steps time the whole
+            step with those ways and with every group plain, alternately: every group goes
+            plain from then on unless the trial's ways were faster on the slowest rank). Its
+            process group, when not given, is FSDP's shard group.
         replicas: for replicas of the sharded model (see the module docs), a second state,
             whose process group is the replicate group: the average over the replicas of each
             reduce-scatter's output, compressed, through ``FSDPModule.set_all_reduce_hook``.
@@ -181,6 +185,8 @@ def register(model: Any, state: Optional[CfcState] = None, *, replicas: Optional
             m.set_all_reduce_hook(functools.partial(average_replicas, replicas, key, state))
             replicas._fsdp_groups[key] = state._fsdp_groups[key]
     state._fsdp_replicas = replicas  # told of this state's failures (see reduce_scatter)
+    if state.options.fallback == "auto":
+        state._step_check = _step_check.StepCheck(state.options.trial_steps)
     return state
 
 
@@ -383,9 +389,25 @@ def _end_step(state: CfcState) -> None:
     if state.options.fallback == "auto" and state._engine is not None:
         # The groups the trial chose plain, alike on every rank (decided from every rank's
         # times), read once per step: the next step sends them without the engine.
-        state._plain_keys = {b["key"] for b in state._engine.state()["buckets"] if b["decision"] is False}
+        engine = state._engine.state()
+        decisions = [b["decision"] for b in engine["buckets"]]
+        state._plain_keys = {b["key"] for b in engine["buckets"] if b["decision"] is False}
+        if state._step_check is not None:
+            # (the trial's choice is made at the first job of the step after it: the check
+            # starts from the step after that one)
+            ahead = engine["step"] - engine["origin"] - state.options.warmup_steps - state.options.trial_steps - 1
+            state._step_check.step_ended(ahead, engine["origin"], True in decisions,
+                                         functools.partial(_synchronize, state._device), state._engine.gather)
     if state.options.log_every and state.step % state.options.log_every == 0:
         logger.info("cfc.fsdp step %d: %s", state.step, state.stats())
+
+
+def _synchronize(device: Any) -> None:
+    """Waits for everything queued on ``device`` (a CUDA device; nothing to wait for on the CPU)."""
+    import torch
+
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _failed(state: CfcState, e: BaseException, linked: Optional[CfcState]) -> None:
@@ -423,7 +445,8 @@ def reduce_scatter(state: CfcState, key: int, out: Any, inp: Any, group: Any, op
                    lambda: _torch_reduce_scatter(out, inp, op, state.process_group))
             return
         state._engine_for(inp.device)  # (opened, and the ranks' options agreed, in any case)
-        if state.options.fallback == "always" or key in state._plain_keys:
+        check = state._step_check
+        if state.options.fallback == "always" or key in state._plain_keys or (check is not None and check.all_plain):
             _direct(state, key, out, inp, op)
             return
         state._folded.discard(key)

@@ -105,9 +105,11 @@ def parse_state(sd: Mapping, options: Options, rank: int, world: int) -> Dict[st
     step = _count(sd.get("step"), "step")
     engine = _engine_state(_mapping(sd, "engine"))
     scales = _scales(_mapping(sd, "scales")) if "scales" in sd else {}
+    step_check = _step_check(_mapping(sd, "step_check")) if "step_check" in sd else None
     if not math.isfinite(float(step)):  # pragma: no cover - an int
         raise ValueError("not a cfc_hook state")
-    return {"step": step, "residuals": residuals, "layouts": layouts, "engine": engine, "scales": scales}
+    return {"step": step, "residuals": residuals, "layouts": layouts, "engine": engine, "scales": scales,
+            "step_check": step_check}
 
 
 def _scales(saved: Mapping) -> Dict[int, Any]:
@@ -127,3 +129,20 @@ def _scales(saved: Mapping) -> Dict[int, Any]:
             raise ValueError(f"not a cfc_hook state: group {k}'s factors are not a power of two per parameter")
         out[k] = [rows, lengths, factors]
     return out
+
+
+def _step_check(saved: Mapping) -> Dict[str, Any]:
+    """cfc.fsdp's check of ``fallback="auto"`` over whole steps (``cfc._step_check.StepCheck.saved``),
+    checked: the trial's origin it follows, its step times of each way, its verdict."""
+    origin = saved.get("origin")
+    origin = None if origin is None else _count(origin, "the step check's origin")
+    times = _sequence(saved.get("times"), "the step check's times")
+    if len(times) != 2:
+        raise ValueError("not a cfc_hook state: the step check's times are not [plain, the trial's ways]")
+    times = [[_number(t, "a step time") for t in _sequence(way, "step times")] for way in times]
+    if any(not (t >= 0 and math.isfinite(t)) for way in times for t in way):
+        raise ValueError("not a cfc_hook state: a step time of the step check is not a finite number >= 0")
+    verdict = saved.get("verdict")
+    if verdict is not None and not isinstance(verdict, bool):
+        raise ValueError(f"not a cfc_hook state: the step check's verdict is {verdict!r}")
+    return {"origin": origin, "times": times, "verdict": verdict}

@@ -124,6 +124,8 @@ class CfcState:
         self._residual_bits = 32
         self._packed: Dict[int, Any] = {}
         self._direct = {"plain_buckets": 0, "bytes_sent": 0}
+        # cfc.fsdp's check of fallback="auto" over whole steps (cfc._step_check; None elsewhere)
+        self._step_check: Any = None
         self._base: Dict[str, float] = {}  # what reset_stats() subtracts
         self._closed = False
         self._model: Any = None  # a weak reference to the DDP model register_comm_hook gave it to
@@ -311,6 +313,7 @@ class CfcState:
             "layouts": layouts,
             "engine": engine,
             "scales": self._scales.saved(),  # (cfc.fsdp's per-parameter factors, by group)
+            **({} if self._step_check is None else {"step_check": self._step_check.saved()}),
             "stats": self.stats(),
         }
 
@@ -350,9 +353,13 @@ class CfcState:
         self._plain_keys = ({b["key"] for b in loaded["engine"]["buckets"] if b["decision"] is False}
                             if self.options.fallback == "auto" else set())
         self._folded = set()
+        if self._step_check is not None:
+            e, o = loaded["engine"], self.options
+            self._step_check.load(loaded["step_check"], e["step"] - e["origin"] - o.warmup_steps - o.trial_steps - 1)
         shared = repr((sorted(loaded["layouts"].items()),
                        [(b["key"], b["decision"]) for b in loaded["engine"]["buckets"]],
-                       sorted(loaded["scales"].items())))
+                       sorted(loaded["scales"].items()),
+                       None if loaded["step_check"] is None else loaded["step_check"]["verdict"]))
         self._token = (self.step << 32) | zlib.crc32(shared.encode())
         if self._engine is not None:
             self._engine.load_state(loaded["engine"])
