@@ -107,7 +107,7 @@ fn options(
 }
 
 /// One rank's engine: see `cfc::engine`. Made on every rank of a group together.
-#[pyclass(module = "cfc._native")]
+#[pyclass(module = "cfc._native", weakref)]
 pub struct Engine {
     inner: Mutex<Option<Arc<CoreEngine>>>,
     world: usize,
@@ -464,11 +464,33 @@ impl Engine {
             None => Ok(()),
         }
     }
+
+    /// Stops the engine without waiting for it, as letting go of it does: its thread ends on
+    /// its own, and `settle_dropped_engines` waits for that (for a process about to exit).
+    /// Later calls raise, as after `close`.
+    fn stop(&self) {
+        drop(self.inner.lock().unwrap_or_else(|e| e.into_inner()).take());
+    }
+}
+
+/// Waits at most `seconds` for the threads of engines stopped or let go of without `close` to
+/// end (for a process about to exit: one that exits while such a thread still finalizes NCCL
+/// or frees device memory can crash); returns how many still run.
+#[pyfunction]
+fn settle_dropped_engines(py: Python<'_>, seconds: f64) -> PyResult<usize> {
+    if !(seconds.is_finite() && seconds >= 0.0) {
+        return Err(PyValueError::new_err(format!(
+            "seconds must be a finite number >= 0, got {seconds}"
+        )));
+    }
+    let limit = std::time::Duration::from_secs_f64(seconds.min(86_400.0));
+    Ok(py.detach(|| cfc::engine::settle_dropped(limit)))
 }
 
 /// Adds the engine's classes to the module.
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Listener>()?;
     m.add_class::<Engine>()?;
+    m.add_function(wrap_pyfunction!(settle_dropped_engines, m)?)?;
     Ok(())
 }

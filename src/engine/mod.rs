@@ -742,16 +742,48 @@ impl Engine {
 
 impl Drop for Engine {
     fn drop(&mut self) {
-        // Never waits: a process that exits without closing its engines exits at once.
-        if self
-            .thread
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take()
-            .is_some()
-        {
+        // Never waits: the thread stops on its own, and is kept in DROPPED so that a process
+        // about to exit can wait for it (settle_dropped).
+        let handle = self.thread.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(handle) = handle {
             let _ = self.tx.send(Msg::Stop);
+            let mut dropped = DROPPED.lock().unwrap_or_else(|e| e.into_inner());
+            join_finished(&mut dropped);
+            dropped.push(handle);
         }
+    }
+}
+
+/// The threads of engines dropped without [`Engine::close`]. Each ends on its own once it has
+/// finalized its NCCL communicator and freed its memory; a process that exits while one is
+/// still at it unloads CUDA and NCCL under it (4 ranks on GPUs that dropped their engines
+/// without closing them crashed at exit; closed, they did not). [`settle_dropped`] waits for
+/// them.
+static DROPPED: Mutex<Vec<std::thread::JoinHandle<()>>> = Mutex::new(Vec::new());
+
+/// Joins the threads of `handles` that have ended, and keeps the others.
+fn join_finished(handles: &mut Vec<std::thread::JoinHandle<()>>) {
+    let (done, running): (Vec<_>, Vec<_>) = handles.drain(..).partition(|h| h.is_finished());
+    *handles = running;
+    for h in done {
+        let _ = h.join();
+    }
+}
+
+/// Waits at most `limit` for the threads of engines dropped without [`Engine::close`] to end
+/// (for a process about to exit); returns how many still run.
+pub fn settle_dropped(limit: Duration) -> usize {
+    let t0 = Instant::now();
+    loop {
+        let left = {
+            let mut dropped = DROPPED.lock().unwrap_or_else(|e| e.into_inner());
+            join_finished(&mut dropped);
+            dropped.len()
+        };
+        if left == 0 || t0.elapsed() >= limit {
+            return left;
+        }
+        std::thread::sleep(Duration::from_millis(1));
     }
 }
 

@@ -165,6 +165,28 @@ def _worker(rank, world, init_file, scenario, device, algorithm=None):
                 reducer(x)
             reducer.close()
             assert state.stats()["compressed_buckets"] == 4
+        elif scenario == "let_go":
+            # Engines let go of without close() stop on their own; at exit (cfc._engine's exit
+            # handler, called here) the process waits for their threads, and stops an engine
+            # still open, so that none still frees its resources while the process exits.
+            for call in range(3):
+                other = cfc.distributed.AllReducer(State(eps=EPS, warmup_steps=0, min_compress_numel=0))
+                other(data(rank, call, 10000).to(dev)).wait()
+                del other
+            import gc
+
+            gc.collect()
+            reducer(data(rank, 0, 10000).to(dev)).wait()
+            engine = state._engine
+            assert engine in cfc._engine._live
+            t0 = time.monotonic()
+            cfc._engine._settle_at_exit()
+            assert time.monotonic() - t0 < cfc._engine.EXIT_WAIT_SECONDS
+            assert cfc._native.settle_dropped_engines(0.0) == 0
+            with pytest.raises(cfc.CfcError, match="closed"):
+                engine.wait(0)
+            with pytest.raises(ValueError, match="seconds"):
+                cfc._native.settle_dropped_engines(-1.0)
         elif scenario == "auto":
             # fallback="auto": the first 2 calls time each chunk both ways, then every rank
             # takes the same choice; a new size runs its own trial
@@ -232,7 +254,7 @@ GPU_RUNS = DEVICES[1:]
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("scenario", ["average", "feedback", "resize", "mismatch", "auto", "rms"])
+@pytest.mark.parametrize("scenario", ["average", "feedback", "resize", "mismatch", "auto", "rms", "let_go"])
 def test_all_reducer(tmp_path, scenario, device):
     enough_gpus(device)
     spawn(tmp_path, scenario, device)

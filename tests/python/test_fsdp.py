@@ -469,7 +469,9 @@ def resume(rank, world, out):
     """A run resumed after step 2 from this rank's model shards and cfc state (SGD: no optimizer
     state) computes the bits of the uninterrupted one; without the cfc state it does not. So
     does one with fallback="auto" resumed after its trial, whose groups chosen plain go
-    through torch's reduce-scatter at once."""
+    through torch's reduce-scatter at once. (Its states are let go of without close(), as users
+    may: with 4 GPUs, processes that did so crashed at exit, which cfc._engine._settle_at_exit
+    is for.)"""
     ways = ((dict(), 2, {}), (dict(fallback="auto", trial_steps=2, min_compress_numel=0), 3, {}),
             (dict(), 2, dict(residual_bits=4)), (dict(), 2, dict(lagged_scales=True, residual_bits=4)))
     for kw, before, reg in ways:

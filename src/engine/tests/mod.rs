@@ -596,4 +596,36 @@ fn processes_linked_over_tcp_run_the_same_exchange() {
     }
 }
 
+/// An engine dropped without `close` does not wait for its thread, which stops on its own and
+/// is joined by `settle_dropped` (what a process about to exit calls).
+#[test]
+fn a_dropped_engine_stops_its_thread_and_settle_dropped_joins_it() {
+    let o = options(BoundRule::Abs(1e-4));
+    let engines = Engine::local_group(2, o).unwrap();
+    let ids: Vec<_> = engines
+        .iter()
+        .map(|e| {
+            let held = e.thread.lock().unwrap();
+            held.as_ref().map(|h| h.thread().id()).unwrap()
+        })
+        .collect();
+    let t0 = std::time::Instant::now();
+    drop(engines);
+    assert!(t0.elapsed() < Duration::from_secs(1), "a drop waited");
+    let running = |ids: &[std::thread::ThreadId]| {
+        DROPPED
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|h| ids.contains(&h.thread().id()))
+            .count()
+    };
+    // (other tests drop engines at the same time: only these two are looked for)
+    let t0 = std::time::Instant::now();
+    while running(&ids) > 0 && t0.elapsed() < Duration::from_secs(30) {
+        settle_dropped(Duration::from_millis(100));
+    }
+    assert_eq!(running(&ids), 0, "the threads of dropped engines still run");
+}
+
 mod failures;

@@ -70,7 +70,8 @@ class CfcState:
     (it binds to it at the first bucket). Make one on every rank, and one per DDP model.
 
     :meth:`close` lets go of the engine (its thread, links and NCCL communicator); a process
-    that never calls it still exits at once.
+    that never calls it stops the engine when it exits, waiting a few seconds at most for its
+    thread (``cfc._engine._settle_at_exit``).
     """
 
     def __init__(
@@ -234,7 +235,7 @@ class CfcState:
     def close(self) -> None:
         """Let go of the engine (its thread, links and NCCL communicator), once the work
         submitted is done. Call it on every rank when training with the hook is over; a process
-        that does not still exits at once. Afterwards the hook refuses buckets (``backward()``
+        that does not stops the engine when it exits. Afterwards the hook refuses buckets (``backward()``
         raises a ``RuntimeError`` naming ``cfc.CfcError``); ``stats()`` and ``state_dict()`` still
         work. Calling it again does nothing."""
         if self._closed:
