@@ -94,7 +94,7 @@ impl Links for LocalLinks {
         let t0 = Instant::now();
         loop {
             if self.gone[peer] {
-                return Err(Error::Transport(format!("rank {peer} closed its engine")));
+                return Err(super::closed(&self.control, peer));
             }
             // What arrived before a failure was raised is still taken: the peer's step went
             // through, and the failure belongs to a later one.

@@ -117,3 +117,13 @@ pub trait Links: Send {
 
 /// How long a blocked receive sleeps before it looks at the failure board again.
 pub(crate) const BOARD_POLL: std::time::Duration = std::time::Duration::from_millis(5);
+
+/// The error of a receive from `peer` after its goodbye: the failure on the board if there is
+/// one (a peer closes its engine mid-exchange after a failure, which it told), else that the
+/// peer closed its engine.
+pub(crate) fn closed(control: &Control, peer: usize) -> crate::error::Error {
+    match control.failure() {
+        Some(f) => f.error(),
+        None => crate::error::Error::Transport(format!("rank {peer} closed its engine")),
+    }
+}

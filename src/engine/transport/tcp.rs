@@ -15,7 +15,7 @@
 //! to reach `MASTER_ADDR`, the addresses its name resolves to, and the loopback address, tried
 //! in that order by the peers.
 
-use super::{Links, BOARD_POLL};
+use super::{closed, Links, BOARD_POLL};
 use crate::engine::control::{Control, Failure, Tell};
 use crate::error::{Error, Result};
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
@@ -161,6 +161,16 @@ fn failure_payload(f: &Failure) -> Vec<u8> {
     p.extend_from_slice(&f.at.to_le_bytes());
     p.extend_from_slice(f.reason.as_bytes());
     p
+}
+
+/// The failure of a `failure_payload` (at least 16 bytes), from `peer`.
+fn parse_failure(payload: &[u8], peer: usize) -> Failure {
+    let word = |i: usize| u64::from_le_bytes(payload[i..i + 8].try_into().unwrap_or([0; 8]));
+    Failure {
+        rank: usize::try_from(word(0)).unwrap_or(peer),
+        reason: String::from_utf8_lossy(&payload[16..]).into_owned(),
+        at: word(8),
+    }
 }
 
 fn handshake_bytes(token: u64, rank: usize) -> [u8; 16] {
@@ -386,17 +396,16 @@ impl ReaderContext {
                     }
                 }
                 KIND_FAILURE if payload.len() >= 16 => {
-                    let word = |i: usize| {
-                        u64::from_le_bytes(payload[i..i + 8].try_into().unwrap_or([0; 8]))
-                    };
-                    let f = Failure {
-                        rank: usize::try_from(word(0)).unwrap_or(self.peer),
-                        reason: String::from_utf8_lossy(&payload[16..]).into_owned(),
-                        at: word(8),
-                    };
-                    self.raise(f);
+                    self.raise(parse_failure(&payload, self.peer));
                 }
                 KIND_BYE => {
+                    // A goodbye carries the failure the peer knew of, if any: raised here
+                    // before the goodbye is seen, so that a rank waiting on this peer reports
+                    // that failure (named by the rank where it began) and not the goodbye,
+                    // whichever link brought the failure first.
+                    if payload.len() >= 16 {
+                        self.raise(parse_failure(&payload, self.peer));
+                    }
                     let _ = tx.send(Message::Bye);
                     return;
                 }
@@ -461,7 +470,7 @@ impl Links for TcpLinks {
         let t0 = Instant::now();
         loop {
             if self.gone[peer] {
-                return Err(Error::Transport(format!("rank {peer} closed its engine")));
+                return Err(closed(&self.control, peer));
             }
             // What arrived before a failure was raised is still taken (see `LocalLinks::recv`).
             match rx.recv_timeout(BOARD_POLL) {
@@ -492,8 +501,14 @@ impl Links for TcpLinks {
         if self.closing.swap(true, Ordering::SeqCst) {
             return;
         }
+        // (with the failure this rank knows of: see the reader's KIND_BYE)
+        let bye = self
+            .control
+            .failure()
+            .map(|f| failure_payload(&f))
+            .unwrap_or_default();
         for p in self.peers.iter().flatten() {
-            let _ = p.write(KIND_BYE, &[]);
+            let _ = p.write(KIND_BYE, &bye);
         }
         for p in self.peers.iter().flatten() {
             let w = p.writer.lock().unwrap_or_else(|e| e.into_inner());
@@ -597,5 +612,33 @@ mod tests {
         assert_eq!(links[0].control().failure().map(|f| f.rank), Some(1));
         let err = links[0].recv(1).unwrap_err();
         assert!(matches!(err, Error::PeerFailed { rank: 1, .. }), "{err}");
+    }
+
+    /// A peer that closes its engine after a failure it knows of (raised by a third rank, whose
+    /// own message may come later) says so in its goodbye: a rank waiting on it reports that
+    /// failure, named by the rank where it began, not the goodbye.
+    #[test]
+    fn a_goodbye_carries_the_failure_its_rank_knew_of() {
+        let mut links = loopback(3, Topology::Mesh);
+        let failure = Failure {
+            rank: 2,
+            reason: "boom".into(),
+            at: 0,
+        };
+        links[1].control().raise(failure, false); // (known to rank 1 only)
+        links[1].close();
+        let err = links[0].recv(1).unwrap_err();
+        assert!(
+            matches!(&err, Error::PeerFailed { rank: 2, reason } if reason == "boom"),
+            "{err}"
+        );
+        // Without a failure, a goodbye mid-exchange is just that.
+        let mut links = loopback(2, Topology::Mesh);
+        links[1].close();
+        let err = links[0].recv(1).unwrap_err();
+        assert!(
+            err.to_string().contains("rank 1 closed its engine"),
+            "{err}"
+        );
     }
 }
