@@ -35,6 +35,7 @@ _live: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 # How long an exiting process waits for engines that were not closed to stop.
 EXIT_WAIT_SECONDS = 10.0
+_exit_handler_registered = False
 
 
 def _settle_at_exit() -> None:
@@ -102,9 +103,10 @@ def open_engine(group: Any, device: Any, options: Dict[str, Any], agree_token: i
         listener, addresses, rank, world, token,
         device=device.index if cuda else None, nccl_id=nccl_id, agree_token=agree_token, **options,
     )
-    if not _live and not getattr(_settle_at_exit, "registered", False):
+    global _exit_handler_registered
+    if not _exit_handler_registered:
         atexit.register(_settle_at_exit)
-        _settle_at_exit.registered = True  # type: ignore[attr-defined]
+        _exit_handler_registered = True
     _live.add(engine)
     return engine
 
