@@ -30,6 +30,14 @@ from typing import Any, Callable, Dict, List, Optional
 logger = logging.getLogger("cfc")
 
 
+def ahead(engine_state: Dict[str, Any], options: Any) -> int:
+    """The next step's index past the trial (negative during the warm-up and the trial), from
+    the engine's state (``Engine.state()``, or a checkpoint's) and the state's options. The
+    trial's choice is made at the first job of the step after it, so the check starts from the
+    step after that one."""
+    return engine_state["step"] - engine_state["origin"] - options.warmup_steps - options.trial_steps - 1
+
+
 class StepCheck:
     """See the module docs. ``steps``: steps of the check, half of them each way (the state's
     ``trial_steps``, an even number). ``clock``: seconds, read at the steps' ends."""

@@ -390,13 +390,10 @@ def _end_step(state: CfcState) -> None:
         # The groups the trial chose plain, alike on every rank (decided from every rank's
         # times), read once per step: the next step sends them without the engine.
         engine = state._engine.state()
-        decisions = [b["decision"] for b in engine["buckets"]]
         state._plain_keys = {b["key"] for b in engine["buckets"] if b["decision"] is False}
         if state._step_check is not None:
-            # (the trial's choice is made at the first job of the step after it: the check
-            # starts from the step after that one)
-            ahead = engine["step"] - engine["origin"] - state.options.warmup_steps - state.options.trial_steps - 1
-            state._step_check.step_ended(ahead, engine["origin"], True in decisions,
+            any_compressed = any(b["decision"] is True for b in engine["buckets"])
+            state._step_check.step_ended(_step_check.ahead(engine, state.options), engine["origin"], any_compressed,
                                          functools.partial(_synchronize, state._device), state._engine.gather)
     if state.options.log_every and state.step % state.options.log_every == 0:
         logger.info("cfc.fsdp step %d: %s", state.step, state.stats())

@@ -8,7 +8,7 @@ import zlib
 from typing import Any, Dict, List, Mapping, Optional
 
 import cfc
-from cfc import _engine, _param_scales
+from cfc import _engine, _param_scales, _step_check
 from cfc.ddp.options import Options
 from cfc.ddp.residuals import Residuals
 from cfc.ddp.checkpoint import STATE_VERSION, parse_state
@@ -355,8 +355,7 @@ class CfcState:
                             if self.options.fallback == "auto" else set())
         self._folded = set()
         if self._step_check is not None:
-            e, o = loaded["engine"], self.options
-            self._step_check.load(loaded["step_check"], e["step"] - e["origin"] - o.warmup_steps - o.trial_steps - 1)
+            self._step_check.load(loaded["step_check"], _step_check.ahead(loaded["engine"], self.options))
         shared = repr((sorted(loaded["layouts"].items()),
                        [(b["key"], b["decision"]) for b in loaded["engine"]["buckets"]],
                        sorted(loaded["scales"].items()),
