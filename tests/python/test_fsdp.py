@@ -472,11 +472,24 @@ def resume(rank, world, out):
     through torch's reduce-scatter at once. (Its states are let go of without close(), as users
     may: with 4 GPUs, processes that did so crashed at exit, which cfc._engine._settle_at_exit
     is for.)"""
-    ways = ((dict(), 2, {}), (dict(fallback="auto", trial_steps=2, min_compress_numel=0), 3, {}),
-            (dict(), 2, dict(residual_bits=4)), (dict(), 2, dict(lagged_scales=True, residual_bits=4)))
-    for kw, before, reg in ways:
+    auto = dict(fallback="auto", trial_steps=2, min_compress_numel=0)
+    # (kw, steps before the save, register's options, whether the trial's choice is made
+    # "compress every group" through a checkpoint after the trial: then the resumed run's first
+    # step, the step check's, sends every group plainly with what its residual held at the save)
+    ways = ((dict(), 2, {}, False), (auto, 3, {}, False), (auto, 3, {}, True),
+            (dict(), 2, dict(residual_bits=4), False), (dict(), 2, dict(lagged_scales=True, residual_bits=4), False))
+    for kw, before, reg, compress_all in ways:
         model, opt, state = make(CfcState(warmup_steps=0, **kw), sgd=True, **reg)
-        train(model, opt, rank, before)
+        if compress_all:
+            train(model, opt, rank, 2)
+            sd = state.state_dict()
+            for b in sd["engine"]["buckets"]:
+                b["decision"] = True
+            state.load_state_dict(sd)
+            train(model, opt, rank, before - 2, start=2)
+            assert state._residuals.by_bucket and state._step_check.all_plain
+        else:
+            train(model, opt, rank, before)
         shards = {k: v.to_local().clone() for k, v in model.state_dict().items()}
         saved = state.state_dict()
         plain_at_save = set(state._plain_keys)
@@ -504,8 +517,8 @@ def resume(rank, world, out):
             return got, [p.to_local() for p in model2.parameters()]
 
         got, params = resumed(True)
-        assert got == want, (kw, reg)
-        assert all(torch.equal(a, b) for a, b in zip(want_params, params)), (kw, reg)
+        assert got == want, (kw, reg, compress_all)
+        assert all(torch.equal(a, b) for a, b in zip(want_params, params)), (kw, reg, compress_all)
         if not kw:
             got, params = resumed(False)  # residuals lost: other bits
             assert not all(torch.equal(a, b) for a, b in zip(want_params, params))

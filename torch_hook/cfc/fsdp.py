@@ -322,10 +322,12 @@ def _direct(state: CfcState, key: int, out: Any, inp: Any, op: Any) -> None:
     packed = state._packed.pop(key, None)
     if packed is not None:
         inp.view(-1).add_(_unpacked(packed).to(inp.dtype))
-    held = state._residuals.by_bucket.get(key)
-    if held is not None and key not in state._folded:
-        inp.view(-1).add_(held[1].view(-1).to(inp.dtype))
-        held[1].zero_()
+    if key not in state._folded:
+        # (the residual it holds, whether an exchange placed it or a checkpoint loaded it)
+        held = state._residuals.held(key, ((key, 0, inp.numel()),), inp.view(-1))
+        if held is not None:
+            inp.view(-1).add_(held.to(inp.dtype))
+            held.zero_()
     state._folded.add(key)
     _torch_reduce_scatter(out, inp, op, state.process_group)
     state._direct["plain_buckets"] += 1

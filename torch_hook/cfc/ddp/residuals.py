@@ -126,6 +126,15 @@ class Residuals:
         self.by_bucket[index] = (key, r)
         return r, True
 
+    def held(self, index: int, layout: Layout, buf: Any) -> Optional[Any]:
+        """The residual bucket ``index`` holds, as :meth:`get` gives it (placed by an exchange,
+        or loaded from a checkpoint for its parameters and not placed yet), or None where it
+        holds none (no residual is made for it). What cfc.fsdp adds to a group it sends
+        plainly."""
+        if index in self.by_bucket or any(o in self.pending for o, _, _ in layout or ()):
+            return self.get(index, layout, buf)[0]
+        return None
+
     @staticmethod
     def _key(layout: Layout, buf: Any) -> tuple:
         """What a bucket's residual was made for: its layout, dtype and size."""
