@@ -5,11 +5,12 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use crate::codec::dtype_of;
 use crate::error::{to_py, CfcError};
-use cfc::engine::transport::tcp::{Listener as TcpListener, TcpLinks, Topology};
+use cfc::engine::transport::tcp::{
+    Credentials, Listener as TcpListener, Reach, TcpLinks, Topology,
+};
 use cfc::engine::{
     Algorithm, BoundRule, BucketState, Engine as CoreEngine, EngineState, Fallback, Fault, Job, Op,
     Options, Scale, Tensor,
@@ -24,11 +25,18 @@ pub struct Listener {
 
 #[pymethods]
 impl Listener {
-    /// Binds a port (on `CFC_LINK_ADDR`, else every interface).
+    /// Binds a port: on `CFC_LINK_ADDR` when set, else on the loopback address where every
+    /// rank runs on this host (`one_host`), else on the address that reaches `MASTER_ADDR`.
     #[new]
-    fn new() -> PyResult<Self> {
+    #[pyo3(signature = (one_host))]
+    fn new(one_host: bool) -> PyResult<Self> {
+        let reach = if one_host {
+            Reach::OneHost
+        } else {
+            Reach::Network
+        };
         Ok(Listener {
-            inner: Mutex::new(Some(TcpListener::bind().map_err(to_py)?)),
+            inner: Mutex::new(Some(TcpListener::bind(reach).map_err(to_py)?)),
         })
     }
 
@@ -48,13 +56,6 @@ fn tensor(t: (u64, u64, String)) -> PyResult<Tensor> {
         numel: t.1,
         dtype: dtype_of(&t.2)?,
     })
-}
-
-fn seconds(what: &str, s: f64) -> PyResult<Duration> {
-    Duration::try_from_secs_f64(s)
-        .ok()
-        .filter(|d| !d.is_zero())
-        .ok_or_else(|| PyValueError::new_err(format!("{what} must be positive seconds, got {s}")))
 }
 
 /// The engine's options from the Python package's (already checked there; checked again by the
@@ -100,7 +101,7 @@ fn options(
         fallback,
         warmup_steps,
         min_compress_numel,
-        timeout: seconds("timeout", timeout)?,
+        timeout: cfc::engine::options::timeout_from_seconds(timeout).map_err(to_py)?,
     };
     o.check().map_err(to_py)?;
     Ok(o)
@@ -133,7 +134,9 @@ impl Engine {
     ///     listener: this rank's `Listener` (taken).
     ///     addresses: every rank's published addresses, by rank.
     ///     rank, world: this rank and the number of ranks.
-    ///     token: the same on every rank, unique to this engine (its links refuse others).
+    ///     secret: the engine's secret (16 to 64 random bytes, the same on every rank): its
+    ///         links admit only peers that prove it.
+    ///     engine: the engine's number, the same on every rank.
     ///     device: the CUDA device for a CUDA engine, or None for a CPU engine.
     ///     nccl_id: with a device, the NCCL unique id (hex) every rank joins; None to move the
     ///         device's bytes over the TCP links instead (ranks sharing one GPU).
@@ -141,7 +144,7 @@ impl Engine {
     ///         min_compress_numel, timeout: the options (see `cfc.CfcState`).
     ///     agree_token: what every rank must agree on besides the options.
     #[new]
-    #[pyo3(signature = (listener, addresses, rank, world, token, *, device=None, nccl_id=None, bound, value, error_feedback, algorithm, fallback, trial_steps, warmup_steps, min_compress_numel, timeout, agree_token=0))]
+    #[pyo3(signature = (listener, addresses, rank, world, secret, engine, *, device=None, nccl_id=None, bound, value, error_feedback, algorithm, fallback, trial_steps, warmup_steps, min_compress_numel, timeout, agree_token=0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -149,7 +152,8 @@ impl Engine {
         addresses: Vec<Vec<String>>,
         rank: usize,
         world: usize,
-        token: u64,
+        secret: &[u8],
+        engine: u64,
         device: Option<usize>,
         nccl_id: Option<String>,
         bound: &str,
@@ -174,6 +178,7 @@ impl Engine {
             min_compress_numel,
             timeout,
         )?;
+        let cred = Credentials::new(secret, engine).map_err(to_py)?;
         let l = listener
             .inner
             .lock()
@@ -190,7 +195,7 @@ impl Engine {
                             rank,
                             world,
                             &addresses,
-                            token,
+                            &cred,
                             Topology::Mesh,
                             t,
                         )?;
@@ -202,7 +207,7 @@ impl Engine {
                             rank,
                             world,
                             &addresses,
-                            token,
+                            &cred,
                             Topology::Mesh,
                             t,
                         )?;
@@ -214,7 +219,7 @@ impl Engine {
                             rank,
                             world,
                             &addresses,
-                            token,
+                            &cred,
                             Topology::Star,
                             t,
                         )?;
@@ -490,6 +495,21 @@ fn settle_dropped_engines(py: Python<'_>, seconds: f64) -> PyResult<usize> {
 /// Adds the engine's classes to the module.
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Listener>()?;
+    // (the one definition of these limits: cfc::engine::options, cfc::engine::transport::tcp)
+    m.add(
+        "TIMEOUT_RANGE",
+        (
+            cfc::engine::options::MIN_TIMEOUT.as_secs_f64(),
+            cfc::engine::options::MAX_TIMEOUT.as_secs_f64(),
+        ),
+    )?;
+    m.add(
+        "SECRET_BYTES",
+        (
+            cfc::engine::transport::tcp::SECRET_MIN,
+            cfc::engine::transport::tcp::SECRET_MAX,
+        ),
+    )?;
     m.add_class::<Engine>()?;
     m.add_function(wrap_pyfunction!(settle_dropped_engines, m)?)?;
     Ok(())

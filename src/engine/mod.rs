@@ -631,8 +631,16 @@ impl Engine {
     /// (where a collective of the caller's process group would wait for its timeout).
     ///
     /// # Errors
-    /// A failure of any rank; the timeout.
+    /// [`Error::Transport`] for more than [`transport::MESSAGE_FLOOR`] bytes (nothing is sent);
+    /// a failure of any rank; the timeout.
     pub fn gather(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
+        if mine.len() > transport::MESSAGE_FLOOR {
+            return Err(Error::Transport(format!(
+                "a gather of {} bytes; it takes at most {}",
+                mine.len(),
+                transport::MESSAGE_FLOOR
+            )));
+        }
         let (tx, rx) = crossbeam_channel::bounded(1);
         let want = self.send_counted(Msg::Gather(mine.to_vec(), tx))?;
         self.wait_for(want)?;

@@ -121,6 +121,24 @@ pub enum Fallback {
 
 /// The longest timeout an engine takes (the waits that allow for twice it stay finite).
 pub const MAX_TIMEOUT: Duration = Duration::from_secs(30 * 86_400);
+/// The shortest timeout an engine takes: below it, a busy host's scheduling alone fails waits.
+pub const MIN_TIMEOUT: Duration = Duration::from_millis(100);
+
+/// A timeout of `seconds`, checked: the one place the range of timeouts is enforced.
+///
+/// # Errors
+/// [`Error::Transport`] outside [`MIN_TIMEOUT`]..=[`MAX_TIMEOUT`] (NaN included).
+pub fn timeout_from_seconds(seconds: f64) -> Result<Duration> {
+    let range = MIN_TIMEOUT.as_secs_f64()..=MAX_TIMEOUT.as_secs_f64();
+    if !range.contains(&seconds) {
+        return Err(Error::Transport(format!(
+            "the timeout must lie between {} s and {} days, got {seconds} s",
+            MIN_TIMEOUT.as_secs_f64(),
+            MAX_TIMEOUT.as_secs() / 86_400
+        )));
+    }
+    Ok(Duration::from_secs_f64(seconds))
+}
 
 /// The options of an engine. Every rank must give the same ones (checked when the engine
 /// starts: ranks that differ all get [`Error::RankMismatch`]).
@@ -164,7 +182,7 @@ impl Options {
     /// # Errors
     /// [`Error::InvalidBound`] for a bound that is not positive and finite, a `rel` of 1 or
     /// more, an `eps` outside what the codec takes; [`Error::Transport`] for an odd or short
-    /// trial, or a timeout of zero or past [`MAX_TIMEOUT`].
+    /// trial, or a timeout outside [`MIN_TIMEOUT`]..=[`MAX_TIMEOUT`].
     pub fn check(&self) -> Result<()> {
         let v = self.bound.value();
         if !(v.is_finite() && v > 0.0) {
@@ -195,13 +213,7 @@ impl Options {
                 )));
             }
         }
-        if self.timeout.is_zero() || self.timeout > MAX_TIMEOUT {
-            return Err(Error::Transport(format!(
-                "the timeout must be positive and at most {} days, got {:?}",
-                MAX_TIMEOUT.as_secs() / 86_400,
-                self.timeout
-            )));
-        }
+        timeout_from_seconds(self.timeout.as_secs_f64())?;
         Ok(())
     }
 
@@ -325,13 +337,17 @@ mod tests {
         assert!(o.check().is_ok());
         // a timeout whose double would overflow a wait is refused, not a panic later
         o.timeout = Duration::from_secs(u64::MAX / 2);
-        assert!(o
-            .check()
-            .unwrap_err()
-            .to_string()
-            .contains("at most 30 days"));
+        assert!(o.check().unwrap_err().to_string().contains("30 days"));
         o.timeout = MAX_TIMEOUT;
         assert!(o.check().is_ok());
+        o.timeout = Duration::from_nanos(1);
+        assert!(o.check().unwrap_err().to_string().contains("0.1 s"));
+        assert!(timeout_from_seconds(f64::NAN).is_err());
+        assert!(timeout_from_seconds(1e12).is_err());
+        assert_eq!(
+            timeout_from_seconds(2.5).unwrap(),
+            Duration::from_millis(2500)
+        );
     }
 
     #[test]

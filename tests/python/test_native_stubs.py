@@ -59,11 +59,11 @@ def test_cuda_decode_sum_checks_its_arguments_before_touching_a_device():
 
 def _engine(**kw):
     """A one-rank engine (its own listener, its own address)."""
-    listener = native.Listener()
+    listener = native.Listener(True)
     opts = dict(bound="rms", value=0.3, error_feedback=True, algorithm=None, fallback="never", trial_steps=0,
                 warmup_steps=0, min_compress_numel=0, timeout=30.0)
     opts.update(kw)
-    return native.Engine(listener, [listener.addresses()], 0, 1, 7, **opts)
+    return native.Engine(listener, [listener.addresses()], 0, 1, bytes(32), 7, **opts)
 
 
 def test_the_engine_refuses_bad_options_and_jobs_clearly():
@@ -74,12 +74,17 @@ def test_the_engine_refuses_bad_options_and_jobs_clearly():
         (dict(value=-1.0), "positive"),
         (dict(bound="rel", value=1.5), "below 1"),
         (dict(fallback="auto", trial_steps=3), "even number"),
-        (dict(timeout=0.0), "positive"),
+        (dict(timeout=0.0), "between 0.1 s"),
+        (dict(timeout=1e12), "30 days"),
     ]:
         with pytest.raises((ValueError, cfc.CfcError), match=match):
             _engine(**bad)
-    listener = native.Listener()
-    assert listener.addresses() and all(":" in a for a in listener.addresses())
+    listener = native.Listener(True)  # every rank on this host: loopback only
+    assert [a.split(":")[0] for a in listener.addresses()] == ["127.0.0.1"]
+    with pytest.raises(cfc.CfcError, match="secret has 16 to 64 bytes"):
+        native.Engine(native.Listener(True), [[]], 0, 1, b"short", 7, bound="rms", value=0.3,
+                      error_feedback=True, algorithm=None, fallback="never", trial_steps=0, warmup_steps=0,
+                      min_compress_numel=0, timeout=30.0)
     e = _engine()
     assert (e.rank, e.world) == (0, 1)
     with pytest.raises(TypeError, match="unsupported dtype"):

@@ -16,10 +16,12 @@ share a GPU, where NCCL refuses them) run the CUDA backend over TCP, through hos
 from __future__ import annotations
 
 import atexit
+import datetime
 import itertools
 import logging
+import secrets
+import socket
 import weakref
-import zlib
 from typing import Any, Dict, List, Optional, Tuple
 
 from cfc import _native
@@ -71,36 +73,73 @@ def _uses_nccl(group: Any) -> bool:
     return "nccl" in str(dist.get_backend(group)).lower()
 
 
+def _wait_for(store: Any, keys: Dict[int, str], timeout: float, rank: int, n: int, what: str) -> None:
+    """Waits at most ``timeout`` seconds for every key of ``keys`` (by rank) in the store;
+    raises ``cfc.CfcError`` naming the ranks whose keys did not come."""
+    try:
+        store.wait(list(keys.values()), datetime.timedelta(seconds=timeout))
+        return
+    except RuntimeError as e:  # torch's stores raise a RuntimeError (DistStoreError) on timeout
+        missing = [j for j, k in keys.items() if not store.check([k])]
+        if not missing:
+            raise _native.CfcError(f"cfc: rank {rank} could not read the store ({what}): {e}") from e
+    raise _native.CfcError(
+        f"cfc: rank {rank} waited {timeout:g} s for rank(s) {missing} to open cfc's engine (engine {n} "
+        f"of this group: {what}), and they did not. Likely causes: cfc's hook is registered (or an "
+        "AllReducer or cfc.fsdp called) on some ranks only, the ranks took different paths (a rank "
+        "that failed, or one still in an earlier step), or they gave different options. "
+        "CfcState(timeout=...) bounds this wait.")
+
+
 def open_engine(group: Any, device: Any, options: Dict[str, Any], agree_token: int = 0) -> Any:
     """Opens this rank's engine over ``group`` for tensors on ``device`` (a ``torch.device``),
     with ``options`` (the keyword arguments of ``_native.Engine``'s options). A collective of
-    the group's ranks, through its store; raises ``cfc.CfcError`` on every rank where it fails
-    (rank 0 could not make an NCCL id, a link could not be made, the ranks' options differ)."""
+    the group's ranks, through its store, every wait bounded by ``options["timeout"]``; raises
+    ``cfc.CfcError`` on every rank where it fails (ranks that never open theirs, rank 0 could
+    not make an NCCL id, a link could not be made, the ranks' options differ).
+
+    Rank 0 makes the engine's secret (32 random bytes from the operating system) and shares it
+    through the store: the engine's links admit only peers that prove they hold it (see
+    ``src/engine/transport/tcp/handshake.rs``). The ranks' host names decide where the links
+    listen: on loopback when every rank runs on this host, else on the interface that reaches
+    ``MASTER_ADDR`` (``CFC_LINK_ADDR`` overrides)."""
     import torch.distributed as dist
 
     ranks = tuple(dist.get_process_group_ranks(group))
     rank, world = dist.get_rank(group), len(ranks)
     n = next(_opened.setdefault(ranks, itertools.count()))
     prefix = f"cfc/engine/{n}"
+    timeout = float(options["timeout"])
     store = _store(group)
-    listener = _native.Listener()
-    store.set(f"{prefix}/links/{rank}", ",".join(listener.addresses()))
+    # Round 1: every rank's host, and rank 0's secret (set before rank 0's host: there when it is).
+    if rank == 0:
+        store.set(f"{prefix}/secret", secrets.token_hex(32))
+    store.set(f"{prefix}/host/{rank}", socket.gethostname())
+    hosts = {j: f"{prefix}/host/{j}" for j in range(world)}
+    _wait_for(store, hosts, timeout, rank, n, "their hosts")
+    one_host = len({store.get(k) for k in hosts.values()}) == 1
+    secret = bytes.fromhex(store.get(f"{prefix}/secret").decode())
+    # Round 2: every rank's link addresses, and for NCCL rank 0's id (set before rank 0's links).
+    listener = _native.Listener(one_host)
     cuda = device.type == "cuda"
+    nccl = cuda and _uses_nccl(group)
+    if nccl and rank == 0:
+        try:
+            store.set(f"{prefix}/nccl", "id:" + _native.nccl_unique_id())
+        except _native.CfcError as e:  # every rank fails alike, none waits for an id
+            store.set(f"{prefix}/nccl", f"error:{e}")
+    store.set(f"{prefix}/links/{rank}", ",".join(listener.addresses()))
+    links = {j: f"{prefix}/links/{j}" for j in range(world)}
+    _wait_for(store, links, timeout, rank, n, "their link addresses")
     nccl_id: Optional[str] = None
-    if cuda and _uses_nccl(group):
-        if rank == 0:
-            try:
-                store.set(f"{prefix}/nccl", "id:" + _native.nccl_unique_id())
-            except _native.CfcError as e:  # every rank fails alike, none waits for an id
-                store.set(f"{prefix}/nccl", f"error:{e}")
+    if nccl:
         said = store.get(f"{prefix}/nccl").decode()
         if not said.startswith("id:"):
             raise _native.CfcError(f"rank 0 could not make an NCCL id: {said[6:]}")
         nccl_id = said[3:]
-    addresses: List[List[str]] = [store.get(f"{prefix}/links/{j}").decode().split(",") for j in range(world)]
-    token = zlib.crc32(f"{prefix}/{ranks}".encode()) | (n << 32)
+    addresses: List[List[str]] = [store.get(links[j]).decode().split(",") for j in range(world)]
     engine = _native.Engine(
-        listener, addresses, rank, world, token,
+        listener, addresses, rank, world, secret, n,
         device=device.index if cuda else None, nccl_id=nccl_id, agree_token=agree_token, **options,
     )
     global _exit_handler_registered

@@ -154,8 +154,11 @@ def cuda_lossless_chunks(
     last: int,
 ) -> None: ...
 
+TIMEOUT_RANGE: Tuple[float, float]
+SECRET_BYTES: Tuple[int, int]
+
 class Listener:
-    def __init__(self) -> None: ...
+    def __init__(self, one_host: bool) -> None: ...
     def addresses(self) -> List[str]: ...
 
 class Engine:
@@ -165,7 +168,8 @@ class Engine:
         addresses: List[List[str]],
         rank: int,
         world: int,
-        token: int,
+        secret: bytes,
+        engine: int,
         *,
         device: Optional[int] = None,
         nccl_id: Optional[str] = None,

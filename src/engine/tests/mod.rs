@@ -4,7 +4,7 @@
 
 use super::*;
 use crate::codec::{decompress, Bound, CompressOptions};
-use crate::engine::transport::tcp::{Listener, TcpLinks, Topology};
+use crate::engine::transport::tcp::{Credentials, Listener, Reach, TcpLinks, Topology};
 use crate::feedback::compress_with_feedback;
 use crate::format::DType;
 use std::time::Duration;
@@ -565,18 +565,28 @@ fn processes_linked_over_tcp_run_the_same_exchange() {
     let world = 3;
     let n = 5000;
     let o = options(BoundRule::Abs(1e-4));
-    let listeners: Vec<Listener> = (0..world).map(|_| Listener::bind().unwrap()).collect();
+    let listeners: Vec<Listener> = (0..world)
+        .map(|_| Listener::bind(Reach::OneHost).unwrap())
+        .collect();
     let addresses: Vec<Vec<String>> = listeners.iter().map(|l| l.addresses()).collect();
+    let cred = Credentials::new(&[3; 32], 1).unwrap();
     let out: Vec<Vec<f32>> = std::thread::scope(|s| {
         let hs: Vec<_> = listeners
             .into_iter()
             .enumerate()
             .map(|(rank, l)| {
-                let (addresses, o) = (&addresses, &o);
+                let (addresses, o, cred) = (&addresses, &o, &cred);
                 s.spawn(move || {
-                    let links =
-                        TcpLinks::connect(l, rank, world, addresses, 7, Topology::Mesh, o.timeout)
-                            .unwrap();
+                    let links = TcpLinks::connect(
+                        l,
+                        rank,
+                        world,
+                        addresses,
+                        cred,
+                        Topology::Mesh,
+                        o.timeout,
+                    )
+                    .unwrap();
                     let e = Engine::on_cpu(links, o.clone(), 0).unwrap();
                     let mut x = grads(rank, 0, n);
                     let mut r = vec![0.0f32; n];

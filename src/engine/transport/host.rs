@@ -37,6 +37,7 @@ pub(crate) fn all_gather<L: Links + ?Sized>(l: &mut L, send: &[u8], recv: &mut [
             recv.len()
         )));
     }
+    l.expect(len);
     for peer in (0..world).filter(|&p| p != rank) {
         l.send(peer, send)?;
     }
@@ -61,6 +62,7 @@ pub(crate) fn exchange<L: Links + ?Sized>(
             recvs.len()
         )));
     }
+    l.expect(recvs.iter().map(|r| r.len()).max().unwrap_or(0));
     for (peer, s) in sends.iter().enumerate() {
         if peer != rank && !s.is_empty() {
             l.send(peer, s)?;
@@ -83,6 +85,13 @@ pub(crate) fn exchange<L: Links + ?Sized>(
 /// Every rank's `mine`, in rank order.
 pub(crate) fn gather<L: Links + ?Sized>(l: &mut L, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
     let (rank, world) = (l.rank(), l.world());
+    if mine.len() > super::MESSAGE_FLOOR {
+        return Err(Error::Transport(format!(
+            "a gather of {} bytes; it takes at most {}",
+            mine.len(),
+            super::MESSAGE_FLOOR
+        )));
+    }
     for peer in (0..world).filter(|&p| p != rank) {
         l.send(peer, mine)?;
     }
@@ -151,6 +160,7 @@ pub(crate) fn reduce_scatter<L: Links + ?Sized>(
             data.len()
         )));
     }
+    l.expect(len);
     for peer in (0..world).filter(|&p| p != rank) {
         l.send(peer, &data[peer * len..(peer + 1) * len])?;
     }
@@ -192,6 +202,7 @@ pub(crate) fn all_reduce<L: Links + ?Sized>(
         let s = shard(n, world, j);
         s.start * size..s.end * size
     };
+    l.expect(bytes(0).len()); // (the first shard is the longest)
     for peer in (0..world).filter(|&p| p != rank) {
         l.send(peer, &data[bytes(peer)])?;
     }

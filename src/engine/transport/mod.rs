@@ -98,6 +98,14 @@ pub trait Links: Send {
     /// The failure board.
     fn control(&self) -> &Arc<Control>;
 
+    /// Tells the links that this rank's next collective receives messages of up to `bytes`
+    /// (called before it sends). Links from other processes admit no longer data message
+    /// than the longest so far, nor [`MESSAGE_FLOOR`]: a peer cannot make this rank reserve
+    /// more memory than its own exchanges need.
+    fn expect(&mut self, bytes: usize) {
+        let _ = bytes;
+    }
+
     /// Sends `data` to `peer` (not this rank). Never waits for the peer to receive it.
     ///
     /// # Errors
@@ -114,6 +122,11 @@ pub trait Links: Send {
     /// Tells the peers this rank is closing (so that its going away is no failure).
     fn close(&mut self);
 }
+
+/// The data message every link admits, whatever its exchanges expect: the largest
+/// [`Transport::gather`] (whose peers' lengths are not known ahead) and the engine's own small
+/// rounds.
+pub const MESSAGE_FLOOR: usize = 1 << 20;
 
 /// How long a blocked receive sleeps before it looks at the failure board again.
 pub(crate) const BOARD_POLL: std::time::Duration = std::time::Duration::from_millis(5);

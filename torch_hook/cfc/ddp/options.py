@@ -14,6 +14,7 @@ import math
 import os
 from typing import Any, Dict, Optional
 
+from cfc import _native
 from cfc._checks import _check_flag, _check_integer, _check_number
 
 BOUND_KINDS = ("eps", "rel", "rms")
@@ -28,8 +29,22 @@ FALLBACKS = ("never", "auto", "always")
 # The absolute bounds the codec accepts (src/codec/bounded.rs, check_abs_bound): normal float64 values
 # up to a quarter of the largest, so that a step of 2 eps and its sums stay finite.
 EPS_MIN, EPS_MAX = 2.2250738585072014e-308, 1.7976931348623157e308 / 4
-# How long any wait for a peer lasts before the engine fails, unless `timeout=` says.
-DEFAULT_TIMEOUT = float(os.environ.get("CFC_TIMEOUT", "300"))
+# How long any wait for a peer lasts before the engine fails, unless `timeout=` or CFC_TIMEOUT says.
+DEFAULT_TIMEOUT = 300.0
+# The timeouts the engine takes, in seconds (defined in cfc::engine::options).
+TIMEOUT_RANGE = _native.TIMEOUT_RANGE
+
+
+def _default_timeout() -> float:
+    """CFC_TIMEOUT (seconds) where it is set, else ``DEFAULT_TIMEOUT``; read when options are
+    made, so that a malformed value is an error of the state being made, not of ``import cfc``."""
+    said = os.environ.get("CFC_TIMEOUT")
+    if said is None:
+        return DEFAULT_TIMEOUT
+    try:
+        return float(said)
+    except ValueError:
+        raise ValueError(f"CFC_TIMEOUT must be seconds, got {said!r}") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,15 +109,18 @@ class Options:
         if algorithm is not None and algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm must be None, 'all-gather' or 'reduce-scatter', got {algorithm!r}")
         if timeout is None:
-            seconds = DEFAULT_TIMEOUT
+            seconds = _default_timeout()
         elif isinstance(timeout, datetime.timedelta):
             seconds = timeout.total_seconds()
         elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
             seconds = float(timeout)
         else:
             raise ValueError(f"timeout must be positive seconds or a timedelta, got {timeout!r}")
+        low, high = TIMEOUT_RANGE
         if not (math.isfinite(seconds) and seconds > 0):
             raise ValueError(f"timeout must be positive, got {timeout!r}")
+        if not low <= seconds <= high:
+            raise ValueError(f"timeout must lie between {low:g} s and {high / 86400:g} days, got {timeout!r}")
         return cls(
             bound_kind=kind, bound=bound, error_feedback=bool(error_feedback),
             warmup_steps=counts["warmup_steps"], min_compress_numel=counts["min_compress_numel"],
