@@ -133,3 +133,19 @@ def grads():
     if not files:
         pytest.skip(f"no gradient vectors in {GRADS}")
     return {f.stem: np.load(f) for f in files}
+
+
+def pytest_terminal_summary(terminalreporter):
+    """One line per reason tests were skipped (most skip for want of a GPU), so that a run on
+    a machine without one says what it did not run and why."""
+    import collections
+
+    reasons = collections.Counter()
+    for report in terminalreporter.stats.get("skipped", []):
+        longrepr = report.longrepr
+        reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+        reasons[reason.removeprefix("Skipped: ")] += 1
+    if reasons:
+        terminalreporter.write_sep("-", "skipped, by reason")
+        for reason, n in reasons.most_common():
+            terminalreporter.write_line(f"{n:5d}  {reason}")

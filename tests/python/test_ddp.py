@@ -648,3 +648,28 @@ def test_training_example_reruns_bit_for_bit_and_scores_held_out_bytes(tmp_path)
     assert comp["losses"] != plain["losses"] and comp["cfc"]["ratio"] > 3
     assert finer["cfc"]["ratio"] < comp["cfc"]["ratio"]  # a finer bound sends more
     assert "held-out" in r.stdout and "cfc@0.2" in r.stdout
+
+
+def test_a_state_says_its_options_and_log_every_shows_without_logging_setup(capsys, caplog, monkeypatch):
+    import logging
+
+    state = CfcState(rms=0.1, log_every=5)
+    assert repr(state).startswith("CfcState(rms=0.1, error_feedback=True, warmup_steps=2"), repr(state)
+    assert "not bound to a group yet" in repr(state)
+    counters = {"ratio": 5.0, "bytes_sent": 2e6, "bytes_uncompressed": 1e7, "compressed_buckets": 8,
+                "plain_buckets": 2, "max_error": 0.01, "eps": 0.02}
+    monkeypatch.setattr(state, "stats", lambda: counters)
+    state.rank, state.world, state.step = 0, 2, 5
+    cfc_logger = logging.getLogger("cfc")
+    monkeypatch.setattr(cfc_logger, "hasHandlers", lambda: False)  # (pytest's own capture handler)
+    state._log_stats()
+    line = capsys.readouterr().err
+    assert line.startswith("cfc step 5: 5.00x fewer bytes") and "2.0 MB sent" in line, line
+    state.rank = 1  # other ranks stay quiet without logging set up
+    state._log_stats()
+    assert capsys.readouterr().err == ""
+    monkeypatch.undo()
+    monkeypatch.setattr(state, "stats", lambda: counters)
+    with caplog.at_level(logging.INFO, logger="cfc"):
+        state._log_stats()
+    assert "cfc step 5" in caplog.text and capsys.readouterr().err == ""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 import zlib
 from typing import Any, Dict, List, Mapping, Optional
 
@@ -53,7 +54,9 @@ class CfcState:
             all-reduce in place.
         trial_steps: steps of that trial (an even number; half of each way; the fastest time of
             each way counts).
-        log_every: log :meth:`stats` (logger ``"cfc"``, INFO) every this many steps; 0: never.
+        log_every: every this many steps, report :meth:`stats`: one line on rank 0's stderr, or,
+            where the application set up logging, an INFO record of logger ``"cfc"`` on every
+            rank; 0: never.
         algorithm: how a compressed bucket moves: ``"reduce-scatter"`` (each rank owns a shard,
             sums everyone's codes for it and sends the sum on: a rank sends about twice a
             compressed bucket however many ranks there are) or ``"all-gather"`` (every rank's
@@ -211,8 +214,33 @@ class CfcState:
             # A fresh DDP model keeps its initial buckets for one step (two with static_graph),
             # then rebuilds them: from then on a loaded layout is of no more use.
             self._residuals.saved_layouts = {}
-        if self.options.log_every and self.step % self.options.log_every == 0 and logger.isEnabledFor(logging.INFO):
-            logger.info("cfc step %d: %s", self.step, self.stats())
+        if self.options.log_every and self.step % self.options.log_every == 0:
+            self._log_stats()
+
+    def _log_stats(self) -> None:
+        """``log_every``'s line. Where the application set up logging (a handler on the
+        ``"cfc"`` logger or above it), an INFO record with every counter, on every rank; where it
+        did not, one line on rank 0's stderr, so that the option shows without any setup."""
+        s = self.stats()
+        if logger.hasHandlers():
+            if logger.isEnabledFor(logging.INFO):
+                logger.info("cfc step %d: %s", self.step, s)
+            return
+        if self.rank != 0:
+            return
+        mb = lambda b: f"{b / 1e6:.1f} MB"  # noqa: E731
+        error = "not measured" if math.isnan(s["max_error"]) else f"{s['max_error']:.3g} (bound {s['eps']:.3g})"
+        print(f"cfc step {self.step}: {s['ratio']:.2f}x fewer bytes than a float32 ring all-reduce "
+              f"({mb(s['bytes_sent'])} sent, {mb(s['bytes_uncompressed'])} plain), "
+              f"{s['compressed_buckets']} buckets compressed, {s['plain_buckets']} plain, "
+              f"largest error {error}", file=sys.stderr, flush=True)
+
+    def __repr__(self) -> str:
+        o = self.options
+        where = f"rank {self.rank} of {self.world}, step {self.step}" if self.world else "not bound to a group yet"
+        return (f"CfcState({o.bound_kind}={o.bound:g}, error_feedback={o.error_feedback}, "
+                f"warmup_steps={o.warmup_steps}, min_compress_numel={o.min_compress_numel}, "
+                f"fallback={o.fallback!r}, algorithm={o.algorithm!r}, timeout={o.timeout:g}; {where})")
 
     _token_step = 0  # the step a checkpoint was loaded at
 

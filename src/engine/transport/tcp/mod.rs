@@ -888,6 +888,38 @@ mod tests {
         panic!("no failure within 10 s");
     }
 
+    /// Ranks on several hosts: a listener bound where the others can reach it (not loopback,
+    /// unless this host has no other address), and links made over it.
+    #[test]
+    fn listeners_for_several_hosts_bind_a_reachable_address() {
+        let listeners = [
+            Listener::bind(Reach::Network).unwrap(),
+            Listener::bind(Reach::Network).unwrap(),
+        ];
+        let addresses: Vec<Vec<String>> = listeners.iter().map(|l| l.addresses()).collect();
+        let bound = listeners[0].socket.local_addr().unwrap().ip();
+        if std::env::var("CFC_LINK_ADDR").is_err() {
+            assert!(!bound.is_loopback(), "{addresses:?}");
+        }
+        assert!(!addresses[0].is_empty());
+        let links: Vec<TcpLinks> = std::thread::scope(|s| {
+            let hs: Vec<_> = listeners
+                .into_iter()
+                .enumerate()
+                .map(|(rank, l)| {
+                    let addresses = &addresses;
+                    s.spawn(move || {
+                        let t = Duration::from_secs(20);
+                        TcpLinks::connect(l, rank, 2, addresses, &cred(), Topology::Mesh, t)
+                            .unwrap()
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert_eq!(links.len(), 2);
+    }
+
     /// Random bytes, and random bytes after a well-formed hello, at a link's reader.
     #[test]
     fn hostile_bytes_at_a_link_are_refused_without_a_panic() {
