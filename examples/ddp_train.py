@@ -217,16 +217,26 @@ def train(hook: str, data: torch.Tensor, heldout: torch.Tensor, dev: torch.devic
     return out
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """--help: the module's docs as written (without their reStructuredText markup), and every
+    option's default."""
+
+
+def _described(doc: str) -> str:
+    """The module's docs for --help: ``code`` as `code`, a literal block's "::" as ":"."""
+    return doc.replace("``", "`").replace("::\n", ":\n")
+
+
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=_described(__doc__), formatter_class=_HelpFormatter)
     p.add_argument("--hook", default="allreduce,cfc", help=f"comma-separated, from {', '.join(HOOKS)}")
-    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--steps", type=int, default=200, help="training steps of each hook")
     p.add_argument("--batch", type=int, default=16, help="sequences per rank and step")
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--d-model", type=int, default=128)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--seq", type=int, default=128, help="bytes per sequence")
+    p.add_argument("--d-model", type=int, default=128, help="the transformer's width")
+    p.add_argument("--layers", type=int, default=2, help="transformer blocks")
+    p.add_argument("--heads", type=int, default=4, help="attention heads per block")
+    p.add_argument("--lr", type=float, default=2e-3, help="AdamW's peak learning rate")
     p.add_argument("--rms", type=float, default=None, help="cfc's bound, relative to the bucket's RMS (default: CfcState's)")
     p.add_argument("--schedule", choices=("cosine", "constant"), default="cosine",
                    help="learning rate after the warm-up: cosine decay to 0.1 x --lr, or constant")
@@ -235,8 +245,8 @@ def main() -> None:
     p.add_argument("--eval-every", type=int, default=0, help="score held-out bytes every N steps (default: steps / 10)")
     p.add_argument("--deterministic", action="store_true",
                    help="deterministic kernels: two runs of one hook give the same losses bit for bit")
-    p.add_argument("--corpus-mb", type=float, default=16.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--corpus-mb", type=float, default=16.0, help="MB of the standard library's sources to train on")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the batches")
     p.add_argument("--out", type=Path, default=None, help="directory for losses.json and losses.png")
     p.add_argument("--save", type=Path, default=None, help="save the trained model's state_dict here")
     args = p.parse_args()

@@ -10,7 +10,10 @@ gloo and the CPU otherwise::
 
 Each way trains from the same initial weights on the same batches, and the run ends with a
 table: final training loss (mean of the last 10% of steps) and held-out loss, each against the
-first way's, cfc's bytes against plain float32's, and the median step time. ``noop`` moves no
+first way's, the median step time (and its spread over rounds), cfc's bytes against plain
+float32's ("fewer bytes"), "resends" (exchanges in which a compressed frame outgrew the slot
+sized for it and went a second time: each costs a round trip) and the share of FSDP's calls
+that went compressed ("compressed"; below 100% where ``fallback="auto"`` chose plain). ``noop`` moves no
 gradients at all (each rank keeps its own shard): the floor for the step time. ``cfc-auto`` is
 cfc with ``fallback="auto"``: each group is timed both ways over the first steps and keeps the
 faster (plain where compression does not pay, as over NVLink). ``cfc-group`` is cfc with one
@@ -112,21 +115,32 @@ def train(way: str, data: torch.Tensor, heldout: torch.Tensor, dev: torch.device
     return out
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """--help: the module's docs as written (without their reStructuredText markup), and every
+    option's default."""
+
+
+def _described(doc: str) -> str:
+    """The module's docs for --help: ``code`` as `code`, a literal block's "::" as ":"."""
+    return doc.replace("``", "`").replace("::\n", ":\n")
+
+
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=_described(__doc__), formatter_class=_HelpFormatter)
     p.add_argument("--comm", default="plain,cfc", help=f"comma-separated, from {', '.join(WAYS)}")
-    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--steps", type=int, default=100, help="training steps of each way")
     p.add_argument("--batch", type=int, default=16, help="sequences per rank and step")
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--d-model", type=int, default=128)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--seq", type=int, default=128, help="bytes per sequence")
+    p.add_argument("--d-model", type=int, default=128, help="the transformer's width")
+    p.add_argument("--layers", type=int, default=2, help="transformer blocks")
+    p.add_argument("--heads", type=int, default=4, help="attention heads per block")
+    p.add_argument("--lr", type=float, default=2e-3, help="AdamW's peak learning rate")
     p.add_argument("--rms", type=float, default=None, help="cfc's bound, relative to each group's RMS (default: CfcState's)")
-    p.add_argument("--schedule", choices=("cosine", "constant"), default="cosine")
-    p.add_argument("--eval-batches", type=int, default=8)
-    p.add_argument("--corpus-mb", type=float, default=16.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--schedule", choices=("cosine", "constant"), default="cosine",
+                   help="learning rate after the warm-up: cosine decay to 0.1 x --lr, or constant")
+    p.add_argument("--eval-batches", type=int, default=8, help="held-out batches scored at the end")
+    p.add_argument("--corpus-mb", type=float, default=16.0, help="MB of the standard library's sources to train on")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the batches")
     p.add_argument("--rounds", type=int, default=1, help="train every way this many times, in rotated orders")
     args = p.parse_args()
 

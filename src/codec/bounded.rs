@@ -155,7 +155,7 @@ fn max_finite_abs<T: Element>(data: &[T]) -> f64 {
 pub(crate) fn check_abs_bound(eps: f64, what: &'static str) -> Result<()> {
     let bad = |reason: &str| Error::InvalidBound {
         what,
-        reason: format!("{eps:e} {reason}"),
+        reason: format!("{eps:?} {reason}"),
     };
     if eps.is_nan() || eps.is_infinite() {
         return Err(bad("is not finite"));
@@ -176,7 +176,7 @@ pub(crate) fn check_rel(rel: f64) -> Result<()> {
     } else {
         Err(Error::InvalidBound {
             what: "rel",
-            reason: format!("{rel:e} must be positive and finite"),
+            reason: format!("{rel:?} must be positive and finite"),
         })
     }
 }

@@ -105,8 +105,14 @@ def close_cfc_states():
 
     import cfc
 
+    import warnings
+
     gc.collect()
-    for state in [o for o in gc.get_objects() if isinstance(o, cfc.CfcState)]:
+    with warnings.catch_warnings():
+        # (isinstance on every live object touches torch's deprecated module attributes)
+        warnings.simplefilter("ignore", FutureWarning)
+        states = [o for o in gc.get_objects() if isinstance(o, cfc.CfcState)]
+    for state in states:
         try:
             state.close()
         except Exception:  # noqa: BLE001 - see above
