@@ -4,6 +4,9 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 PYTHON=${PYTHON:-python3}
+SETUP_START=$SECONDS
+# Announces a phase of the run, with the time since it began.
+phase() { printf '\n==== [%4ss] %s\n' "$((SECONDS - SETUP_START))" "$*"; }
 "$PYTHON" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 9) else "cfc needs Python 3.9 or newer")'
 command -v cargo >/dev/null || { echo "cfc needs a Rust toolchain (cargo) on PATH" >&2; exit 1; }
 
@@ -14,8 +17,12 @@ export VIRTUAL_ENV="$PWD/.venv"
 export PATH="$VIRTUAL_ENV/bin:$PATH"
 # torch is only needed by the Python tests, the examples and the DDP hook; numpy by the package;
 # matplotlib by the loss plot of examples/ddp_train.py.
-python -m pip install -q --disable-pip-version-check "maturin>=1.7,<2" "numpy>=1.21" "pytest>=7" "torch>=2.1" "matplotlib>=3.5"
-maturin develop --release -q
+phase "Python packages into .venv (the first time: torch and its CUDA libraries, about 5 GB, a few minutes)"
+python -m pip install --disable-pip-version-check "maturin>=1.7,<2" "numpy>=1.21" "pytest>=7" \
+    "torch>=2.1" "matplotlib>=3.5"
+phase "building cfc (Rust, release; the first time about 3 minutes on 2 cores)"
+maturin develop --release
+phase "ready"
 
 # NVRTC and CUDA's headers from the CUDA build of torch (its nvidia-* wheels): with them the Rust
 # tests compile every kernel for the GPUs cfc supports (NVRTC needs no GPU), and CFC_NVRTC_CHECK
