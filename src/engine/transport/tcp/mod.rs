@@ -741,11 +741,10 @@ mod tests {
         Credentials::new(&[42; 32], 7).unwrap()
     }
 
-    /// Links for `world` ranks of this process over loopback.
-    pub(crate) fn loopback(world: usize, topology: Topology) -> Vec<TcpLinks> {
-        let listeners: Vec<Listener> = (0..world)
-            .map(|_| Listener::bind(Reach::OneHost).unwrap())
-            .collect();
+    /// Links the ranks bound to `listeners` (threads of this process), each waiting at most
+    /// `timeout`.
+    fn link(listeners: Vec<Listener>, topology: Topology, timeout: Duration) -> Vec<TcpLinks> {
+        let world = listeners.len();
         let addresses: Vec<Vec<String>> = listeners.iter().map(|l| l.addresses()).collect();
         std::thread::scope(|s| {
             let handles: Vec<_> = listeners
@@ -754,16 +753,8 @@ mod tests {
                 .map(|(rank, l)| {
                     let addresses = &addresses;
                     s.spawn(move || {
-                        TcpLinks::connect(
-                            l,
-                            rank,
-                            world,
-                            addresses,
-                            &cred(),
-                            topology,
-                            Duration::from_secs(20),
-                        )
-                        .unwrap()
+                        TcpLinks::connect(l, rank, world, addresses, &cred(), topology, timeout)
+                            .unwrap()
                     })
                 })
                 .collect();
@@ -771,17 +762,26 @@ mod tests {
         })
     }
 
-    #[test]
-    fn a_mesh_carries_data_and_a_closed_peer_is_no_failure() {
-        let links = loopback(3, Topology::Mesh);
+    /// Links for `world` ranks of this process over loopback.
+    pub(crate) fn loopback(world: usize, topology: Topology) -> Vec<TcpLinks> {
+        let listeners = (0..world)
+            .map(|_| Listener::bind(Reach::OneHost).unwrap())
+            .collect();
+        link(listeners, topology, Duration::from_secs(20))
+    }
+
+    /// Every rank all-gathers its rank + 1 over `links` with no failure, then closes them.
+    fn all_gather_ranks(links: Vec<TcpLinks>) {
+        let world = links.len();
         let out: Vec<Vec<u8>> = std::thread::scope(|s| {
             let hs: Vec<_> = links
                 .into_iter()
                 .map(|mut l| {
                     s.spawn(move || {
-                        let mut all = vec![0u8; 3];
+                        let mut all = vec![0u8; world];
                         let mine = [l.rank() as u8 + 1];
                         host::all_gather(&mut l, &mine, &mut all).unwrap();
+                        assert!(l.control().failure().is_none());
                         l.close();
                         all
                     })
@@ -789,7 +789,13 @@ mod tests {
                 .collect();
             hs.into_iter().map(|h| h.join().unwrap()).collect()
         });
-        assert!(out.iter().all(|a| a == &[1, 2, 3]));
+        let want: Vec<u8> = (1..=world as u8).collect();
+        assert!(out.iter().all(|a| a == &want), "{out:?}");
+    }
+
+    #[test]
+    fn a_mesh_carries_data_and_a_closed_peer_is_no_failure() {
+        all_gather_ranks(loopback(3, Topology::Mesh));
     }
 
     #[test]
@@ -902,22 +908,8 @@ mod tests {
             assert!(!bound.is_loopback(), "{addresses:?}");
         }
         assert!(!addresses[0].is_empty());
-        let links: Vec<TcpLinks> = std::thread::scope(|s| {
-            let hs: Vec<_> = listeners
-                .into_iter()
-                .enumerate()
-                .map(|(rank, l)| {
-                    let addresses = &addresses;
-                    s.spawn(move || {
-                        let t = Duration::from_secs(20);
-                        TcpLinks::connect(l, rank, 2, addresses, &cred(), Topology::Mesh, t)
-                            .unwrap()
-                    })
-                })
-                .collect();
-            hs.into_iter().map(|h| h.join().unwrap()).collect()
-        });
-        assert_eq!(links.len(), 2);
+        let links = link(listeners.into(), Topology::Mesh, Duration::from_secs(20));
+        all_gather_ranks(links);
     }
 
     /// Random bytes, and random bytes after a well-formed hello, at a link's reader.
@@ -966,21 +958,7 @@ mod tests {
             handshake::dial_side(&mut s, &wrong, 1, 0, 3)
         });
         let t0 = Instant::now();
-        let links: Vec<TcpLinks> = std::thread::scope(|s| {
-            let hs: Vec<_> = listeners
-                .into_iter()
-                .enumerate()
-                .map(|(rank, l)| {
-                    let addresses = &addresses;
-                    s.spawn(move || {
-                        let c = cred();
-                        let t = Duration::from_secs(60);
-                        TcpLinks::connect(l, rank, world, addresses, &c, Topology::Mesh, t).unwrap()
-                    })
-                })
-                .collect();
-            hs.into_iter().map(|h| h.join().unwrap()).collect()
-        });
+        let links = link(listeners, Topology::Mesh, Duration::from_secs(60));
         // (an idle stranger is not waited for: far below the handshake's own 10 s)
         assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
         // (refused at its hello where rank 1 was linked first, else at its proof)
@@ -994,23 +972,7 @@ mod tests {
         let mut b = [0u8; 64];
         assert!(matches!(garbage.read(&mut b), Ok(0) | Err(_)));
         drop((idle, old));
-        let out: Vec<Vec<u8>> = std::thread::scope(|s| {
-            let hs: Vec<_> = links
-                .into_iter()
-                .map(|mut l| {
-                    s.spawn(move || {
-                        let mut all = vec![0u8; 3];
-                        let mine = [l.rank() as u8 + 1];
-                        host::all_gather(&mut l, &mine, &mut all).unwrap();
-                        assert!(l.control().failure().is_none());
-                        l.close();
-                        all
-                    })
-                })
-                .collect();
-            hs.into_iter().map(|h| h.join().unwrap()).collect()
-        });
-        assert!(out.iter().all(|a| a == &[1, 2, 3]));
+        all_gather_ranks(links);
     }
 
     #[test]
