@@ -495,19 +495,12 @@ fn settle_dropped_engines(py: Python<'_>, seconds: f64) -> PyResult<usize> {
 /// Adds the engine's classes to the module.
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Listener>()?;
-    // (the one definition of these limits: cfc::engine::options, cfc::engine::transport::tcp)
+    // (the one definition of these limits: cfc::engine::options)
     m.add(
         "TIMEOUT_RANGE",
         (
             cfc::engine::options::MIN_TIMEOUT.as_secs_f64(),
             cfc::engine::options::MAX_TIMEOUT.as_secs_f64(),
-        ),
-    )?;
-    m.add(
-        "SECRET_BYTES",
-        (
-            cfc::engine::transport::tcp::SECRET_MIN,
-            cfc::engine::transport::tcp::SECRET_MAX,
         ),
     )?;
     m.add_class::<Engine>()?;

@@ -155,7 +155,6 @@ def cuda_lossless_chunks(
 ) -> None: ...
 
 TIMEOUT_RANGE: Tuple[float, float]
-SECRET_BYTES: Tuple[int, int]
 
 class Listener:
     def __init__(self, one_host: bool) -> None: ...
