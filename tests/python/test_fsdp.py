@@ -351,6 +351,10 @@ def fallback(rank, world, out):
     trial (each group one way in one pass and the other way in the next), then every group
     keeps the way every rank's timings chose alike. fallback="always" never compresses."""
     model, opt, state = make(CfcState(warmup_steps=1, fallback="auto", trial_steps=2, min_compress_numel=0))
+    # The check's clock (see below) from the start: the check reads it first at the end of the
+    # step before its own (step 3 here), and one reading of the real clock among the counts
+    # would make a step's "time" negative.
+    state._step_check.clock = lambda: state.stats()["plain_buckets"]
     per_step = []
     for step in range(4):
         before = state.stats()
@@ -372,7 +376,6 @@ def fallback(rank, world, out):
     assert state._plain_keys == plain, (state._plain_keys, decisions)
     # Then the check (see below); once its verdict keeps the trial's ways (here a clock that
     # finds compressed steps fast), the groups the trial chose plain go through torch.
-    state._step_check.clock = lambda: state.stats()["plain_buckets"]
     train(model, opt, rank, 2, start=4)
     before, engine_before = state.stats(), state._engine.stats()
     train(model, opt, rank, 1, start=6)
