@@ -69,16 +69,28 @@ def run_scenario(rank, world, init_file, module, scenario, out, device="cpu"):
         dist.destroy_process_group()
 
 
-def spawn_scenario(tmp_path, module, scenario, world, device="cpu"):
-    """Runs ``scenario`` of test module ``module`` on ``world`` processes; returns what one of
-    them put in its queue, if any."""
+def spawn_scenario_results(tmp_path, module, scenario, world, device="cpu"):
+    """Runs ``scenario`` of test module ``module`` on ``world`` processes; returns everything
+    they put in their queue, in the order it came. (Keep each item small: a process whose item
+    is still in the pipe's buffer cannot exit, and the join waits for it.)"""
     import torch.multiprocessing as mp
 
+    tmp_path.mkdir(parents=True, exist_ok=True)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     mp.spawn(run_scenario, args=(world, str(tmp_path / "init"), module, scenario, out, device), nprocs=world,
              join=True)
-    return out.get() if not out.empty() else None
+    got = []
+    while not out.empty():
+        got.append(out.get())
+    return got
+
+
+def spawn_scenario(tmp_path, module, scenario, world, device="cpu"):
+    """Runs ``scenario`` of test module ``module`` on ``world`` processes; returns what one of
+    them put in its queue, if any."""
+    got = spawn_scenario_results(tmp_path, module, scenario, world, device)
+    return got[0] if got else None
 
 
 def enough_gpus(device):

@@ -16,6 +16,7 @@ import torch.distributed as dist
 import cfc
 import cfc._engine
 from cfc import CfcState
+from conftest import spawn_scenario_results
 from test_ddp import make, train
 
 DEV = torch.device("cpu")  # set in each worker process (the helpers of test_ddp read their own)
@@ -101,19 +102,7 @@ SCENARIOS = {f.__name__: f for f in (strangers, one_rank_short)}
 
 def _run(tmp_path, scenario, world):
     """Runs ``scenario`` on ``world`` CPU ranks; everything they put in the queue."""
-    import torch.multiprocessing as mp
-
-    from conftest import run_scenario
-
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    mp.spawn(run_scenario, args=(world, str(tmp_path / "init"), "test_links", scenario, q, "cpu"),
-             nprocs=world, join=True)
-    got = []
-    while not q.empty():
-        got.append(q.get())
-    return got
+    return spawn_scenario_results(tmp_path, "test_links", scenario, world)
 
 
 def test_strangers_at_a_rank_s_port_neither_join_nor_change_training(tmp_path, monkeypatch):

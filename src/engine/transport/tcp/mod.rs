@@ -370,7 +370,7 @@ impl TcpLinks {
         // Higher ranks dial in, lower ranks are dialled: the higher ones are admitted by a
         // thread of their own meanwhile, so no two ranks wait on each other.
         let waiting: Vec<bool> = (0..world).map(|p| p > rank && linked(rank, p)).collect();
-        let mut expected = waiting.iter().filter(|&&w| w).count();
+        let mut unlinked = waiting.iter().filter(|&&w| w).count();
         let (tx, rx) = crossbeam_channel::unbounded();
         let stop = Arc::new(AtomicBool::new(false));
         listener
@@ -396,12 +396,12 @@ impl TcpLinks {
             for peer in (0..rank).filter(|&p| linked(rank, p)) {
                 streams[peer] = Some(dial(&addresses[peer], cred, rank, peer, world, deadline)?);
             }
-            while expected > 0 {
+            while unlinked > 0 {
                 let left = deadline.saturating_duration_since(Instant::now());
                 match rx.recv_timeout(left) {
                     Ok((peer, s)) => {
                         streams[peer] = Some(s);
-                        expected -= 1;
+                        unlinked -= 1;
                     }
                     Err(_) => {
                         let w = waiting.lock().unwrap_or_else(|e| e.into_inner());
