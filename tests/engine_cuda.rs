@@ -249,11 +249,11 @@ fn on_gpu(
                     let ctx = cfc::cuda::context(device).unwrap();
                     let stream = ctx.new_stream().unwrap();
                     let e = if shared {
-                        Engine::on_cuda_links(device, l, o, 0).unwrap()
+                        Engine::on_cuda_links(device, l, o, 0, &[]).unwrap()
                     } else {
                         let comm = Communicator::new(device, id, rank, world).unwrap();
                         let control = l.control().clone();
-                        Engine::on_cuda_nccl(device, comm, control, Some(Box::new(l)), o, 0)
+                        Engine::on_cuda_nccl(device, comm, control, Some(Box::new(l)), o, 0, &[])
                             .unwrap()
                     };
                     let out = drive(&e, rank, dtype, n, steps, Some(&stream));
@@ -320,8 +320,8 @@ fn gpu_fault(world: usize, setup: impl Fn(usize, &Engine) + Sync) -> Vec<Vec<Res
                 s.spawn(move || {
                     let comm = Communicator::new(rank, id, rank, world).unwrap();
                     let control = l.control().clone();
-                    let e =
-                        Engine::on_cuda_nccl(rank, comm, control, Some(Box::new(l)), o, 0).unwrap();
+                    let e = Engine::on_cuda_nccl(rank, comm, control, Some(Box::new(l)), o, 0, &[])
+                        .unwrap();
                     let stream = cfc::cuda::context(rank).unwrap().new_stream().unwrap();
                     let cu = stream.cu_stream() as u64;
                     let n = 1 << 20;

@@ -8,12 +8,11 @@ use std::sync::{Arc, Mutex};
 
 use crate::codec::dtype_of;
 use crate::error::{to_py, CfcError};
-use cfc::engine::transport::tcp::{
-    Credentials, Listener as TcpListener, Reach, TcpLinks, Topology,
-};
+use cfc::engine::topology::node_indices;
+use cfc::engine::transport::tcp::{Credentials, Listener as TcpListener, Reach, Shape, TcpLinks};
 use cfc::engine::{
     Algorithm, BoundRule, BucketState, Engine as CoreEngine, EngineState, Fallback, Fault, Job, Op,
-    Options, Scale, Tensor,
+    Options, Scale, Tensor, Topology,
 };
 
 /// A bound TCP port for the engine's links: made first, its addresses published to the other
@@ -71,6 +70,7 @@ fn options(
     warmup_steps: u32,
     min_compress_numel: u64,
     timeout: f64,
+    topology: &str,
 ) -> PyResult<Options> {
     let bound = match bound {
         "eps" => BoundRule::Abs(value),
@@ -102,6 +102,8 @@ fn options(
         warmup_steps,
         min_compress_numel,
         timeout: cfc::engine::options::timeout_from_seconds(timeout).map_err(to_py)?,
+        topology: Topology::from_name(topology)
+            .map_err(|e| PyValueError::new_err(e.to_string()))?,
     };
     o.check().map_err(to_py)?;
     Ok(o)
@@ -143,8 +145,10 @@ impl Engine {
     ///     bound, value, error_feedback, algorithm, fallback, trial_steps, warmup_steps,
     ///         min_compress_numel, timeout: the options (see `cfc.CfcState`).
     ///     agree_token: what every rank must agree on besides the options.
+    ///     nodes: each rank's node name (e.g. its host name); None: one node. With
+    ///         `topology`, it chooses the flat or the two-level exchange.
     #[new]
-    #[pyo3(signature = (listener, addresses, rank, world, secret, engine, *, device=None, nccl_id=None, bound, value, error_feedback, algorithm, fallback, trial_steps, warmup_steps, min_compress_numel, timeout, agree_token=0))]
+    #[pyo3(signature = (listener, addresses, rank, world, secret, engine, *, device=None, nccl_id=None, bound, value, error_feedback, algorithm, fallback, trial_steps, warmup_steps, min_compress_numel, timeout, topology="auto", nodes=None, agree_token=0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -165,6 +169,8 @@ impl Engine {
         warmup_steps: u32,
         min_compress_numel: u64,
         timeout: f64,
+        topology: &str,
+        nodes: Option<Vec<String>>,
         agree_token: u64,
     ) -> PyResult<Self> {
         let o = options(
@@ -177,7 +183,15 @@ impl Engine {
             warmup_steps,
             min_compress_numel,
             timeout,
+            topology,
         )?;
+        let nodes = nodes.map_or_else(Vec::new, |n| node_indices(&n));
+        if !nodes.is_empty() && nodes.len() != world {
+            return Err(PyValueError::new_err(format!(
+                "{} node names for {world} ranks",
+                nodes.len()
+            )));
+        }
         let cred = Credentials::new(secret, engine).map_err(to_py)?;
         let l = listener
             .inner
@@ -190,39 +204,18 @@ impl Engine {
                 let t = o.timeout;
                 match (device, nccl_id) {
                     (None, _) => {
-                        let links = TcpLinks::connect(
-                            l,
-                            rank,
-                            world,
-                            &addresses,
-                            &cred,
-                            Topology::Mesh,
-                            t,
-                        )?;
-                        CoreEngine::on_cpu(links, o, agree_token)
+                        let links =
+                            TcpLinks::connect(l, rank, world, &addresses, &cred, Shape::Mesh, t)?;
+                        CoreEngine::on_cpu(links, o, agree_token, &nodes)
                     }
                     (Some(d), None) => {
-                        let links = TcpLinks::connect(
-                            l,
-                            rank,
-                            world,
-                            &addresses,
-                            &cred,
-                            Topology::Mesh,
-                            t,
-                        )?;
-                        CoreEngine::on_cuda_links(d, links, o, agree_token)
+                        let links =
+                            TcpLinks::connect(l, rank, world, &addresses, &cred, Shape::Mesh, t)?;
+                        CoreEngine::on_cuda_links(d, links, o, agree_token, &nodes)
                     }
                     (Some(d), Some(id)) => {
-                        let links = TcpLinks::connect(
-                            l,
-                            rank,
-                            world,
-                            &addresses,
-                            &cred,
-                            Topology::Star,
-                            t,
-                        )?;
+                        let links =
+                            TcpLinks::connect(l, rank, world, &addresses, &cred, Shape::Star, t)?;
                         let id = cfc::nccl::UniqueId::from_hex(&id)?;
                         let comm = cfc::nccl::Communicator::with_timeout(d, &id, rank, world, t)?;
                         let control = cfc::engine::transport::Links::control(&links).clone();
@@ -233,6 +226,7 @@ impl Engine {
                             Some(Box::new(links)),
                             o,
                             agree_token,
+                            &nodes,
                         )
                     }
                 }
@@ -243,6 +237,16 @@ impl Engine {
             world,
             rank,
         })
+    }
+
+    /// Where this rank runs the two-level exchange: (nodes, ranks per node, its node, its
+    /// index there); None where the exchange is flat.
+    #[getter]
+    fn levels(&self) -> PyResult<Option<(usize, usize, usize, usize)>> {
+        Ok(self
+            .live()?
+            .levels()
+            .map(|l| (l.nodes(), l.per_node(), l.node_index, l.local)))
     }
 
     /// This rank.
@@ -375,6 +379,8 @@ impl Engine {
         d.set_item("bytes_sent", s.bytes_sent)?;
         d.set_item("bytes_uncompressed", s.bytes_uncompressed)?;
         d.set_item("resends", s.resends)?;
+        d.set_item("inside_node", s.inside_node)?;
+        d.set_item("between_nodes", s.between_nodes)?;
         d.set_item("eps", s.eps)?;
         d.set_item("max_error", s.max_error)?;
         d.set_item("seconds", s.seconds)?;
@@ -410,6 +416,7 @@ impl Engine {
             })
             .collect::<PyResult<Vec<_>>>()?;
         d.set_item("buckets", buckets)?;
+        d.set_item("levels", s.levels)?;
         Ok(d)
     }
 
@@ -436,10 +443,15 @@ impl Engine {
                 trial_compressed: field("trial_compressed")?.extract()?,
             });
         }
+        let levels: Option<(u64, u64)> = match state.get_item("levels")? {
+            Some(l) => l.extract()?,
+            None => None,
+        };
         let s = EngineState {
             step,
             origin,
             buckets,
+            levels,
         };
         let engine = self.live()?;
         py.detach(|| engine.load_state(s)).map_err(to_py)

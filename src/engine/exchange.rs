@@ -22,11 +22,12 @@
 
 use super::backend::{Backend, Lane, Memory};
 use super::job::{Job, Op, Region};
+use super::levels::Outer;
 use super::options::Algorithm;
 use super::rows::{self, next_slot, round16, Head, CHECK_AT, HEAD, SIZE_AT, STATS_AT};
 use super::transport::Transport;
 use super::worker::Worker;
-use super::Fault;
+use super::{Fault, Sent};
 use crate::error::{Error, Result};
 
 /// A job's stage after its launch.
@@ -40,16 +41,20 @@ pub(crate) enum Stage<B: Backend> {
 }
 
 /// What a job's stages share.
-struct Common {
+struct Common<B: Backend> {
     job: Job,
     check: u64,
     eps: f64,
     /// Bytes this rank sent so far.
-    sent: u64,
+    sent: Sent,
+    /// The exchange runs along this rank's rail (two levels; else among every rank).
+    rail: bool,
+    /// The node part of a two-level job (its last part runs after the decoding).
+    outer: Option<Outer<B>>,
 }
 
 pub(crate) struct Gather<B: Backend> {
-    c: Common,
+    c: Common<B>,
     cap: u64,
     slot: u64,
     mine: B::Buf,
@@ -59,7 +64,7 @@ pub(crate) struct Gather<B: Backend> {
 }
 
 pub(crate) struct Scatter<B: Backend> {
-    c: Common,
+    c: Common<B>,
     /// Element ranges of the shards (start, length).
     parts: Vec<(u64, u64)>,
     /// Frame capacity of each shard, and the stride of this rank's rows (the first shard's row).
@@ -75,7 +80,7 @@ pub(crate) struct Scatter<B: Backend> {
 }
 
 pub(crate) struct Summed<B: Backend> {
-    c: Common,
+    c: Common<B>,
     parts: Vec<(u64, u64)>,
     sum_caps: Vec<u64>,
     sums: B::Buf,
@@ -89,6 +94,7 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
     /// The first stage of a job: the uncompressed collective (done), or the compression and
     /// the first exchange (returns the next stage).
     pub(super) fn launch(&mut self, job: &Job, compress: bool) -> Result<Option<Stage<B>>> {
+        let rail = compress && self.on_rail(job);
         if !compress {
             self.plain(job)?;
             return Ok(None);
@@ -107,6 +113,16 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
                 std::thread::sleep(std::time::Duration::from_millis(5));
             }
         }
+        let mut sent = Sent::default();
+        let (job, outer) = if rail {
+            match self.node_reduce(job, &mut sent)? {
+                Some((j, o)) => (j, Some(o)),
+                None => return Ok(None),
+            }
+        } else {
+            (*job, None)
+        };
+        let job = &job;
         let kind = matches!(job.op, Op::ReduceScatter { .. }) as u64;
         let check = rows::check_word(&[
             self.seq,
@@ -116,7 +132,7 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
             job.data.dtype as u64,
             kind,
         ]);
-        let eps = self.eps(job, check)?;
+        let eps = self.eps(job, check, rail)?;
         self.decoded = true;
         if job.residual.is_some() {
             self.bucket(job.key)?.dirty = true;
@@ -125,14 +141,20 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
             job: *job,
             check,
             eps,
-            sent: 0,
+            sent,
+            rail,
+            outer,
         };
         // An all-reduce too small for every rank's shard to hold elements goes as an all-gather
         // (a rule of the bucket's size, the same on every rank).
-        let shards_hold_elements = rows::shards(job.data.numel, self.world)
-            .iter()
-            .all(|s| s.1 > 0);
-        if kind == 1 || (self.algorithm == Algorithm::ReduceScatter && shards_hold_elements) {
+        let (_, w) = self.xgroup(rail);
+        let shards_hold_elements = rows::shards(job.data.numel, w).iter().all(|s| s.1 > 0);
+        let algorithm = if rail {
+            self.rail_algorithm
+        } else {
+            self.algorithm
+        };
+        if kind == 1 || (algorithm == Algorithm::ReduceScatter && shards_hold_elements) {
             self.launch_scatter(c).map(|s| Some(Stage::Scattered(s)))
         } else {
             self.launch_gather(c).map(|g| Some(Stage::Gathered(g)))
@@ -167,14 +189,15 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
         largest: u64,
         slot: u64,
         recv: B::Buf,
-        c: &mut Common,
+        c: &mut Common<B>,
     ) -> Result<(B::Buf, u64)> {
-        let w = self.world as u64;
+        let w = self.xgroup(c.rail).1 as u64;
         let row = HEAD + round16(largest);
         let again = self.alloc_for_comm(w * row)?;
         let r = again.region().sub(0, w * row)?;
-        self.tr.all_gather(&mut self.be, mine.sub(0, row)?, r)?;
-        c.sent += (w - 1) * row;
+        let (tr, be) = self.xt(c.rail);
+        tr.all_gather(be, mine.sub(0, row)?, r)?;
+        self.count_all(&mut c.sent, c.rail, row);
         if slot > 0 {
             self.shared.resend(); // (with no slot yet, sending the heads first is the plan)
         }
@@ -182,8 +205,8 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
         Ok((again, row))
     }
 
-    fn launch_gather(&mut self, c: Common) -> Result<Gather<B>> {
-        let (x, w) = (c.job.data, self.world as u64);
+    fn launch_gather(&mut self, mut c: Common<B>) -> Result<Gather<B>> {
+        let (x, w) = (c.job.data, self.xgroup(c.rail).1 as u64);
         let cap = self.be.frame_capacity(x.numel, x.dtype);
         let slot = self.bucket(c.job.key)?.slot.min(cap);
         let mine = self.alloc(HEAD + cap)?;
@@ -206,14 +229,13 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
         let row = HEAD + slot;
         let recv = self.alloc(w * row)?;
         let r = recv.region().sub(0, w * row)?;
-        self.tr.all_gather(&mut self.be, m.sub(0, row)?, r)?;
+        let (tr, be) = self.xt(c.rail);
+        tr.all_gather(be, m.sub(0, row)?, r)?;
+        self.count_all(&mut c.sent, c.rail, row);
         let heads = self.be.fetch(Lane::Comm, r, row, HEAD, w)?;
         let mark = self.be.mark(Lane::Comm)?;
         Ok(Gather {
-            c: Common {
-                sent: (w - 1) * row,
-                ..c
-            },
+            c,
             cap,
             slot,
             mine,
@@ -233,9 +255,10 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
             heads,
             mark,
         } = g;
-        let w = self.world as u64;
-        self.tr.wait(&mut self.be, &mark)?;
-        let heads = rows::heads(&self.be.fetched(heads), self.world)?;
+        let (tr, be) = self.xt(c.rail);
+        tr.wait(be, &mark)?;
+        let w = self.xgroup(c.rail).1;
+        let heads = rows::heads(&self.be.fetched(heads), w)?;
         let all: Vec<(usize, Head)> = heads.iter().copied().enumerate().collect();
         rows::check_heads(&all, c.check, cap, "a frame")?;
         self.note_stats(&c.job, &heads)?;
@@ -253,20 +276,32 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
             .map(|(j, h)| r.sub(j as u64 * row + HEAD, h.size))
             .collect::<Result<Vec<_>>>()?;
         let x = c.job.data;
-        self.be.decode(
-            &frames,
-            false,
-            x.numel,
-            x.dtype,
-            c.job.scale.factor(self.world),
-            x,
-        )?;
+        self.be
+            .decode(&frames, false, x.numel, x.dtype, c.job.scale.factor(w), x)?;
         self.bucket(c.job.key)?.slot = next_slot(largest, cap);
         self.be.free(mine);
         self.be.free(recv);
-        let uncompressed = 2 * (w - 1) * x.bytes().div_ceil(w);
-        self.shared
-            .account(true, c.sent, uncompressed, c.eps, false);
+        self.finish(c)
+    }
+
+    /// A compressed job's end: the node's all-gather of a two-level job, and the accounting.
+    fn finish(&mut self, c: Common<B>) -> Result<()> {
+        let Common {
+            job,
+            eps,
+            mut sent,
+            outer,
+            ..
+        } = c;
+        let whole = Self::outer_job(&outer).unwrap_or(job);
+        if let Some(o) = outer {
+            self.node_gather(o, &mut sent)?;
+        }
+        let uncompressed = match whole.op {
+            Op::AllReduce => self.ring_bytes(&whole),
+            Op::ReduceScatter { .. } => self.ring_bytes(&whole) / 2,
+        };
+        self.shared.account(true, sent, uncompressed, eps);
         Ok(())
     }
 
@@ -282,11 +317,12 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
         Ok(())
     }
 
-    fn launch_scatter(&mut self, c: Common) -> Result<Scatter<B>> {
+    fn launch_scatter(&mut self, mut c: Common<B>) -> Result<Scatter<B>> {
         let x = c.job.data;
-        let w = self.world as u64;
+        let (me, world) = self.xgroup(c.rail);
+        let w = world as u64;
         let parts = match c.job.op {
-            Op::AllReduce => rows::shards(x.numel, self.world),
+            Op::AllReduce => rows::shards(x.numel, world),
             Op::ReduceScatter { .. } => {
                 let l = x.numel / w;
                 (0..w).map(|j| (j * l, l)).collect()
@@ -333,14 +369,12 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
             let b = self.bucket(c.job.key)?;
             (b.send_slots.clone(), b.recv_slots.clone())
         };
-        let me = self.rank;
         let rstride = HEAD + recv_slots.iter().copied().max().unwrap_or(0);
         let recv = self.alloc(w * rstride)?;
         let r = recv.region().sub(0, w * rstride)?;
-        let mut sends = Vec::with_capacity(self.world);
-        let mut recvs = Vec::with_capacity(self.world);
-        let mut sent = 0;
-        for j in 0..self.world {
+        let mut sends = Vec::with_capacity(world);
+        let mut recvs = Vec::with_capacity(world);
+        for j in 0..world {
             if j == me {
                 sends.push(m.sub(0, 0)?);
                 recvs.push(r.sub(0, 0)?);
@@ -349,14 +383,15 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
             let out = HEAD + send_slots[j].min(caps[j]);
             sends.push(m.sub(j as u64 * stride, out)?);
             recvs.push(r.sub(j as u64 * rstride, HEAD + recv_slots[j])?);
-            sent += out;
+            self.count(&mut c.sent, c.rail, j, out);
         }
-        self.tr.exchange(&mut self.be, &sends, &recvs)?;
+        let (tr, be) = self.xt(c.rail);
+        tr.exchange(be, &sends, &recvs)?;
         let own_heads = self.be.fetch(Lane::Comm, m, stride, HEAD, w)?;
         let in_heads = self.be.fetch(Lane::Comm, r, rstride, HEAD, w)?;
         let mark = self.be.mark(Lane::Comm)?;
         Ok(Scatter {
-            c: Common { sent, ..c },
+            c,
             parts,
             caps,
             stride,
@@ -384,12 +419,14 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
             in_heads,
             mark,
         } = s;
-        let (me, w) = (self.rank, self.world as u64);
-        self.tr.wait(&mut self.be, &mark)?;
-        let own = rows::heads(&self.be.fetched(own_heads), self.world)?;
-        let inn = rows::heads(&self.be.fetched(in_heads), self.world)?;
+        let (me, world) = self.xgroup(c.rail);
+        let w = world as u64;
+        let (tr, be) = self.xt(c.rail);
+        tr.wait(be, &mark)?;
+        let own = rows::heads(&self.be.fetched(own_heads), world)?;
+        let inn = rows::heads(&self.be.fetched(in_heads), world)?;
         // This rank's own frame of its shard never travelled: its own head stands in.
-        let received: Vec<(usize, Head)> = (0..self.world)
+        let received: Vec<(usize, Head)> = (0..world)
             .map(|j| (j, if j == me { own[me] } else { inn[j] }))
             .collect();
         rows::check_heads(
@@ -414,15 +451,15 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
             (b.send_slots.clone(), b.recv_slots.clone())
         };
         // Pairs whose frame outgrew its slot: both sides know it from the same head.
-        let outgrown_out: Vec<usize> = (0..self.world)
+        let outgrown_out: Vec<usize> = (0..world)
             .filter(|&j| j != me && own[j].size > send_slots[j].min(caps[j]))
             .collect();
-        let outgrown_in: Vec<usize> = (0..self.world)
+        let outgrown_in: Vec<usize> = (0..world)
             .filter(|&j| j != me && inn[j].size > recv_slots[j])
             .collect();
         let m = mine.region();
         let r = recv.region();
-        let mut frames: Vec<Region> = (0..self.world)
+        let mut frames: Vec<Region> = (0..world)
             .map(|j| {
                 if j == me {
                     m.sub(j as u64 * stride + HEAD, own[me].size)
@@ -436,11 +473,11 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
             let total: u64 = outgrown_in.iter().map(|&j| round16(inn[j].size)).sum();
             let buf = self.alloc_for_comm(total.max(16))?;
             let b = buf.region();
-            let mut sends = vec![m.sub(0, 0)?; self.world];
-            let mut recvs = vec![b.sub(0, 0)?; self.world];
+            let mut sends = vec![m.sub(0, 0)?; world];
+            let mut recvs = vec![b.sub(0, 0)?; world];
             for &j in &outgrown_out {
                 sends[j] = m.sub(j as u64 * stride + HEAD, own[j].size)?;
-                c.sent += own[j].size;
+                self.count(&mut c.sent, c.rail, j, own[j].size);
             }
             let mut at = 0;
             for &j in &outgrown_in {
@@ -448,14 +485,14 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
                 frames[j] = recvs[j];
                 at += round16(inn[j].size);
             }
-            self.tr.exchange(&mut self.be, &sends, &recvs)?;
+            let (tr, be) = self.xt(c.rail);
+            tr.exchange(be, &sends, &recvs)?;
             if send_slots.iter().chain(&recv_slots).any(|&s| s > 0) {
                 self.shared.resend();
             }
             again = Some(buf);
         }
         {
-            let world = self.world;
             let b = self.bucket(c.job.key)?;
             for j in (0..world).filter(|&j| j != me) {
                 b.send_slots[j] = next_slot(own[j].size, caps[j]);
@@ -486,15 +523,13 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
         if let Some(b) = again {
             self.be.free(b);
         }
-        let scale = c.job.scale.factor(self.world);
+        let scale = c.job.scale.factor(world);
         if let Op::ReduceScatter { out } = c.job.op {
             // This rank's shard is all a reduce-scatter wants: decode it (its size is in its head).
             let frame = [sm.sub(HEAD, sum_caps[me])?];
             self.be.decode(&frame, true, len, x.dtype, scale, out)?;
             self.be.free(sums);
-            let uncompressed = (w - 1) * x.bytes().div_ceil(w);
-            self.shared
-                .account(true, c.sent, uncompressed, c.eps, false);
+            self.finish(c)?;
             return Ok(None);
         }
         self.be
@@ -504,8 +539,9 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
         let row = HEAD + slot;
         let recv = self.alloc(w * row)?;
         let rr = recv.region().sub(0, w * row)?;
-        self.tr.all_gather(&mut self.be, sm.sub(0, row)?, rr)?;
-        c.sent += (w - 1) * row;
+        let (tr, be) = self.xt(c.rail);
+        tr.all_gather(be, sm.sub(0, row)?, rr)?;
+        self.count_all(&mut c.sent, c.rail, row);
         let heads = self.be.fetch(Lane::Comm, rr, row, HEAD, w)?;
         let mark = self.be.mark(Lane::Comm)?;
         Ok(Some(Stage::Summed(Summed {
@@ -532,9 +568,10 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
             heads,
             mark,
         } = s;
-        let w = self.world as u64;
-        self.tr.wait(&mut self.be, &mark)?;
-        let heads = rows::heads(&self.be.fetched(heads), self.world)?;
+        let world = self.xgroup(c.rail).1;
+        let (tr, be) = self.xt(c.rail);
+        tr.wait(be, &mark)?;
+        let heads = rows::heads(&self.be.fetched(heads), world)?;
         for (j, h) in heads.iter().enumerate() {
             if h.size == 0 {
                 return Err(Error::PeerFailed {
@@ -555,7 +592,7 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
         };
         self.be.join(Lane::Compute, Lane::Comm)?;
         let x = c.job.data;
-        let scale = c.job.scale.factor(self.world);
+        let scale = c.job.scale.factor(world);
         let r = recv.region();
         for (j, &(lo, len)) in parts.iter().enumerate() {
             let frame = [r.sub(j as u64 * row + HEAD, heads[j].size)?];
@@ -566,9 +603,6 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
         self.bucket(c.job.key)?.slot = next_slot(largest, widest);
         self.be.free(sums);
         self.be.free(recv);
-        let uncompressed = 2 * (w - 1) * x.bytes().div_ceil(w);
-        self.shared
-            .account(true, c.sent, uncompressed, c.eps, false);
-        Ok(())
+        self.finish(c)
     }
 }

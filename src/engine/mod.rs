@@ -30,9 +30,11 @@ pub mod backend;
 pub mod control;
 mod exchange;
 pub mod job;
+mod levels;
 pub mod options;
 pub mod policy;
 mod rows;
+pub mod topology;
 pub mod transport;
 mod worker;
 
@@ -40,6 +42,7 @@ pub use control::{Control, Failure};
 pub use job::{Job, Op, Scale, Tensor};
 pub use options::{Algorithm, BoundRule, Fallback, Options};
 pub use policy::{BucketState, EngineState};
+pub use topology::{Levels, Topology};
 
 use crate::error::{Error, Result};
 use backend::cpu::CpuBackend;
@@ -114,8 +117,13 @@ pub struct Stats {
     pub compressed: u64,
     /// Jobs sent uncompressed.
     pub plain: u64,
-    /// Bytes this rank sent.
+    /// Bytes this rank sent (`inside_node + between_nodes`).
     pub bytes_sent: u64,
+    /// Bytes this rank sent to ranks of its own node (all of them where no nodes were given).
+    pub inside_node: u64,
+    /// Bytes this rank sent to ranks of other nodes (for a plain ring collective across nodes,
+    /// this rank's share of the ring's bytes out of its node: a `1 / ranks per node` part).
+    pub between_nodes: u64,
     /// Bytes a ring collective of the same jobs would have sent uncompressed.
     pub bytes_uncompressed: u64,
     /// Exchanges in which a frame outgrew its slot and went again.
@@ -237,21 +245,18 @@ impl Shared {
         self.cv.notify_all();
     }
 
-    pub(crate) fn account(
-        &self,
-        compressed: bool,
-        sent: u64,
-        uncompressed: u64,
-        eps: f64,
-        _resend: bool,
-    ) {
+    /// A job done: `sent` bytes went (inside this rank's node, and between nodes), where a ring
+    /// collective would have sent `uncompressed`.
+    pub(crate) fn account(&self, compressed: bool, sent: Sent, uncompressed: u64, eps: f64) {
         let mut s = self.stats();
         if compressed {
             s.compressed += 1;
         } else {
             s.plain += 1;
         }
-        s.bytes_sent += sent;
+        s.bytes_sent += sent.inside + sent.between;
+        s.inside_node += sent.inside;
+        s.between_nodes += sent.between;
         s.bytes_uncompressed += uncompressed;
         s.eps = s.eps.max(eps);
     }
@@ -270,6 +275,13 @@ impl Shared {
     }
 }
 
+/// Bytes a job sent, inside this rank's node and to other nodes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct Sent {
+    pub inside: u64,
+    pub between: u64,
+}
+
 /// One rank's handle to an engine; see the module docs.
 pub struct Engine {
     tx: Sender<Msg>,
@@ -279,6 +291,8 @@ pub struct Engine {
     rank: usize,
     world: usize,
     options: Options,
+    /// This rank's place in the two-level exchange; `None`: flat.
+    levels: Option<Levels>,
     /// Publications asked for so far (closes, agreements).
     expected: Mutex<u64>,
     /// Whether jobs were sent after the latest counted message (their memory is in use until a
@@ -302,24 +316,43 @@ impl std::fmt::Debug for Engine {
 impl Engine {
     /// Starts an engine on `be` and `tr` with `options`, and its agreement round with `token`
     /// (a value every rank must give alike, e.g. which checkpoint it resumed from): ranks that
-    /// disagree on the options or the token get [`Error::RankMismatch`] from their first wait.
+    /// disagree on the options, the nodes or the token get [`Error::RankMismatch`] from their
+    /// first wait. `nodes` holds each rank's node index ([`topology::node_indices`]; empty:
+    /// one node); with the option `topology`, it chooses the flat or the two-level exchange.
     ///
     /// # Errors
-    /// [`Error::InvalidBound`] and the other errors of [`Options::check`]; a thread that cannot
-    /// be started.
+    /// [`Error::InvalidBound`] and the other errors of [`Options::check`]; a node map of the
+    /// wrong length, or `topology="two-level"` over nodes of different sizes; a thread that
+    /// cannot be started.
     pub(crate) fn start<B: Backend, T: Transport<B> + 'static>(
         be: B,
         tr: T,
         options: Options,
         token: u64,
+        nodes: &[usize],
     ) -> Result<Engine> {
         options.check()?;
         let (rank, world) = (tr.rank(), tr.world());
+        if !nodes.is_empty() && nodes.len() != world {
+            return Err(Error::Transport(format!(
+                "a node map of {} ranks for an engine of {world}",
+                nodes.len()
+            )));
+        }
+        let levels = topology::plan(options.topology, nodes, rank)?;
         let control = tr.control().clone();
         let ready = be.ready_maker();
         let shared = Shared::new();
         let (tx, rx) = crossbeam_channel::unbounded();
-        let worker = worker::Worker::new(be, tr, options.clone(), shared.clone(), rx);
+        let worker = worker::Worker::new(
+            be,
+            tr,
+            options.clone(),
+            shared.clone(),
+            rx,
+            nodes,
+            levels.clone(),
+        );
         let thread = std::thread::Builder::new()
             .name(format!("cfc-engine-{rank}"))
             .spawn(move || {
@@ -346,6 +379,7 @@ impl Engine {
             rank,
             world,
             options,
+            levels,
             expected: Mutex::new(0),
             uncounted: std::sync::atomic::AtomicBool::new(false),
             points: std::sync::atomic::AtomicU64::new(0),
@@ -361,13 +395,31 @@ impl Engine {
     /// # Errors
     /// As `Engine::start`.
     pub fn local_group(world: usize, options: Options) -> Result<Vec<Engine>> {
-        LocalLinks::group(world, options.timeout)
+        Engine::local_nodes(&vec![0; world], options)
+    }
+
+    /// As [`Engine::local_group`], rank `r` on node `nodes[r]` (emulated: for tests of the
+    /// two-level exchange).
+    ///
+    /// # Errors
+    /// As `Engine::start`.
+    pub fn local_nodes(nodes: &[usize], options: Options) -> Result<Vec<Engine>> {
+        LocalLinks::group(nodes.len(), options.timeout)
             .into_iter()
-            .map(|l| Engine::start(CpuBackend::new(), HostTransport::new(l), options.clone(), 0))
+            .map(|l| {
+                Engine::start(
+                    CpuBackend::new(),
+                    HostTransport::new(l),
+                    options.clone(),
+                    0,
+                    nodes,
+                )
+            })
             .collect()
     }
 
-    /// An engine on the CPU backend over links between processes.
+    /// An engine on the CPU backend over links between processes, rank `r` on node `nodes[r]`
+    /// (empty: one node).
     ///
     /// # Errors
     /// As `Engine::start`.
@@ -375,8 +427,15 @@ impl Engine {
         links: L,
         options: Options,
         token: u64,
+        nodes: &[usize],
     ) -> Result<Engine> {
-        Engine::start(CpuBackend::new(), HostTransport::new(links), options, token)
+        Engine::start(
+            CpuBackend::new(),
+            HostTransport::new(links),
+            options,
+            token,
+            nodes,
+        )
     }
 
     /// An engine on the CUDA backend (device `device`) over an NCCL communicator of its own,
@@ -394,12 +453,13 @@ impl Engine {
         links: Option<Box<dyn transport::Links>>,
         options: Options,
         token: u64,
+        nodes: &[usize],
     ) -> Result<Engine> {
         let be = backend::cuda::CudaBackend::new(device)?;
         let mut comm = comm;
         comm.set_timeout(options.timeout);
         let tr = transport::nccl::NcclTransport::new(comm, control, links);
-        Engine::start(be, tr, options, token)
+        Engine::start(be, tr, options, token, nodes)
     }
 
     /// An engine on the CUDA backend (device `device`) over host links, through host memory
@@ -413,6 +473,7 @@ impl Engine {
         links: L,
         options: Options,
         token: u64,
+        nodes: &[usize],
     ) -> Result<Engine> {
         let be = backend::cuda::CudaBackend::new(device)?;
         Engine::start(
@@ -420,7 +481,13 @@ impl Engine {
             transport::staged::StagedTransport::new(links),
             options,
             token,
+            nodes,
         )
+    }
+
+    /// This rank's place in the two-level exchange, or `None` where the exchange is flat.
+    pub fn levels(&self) -> Option<&Levels> {
+        self.levels.as_ref()
     }
 
     /// This rank.

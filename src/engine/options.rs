@@ -1,5 +1,6 @@
 //! What every rank of an engine must agree on, and its encoding for the agreement round.
 
+use crate::engine::topology::Topology;
 use crate::error::{Error, Result};
 use std::time::Duration;
 
@@ -160,11 +161,14 @@ pub struct Options {
     pub min_compress_numel: u64,
     /// How long any wait for a peer may last before the engine fails.
     pub timeout: Duration,
+    /// Flat, or plain inside nodes and compressed between them (see `engine/topology.rs`).
+    pub topology: Topology,
 }
 
 impl Options {
     /// Options with `bound`, error feedback, the algorithm chosen by rank count, no fallback,
-    /// no warm-up, buckets from 16384 elements, a timeout of 300 s.
+    /// no warm-up, buckets from 16384 elements, a timeout of 300 s, the topology chosen by the
+    /// nodes.
     pub fn new(bound: BoundRule) -> Options {
         Options {
             bound,
@@ -174,6 +178,7 @@ impl Options {
             warmup_steps: 0,
             min_compress_numel: 16384,
             timeout: Duration::from_secs(300),
+            topology: Topology::Auto,
         }
     }
 
@@ -232,14 +237,15 @@ impl Options {
 }
 
 /// Bytes of [`descriptor`]'s output.
-pub(crate) const DESCRIPTOR_LEN: usize = 48;
+pub(crate) const DESCRIPTOR_LEN: usize = 56;
 /// The descriptor's version: bumped whenever its layout changes.
-const DESCRIPTOR_VERSION: u8 = 1;
+const DESCRIPTOR_VERSION: u8 = 2;
 
 /// What every rank sends in the agreement round: the options that order or size the
 /// collectives, the world, and `token` (the caller's: e.g. which checkpoint it resumed from).
-/// The timeout is left out: ranks may wait for different times.
-pub(crate) fn descriptor(o: &Options, world: usize, token: u64) -> Vec<u8> {
+/// The timeout is left out: ranks may wait for different times. `nodes` is a hash of the ranks'
+/// nodes (ranks that see them differently would build different groups).
+pub(crate) fn descriptor(o: &Options, world: usize, token: u64, nodes: u64) -> Vec<u8> {
     let mut d = Vec::with_capacity(DESCRIPTOR_LEN);
     d.push(DESCRIPTOR_VERSION);
     d.push(o.bound.code());
@@ -255,13 +261,15 @@ pub(crate) fn descriptor(o: &Options, world: usize, token: u64) -> Vec<u8> {
         Fallback::Auto { trial_steps } => (2, trial_steps),
     };
     d.push(fallback);
-    d.extend_from_slice(&[0; 3]);
+    d.push(o.topology.code());
+    d.extend_from_slice(&[0; 2]);
     d.extend_from_slice(&o.bound.value().to_le_bytes());
     d.extend_from_slice(&trial.to_le_bytes());
     d.extend_from_slice(&o.warmup_steps.to_le_bytes());
     d.extend_from_slice(&o.min_compress_numel.to_le_bytes());
     d.extend_from_slice(&(world as u64).to_le_bytes());
     d.extend_from_slice(&token.to_le_bytes());
+    d.extend_from_slice(&nodes.to_le_bytes());
     debug_assert_eq!(d.len(), DESCRIPTOR_LEN);
     d
 }
@@ -291,15 +299,20 @@ pub(crate) fn describe(d: &[u8]) -> String {
         2 => format!("auto ({} trial steps)", u32_at(16).unwrap_or(0)),
         _ => "?".to_string(),
     };
+    let topology = ["auto", "flat", "two-level"]
+        .get(d[5] as usize)
+        .unwrap_or(&"?");
     format!(
         "{bound}={:e}, error feedback {}, algorithm {algorithm}, fallback {fallback}, \
-         warm-up {} steps, min_compress_numel {}, {} ranks, token {:#x}",
+         warm-up {} steps, min_compress_numel {}, {} ranks, token {:#x}, topology \
+         {topology}, nodes {:#x}",
         f64::from_bits(u64_at(8).unwrap_or(0)),
         if d[2] != 0 { "on" } else { "off" },
         u32_at(20).unwrap_or(0),
         u64_at(24).unwrap_or(0),
         u64_at(32).unwrap_or(0),
         u64_at(40).unwrap_or(0),
+        u64_at(48).unwrap_or(0),
     )
 }
 
@@ -311,18 +324,23 @@ mod tests {
     fn descriptors_say_what_differs_and_distrust_peers() {
         let mut o = Options::new(BoundRule::Rms(0.3));
         o.fallback = Fallback::Auto { trial_steps: 4 };
-        let d = descriptor(&o, 4, 7);
+        let d = descriptor(&o, 4, 7, 0);
         assert_eq!(d.len(), DESCRIPTOR_LEN);
         let said = describe(&d);
         assert!(said.contains("rms=3e-1"), "{said}");
         assert!(said.contains("auto (4 trial steps)"), "{said}");
         assert!(said.contains("4 ranks"), "{said}");
+        assert!(said.contains("topology auto"), "{said}");
         assert!(describe(&d[..5]).contains("5 bytes"));
         let mut bad = d.clone();
         bad[1] = 9;
         assert!(describe(&bad).starts_with("?="));
         o.warmup_steps = 1;
-        assert_ne!(descriptor(&o, 4, 7), d);
+        assert_ne!(descriptor(&o, 4, 7, 0), d);
+        assert_ne!(descriptor(&o, 4, 7, 1), descriptor(&o, 4, 7, 0));
+        o.warmup_steps = 0;
+        o.topology = Topology::Flat;
+        assert!(describe(&descriptor(&o, 4, 7, 0)).contains("topology flat"));
     }
 
     #[test]

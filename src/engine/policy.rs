@@ -26,6 +26,8 @@ pub(crate) struct Bucket {
     pub recv_slots: Vec<u64>,
     /// The residual may hold what no exchange has sent yet.
     pub dirty: bool,
+    /// The residual may hold values outside this rank's shard of a two-level exchange.
+    pub spread: bool,
     /// The trial's times of each way (seconds, this rank's).
     pub trial_plain: Vec<f64>,
     pub trial_compressed: Vec<f64>,
@@ -42,6 +44,7 @@ impl Bucket {
             send_slots: vec![0; world],
             recv_slots: vec![0; world],
             dirty: false,
+            spread: true,
             trial_plain: Vec::new(),
             trial_compressed: Vec::new(),
             decision: None,
@@ -78,6 +81,10 @@ pub struct EngineState {
     pub origin: u64,
     /// Per bucket.
     pub buckets: Vec<BucketState>,
+    /// The two-level exchange the statistics were taken in (nodes, ranks per node); `None`:
+    /// flat. Loaded into another, the statistics are measured again (they are of other data:
+    /// a node's sums of a shard, or whole buckets); the residuals carry over as they are.
+    pub levels: Option<(u64, u64)>,
 }
 
 /// Where a step stands.
@@ -237,6 +244,7 @@ impl Policy {
             step: self.step,
             origin: self.origin,
             buckets,
+            levels: None,
         }
     }
 

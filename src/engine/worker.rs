@@ -52,6 +52,13 @@ pub(crate) struct Worker<B: Backend, T: Transport<B>> {
     pub(super) rank: usize,
     pub(super) world: usize,
     pub(super) algorithm: Algorithm,
+    /// The algorithm along a rail (two levels).
+    pub(super) rail_algorithm: Algorithm,
+    /// Each rank's node (empty: one node).
+    pub(super) node_of: Vec<usize>,
+    /// This rank's place in the two-level exchange (`None`: flat), and its groups once open.
+    pub(super) levels: Option<super::topology::Levels>,
+    pub(super) groups: Option<super::levels::Groups<T>>,
     pub(super) policy: Policy,
     /// Jobs taken so far (the same number on every rank at the same job).
     pub(super) seq: u64,
@@ -74,10 +81,22 @@ pub(crate) struct Worker<B: Backend, T: Transport<B>> {
 }
 
 impl<B: Backend, T: Transport<B>> Worker<B, T> {
-    pub(crate) fn new(be: B, tr: T, o: Options, shared: Arc<Shared>, rx: Receiver<Msg>) -> Self {
+    pub(crate) fn new(
+        be: B,
+        tr: T,
+        o: Options,
+        shared: Arc<Shared>,
+        rx: Receiver<Msg>,
+        nodes: &[usize],
+        levels: Option<super::topology::Levels>,
+    ) -> Self {
         let (rank, world) = (tr.rank(), tr.world());
         Worker {
             algorithm: o.algorithm_for(world),
+            rail_algorithm: o.algorithm_for(world),
+            node_of: nodes.to_vec(),
+            levels,
+            groups: None,
             be,
             tr,
             o,
@@ -185,7 +204,9 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
                     self.policy.reset();
                 }
                 Msg::State(reply) => {
-                    let _ = reply.send(self.policy.state());
+                    let mut state = self.policy.state();
+                    state.levels = self.layout();
+                    let _ = reply.send(state);
                 }
                 Msg::Load(state, reply) => {
                     self.load(state);
@@ -200,13 +221,27 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
         }
     }
 
-    fn load(&mut self, state: EngineState) {
+    fn load(&mut self, mut state: EngineState) {
+        if state.levels != self.layout() {
+            for b in &mut state.buckets {
+                b.stats = None;
+            }
+        }
         self.policy.load(state);
     }
 
+    /// The two-level exchange's shape (nodes, ranks per node); `None`: flat.
+    fn layout(&self) -> Option<(u64, u64)> {
+        self.levels
+            .as_ref()
+            .map(|l| (l.nodes() as u64, l.per_node() as u64))
+    }
+
     /// The agreement round: every rank's options, world and token, compared on every rank.
+    /// At the first, the two-level groups open once every rank is known to see the same nodes.
     fn agree(&mut self, token: u64) -> Result<()> {
-        let mine = super::options::descriptor(&self.o, self.world, token);
+        let nodes = super::topology::nodes_word(&self.node_of);
+        let mine = super::options::descriptor(&self.o, self.world, token, nodes);
         let all = self.tr.gather(&mut self.be, &mine)?;
         if let Some((j, theirs)) = all.iter().enumerate().find(|(_, d)| **d != all[0]) {
             return Err(Error::RankMismatch {
@@ -214,7 +249,7 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
                 theirs: format!("rank {j} has {}", super::options::describe(theirs)),
             });
         }
-        Ok(())
+        self.open_groups()
     }
 
     /// One job: its launch, then the stages of earlier jobs now due.
@@ -232,7 +267,8 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
         let n = job.data.numel;
         let kind = matches!(job.op, Op::ReduceScatter { .. }) as u8;
         let identity = (job.fingerprint, n, job.data.dtype, kind);
-        let (o, world) = (self.o.clone(), self.world);
+        let o = self.o.clone();
+        let (_, world) = self.xgroup(self.on_rail(&job));
         let phase = self.policy.phase(&o);
         // Every rank is in the same phase at the same job (the steps count alike), so that
         // this round is taken everywhere or nowhere.
@@ -241,7 +277,9 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
         }
         self.policy.bucket(job.key, identity, &o, world);
         if job.fresh_residual && job.residual.is_some() {
-            self.bucket(job.key)?.dirty = true;
+            let b = self.bucket(job.key)?;
+            b.dirty = true;
+            b.spread = true;
         }
         if n == 0 {
             return Ok(()); // every rank has nothing to send: nothing moves
@@ -581,33 +619,39 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
             }
         };
         self.be.join(Lane::Compute, Lane::Comm)?;
-        self.shared.account(false, sent, sent, 0.0, false);
+        self.shared.account(false, self.ring(sent), sent, 0.0);
         Ok(())
     }
 
     /// The bound of this step for a bucket: fixed, or from its statistics at its last exchange
-    /// (measured now, in a round of its own, at its first).
-    pub(super) fn eps(&mut self, job: &Job, check: u64) -> Result<f64> {
+    /// (measured now, in a round of its own, at its first). Along a rail, a fixed bound is
+    /// multiplied by the ranks per node (the shard holds the node's sum: see `levels.rs`); a
+    /// bound from statistics follows the node's sums by itself.
+    pub(super) fn eps(&mut self, job: &Job, check: u64, rail: bool) -> Result<f64> {
         let bound = self.o.bound;
         if let BoundRule::Abs(e) = bound {
-            return Ok(e);
+            let g = match (&self.levels, rail) {
+                (Some(l), true) => l.per_node() as f64,
+                _ => 1.0,
+            };
+            return Ok(e * g);
         }
         let n = job.data.numel;
         let stats = match self.bucket(job.key)?.stats {
             Some(s) => s,
             None => {
-                let s = self.measure(job, check)?;
+                let s = self.measure(job, check, rail)?;
                 self.bucket(job.key)?.stats = Some(s);
                 s
             }
         };
-        // (every rank's statistics are of its whole bucket: `n` elements each)
-        Ok(bound.eps(stats.0, stats.1, n, self.world))
+        // (every rank's statistics are of its whole bucket, or shard: `n` elements each)
+        Ok(bound.eps(stats.0, stats.1, n, self.xgroup(rail).1))
     }
 
-    /// Every rank's statistics of a bucket now (a round of 24 bytes per rank).
-    fn measure(&mut self, job: &Job, check: u64) -> Result<(f64, f64)> {
-        let w = self.world as u64;
+    /// Every rank's statistics of a bucket now (a round of 24 bytes per rank of the group).
+    fn measure(&mut self, job: &Job, check: u64, rail: bool) -> Result<(f64, f64)> {
+        let w = self.xgroup(rail).1 as u64;
         let mine = self.alloc(24)?;
         let all = self.alloc(24 * w)?;
         let (m, a) = (region(&mine).sub(0, 24)?, region(&all).sub(0, 24 * w)?);
@@ -615,10 +659,12 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
             .stats(job.data, job.residual, m.sub(0, 16)?, 16, 1)?;
         self.be.put(Lane::Compute, m.sub(16, 8)?, 8, 1, check)?;
         self.be.join(Lane::Comm, Lane::Compute)?;
-        self.tr.all_gather(&mut self.be, m, a)?;
+        let (tr, be) = self.xt(rail);
+        tr.all_gather(be, m, a)?;
         let f = self.be.fetch(Lane::Comm, a, 24, 24, w)?;
         let mark = self.be.mark(Lane::Comm)?;
-        self.tr.wait(&mut self.be, &mark)?;
+        let (tr, be) = self.xt(rail);
+        tr.wait(be, &mark)?;
         let bytes = self.be.fetched(f);
         self.be.free(mine);
         self.be.free(all);

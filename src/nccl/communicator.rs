@@ -133,6 +133,73 @@ impl Communicator {
         Ok(comm)
     }
 
+    /// A communicator of the ranks that give the same `color` (every rank of this one calls
+    /// it, at the same point), in which this rank is `rank` of `world` (the order of `rank`
+    /// given as NCCL's key). It keeps this one's timeout; the failure board is set apart.
+    ///
+    /// # Errors
+    /// [`Error::NcclUnavailable`] for an NCCL older than 2.18 (no `ncclCommSplit`);
+    /// [`Error::Nccl`]; the timeout.
+    pub fn split(&mut self, color: usize, rank: usize, world: usize) -> Result<Communicator> {
+        self.usable()?;
+        let split = self.nccl.comm_split.ok_or_else(|| {
+            Error::NcclUnavailable(format!(
+                "{} has no ncclCommSplit (NCCL 2.18 or later is needed for a two-level \
+                 exchange; topology='flat' works with this one)",
+                self.nccl.path()
+            ))
+        })?;
+        if rank >= world || color > i32::MAX as usize || world > i32::MAX as usize {
+            return Err(Error::Transport(format!(
+                "internal: rank {rank} of {world} (color {color}) is not a place in a split"
+            )));
+        }
+        let _restore = crate::cuda::ContextGuard::save()?;
+        self.ctx.bind_to_thread().map_err(driver_err)?;
+        let blocking = std::env::var("CFC_NCCL_BLOCKING").is_ok_and(|v| v == "1");
+        let mut config = RawConfig {
+            size: std::mem::size_of::<RawConfig>(),
+            magic: 0xcafe_beef,
+            version: 21700,
+            blocking: blocking as c_int,
+            cga_cluster_size: CONFIG_UNDEF,
+            min_ctas: CONFIG_UNDEF,
+            max_ctas: CONFIG_UNDEF,
+            net_name: std::ptr::null(),
+        };
+        let mut raw: RawComm = std::ptr::null_mut();
+        // SAFETY: a live communicator, a valid out pointer and config; every rank of this
+        // communicator makes the same call (the engine's one schedule).
+        let code = unsafe {
+            split(
+                self.raw,
+                color as c_int,
+                rank as c_int,
+                &mut raw,
+                &mut config,
+            )
+        };
+        let mut comm = Communicator {
+            nccl: self.nccl,
+            raw,
+            ctx: self.ctx.clone(),
+            device: self.device,
+            rank,
+            world,
+            timeout: self.timeout,
+            spin: self.spin,
+            nap: self.nap,
+            broken: None,
+            interrupt: None,
+        };
+        if raw.is_null() {
+            self.check(code, "ncclCommSplit")?;
+            return Err(Error::Nccl("ncclCommSplit gave no communicator".into()));
+        }
+        comm.settle(code, "ncclCommSplit")?;
+        Ok(comm)
+    }
+
     /// This rank.
     pub fn rank(&self) -> usize {
         self.rank

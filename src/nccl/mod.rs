@@ -123,6 +123,11 @@ pub struct Library {
     group_start: unsafe extern "C" fn() -> NcclResult,
     group_end: unsafe extern "C" fn() -> NcclResult,
     get_error_string: unsafe extern "C" fn(NcclResult) -> *const c_char,
+    /// `ncclCommSplit` (NCCL 2.18 and later): the node and rail communicators of a two-level
+    /// exchange.
+    comm_split: Option<
+        unsafe extern "C" fn(RawComm, c_int, c_int, *mut RawComm, *mut RawConfig) -> NcclResult,
+    >,
     /// `ncclGetLastError` (NCCL 2.13 and later): the detail behind a failed call.
     get_last_error: Option<unsafe extern "C" fn(RawComm) -> *const c_char>,
     _lib: libloading::Library,
@@ -170,6 +175,9 @@ impl Library {
             group_start: sym!("ncclGroupStart"),
             group_end: sym!("ncclGroupEnd"),
             get_error_string: sym!("ncclGetErrorString"),
+            // SAFETY: as in `sym!`; older libraries lack it, which only a two-level exchange
+            // needs (its absence is an error there).
+            comm_split: unsafe { lib.get(b"ncclCommSplit\0") }.ok().map(|s| *s),
             // SAFETY: as in `sym!`; older libraries lack it, which only shortens messages.
             get_last_error: unsafe { lib.get(b"ncclGetLastError\0") }.ok().map(|s| *s),
             _lib: lib,

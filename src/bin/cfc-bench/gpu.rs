@@ -268,6 +268,7 @@ pub fn run(args: &Args, base: &[f32], rms: f64, source: &str) -> Result<(), Stri
                                 Some(Box::new(l)),
                                 options(m, rms),
                                 0,
+                                &[],
                             )
                             .unwrap_or_else(|e| fail(err(e)))
                         })

@@ -176,7 +176,7 @@ fn ranks_that_disagree_all_fail() {
         .map(|(r, l)| {
             let mut o = options(BoundRule::Abs(1e-3));
             o.warmup_steps = r;
-            Engine::start(CpuBackend::new(), HostTransport::new(l), o, 0).unwrap()
+            Engine::start(CpuBackend::new(), HostTransport::new(l), o, 0, &[]).unwrap()
         })
         .collect();
     for e in &engines {

@@ -4,7 +4,7 @@
 
 use super::*;
 use crate::codec::{decompress, Bound, CompressOptions};
-use crate::engine::transport::tcp::{Credentials, Listener, Reach, TcpLinks, Topology};
+use crate::engine::transport::tcp::{Credentials, Listener, Reach, Shape, TcpLinks};
 use crate::feedback::compress_with_feedback;
 use crate::format::DType;
 use std::time::Duration;
@@ -577,17 +577,10 @@ fn processes_linked_over_tcp_run_the_same_exchange() {
             .map(|(rank, l)| {
                 let (addresses, o, cred) = (&addresses, &o, &cred);
                 s.spawn(move || {
-                    let links = TcpLinks::connect(
-                        l,
-                        rank,
-                        world,
-                        addresses,
-                        cred,
-                        Topology::Mesh,
-                        o.timeout,
-                    )
-                    .unwrap();
-                    let e = Engine::on_cpu(links, o.clone(), 0).unwrap();
+                    let links =
+                        TcpLinks::connect(l, rank, world, addresses, cred, Shape::Mesh, o.timeout)
+                            .unwrap();
+                    let e = Engine::on_cpu(links, o.clone(), 0, &[]).unwrap();
                     let mut x = grads(rank, 0, n);
                     let mut r = vec![0.0f32; n];
                     // SAFETY: as in `one_step`.
@@ -639,3 +632,4 @@ fn a_dropped_engine_stops_its_thread_and_settle_dropped_joins_it() {
 }
 
 mod failures;
+mod levels;

@@ -2,6 +2,7 @@
 //! them. Each rank sends its own messages (a full mesh): what a rank sends is what a ring
 //! would, `2 (N - 1) / N` of a buffer for a plain all-reduce.
 
+use super::group::GroupLinks;
 use super::{Links, Transport};
 use crate::element::Element;
 use crate::engine::backend::cpu::{CpuBackend, HostMark};
@@ -231,7 +232,7 @@ pub(crate) fn all_reduce<L: Links + ?Sized>(
 
 /// The transport of the CPU backend: host collectives over [`Links`], run at once.
 pub struct HostTransport<L: Links> {
-    links: L,
+    links: GroupLinks<L>,
 }
 
 impl<L: Links> std::fmt::Debug for HostTransport<L> {
@@ -246,7 +247,9 @@ impl<L: Links> std::fmt::Debug for HostTransport<L> {
 impl<L: Links> HostTransport<L> {
     /// A transport over `links`.
     pub fn new(links: L) -> HostTransport<L> {
-        HostTransport { links }
+        HostTransport {
+            links: GroupLinks::whole(links),
+        }
     }
 }
 
@@ -345,6 +348,12 @@ impl<L: Links> Transport<CpuBackend> for HostTransport<L> {
     }
 
     fn abort(&mut self) {}
+
+    fn group(&mut self, _be: &mut CpuBackend, members: &[usize], _color: usize) -> Result<Self> {
+        Ok(HostTransport {
+            links: self.links.group(members)?,
+        })
+    }
 }
 
 impl<L: Links> Drop for HostTransport<L> {

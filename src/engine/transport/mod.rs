@@ -16,6 +16,7 @@
 //! Every transport has a failure board ([`Control`]): its waits end with the first failure
 //! raised on any rank.
 
+pub mod group;
 pub mod host;
 pub mod local;
 #[cfg(feature = "cuda")]
@@ -81,6 +82,17 @@ pub(crate) trait Transport<B: Backend>: Send {
     /// # Errors
     /// As above.
     fn wait(&mut self, be: &mut B, mark: &B::Mark) -> Result<()>;
+
+    /// A transport among the ranks `members` (ranks of this one, in the new group's order;
+    /// this rank among them), sharing this one's failure board. Every rank calls it at the same
+    /// point, each with its own group (the groups partition the ranks; `color` numbers them
+    /// alike on every rank).
+    ///
+    /// # Errors
+    /// Transport errors (NCCL's split), a failure on the board, the timeout.
+    fn group(&mut self, be: &mut B, members: &[usize], color: usize) -> Result<Self>
+    where
+        Self: Sized;
 
     /// Gives up at once: queued work that waits for peers stops (the device can then drain),
     /// and every later call fails. Called once the engine has failed.

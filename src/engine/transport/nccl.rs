@@ -172,6 +172,17 @@ impl Transport<CudaBackend> for NcclTransport {
     fn abort(&mut self) {
         self.comm.abort_now();
     }
+
+    fn group(&mut self, _be: &mut CudaBackend, members: &[usize], color: usize) -> Result<Self> {
+        let me = self.comm.rank();
+        let rank = members.iter().position(|&r| r == me).ok_or_else(|| {
+            Error::Transport(format!(
+                "internal: rank {me} is not in the group {members:?}"
+            ))
+        })?;
+        let comm = self.comm.split(color, rank, members.len())?;
+        Ok(NcclTransport::new(comm, self.control.clone(), None))
+    }
 }
 
 impl NcclTransport {

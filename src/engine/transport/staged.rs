@@ -3,6 +3,7 @@
 //! share one GPU (NCCL refuses two ranks on one device) and for tests; slow, and synchronous on
 //! the comm lane.
 
+use super::group::GroupLinks;
 use super::{host, Links, Transport};
 use crate::cuda::driver_err;
 use crate::engine::backend::cuda::CudaBackend;
@@ -14,7 +15,7 @@ use std::sync::Arc;
 
 /// See the module docs.
 pub struct StagedTransport<L: Links> {
-    links: L,
+    links: GroupLinks<L>,
 }
 
 impl<L: Links> std::fmt::Debug for StagedTransport<L> {
@@ -29,7 +30,9 @@ impl<L: Links> std::fmt::Debug for StagedTransport<L> {
 impl<L: Links> StagedTransport<L> {
     /// A transport over `links`.
     pub fn new(links: L) -> StagedTransport<L> {
-        StagedTransport { links }
+        StagedTransport {
+            links: GroupLinks::whole(links),
+        }
     }
 }
 
@@ -129,6 +132,12 @@ impl<L: Links> Transport<CudaBackend> for StagedTransport<L> {
     }
 
     fn abort(&mut self) {}
+
+    fn group(&mut self, _be: &mut CudaBackend, members: &[usize], _color: usize) -> Result<Self> {
+        Ok(StagedTransport {
+            links: self.links.group(members)?,
+        })
+    }
 }
 
 impl<L: Links> Drop for StagedTransport<L> {

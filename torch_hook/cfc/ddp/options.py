@@ -3,7 +3,7 @@
 The same names are used by :class:`cfc.distributed.AllReducer` (which takes a ``CfcState``) and by
 ``python -m cfc.bench``: ``eps`` / ``rel`` / ``rms`` (the bound), ``error_feedback``,
 ``warmup_steps``, ``min_compress_numel``, ``fallback`` (``"never"``, ``"auto"``, ``"always"``),
-``trial_steps``, ``algorithm``, ``timeout``.
+``trial_steps``, ``algorithm``, ``topology``, ``timeout``.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ BOUND_KINDS = ("eps", "rel", "rms")
 DEFAULT_RMS = 0.05
 ALGORITHMS = ("all-gather", "reduce-scatter")
 FALLBACKS = ("never", "auto", "always")
+TOPOLOGIES = ("auto", "flat", "two-level")
 # The absolute bounds the codec accepts (src/codec/bounded.rs, check_abs_bound): normal float64 values
 # up to a quarter of the largest, so that a step of 2 eps and its sums stay finite.
 EPS_MIN, EPS_MAX = 2.2250738585072014e-308, 1.7976931348623157e308 / 4
@@ -59,6 +60,7 @@ class Options:
     fallback: str = "never"
     trial_steps: int = 0
     algorithm: Optional[str] = None
+    topology: str = "auto"
     timeout: float = DEFAULT_TIMEOUT
     log_every: int = 0
 
@@ -75,6 +77,7 @@ class Options:
         fallback: Any = "never",
         trial_steps: Any = 4,
         algorithm: Any = None,
+        topology: Any = "auto",
         timeout: Any = None,
         log_every: Any = 0,
     ) -> "Options":
@@ -108,6 +111,8 @@ class Options:
             raise ValueError(f"trial_steps must be an even number >= 2, got {trial_steps}")
         if algorithm is not None and algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm must be None, 'all-gather' or 'reduce-scatter', got {algorithm!r}")
+        if topology not in TOPOLOGIES:
+            raise ValueError(f"topology must be 'auto', 'flat' or 'two-level', got {topology!r}")
         if timeout is None:
             seconds = _default_timeout()
         elif isinstance(timeout, datetime.timedelta):
@@ -124,7 +129,7 @@ class Options:
         return cls(
             bound_kind=kind, bound=bound, error_feedback=bool(error_feedback),
             warmup_steps=counts["warmup_steps"], min_compress_numel=counts["min_compress_numel"],
-            fallback=fallback, trial_steps=trial, algorithm=algorithm, timeout=seconds,
+            fallback=fallback, trial_steps=trial, algorithm=algorithm, topology=topology, timeout=seconds,
             log_every=counts["log_every"],
         )
 
@@ -134,13 +139,14 @@ class Options:
             "bound": self.bound_kind, "value": self.bound, "error_feedback": self.error_feedback,
             "algorithm": self.algorithm, "fallback": self.fallback, "trial_steps": self.trial_steps,
             "warmup_steps": self.warmup_steps, "min_compress_numel": self.min_compress_numel,
-            "timeout": self.timeout,
+            "topology": self.topology, "timeout": self.timeout,
         }
 
     def saved(self) -> Dict[str, Any]:
-        """What a checkpoint records and compares (the timeout and logging may differ)."""
+        """What a checkpoint records and compares (the timeout, logging and topology may differ:
+        a state saved under one topology loads under another, see ``src/engine/levels.rs``)."""
         d = dataclasses.asdict(self)
-        del d["timeout"], d["log_every"]
+        del d["timeout"], d["log_every"], d["topology"]
         return d
 
     def describe(self) -> str:

@@ -62,6 +62,14 @@ class CfcState:
             compressed bucket however many ranks there are) or ``"all-gather"`` (every rank's
             compressed bucket to every rank: one exchange instead of two, fewer bytes with 2
             ranks). Default (None): the all-gather for 2 ranks, the reduce-scatter from 3.
+        topology: how buckets cross nodes: ``"two-level"`` reduces each bucket plainly inside
+            each node (NVLink), exchanges each rank's 1/G shard of its node's sum compressed
+            with the same rank of every other node, then all-gathers inside the node, so about
+            G times fewer bytes leave a node of G ranks than with ``"flat"`` (every rank's codes
+            to every rank). ``"auto"`` (default): two-level where there are at least 2 nodes of
+            one size, each of at least 2 ranks; flat otherwise. Nodes are the ranks' host names,
+            or ``CFC_NODE`` where it is set (to emulate nodes on one host). Reduce-scatters
+            (FSDP's) stay flat.
         timeout: seconds (or a ``timedelta``) any wait for a peer may last before every rank
             fails (default ``CFC_TIMEOUT``, else 300). A failure on any rank (an exception, a
             bad frame, a process that died) ends the waits of every rank at once, without
@@ -91,12 +99,13 @@ class CfcState:
         trial_steps: int = 4,
         log_every: int = 0,
         algorithm: Optional[str] = None,
+        topology: str = "auto",
         timeout: Any = None,
     ):
         self.options = Options.parse(
             eps=eps, rel=rel, rms=rms, error_feedback=error_feedback, warmup_steps=warmup_steps,
             min_compress_numel=min_compress_numel, fallback=fallback, trial_steps=trial_steps,
-            log_every=log_every, algorithm=algorithm, timeout=timeout,
+            log_every=log_every, algorithm=algorithm, topology=topology, timeout=timeout,
         )
         self.process_group = process_group
         self.rank, self.world = -1, 0
@@ -143,6 +152,7 @@ class CfcState:
     fallback = property(lambda self: self.options.fallback)
     trial_steps = property(lambda self: self.options.trial_steps)
     algorithm = property(lambda self: self.options.algorithm)
+    topology = property(lambda self: self.options.topology)
     timeout = property(lambda self: self.options.timeout)
     log_every = property(lambda self: self.options.log_every)
 
@@ -156,7 +166,8 @@ class CfcState:
         self.__init__(
             **{o.bound_kind: o.bound}, error_feedback=o.error_feedback, warmup_steps=o.warmup_steps,
             min_compress_numel=o.min_compress_numel, fallback=o.fallback,
-            trial_steps=o.trial_steps or 4, log_every=o.log_every, algorithm=o.algorithm, timeout=o.timeout,
+            trial_steps=o.trial_steps or 4, log_every=o.log_every, algorithm=o.algorithm,
+            topology=o.topology, timeout=o.timeout,
         )
 
     def _bind(self) -> None:
@@ -240,7 +251,8 @@ class CfcState:
         where = f"rank {self.rank} of {self.world}, step {self.step}" if self.world else "not bound to a group yet"
         return (f"CfcState({o.bound_kind}={o.bound:g}, error_feedback={o.error_feedback}, "
                 f"warmup_steps={o.warmup_steps}, min_compress_numel={o.min_compress_numel}, "
-                f"fallback={o.fallback!r}, algorithm={o.algorithm!r}, timeout={o.timeout:g}; {where})")
+                f"fallback={o.fallback!r}, algorithm={o.algorithm!r}, topology={o.topology!r}, "
+                f"timeout={o.timeout:g}; {where})")
 
     _token_step = 0  # the step a checkpoint was loaded at
 
@@ -278,7 +290,7 @@ class CfcState:
 
     def _raw_stats(self) -> Dict[str, float]:
         keys = ("compressed_buckets", "plain_buckets", "bytes_sent", "bytes_uncompressed", "resends",
-                "eps", "max_error", "seconds")
+                "inside_node", "between_nodes", "eps", "max_error", "seconds")
         if self._engine is not None:
             s = dict(self._engine.stats())
         else:
@@ -289,6 +301,15 @@ class CfcState:
         s["bytes_uncompressed"] += self._direct["bytes_sent"]
         s["residual_resets"] = self._residuals.resets
         return s
+
+    @property
+    def levels(self) -> Optional[Dict[str, int]]:
+        """Where the engine runs the two-level exchange (see ``topology``): ``{"nodes",
+        "per_node", "node", "local"}`` (this rank's node and its index there); None where it
+        runs flat or has not opened yet (it opens at the first bucket)."""
+        if self._engine is None or self._engine.levels is None:
+            return None
+        return dict(zip(("nodes", "per_node", "node", "local"), self._engine.levels))
 
     def reset_stats(self) -> None:
         """Zero the counters of :meth:`stats`."""
@@ -301,6 +322,9 @@ class CfcState:
         * ``compressed_buckets`` / ``plain_buckets``: buckets each way;
         * ``bytes_sent``: bytes this rank sent; ``bytes_uncompressed``: what a plain ring
           all-reduce of the same buckets would send; ``ratio``: the second over the first;
+        * ``inside_node`` / ``between_nodes``: the engine's part of ``bytes_sent`` to ranks of
+          this rank's node and of other nodes (nodes as :attr:`levels` says; for a plain ring
+          across nodes, this rank's share of the bytes out of its node);
         * ``max_error``: the largest quantization error of any element this rank sent (what its
           residual kept, measured at each step's close), next to ``eps``, the largest bound
           used; NaN with ``error_feedback=False`` once a bucket was compressed (not measured);
@@ -311,7 +335,7 @@ class CfcState:
         """
         s = self._raw_stats()
         for k in ("compressed_buckets", "plain_buckets", "bytes_sent", "bytes_uncompressed", "resends",
-                  "seconds", "residual_resets"):
+                  "inside_node", "between_nodes", "seconds", "residual_resets"):
             s[k] -= self._base.get(k, 0)
         if not self.options.error_feedback and s["compressed_buckets"]:
             s["max_error"] = math.nan

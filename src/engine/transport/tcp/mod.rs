@@ -2,8 +2,8 @@
 //!
 //! Each rank binds a [`Listener`] first, publishes its addresses through whatever the job
 //! already shares (torch.distributed's store, in the Python package), then [`TcpLinks::connect`]
-//! joins the others: every pair of ranks ([`Topology::Mesh`], for the CPU transport's data), or
-//! every rank with rank 0 ([`Topology::Star`], beside NCCL, for failures only: rank 0 passes a
+//! joins the others: every pair of ranks ([`Shape::Mesh`], for the CPU transport's data), or
+//! every rank with rank 0 ([`Shape::Star`], beside NCCL, for failures only: rank 0 passes a
 //! failure on to the rest).
 //!
 //! **Only the job's ranks become links.** A connection is a link once both ends proved that
@@ -44,7 +44,7 @@ use std::time::{Duration, Instant};
 
 /// Which pairs of ranks are linked.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Topology {
+pub enum Shape {
     /// Every pair: data between any two ranks.
     Mesh,
     /// Every rank with rank 0: failures only (rank 0 passes them on).
@@ -352,7 +352,7 @@ impl TcpLinks {
         world: usize,
         addresses: &[Vec<String>],
         cred: &Credentials,
-        topology: Topology,
+        shape: Shape,
         timeout: Duration,
     ) -> Result<TcpLinks> {
         if rank >= world || addresses.len() != world {
@@ -361,9 +361,9 @@ impl TcpLinks {
                 addresses.len()
             )));
         }
-        let linked = |a: usize, b: usize| match topology {
-            Topology::Mesh => a != b,
-            Topology::Star => a != b && (a == 0 || b == 0),
+        let linked = |a: usize, b: usize| match shape {
+            Shape::Mesh => a != b,
+            Shape::Star => a != b && (a == 0 || b == 0),
         };
         let deadline = Instant::now() + timeout;
         let mut streams: Vec<Option<TcpStream>> = (0..world).map(|_| None).collect();
@@ -464,7 +464,7 @@ impl TcpLinks {
                 let ctx = ReaderContext {
                     peer,
                     world,
-                    relay: topology == Topology::Star && rank == 0,
+                    relay: shape == Shape::Star && rank == 0,
                     peers: peers.clone(),
                     control: control.clone(),
                     closing: closing.clone(),
@@ -732,4 +732,4 @@ pub fn read_hostile_link(bytes: &[u8]) {
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

@@ -10,7 +10,7 @@ pub(crate) fn cred() -> Credentials {
 
 /// Links the ranks bound to `listeners` (threads of this process), each waiting at most
 /// `timeout`.
-fn link(listeners: Vec<Listener>, topology: Topology, timeout: Duration) -> Vec<TcpLinks> {
+fn link(listeners: Vec<Listener>, shape: Shape, timeout: Duration) -> Vec<TcpLinks> {
     let world = listeners.len();
     let addresses: Vec<Vec<String>> = listeners.iter().map(|l| l.addresses()).collect();
     std::thread::scope(|s| {
@@ -20,8 +20,7 @@ fn link(listeners: Vec<Listener>, topology: Topology, timeout: Duration) -> Vec<
             .map(|(rank, l)| {
                 let addresses = &addresses;
                 s.spawn(move || {
-                    TcpLinks::connect(l, rank, world, addresses, &cred(), topology, timeout)
-                        .unwrap()
+                    TcpLinks::connect(l, rank, world, addresses, &cred(), shape, timeout).unwrap()
                 })
             })
             .collect();
@@ -30,11 +29,11 @@ fn link(listeners: Vec<Listener>, topology: Topology, timeout: Duration) -> Vec<
 }
 
 /// Links for `world` ranks of this process over loopback.
-pub(crate) fn loopback(world: usize, topology: Topology) -> Vec<TcpLinks> {
+pub(crate) fn loopback(world: usize, shape: Shape) -> Vec<TcpLinks> {
     let listeners = (0..world)
         .map(|_| Listener::bind(Reach::OneHost).unwrap())
         .collect();
-    link(listeners, topology, Duration::from_secs(20))
+    link(listeners, shape, Duration::from_secs(20))
 }
 
 /// Every rank all-gathers its rank + 1 over `links` with no failure, then closes them.
@@ -62,12 +61,12 @@ fn all_gather_ranks(links: Vec<TcpLinks>) {
 
 #[test]
 fn a_mesh_carries_data_and_a_closed_peer_is_no_failure() {
-    all_gather_ranks(loopback(3, Topology::Mesh));
+    all_gather_ranks(loopback(3, Shape::Mesh));
 }
 
 #[test]
 fn a_star_tells_every_rank_of_a_failure_and_of_a_dead_peer() {
-    let links = loopback(3, Topology::Star);
+    let links = loopback(3, Shape::Star);
     links[2].control().raise(
         Failure {
             rank: 2,
@@ -87,7 +86,7 @@ fn a_star_tells_every_rank_of_a_failure_and_of_a_dead_peer() {
         );
     }
     // A peer that goes away without a goodbye (its process died) is a failure too.
-    let mut links = loopback(2, Topology::Star);
+    let mut links = loopback(2, Shape::Star);
     let dead = links.pop().unwrap();
     dead.closing.store(true, Ordering::SeqCst); // no goodbye on drop
     for p in dead.peers.iter().flatten() {
@@ -107,7 +106,7 @@ fn a_star_tells_every_rank_of_a_failure_and_of_a_dead_peer() {
 /// failure, named by the rank where it began, not the goodbye.
 #[test]
 fn a_goodbye_carries_the_failure_its_rank_knew_of() {
-    let mut links = loopback(3, Topology::Mesh);
+    let mut links = loopback(3, Shape::Mesh);
     let failure = Failure {
         rank: 2,
         reason: "boom".into(),
@@ -121,7 +120,7 @@ fn a_goodbye_carries_the_failure_its_rank_knew_of() {
         "{err}"
     );
     // Without a failure, a goodbye mid-exchange is just that.
-    let mut links = loopback(2, Topology::Mesh);
+    let mut links = loopback(2, Shape::Mesh);
     links[1].close();
     let err = links[0].recv(1).unwrap_err();
     assert!(
@@ -137,7 +136,7 @@ fn with_raw_peer(timeout: Duration) -> (TcpLinks, TcpStream) {
     let addresses = vec![l.addresses(), vec![]];
     let at = addresses[0][0].clone();
     let rank0 = std::thread::spawn(move || {
-        TcpLinks::connect(l, 0, 2, &addresses, &cred(), Topology::Mesh, timeout).unwrap()
+        TcpLinks::connect(l, 0, 2, &addresses, &cred(), Shape::Mesh, timeout).unwrap()
     });
     let mut raw = TcpStream::connect(at).unwrap();
     handshake::dial_side(&mut raw, &cred(), 1, 0, 2).unwrap();
@@ -175,7 +174,7 @@ fn listeners_for_several_hosts_bind_a_reachable_address() {
         assert!(!bound.is_loopback(), "{addresses:?}");
     }
     assert!(!addresses[0].is_empty());
-    let links = link(listeners.into(), Topology::Mesh, Duration::from_secs(20));
+    let links = link(listeners.into(), Shape::Mesh, Duration::from_secs(20));
     all_gather_ranks(links);
 }
 
@@ -225,7 +224,7 @@ fn strangers_do_not_join_or_stall_the_links() {
         handshake::dial_side(&mut s, &wrong, 1, 0, 3)
     });
     let t0 = Instant::now();
-    let links = link(listeners, Topology::Mesh, Duration::from_secs(60));
+    let links = link(listeners, Shape::Mesh, Duration::from_secs(60));
     // (an idle stranger is not waited for: far below the handshake's own 10 s)
     assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
     // (refused at its hello where rank 1 was linked first, else at its proof)
