@@ -176,11 +176,12 @@ def register(ddp, name, clock=None):
         # CfcState's own default is 0.05); cfc-ag / cfc-rs: the all-gather or the reduce-scatter (default:
         # cfc's choice); cfc-...-plain: no bucket compressed (every one NCCL's average through
         # cfc's engine: its thread and collectives without the codec); any hook:capN sets
-        # bucket_cap_mb
+        # bucket_cap_mb; cfc-flat / cfc-2l: topology "flat" or "two-level" (default "auto")
         rms = float(name.split("@")[1].split(":")[0]) if "@" in name else 0.3
         algorithm = "all-gather" if "-ag" in name else "reduce-scatter" if "-rs" in name else None
         fallback = "always" if "-plain" in name else "auto" if "auto" in name else "never"
-        state = cfc.CfcState(rms=rms, fallback=fallback, algorithm=algorithm)
+        topology = "flat" if "-flat" in name else "two-level" if "-2l" in name else "auto"
+        state = cfc.CfcState(rms=rms, fallback=fallback, algorithm=algorithm, topology=topology)
         if "auto" in name and "hook" not in name:
             cfc.register_comm_hook(ddp, state)
         else:
@@ -325,7 +326,7 @@ class Runner:
         hook = hook.removesuffix("+pin")
         torch.manual_seed(0)
         self.model = LM().cuda()
-        self.ddp = DDP(self.model, device_ids=[rank], bucket_cap_mb=float(cap) if cap else None)
+        self.ddp = DDP(self.model, device_ids=[torch.cuda.current_device()], bucket_cap_mb=float(cap) if cap else None)
         self.clock = _Clock(_HookCalls() if calls else None) if phases or calls else None
         self.sync = hook.endswith("-sync")
         # per step with phases: (last hook call, backward() returned, step end, backward() called),
@@ -495,9 +496,12 @@ def main():
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
     args.rounds = args.rounds or max(1, args.steps // args.block)
-    dist.init_process_group("nccl")
+    rank = int(os.environ.get("RANK", "0"))
+    # (LOCAL_RANK: the GPU; emulated nodes on one host put several ranks on one)
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", device_id=device)
     rank = dist.get_rank()
-    torch.cuda.set_device(rank)
     if args.watchdog:  # a hook that hangs prints every thread's stack and ends the run
         faulthandler.dump_traceback_later(args.watchdog, exit=True)
     rows = sequential(args.hooks, rank, args) if args.sequential else interleaved(args.hooks, rank, args)

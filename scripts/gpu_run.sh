@@ -20,6 +20,12 @@
 #            FSDP_ARGS: model size, steps, --rounds; FSDP_TIMEOUT per link, default 400 s);
 #   fsdphost benches/fsdp_host_time.py over NVLink: where cfc.fsdp's calls hold the host
 #            (FSDP_HOST_WAYS, default cfc-group,cfc,cfc-lag,cfc-r4; FSDP_HOST_ARGS: model size, steps);
+#   levels   emulated nodes (scripts/emulate_nodes.sh): python -m cfc.bench at LEVEL_SIZES (default
+#            64M,256M) with cfc flat and two-level, an A/A copy of fp32 and LEVEL_ROUNDS rounds
+#            (default 3), NODES x PER_NODE ranks (default 2 x 2); then 2 nodes of 1 (two-level falls
+#            back to flat); then (LEVEL_STEP=0 skips it) the 217M LM's DDP step (STEP_HOOKS) on the
+#            same emulated nodes;
+#            and whether this machine lets a user limit loopback's rate (tc);
 #   quality  benches/quality.py over sockets (QUALITY_ARGS: families, hooks, seeds, sizes; --fsdp
 #            for FSDP2), its table and JSON under $OUT (QUALITY_NAME names them, default quality);
 # NPROC: ranks of the torchrun and cfc-bench parts (default: every GPU, one rank each); the
@@ -109,6 +115,30 @@ for part in $PARTS; do case $part in
         --comm ${FSDP_HOST_WAYS:-cfc-group,cfc,cfc-lag,cfc-r4} ${FSDP_HOST_ARGS:-} 2>&1 | grep -vE "^W[0-9]|\*\*\*|OMP_NUM" \
         | tail -6 | tee "$OUT/fsdp_host_$NPROC.md"
     { echo "fsdp host time, $NPROC ranks:"; cat "$OUT/fsdp_host_$NPROC.md"; } >> "$SUMMARY" ;;
+  levels)
+    echo "tc: $(command -v tc || echo none); user $(id -u)" | tee -a "$SUMMARY"
+    N=${NODES:-2} P=${PER_NODE:-2}
+    log="$OUT/levels_bench_${N}x${P}.md"
+    if [ "${LEVEL_BENCH:-1}" = 1 ]; then
+    NODES=$N PER_NODE=$P PYTHONPATH=$new_site timeout 400 bash scripts/emulate_nodes.sh -m cfc.bench \
+        --grads .carry/grads --sizes ${LEVEL_SIZES:-64M,256M} --bounds ${BOUNDS:-0.3} --topologies flat,two-level \
+        --aa --rounds ${LEVEL_ROUNDS:-3} --iters ${ITERS:-10} --json "$OUT/levels_bench_${N}x${P}.json" 2>&1 \
+        | grep -E "^\||^all-reduce|Error|error|emulated" | tee "$log"
+    { echo "python -m cfc.bench, $N emulated nodes of $P:"; grep -E "^\||^all-reduce|emulated" "$log"; } >> "$SUMMARY"
+    log="$OUT/levels_bench_2x1.md"
+    NODES=2 PER_NODE=1 PYTHONPATH=$new_site timeout 200 bash scripts/emulate_nodes.sh -m cfc.bench \
+        --grads .carry/grads --sizes 64M --bounds ${BOUNDS:-0.3} --topologies two-level --iters ${ITERS:-10} 2>&1 \
+        | grep -E "^\||^all-reduce|Error|error" | tee "$log"
+    { echo "python -m cfc.bench, 2 emulated nodes of 1 (two-level falls back to flat):"; grep "^|" "$log"; } >> "$SUMMARY"
+    fi
+    if [ "${LEVEL_STEP:-1}" = 1 ]; then
+      log="$OUT/levels_step_${N}x${P}.md"
+      NODES=$N PER_NODE=$P PYTHONPATH=$new_site timeout ${STEP_TIMEOUT:-360} bash scripts/emulate_nodes.sh \
+          benches/ddp_step_time.py ${STEP_HOOKS:-allreduce allreduce bf16 powersgd4 cfc-flat cfc-2l} \
+          ${STEP_ARGS:---steps 12 --warmup 4 --block 3} --json "$OUT/levels_step_${N}x${P}.json" 2>&1 \
+          | grep -vE "^\s*$|Warning|warn" | tail -25 | tee "$log"
+      { echo "DDP step, 217M LM, $N emulated nodes of $P:"; grep -E "^\||ms" "$log" | tail -12; } >> "$SUMMARY"
+    fi ;;
   quality)
     name=${QUALITY_NAME:-quality}
     env $SOCK PYTHONPATH=/tmp/site timeout ${QUALITY_TIMEOUT:-560} torchrun --standalone --nproc_per_node=$NPROC benches/quality.py \

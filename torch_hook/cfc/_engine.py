@@ -19,6 +19,7 @@ import atexit
 import datetime
 import itertools
 import logging
+import os
 import secrets
 import socket
 import weakref
@@ -102,7 +103,9 @@ def open_engine(group: Any, device: Any, options: Dict[str, Any], agree_token: i
     through the store: the engine's links admit only peers that prove they hold it (see
     ``src/engine/transport/tcp/handshake.rs``). The ranks' host names decide where the links
     listen: on loopback when every rank runs on this host, else on the interface that reaches
-    ``MASTER_ADDR`` (``CFC_LINK_ADDR`` overrides)."""
+    ``MASTER_ADDR`` (``CFC_LINK_ADDR`` overrides). The ranks' nodes, for the two-level exchange
+    (option ``topology``), are their host names, or ``CFC_NODE`` where it is set (nodes emulated
+    on one host)."""
     import torch.distributed as dist
 
     ranks = tuple(dist.get_process_group_ranks(group))
@@ -114,10 +117,13 @@ def open_engine(group: Any, device: Any, options: Dict[str, Any], agree_token: i
     # Round 1: every rank's host, and rank 0's secret (set before rank 0's host: there when it is).
     if rank == 0:
         store.set(f"{prefix}/secret", secrets.token_hex(32))
-    store.set(f"{prefix}/host/{rank}", socket.gethostname())
+    host = socket.gethostname()
+    store.set(f"{prefix}/host/{rank}", f"{host}\t{os.environ.get('CFC_NODE') or host}")
     hosts = {j: f"{prefix}/host/{j}" for j in range(world)}
     _wait_for(store, hosts, timeout, rank, n, "their hosts")
-    one_host = len({store.get(k) for k in hosts.values()}) == 1
+    places = [store.get(hosts[j]).decode(errors="replace") for j in range(world)]
+    one_host = len({v.split("\t")[0] for v in places}) == 1
+    nodes = [v.split("\t")[-1] for v in places]
     secret = bytes.fromhex(store.get(f"{prefix}/secret").decode())
     # Round 2: every rank's link addresses, and for NCCL rank 0's id (set before rank 0's links).
     listener = _native.Listener(one_host)
@@ -140,7 +146,8 @@ def open_engine(group: Any, device: Any, options: Dict[str, Any], agree_token: i
     addresses: List[List[str]] = [store.get(links[j]).decode().split(",") for j in range(world)]
     engine = _native.Engine(
         listener, addresses, rank, world, secret, n,
-        device=device.index if cuda else None, nccl_id=nccl_id, agree_token=agree_token, **options,
+        device=device.index if cuda else None, nccl_id=nccl_id, nodes=nodes, agree_token=agree_token,
+        **options,
     )
     global _exit_handler_registered
     if not _exit_handler_registered:

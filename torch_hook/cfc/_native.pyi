@@ -181,8 +181,12 @@ class Engine:
         warmup_steps: int,
         min_compress_numel: int,
         timeout: float,
+        topology: str = "auto",
+        nodes: Optional[List[str]] = None,
         agree_token: int = 0,
     ) -> None: ...
+    @property
+    def levels(self) -> Optional[Tuple[int, int, int, int]]: ...
     @property
     def rank(self) -> int: ...
     @property

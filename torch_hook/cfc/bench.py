@@ -19,12 +19,23 @@ For each size it times, on the same data in the same process group:
 * ``cfc-auto@B`` (``--auto``): the same with ``fallback="auto"``: each chunk is timed both ways
   during the warm-up calls and then takes the faster (plain NCCL where compressing does not
   pay, e.g. over NVLink);
+* ``cfc-flat@B`` / ``cfc-2l@B`` (``--topologies flat,two-level``): the flat or the two-level
+  exchange of :class:`cfc.CfcState`'s ``topology`` (default: its automatic choice). Nodes are
+  the ranks' host names or ``CFC_NODE``; ``scripts/emulate_nodes.sh`` runs the ranks as
+  emulated nodes on one host;
+* ``fp32-again`` (``--aa``): a second copy of ``fp32``, whose difference from the first is the
+  run's noise.
+
+With ``--rounds R``, every method runs ``R`` times per size, the methods taking turns, and each
+figure is the median over the rounds (of each round's median).
 
 Each iteration starts from the same input, after a tiny all-reduce that lines the ranks up;
 its time runs until the result is on the device, and the slowest rank's counts. The table
 gives medians: time, algbw (float32 bytes / time), busbw (algbw x 2(n-1)/n, the figure
 nccl-tests prints for all-reduce), the speed-up over ``fp32``, the ratio of the bytes a ring
-all-reduce of float32 sends to the bytes cfc sent, how soon the call returned to Python, and
+all-reduce of float32 sends to the bytes cfc sent, the bytes that leave each node per call
+(counted by cfc's engine; for NCCL's rings the ring's ``2 (n - 1) / n`` of the tensor, 0 on one
+node), how soon the call returned to Python, and
 the largest error of a first call (zero residuals) over the bound (for ``cfc-auto`` that call
 is the trial's first, plain one). ``--json`` and ``--png`` keep the figures.
 
@@ -43,6 +54,7 @@ import argparse
 import glob
 import json
 import os
+import socket
 import statistics
 import sys
 import time
@@ -155,6 +167,9 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     p.add_argument("--chunk-numel", type=int, default=1 << 24, help="elements per cfc chunk (AllReducer's chunk_numel)")
     p.add_argument("--auto", action="store_true", help='also cfc with fallback="auto" at the first bound')
     p.add_argument("--algorithms", default="", help="comma list of all-gather, reduce-scatter (default: cfc's choice)")
+    p.add_argument("--topologies", default="", help="comma list of flat, two-level (default: cfc's choice)")
+    p.add_argument("--rounds", type=int, default=1, help="rounds in which the methods take turns (medians over them)")
+    p.add_argument("--aa", action="store_true", help="also a second copy of fp32 (fp32-again): the noise")
     p.add_argument("--grads", default=None, help="folder of .npy gradient vectors")
     p.add_argument("--cpu", action="store_true", help="CPU tensors over gloo, even with GPUs")
     p.add_argument("--label", default=None, help="transport name for the table (default: guessed)")
@@ -205,13 +220,22 @@ def _run(args, dev, rank: int, world: int) -> Dict[str, Any]:
     short = {None: "cfc", "all-gather": "cfc-ag", "reduce-scatter": "cfc-rs"}
     if any(a not in short for a in algorithms):
         raise SystemExit(f"--algorithms takes all-gather and reduce-scatter, got {args.algorithms!r}")
+    topologies = [t.strip() for t in args.topologies.split(",") if t.strip()] or ["auto"]
+    suffix = {"auto": "", "flat": "-flat", "two-level": "-2l"}
+    if any(t not in suffix for t in topologies):
+        raise SystemExit(f"--topologies takes flat and two-level, got {args.topologies!r}")
     reducers = {
-        f"{short[a]}@{b:g}": cfc.distributed.AllReducer(
-            cfc.CfcState(eps=b * rms, warmup_steps=0, min_compress_numel=0, algorithm=a), chunk_numel=chunk
+        f"{short[a]}{suffix[t]}@{b:g}": cfc.distributed.AllReducer(
+            cfc.CfcState(eps=b * rms, warmup_steps=0, min_compress_numel=0, algorithm=a, topology=t),
+            chunk_numel=chunk,
         )
         for b in bounds
         for a in algorithms
+        for t in topologies
     }
+    node_names: List[Any] = [None] * world
+    dist.all_gather_object(node_names, os.environ.get("CFC_NODE") or socket.gethostname())
+    nodes = len(set(node_names))
     if args.auto and bounds:
         trial = cfc.CfcState(eps=bounds[0] * rms, warmup_steps=0, min_compress_numel=0, fallback="auto")
         reducers[f"cfc-auto@{bounds[0]:g}"] = cfc.distributed.AllReducer(trial, chunk_numel=chunk)
@@ -235,47 +259,69 @@ def _run(args, dev, rank: int, world: int) -> Dict[str, Any]:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return t.tolist()
 
-    methods = ["fp32", "bf16"] + list(reducers)
-    progress = _Progress(len(sizes) * len(methods), rank == 0)
+    methods = ["fp32", "bf16"] + (["fp32-again"] if args.aa else []) + list(reducers)
+    rounds = max(1, args.rounds)
+    progress = _Progress(len(sizes) * len(methods) * rounds, rank == 0)
     rows: List[Dict[str, Any]] = []
+
+    def one(m: str, nbytes: int, x: Any, exact: Any, ring: float, first: bool) -> Dict[str, Any]:
+        """One method's medians at one size (one round; the error is of the first round's first
+        call, whose residuals are zero)."""
+        row: Dict[str, Any] = {"size": nbytes, "method": m}
+        if m in ("fp32", "bf16", "fp32-again"):
+            src = x if m != "bf16" else x.bfloat16()
+            buf = src.clone()
+            t = _measure(lambda: all_reduce_avg(buf), lambda: buf.copy_(src), sync, align, iters, args.warmup, slowest)
+            ratio = 1.0 if m != "bf16" else 2.0
+            row.update(t, ratio=ratio, node_out_bytes=ring / ratio)
+            return row
+        reducer = reducers[m]
+        eps = reducer.state.bound
+        if first:
+            y = reducer(x.clone()).wait()  # a first call: zero residuals, so |err| <= eps
+            sync()
+            err = torch.tensor([(y.double() - exact).abs().max().item()], dtype=torch.float64, device=dev)
+            dist.all_reduce(err, op=dist.ReduceOp.MAX)
+            row["max_err_over_eps"] = err.item() / eps
+        buf = x.clone()
+        # fallback="auto" times each chunk both ways over its first calls: all warm-up
+        warm = max(args.warmup, reducer.state.trial_steps + 1)
+        t = _measure(lambda: reducer(buf), lambda: buf.copy_(x), sync, align, iters, warm, slowest,
+                     before=reducer.state.reset_stats)
+        st = reducer.state.stats()
+        # bytes out of each node per call: every rank's bytes to other nodes, over the nodes
+        out = torch.tensor([float(st["between_nodes"])], dtype=torch.float64, device=dev)
+        dist.all_reduce(out)
+        row.update(t, ratio=st["ratio"], eps=eps,
+                   resends=st["resends"], plain_chunks=st["plain_buckets"],
+                   compressed_chunks=st["compressed_buckets"], node_out_bytes=out.item() / nodes / iters,
+                   levels=reducer.state.levels)
+        return row
+
     for nbytes in sizes:
         n = nbytes // 4
         x = rank_input(base, rank, n).to(dev)
         exact = x.double()
         dist.all_reduce(exact)
         exact.div_(world)
-        plain_s = None
+        # NCCL's rings cross each node's boundary once: 2 (n - 1) / n of the tensor leaves a node
+        ring = 2 * (world - 1) / world * nbytes if nodes > 1 else 0.0
+        per_round: Dict[str, List[Dict[str, Any]]] = {m: [] for m in methods}
+        for r in range(rounds):
+            for m in methods:
+                per_round[m].append(one(m, nbytes, x, exact, ring, r == 0))
+                progress.step(f"{_label(nbytes)} {m}")
+        plain_s = statistics.median(r["seconds"] for r in per_round["fp32"])
         for m in methods:
-            row: Dict[str, Any] = {"size": nbytes, "method": m}
-            if m in ("fp32", "bf16"):
-                src = x if m == "fp32" else x.bfloat16()
-                buf = src.clone()
-                t = _measure(lambda: all_reduce_avg(buf), lambda: buf.copy_(src), sync, align, iters, args.warmup, slowest)
-                row.update(t, ratio=1.0 if m == "fp32" else 2.0)
-            else:
-                reducer = reducers[m]
-                eps = reducer.state.bound
-                y = reducer(x.clone()).wait()  # a first call: zero residuals, so |err| <= eps
-                sync()
-                err = torch.tensor([(y.double() - exact).abs().max().item()], dtype=torch.float64, device=dev)
-                dist.all_reduce(err, op=dist.ReduceOp.MAX)
-                buf = x.clone()
-                # fallback="auto" times each chunk both ways over its first calls: all warm-up
-                warm = max(args.warmup, reducer.state.trial_steps + 1)
-                t = _measure(lambda: reducer(buf), lambda: buf.copy_(x), sync, align, iters, warm, slowest,
-                             before=reducer.state.reset_stats)
-                st = reducer.state.stats()
-                row.update(t, ratio=st["ratio"], eps=eps, max_err_over_eps=err.item() / eps,
-                           resends=st["resends"], plain_chunks=st["plain_buckets"],
-                           compressed_chunks=st["compressed_buckets"])
-            if m == "fp32":
-                plain_s = row["seconds"]
+            row = dict(per_round[m][0])
+            for k in ("seconds", "call_seconds", "node_out_bytes"):
+                row[k] = statistics.median(r[k] for r in per_round[m])
+            row["rounds"] = rounds
             row["algbw_GBps"] = nbytes / row["seconds"] / 1e9
             row["busbw_GBps"] = row["algbw_GBps"] * 2 * (world - 1) / world
             row["speedup"] = plain_s / row["seconds"]
             rows.append(row)
-            progress.step(f"{_label(nbytes)} {m}")
-        x = exact = buf = None  # free this size's tensors (and residuals) before the next
+        x = exact = None  # free this size's tensors (and residuals) before the next
         if cuda:
             torch.cuda.empty_cache()
 
@@ -287,6 +333,7 @@ def _run(args, dev, rank: int, world: int) -> Dict[str, Any]:
         "iters": iters,
         "chunk_numel": chunk,
         "rms": rms,
+        "nodes": nodes,
         "data": args.grads or "random",
         "rows": rows,
     }
@@ -314,16 +361,20 @@ def _guess_transport(cuda: bool) -> str:
 def _table(result: Dict[str, Any]) -> str:
     head = (
         f"all-reduce (average), {result['world']} ranks, {result['device']}, {result['transport']}; "
-        f"medians of {result['iters']}; data: {result['data']}\n"
-        "| size | method | time ms | algbw GB/s | busbw GB/s | vs fp32 | ratio | call returns ms | max err / eps |\n"
-        "|---|---|---|---|---|---|---|---|---|"
+        f"{result.get('nodes', 1)} nodes; medians of {result['iters']}"
+        f"{' x ' + str(result['rows'][0].get('rounds', 1)) + ' rounds' if result['rows'] else ''}; "
+        f"data: {result['data']}; time: lower is better\n"
+        "| size | method | time ms | algbw GB/s | busbw GB/s | vs fp32 | ratio | MB out of each node | "
+        "call returns ms | max err / eps |\n"
+        "|---|---|---|---|---|---|---|---|---|---|"
     )
     lines = [head]
     for r in result["rows"]:
         err = f"{r['max_err_over_eps']:.3f}" if "max_err_over_eps" in r else "-"
+        out = f"{r['node_out_bytes'] / 1e6:.2f}" if "node_out_bytes" in r else "-"
         lines.append(
             f"| {_label(r['size'])} | {r['method']} | {r['seconds'] * 1e3:.3f} | {r['algbw_GBps']:.2f} | "
-            f"{r['busbw_GBps']:.2f} | {r['speedup']:.2f}x | {r['ratio']:.2f}x | "
+            f"{r['busbw_GBps']:.2f} | {r['speedup']:.2f}x | {r['ratio']:.2f}x | {out} | "
             f"{r['call_seconds'] * 1e3:.3f} | {err} |"
         )
     return "\n".join(lines)

@@ -68,7 +68,12 @@ def _engine_state(e: Mapping) -> Dict[str, Any]:
     step, origin = _count(e.get("step"), "the engine's step"), _count(e.get("origin"), "the engine's origin")
     if origin > step:
         raise ValueError(f"not a cfc_hook state: the engine's origin {origin} is past its step {step}")
-    return {"step": step, "origin": origin, "buckets": buckets}
+    levels = e.get("levels")
+    if levels is not None:
+        levels = tuple(_count(x, "the engine's levels") for x in _sequence(levels, "the engine's levels"))
+        if len(levels) != 2:
+            raise ValueError(f"not a cfc_hook state: the engine's levels are {levels!r}, not (nodes, ranks per node)")
+    return {"step": step, "origin": origin, "buckets": buckets, "levels": levels}
 
 
 def parse_state(sd: Mapping, options: Options, rank: int, world: int) -> Dict[str, Any]:
