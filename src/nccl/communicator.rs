@@ -167,18 +167,38 @@ impl Communicator {
             max_ctas: CONFIG_UNDEF,
             net_name: std::ptr::null(),
         };
-        let mut raw: RawComm = std::ptr::null_mut();
-        // SAFETY: a live communicator, a valid out pointer and config; every rank of this
-        // communicator makes the same call (the engine's one schedule).
+        // A non-blocking split writes the new communicator when it is complete, from NCCL's own
+        // thread (null until then): it is read atomically while polling, from the heap, so that
+        // a split given up on may still write it (the slot is then leaked).
+        let slot = Box::new(std::sync::atomic::AtomicPtr::<c_void>::new(
+            std::ptr::null_mut(),
+        ));
+        // SAFETY: a live communicator, a valid out pointer (alive until NCCL is done with it, see
+        // above) and config; every rank of this communicator makes the same call (the engine's
+        // one schedule).
         let code = unsafe {
             split(
                 self.raw,
                 color as c_int,
                 rank as c_int,
-                &mut raw,
+                slot.as_ptr(),
                 &mut config,
             )
         };
+        if code == NCCL_SUCCESS || code == NCCL_IN_PROGRESS {
+            let ready = |c: &mut Self| -> Result<bool> {
+                if !slot.load(std::sync::atomic::Ordering::Acquire).is_null() {
+                    return Ok(true);
+                }
+                c.async_state("ncclCommSplit")?;
+                Ok(false)
+            };
+            if let Err(e) = self.poll("ncclCommSplit", ready) {
+                Box::leak(slot);
+                return Err(e);
+            }
+        }
+        let raw: RawComm = slot.load(std::sync::atomic::Ordering::Acquire);
         let mut comm = Communicator {
             nccl: self.nccl,
             raw,
