@@ -3,6 +3,7 @@ weights and batches: 2 and 3 processes with gloo on the CPU (in CI), and one GPU
 NCCL (``-m gpu``)."""
 
 import math
+import os
 import time
 
 import pytest
@@ -530,9 +531,12 @@ def resume(rank, world, out):
 def replicas(rank, world, out):
     """Two replicas of a model sharded over two ranks each: cfc's reduce-scatter within a
     replica, then cfc's average over the replicas (the all-reduce hook), against native HSDP:
-    every shard of every gradient within 2 eps (each of the two averages adds at most eps)."""
+    every shard of every gradient within 2 eps (each of the two averages adds at most eps).
+    Each replica on a node of its own (``CFC_NODE``), as the multi-node recipe has it: the shard
+    groups' bytes stay inside the nodes, the replicas' all cross them (one rank per node: flat)."""
     from torch.distributed.device_mesh import init_device_mesh
 
+    os.environ["CFC_NODE"] = f"node{rank // 2}"
     eps = 1e-4
     mesh = init_device_mesh(DEV.type, (world // 2, 2), mesh_dim_names=("replicate", "shard"))
     plain, _, _ = make(register=False, mesh=mesh)
@@ -552,6 +556,9 @@ def replicas(rank, world, out):
     for s in (state, across):
         st = s.stats()
         assert st["compressed_buckets"] == 2 and st["plain_buckets"] == 1, st
+        assert s.levels is None
+    assert state.stats()["between_nodes"] == 0 and state.stats()["inside_node"] > 0
+    assert across.stats()["inside_node"] == 0 and across.stats()["between_nodes"] > 0
     with pytest.raises(ValueError, match="replicate group"):
         cfc.fsdp.register(model, state, replicas=state)
 

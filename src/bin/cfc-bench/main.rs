@@ -7,7 +7,10 @@
 //! * `plain`: the engine's uncompressed all-reduce (`fallback` always: a reduce-scatter of
 //!   float32 shards, then an all-gather of the averages, what a ring all-reduce sends);
 //! * `cfc-rs@B` and `cfc-ag@B`: the engine with eps = B x RMS of the data, error feedback on,
-//!   as a reduce-scatter of codes and as an all-gather of frames.
+//!   as a reduce-scatter of codes and as an all-gather of frames;
+//! * with `--nodes N` (the ranks split into N emulated nodes, in rank order), also `cfc-2l@B`:
+//!   the two-level exchange (plain inside each node, compressed between nodes), and a column of
+//!   the bytes that leave each node per call (for `plain`, a ring's share).
 //!
 //! It prints median times (the slowest rank's), the bytes each rank sent against a ring
 //! all-reduce of float32, and the largest error of a first call (zero residuals) over the
@@ -21,14 +24,17 @@
 //! cfc.bench` (the Python package) compares the same through PyTorch.
 //!
 //! Run: `cargo run --release --bin cfc-bench -- [--ranks 2,4,8] [--sizes 1M,4M,16M]
-//! [--bounds 0.3,0.1] [--iters 5] [--grads DIR] [--json FILE] [--png FILE]`, or with the GPUs
+//! [--bounds 0.3,0.1] [--iters 5] [--nodes N] [--grads DIR] [--json FILE] [--png FILE]`, or with
+//! the GPUs
 //! `cargo run --release --features cuda --bin cfc-bench -- --gpu 2 [--chunk-numel 67108864] ...`
 //!
 //! `--png` draws the JSON's algbw against size with `python3 -m cfc.bench --plot` (the Python
 //! package and matplotlib; `CFC_PYTHON` names another interpreter): one plotting code for both
 //! benchmarks. Without `--json`, the JSON goes next to the PNG.
 
-use cfc::engine::{Algorithm, BoundRule, Engine, Fallback, Job, Op, Options, Scale, Tensor};
+use cfc::engine::{
+    Algorithm, BoundRule, Engine, Fallback, Job, Op, Options, Scale, Tensor, Topology,
+};
 use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 use std::sync::Barrier;
@@ -40,10 +46,10 @@ mod gpu;
 mod grads;
 
 const USAGE: &str = "usage: cfc-bench [--ranks 2,4,8] [--sizes 1M,4M,16M] [--bounds 0.3,0.1] \
-[--iters 5] [--grads DIR] [--json FILE] [--png FILE] [--gpu N [--chunk-numel 67108864]]
+[--iters 5] [--nodes N] [--grads DIR] [--json FILE] [--png FILE] [--gpu N [--chunk-numel 67108864]]
 Compressed all-reduce against an uncompressed one over threads (CPU engines linked by
 channels), or with --gpu N over NCCL on N local GPUs, a thread each (a build with the cuda
-feature).";
+feature). --nodes N splits the CPU ranks into N emulated nodes and adds cfc's two-level exchange.";
 
 struct Args {
     ranks: Vec<usize>,
@@ -58,6 +64,8 @@ struct Args {
     gpus: usize,
     /// Elements per job of the GPU all-reduce (a tensor is cut into jobs of this many).
     chunk_numel: usize,
+    /// Emulated nodes the CPU ranks are split into (1: one node).
+    nodes: usize,
 }
 
 fn parse_size(s: &str) -> Result<usize, String> {
@@ -95,6 +103,7 @@ fn parse_args() -> Result<Args, String> {
         png: None,
         gpus: 0,
         chunk_numel: 1 << 26,
+        nodes: 1,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -140,6 +149,13 @@ fn parse_args() -> Result<Args, String> {
                     .filter(|&g| (1..=64).contains(&g))
                     .ok_or("--gpu needs a GPU count (1 to 64)")?
             }
+            "--nodes" => {
+                a.nodes = value
+                    .parse()
+                    .ok()
+                    .filter(|&n| (1..=64).contains(&n))
+                    .ok_or("--nodes needs a node count (1 to 64)")?
+            }
             "--chunk-numel" => {
                 a.chunk_numel = value
                     .parse::<usize>()
@@ -152,6 +168,9 @@ fn parse_args() -> Result<Args, String> {
     }
     if a.json.is_none() {
         a.json = a.png.as_ref().map(|p| p.with_extension("json"));
+    }
+    if let Some(r) = a.ranks.iter().find(|&&r| r % a.nodes != 0) {
+        return Err(format!("{r} ranks do not split into {} nodes", a.nodes));
     }
     Ok(a)
 }
@@ -240,8 +259,14 @@ struct Row {
     seconds: f64,
     bytes_sent: u64,
     ring_bytes: u64,
+    /// Bytes out of each node per call (every rank's to other nodes, over the nodes).
+    node_out: u64,
     max_err_over_eps: Option<f64>,
 }
+
+/// A method: `None` is plain (the uncompressed all-reduce), else the bound, the algorithm and
+/// the topology.
+type Method = Option<(f64, Algorithm, Topology)>;
 
 /// Bytes each rank sends in a ring all-reduce of `bytes` over `world` ranks.
 pub(crate) fn ring_bytes(bytes: u64, world: usize) -> u64 {
@@ -264,19 +289,30 @@ pub(crate) fn method_options(bound: Option<(f64, Algorithm)>) -> Options {
     o
 }
 
-/// Times `method` on `world` threads: returns (median of the slowest rank's seconds, rank 0's
-/// bytes sent per call, largest error of the first call over eps).
+/// Rank `r`'s node when `world` ranks make `nodes` nodes, in rank order.
+fn node_map(world: usize, nodes: usize) -> Vec<usize> {
+    let per = (world / nodes.max(1)).max(1);
+    (0..world).map(|r| r / per).collect()
+}
+
+/// Times `method` on `world` threads on `nodes` emulated nodes: returns (median of the slowest
+/// rank's seconds, rank 0's bytes sent per call, bytes out of each node per call, largest error
+/// of the first call over eps).
 fn measure(
     world: usize,
+    nodes: usize,
     base: &[f32],
     n: usize,
     iters: usize,
-    cfc: Option<(f64, Algorithm)>,
+    method: Method,
     exact: &[f64],
-) -> (f64, u64, Option<f64>) {
-    let engines = Engine::local_group(world, method_options(cfc)).expect("engines");
+) -> (f64, u64, u64, Option<f64>) {
+    let cfc = method.map(|(eps, algorithm, _)| (eps, algorithm));
+    let mut o = method_options(cfc);
+    o.topology = method.map_or(Topology::Flat, |m| m.2);
+    let engines = Engine::local_nodes(&node_map(world, nodes), o).expect("engines");
     let barrier = Barrier::new(world);
-    let per_rank: Vec<(Vec<f64>, u64, f64)> = std::thread::scope(|s| {
+    let per_rank: Vec<(Vec<f64>, u64, u64, f64)> = std::thread::scope(|s| {
         let handles: Vec<_> = engines
             .iter()
             .map(|e| {
@@ -285,11 +321,11 @@ fn measure(
                     let x = rank_input(base, e.rank(), n);
                     let mut y = x.clone();
                     let mut residual = vec![0f32; n];
-                    let (mut times, mut sent, mut err) = (Vec::new(), 0, 0.0f64);
+                    let (mut times, mut sent, mut out, mut err) = (Vec::new(), 0, 0, 0.0f64);
                     for i in 0..=iters {
                         // call 0: the error check (zero residual) and the warm-up
                         y.copy_from_slice(&x);
-                        let before = e.stats().bytes_sent;
+                        let before = e.stats();
                         barrier.wait();
                         let t0 = Instant::now();
                         let job = Job {
@@ -314,7 +350,9 @@ fn measure(
                         unsafe { e.submit(job, 0) }.expect("submit");
                         e.wait(0).expect("cfc all-reduce");
                         let dt = t0.elapsed().as_secs_f64();
-                        sent = e.stats().bytes_sent - before;
+                        let after = e.stats();
+                        sent = after.bytes_sent - before.bytes_sent;
+                        out = after.between_nodes - before.between_nodes;
                         if i == 0 {
                             if let Some((eps, _)) = cfc {
                                 err = y
@@ -327,7 +365,7 @@ fn measure(
                             times.push(dt);
                         }
                     }
-                    (times, sent, err)
+                    (times, sent, out, err)
                 })
             })
             .collect();
@@ -340,8 +378,9 @@ fn measure(
         .map(|i| per_rank.iter().map(|r| r.0[i]).fold(0.0, f64::max))
         .collect();
     slowest.sort_by(f64::total_cmp);
-    let err = per_rank.iter().map(|r| r.2).fold(0.0, f64::max);
-    (slowest[iters / 2], per_rank[0].1, cfc.map(|_| err))
+    let err = per_rank.iter().map(|r| r.3).fold(0.0, f64::max);
+    let out = per_rank.iter().map(|r| r.2).sum::<u64>() / nodes.max(1) as u64;
+    (slowest[iters / 2], per_rank[0].1, out, cfc.map(|_| err))
 }
 
 fn label(bytes: usize) -> String {
@@ -381,13 +420,24 @@ fn main() {
         }
         return;
     }
-    let mut methods: Vec<(String, Option<(f64, Algorithm)>)> = vec![("plain".into(), None)];
+    let mut methods: Vec<(String, Method)> = vec![("plain".into(), None)];
     for &b in &args.bounds {
         for (tag, algorithm) in [
             ("rs", Algorithm::ReduceScatter),
             ("ag", Algorithm::AllGather),
         ] {
-            methods.push((format!("cfc-{tag}@{b}"), Some((b * rms, algorithm))));
+            methods.push((
+                format!("cfc-{tag}@{b}"),
+                Some((b * rms, algorithm, Topology::Flat)),
+            ));
+        }
+        if args.nodes > 1 {
+            // (the algorithm of the rails: cfc's choice by their rank count)
+            let rails = Algorithm::for_world(args.nodes);
+            methods.push((
+                format!("cfc-2l@{b}"),
+                Some((b * rms, rails, Topology::TwoLevel)),
+            ));
         }
     }
     let total = args.ranks.len() * args.sizes.len() * methods.len();
@@ -404,7 +454,8 @@ fn main() {
             drop(inputs);
             let ring_bytes = ring_bytes(size as u64, world);
             for (name, o) in &methods {
-                let (seconds, sent, err) = measure(world, &base, n, args.iters, *o, &exact);
+                let (seconds, sent, out, err) =
+                    measure(world, args.nodes, &base, n, args.iters, *o, &exact);
                 rows.push(Row {
                     ranks: world,
                     size,
@@ -412,6 +463,7 @@ fn main() {
                     seconds,
                     bytes_sent: if o.is_some() { sent } else { ring_bytes },
                     ring_bytes,
+                    node_out: out,
                     max_err_over_eps: err,
                 });
                 done += 1;
@@ -431,13 +483,17 @@ fn main() {
         }
     }
     println!(
-        "all-reduce (average) over threads (CPU engines linked by channels, {} cores); medians \
-         of {}; data: {source}, RMS {rms:.3e}",
+        "all-reduce (average) over threads (CPU engines linked by channels, {} cores); {} \
+         emulated node(s); medians of {}; data: {source}, RMS {rms:.3e}; time: lower is better",
         std::thread::available_parallelism().map_or(1, |n| n.get()),
+        args.nodes,
         args.iters
     );
-    println!("| ranks | size | method | time ms | vs plain | bytes sent vs ring | max err / eps |");
-    println!("|---|---|---|---|---|---|---|");
+    println!(
+        "| ranks | size | method | time ms | vs plain | bytes sent vs ring | MB out of each node \
+         | max err / eps |"
+    );
+    println!("|---|---|---|---|---|---|---|---|");
     for r in &rows {
         let plain = rows
             .iter()
@@ -452,12 +508,13 @@ fn main() {
             )
         };
         println!(
-            "| {} | {} | {} | {:.2} | {:.2}x | {fewer} | {} |",
+            "| {} | {} | {} | {:.2} | {:.2}x | {fewer} | {:.3} | {} |",
             r.ranks,
             label(r.size),
             r.method,
             r.seconds * 1e3,
             plain / r.seconds,
+            r.node_out as f64 / 1e6,
             r.max_err_over_eps
                 .map_or("-".to_string(), |e| format!("{e:.3}"))
         );
@@ -468,13 +525,15 @@ fn main() {
             .map(|r| {
                 format!(
                     "{{\"ranks\": {}, \"size\": {}, \"method\": \"{}\", \"seconds\": {:e}, \
-                     \"bytes_sent\": {}, \"ring_bytes\": {}, \"max_err_over_eps\": {}}}",
+                     \"bytes_sent\": {}, \"ring_bytes\": {}, \"node_out_bytes\": {}, \
+                     \"max_err_over_eps\": {}}}",
                     r.ranks,
                     r.size,
                     r.method,
                     r.seconds,
                     r.bytes_sent,
                     r.ring_bytes,
+                    r.node_out,
                     r.max_err_over_eps
                         .map_or("null".into(), |e| format!("{e:e}"))
                 )
