@@ -136,6 +136,20 @@ def batch(data: torch.Tensor, gen: torch.Generator, args) -> torch.Tensor:
     return data[starts[:, None] + torch.arange(args.seq + 1)].long()
 
 
+def save_grads(model, folder):
+    """The gradients of the model's 5 largest parameters, as float32 .npy files in ``folder``
+    (kept if the folder holds some already: the first hook's run, plain all-reduce in the demo)."""
+    import numpy as np
+
+    folder.mkdir(parents=True, exist_ok=True)
+    if any(folder.glob("*.npy")):
+        return
+    named = sorted(((n, p) for n, p in model.named_parameters() if p.grad is not None),
+                   key=lambda np_: -np_[1].numel())[:5]
+    for name, p in named:
+        np.save(folder / f"{name.replace('.', '_')}.npy", p.grad.detach().float().flatten().cpu().numpy())
+
+
 @torch.no_grad()
 def held_out_loss(model: nn.Module, heldout: torch.Tensor, dev: torch.device, args) -> float:
     """Mean loss on ``args.eval_batches`` fixed batches of held-out bytes (the same for every
@@ -188,6 +202,8 @@ def train(hook: str, data: torch.Tensor, heldout: torch.Tensor, dev: torch.devic
             logits = ddp(x)
         loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
         loss.backward()
+        if args.save_grads is not None and rank == 0 and step == args.steps - 1:
+            save_grads(model, args.save_grads)
         if args.clip > 0:
             torch.nn.utils.clip_grad_norm_(ddp.parameters(), args.clip)
         opt.step()
@@ -249,6 +265,10 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the batches")
     p.add_argument("--out", type=Path, default=None, help="directory for losses.json and losses.png")
     p.add_argument("--save", type=Path, default=None, help="save the trained model's state_dict here")
+    p.add_argument("--save-grads", type=Path, default=None, metavar="DIR",
+                   help="save the last step's averaged gradients of the 5 largest parameters as .npy files "
+                        "(float32), for examples/compress_demo.py and the benchmarks' --grads; the first hook's run "
+                        "writes them")
     args = p.parse_args()
 
     if args.deterministic:

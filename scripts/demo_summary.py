@@ -24,4 +24,7 @@ What this showed:
   Compression pays where the link is much slower than the GPU: between machines, or NCCL over
   TCP. Measured on H200s over sockets
   (docs/performance.md): a 256 MB all-reduce took 9.15 ms with cfc at rms=0.3 against 62.6 ms
-  with NCCL float32 (2 ranks); over NVLink, fallback="auto" keeps plain all-reduce.""")
+  with NCCL float32 (2 ranks); over NVLink, fallback="auto" keeps plain all-reduce.
+- Across nodes: cfc's two-level exchange (plain inside a node, compressed between nodes) sends
+  the fewest bytes out of each node (the benchmark's "MB out of each node"); the model above
+  turns those bytes into step time on nodes of 8 GPUs.""")

@@ -17,7 +17,7 @@ GPUS=${GPUS:-$(nvidia-smi -L 2>/dev/null | wc -l)}
 [ "$GPUS" -ge 1 ] || GPUS=1
 WORLD=$((NODES * PER_NODE))
 PORT=${MASTER_PORT:-$((29500 + RANDOM % 1000))}
-if [ "$PER_NODE" -gt "$GPUS" ]; then
+if [ "$PER_NODE" -gt "$GPUS" ] && command -v nvidia-smi >/dev/null; then
     echo "emulate_nodes: $PER_NODE ranks per node on $GPUS GPU(s): NCCL goes over sockets inside each node too" >&2
 fi
 pids=()
