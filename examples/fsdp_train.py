@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 
 import torch
@@ -103,6 +104,10 @@ def train(way: str, data: torch.Tensor, heldout: torch.Tensor, dev: torch.device
         t = loss.detach().clone()
         dist.all_reduce(t)
         losses.append(t.item() / dist.get_world_size())
+        if rank == 0 and (step + 1) % max(1, args.steps // 5) == 0:
+            # a progress line (stderr: the table on stdout stays clean)
+            print(f"  {way}: step {step + 1}/{args.steps}, loss {losses[-1]:.3f}, "
+                  f"{1e3 * statistics.median(times):.0f} ms/step", file=sys.stderr, flush=True)
     out = {
         "final": statistics.mean(losses[-max(1, args.steps // 10):]),
         "held_out": held_out_loss(model, heldout, dev, args) if args.eval_batches else float("nan"),

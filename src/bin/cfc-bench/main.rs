@@ -499,8 +499,8 @@ fn main() {
             .iter()
             .find(|p| p.ranks == r.ranks && p.size == r.size && p.method == "plain")
             .map_or(r.seconds, |p| p.seconds);
-        let fewer = if r.ring_bytes == 0 {
-            "-".to_string() // one rank sends nothing
+        let fewer = if r.ring_bytes == 0 || r.method == "plain" {
+            "-".to_string() // one rank sends nothing; plain is the ring itself
         } else {
             format!(
                 "{:.2}x fewer",
