@@ -4,6 +4,7 @@
 //! memory go only once the engine is done with it.
 
 use super::*;
+use crate::engine::transport::local::LocalLinks;
 /// The options of the steps failures are injected into: an rms bound, `alg`, and a timeout no
 /// test should reach (a failure ends every wait at once).
 fn fault_options(alg: Algorithm) -> Options {

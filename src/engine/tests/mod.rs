@@ -4,6 +4,8 @@
 
 use super::*;
 use crate::codec::{decompress, Bound, CompressOptions};
+use crate::engine::backend::cpu::CpuBackend;
+use crate::engine::transport::host::HostTransport;
 use crate::engine::transport::tcp::{Credentials, Listener, Reach, Shape, TcpLinks};
 use crate::feedback::compress_with_feedback;
 use crate::format::DType;
