@@ -4,7 +4,9 @@
 //!
 //! A compressed all-reduce over two levels is the compressed exchange (`exchange.rs`) of one
 //! job, this rank's shard of its node's sum, among the ranks of its rail; the plain parts run
-//! inside the node around it. Reduce-scatter jobs (FSDP's) and plain jobs run among every rank.
+//! inside the node around it. Reduce-scatter jobs (FSDP's), float16 buckets (whose node sums
+//! could overflow) and plain jobs run among every rank. A bfloat16 node sum is rounded to
+//! bfloat16 before it is compressed (error feedback does not see that rounding).
 //!
 //! Error feedback: the rank compresses its shard of the node's *sum* (the step is the bound
 //! times the ranks per node for a fixed bound, so that the average is within the bound as in
@@ -53,9 +55,13 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
         Ok(())
     }
 
-    /// Whether a job's compressed exchange runs along the rail (an all-reduce, two levels).
+    /// Whether a job's compressed exchange runs along the rail: an all-reduce, two levels, not
+    /// float16 (a node's sum of float16 gradients overflows from 65504 / G; bfloat16's range is
+    /// float32's).
     pub(super) fn on_rail(&self, job: &Job) -> bool {
-        self.groups.is_some() && matches!(job.op, Op::AllReduce)
+        self.groups.is_some()
+            && matches!(job.op, Op::AllReduce)
+            && job.data.dtype != crate::format::DType::F16
     }
 
     /// The transport of the group a compressed exchange runs in, with the backend.

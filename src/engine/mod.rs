@@ -337,7 +337,22 @@ impl Engine {
                 nodes.len()
             )));
         }
-        let levels = topology::plan(options.topology, nodes, rank)?;
+        let levels = match topology::plan(options.topology, nodes, rank)? {
+            Some(_) if !tr.can_group() && options.topology == Topology::TwoLevel => {
+                return Err(Error::NcclUnavailable(
+                    "topology='two-level' needs ncclCommSplit (NCCL 2.18 or later); this NCCL \
+                     has none ('auto' falls back to flat)"
+                        .into(),
+                ))
+            }
+            Some(_) if !tr.can_group() => {
+                if rank == 0 {
+                    tracing::warn!("cfc: this NCCL cannot split communicators; exchanging flat");
+                }
+                None
+            }
+            planned => planned,
+        };
         let control = tr.control().clone();
         let ready = be.ready_maker();
         let shared = Shared::new();

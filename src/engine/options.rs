@@ -245,7 +245,15 @@ const DESCRIPTOR_VERSION: u8 = 2;
 /// collectives, the world, and `token` (the caller's: e.g. which checkpoint it resumed from).
 /// The timeout is left out: ranks may wait for different times. `nodes` is a hash of the ranks'
 /// nodes (ranks that see them differently would build different groups).
-pub(crate) fn descriptor(o: &Options, world: usize, token: u64, nodes: u64) -> Vec<u8> {
+/// `two_level`: whether this rank plans the two-level exchange (ranks whose NCCL can split and
+/// ranks whose cannot would otherwise wait for each other).
+pub(crate) fn descriptor(
+    o: &Options,
+    world: usize,
+    token: u64,
+    nodes: u64,
+    two_level: bool,
+) -> Vec<u8> {
     let mut d = Vec::with_capacity(DESCRIPTOR_LEN);
     d.push(DESCRIPTOR_VERSION);
     d.push(o.bound.code());
@@ -262,7 +270,8 @@ pub(crate) fn descriptor(o: &Options, world: usize, token: u64, nodes: u64) -> V
     };
     d.push(fallback);
     d.push(o.topology.code());
-    d.extend_from_slice(&[0; 2]);
+    d.push(two_level as u8);
+    d.push(0);
     d.extend_from_slice(&o.bound.value().to_le_bytes());
     d.extend_from_slice(&trial.to_le_bytes());
     d.extend_from_slice(&o.warmup_steps.to_le_bytes());
@@ -302,10 +311,11 @@ pub(crate) fn describe(d: &[u8]) -> String {
     let topology = ["auto", "flat", "two-level"]
         .get(d[5] as usize)
         .unwrap_or(&"?");
+    let planned = if d[6] != 0 { "two levels" } else { "flat" };
     format!(
         "{bound}={:e}, error feedback {}, algorithm {algorithm}, fallback {fallback}, \
          warm-up {} steps, min_compress_numel {}, {} ranks, token {:#x}, topology \
-         {topology}, nodes {:#x}",
+         {topology} ({planned}), nodes {:#x}",
         f64::from_bits(u64_at(8).unwrap_or(0)),
         if d[2] != 0 { "on" } else { "off" },
         u32_at(20).unwrap_or(0),
@@ -324,7 +334,7 @@ mod tests {
     fn descriptors_say_what_differs_and_distrust_peers() {
         let mut o = Options::new(BoundRule::Rms(0.3));
         o.fallback = Fallback::Auto { trial_steps: 4 };
-        let d = descriptor(&o, 4, 7, 0);
+        let d = descriptor(&o, 4, 7, 0, false);
         assert_eq!(d.len(), DESCRIPTOR_LEN);
         let said = describe(&d);
         assert!(said.contains("rms=3e-1"), "{said}");
@@ -336,11 +346,18 @@ mod tests {
         bad[1] = 9;
         assert!(describe(&bad).starts_with("?="));
         o.warmup_steps = 1;
-        assert_ne!(descriptor(&o, 4, 7, 0), d);
-        assert_ne!(descriptor(&o, 4, 7, 1), descriptor(&o, 4, 7, 0));
+        assert_ne!(descriptor(&o, 4, 7, 0, false), d);
+        assert_ne!(
+            descriptor(&o, 4, 7, 1, false),
+            descriptor(&o, 4, 7, 0, false)
+        );
+        assert_ne!(
+            descriptor(&o, 4, 7, 0, true),
+            descriptor(&o, 4, 7, 0, false)
+        );
         o.warmup_steps = 0;
         o.topology = Topology::Flat;
-        assert!(describe(&descriptor(&o, 4, 7, 0)).contains("topology flat"));
+        assert!(describe(&descriptor(&o, 4, 7, 0, false)).contains("topology flat (flat)"));
     }
 
     #[test]

@@ -222,7 +222,9 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
     }
 
     fn load(&mut self, mut state: EngineState) {
-        if state.levels != self.layout() {
+        // Along rails the statistics are each rail's own: a resumed run may put other ranks on
+        // a rail (another node map of the same shape), whose steps must agree again.
+        if state.levels != self.layout() || self.levels.is_some() {
             for b in &mut state.buckets {
                 b.stats = None;
             }
@@ -241,7 +243,8 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
     /// At the first, the two-level groups open once every rank is known to see the same nodes.
     fn agree(&mut self, token: u64) -> Result<()> {
         let nodes = super::topology::nodes_word(&self.node_of);
-        let mine = super::options::descriptor(&self.o, self.world, token, nodes);
+        let mine =
+            super::options::descriptor(&self.o, self.world, token, nodes, self.levels.is_some());
         let all = self.tr.gather(&mut self.be, &mine)?;
         if let Some((j, theirs)) = all.iter().enumerate().find(|(_, d)| **d != all[0]) {
             return Err(Error::RankMismatch {
@@ -554,6 +557,11 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
         // collectives waiting on a peer give up, then let the device drain, then let go.
         let stages = std::mem::take(&mut self.deferred);
         self.tr.abort();
+        if let Some(g) = &mut self.groups {
+            // (their collectives wait on peers too: a node's reduce-scatter, a rail's exchange)
+            g.node.abort();
+            g.rail.abort();
+        }
         // Let the device finish what it has (the aborted collectives return): the caller may
         // free the job's memory once it hears of the failure.
         let t0 = Instant::now();

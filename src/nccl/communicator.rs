@@ -133,6 +133,11 @@ impl Communicator {
         Ok(comm)
     }
 
+    /// Whether this NCCL can split communicators (2.18 and later).
+    pub fn can_split(&self) -> bool {
+        self.nccl.comm_split.is_some()
+    }
+
     /// A communicator of the ranks that give the same `color` (every rank of this one calls
     /// it, at the same point), in which this rank is `rank` of `world` (the order of `rank`
     /// given as NCCL's key). It keeps this one's timeout; the failure board is set apart.
@@ -186,12 +191,12 @@ impl Communicator {
             )
         };
         if code == NCCL_SUCCESS || code == NCCL_IN_PROGRESS {
+            // Done when NCCL has written the new communicator and the parent is usable again
+            // (it is in progress until the split's job ends, after the write).
             let ready = |c: &mut Self| -> Result<bool> {
-                if !slot.load(std::sync::atomic::Ordering::Acquire).is_null() {
-                    return Ok(true);
-                }
-                c.async_state("ncclCommSplit")?;
-                Ok(false)
+                let state = c.async_state("ncclCommSplit")?;
+                Ok(!slot.load(std::sync::atomic::Ordering::Acquire).is_null()
+                    && state == NCCL_SUCCESS)
             };
             if let Err(e) = self.poll("ncclCommSplit", ready) {
                 Box::leak(slot);
@@ -210,7 +215,7 @@ impl Communicator {
             spin: self.spin,
             nap: self.nap,
             broken: None,
-            interrupt: None,
+            interrupt: self.interrupt.clone(),
         };
         if raw.is_null() {
             self.check(code, "ncclCommSplit")?;

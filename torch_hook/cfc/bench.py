@@ -355,6 +355,8 @@ def _guess_transport(cuda: bool) -> str:
         return "gloo (CPU)"
     if os.environ.get("NCCL_NET", "").lower() == "socket" and os.environ.get("NCCL_P2P_DISABLE") == "1":
         return "NCCL socket"
+    if os.environ.get("NCCL_HOSTID"):
+        return "NCCL, nodes emulated by NCCL_HOSTID (sockets between them)"
     return "NCCL (NVLink/PCIe/shm)"
 
 

@@ -444,3 +444,28 @@ fn two_levels_over_tcp_give_the_threads_bits() {
         assert_eq!(x, want);
     }
 }
+
+/// Float16 buckets stay flat under two levels (a node's sum could overflow float16): the same
+/// bits as the flat exchange.
+#[test]
+fn float16_buckets_run_flat() {
+    let n = 6_000;
+    let results = |topology: Topology| {
+        let mut o = options(BoundRule::Abs(1e-3));
+        o.topology = topology;
+        on_nodes(&[0, 0, 1, 1], &o, |rank, e| {
+            let mut x: Vec<half::f16> = grads(rank, 0, n)
+                .iter()
+                .map(|&v| half::f16::from_f32(v * 100.0))
+                .collect();
+            let mut r = vec![0.0f32; n];
+            let mut j = job(0, &mut [], Some(&mut r), true);
+            j.data = tensor(&mut x, DType::F16);
+            // SAFETY: `x` and `r` live until the wait below returns.
+            unsafe { e.submit(j, 0) }.unwrap();
+            e.wait(0).unwrap();
+            x
+        })
+    };
+    assert_eq!(results(Topology::TwoLevel), results(Topology::Flat));
+}

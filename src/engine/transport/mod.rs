@@ -94,6 +94,11 @@ pub(crate) trait Transport<B: Backend>: Send {
     where
         Self: Sized;
 
+    /// Whether [`Transport::group`] can make groups (NCCL before 2.18 cannot).
+    fn can_group(&self) -> bool {
+        true
+    }
+
     /// Gives up at once: queued work that waits for peers stops (the device can then drain),
     /// and every later call fails. Called once the engine has failed.
     fn abort(&mut self);

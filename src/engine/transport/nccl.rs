@@ -173,6 +173,10 @@ impl Transport<CudaBackend> for NcclTransport {
         self.comm.abort_now();
     }
 
+    fn can_group(&self) -> bool {
+        self.comm.can_split()
+    }
+
     fn group(&mut self, _be: &mut CudaBackend, members: &[usize], color: usize) -> Result<Self> {
         let me = self.comm.rank();
         let rank = members.iter().position(|&r| r == me).ok_or_else(|| {
