@@ -69,7 +69,7 @@ class CfcState:
             to every rank). ``"auto"`` (default): two-level where there are at least 2 nodes of
             one size, each of at least 2 ranks; flat otherwise. Nodes are the ranks' host names,
             or ``CFC_NODE`` where it is set (to emulate nodes on one host). Reduce-scatters
-            (FSDP's) stay flat. Two-level compresses each node's *sum*: :meth:`stats`' ``eps``
+            (FSDP's) and float16 buckets stay flat. Two-level compresses each node's *sum*: :meth:`stats`' ``eps``
             and ``max_error`` are of those sums (with ``eps=``, a step G times wider), and the
             average over the G times more ranks is within ``eps`` of the exact one, as flat.
         timeout: seconds (or a ``timedelta``) any wait for a peer may last before every rank
