@@ -293,14 +293,11 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
             outer,
             ..
         } = c;
-        let whole = Self::outer_job(&outer).unwrap_or(job);
+        let whole = outer.as_ref().map_or(job, Outer::job);
         if let Some(o) = outer {
             self.node_gather(o, &mut sent)?;
         }
-        let uncompressed = match whole.op {
-            Op::AllReduce => self.ring_bytes(&whole),
-            Op::ReduceScatter { .. } => self.ring_bytes(&whole) / 2,
-        };
+        let uncompressed = self.ring_bytes(whole.data.bytes(), &whole.op);
         self.shared.account(true, sent, uncompressed, eps);
         Ok(())
     }

@@ -160,8 +160,7 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
             let scale = job.scale.factor(self.world);
             self.tr
                 .all_reduce(&mut self.be, x.slice(per * g, tail), scale)?;
-            let r =
-                self.ring(2 * (self.world as u64 - 1) * (tail * size).div_ceil(self.world as u64));
+            let r = self.ring(self.ring_bytes(tail * size, &Op::AllReduce));
             sent.inside += r.inside;
             sent.between += r.between;
         }
@@ -201,14 +200,21 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
         Ok(())
     }
 
-    /// The bytes a plain ring all-reduce of a job's bucket among every rank would send.
-    pub(super) fn ring_bytes(&self, job: &Job) -> u64 {
+    /// The bytes this rank sends in a plain ring collective of `bytes` among every rank: an
+    /// all-reduce's `2 (W - 1) / W` of them, a reduce-scatter's half of that.
+    pub(super) fn ring_bytes(&self, bytes: u64, op: &Op) -> u64 {
         let w = self.world as u64;
-        2 * (w - 1) * job.data.bytes().div_ceil(w)
+        let scatter = (w - 1) * bytes.div_ceil(w);
+        match op {
+            Op::AllReduce => 2 * scatter,
+            Op::ReduceScatter { .. } => scatter,
+        }
     }
+}
 
-    /// The bucket's job behind a (rail) job: its bytes are what the accounting compares with.
-    pub(super) fn outer_job(o: &Option<Outer<B>>) -> Option<Job> {
-        o.as_ref().map(|o| o.job)
+impl<B: Backend> Outer<B> {
+    /// The bucket's job (what the accounting compares the bytes with).
+    pub(super) fn job(&self) -> Job {
+        self.job
     }
 }

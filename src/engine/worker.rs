@@ -614,18 +614,13 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
         self.fold_if_dirty(job)?;
         self.be.join(Lane::Comm, Lane::Compute)?;
         let scale = job.scale.factor(self.world);
-        let bytes = job.data.bytes();
-        let w = self.world as u64;
-        let sent = match job.op {
-            Op::AllReduce => {
-                self.tr.all_reduce(&mut self.be, job.data, scale)?;
-                2 * (w - 1) * bytes.div_ceil(w)
-            }
+        match job.op {
+            Op::AllReduce => self.tr.all_reduce(&mut self.be, job.data, scale)?,
             Op::ReduceScatter { out } => {
-                self.tr.reduce_scatter(&mut self.be, job.data, out, scale)?;
-                (w - 1) * bytes.div_ceil(w)
+                self.tr.reduce_scatter(&mut self.be, job.data, out, scale)?
             }
-        };
+        }
+        let sent = self.ring_bytes(job.data.bytes(), &job.op);
         self.be.join(Lane::Compute, Lane::Comm)?;
         self.shared.account(false, self.ring(sent), sent, 0.0);
         Ok(())

@@ -316,6 +316,9 @@ def test_a_residual_inside_a_strided_inputs_memory_is_refused():
     assert bytes(cfc.compress(x, eps=1e-3, residual=buf[199:299])) == bytes(want)
 
 
+# (torch warns that these layouts are in beta or prototype: this test makes them on purpose)
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta:UserWarning")
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype:UserWarning")
 @pytest.mark.parametrize("make", [
     lambda: torch.randn(4, 4).to_sparse(),
     lambda: torch.randn(4, 4).to_sparse_csr(),
