@@ -381,6 +381,7 @@ impl Engine {
         d.set_item("resends", s.resends)?;
         d.set_item("inside_node", s.inside_node)?;
         d.set_item("between_nodes", s.between_nodes)?;
+        d.set_item("uncompressed_between_nodes", s.uncompressed_between_nodes)?;
         d.set_item("eps", s.eps)?;
         d.set_item("max_error", s.max_error)?;
         d.set_item("seconds", s.seconds)?;

@@ -298,7 +298,9 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
             self.node_gather(o, &mut sent)?;
         }
         let uncompressed = self.ring_bytes(whole.data.bytes(), &whole.op);
-        self.shared.account(true, sent, uncompressed, eps);
+        let ring_between = self.ring(uncompressed).between;
+        self.shared
+            .account(true, sent, uncompressed, ring_between, eps);
         Ok(())
     }
 

@@ -122,6 +122,9 @@ pub struct Stats {
     /// Bytes this rank sent to ranks of other nodes (for a plain ring collective across nodes,
     /// this rank's share of the ring's bytes out of its node: a `1 / ranks per node` part).
     pub between_nodes: u64,
+    /// The part of `bytes_uncompressed` that a ring would send between nodes (counted as for
+    /// `between_nodes`).
+    pub uncompressed_between_nodes: u64,
     /// Bytes a ring collective of the same jobs would have sent uncompressed.
     pub bytes_uncompressed: u64,
     /// Exchanges in which a frame outgrew its slot and went again.
@@ -244,8 +247,15 @@ impl Shared {
     }
 
     /// A job done: `sent` bytes went (inside this rank's node, and between nodes), where a ring
-    /// collective would have sent `uncompressed`.
-    pub(crate) fn account(&self, compressed: bool, sent: Sent, uncompressed: u64, eps: f64) {
+    /// collective would have sent `uncompressed` (of which `ring_between` between nodes).
+    pub(crate) fn account(
+        &self,
+        compressed: bool,
+        sent: Sent,
+        uncompressed: u64,
+        ring_between: u64,
+        eps: f64,
+    ) {
         let mut s = self.stats();
         if compressed {
             s.compressed += 1;
@@ -256,6 +266,7 @@ impl Shared {
         s.inside_node += sent.inside;
         s.between_nodes += sent.between;
         s.bytes_uncompressed += uncompressed;
+        s.uncompressed_between_nodes += ring_between;
         s.eps = s.eps.max(eps);
     }
 

@@ -622,7 +622,8 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
         }
         let sent = self.ring_bytes(job.data.bytes(), &job.op);
         self.be.join(Lane::Compute, Lane::Comm)?;
-        self.shared.account(false, self.ring(sent), sent, 0.0);
+        let ring = self.ring(sent);
+        self.shared.account(false, ring, sent, ring.between, 0.0);
         Ok(())
     }
 

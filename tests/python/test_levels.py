@@ -36,7 +36,7 @@ def ddp_two_nodes(rank, world, out):
         s = state.stats()
         result[topology] = {"loss": losses[-1], "levels": state.levels, "between": s["between_nodes"],
                             "inside": s["inside_node"], "sent": s["bytes_sent"],
-                            "compressed": s["compressed_buckets"]}
+                            "compressed": s["compressed_buckets"], "ratio_between": s["ratio_between_nodes"]}
         if topology == "two-level":
             sd = state.state_dict()
             result["saved_levels"] = sd["engine"]["levels"]
@@ -114,6 +114,9 @@ def test_ddp_over_two_nodes_of_two(tmp_path):
     flat_out = sum(r["flat"]["between"] for r in got)
     two_out = sum(r["two-level"]["between"] for r in got)
     assert two_out < 0.75 * flat_out, (two_out, flat_out)
+    # and the saving on that link, against a float32 ring's, says so
+    for r in got:
+        assert r["two-level"]["ratio_between"] > 1.5 * r["flat"]["ratio_between"] > 1.5, r
 
 
 def test_allreducer_over_three_nodes_stays_within_the_bound(tmp_path):

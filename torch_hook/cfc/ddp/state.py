@@ -243,8 +243,9 @@ class CfcState:
             return
         mb = lambda b: f"{b / 1e6:.1f} MB"  # noqa: E731
         error = "not measured" if math.isnan(s["max_error"]) else f"{s['max_error']:.3g} (bound {s['eps']:.3g})"
+        between = (f", {s['ratio_between_nodes']:.2f}x fewer between nodes" if s.get("between_nodes") else "")
         print(f"cfc step {self.step}: {s['ratio']:.2f}x fewer bytes than a float32 ring all-reduce "
-              f"({mb(s['bytes_sent'])} sent, {mb(s['bytes_uncompressed'])} plain), "
+              f"({mb(s['bytes_sent'])} sent, {mb(s['bytes_uncompressed'])} plain{between}), "
               f"{s['compressed_buckets']} buckets compressed, {s['plain_buckets']} plain, "
               f"largest error {error}", file=sys.stderr, flush=True)
 
@@ -292,7 +293,7 @@ class CfcState:
 
     def _raw_stats(self) -> Dict[str, float]:
         keys = ("compressed_buckets", "plain_buckets", "bytes_sent", "bytes_uncompressed", "resends",
-                "inside_node", "between_nodes", "eps", "max_error", "seconds")
+                "inside_node", "between_nodes", "uncompressed_between_nodes", "eps", "max_error", "seconds")
         if self._engine is not None:
             s = dict(self._engine.stats())
         else:
@@ -327,6 +328,9 @@ class CfcState:
         * ``inside_node`` / ``between_nodes``: the engine's part of ``bytes_sent`` to ranks of
           this rank's node and of other nodes (nodes as :attr:`levels` says; for a plain ring
           across nodes, this rank's share of the bytes out of its node);
+          ``uncompressed_between_nodes``: a float32 ring's bytes between nodes, counted alike;
+          ``ratio_between_nodes``: the second over ``between_nodes`` (0 on one node): what
+          compression saves on the link between nodes;
         * ``max_error``: the largest quantization error of any element this rank sent (what its
           residual kept, measured at each step's close), next to ``eps``, the largest bound
           used; NaN with ``error_feedback=False`` once a bucket was compressed (not measured);
@@ -337,12 +341,14 @@ class CfcState:
         """
         s = self._raw_stats()
         for k in ("compressed_buckets", "plain_buckets", "bytes_sent", "bytes_uncompressed", "resends",
-                  "inside_node", "between_nodes", "seconds", "residual_resets"):
+                  "inside_node", "between_nodes", "uncompressed_between_nodes", "seconds", "residual_resets"):
             s[k] -= self._base.get(k, 0)
         if not self.options.error_feedback and s["compressed_buckets"]:
             s["max_error"] = math.nan
         s["step"] = self.step
         s["ratio"] = s["bytes_uncompressed"] / s["bytes_sent"] if s["bytes_sent"] else 0.0
+        s["ratio_between_nodes"] = (s["uncompressed_between_nodes"] / s["between_nodes"]
+                                    if s["between_nodes"] else 0.0)
         return s
 
     # ---- checkpoints ----
