@@ -5,26 +5,6 @@
 
 use super::*;
 
-/// Runs `f(rank, engine)` on a thread per rank, rank `r` on node `nodes[r]`.
-fn on_nodes<R: Send>(
-    nodes: &[usize],
-    o: &Options,
-    f: impl Fn(usize, &Engine) -> R + Sync,
-) -> Vec<R> {
-    let engines = Engine::local_nodes(nodes, o.clone()).unwrap();
-    std::thread::scope(|s| {
-        let hs: Vec<_> = engines
-            .iter()
-            .enumerate()
-            .map(|(r, e)| {
-                let f = &f;
-                s.spawn(move || f(r, e))
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
-    })
-}
-
 fn two_level(bound: BoundRule) -> Options {
     let mut o = options(bound);
     o.topology = Topology::TwoLevel;

@@ -13,7 +13,16 @@ use std::time::Duration;
 
 /// Runs `f(rank, engine)` on a thread per rank of a local group of `world` engines.
 fn ranks<R: Send>(world: usize, o: &Options, f: impl Fn(usize, &Engine) -> R + Sync) -> Vec<R> {
-    let engines = Engine::local_group(world, o.clone()).unwrap();
+    on_nodes(&vec![0; world], o, f)
+}
+
+/// Runs `f(rank, engine)` on a thread per rank, rank `r` on node `nodes[r]`.
+fn on_nodes<R: Send>(
+    nodes: &[usize],
+    o: &Options,
+    f: impl Fn(usize, &Engine) -> R + Sync,
+) -> Vec<R> {
+    let engines = Engine::local_nodes(nodes, o.clone()).unwrap();
     std::thread::scope(|s| {
         let hs: Vec<_> = engines
             .iter()
