@@ -51,6 +51,25 @@ fn reduction(dtype: DType, average: bool) -> Result<(c_int, c_int)> {
     Ok((dt, if average { NCCL_AVG } else { NCCL_SUM }))
 }
 
+/// The configuration of cfc's communicators, joined or split. Non-blocking: every call returns
+/// at once and is then polled, so that a wait for a peer (for all to join; later a connection
+/// made at the first collective) can end in a timeout instead of blocking the thread for good.
+/// `CFC_NCCL_BLOCKING=1` makes NCCL's calls block instead (only the waits for the GPU then time
+/// out).
+fn config() -> RawConfig {
+    let blocking = std::env::var("CFC_NCCL_BLOCKING").is_ok_and(|v| v == "1");
+    RawConfig {
+        size: std::mem::size_of::<RawConfig>(),
+        magic: 0xcafe_beef,
+        version: 21700,
+        blocking: blocking as c_int,
+        cga_cluster_size: CONFIG_UNDEF,
+        min_ctas: CONFIG_UNDEF,
+        max_ctas: CONFIG_UNDEF,
+        net_name: std::ptr::null(),
+    }
+}
+
 impl Communicator {
     /// Joins the communicator of `id` as `rank` of `world`, on device `device` (its primary
     /// context, the one PyTorch uses), with the default timeout (`CFC_TIMEOUT` seconds,
@@ -90,21 +109,7 @@ impl Communicator {
         let uid = RawUniqueId {
             internal: id.0.map(|b| b as c_char),
         };
-        // Non-blocking: every call returns at once and is then polled, so that a wait for a
-        // peer (here for all to join; later a connection made at the first collective) can
-        // end in a timeout instead of blocking this thread for good. `CFC_NCCL_BLOCKING=1`
-        // makes NCCL's calls block instead (only the waits for the GPU then time out).
-        let blocking = std::env::var("CFC_NCCL_BLOCKING").is_ok_and(|v| v == "1");
-        let mut config = RawConfig {
-            size: std::mem::size_of::<RawConfig>(),
-            magic: 0xcafe_beef,
-            version: 21700,
-            blocking: blocking as c_int,
-            cga_cluster_size: CONFIG_UNDEF,
-            min_ctas: CONFIG_UNDEF,
-            max_ctas: CONFIG_UNDEF,
-            net_name: std::ptr::null(),
-        };
+        let mut config = config();
         // SAFETY: valid out pointer and config; the device's context is current on this thread
         // (`context` binds it), which NCCL takes as the communicator's device.
         let code = unsafe {
@@ -161,17 +166,7 @@ impl Communicator {
         }
         let _restore = crate::cuda::ContextGuard::save()?;
         self.ctx.bind_to_thread().map_err(driver_err)?;
-        let blocking = std::env::var("CFC_NCCL_BLOCKING").is_ok_and(|v| v == "1");
-        let mut config = RawConfig {
-            size: std::mem::size_of::<RawConfig>(),
-            magic: 0xcafe_beef,
-            version: 21700,
-            blocking: blocking as c_int,
-            cga_cluster_size: CONFIG_UNDEF,
-            min_ctas: CONFIG_UNDEF,
-            max_ctas: CONFIG_UNDEF,
-            net_name: std::ptr::null(),
-        };
+        let mut config = config();
         // A non-blocking split writes the new communicator when it is complete, from NCCL's own
         // thread (null until then): it is read atomically while polling, from the heap, so that
         // a split given up on may still write it (the slot is then leaked).

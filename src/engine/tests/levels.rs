@@ -395,32 +395,9 @@ fn checkpoints_move_between_topologies() {
 #[test]
 fn two_levels_over_tcp_give_the_threads_bits() {
     let (n, eps) = (10_001, 1e-4);
-    let o = two_level(BoundRule::Abs(eps));
-    let nodes = [0, 0, 1, 1];
-    let links = crate::engine::transport::tcp::tests::loopback(4, Shape::Mesh);
-    let out: Vec<Vec<f32>> = std::thread::scope(|s| {
-        let hs: Vec<_> = links
-            .into_iter()
-            .enumerate()
-            .map(|(rank, l)| {
-                let o = &o;
-                s.spawn(move || {
-                    let e = Engine::on_cpu(l, o.clone(), 0, &nodes).unwrap();
-                    assert!(e.levels().is_some());
-                    let mut x = grads(rank, 0, n);
-                    let mut r = vec![0.0f32; n];
-                    // SAFETY: as in `run`.
-                    unsafe { e.submit(job(0, &mut x, Some(&mut r), true), 0) }.unwrap();
-                    e.wait(0).unwrap();
-                    e.close().unwrap();
-                    x
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
-    });
     let want = two_by_two_reference(n, eps);
-    for x in out {
+    for (x, two_levels) in one_step_over_tcp(4, &[0, 0, 1, 1], &two_level(BoundRule::Abs(eps)), n) {
+        assert!(two_levels);
         assert_eq!(x, want);
     }
 }

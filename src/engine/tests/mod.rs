@@ -6,7 +6,7 @@ use super::*;
 use crate::codec::{decompress, Bound, CompressOptions};
 use crate::engine::backend::cpu::CpuBackend;
 use crate::engine::transport::host::HostTransport;
-use crate::engine::transport::tcp::{Credentials, Listener, Reach, Shape, TcpLinks};
+use crate::engine::transport::tcp::Shape;
 use crate::feedback::compress_with_feedback;
 use crate::format::DType;
 use std::time::Duration;
@@ -571,41 +571,43 @@ fn a_checkpoint_whose_warmup_began_after_its_step_is_refused() {
     assert!(e.contains("past its step 3"), "{e}");
 }
 
-#[test]
-fn processes_linked_over_tcp_run_the_same_exchange() {
-    let world = 3;
-    let n = 5000;
-    let o = options(BoundRule::Abs(1e-4));
-    let listeners: Vec<Listener> = (0..world)
-        .map(|_| Listener::bind(Reach::OneHost).unwrap())
-        .collect();
-    let addresses: Vec<Vec<String>> = listeners.iter().map(|l| l.addresses()).collect();
-    let cred = Credentials::new(&[3; 32], 1).unwrap();
-    let out: Vec<Vec<f32>> = std::thread::scope(|s| {
-        let hs: Vec<_> = listeners
+/// One all-reduce of every rank's `grads(rank, 0, n)`, with residuals, on `world` engines of
+/// this process linked over TCP on loopback, rank `r` on node `nodes[r]` (empty: one node);
+/// returns each rank's result and whether it ran two levels.
+fn one_step_over_tcp(
+    world: usize,
+    nodes: &[usize],
+    o: &Options,
+    n: usize,
+) -> Vec<(Vec<f32>, bool)> {
+    let links = crate::engine::transport::tcp::tests::loopback(world, Shape::Mesh);
+    std::thread::scope(|s| {
+        let hs: Vec<_> = links
             .into_iter()
             .enumerate()
             .map(|(rank, l)| {
-                let (addresses, o, cred) = (&addresses, &o, &cred);
                 s.spawn(move || {
-                    let links =
-                        TcpLinks::connect(l, rank, world, addresses, cred, Shape::Mesh, o.timeout)
-                            .unwrap();
-                    let e = Engine::on_cpu(links, o.clone(), 0, &[]).unwrap();
+                    let e = Engine::on_cpu(l, o.clone(), 0, nodes).unwrap();
                     let mut x = grads(rank, 0, n);
                     let mut r = vec![0.0f32; n];
-                    // SAFETY: as in `one_step`.
+                    // SAFETY: `x` and `r` live until the wait below returns.
                     unsafe { e.submit(job(0, &mut x, Some(&mut r), true), 0) }.unwrap();
                     e.wait(0).unwrap();
+                    let two_levels = e.levels().is_some();
                     e.close().unwrap();
-                    x
+                    (x, two_levels)
                 })
             })
             .collect();
         hs.into_iter().map(|h| h.join().unwrap()).collect()
-    });
-    let want = scatter_reference(world, n, 1e-4);
-    for x in out {
+    })
+}
+
+#[test]
+fn processes_linked_over_tcp_run_the_same_exchange() {
+    let n = 5000;
+    let want = scatter_reference(3, n, 1e-4);
+    for (x, _) in one_step_over_tcp(3, &[], &options(BoundRule::Abs(1e-4)), n) {
         assert_eq!(x, want);
     }
 }
