@@ -45,8 +45,8 @@ fn bench(c: &mut Criterion) {
         };
         let opts = CompressOptions {
             bound: Bound::Abs(eps),
-            zstd_level: None,
             threads,
+            ..CompressOptions::new(Bound::Abs(eps))
         };
         g.bench_with_input(BenchmarkId::new("compress", label), &opts, |b, o| {
             b.iter(|| compress(&x, &[n], o).expect("compress"))

@@ -61,8 +61,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             let eps = k * rms(x);
             let opts = CompressOptions {
                 bound: Bound::Abs(eps),
-                zstd_level: None,
                 threads: 1,
+                ..CompressOptions::new(Bound::Abs(eps))
             };
             let t0 = Instant::now();
             let frame = compress(x, &[x.len()], &opts)?;

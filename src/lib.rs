@@ -39,6 +39,6 @@ pub use codec::{
 pub use element::Element;
 pub use error::{Error, FormatError, Result};
 pub use feedback::{compress_bytes_with_feedback, compress_with_feedback};
-pub use format::{read_header, BoundMode, Codec, DType, Header};
+pub use format::{read_header, BoundMode, Codec, Coder, DType, Header};
 pub use lossless::{compress_lossless_bytes, LosslessOptions};
 pub use sum::{sum_frames, Codes};

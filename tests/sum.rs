@@ -58,6 +58,7 @@ fn sum_case<T: Float>(
         bound: Bound::Abs(eps),
         zstd_level,
         threads: 1,
+        ..CompressOptions::new(Bound::Abs(eps))
     };
     let frames: Vec<Vec<u8>> = xs
         .iter()

@@ -85,6 +85,7 @@ pub(crate) fn bound_of(
 ///     eps, rel, bits: exactly one of them sets the error bound.
 ///     zstd_level: if given, run the body through zstd at this level.
 ///     threads: threads to use, 0 for automatic.
+///     coder: "planes" (bit planes) or "rice" (Rice codes, fewer bytes).
 ///     residual_ptr, residual_nbytes: error feedback: contiguous, 4-byte aligned float32 host
 ///         memory, one value per element, kept alive by the caller and updated in place
 ///         (0, 0 for none).
@@ -92,7 +93,7 @@ pub(crate) fn bound_of(
 /// Returns:
 ///     bytes: the frame.
 #[pyfunction]
-#[pyo3(signature = (data_ptr, nbytes, dtype, shape, *, eps=None, rel=None, bits=None, zstd_level=None, threads=0, residual_ptr=0, residual_nbytes=0))]
+#[pyo3(signature = (data_ptr, nbytes, dtype, shape, *, eps=None, rel=None, bits=None, zstd_level=None, threads=0, coder="planes", residual_ptr=0, residual_nbytes=0))]
 #[allow(clippy::too_many_arguments)]
 fn compress<'py>(
     py: Python<'py>,
@@ -105,14 +106,19 @@ fn compress<'py>(
     bits: Option<i64>,
     zstd_level: Option<i32>,
     threads: usize,
+    coder: &str,
     residual_ptr: usize,
     residual_nbytes: usize,
 ) -> PyResult<Bound<'py, PyBytes>> {
     let dtype = dtype_of(dtype)?;
+    let coder = cfc::Coder::from_name(coder).ok_or_else(|| {
+        PyValueError::new_err(format!("coder must be \"planes\" or \"rice\", not {coder:?}"))
+    })?;
     let opts = cfc::CompressOptions {
         bound: bound_of(eps, rel, bits)?,
         zstd_level,
         threads,
+        coder,
     };
     let input = host_slice(data_ptr, nbytes, "data")?;
     let residual = residual_slice(residual_ptr, residual_nbytes)?;
@@ -226,6 +232,7 @@ fn frame_info<'py>(py: Python<'py>, frame: &[u8]) -> PyResult<Bound<'py, PyDict>
             cfc::Codec::Quantized => "quantized",
             cfc::Codec::Raw => "raw",
             cfc::Codec::Lossless => "lossless",
+            cfc::Codec::Rice => "rice",
         },
     )?;
     d.set_item("zstd", h.zstd)?;

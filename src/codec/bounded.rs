@@ -18,8 +18,10 @@
 use crate::codec::bitplane::{pack32, unpack32, unpack64, width_of};
 use crate::codec::element::{dequantize, elements, Element};
 use crate::codec::format::{
-    checked_shape, finish_frame, BoundMode, Codec, DType, Header, GROUP, MAX_CODE, MAX_ENCODE_WIDTH,
+    checked_shape, finish_frame, BoundMode, Codec, Coder, DType, Header, GROUP, MAX_CODE,
+    MAX_ENCODE_WIDTH,
 };
+use crate::codec::rice;
 use crate::codec::parallel::{map_ranges, thread_count};
 use crate::error::{Error, Result};
 use half::{bf16, f16};
@@ -45,6 +47,9 @@ pub struct CompressOptions {
     pub zstd_level: Option<i32>,
     /// Threads to use; 0 picks one per available core for large tensors.
     pub threads: usize,
+    /// How the codes are written: bit planes (the default, what the GPU reads and writes) or
+    /// Rice codes (closer to the codes' entropy; the CPU only, and not at a fixed rate).
+    pub coder: Coder,
 }
 
 impl CompressOptions {
@@ -54,6 +59,7 @@ impl CompressOptions {
             bound,
             zstd_level: None,
             threads: 0,
+            coder: Coder::Planes,
         }
     }
 }
@@ -68,9 +74,10 @@ struct Quantizer {
     fixed_bits: Option<u32>,
 }
 
-/// What one thread produces for its range of groups.
+/// What one thread produces for its range of groups (or of rice blocks).
 #[derive(Default)]
 struct Part {
+    /// The width table's bytes, or the rice block heads.
     widths: Vec<u8>,
     planes: Vec<u8>,
     exc_index: Vec<u64>,
@@ -83,14 +90,18 @@ struct Part {
 /// Exactly `rint` on that range, without a libm call, and the same on every backend.
 const ROUND_MAGIC: f64 = 6_755_399_441_055_744.0;
 
-fn encode_range<T: Element, const FIXED: bool>(data: &[T], first: u64, qz: &Quantizer) -> Part {
-    let mut part = Part {
-        widths: Vec::with_capacity(data.len().div_ceil(GROUP)),
-        planes: Vec::with_capacity(data.len() / 2),
-        ..Part::default()
-    };
-    let mut zz = [0u32; GROUP];
-    for (g, chunk) in data.chunks(GROUP).enumerate() {
+/// Quantizes one group (`chunk`, up to 32 values starting at element `first`) into `zz` (0 past
+/// its end and at exceptions), records its exceptions (and, at a fixed rate, its largest error)
+/// in `part`, and returns the OR of its zigzag codes.
+#[inline(always)]
+fn code_group<T: Element, const FIXED: bool>(
+    chunk: &[T],
+    first: u64,
+    qz: &Quantizer,
+    zz: &mut [u32; GROUP],
+    part: &mut Part,
+) -> u32 {
+    {
         // Branch-free over the group: every element gets a code and a keep/except verdict.
         let mut acc = 0u32;
         let mut rejected = 0u32;
@@ -125,9 +136,22 @@ fn encode_range<T: Element, const FIXED: bool>(data: &[T], first: u64, qz: &Quan
         while rejected != 0 {
             let j = rejected.trailing_zeros() as usize;
             rejected &= rejected - 1;
-            part.exc_index.push(first + (g * GROUP + j) as u64);
+            part.exc_index.push(first + j as u64);
             part.exc_bits.push(chunk[j].to_bits32());
         }
+        acc
+    }
+}
+
+fn encode_range<T: Element, const FIXED: bool>(data: &[T], first: u64, qz: &Quantizer) -> Part {
+    let mut part = Part {
+        widths: Vec::with_capacity(data.len().div_ceil(GROUP)),
+        planes: Vec::with_capacity(data.len() / 2),
+        ..Part::default()
+    };
+    let mut zz = [0u32; GROUP];
+    for (g, chunk) in data.chunks(GROUP).enumerate() {
+        let acc = code_group::<T, FIXED>(chunk, first + (g * GROUP) as u64, qz, &mut zz, &mut part);
         let w = qz.fixed_bits.unwrap_or_else(|| width_of(acc as u64));
         part.widths.push(w as u8);
         pack32(&zz, w, &mut part.planes);
@@ -135,11 +159,34 @@ fn encode_range<T: Element, const FIXED: bool>(data: &[T], first: u64, qz: &Quan
     part
 }
 
-fn encode<T: Element>(data: &[T], first: u64, qz: &Quantizer) -> Part {
-    if qz.fixed_bits.is_some() {
-        encode_range::<T, true>(data, first, qz)
-    } else {
-        encode_range::<T, false>(data, first, qz)
+/// [`encode_range`] for a rice body: `data` starts at a block's first element.
+fn encode_rice_range<T: Element>(data: &[T], first: u64, qz: &Quantizer) -> Part {
+    let mut part = Part {
+        widths: Vec::with_capacity(data.len().div_ceil(rice::BLOCK) * rice::HEAD_BYTES),
+        planes: Vec::with_capacity(data.len() / 2),
+        ..Part::default()
+    };
+    let mut zz = [0u32; GROUP];
+    let mut block = [0u64; rice::BLOCK];
+    for (b, values) in data.chunks(rice::BLOCK).enumerate() {
+        block.fill(0);
+        for (g, chunk) in values.chunks(GROUP).enumerate() {
+            let at = (b * rice::BLOCK + g * GROUP) as u64;
+            code_group::<T, false>(chunk, first + at, qz, &mut zz, &mut part);
+            for (o, &z) in block[g * GROUP..(g + 1) * GROUP].iter_mut().zip(&zz) {
+                *o = z as u64;
+            }
+        }
+        rice::encode_block(&block, &mut part.widths, &mut part.planes);
+    }
+    part
+}
+
+fn encode<T: Element>(data: &[T], first: u64, qz: &Quantizer, coder: Coder) -> Part {
+    match (coder, qz.fixed_bits.is_some()) {
+        (_, true) => encode_range::<T, true>(data, first, qz),
+        (Coder::Planes, false) => encode_range::<T, false>(data, first, qz),
+        (Coder::Rice, false) => encode_rice_range::<T>(data, first, qz),
     }
 }
 
@@ -260,21 +307,29 @@ pub fn compress<T: Element>(
     opts: &CompressOptions,
 ) -> Result<Vec<u8>> {
     let shape = checked_shape(shape, data.len())?;
+    if opts.coder == Coder::Rice && matches!(opts.bound, Bound::Bits(_)) {
+        return Err(rice::fixed_rate_error());
+    }
     let (qz, mode, bits) = quantizer_for(data, opts.bound)?;
     let n = data.len();
-    let groups = n.div_ceil(GROUP);
+    // Threads take whole groups, or whole blocks of a rice body.
+    let unit = match opts.coder {
+        Coder::Planes => GROUP,
+        Coder::Rice => rice::BLOCK,
+    };
     let threads = thread_count(opts.threads, n);
     let _span = tracing::debug_span!("compress", dtype = T::DTYPE.name(), n, threads).entered();
 
-    let parts: Vec<Part> = map_ranges(groups, threads, |r| {
-        let (lo, hi) = (r.start * GROUP, (r.end * GROUP).min(n));
-        encode(&data[lo..hi], lo as u64, &qz)
+    let parts: Vec<Part> = map_ranges(n.div_ceil(unit), threads, |r| {
+        let (lo, hi) = (r.start * unit, (r.end * unit).min(n));
+        encode(&data[lo..hi], lo as u64, &qz, opts.coder)
     });
 
     let n_exc: usize = parts.iter().map(|p| p.exc_index.len()).sum();
+    let table_len: usize = parts.iter().map(|p| p.widths.len()).sum();
     let planes_len: usize = parts.iter().map(|p| p.planes.len()).sum();
     let index_size = crate::codec::format::index_size_for(n as u64);
-    let quant_len = groups + planes_len + n_exc * (index_size + T::DTYPE.size());
+    let quant_len = table_len + planes_len + n_exc * (index_size + T::DTYPE.size());
     let raw_len = n * T::DTYPE.size();
     let eps = match qz.fixed_bits {
         Some(_) => parts.iter().map(|p| p.max_err).fold(0.0, f64::max),
@@ -282,7 +337,10 @@ pub fn compress<T: Element>(
     };
 
     let mut header = Header {
-        codec: Codec::Quantized,
+        codec: match opts.coder {
+            Coder::Planes => Codec::Quantized,
+            Coder::Rice => Codec::Rice,
+        },
         dtype: T::DTYPE,
         zstd: false,
         mode,

@@ -142,6 +142,41 @@ pub enum Codec {
     Raw,
     /// Chunks stored exactly by invariant bit packing or zero-value compression.
     Lossless,
+    /// Quantized codes, Rice-coded in blocks of 1024 (closer to the codes' entropy than bit
+    /// planes), plus exactly stored exceptions.
+    Rice,
+}
+
+impl Codec {
+    /// Whether the body holds quantized codes (bit planes or Rice-coded).
+    pub fn is_quantized(self) -> bool {
+        matches!(self, Codec::Quantized | Codec::Rice)
+    }
+}
+
+/// How a compressor writes a quantized body's codes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Coder {
+    /// Bit planes of each group's width (codec 0): what every backend reads and writes.
+    #[default]
+    Planes,
+    /// Rice codes in blocks of 1024 (codec 3): fewer bytes, read and written on the CPU.
+    Rice,
+}
+
+impl Coder {
+    /// Lower-case name (`planes`, `rice`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Coder::Planes => "planes",
+            Coder::Rice => "rice",
+        }
+    }
+
+    /// Parses [`Coder::name`].
+    pub fn from_name(name: &str) -> Option<Coder> {
+        [Coder::Planes, Coder::Rice].into_iter().find(|c| c.name() == name)
+    }
 }
 
 impl Codec {
@@ -150,6 +185,7 @@ impl Codec {
             Codec::Quantized => 0,
             Codec::Raw => 1,
             Codec::Lossless => 2,
+            Codec::Rice => 3,
         }
     }
 }
@@ -234,9 +270,12 @@ pub struct Header {
 /// Where each part of a quantized body sits, derived from the header alone.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct BodyLayout {
-    /// Number of groups (`ceil(n / GROUP)`); also the length of the width table.
+    /// Number of groups (`ceil(n / GROUP)`).
     pub groups: usize,
-    /// Bytes of bit planes.
+    /// Bytes before the codes' data: the width table (a byte per group) or the rice block
+    /// heads (8 bytes per block).
+    pub table_len: usize,
+    /// Bytes of the codes' data: bit planes, or the rice blocks' data.
     pub planes_len: usize,
     /// Size of one exception index (4 when `n <= 2^32`, else 8).
     pub index_size: usize,
@@ -377,10 +416,11 @@ impl Header {
             0 => Codec::Quantized,
             1 => Codec::Raw,
             2 => Codec::Lossless,
+            3 => Codec::Rice,
             c => return Err(bad_field("codec", c)),
         };
         let dtype = DType::from_code(buf[6]).ok_or_else(|| bad_field("dtype", buf[6]))?;
-        if codec == Codec::Quantized && !dtype.is_quantizable() {
+        if codec.is_quantized() && !dtype.is_quantizable() {
             return Err(bad_field(
                 "codec",
                 format!("quantized codes of {}", dtype.name()),
@@ -394,7 +434,7 @@ impl Header {
         // Lossless frames say so in their mode; raw frames of integers can only be lossless.
         let lossless_mode = match codec {
             Codec::Lossless => true,
-            Codec::Quantized => false,
+            Codec::Quantized | Codec::Rice => false,
             Codec::Raw => !dtype.is_quantizable() || mode == BoundMode::Lossless,
         };
         if (mode == BoundMode::Lossless) != lossless_mode {
@@ -410,7 +450,8 @@ impl Header {
         let bits = buf[11];
         // A fixed width of 2 to 32 in mode bits (what the encoder takes), 0 in the others.
         let bits_ok = match mode {
-            BoundMode::Bits => (2..=MAX_ENCODE_WIDTH).contains(&bits),
+            // (a fixed rate's layout is bit planes)
+            BoundMode::Bits => (2..=MAX_ENCODE_WIDTH).contains(&bits) && codec != Codec::Rice,
             _ => bits == 0,
         };
         if !bits_ok {
@@ -536,19 +577,28 @@ impl Header {
                     .into());
                 }
             }
-            Codec::Quantized => {
+            Codec::Quantized | Codec::Rice => {
                 if self.n_exceptions > self.n {
                     return Err(bad_field("exception count", self.n_exceptions));
                 }
-                let groups = groups_for(self.n);
                 let exc = self
                     .n_exceptions
                     .checked_mul(index_size_for(self.n) as u64 + size)
                     .ok_or_else(overflow)?;
-                let min = groups.checked_add(exc).ok_or_else(overflow)?;
-                let max_planes = groups
-                    .checked_mul(MAX_WIDTH as u64 * 4)
-                    .ok_or_else(overflow)?;
+                // The table before the data, and the most data it can describe.
+                let (table, max_planes) = if self.codec == Codec::Rice {
+                    let blocks = crate::codec::rice::blocks_for(self.n);
+                    (
+                        blocks.checked_mul(crate::codec::rice::HEAD_BYTES as u64),
+                        blocks.checked_mul(crate::codec::rice::MAX_BLOCK_WORDS * 4),
+                    )
+                } else {
+                    let groups = groups_for(self.n);
+                    (Some(groups), groups.checked_mul(MAX_WIDTH as u64 * 4))
+                };
+                let table = table.ok_or_else(overflow)?;
+                let max_planes = max_planes.ok_or_else(overflow)?;
+                let min = table.checked_add(exc).ok_or_else(overflow)?;
                 let max = min.checked_add(max_planes).ok_or_else(overflow)?;
                 if self.raw_body_len < min || self.raw_body_len > max {
                     return Err(FormatError::LengthMismatch {
@@ -563,14 +613,19 @@ impl Header {
         Ok(())
     }
 
-    /// Layout of a quantized body (valid after `parse`).
+    /// Layout of a quantized or rice body (valid after `parse`).
     pub(crate) fn layout(&self) -> BodyLayout {
         let groups = groups_for(self.n) as usize;
         let index_size = index_size_for(self.n);
         let exc = self.n_exceptions as usize * (index_size + self.dtype.size());
+        let table_len = match self.codec {
+            Codec::Rice => crate::codec::rice::blocks_for(self.n) as usize * crate::codec::rice::HEAD_BYTES,
+            _ => groups,
+        };
         BodyLayout {
             groups,
-            planes_len: self.raw_body_len as usize - groups - exc,
+            table_len,
+            planes_len: self.raw_body_len as usize - table_len - exc,
             index_size,
         }
     }

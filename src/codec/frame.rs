@@ -3,7 +3,8 @@
 //! (quantized: [`crate::codec::bounded`]; lossless: [`crate::codec::lossless`]; raw).
 
 use crate::codec::bounded::decode_range;
-use crate::codec::element::Element;
+use crate::codec::element::{dequantize, Element};
+use crate::codec::rice;
 use crate::codec::format::{Codec, DType, Header, GROUP, MAX_WIDTH};
 use crate::codec::lossless;
 use crate::codec::parallel::{split_groups, thread_count};
@@ -17,6 +18,8 @@ pub(crate) struct Body<'a> {
     pub raw: std::borrow::Cow<'a, [u8]>,
     /// Where each chunk of a lossless body sits (empty for other codecs).
     pub chunks: Vec<lossless::ChunkRef>,
+    /// The blocks of a rice body (empty for other codecs).
+    pub blocks: rice::Blocks,
 }
 
 impl<'a> Body<'a> {
@@ -33,9 +36,10 @@ impl<'a> Body<'a> {
             header,
             raw,
             chunks: Vec::new(),
+            blocks: rice::Blocks::default(),
         };
         match body.header.codec {
-            Codec::Quantized => body.check_quantized()?,
+            Codec::Quantized | Codec::Rice => body.check_quantized()?,
             Codec::Lossless => {
                 body.chunks = lossless::check_body(&body.raw, body.header.n, body.header.dtype)?
             }
@@ -45,7 +49,29 @@ impl<'a> Body<'a> {
         Ok(body)
     }
 
-    fn check_quantized(&self) -> Result<()> {
+    fn check_quantized(&mut self) -> Result<()> {
+        let lay = self.header.layout();
+        if self.header.codec == Codec::Rice {
+            self.blocks = rice::check(&self.raw[..lay.table_len], self.planes())?;
+        } else {
+            self.check_widths()?;
+        }
+        let n = self.header.n;
+        let mut prev: Option<u64> = None;
+        for (k, i) in self.exception_indices().enumerate() {
+            if i >= n || prev.is_some_and(|p| i <= p) {
+                return Err(FormatError::BadExceptionIndex {
+                    position: k as u64,
+                    index: i,
+                }
+                .into());
+            }
+            prev = Some(i);
+        }
+        Ok(())
+    }
+
+    fn check_widths(&self) -> Result<()> {
         let lay = self.header.layout();
         let widths = &self.raw[..lay.groups];
         let mut total: u64 = 0;
@@ -67,34 +93,24 @@ impl<'a> Body<'a> {
             }
             .into());
         }
-        let n = self.header.n;
-        let mut prev: Option<u64> = None;
-        for (k, i) in self.exception_indices().enumerate() {
-            if i >= n || prev.is_some_and(|p| i <= p) {
-                return Err(FormatError::BadExceptionIndex {
-                    position: k as u64,
-                    index: i,
-                }
-                .into());
-            }
-            prev = Some(i);
-        }
         Ok(())
     }
 
+    /// The width table of a bit-plane body.
     pub(crate) fn widths(&self) -> &[u8] {
         &self.raw[..self.header.layout().groups]
     }
 
+    /// The codes' data: bit planes, or the rice blocks' data.
     pub(crate) fn planes(&self) -> &[u8] {
         let lay = self.header.layout();
-        &self.raw[lay.groups..lay.groups + lay.planes_len]
+        &self.raw[lay.table_len..lay.table_len + lay.planes_len]
     }
 
     /// Exception indices in stored order.
     pub(crate) fn exception_indices(&self) -> impl Iterator<Item = u64> + '_ {
         let lay = self.header.layout();
-        let start = lay.groups + lay.planes_len;
+        let start = lay.table_len + lay.planes_len;
         let len = self.header.n_exceptions as usize * lay.index_size;
         self.raw[start..start + len]
             .chunks_exact(lay.index_size)
@@ -110,7 +126,7 @@ impl<'a> Body<'a> {
         let lay = self.header.layout();
         let size = self.header.dtype.size();
         let start =
-            lay.groups + lay.planes_len + self.header.n_exceptions as usize * lay.index_size;
+            lay.table_len + lay.planes_len + self.header.n_exceptions as usize * lay.index_size;
         let len = self.header.n_exceptions as usize * size;
         self.raw[start..start + len].chunks_exact(size).map(|c| {
             let mut a = [0u8; 4];
@@ -257,8 +273,44 @@ pub(crate) fn decode_into<T: Element>(
                 out[i as usize] = T::from_bits32(b);
             }
         }
+        Codec::Rice => {
+            let threads = thread_count(threads, out.len());
+            decode_rice(body, out, threads);
+            for (i, b) in body.exception_indices().zip(body.exception_bits()) {
+                out[i as usize] = T::from_bits32(b);
+            }
+        }
     }
     Ok(())
+}
+
+/// Decodes a checked rice body's codes into `out`, blocks split over `threads`.
+fn decode_rice<T: Element>(body: &Body<'_>, out: &mut [T], threads: usize) {
+    let step = body.header.step;
+    let data = body.planes();
+    let blocks = &body.blocks;
+    let go = |first: usize, out: &mut [T]| {
+        let mut zz = [0u64; rice::BLOCK];
+        for (b, chunk) in out.chunks_mut(rice::BLOCK).enumerate() {
+            let b = first + b;
+            rice::decode_block(blocks.heads[b], &data[blocks.starts[b]..], &mut zz);
+            for (o, &z) in chunk.iter_mut().zip(zz.iter()) {
+                *o = dequantize(crate::codec::bitplane::unzigzag(z), step);
+            }
+        }
+    };
+    let count = blocks.heads.len();
+    let per = count.div_ceil(threads.max(1)).max(1);
+    if threads <= 1 || count <= 1 {
+        return go(0, out);
+    }
+    crossbeam_utils::thread::scope(|s| {
+        for (i, part) in out.chunks_mut(per * rice::BLOCK).enumerate() {
+            let go = &go;
+            s.spawn(move |_| go(i * per, part));
+        }
+    })
+    .unwrap_or_else(|p| std::panic::resume_unwind(p));
 }
 
 /// Decompresses a frame into a new vector of `T`, returning the frame's header with it.
@@ -335,11 +387,11 @@ impl<'a> OpenFrame<'a> {
                 lossless::decode_body(&self.0.raw, &self.0.chunks, d.size(), out, threads);
                 Ok(())
             }
-            (Codec::Quantized, DType::F32) => go::<f32>(&self.0, out, threads),
-            (Codec::Quantized, DType::BF16) => go::<bf16>(&self.0, out, threads),
-            (Codec::Quantized, DType::F16) => go::<f16>(&self.0, out, threads),
-            // `Header::parse` refuses quantized frames of other dtypes.
-            (Codec::Quantized, d) => Err(Error::NotQuantizable(d)),
+            (_, DType::F32) => go::<f32>(&self.0, out, threads),
+            (_, DType::BF16) => go::<bf16>(&self.0, out, threads),
+            (_, DType::F16) => go::<f16>(&self.0, out, threads),
+            // `Header::parse` refuses quantized and rice frames of other dtypes.
+            (_, d) => Err(Error::NotQuantizable(d)),
         }
     }
 }

@@ -6,6 +6,7 @@
 //! - `bounded`: the error-bounded codec (compression, and the decoding of its codes);
 //!   [`lossless`]: the lossless codec;
 //! - `frame`: reading a frame of any codec, checked whole before anything is decoded;
+//! - `rice`: the Rice-coded body (codec 3), blocks of 1024 codes;
 //! - `sum`: summable codes (frames added as integers); `feedback`: error feedback.
 
 pub(crate) mod bitplane;
@@ -16,6 +17,7 @@ pub mod format;
 pub(crate) mod frame;
 pub mod lossless;
 pub(crate) mod parallel;
+pub(crate) mod rice;
 pub(crate) mod sum;
 
 #[cfg_attr(not(feature = "cuda"), allow(unused_imports))]

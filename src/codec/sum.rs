@@ -9,7 +9,8 @@
 use crate::codec::bitplane::{pack64, unzigzag, width_of, zigzag};
 use crate::codec::element::{dequantize, Element};
 use crate::codec::format::finish_frame;
-use crate::codec::format::{BoundMode, Codec, DType, Header, GROUP};
+use crate::codec::format::{read_header, BoundMode, Codec, Coder, DType, Header, GROUP};
+use crate::codec::rice;
 use crate::codec::frame::Body;
 use crate::error::{Error, Result};
 use half::{bf16, f16};
@@ -78,6 +79,25 @@ impl Codes {
                     let (mine, rest) = planes.split_at(w as usize * 4);
                     planes = rest;
                     crate::codec::bitplane::unpack64(mine, &mut zz);
+                    for (o, &z) in out.iter_mut().zip(zz.iter()) {
+                        *o = unzigzag(z);
+                    }
+                }
+                let exc: Vec<(u64, u32)> = body
+                    .exception_indices()
+                    .zip(body.exception_bits())
+                    .collect();
+                for &(i, _) in &exc {
+                    codes[i as usize] = 0;
+                }
+                exc
+            }
+            Codec::Rice => {
+                let data = body.planes();
+                let mut zz = [0u64; rice::BLOCK];
+                for (b, out) in codes.chunks_mut(rice::BLOCK).enumerate() {
+                    let blocks = &body.blocks;
+                    rice::decode_block(blocks.heads[b], &data[blocks.starts[b]..], &mut zz);
                     for (o, &z) in out.iter_mut().zip(zz.iter()) {
                         *o = unzigzag(z);
                     }
@@ -169,23 +189,45 @@ impl Codes {
     /// # Errors
     /// [`Error::InvalidCodes`] for inconsistent fields; [`Error::Zstd`] if the zstd stage fails.
     pub fn to_frame(&self, zstd_level: Option<i32>) -> Result<Vec<u8>> {
+        self.to_frame_as(Coder::Planes, zstd_level)
+    }
+
+    /// [`Codes::to_frame`], with the codes written by `coder` (bit planes, or Rice codes).
+    ///
+    /// # Errors
+    /// As [`Codes::to_frame`].
+    pub fn to_frame_as(&self, coder: Coder, zstd_level: Option<i32>) -> Result<Vec<u8>> {
         self.check()?;
         let n = self.codes.len();
         let groups = n.div_ceil(GROUP);
         let index_size = crate::codec::format::index_size_for(n as u64);
         let mut body = Vec::with_capacity(groups * 5);
         let mut planes = Vec::new();
-        let mut zz = [0u64; GROUP];
-        for chunk in self.codes.chunks(GROUP) {
-            let mut acc = 0u64;
-            for (z, &q) in zz.iter_mut().zip(chunk) {
-                *z = zigzag(q);
-                acc |= *z;
+        match coder {
+            Coder::Planes => {
+                let mut zz = [0u64; GROUP];
+                for chunk in self.codes.chunks(GROUP) {
+                    let mut acc = 0u64;
+                    for (z, &q) in zz.iter_mut().zip(chunk) {
+                        *z = zigzag(q);
+                        acc |= *z;
+                    }
+                    zz[chunk.len()..].fill(0);
+                    let w = width_of(acc);
+                    body.push(w as u8);
+                    pack64(&zz, w, &mut planes);
+                }
             }
-            zz[chunk.len()..].fill(0);
-            let w = width_of(acc);
-            body.push(w as u8);
-            pack64(&zz, w, &mut planes);
+            Coder::Rice => {
+                let mut zz = [0u64; rice::BLOCK];
+                for chunk in self.codes.chunks(rice::BLOCK) {
+                    for (z, &q) in zz.iter_mut().zip(chunk) {
+                        *z = zigzag(q);
+                    }
+                    zz[chunk.len()..].fill(0);
+                    rice::encode_block(&zz, &mut body, &mut planes);
+                }
+            }
         }
         body.extend_from_slice(&planes);
         for &(i, _) in &self.exceptions {
@@ -195,7 +237,10 @@ impl Codes {
             body.extend_from_slice(&b.to_le_bytes()[..self.dtype.size()]);
         }
         let header = Header {
-            codec: Codec::Quantized,
+            codec: match coder {
+                Coder::Planes => Codec::Quantized,
+                Coder::Rice => Codec::Rice,
+            },
             dtype: self.dtype,
             zstd: false,
             mode: BoundMode::Sum,
@@ -344,7 +389,8 @@ fn sum_bits<T: Element>(total: f64) -> u32 {
     T::from_f32(f).to_bits32()
 }
 
-/// Sums frames quantized with the same step into one frame (see [`Codes::sum`]).
+/// Sums frames quantized with the same step into one frame (see [`Codes::sum`]), written by
+/// the first frame's coder: Rice codes if it is a rice frame, bit planes otherwise.
 ///
 /// # Errors
 /// As [`Codes::from_frame`] and [`Codes::sum`].
@@ -353,5 +399,9 @@ pub fn sum_frames(frames: &[&[u8]], zstd_level: Option<i32>) -> Result<Vec<u8>> 
         .iter()
         .map(|f| Codes::from_frame(f))
         .collect::<Result<Vec<_>>>()?;
-    Codes::sum(&parts)?.to_frame(zstd_level)
+    let coder = match frames.first().map(|f| read_header(f)) {
+        Some(Ok(h)) if h.codec == Codec::Rice => Coder::Rice,
+        _ => Coder::Planes,
+    };
+    Codes::sum(&parts)?.to_frame_as(coder, zstd_level)
 }

@@ -365,6 +365,7 @@ impl Backend for CpuBackend {
             bound: Bound::Abs(eps),
             zstd_level: None,
             threads: 0,
+            coder: crate::Coder::Planes,
         };
         let shape = [x.numel as usize];
         // SAFETY: the job's tensors (see `stats`); the residual is the job's own float32 memory,
