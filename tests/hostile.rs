@@ -11,7 +11,7 @@ mod common;
 use cfc::format::{FIXED_HEADER_LEN, MAX_NDIM};
 use cfc::{
     compress, compress_lossless_bytes, decompress, decompress_into_bytes, read_header, validate,
-    Bound, BoundMode, Codec, Codes, CompressOptions, DType, Error, FormatError, Header,
+    Bound, BoundMode, Codec, Coder, Codes, CompressOptions, DType, Error, FormatError, Header,
     LosslessOptions,
 };
 use common::{gen, hex, Dist};
@@ -127,6 +127,10 @@ fn valid_frames() -> &'static [(&'static str, Vec<u8>)] {
             zstd_level: Some(3),
             ..o
         };
+        let rice = |o: CompressOptions| CompressOptions {
+            coder: Coder::Rice,
+            ..o
+        };
         let xb: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
         let xh: Vec<f16> = x.iter().map(|&v| f16::from_f32(v)).collect();
         let rep: Vec<f32> = (0..200).map(|i| [0.1f32, 7.0, -2.5][i % 3]).collect();
@@ -196,6 +200,18 @@ fn valid_frames() -> &'static [(&'static str, Vec<u8>)] {
                     &LosslessOptions::default(),
                 ),
             ),
+            ("f32 rice, exceptions", compress(&x, &[300], &rice(abs))),
+            ("bf16 rice", compress(&xb, &[300], &rice(abs))),
+            (
+                "f32 rice, zstd",
+                compress(
+                    &(0..5000).map(|i| [0.1f32, 7.0, -2.5][i % 3]).collect::<Vec<_>>(),
+                    &[5000],
+                    &z(rice(abs)),
+                ),
+            ),
+            ("rice, three blocks", Ok(r_frame())),
+            ("bf16 sum, wide codes, rice", wide.to_frame_as(Coder::Rice, None)),
             ("empty", compress::<f32>(&[], &[0, 3], &abs)),
             ("scalar", compress(&[0.0f32], &[], &abs)),
         ];
@@ -228,6 +244,9 @@ fn valid_frames_are_valid() {
         .any(|h| h.codec == Codec::Quantized && !h.zstd && h.n_exceptions > 0));
     assert!(hs.iter().any(|h| h.mode == BoundMode::Sum && h.zstd));
     assert!(hs.iter().any(|h| h.codec == Codec::Lossless && h.zstd));
+    assert!(hs.iter().any(|h| h.codec == Codec::Rice && h.zstd));
+    assert!(hs.iter().any(|h| h.codec == Codec::Rice && h.n_exceptions > 0));
+    assert!(hs.iter().any(|h| h.codec == Codec::Rice && h.mode == BoundMode::Sum));
     assert!(hs.iter().any(|h| h.codec == Codec::Lossless && !h.zstd));
     assert!(hs
         .iter()
@@ -492,6 +511,40 @@ fn q_frame() -> Vec<u8> {
     q_frame_with(&w, &e)
 }
 
+/// The valid baseline of the rice crafted cases: 2100 float32 values in three blocks of 1024,
+/// a NaN (an exception) in block 0, block 1 all zero (an empty head), block 2 short.
+fn r_frame() -> Vec<u8> {
+    let mut x: Vec<f32> = gen(Dist::Laplace, 2100, 1.0, 17);
+    x[1024..2048].fill(0.0);
+    x[9] = f32::NAN;
+    let opts = CompressOptions {
+        coder: Coder::Rice,
+        ..CompressOptions::new(Bound::Abs(0.05))
+    };
+    compress(&x, &[2100], &opts).expect("rice frame")
+}
+
+/// Where the parts of `r_frame` sit: its three block heads, and block 0's unary stream.
+struct ROffsets {
+    heads: usize,
+    unary0: usize,
+    unary0_words: usize,
+}
+
+fn r_offsets(f: &[u8]) -> ROffsets {
+    let heads = 72;
+    let head = |b: usize| u64::from_le_bytes(f[heads + 8 * b..heads + 8 * b + 8].try_into().unwrap());
+    assert_eq!(f[5], 3, "a rice frame");
+    assert_eq!(head(1), 0, "block 1 is empty");
+    let (mask, k, u) = (head(0) as u32, (head(0) >> 32) & 63, (head(0) >> 48) as usize);
+    assert_eq!(mask, u32::MAX, "block 0 codes every group");
+    ROffsets {
+        heads,
+        unary0: heads + 24 + 4 * (32 * k as usize),
+        unary0_words: u,
+    }
+}
+
 /// A valid raw float16 frame of 10 elements.
 fn raw_frame() -> Vec<u8> {
     let body: Vec<u8> = (0..20u8).collect();
@@ -678,7 +731,39 @@ fn crafted() -> Vec<Case> {
         f
     };
     let lh = validate(&l).expect("baseline");
+    let r = r_frame();
+    let ro = r_offsets(&r);
     let mut cases = vec![
+        case("rice_head_reserved", set(r.clone(), ro.heads + 4, &[r[ro.heads + 4] | 0x40]), |e| {
+            bad_field(e, "rice block head")
+        }),
+        case("rice_empty_head_with_k", set(r.clone(), ro.heads + 8 + 4, &[1]), |e| {
+            bad_field(e, "rice block head")
+        }),
+        case(
+            "rice_stop_bit_flipped",
+            {
+                let at = ro.unary0 + 4 * (ro.unary0_words / 2);
+                set(r.clone(), at, &[r[at] ^ 0x10])
+            },
+            |e| bad_field(e, "rice unary stream"),
+        ),
+        case(
+            "rice_unary_words_short",
+            set(r.clone(), ro.heads + 6, &((ro.unary0_words - 1) as u16).to_le_bytes()),
+            |e| bad_field(e, "rice unary stream"),
+        ),
+        case(
+            "rice_unary_words_past_body",
+            set(r.clone(), ro.heads + 6, &1024u16.to_le_bytes()),
+            |e| matches!(fmt_err(e), Some(FormatError::Truncated { part: "rice block data", .. })),
+        ),
+        case(
+            "rice_bits_mode",
+            set(set(r.clone(), 8, &[2]), 11, &[8]),
+            |e| bad_field(e, "bits"),
+        ),
+        case("rice_int32", set(r.clone(), 6, &[7]), |e| bad_field(e, "codec")),
         case(
             "lossless_bad_method",
             set(l.clone(), lo.table + 3, &[0x70]),
@@ -912,7 +997,7 @@ fn crafted() -> Vec<Case> {
         case("version_2", set(q.clone(), 4, &[2]), |e| {
             matches!(fmt_err(e), Some(FormatError::UnsupportedVersion(2)))
         }),
-        case("unknown_codec", set(q.clone(), 5, &[3]), |e| {
+        case("unknown_codec", set(q.clone(), 5, &[4]), |e| {
             bad_field(e, "codec")
         }),
         case("unknown_dtype", set(q.clone(), 6, &[10]), |e| {
@@ -1332,7 +1417,7 @@ fn crafted() -> Vec<Case> {
 #[test]
 fn crafted_baselines_are_valid() {
     // The crafted cases are single changes to these: they must themselves be accepted.
-    for f in [q_frame(), raw_frame(), l_frame()] {
+    for f in [q_frame(), raw_frame(), l_frame(), r_frame()] {
         probe(&f).unwrap_or_else(|e| panic!("baseline refused: {e}; {}", hex(&f)));
     }
     let (_, y) = decompress::<f32>(&q_frame()).expect("decodes");

@@ -1,12 +1,13 @@
 //! Feeds arbitrary bytes to every decoding entry point of cfc. None may panic; they must
 //! agree on whether the frame is valid, and a valid frame must decode to `n` elements of its
-//! own dtype and give back codes that survive `to_frame` / `from_frame` unchanged.
+//! own dtype and give back codes that survive `to_frame` / `from_frame` unchanged, as bit planes
+//! and as Rice codes.
 //!
 //! Run: `cargo +nightly fuzz run decompress` (seed corpus: `tests/hostile/`).
 
 #![no_main]
 
-use cfc::{decompress, decompress_into_bytes, read_header, validate, Codes, DType};
+use cfc::{decompress, decompress_into_bytes, read_header, validate, Coder, Codes, DType};
 use half::{bf16, f16};
 use libfuzzer_sys::fuzz_target;
 
@@ -36,8 +37,10 @@ fuzz_target!(|data: &[u8]| {
             }
             let c = codes.expect("validated frame has codes");
             assert_eq!(c.codes.len(), n);
-            let again = Codes::from_frame(&c.to_frame(None).expect("packs")).expect("reads");
-            assert_eq!(again, c);
+            for coder in [Coder::Planes, Coder::Rice] {
+                let packed = c.to_frame_as(coder, None).expect("packs");
+                assert_eq!(Codes::from_frame(&packed).expect("reads"), c);
+            }
             // Adding a frame to itself may overflow, but must not panic.
             let _ = Codes::sum(&[c.clone(), c]);
         }
