@@ -351,3 +351,28 @@ def test_a_one_element_view_of_any_stride():
     c = cfc.compress(torch.tensor([0.125]), eps=1e-2, residual=base[::3][:1])
     # One element goes as a raw frame: x + residual exactly, and nothing left over.
     assert float(cfc.decompress(c)) == 0.625 and float(base[0]) == 0.0 and float(base[1]) == 0.5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rice_frames_decode_like_bit_planes_in_fewer_bytes(dtype, grads):
+    x = torch.from_numpy(grads["lm_ffn_block5_2M"][:300_000].astype(np.float32)).to(dtype)
+    eps = 0.3 * x.double().pow(2).mean().sqrt().item()
+    x[7] = float("nan")
+    planes = cfc.compress(x, eps=eps)
+    rice = cfc.compress(x, eps=eps, coder="rice")
+    assert cfc.frame_info(rice)["codec"] == "rice" and cfc.frame_info(planes)["codec"] == "quantized"
+    assert torch.equal(cfc.decompress(rice).view(torch.int16 if dtype != torch.float32 else torch.int32),
+                       cfc.decompress(planes).view(torch.int16 if dtype != torch.float32 else torch.int32))
+    assert rice.nbytes < 0.9 * planes.nbytes
+    both = cfc.decompress(cfc.sum_compressed([rice, rice]))
+    assert torch.equal(both.nan_to_num(), cfc.decompress(cfc.sum_compressed([planes, planes])).nan_to_num())
+
+
+def test_rice_argument_checks():
+    x = torch.randn(100)
+    with pytest.raises(ValueError, match="coder must be"):
+        cfc.compress(x, eps=0.1, coder="huffman")
+    with pytest.raises(ValueError, match="bits= and lossless="):
+        cfc.compress(x, bits=8, coder="rice")
+    with pytest.raises(ValueError, match="bits= and lossless="):
+        cfc.compress(x, lossless=True, coder="rice")

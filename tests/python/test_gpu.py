@@ -732,3 +732,12 @@ def test_gpu_decoded_sum_writes_only_its_output():
             0, stream.cuda_stream, [c._out.data_ptr() for c in cs], lens, n, "float32", 1, 0.5,
             out.data_ptr(), "bfloat16", ws.data_ptr(), ws_len - 1, status.data_ptr(),
         )
+
+
+def test_gpu_rice_frames_go_through_the_host_and_match_cpu():
+    x = awkward(5000, torch.float32).cuda()
+    c = cfc.compress(x, eps=0.01, coder="rice")
+    assert cfc.frame_info(c)["codec"] == "rice"
+    assert bytes(c) == bytes(cfc.compress(x.cpu(), eps=0.01, coder="rice"))
+    y = cfc.decompress(c, device=x.device)
+    assert y.is_cuda and same_bits(y, cfc.decompress(cfc.compress(x, eps=0.01)))
