@@ -2,9 +2,11 @@
 
 For each float32 gradient slice of a folder (default ``../shared/data/grads``) and each bound
 ``k x RMS``: the order-0 entropy of the quantized codes (``round(x / (2 eps))``), in bits per
-value, against the bits per value of cfc's frame (no zstd stage) at the same bound. The first
-is what any coder of one code at a time could reach; the gap is what a better entropy coder
-could still take. With ``--dtypes``, each slice is also cast to bfloat16 and float16: their
+value, against the bits per value of cfc's frames (no zstd stage) at the same bound, with bit
+planes (``coder="planes"``) and with Rice codes (``coder="rice"``), and the share of the
+entropy each reaches (entropy / frame bits). The entropy is what any coder of one code at a
+time with one table for the whole slice could reach; a coder that adapts to each block can do
+better (more than 100%). With ``--dtypes``, each slice is also cast to bfloat16 and float16: their
 frames against the dtype's own bytes, and the values that travel as exceptions (where the
 dtype's spacing is coarser than the bound).
 
@@ -31,8 +33,9 @@ def main() -> None:
     files = sorted(args.grads.glob("*.npy"))
     if not files:
         raise SystemExit(f"no .npy gradient slices in {args.grads}")
-    print("| slice | k | entropy of the codes | cfc frame | fewer bytes: entropy / cfc |")
-    print("|---|---|---|---|---|")
+    print("| slice | k | entropy of the codes | bit planes | rice | share of the entropy: planes / rice "
+          "| fewer bytes than float32: entropy / planes / rice |")
+    print("|---|---|---|---|---|---|---|")
     for f in files:
         x = torch.from_numpy(np.load(f).astype(np.float32)).flatten()
         rms = x.double().pow(2).mean().sqrt().item()
@@ -41,8 +44,11 @@ def main() -> None:
             _, counts = torch.unique(torch.round(x.double() / (2 * eps)).to(torch.int64), return_counts=True)
             prob = counts.double() / counts.sum()
             entropy = -(prob * prob.log2()).sum().item()
-            frame = 8 * cfc.compress(x, eps=eps).nbytes / x.numel()
-            print(f"| {f.stem} | {k:g} | {entropy:.2f} bits | {frame:.2f} bits | {32 / entropy:.1f}x / {32 / frame:.1f}x |")
+            planes = 8 * cfc.compress(x, eps=eps).nbytes / x.numel()
+            rice = 8 * cfc.compress(x, eps=eps, coder="rice").nbytes / x.numel()
+            print(f"| {f.stem} | {k:g} | {entropy:.2f} bits | {planes:.2f} bits | {rice:.2f} bits "
+                  f"| {entropy / planes:.0%} / {entropy / rice:.0%} "
+                  f"| {32 / entropy:.1f}x / {32 / planes:.1f}x / {32 / rice:.1f}x |")
     if args.dtypes:
         print("\n| slice | dtype | k | fewer bytes than the dtype's own | exceptions |")
         print("|---|---|---|---|---|")
