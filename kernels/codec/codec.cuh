@@ -14,7 +14,7 @@
 //
 // This header holds what every file of the family shares: the dtype macro and the bound
 // parameters. The family's sources, spliced into one NVRTC program in this order (src/kernels.rs):
-// codec.cuh, codes.cuh, bounds.cu, encode.cu, decode.cu, sum.cu, decode_sum.cu.
+// codec.cuh, codes.cuh, bounds.cu, encode.cu, decode.cu, sum.cu, decode_sum.cu, rice.cu.
 #include "../common.cuh"
 
 #define DEFINE_FOR_DTYPES(MACRO) MACRO(f32, F32) MACRO(bf16, BF16) MACRO(f16, F16)

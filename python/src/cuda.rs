@@ -233,7 +233,7 @@ fn cuda_compress_lossless(
 /// `max_error_ptr` and `bound_ptr` (0: none) are `CompressArgs::size_to`,
 /// `CompressArgs::max_error_to` and `CompressArgs::bound_at`.
 #[pyfunction]
-#[pyo3(signature = (device, stream, input_ptr, numel, dtype, shape, out_ptr, out_len, ws_ptr, ws_len, *, eps=None, rel=None, bits=None, residual_ptr=0, size_ptr=0, max_error_ptr=0, bound_ptr=0))]
+#[pyo3(signature = (device, stream, input_ptr, numel, dtype, shape, out_ptr, out_len, ws_ptr, ws_len, *, eps=None, rel=None, bits=None, residual_ptr=0, size_ptr=0, max_error_ptr=0, bound_ptr=0, coder="planes"))]
 #[allow(clippy::too_many_arguments)]
 fn cuda_compress(
     py: Python<'_>,
@@ -254,7 +254,11 @@ fn cuda_compress(
     size_ptr: u64,
     max_error_ptr: u64,
     bound_ptr: u64,
+    coder: &str,
 ) -> PyResult<()> {
+    let coder = cfc::Coder::from_name(coder).ok_or_else(|| {
+        PyValueError::new_err(format!("coder must be 'planes' or 'rice', not {coder:?}"))
+    })?;
     let args = cfc::cuda::CompressArgs {
         device,
         stream,
@@ -274,8 +278,14 @@ fn cuda_compress(
     };
     // SAFETY: cfc.codec passes data_ptr()s and sizes of CUDA tensors on `device` that it keeps
     // alive (and, through torch's caching allocator, unreused) until the stream's work is done.
-    py.detach(|| unsafe { cfc::cuda::compress(&args) })
-        .map_err(to_py)
+    py.detach(|| unsafe {
+        match coder {
+            cfc::Coder::Planes => cfc::cuda::compress(&args),
+            // (the planes' capacity and workspace, which cfc.codec allocates, cover a rice frame's)
+            cfc::Coder::Rice => cfc::cuda::compress_rice(&args),
+        }
+    })
+    .map_err(to_py)
 }
 
 /// Queues decoding of a device-resident frame (checked on the host or made by cuda_compress).
@@ -299,9 +309,10 @@ fn cuda_decompress(
         "quantized" => cfc::Codec::Quantized,
         "raw" => cfc::Codec::Raw,
         "lossless" => cfc::Codec::Lossless,
+        "rice" => cfc::Codec::Rice,
         other => {
             return Err(PyValueError::new_err(format!(
-                "codec must be 'quantized', 'raw' or 'lossless', got {other:?}"
+                "codec must be 'quantized', 'raw', 'lossless' or 'rice', got {other:?}"
             )))
         }
     };

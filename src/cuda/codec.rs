@@ -269,12 +269,8 @@ pub unsafe fn decompress(args: &DecompressArgs) -> Result<()> {
         return unsafe { decompress_lossless(args, &dev, &stream) };
     }
     if args.codec == crate::Codec::Rice {
-        // (rice frames are decoded on the host for now)
-        return Err(Error::Incompatible {
-            what: "codec",
-            left: "the CUDA decoder's (quantized, raw, lossless)".into(),
-            right: "rice".into(),
-        });
+        // SAFETY: this function's contract.
+        return unsafe { decompress_rice(args, &dev, &stream) };
     }
     if !args.dtype.is_quantizable() {
         // A raw frame of another dtype: the caller copies its body (no kernel needed).

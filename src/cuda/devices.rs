@@ -48,6 +48,11 @@ pub(super) struct Kernels {
     pub(super) decode_sum: [CudaFunction; 3],
     pub(super) stats: CudaFunction,
     pub(super) stats_total: CudaFunction,
+    pub(super) rice_size: CudaFunction,
+    pub(super) rice_write: CudaFunction,
+    pub(super) rice_offsets: CudaFunction,
+    pub(super) rice_decode: CudaFunction,
+    pub(super) rice_scatter: CudaFunction,
 }
 
 /// Restores the calling thread's current CUDA context when dropped. Binding a device's context
@@ -350,6 +355,11 @@ impl Device {
             ],
             stats: self.function(c, "stats", d)?,
             stats_total: self.function(c, "stats_total", None)?,
+            rice_size: self.function(c, "rice_size", d)?,
+            rice_write: self.function(c, "rice_write", d)?,
+            rice_offsets: self.function(c, "rice_offsets", None)?,
+            rice_decode: self.function(c, "rice_decode", d)?,
+            rice_scatter: self.function(c, "rice_scatter", d)?,
         });
         self.kernels
             .lock()

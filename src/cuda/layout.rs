@@ -139,7 +139,10 @@ pub const MAX_ELEMENTS: u64 = 1 << 48;
 pub fn workspace_len(n: u64) -> u64 {
     let chunks = n.div_ceil(crate::lossless::CHUNK as u64);
     let lossless = WS_HEADER + 8 * (chunks + 1 + scan_sums_len(chunks + 1));
-    tile_layout(n, TILE_CHUNKS).decode_end.max(lossless)
+    tile_layout(n, TILE_CHUNKS)
+        .decode_end
+        .max(lossless)
+        .max(rice_workspace_len(n))
 }
 
 /// Chunks per encoder tile that need the most workspace (the most tiles).

@@ -11,7 +11,7 @@
 //! provides them in the Python package), and nothing is freed.
 //!
 //! Files: `devices` (driver, contexts, compilation), `launches`, `layout` (sizes), one file per
-//! operation family (`codec`, `lossless`, `sum`, `copy`), `memory` (device buffers the engine
+//! operation family (`codec`, `rice`, `lossless`, `sum`, `copy`), `memory` (device buffers the engine
 //! owns).
 
 use crate::error::{Error, Result};
@@ -32,6 +32,7 @@ mod launches;
 mod layout;
 mod lossless;
 pub(crate) mod memory;
+mod rice;
 mod sum;
 #[cfg(test)]
 mod tests;
@@ -42,4 +43,5 @@ pub use devices::*;
 use launches::*;
 pub use layout::*;
 pub use lossless::*;
+pub use rice::*;
 pub use sum::*;

@@ -174,14 +174,16 @@ class CudaCompressed:
     steps are checked first, which waits once).
     """
 
-    __slots__ = ("_out", "_ws", "_host", "_event", "_dtype", "_shape", "_mode")
+    __slots__ = ("_out", "_ws", "_host", "_event", "_dtype", "_shape", "_mode", "_codec")
 
-    def __init__(self, out, ws, dtype: str, shape: Tuple[int, ...], mode: str, stream):
-        """``stream``: the device's current stream, on which the kernels were queued."""
+    def __init__(self, out, ws, dtype: str, shape: Tuple[int, ...], mode: str, stream, codec: str = "quantized"):
+        """``stream``: the device's current stream, on which the kernels were queued; ``codec``:
+        the decoder the frame needs ("quantized", "lossless" or "rice"; each also reads the raw
+        frames its encoder may fall back to)."""
         import torch
 
         self._out, self._ws = out, ws
-        self._dtype, self._shape, self._mode = dtype, shape, mode
+        self._dtype, self._shape, self._mode, self._codec = dtype, shape, mode, codec
         # The size is copied to the host only when asked for: a copy queued behind every frame
         # cost each call a device-to-host transfer and the gaps around it (about 10 of the 22 us
         # of GPU time a 1 MB call took on an H200) and the host time to queue it, and the
@@ -299,7 +301,7 @@ class CudaCompressed:
         return f"cfc.CudaCompressed(shape={self._shape}, dtype={self._dtype}, mode={self._mode}, device={self.device})"
 
 
-def _compress_cuda(t, name: str, shape, eps, rel, bits, residual=None) -> CudaCompressed:
+def _compress_cuda(t, name: str, shape, eps, rel, bits, residual=None, coder="planes") -> CudaCompressed:
     import torch
 
     t = t.detach().contiguous()
@@ -315,7 +317,7 @@ def _compress_cuda(t, name: str, shape, eps, rel, bits, residual=None) -> CudaCo
     _native.cuda_compress(
         dev.index, stream.cuda_stream, t.data_ptr(), n, name, list(shape),
         out.data_ptr(), cap, ws.data_ptr(), ws.numel(), eps=eps, rel=rel, bits=bits,
-        residual_ptr=0 if residual is None or n == 0 else residual.data_ptr(),
+        residual_ptr=0 if residual is None or n == 0 else residual.data_ptr(), coder=coder,
     )
     # Input and residual must outlive the queued kernels even if the caller drops them and they
     # were made on another stream: tell the caching allocator they are used on this one.
@@ -323,7 +325,7 @@ def _compress_cuda(t, name: str, shape, eps, rel, bits, residual=None) -> CudaCo
     if residual is not None:
         residual.record_stream(stream)
     mode = "abs" if eps is not None else "rel" if rel is not None else "bits"
-    return CudaCompressed(out, ws, name, tuple(shape), mode, stream)
+    return CudaCompressed(out, ws, name, tuple(shape), mode, stream, "rice" if coder == "rice" else "quantized")
 
 
 def _compress_lossless_cuda(t, name: str) -> CudaCompressed:
@@ -350,7 +352,7 @@ def _compress_lossless_cuda(t, name: str) -> CudaCompressed:
         out.data_ptr(), cap, ws.data_ptr(), ws_len,
     )
     t.record_stream(stream)  # the input must outlive the queued kernels
-    return CudaCompressed(out, ws, name, shape, "lossless", stream)
+    return CudaCompressed(out, ws, name, shape, "lossless", stream, "lossless")
 
 
 def _decompress_cuda(frame_dev, numel: int, dtype: str, shape, ndim: int, after=None, codec="quantized"):
@@ -391,6 +393,8 @@ def _sum_cuda(items) -> CudaCompressed:
     for c in items:
         if c._mode == "lossless":
             raise ValueError("lossless frames hold no codes to add on the GPU: sum bytes(c) on the host")
+        if c._codec == "rice":
+            raise ValueError("rice frames are summed on the host: sum bytes(c)")
         if c.device != first.device:
             raise ValueError(f"frames on {first.device} and {c.device}: move them to one GPU first")
         if c._dtype != first._dtype:

@@ -214,7 +214,8 @@ def compress(
         coder: how the codes are written. ``"planes"`` (bit planes of each group's width,
             written and read on the CPU and on GPUs) or ``"rice"`` (Rice codes in blocks of
             1024: 15-25% fewer bytes on gradients, near the codes' entropy; written and read on
-            the CPU, so a CUDA tensor goes through a host copy). Not with ``bits=``.
+            the CPU and on GPUs, where error feedback goes through a host copy). Not with
+            ``bits=``.
 
     Returns:
         Compressed: ``bytes(result)`` is the self-describing frame. For a CUDA tensor (and no
@@ -270,14 +271,14 @@ def compress(
         torch is not None
         and isinstance(x, torch.Tensor)
         and not zstd
-        and coder == "planes"
+        and (coder == "planes" or (residual is None and bits is None))
         and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
         and _cuda_ready(x)
     ):
         if residual is not None:
             _check_residual(residual, x)
             _check_apart(*_span(caller_x), residual.data_ptr(), 4 * residual.numel())
-        return _compress_cuda(x, _dtype_name(x.dtype), tuple(x.shape), eps, rel, bits, residual)
+        return _compress_cuda(x, _dtype_name(x.dtype), tuple(x.shape), eps, rel, bits, residual, coder)
     if residual is not None and torch is not None and isinstance(x, torch.Tensor) \
             and isinstance(residual, torch.Tensor) and residual.device == x.device:
         # (here too where both go through host copies, as the other paths refuse it; and for
@@ -328,8 +329,8 @@ def decompress(c: Any, device: Any = None, *, threads: int = 0, max_nbytes: Opti
             frame as bytes, bytearray, memoryview, or a uint8 numpy array or torch tensor.
         device: where to put the result (``"cpu"``, ``"cuda:0"``, a ``torch.device``). A
             CUDA device decodes on that GPU (after checking the frame on the host; a frame
-            with a zstd stage, a rice frame, or a GPU the CUDA codec cannot drive, is decoded on
-            the host and copied); a :class:`CudaCompressed` decodes on its own GPU by default, without
+            with a zstd stage, or a GPU the CUDA codec cannot drive, is decoded on the host and
+            copied); a :class:`CudaCompressed` decodes on its own GPU by default, without
             waiting (a ``rel`` bound or a sum is checked first, with one wait).
         threads: CPU threads to use, 0 for automatic.
         max_nbytes: refuse (``ValueError``) a frame that decodes to more bytes than this,
@@ -352,7 +353,7 @@ def decompress(c: Any, device: Any = None, *, threads: int = 0, max_nbytes: Opti
         target = None if device is None else torch.device(device)
         if target is not None and target.type == "cuda" and target.index is None:
             target = torch.device("cuda", torch.cuda.current_device())
-        gpu = not info["zstd"] and info["codec"] != "rice" and (
+        gpu = not info["zstd"] and (
             info["codec"] == "lossless" or info["dtype"] in _DTYPE_NAMES
         )
         if target is not None and target.type == "cuda" and gpu and _device_supported(target.index):
@@ -372,8 +373,9 @@ def decompress(c: Any, device: Any = None, *, threads: int = 0, max_nbytes: Opti
         if target == c.device:
             if c._mode in ("rel", "sum"):
                 c.synchronize()  # reports an unusable rel bound or a failed sum instead of decoding garbage
-            codec = "lossless" if c._mode == "lossless" else "quantized"  # raw frames: read on the GPU
-            return _decompress_cuda(c._out, c.numel, c._dtype, c._shape, len(c._shape), after=c._event, codec=codec)
+            # (raw frames are read by the decoder of the codec their encoder fell back from)
+            return _decompress_cuda(c._out, c.numel, c._dtype, c._shape, len(c._shape), after=c._event,
+                                    codec=c._codec)
         c = c.to_host()
     if torch is None and device is not None and str(device).split(":")[0] != "cpu":
         raise ValueError(f"decoding to {device!r} needs torch, which is not installed")
@@ -387,7 +389,7 @@ def decompress(c: Any, device: Any = None, *, threads: int = 0, max_nbytes: Opti
         info = _native.frame_info(buf)
         # The GPU decodes quantized frames, raw frames of the float types, and lossless frames
         # of every dtype; the zstd stage and raw frames of other dtypes stay on the host.
-        on_gpu = not info["zstd"] and info["codec"] != "rice" and (
+        on_gpu = not info["zstd"] and (
             info["codec"] == "lossless" or info["dtype"] in _DTYPE_NAMES
         )
         if on_gpu:

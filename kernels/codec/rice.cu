@@ -1,0 +1,346 @@
+// Rice frames on the GPU (codec 3, docs/FORMAT.md "Body of a rice frame"): the bytes of the CPU
+// reference, src/codec/rice.rs. A warp per block of 1024 values; lane j holds element j of each
+// of the block's 32 groups, so a group's bit plane is one ballot and its codes one warp scan.
+//
+// Compress: [max_abs] (rel) -> rice_size (codes, k, each block's head, words and exceptions) ->
+// scans of words and exceptions -> rice_write (header, and heads, planes, unary streams and
+// exceptions in place, or the raw bytes). Decompress: rice_offsets -> scan -> rice_decode ->
+// rice_scatter (exceptions). Every size stays on the device.
+//
+// Workspace (after WS_HEADER's 80 bytes: CfcParams, frame size at 64, raw flag at 72):
+//   heads u64 x B, words u64 x (B + 1), excs u64 x (B + 1), then the scans' scratch.
+// The scans are exclusive, so words[B] and excs[B] end up as the totals.
+#include "codes.cuh"
+
+#define RICE_BLOCK 1024
+#define RICE_WS_HEADER 80
+#define RICE_MAX_UNARY_WORDS 1024
+
+struct RiceWs {
+    u64* heads;
+    u64* words;
+    u64* excs;
+};
+
+__device__ __forceinline__ RiceWs rice_ws(u8* ws, u64 blocks) {
+    RiceWs r;
+    r.heads = (u64*)(ws + RICE_WS_HEADER);
+    r.words = r.heads + blocks;
+    r.excs = r.words + blocks + 1;
+    return r;
+}
+
+// Lane j's codes of block b (element 1024 b + 32 g + j in z[g]; 0 past n and at exceptions),
+// and the groups where lane j holds an exception (bit g).
+template <class D>
+__device__ __forceinline__ u32 rice_codes(const typename D::T* __restrict__ x, u64 n, u64 b, const CfcParams& P,
+                                          bool route, float inv32, u32 (&z)[32]) {
+    const u32 lane = threadIdx.x & 31;
+    u32 excm = 0;
+#pragma unroll
+    for (int g = 0; g < 32; ++g) {
+        const u64 i = b * RICE_BLOCK + g * 32 + lane;
+        u32 c = 0;
+        bool exc = false;
+        if (i < n) {
+            const float f = D::to_f32(x[i]);
+            bool sure = false;
+            if (D::SIZE == 4 && route) c = f32_code(f, inv32, &sure);
+            if (!sure) {
+                double e;
+                c = encode_value<D, false>(f, P, &exc, &e);
+            }
+        }
+        z[g] = c;
+        excm |= (u32)exc << g;
+    }
+    return excm;
+}
+
+// The block's coded groups (mask) and k, by the rule of src/codec/rice.rs; every lane gets them.
+__device__ __forceinline__ void rice_choose(const u32 (&z)[32], u32* mask_out, u32* k_out) {
+    u32 mask = 0, mx = 0;
+#pragma unroll
+    for (int g = 0; g < 32; ++g) {
+        mask |= (u32)(__ballot_sync(CFC_FULL_MASK, z[g] != 0) != 0) << g;
+        mx = max(mx, z[g]);
+    }
+    mx = __reduce_max_sync(CFC_FULL_MASK, mx);
+    const u32 bits = 32 - __clz(mx);
+    u32 k = bits > 5 ? bits - 5 : 0;
+    const u32 coded = 32 * __popc(mask);
+    while (mask != 0 && k < 63) {
+        u32 gain = 0;
+#pragma unroll
+        for (int g = 0; g < 32; ++g)
+            if ((mask >> g) & 1) gain += (u32)(((u64)z[g] >> k) - ((u64)z[g] >> (k + 1)));
+        gain = __reduce_add_sync(CFC_FULL_MASK, gain);
+        if (gain <= coded) break;
+        ++k;
+    }
+    *mask_out = mask;
+    *k_out = mask ? k : 0;
+}
+
+// Sum over the coded groups of z >> k: the unary stream's zeros.
+__device__ __forceinline__ u32 rice_zeros(const u32 (&z)[32], u32 mask, u32 k) {
+    u32 s = 0;
+#pragma unroll
+    for (int g = 0; g < 32; ++g)
+        if ((mask >> g) & 1) s += (u32)((u64)z[g] >> k);
+    return __reduce_add_sync(CFC_FULL_MASK, s);
+}
+
+// Pass 1, a warp per block: each block's head, its data words and its exceptions, into the
+// workspace (the words and exceptions then scanned by the host's scan launches).
+template <class D>
+__device__ void rice_size(const typename D::T* __restrict__ x, u64 n, u32 mode, double value, u8* ws) {
+    CfcParams* pp = (CfcParams*)ws;
+    const u64 blocks = (n + RICE_BLOCK - 1) / RICE_BLOCK;
+    const u64 b = ((u64)blockIdx.x * blockDim.x + threadIdx.x) / 32;
+    const u32 lane = threadIdx.x & 31;
+    const RiceWs w = rice_ws(ws, blocks);
+    const CfcParams P = make_params(mode, value, __longlong_as_double((i64)pp->max_abs_bits));
+    if (b == 0 && lane == 0) {  // for pass 2 and the host
+        pp->step = P.step;
+        pp->inv_step = P.inv_step;
+        pp->eps = P.eps;
+        pp->error = P.error;
+        w.words[blocks] = w.excs[blocks] = 0;  // so that the scans leave the totals there
+    }
+    if (b >= blocks) return;  // the whole warp
+    u32 z[32];
+    const u32 excm = rice_codes<D>(x, n, b, P, D::SIZE == 4 && f32_route_on(P), __double2float_rn(P.inv_step), z);
+    u32 mask, k;
+    rice_choose(z, &mask, &k);
+    const u32 unary_words = mask ? (32 * __popc(mask) + rice_zeros(z, mask, k) + 31) / 32 : 0;
+    const u32 excs = __reduce_add_sync(CFC_FULL_MASK, __popc(excm));
+    if (lane == 0) {
+        w.heads[b] = (u64)mask | (u64)k << 32 | (u64)unary_words << 48;
+        w.words[b] = (u64)k * __popc(mask) + unary_words;
+        w.excs[b] = excs;
+    }
+}
+
+#define RICE_SIZE(name, D)                                                                         \
+    extern "C" __global__ void cfc_codec_rice_size_##name(const D::T* x, u64 n, u32 mode, double value, \
+                                                          u8* ws) {                                \
+        rice_size<D>(x, n, mode, value, ws);                                                       \
+    }
+DEFINE_FOR_DTYPES(RICE_SIZE)
+
+// Pass 2, a warp per block, after the scans: block 0 writes the header and the frame size; then,
+// as the totals decide (the CPU reference's rule), the block's raw bytes, or its head, planes,
+// unary stream and exceptions in their places. The codes are computed again (cheaper than
+// staging them).
+template <class D>
+__device__ void rice_write(const typename D::T* __restrict__ x, u64 n, u32 dtype, u32 mode, u32 ndim,
+                           const Dims& dims, u8* __restrict__ out, u8* ws, u64* size_to) {
+    __shared__ u32 s_unary[8][RICE_MAX_UNARY_WORDS];  // a block's stream per warp
+    const CfcParams* pp = (const CfcParams*)ws;
+    const u64 blocks = (n + RICE_BLOCK - 1) / RICE_BLOCK;
+    const u64 b = ((u64)blockIdx.x * blockDim.x + threadIdx.x) / 32;
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x / 32;
+    const RiceWs w = rice_ws(ws, blocks);
+    CfcParams P;
+    P.step = pp->step;
+    P.inv_step = pp->inv_step;
+    P.eps = pp->eps;
+    P.error = pp->error;
+    const u64 size = D::SIZE, idx_size = n <= (1ull << 32) ? 4 : 8;
+    const u64 nwords = w.words[blocks], n_exc = w.excs[blocks];
+    const u64 header_len = 64 + 8 * (u64)ndim;
+    const u64 quant_len = 8 * blocks + 4 * nwords + n_exc * (idx_size + size);
+    const bool raw = quant_len >= n * size;
+    u8* body = out + header_len;
+    if (b == 0 && lane == 0) {
+        const u64 blen = raw ? n * size : quant_len;
+        cfc_write_header(out, raw ? 1 : 3, dtype, mode, 0, n, (u64)__double_as_longlong(P.step),
+                         (u64)__double_as_longlong(P.eps), raw ? 0 : n_exc, blen, ndim, dims);
+        if (P.error) out[0] = 0;  // an unusable bound (rel): no reader takes the frame
+        *(u64*)(ws + 64) = header_len + blen;
+        *(u32*)(ws + 72) = raw ? 1u : 0u;
+        if (size_to) *size_to = header_len + blen;
+    }
+    if (b >= blocks) return;  // the whole warp
+    if (raw) {
+        for (u32 j = lane; j < RICE_BLOCK; j += 32) {
+            const u64 i = b * RICE_BLOCK + j;
+            if (i < n) cfc_store_le(body + i * size, D::bits(x[i]), (int)size);
+        }
+        return;
+    }
+    u32 z[32];
+    const u32 excm = rice_codes<D>(x, n, b, P, D::SIZE == 4 && f32_route_on(P), __double2float_rn(P.inv_step), z);
+    const u64 head = w.heads[b];
+    const u32 mask = (u32)head, k = (u32)(head >> 32) & 63, unary_words = (u32)(head >> 48);
+    if (lane == 0) cfc_store_le(body + 8 * b, head, 8);
+    u8* data = body + 8 * blocks + 4 * w.words[b];
+    // Planes: group after coded group, lane p < k writes plane p.
+    u32 gi = 0;
+#pragma unroll
+    for (int g = 0; g < 32; ++g) {
+        if (!((mask >> g) & 1)) continue;  // the same for the whole warp
+        u32 mine = 0;
+        for (u32 p = 0; p < k; ++p) {
+            const u32 plane = __ballot_sync(CFC_FULL_MASK, ((u64)z[g] >> p) & 1);
+            if (lane == p) mine = plane;
+        }
+        if (lane < k) cfc_store_le(data + 4 * ((u64)gi * k + lane), mine, 4);
+        ++gi;
+    }
+    // The unary stream, built in shared memory: code r's stop bit at (its zeros and stop bits
+    // before it) + z >> k.
+    u32* s = s_unary[warp];
+    for (u32 i = lane; i < unary_words; i += 32) s[i] = 0;
+    __syncwarp();
+    u32 base = 0;
+#pragma unroll
+    for (int g = 0; g < 32; ++g) {
+        if (!((mask >> g) & 1)) continue;
+        const u32 h = (u32)((u64)z[g] >> k);
+        const u32 inc = cfc_lane_prefix_sum(h + 1);
+        const u32 pos = base + inc - 1;
+        atomicOr(&s[pos / 32], 1u << (pos % 32));
+        base += __shfl_sync(CFC_FULL_MASK, inc, 31);
+    }
+    __syncwarp();
+    u8* unary = data + 4 * (u64)k * __popc(mask);
+    for (u32 i = lane; i < unary_words; i += 32) cfc_store_le(unary + 4 * i, s[i], 4);
+    // Exceptions: index and raw bits, in index order, after every block's data.
+    if (w.excs[b + 1] == w.excs[b]) return;
+    u8* idx = body + 8 * blocks + 4 * nwords;
+    u8* val = idx + n_exc * idx_size;
+    u64 r = w.excs[b];
+#pragma unroll
+    for (int g = 0; g < 32; ++g) {
+        const u32 em = __ballot_sync(CFC_FULL_MASK, (excm >> g) & 1);
+        if ((excm >> g) & 1) {
+            const u64 q = r + __popc(em & ((1u << lane) - 1u));
+            const u64 i = b * RICE_BLOCK + g * 32 + lane;
+            cfc_store_le(idx + q * idx_size, i, (int)idx_size);
+            cfc_store_le(val + q * size, D::bits(x[i]), (int)size);
+        }
+        r += __popc(em);
+    }
+}
+
+#define RICE_WRITE(name, D)                                                                        \
+    extern "C" __global__ void cfc_codec_rice_write_##name(const D::T* x, u64 n, u32 dtype, u32 mode, \
+            u32 ndim, Dims dims, u8* out, u8* ws, u64* size_to) {                                  \
+        rice_write<D>(x, n, dtype, mode, ndim, dims, out, ws, size_to);                            \
+    }
+DEFINE_FOR_DTYPES(RICE_WRITE)
+
+// ---- decode ----------------------------------------------------------------------------
+
+// The decoders take the frames rice_write makes, which may have fallen back to raw bytes (codec
+// byte 1): then the values are copied.
+
+// Each block's data words, from its head (a thread per block; words[blocks] = 0), for the scan.
+extern "C" __global__ void cfc_codec_rice_offsets(const u8* frame, u64 header_len, u64 n, u8* ws) {
+    const u64 blocks = (n + RICE_BLOCK - 1) / RICE_BLOCK;
+    const RiceWs w = rice_ws(ws, blocks);
+    const u64 b = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (b > blocks) return;
+    u64 words = 0;
+    if (b < blocks && frame[5] != 1) {
+        const u64 head = cfc_load_le(frame + header_len + 8 * b, 8);
+        words = ((head >> 32) & 63) * __popc((u32)head) + (head >> 48);
+    }
+    w.words[b] = words;
+}
+
+// A warp per block, after the scan of words: the block's values, exceptions aside (rice_scatter
+// writes those next). The stop bits' positions go to shared memory first (rank r: the stop bit
+// of the block's r-th coded value), then each value is its planes' low bits and the gap between
+// its stop bit and the one before.
+template <class D>
+__device__ void rice_decode(const u8* __restrict__ frame, u64 header_len, u64 n, u8* ws, typename D::T* __restrict__ out) {
+    __shared__ u16 s_pos[8][RICE_BLOCK];
+    const u64 blocks = (n + RICE_BLOCK - 1) / RICE_BLOCK;
+    const u64 b = ((u64)blockIdx.x * blockDim.x + threadIdx.x) / 32;
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x / 32;
+    if (b >= blocks) return;
+    const RiceWs w = rice_ws(ws, blocks);
+    const u8* body = frame + header_len;
+    if (frame[5] == 1) {  // raw
+        for (u32 j = lane; j < RICE_BLOCK && b * RICE_BLOCK + j < n; j += 32) {
+            const u64 i = b * RICE_BLOCK + j;
+            out[i] = D::from_bits((u32)cfc_load_le(body + i * D::SIZE, D::SIZE));
+        }
+        return;
+    }
+    const double step = __longlong_as_double((i64)cfc_load_le(frame + 24, 8));
+    const u64 head = cfc_load_le(body + 8 * b, 8);
+    const u32 mask = (u32)head, k = (u32)(head >> 32) & 63, unary_words = (u32)(head >> 48);
+    const u8* data = body + 8 * blocks + 4 * w.words[b];
+    const u8* unary = data + 4 * (u64)k * __popc(mask);
+    u16* pos = s_pos[warp];
+    u32 rank = 0;
+    for (u32 c0 = 0; c0 < unary_words; c0 += 32) {
+        u32 word = c0 + lane < unary_words ? (u32)cfc_load_le(unary + 4 * (c0 + lane), 4) : 0;
+        const u32 ones = __popc(word);
+        u32 r = rank + cfc_lane_prefix_sum(ones) - ones;
+        while (word) {
+            pos[r++] = (u16)(32 * (c0 + lane) + __ffs(word) - 1);
+            word &= word - 1;
+        }
+        rank = __shfl_sync(CFC_FULL_MASK, r, 31);  // lane 31's end: every stop bit so far
+    }
+    __syncwarp();
+    const typename D::T zero = cfc_dequantize<D>(0, step);
+    typename D::T* ob = out + b * RICE_BLOCK;
+    const u64 have = min((u64)RICE_BLOCK, n - b * RICE_BLOCK);
+    u32 gi = 0;
+    for (u32 g = 0; g < 32; ++g) {
+        const u32 j = g * 32 + lane;
+        if (!((mask >> g) & 1)) {
+            if (j < have) ob[j] = zero;
+            continue;
+        }
+        const u8* planes = data + 4 * (u64)gi * k;
+        const u32 p0 = lane < k ? (u32)cfc_load_le(planes + 4 * lane, 4) : 0;
+        const u32 p1 = lane + 32 < k ? (u32)cfc_load_le(planes + 4 * (lane + 32), 4) : 0;
+        u64 low = 0;
+        for (u32 p = 0; p < k; ++p) {
+            const u32 plane = __shfl_sync(CFC_FULL_MASK, p < 32 ? p0 : p1, p & 31);
+            low |= (u64)((plane >> lane) & 1) << p;
+        }
+        const u32 r = 32 * gi + lane;
+        const u32 before = r == 0 ? 0 : (u32)pos[r - 1] + 1;
+        const u64 z = ((u64)(pos[r] - before) << k) | low;
+        const i64 q = (i64)(z >> 1) ^ -(i64)(z & 1);
+        if (j < have) ob[j] = cfc_dequantize<D>(q, step);
+        ++gi;
+    }
+}
+
+#define RICE_DECODE(name, D)                                                                       \
+    extern "C" __global__ void cfc_codec_rice_decode_##name(const u8* frame, u64 header_len, u64 n, u8* ws, \
+                                                            D::T* out) {                           \
+        rice_decode<D>(frame, header_len, n, ws, out);                                             \
+    }
+DEFINE_FOR_DTYPES(RICE_DECODE)
+
+// The exceptions' raw bits into their places (a thread per exception, grid-stride).
+template <class D>
+__device__ void rice_scatter(const u8* frame, u64 header_len, u64 n, const u8* ws, typename D::T* out) {
+    const u64 blocks = (n + RICE_BLOCK - 1) / RICE_BLOCK;
+    const RiceWs w = rice_ws((u8*)ws, blocks);
+    if (frame[5] == 1) return;  // raw: no exceptions
+    const u64 n_exc = cfc_load_le(frame + 40, 8), idx_size = n <= (1ull << 32) ? 4 : 8;
+    const u8* idx = frame + header_len + 8 * blocks + 4 * w.words[blocks];
+    const u8* val = idx + n_exc * idx_size;
+    for (u64 e = (u64)blockIdx.x * blockDim.x + threadIdx.x; e < n_exc; e += (u64)gridDim.x * blockDim.x) {
+        const u64 i = cfc_load_le(idx + e * idx_size, (int)idx_size);
+        out[i] = D::from_bits((u32)cfc_load_le(val + e * D::SIZE, D::SIZE));
+    }
+}
+
+#define RICE_SCATTER(name, D)                                                                      \
+    extern "C" __global__ void cfc_codec_rice_scatter_##name(const u8* frame, u64 header_len, u64 n, const u8* ws, \
+                                                             D::T* out) {                          \
+        rice_scatter<D>(frame, header_len, n, ws, out);                                            \
+    }
+DEFINE_FOR_DTYPES(RICE_SCATTER)

@@ -1,0 +1,175 @@
+//! Rice frames on the device (`kernels/codec/rice.cu`): compress and decompress, the bytes of the
+//! CPU reference (`src/codec/rice.rs`). Without error feedback: a residual goes through the host.
+
+use super::*;
+use crate::codec::rice::BLOCK as RICE_BLOCK;
+
+/// Warps per block of the rice kernels (`s_unary` and `s_pos` in `kernels/codec/rice.cu` hold
+/// one block's stream per warp).
+const RICE_WARPS: u64 = 8;
+
+fn blocks(n: u64) -> u64 {
+    n.div_ceil(RICE_BLOCK as u64)
+}
+
+/// Workspace bytes a rice compress or decompress of `n` elements needs: the block heads, the
+/// words and exceptions per block (scanned in place) and the scans' scratch.
+pub fn rice_workspace_len(n: u64) -> u64 {
+    let b = blocks(n);
+    WS_HEADER + 8 * (b + 2 * (b + 1) + scan_sums_len(b + 1))
+}
+
+/// Bytes of output buffer that always suffice for a rice frame of `n` elements: a body is
+/// only written when smaller than the raw bytes.
+pub fn rice_capacity(n: u64, dtype: DType, ndim: usize) -> u64 {
+    (FIXED_HEADER_LEN + 8 * ndim) as u64 + n * dtype.size() as u64
+}
+
+fn warp_per_block(n: u64) -> LaunchConfig {
+    // (at least one warp: block 0 writes the parameters and the header even for n = 0)
+    launch_cfg(blocks(n).max(1) * 32, (RICE_WARPS * 32) as u32)
+}
+
+/// [`compress`] into a rice frame (coder rice): the same arguments, checked the same way, except
+/// that fixed rate (`Bound::Bits`) and error feedback (`residual`) are refused, and the output
+/// and workspace need [`rice_capacity`] and [`rice_workspace_len`] bytes. The frame's size lands
+/// at [`FRAME_SIZE_OFFSET`] of the workspace (and `size_to`), an unusable `rel` bound at
+/// [`BOUND_ERROR_OFFSET`], as for [`compress`].
+///
+/// # Safety
+/// As [`compress`].
+///
+/// # Errors
+/// As [`compress`]; [`Error::InvalidBound`] for a fixed rate; [`Error::Cuda`] for a residual or a
+/// bound read from device memory.
+pub unsafe fn compress_rice(args: &CompressArgs<'_>) -> Result<()> {
+    let n = args.n;
+    let ndim = args.shape.len();
+    check_shape(args.shape, n)?;
+    if !args.dtype.is_quantizable() {
+        return Err(Error::NotQuantizable(args.dtype));
+    }
+    let (mode, value) = match args.bound {
+        Bound::Abs(eps) => {
+            crate::codec::check_abs_bound(eps, "eps")?;
+            (BoundMode::Abs, eps)
+        }
+        Bound::Rel(rel) => {
+            crate::codec::check_rel(rel)?;
+            (BoundMode::Rel, rel)
+        }
+        Bound::Bits(_) => return Err(crate::codec::rice::fixed_rate_error()),
+    };
+    if args.residual != 0 || args.max_error_to != 0 || args.bound_at != 0 {
+        return Err(Error::Cuda(
+            "compress_rice: error feedback and bounds read from device memory are not \
+             available for rice frames on the device"
+                .into(),
+        ));
+    }
+    for (what, need, got) in [
+        ("output", rice_capacity(n, args.dtype, ndim), args.out_len),
+        ("workspace", rice_workspace_len(n), args.workspace_len),
+    ] {
+        if got < need {
+            tracing::debug!(what, need, got, "rice buffer too small");
+            return Err(Error::OutputSize {
+                expected: need,
+                got,
+            });
+        }
+    }
+    for (what, at, align) in [
+        ("frame size's", args.size_to, 8),
+        ("workspace's", args.workspace, 16),
+        ("input's", args.input, args.dtype.size() as u64),
+        ("output's", args.out, 8),
+    ] {
+        if at % align != 0 {
+            return Err(Error::Cuda(format!(
+                "compress_rice: the {what} address {at:#x} is not {align}-aligned"
+            )));
+        }
+    }
+    let _restore = ContextGuard::save()?;
+    let dev = device(args.device)?;
+    let stream = dev.stream(args.stream)?;
+    let k = dev.kernels(args.dtype)?;
+    let (scan_block, scan_add) = (
+        dev.function(Family::Scan, "block", None)?,
+        dev.function(Family::Scan, "add", None)?,
+    );
+    let b = blocks(n);
+    let ws = args.workspace;
+    let (words, excs, sums) = (
+        ws + WS_HEADER + 8 * b,
+        ws + WS_HEADER + 8 * (2 * b + 1),
+        ws + WS_HEADER + 8 * (3 * b + 2),
+    );
+    let (input, n_a, ws_a) = (Arg::Ptr(args.input), Arg::U64(n), Arg::Ptr(ws));
+    let mode_code = Arg::U32(u32::from(mode.code()));
+    // SAFETY: (every launch below) the caller's buffers, whose sizes were checked above; the
+    // scans run over the `b + 1` words and exceptions within the workspace, with their scratch
+    // after them (`rice_workspace_len`); `launch` checks each argument list.
+    unsafe {
+        zero(&stream, ws, WS_HEADER)?;
+        if mode != BoundMode::Abs {
+            let elements = launch_cfg(n.min(dev.grid_blocks * BLOCK as u64), BLOCK);
+            let max_abs = [input, n_a, ws_a, Arg::Ptr(0)];
+            launch(&stream, &k.max_abs, Family::Codec, "max_abs", elements, &max_abs)?;
+        }
+        let size = [input, n_a, mode_code, Arg::F64(value), ws_a];
+        let cfg = warp_per_block(n);
+        launch(&stream, &k.rice_size, Family::Codec, "rice_size", cfg, &size)?;
+        scan(&scan_block, &scan_add, &stream, words, b + 1, sums)?;
+        scan(&scan_block, &scan_add, &stream, excs, b + 1, sums)?;
+        let write = [
+            input,
+            n_a,
+            Arg::U32(args.dtype.code() as u32),
+            mode_code,
+            Arg::U32(ndim as u32),
+            Arg::Dims(Dims::of(args.shape)),
+            Arg::Ptr(args.out),
+            ws_a,
+            Arg::Ptr(args.size_to),
+        ];
+        launch(&stream, &k.rice_write, Family::Codec, "rice_write", cfg, &write)?;
+    }
+    Ok(())
+}
+
+/// [`decompress`]'s work for a rice frame.
+///
+/// # Safety
+/// As [`decompress`]; the workspace holds [`rice_workspace_len`] bytes (which
+/// [`workspace_len`] covers).
+pub(super) unsafe fn decompress_rice(
+    args: &DecompressArgs,
+    dev: &Device,
+    stream: &CudaStream,
+) -> Result<()> {
+    let k = dev.kernels(args.dtype)?;
+    let (scan_block, scan_add) = (
+        dev.function(Family::Scan, "block", None)?,
+        dev.function(Family::Scan, "add", None)?,
+    );
+    let n = args.n;
+    let b = blocks(n);
+    let ws = args.workspace;
+    let header_len = (FIXED_HEADER_LEN + 8 * args.ndim) as u64;
+    let common = [Arg::Ptr(args.frame), Arg::U64(header_len), Arg::U64(n), Arg::Ptr(ws)];
+    let with_out = [common[0], common[1], common[2], common[3], Arg::Ptr(args.out)];
+    // SAFETY: the frame was checked on the host (this function's contract), so its heads, data
+    // and exceptions lie within it; the workspace holds `rice_workspace_len(n)` bytes.
+    unsafe {
+        let heads = launch_cfg(b + 1, BLOCK);
+        launch(stream, &k.rice_offsets, Family::Codec, "rice_offsets", heads, &common)?;
+        let words = ws + WS_HEADER + 8 * b;
+        scan(&scan_block, &scan_add, stream, words, b + 1, ws + WS_HEADER + 8 * (3 * b + 2))?;
+        launch(stream, &k.rice_decode, Family::Codec, "rice_decode", warp_per_block(n), &with_out)?;
+        let exc_cfg = launch_cfg(n.clamp(1, 1 << 16), BLOCK);
+        launch(stream, &k.rice_scatter, Family::Codec, "rice_scatter", exc_cfg, &with_out)?;
+    }
+    Ok(())
+}
