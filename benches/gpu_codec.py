@@ -8,6 +8,7 @@ calls are bound by the host's launch time; the "gpu us" columns give the GPU's o
 call, measured with the host kept ahead (calls queued behind a spinning kernel).
 
     python benches/gpu_codec.py [--sizes 1,4,16,64,256,1024] [--json out.json] [--feedback]
+                                [--coders planes,rice]
 
 ``--feedback`` compresses with error feedback (a float32 residual read and updated in place by
 every call; the compress floor then counts its 8 bytes per element).
@@ -86,13 +87,15 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--json", type=pathlib.Path)
     ap.add_argument("--feedback", action="store_true", help="compress with a residual (error feedback)")
+    ap.add_argument("--coders", default="planes", help="planes, rice or both (comma-separated)")
     args = ap.parse_args()
+    coders = args.coders.split(",")
     dev = torch.device("cuda")
     base = load_grads(args.grads).to(dev)
     print(f"cfc {cfc.__version__} on {torch.cuda.get_device_name()} ; torch {torch.__version__}"
           f" ; error feedback {'on' if args.feedback else 'off'}")
     rows = []
-    header = (f"{'MB':>6} {'eps/RMS':>7} {'ratio':>7} {'comp GB/s':>10} {'decomp GB/s':>11} "
+    header = (f"{'MB':>6} {'eps/RMS':>7} {'coder':>6} {'ratio':>7} {'comp GB/s':>10} {'decomp GB/s':>11} "
               f"{'copy GB/s':>10} {'comp floor':>10} {'decomp floor':>12} {'comp us':>8} {'decomp us':>9} "
               f"{'call us':>8} {'gpu comp us':>11} {'gpu decomp us':>13}")
     print(header)
@@ -109,31 +112,33 @@ def main() -> None:
         copy_bw = 2 * nbytes / copy  # bytes read + written per second
         for k in [float(v) for v in args.ks.split(",")]:
             eps = k * rms
-            for _ in range(3):
-                c = cfc.compress(x, eps=eps, **fb)
-                cfc.decompress(c)
-            torch.cuda.synchronize()
-            tc = event_median(lambda: cfc.compress(x, eps=eps, **fb), args.iters)
-            c = cfc.compress(x, eps=eps, **fb)
-            size = c.nbytes
-            td = event_median(lambda: cfc.decompress(c), args.iters)
-            call = wall_median(lambda: cfc.compress(x, eps=eps, **fb), args.iters)
-            gc = gpu_median(lambda: cfc.compress(x, eps=eps, **fb), args.iters)
-            gd = gpu_median(lambda: cfc.decompress(c), args.iters)
-            # Floors: compress reads the input (and the residual, which it writes back) and
-            # writes the frame; decompress reads the frame and writes the output.
-            comp_floor = (nbytes + size + (2 * nbytes if args.feedback else 0)) / copy_bw
-            decomp_floor = (size + nbytes) / copy_bw
-            row = dict(mb=mb, k=k, ratio=nbytes / size, compress_gbs=nbytes / tc / 1e9,
-                       decompress_gbs=nbytes / td / 1e9, copy_gbs=copy_bw / 1e9,
-                       compress_floor_gbs=nbytes / comp_floor / 1e9, decompress_floor_gbs=nbytes / decomp_floor / 1e9,
-                       compress_us=tc * 1e6, decompress_us=td * 1e6, compress_call_us=call * 1e6,
-                       compress_gpu_us=gc * 1e6, decompress_gpu_us=gd * 1e6)
-            rows.append(row)
-            print(f"{mb:>6} {k:>7} {row['ratio']:>6.2f}x {row['compress_gbs']:>10.1f} {row['decompress_gbs']:>11.1f} "
-                  f"{row['copy_gbs']:>10.1f} {row['compress_floor_gbs']:>10.1f} {row['decompress_floor_gbs']:>12.1f} "
-                  f"{row['compress_us']:>8.1f} {row['decompress_us']:>9.1f} {row['compress_call_us']:>8.1f} "
-                  f"{row['compress_gpu_us']:>11.1f} {row['decompress_gpu_us']:>13.1f}", flush=True)
+            for coder in coders:
+                kw = dict(fb, coder=coder)
+                for _ in range(3):
+                    c = cfc.compress(x, eps=eps, **kw)
+                    cfc.decompress(c)
+                torch.cuda.synchronize()
+                tc = event_median(lambda: cfc.compress(x, eps=eps, **kw), args.iters)
+                c = cfc.compress(x, eps=eps, **kw)
+                size = c.nbytes
+                td = event_median(lambda: cfc.decompress(c), args.iters)
+                call = wall_median(lambda: cfc.compress(x, eps=eps, **kw), args.iters)
+                gc = gpu_median(lambda: cfc.compress(x, eps=eps, **kw), args.iters)
+                gd = gpu_median(lambda: cfc.decompress(c), args.iters)
+                # Floors: compress reads the input (and the residual, which it writes back) and
+                # writes the frame; decompress reads the frame and writes the output.
+                comp_floor = (nbytes + size + (2 * nbytes if args.feedback else 0)) / copy_bw
+                decomp_floor = (size + nbytes) / copy_bw
+                row = dict(mb=mb, k=k, coder=coder, ratio=nbytes / size, compress_gbs=nbytes / tc / 1e9,
+                           decompress_gbs=nbytes / td / 1e9, copy_gbs=copy_bw / 1e9,
+                           compress_floor_gbs=nbytes / comp_floor / 1e9, decompress_floor_gbs=nbytes / decomp_floor / 1e9,
+                           compress_us=tc * 1e6, decompress_us=td * 1e6, compress_call_us=call * 1e6,
+                           compress_gpu_us=gc * 1e6, decompress_gpu_us=gd * 1e6)
+                rows.append(row)
+                print(f"{mb:>6} {k:>7} {coder:>6} {row['ratio']:>6.2f}x {row['compress_gbs']:>10.1f} {row['decompress_gbs']:>11.1f} "
+                      f"{row['copy_gbs']:>10.1f} {row['compress_floor_gbs']:>10.1f} {row['decompress_floor_gbs']:>12.1f} "
+                      f"{row['compress_us']:>8.1f} {row['decompress_us']:>9.1f} {row['compress_call_us']:>8.1f} "
+                      f"{row['compress_gpu_us']:>11.1f} {row['decompress_gpu_us']:>13.1f}", flush=True)
         x = y = fb = c = None  # the GPU memory goes back before the next size
         torch.cuda.empty_cache()
     # Ratio on the five vectors, each compressed alone, as ANCHORS.md measured the original.

@@ -15,6 +15,15 @@
 #define RICE_BLOCK 1024
 #define RICE_WS_HEADER 80
 #define RICE_MAX_UNARY_WORDS 1024
+#define RICE_WARPS 4  // warps per thread block (RICE_WARPS in src/cuda/rice.rs)
+
+// A value's code by the f64 rule (encode_value), out of line: it is rare for float32 (values the
+// float32 route is unsure of) and keeps the callers small.
+template <class D>
+__device__ __noinline__ u32 rice_code_f64(float f, CfcParams P, bool* exc) {
+    double e;
+    return encode_value<D, false>(f, P, exc, &e);
+}
 
 struct RiceWs {
     u64* heads;
@@ -30,15 +39,17 @@ __device__ __forceinline__ RiceWs rice_ws(u8* ws, u64 blocks) {
     return r;
 }
 
-// Lane j's codes of block b (element 1024 b + 32 g + j in z[g]; 0 past n and at exceptions),
-// and the groups where lane j holds an exception (bit g).
+// The block's zigzag codes into z (element 1024 b + i at z[i]; 0 past n and at exceptions), a
+// group per step with lane j on element j, and the groups where lane j holds an exception (bit
+// g). The codes live in shared memory rather than registers so that the loops over groups stay
+// loops: 32 unrolled copies of each made the kernels too large for the instruction cache.
 template <class D>
 __device__ __forceinline__ u32 rice_codes(const typename D::T* __restrict__ x, u64 n, u64 b, const CfcParams& P,
-                                          bool route, float inv32, u32 (&z)[32]) {
+                                          bool route, float inv32, u32* z) {
     const u32 lane = threadIdx.x & 31;
     u32 excm = 0;
-#pragma unroll
-    for (int g = 0; g < 32; ++g) {
+#pragma unroll 4
+    for (u32 g = 0; g < 32; ++g) {
         const u64 i = b * RICE_BLOCK + g * 32 + lane;
         u32 c = 0;
         bool exc = false;
@@ -46,24 +57,24 @@ __device__ __forceinline__ u32 rice_codes(const typename D::T* __restrict__ x, u
             const float f = D::to_f32(x[i]);
             bool sure = false;
             if (D::SIZE == 4 && route) c = f32_code(f, inv32, &sure);
-            if (!sure) {
-                double e;
-                c = encode_value<D, false>(f, P, &exc, &e);
-            }
+            if (!sure) c = rice_code_f64<D>(f, P, &exc);
         }
-        z[g] = c;
+        z[g * 32 + lane] = c;
         excm |= (u32)exc << g;
     }
+    __syncwarp();
     return excm;
 }
 
 // The block's coded groups (mask) and k, by the rule of src/codec/rice.rs; every lane gets them.
-__device__ __forceinline__ void rice_choose(const u32 (&z)[32], u32* mask_out, u32* k_out) {
+__device__ __forceinline__ void rice_choose(const u32* z, u32* mask_out, u32* k_out) {
+    const u32 lane = threadIdx.x & 31;
     u32 mask = 0, mx = 0;
-#pragma unroll
-    for (int g = 0; g < 32; ++g) {
-        mask |= (u32)(__ballot_sync(CFC_FULL_MASK, z[g] != 0) != 0) << g;
-        mx = max(mx, z[g]);
+#pragma unroll 4
+    for (u32 g = 0; g < 32; ++g) {
+        const u32 c = z[g * 32 + lane];
+        mask |= (u32)(__ballot_sync(CFC_FULL_MASK, c != 0) != 0) << g;
+        mx = max(mx, c);
     }
     mx = __reduce_max_sync(CFC_FULL_MASK, mx);
     const u32 bits = 32 - __clz(mx);
@@ -71,9 +82,10 @@ __device__ __forceinline__ void rice_choose(const u32 (&z)[32], u32* mask_out, u
     const u32 coded = 32 * __popc(mask);
     while (mask != 0 && k < 63) {
         u32 gain = 0;
-#pragma unroll
-        for (int g = 0; g < 32; ++g)
-            if ((mask >> g) & 1) gain += (u32)(((u64)z[g] >> k) - ((u64)z[g] >> (k + 1)));
+        for (u32 m = mask; m; m &= m - 1) {
+            const u64 c = z[(__ffs(m) - 1) * 32 + lane];
+            gain += (u32)((c >> k) - (c >> (k + 1)));
+        }
         gain = __reduce_add_sync(CFC_FULL_MASK, gain);
         if (gain <= coded) break;
         ++k;
@@ -83,11 +95,10 @@ __device__ __forceinline__ void rice_choose(const u32 (&z)[32], u32* mask_out, u
 }
 
 // Sum over the coded groups of z >> k: the unary stream's zeros.
-__device__ __forceinline__ u32 rice_zeros(const u32 (&z)[32], u32 mask, u32 k) {
+__device__ __forceinline__ u32 rice_zeros(const u32* z, u32 mask, u32 k) {
+    const u32 lane = threadIdx.x & 31;
     u32 s = 0;
-#pragma unroll
-    for (int g = 0; g < 32; ++g)
-        if ((mask >> g) & 1) s += (u32)((u64)z[g] >> k);
+    for (u32 m = mask; m; m &= m - 1) s += (u32)((u64)z[(__ffs(m) - 1) * 32 + lane] >> k);
     return __reduce_add_sync(CFC_FULL_MASK, s);
 }
 
@@ -109,7 +120,8 @@ __device__ void rice_size(const typename D::T* __restrict__ x, u64 n, u32 mode, 
         w.words[blocks] = w.excs[blocks] = 0;  // so that the scans leave the totals there
     }
     if (b >= blocks) return;  // the whole warp
-    u32 z[32];
+    __shared__ u32 s_codes[RICE_WARPS][RICE_BLOCK];
+    u32* z = s_codes[threadIdx.x / 32];
     const u32 excm = rice_codes<D>(x, n, b, P, D::SIZE == 4 && f32_route_on(P), __double2float_rn(P.inv_step), z);
     u32 mask, k;
     rice_choose(z, &mask, &k);
@@ -136,7 +148,8 @@ DEFINE_FOR_DTYPES(RICE_SIZE)
 template <class D>
 __device__ void rice_write(const typename D::T* __restrict__ x, u64 n, u32 dtype, u32 mode, u32 ndim,
                            const Dims& dims, u8* __restrict__ out, u8* ws, u64* size_to) {
-    __shared__ u32 s_unary[8][RICE_MAX_UNARY_WORDS];  // a block's stream per warp
+    __shared__ u32 s_unary[RICE_WARPS][RICE_MAX_UNARY_WORDS];  // a block's stream per warp
+    __shared__ u32 s_codes[RICE_WARPS][RICE_BLOCK];
     const CfcParams* pp = (const CfcParams*)ws;
     const u64 blocks = (n + RICE_BLOCK - 1) / RICE_BLOCK;
     const u64 b = ((u64)blockIdx.x * blockDim.x + threadIdx.x) / 32;
@@ -166,28 +179,26 @@ __device__ void rice_write(const typename D::T* __restrict__ x, u64 n, u32 dtype
     if (raw) {
         for (u32 j = lane; j < RICE_BLOCK; j += 32) {
             const u64 i = b * RICE_BLOCK + j;
-            if (i < n) cfc_store_le(body + i * size, D::bits(x[i]), (int)size);
+            if (i < n) ((typename D::T*)body)[i] = x[i];  // (the body is 8-aligned)
         }
         return;
     }
-    u32 z[32];
+    u32* z = s_codes[warp];
     const u32 excm = rice_codes<D>(x, n, b, P, D::SIZE == 4 && f32_route_on(P), __double2float_rn(P.inv_step), z);
     const u64 head = w.heads[b];
     const u32 mask = (u32)head, k = (u32)(head >> 32) & 63, unary_words = (u32)(head >> 48);
-    if (lane == 0) cfc_store_le(body + 8 * b, head, 8);
-    u8* data = body + 8 * blocks + 4 * w.words[b];
-    // Planes: group after coded group, lane p < k writes plane p.
+    if (lane == 0) *(u64*)(body + 8 * b) = head;  // (8-aligned: the output is, and so is the header)
+    u32* data = (u32*)(body + 8 * blocks) + w.words[b];
+    // Planes: coded group after coded group, lane p < k writes plane p.
     u32 gi = 0;
-#pragma unroll
-    for (int g = 0; g < 32; ++g) {
-        if (!((mask >> g) & 1)) continue;  // the same for the whole warp
+    for (u32 m = mask; m; m &= m - 1, ++gi) {
+        const u32 c = z[(__ffs(m) - 1) * 32 + lane];
         u32 mine = 0;
         for (u32 p = 0; p < k; ++p) {
-            const u32 plane = __ballot_sync(CFC_FULL_MASK, ((u64)z[g] >> p) & 1);
+            const u32 plane = __ballot_sync(CFC_FULL_MASK, (c >> p) & 1);
             if (lane == p) mine = plane;
         }
-        if (lane < k) cfc_store_le(data + 4 * ((u64)gi * k + lane), mine, 4);
-        ++gi;
+        if (lane < k) data[gi * k + lane] = mine;
     }
     // The unary stream, built in shared memory: code r's stop bit at (its zeros and stop bits
     // before it) + z >> k.
@@ -195,25 +206,22 @@ __device__ void rice_write(const typename D::T* __restrict__ x, u64 n, u32 dtype
     for (u32 i = lane; i < unary_words; i += 32) s[i] = 0;
     __syncwarp();
     u32 base = 0;
-#pragma unroll
-    for (int g = 0; g < 32; ++g) {
-        if (!((mask >> g) & 1)) continue;
-        const u32 h = (u32)((u64)z[g] >> k);
+    for (u32 m = mask; m; m &= m - 1) {
+        const u32 h = (u32)((u64)z[(__ffs(m) - 1) * 32 + lane] >> k);
         const u32 inc = cfc_lane_prefix_sum(h + 1);
         const u32 pos = base + inc - 1;
         atomicOr(&s[pos / 32], 1u << (pos % 32));
         base += __shfl_sync(CFC_FULL_MASK, inc, 31);
     }
     __syncwarp();
-    u8* unary = data + 4 * (u64)k * __popc(mask);
-    for (u32 i = lane; i < unary_words; i += 32) cfc_store_le(unary + 4 * i, s[i], 4);
+    u32* unary = data + k * __popc(mask);
+    for (u32 i = lane; i < unary_words; i += 32) unary[i] = s[i];
     // Exceptions: index and raw bits, in index order, after every block's data.
     if (w.excs[b + 1] == w.excs[b]) return;
     u8* idx = body + 8 * blocks + 4 * nwords;
     u8* val = idx + n_exc * idx_size;
     u64 r = w.excs[b];
-#pragma unroll
-    for (int g = 0; g < 32; ++g) {
+    for (u32 g = 0; g < 32; ++g) {
         const u32 em = __ballot_sync(CFC_FULL_MASK, (excm >> g) & 1);
         if ((excm >> g) & 1) {
             const u64 q = r + __popc(em & ((1u << lane) - 1u));
@@ -257,7 +265,7 @@ extern "C" __global__ void cfc_codec_rice_offsets(const u8* frame, u64 header_le
 // its stop bit and the one before.
 template <class D>
 __device__ void rice_decode(const u8* __restrict__ frame, u64 header_len, u64 n, u8* ws, typename D::T* __restrict__ out) {
-    __shared__ u16 s_pos[8][RICE_BLOCK];
+    __shared__ u16 s_pos[RICE_WARPS][RICE_BLOCK];
     const u64 blocks = (n + RICE_BLOCK - 1) / RICE_BLOCK;
     const u64 b = ((u64)blockIdx.x * blockDim.x + threadIdx.x) / 32;
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x / 32;
@@ -267,19 +275,20 @@ __device__ void rice_decode(const u8* __restrict__ frame, u64 header_len, u64 n,
     if (frame[5] == 1) {  // raw
         for (u32 j = lane; j < RICE_BLOCK && b * RICE_BLOCK + j < n; j += 32) {
             const u64 i = b * RICE_BLOCK + j;
-            out[i] = D::from_bits((u32)cfc_load_le(body + i * D::SIZE, D::SIZE));
+            out[i] = ((const typename D::T*)body)[i];
         }
         return;
     }
     const double step = __longlong_as_double((i64)cfc_load_le(frame + 24, 8));
-    const u64 head = cfc_load_le(body + 8 * b, 8);
+    // (the frame is 8-aligned, src/cuda/rice.rs checks, and so are its header and heads)
+    const u64 head = ((const u64*)body)[b];
     const u32 mask = (u32)head, k = (u32)(head >> 32) & 63, unary_words = (u32)(head >> 48);
-    const u8* data = body + 8 * blocks + 4 * w.words[b];
-    const u8* unary = data + 4 * (u64)k * __popc(mask);
+    const u32* data = (const u32*)(body + 8 * blocks) + w.words[b];
+    const u32* unary = data + (u64)k * __popc(mask);
     u16* pos = s_pos[warp];
     u32 rank = 0;
     for (u32 c0 = 0; c0 < unary_words; c0 += 32) {
-        u32 word = c0 + lane < unary_words ? (u32)cfc_load_le(unary + 4 * (c0 + lane), 4) : 0;
+        u32 word = c0 + lane < unary_words ? unary[c0 + lane] : 0;
         const u32 ones = __popc(word);
         u32 r = rank + cfc_lane_prefix_sum(ones) - ones;
         while (word) {
@@ -299,9 +308,9 @@ __device__ void rice_decode(const u8* __restrict__ frame, u64 header_len, u64 n,
             if (j < have) ob[j] = zero;
             continue;
         }
-        const u8* planes = data + 4 * (u64)gi * k;
-        const u32 p0 = lane < k ? (u32)cfc_load_le(planes + 4 * lane, 4) : 0;
-        const u32 p1 = lane + 32 < k ? (u32)cfc_load_le(planes + 4 * (lane + 32), 4) : 0;
+        const u32* planes = data + (u64)gi * k;
+        const u32 p0 = lane < k ? planes[lane] : 0;
+        const u32 p1 = lane + 32 < k ? planes[lane + 32] : 0;
         u64 low = 0;
         for (u32 p = 0; p < k; ++p) {
             const u32 plane = __shfl_sync(CFC_FULL_MASK, p < 32 ? p0 : p1, p & 31);

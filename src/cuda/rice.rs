@@ -4,9 +4,9 @@
 use super::*;
 use crate::codec::rice::BLOCK as RICE_BLOCK;
 
-/// Warps per block of the rice kernels (`s_unary` and `s_pos` in `kernels/codec/rice.cu` hold
-/// one block's stream per warp).
-const RICE_WARPS: u64 = 8;
+/// Warps per thread block of the rice kernels (`RICE_WARPS` in `kernels/codec/rice.cu`, whose
+/// shared memory holds a block of codes and a unary stream per warp).
+const RICE_WARPS: u64 = 4;
 
 fn blocks(n: u64) -> u64 {
     n.div_ceil(RICE_BLOCK as u64)
@@ -149,6 +149,12 @@ pub(super) unsafe fn decompress_rice(
     dev: &Device,
     stream: &CudaStream,
 ) -> Result<()> {
+    if args.frame % 8 != 0 {
+        return Err(Error::Cuda(format!(
+            "decompress: a rice frame's address {:#x} is not 8-aligned",
+            args.frame
+        )));
+    }
     let k = dev.kernels(args.dtype)?;
     let (scan_block, scan_add) = (
         dev.function(Family::Scan, "block", None)?,
