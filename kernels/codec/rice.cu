@@ -43,9 +43,19 @@ __device__ __forceinline__ RiceWs rice_ws(u8* ws, u64 blocks) {
 // group per step with lane j on element j, and the groups where lane j holds an exception (bit
 // g). The codes live in shared memory rather than registers so that the loops over groups stay
 // loops: 32 unrolled copies of each made the kernels too large for the instruction cache.
+// The value compressed for element i: x[i], or with error feedback (r not null) the value sent
+// for x + r, whose compensated value goes to *comp (src/codec/feedback.rs).
 template <class D>
-__device__ __forceinline__ u32 rice_codes(const typename D::T* __restrict__ x, u64 n, u64 b, const CfcParams& P,
-                                          bool route, float inv32, u32* z) {
+__device__ __forceinline__ typename D::T rice_sent(const typename D::T* x, const float* r, u64 i, float* comp) {
+    const typename D::T xi = x[i];
+    if (!r) return xi;
+    *comp = cfc_compensate(D::to_f32(xi), r[i]);
+    return cfc_sent_value<D>(xi, *comp);
+}
+
+template <class D>
+__device__ __forceinline__ u32 rice_codes(const typename D::T* __restrict__ x, const float* r, u64 n, u64 b,
+                                          const CfcParams& P, bool route, float inv32, u32* z) {
     const u32 lane = threadIdx.x & 31;
     u32 excm = 0;
 #pragma unroll 4
@@ -54,7 +64,8 @@ __device__ __forceinline__ u32 rice_codes(const typename D::T* __restrict__ x, u
         u32 c = 0;
         bool exc = false;
         if (i < n) {
-            const float f = D::to_f32(x[i]);
+            float comp;
+            const float f = D::to_f32(rice_sent<D>(x, r, i, &comp));
             bool sure = false;
             if (D::SIZE == 4 && route) c = f32_code(f, inv32, &sure);
             if (!sure) c = rice_code_f64<D>(f, P, &exc);
@@ -105,7 +116,8 @@ __device__ __forceinline__ u32 rice_zeros(const u32* z, u32 mask, u32 k) {
 // Pass 1, a warp per block: each block's head, its data words and its exceptions, into the
 // workspace (the words and exceptions then scanned by the host's scan launches).
 template <class D>
-__device__ void rice_size(const typename D::T* __restrict__ x, u64 n, u32 mode, double value, u8* ws) {
+__device__ void rice_size(const typename D::T* __restrict__ x, u64 n, u32 mode, double value, u8* ws,
+                          const float* residual) {
     CfcParams* pp = (CfcParams*)ws;
     const u64 blocks = (n + RICE_BLOCK - 1) / RICE_BLOCK;
     const u64 b = ((u64)blockIdx.x * blockDim.x + threadIdx.x) / 32;
@@ -122,7 +134,8 @@ __device__ void rice_size(const typename D::T* __restrict__ x, u64 n, u32 mode, 
     if (b >= blocks) return;  // the whole warp
     __shared__ u32 s_codes[RICE_WARPS][RICE_BLOCK];
     u32* z = s_codes[threadIdx.x / 32];
-    const u32 excm = rice_codes<D>(x, n, b, P, D::SIZE == 4 && f32_route_on(P), __double2float_rn(P.inv_step), z);
+    const u32 excm = rice_codes<D>(x, residual, n, b, P, D::SIZE == 4 && f32_route_on(P),
+                                   __double2float_rn(P.inv_step), z);
     u32 mask, k;
     rice_choose(z, &mask, &k);
     const u32 unary_words = mask ? (32 * __popc(mask) + rice_zeros(z, mask, k) + 31) / 32 : 0;
@@ -136,18 +149,27 @@ __device__ void rice_size(const typename D::T* __restrict__ x, u64 n, u32 mode, 
 
 #define RICE_SIZE(name, D)                                                                         \
     extern "C" __global__ void cfc_codec_rice_size_##name(const D::T* x, u64 n, u32 mode, double value, \
-                                                          u8* ws) {                                \
-        rice_size<D>(x, n, mode, value, ws);                                                       \
+                                                          u8* ws, const float* residual) {         \
+        rice_size<D>(x, n, mode, value, ws, residual);                                             \
     }
 DEFINE_FOR_DTYPES(RICE_SIZE)
+
+// A warp's largest finite |new residual| raises *max_to (f64 bits; non-negative doubles order
+// as their bits do).
+__device__ __forceinline__ void rice_max_to(u64* max_to, double m) {
+    for (int o = 16; o > 0; o >>= 1) m = fmax(m, __shfl_down_sync(CFC_FULL_MASK, m, o));
+    if ((threadIdx.x & 31) == 0 && m > 0.0) atomicMax(max_to, (u64)__double_as_longlong(m));
+}
 
 // Pass 2, a warp per block, after the scans: block 0 writes the header and the frame size; then,
 // as the totals decide (the CPU reference's rule), the block's raw bytes, or its head, planes,
 // unary stream and exceptions in their places. The codes are computed again (cheaper than
-// staging them).
+// staging them). With error feedback (residual not null) each residual becomes what the frame
+// will not give back, c - decoded, and the largest finite one raises *max_to (unless null).
 template <class D>
 __device__ void rice_write(const typename D::T* __restrict__ x, u64 n, u32 dtype, u32 mode, u32 ndim,
-                           const Dims& dims, u8* __restrict__ out, u8* ws, u64* size_to) {
+                           const Dims& dims, u8* __restrict__ out, u8* ws, u64* size_to, float* residual,
+                           u64* max_to) {
     __shared__ u32 s_unary[RICE_WARPS][RICE_MAX_UNARY_WORDS];  // a block's stream per warp
     __shared__ u32 s_codes[RICE_WARPS][RICE_BLOCK];
     const CfcParams* pp = (const CfcParams*)ws;
@@ -160,6 +182,7 @@ __device__ void rice_write(const typename D::T* __restrict__ x, u64 n, u32 dtype
     P.inv_step = pp->inv_step;
     P.eps = pp->eps;
     P.error = pp->error;
+    if (P.error) residual = nullptr;  // an unusable bound (rel): the residual stays as it was
     const u64 size = D::SIZE, idx_size = n <= (1ull << 32) ? 4 : 8;
     const u64 nwords = w.words[blocks], n_exc = w.excs[blocks];
     const u64 header_len = 64 + 8 * (u64)ndim;
@@ -176,15 +199,64 @@ __device__ void rice_write(const typename D::T* __restrict__ x, u64 n, u32 dtype
         if (size_to) *size_to = header_len + blen;
     }
     if (b >= blocks) return;  // the whole warp
+    double max_err = 0.0;
     if (raw) {
         for (u32 j = lane; j < RICE_BLOCK; j += 32) {
             const u64 i = b * RICE_BLOCK + j;
-            if (i < n) ((typename D::T*)body)[i] = x[i];  // (the body is 8-aligned)
+            if (i >= n) continue;
+            float c;
+            const typename D::T v = rice_sent<D>(x, residual, i, &c);
+            ((typename D::T*)body)[i] = v;  // (the body is 8-aligned)
+            if (residual) {
+                const float rn = cfc_new_residual(c, D::to_f32(v));
+                residual[i] = rn;
+                if (fabsf(rn) <= 3.402823466e38f) max_err = fmax(max_err, (double)fabsf(rn));
+            }
         }
+        if (residual && max_to) rice_max_to(max_to, max_err);
         return;
     }
+    // The codes again, and in the same pass each exception's index and value (after every
+    // block's data, in index order) and, with error feedback, each new residual: c minus what the
+    // frame decodes to (an exception: the value sent). Each residual is read before it is written.
     u32* z = s_codes[warp];
-    const u32 excm = rice_codes<D>(x, n, b, P, D::SIZE == 4 && f32_route_on(P), __double2float_rn(P.inv_step), z);
+    {
+        const bool route = D::SIZE == 4 && f32_route_on(P);
+        const float inv32 = __double2float_rn(P.inv_step);
+        u8* idx = body + 8 * blocks + 4 * nwords;
+        u8* val = idx + n_exc * idx_size;
+        u64 r_exc = w.excs[b];
+#pragma unroll 2
+        for (u32 g = 0; g < 32; ++g) {
+            const u64 i = b * RICE_BLOCK + g * 32 + lane;
+            u32 code = 0;
+            bool exc = false;
+            float c = 0.0f, f = 0.0f;
+            typename D::T v = D::from_bits(0);
+            if (i < n) {
+                v = rice_sent<D>(x, residual, i, &c);
+                f = D::to_f32(v);
+                bool sure = false;
+                if (route) code = f32_code(f, inv32, &sure);
+                if (!sure) code = rice_code_f64<D>(f, P, &exc);
+            }
+            z[g * 32 + lane] = code;
+            const u32 em = __ballot_sync(CFC_FULL_MASK, exc);
+            if (exc) {
+                const u64 q = r_exc + __popc(em & ((1u << lane) - 1u));
+                cfc_store_le(idx + q * idx_size, i, (int)idx_size);
+                cfc_store_le(val + q * size, D::bits(v), (int)size);
+            }
+            r_exc += __popc(em);
+            if (residual && i < n) {
+                const float d = exc ? f : D::to_f32(decode_zigzag32<D>(code, P.step));
+                const float rn = cfc_new_residual(c, d);
+                residual[i] = rn;
+                if (fabsf(rn) <= 3.402823466e38f) max_err = fmax(max_err, (double)fabsf(rn));
+            }
+        }
+        __syncwarp();
+    }
     const u64 head = w.heads[b];
     const u32 mask = (u32)head, k = (u32)(head >> 32) & 63, unary_words = (u32)(head >> 48);
     if (lane == 0) *(u64*)(body + 8 * b) = head;  // (8-aligned: the output is, and so is the header)
@@ -216,27 +288,13 @@ __device__ void rice_write(const typename D::T* __restrict__ x, u64 n, u32 dtype
     __syncwarp();
     u32* unary = data + k * __popc(mask);
     for (u32 i = lane; i < unary_words; i += 32) unary[i] = s[i];
-    // Exceptions: index and raw bits, in index order, after every block's data.
-    if (w.excs[b + 1] == w.excs[b]) return;
-    u8* idx = body + 8 * blocks + 4 * nwords;
-    u8* val = idx + n_exc * idx_size;
-    u64 r = w.excs[b];
-    for (u32 g = 0; g < 32; ++g) {
-        const u32 em = __ballot_sync(CFC_FULL_MASK, (excm >> g) & 1);
-        if ((excm >> g) & 1) {
-            const u64 q = r + __popc(em & ((1u << lane) - 1u));
-            const u64 i = b * RICE_BLOCK + g * 32 + lane;
-            cfc_store_le(idx + q * idx_size, i, (int)idx_size);
-            cfc_store_le(val + q * size, D::bits(x[i]), (int)size);
-        }
-        r += __popc(em);
-    }
+    if (residual && max_to) rice_max_to(max_to, max_err);
 }
 
 #define RICE_WRITE(name, D)                                                                        \
     extern "C" __global__ void cfc_codec_rice_write_##name(const D::T* x, u64 n, u32 dtype, u32 mode, \
-            u32 ndim, Dims dims, u8* out, u8* ws, u64* size_to) {                                  \
-        rice_write<D>(x, n, dtype, mode, ndim, dims, out, ws, size_to);                            \
+            u32 ndim, Dims dims, u8* out, u8* ws, u64* size_to, float* residual, u64* max_to) {    \
+        rice_write<D>(x, n, dtype, mode, ndim, dims, out, ws, size_to, residual, max_to);          \
     }
 DEFINE_FOR_DTYPES(RICE_WRITE)
 

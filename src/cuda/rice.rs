@@ -1,5 +1,5 @@
 //! Rice frames on the device (`kernels/codec/rice.cu`): compress and decompress, the bytes of the
-//! CPU reference (`src/codec/rice.rs`). Without error feedback: a residual goes through the host.
+//! CPU reference (`src/codec/rice.rs`), with error feedback as [`crate::compress_with_feedback`].
 
 use super::*;
 use crate::codec::rice::BLOCK as RICE_BLOCK;
@@ -31,17 +31,18 @@ fn warp_per_block(n: u64) -> LaunchConfig {
 }
 
 /// [`compress`] into a rice frame (coder rice): the same arguments, checked the same way, except
-/// that fixed rate (`Bound::Bits`) and error feedback (`residual`) are refused, and the output
-/// and workspace need [`rice_capacity`] and [`rice_workspace_len`] bytes. The frame's size lands
-/// at [`FRAME_SIZE_OFFSET`] of the workspace (and `size_to`), an unusable `rel` bound at
-/// [`BOUND_ERROR_OFFSET`], as for [`compress`].
+/// that fixed rate (`Bound::Bits`) and a bound read from device memory (`bound_at`) are refused,
+/// and the output and workspace need [`rice_capacity`] and [`rice_workspace_len`] bytes. The
+/// frame's size lands at [`FRAME_SIZE_OFFSET`] of the workspace (and `size_to`), an unusable
+/// `rel` bound at [`BOUND_ERROR_OFFSET`], the residual and its running maximum are updated, as
+/// for [`compress`].
 ///
 /// # Safety
 /// As [`compress`].
 ///
 /// # Errors
-/// As [`compress`]; [`Error::InvalidBound`] for a fixed rate; [`Error::Cuda`] for a residual or a
-/// bound read from device memory.
+/// As [`compress`]; [`Error::InvalidBound`] for a fixed rate; [`Error::Cuda`] for a bound read
+/// from device memory.
 pub unsafe fn compress_rice(args: &CompressArgs<'_>) -> Result<()> {
     let n = args.n;
     let ndim = args.shape.len();
@@ -60,10 +61,9 @@ pub unsafe fn compress_rice(args: &CompressArgs<'_>) -> Result<()> {
         }
         Bound::Bits(_) => return Err(crate::codec::rice::fixed_rate_error()),
     };
-    if args.residual != 0 || args.max_error_to != 0 || args.bound_at != 0 {
+    if args.bound_at != 0 {
         return Err(Error::Cuda(
-            "compress_rice: error feedback and bounds read from device memory are not \
-             available for rice frames on the device"
+            "compress_rice: a bound read from device memory is not available for rice frames"
                 .into(),
         ));
     }
@@ -81,6 +81,8 @@ pub unsafe fn compress_rice(args: &CompressArgs<'_>) -> Result<()> {
     }
     for (what, at, align) in [
         ("frame size's", args.size_to, 8),
+        ("running maximum's", args.max_error_to, 8),
+        ("residual's", args.residual, 4),
         ("workspace's", args.workspace, 16),
         ("input's", args.input, args.dtype.size() as u64),
         ("output's", args.out, 8),
@@ -107,6 +109,7 @@ pub unsafe fn compress_rice(args: &CompressArgs<'_>) -> Result<()> {
         ws + WS_HEADER + 8 * (3 * b + 2),
     );
     let (input, n_a, ws_a) = (Arg::Ptr(args.input), Arg::U64(n), Arg::Ptr(ws));
+    let residual = Arg::Ptr(args.residual);
     let mode_code = Arg::U32(u32::from(mode.code()));
     // SAFETY: (every launch below) the caller's buffers, whose sizes were checked above; the
     // scans run over the `b + 1` words and exceptions within the workspace, with their scratch
@@ -115,10 +118,10 @@ pub unsafe fn compress_rice(args: &CompressArgs<'_>) -> Result<()> {
         zero(&stream, ws, WS_HEADER)?;
         if mode != BoundMode::Abs {
             let elements = launch_cfg(n.min(dev.grid_blocks * BLOCK as u64), BLOCK);
-            let max_abs = [input, n_a, ws_a, Arg::Ptr(0)];
+            let max_abs = [input, n_a, ws_a, residual];
             launch(&stream, &k.max_abs, Family::Codec, "max_abs", elements, &max_abs)?;
         }
-        let size = [input, n_a, mode_code, Arg::F64(value), ws_a];
+        let size = [input, n_a, mode_code, Arg::F64(value), ws_a, residual];
         let cfg = warp_per_block(n);
         launch(&stream, &k.rice_size, Family::Codec, "rice_size", cfg, &size)?;
         scan(&scan_block, &scan_add, &stream, words, b + 1, sums)?;
@@ -133,6 +136,8 @@ pub unsafe fn compress_rice(args: &CompressArgs<'_>) -> Result<()> {
             Arg::Ptr(args.out),
             ws_a,
             Arg::Ptr(args.size_to),
+            residual,
+            Arg::Ptr(args.max_error_to),
         ];
         launch(&stream, &k.rice_write, Family::Codec, "rice_write", cfg, &write)?;
     }

@@ -774,9 +774,27 @@ def test_gpu_decodes_host_rice_frames_sums_included():
     assert same_bits(cfc.decompress(wide, device="cuda"), cfc.decompress(wide))
 
 
-def test_gpu_rice_with_error_feedback_goes_through_the_host():
-    x = awkward(5000, torch.float32).cuda()
-    r1, r2 = torch.zeros(5000, device="cuda"), torch.zeros(5000)
-    c = cfc.compress(x, eps=0.01, coder="rice", residual=r1)
-    assert bytes(c) == bytes(cfc.compress(x.cpu(), eps=0.01, coder="rice", residual=r2))
-    assert same_bits(r1, r2)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bound", RICE_BOUNDS, ids=lambda b: "-".join(f"{k}{v}" for k, v in b.items()))
+@pytest.mark.parametrize("n", [1, 1000, 5000, (1 << 20) + 7])
+def test_gpu_rice_error_feedback_matches_cpu_bits(dtype, bound, n):
+    x = awkward(n, dtype, seed=n + 1)
+    r_gpu = torch.randn(n, generator=torch.Generator().manual_seed(n)) * 1e-3
+    r_cpu = r_gpu.clone()
+    r_gpu = r_gpu.cuda()
+    for step in range(3):  # the residual carries over
+        c = cfc.compress(x.cuda(), coder="rice", residual=r_gpu, **bound)
+        ref = cfc.compress(x, coder="rice", residual=r_cpu, **bound)
+        assert bytes(c) == bytes(ref), step
+        assert same_bits(r_gpu, r_cpu), step
+
+
+def test_gpu_rice_raw_frame_with_feedback():
+    # A bound far below the values' spacing: every value is an exception, the frame falls back to
+    # raw bytes, and the residual is c - the value sent.
+    x = torch.randn(3000)
+    r_gpu, r_cpu = torch.full((3000,), 1e-3, device="cuda"), torch.full((3000,), 1e-3)
+    c = cfc.compress(x.cuda(), eps=1e-30, coder="rice", residual=r_gpu)
+    ref = cfc.compress(x, eps=1e-30, coder="rice", residual=r_cpu)
+    assert cfc.frame_info(ref)["codec"] == "raw" and bytes(c) == bytes(ref)
+    assert same_bits(r_gpu, r_cpu)

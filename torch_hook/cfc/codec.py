@@ -201,8 +201,8 @@ def compress(
             the same device, updated in place: ``x + residual`` is compressed and the residual
             becomes what the frame will not give back (0 where that is not finite). Start with
             zeros; pass the same residual at every step. (Where a CUDA ``x`` goes through the
-            CPU codec, with ``zstd``, ``coder="rice"`` or on a GPU the CUDA codec cannot drive,
-            its residual goes through a host copy.)
+            CPU codec, with ``zstd`` or on a GPU the CUDA codec cannot drive, its residual
+            goes through a host copy.)
         lossless: store every bit (no bound). Each chunk of 4096 elements is stored by
             invariant bit packing (the bits shared by its elements once, the others packed
             back to back), zero-value compression (a bitmask and the nonzero elements), both, or
@@ -213,9 +213,8 @@ def compress(
             on a GPU when asked to.
         coder: how the codes are written. ``"planes"`` (bit planes of each group's width,
             written and read on the CPU and on GPUs) or ``"rice"`` (Rice codes in blocks of
-            1024: 15-25% fewer bytes on gradients, near the codes' entropy; written and read on
-            the CPU and on GPUs, where error feedback goes through a host copy). Not with
-            ``bits=``.
+            1024: 15-45% fewer bytes on gradients, near the codes' entropy; written and read on
+            the CPU and on GPUs). Not with ``bits=``.
 
     Returns:
         Compressed: ``bytes(result)`` is the self-describing frame. For a CUDA tensor (and no
@@ -271,7 +270,7 @@ def compress(
         torch is not None
         and isinstance(x, torch.Tensor)
         and not zstd
-        and (coder == "planes" or (residual is None and bits is None))
+        and (coder == "planes" or bits is None)
         and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
         and _cuda_ready(x)
     ):
