@@ -14,7 +14,6 @@
 
 #define RICE_BLOCK 1024
 #define RICE_WS_HEADER 80
-#define RICE_MAX_UNARY_WORDS 1024
 #define RICE_WARPS 4  // warps per thread block (RICE_WARPS in src/cuda/rice.rs)
 
 // A value's code by the f64 rule (encode_value), out of line: it is rare for float32 (values the
@@ -170,7 +169,6 @@ template <class D>
 __device__ void rice_write(const typename D::T* __restrict__ x, u64 n, u32 dtype, u32 mode, u32 ndim,
                            const Dims& dims, u8* __restrict__ out, u8* ws, u64* size_to, float* residual,
                            u64* max_to) {
-    __shared__ u32 s_unary[RICE_WARPS][RICE_MAX_UNARY_WORDS];  // a block's stream per warp
     __shared__ u32 s_codes[RICE_WARPS][RICE_BLOCK];
     const CfcParams* pp = (const CfcParams*)ws;
     const u64 blocks = (n + RICE_BLOCK - 1) / RICE_BLOCK;
@@ -258,7 +256,7 @@ __device__ void rice_write(const typename D::T* __restrict__ x, u64 n, u32 dtype
         __syncwarp();
     }
     const u64 head = w.heads[b];
-    const u32 mask = (u32)head, k = (u32)(head >> 32) & 63, unary_words = (u32)(head >> 48);
+    const u32 mask = (u32)head, k = (u32)(head >> 32) & 63;
     if (lane == 0) *(u64*)(body + 8 * b) = head;  // (8-aligned: the output is, and so is the header)
     u32* data = (u32*)(body + 8 * blocks) + w.words[b];
     // Planes: coded group after coded group, lane p < k writes plane p.
@@ -272,22 +270,32 @@ __device__ void rice_write(const typename D::T* __restrict__ x, u64 n, u32 dtype
         }
         if (lane < k) data[gi * k + lane] = mine;
     }
-    // The unary stream, built in shared memory: code r's stop bit at (its zeros and stop bits
-    // before it) + z >> k.
-    u32* s = s_unary[warp];
-    for (u32 i = lane; i < unary_words; i += 32) s[i] = 0;
-    __syncwarp();
-    u32 base = 0;
+    // The unary stream, word after word: code r's stop bit at (the zeros and stop bits before
+    // it) + z >> k. A group's stop bits fall in the words from base / 32 on, each gathered by one
+    // OR over the warp; the last, partly filled, waits in `pending` for the next group's bits.
+    u32* unary = data + k * __popc(mask);
+    u32 base = 0, pending = 0;
     for (u32 m = mask; m; m &= m - 1) {
         const u32 h = (u32)((u64)z[(__ffs(m) - 1) * 32 + lane] >> k);
         const u32 inc = cfc_lane_prefix_sum(h + 1);
-        const u32 pos = base + inc - 1;
-        atomicOr(&s[pos / 32], 1u << (pos % 32));
-        base += __shfl_sync(CFC_FULL_MASK, inc, 31);
+        const u32 pos = base + inc - 1, total = __shfl_sync(CFC_FULL_MASK, inc, 31);
+        const u32 first = base / 32, last = (base + total - 1) / 32;
+        for (u32 wd = first; wd <= last; ++wd) {
+            u32 bits = __reduce_or_sync(CFC_FULL_MASK, pos / 32 == wd ? 1u << (pos % 32) : 0u);
+            if (wd == first) bits |= pending;
+            if (wd < last) {
+                if (lane == 0) unary[wd] = bits;
+            } else {
+                pending = bits;
+            }
+        }
+        base += total;
+        if (base % 32 == 0) {  // the last word is full
+            if (lane == 0) unary[last] = pending;
+            pending = 0;
+        }
     }
-    __syncwarp();
-    u32* unary = data + k * __popc(mask);
-    for (u32 i = lane; i < unary_words; i += 32) unary[i] = s[i];
+    if (base % 32 != 0 && lane == 0) unary[base / 32] = pending;
     if (residual && max_to) rice_max_to(max_to, max_err);
 }
 
