@@ -94,9 +94,9 @@ fn roundtrip_case<T: Float>(
     let shape = shape_for(n, shape_kind.0, shape_kind.1);
     let bound = to_bound::<T>(bk, dist, scale);
     let opts = CompressOptions {
-        bound,
         zstd_level,
         threads: 1,
+        ..CompressOptions::new(bound)
     };
     let frame = compress(&x, &shape, &opts).map_err(|e| TestCaseError::fail(e.to_string()))?;
     let (h, y) = decompress::<T>(&frame).map_err(|e| TestCaseError::fail(e.to_string()))?;
@@ -264,9 +264,9 @@ fn specials_case<T: Float>() {
     ] {
         for zstd_level in [None, Some(1)] {
             let opts = CompressOptions {
-                bound,
                 zstd_level,
                 threads: 1,
+                ..CompressOptions::new(bound)
             };
             let frame = compress(&x, &[x.len()], &opts).expect("compresses");
             let (h, y) = decompress::<T>(&frame).expect("decodes");
@@ -362,9 +362,9 @@ fn bytes_do_not_depend_on_threads() {
         for zstd_level in [None, Some(1)] {
             let frames = |threads: usize| -> Vec<Vec<u8>> {
                 let o = CompressOptions {
-                    bound,
                     zstd_level,
                     threads,
+                    ..CompressOptions::new(bound)
                 };
                 vec![
                     compress(&xf, &[n], &o).expect("f32"),

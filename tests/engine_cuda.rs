@@ -13,7 +13,7 @@ use cfc::engine::transport::local::LocalLinks;
 use cfc::engine::transport::Links;
 use cfc::engine::{Algorithm, BoundRule, Engine, Fallback, Fault, Job, Op, Options, Scale, Tensor};
 use cfc::nccl::{Communicator, UniqueId};
-use cfc::DType;
+use cfc::{Coder, DType};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -284,18 +284,20 @@ fn the_cuda_engine_writes_the_bits_of_the_cpu_engine() {
     }
     for (world, shared) in cases {
         for dtype in [DType::F32, DType::BF16, DType::F16] {
-            for (bound, alg) in [
-                (BoundRule::Rms(0.3), Algorithm::ReduceScatter),
-                (BoundRule::Abs(2e-4), Algorithm::AllGather),
-                (BoundRule::Rel(0.01), Algorithm::AllGather),
+            for (bound, alg, coder) in [
+                (BoundRule::Rms(0.3), Algorithm::ReduceScatter, Coder::Planes),
+                (BoundRule::Abs(2e-4), Algorithm::AllGather, Coder::Planes),
+                (BoundRule::Rel(0.01), Algorithm::AllGather, Coder::Planes),
+                (BoundRule::Rms(0.3), Algorithm::AllGather, Coder::Rice),
             ] {
                 let n = n - n % world;
-                let o = options(bound, alg);
+                let mut o = options(bound, alg);
+                o.coder = coder;
                 let cpu = on_cpu(world, &o, dtype, n, 3);
                 let gpu = on_gpu(world, shared, &o, dtype, n, 3);
                 for rank in 0..world {
                     for (k, (c, d)) in cpu[rank].iter().zip(&gpu[rank]).enumerate() {
-                        assert!(c == d, "world {world} shared {shared} {dtype:?} {bound:?} {alg:?} rank {rank}: output {k} differs");
+                        assert!(c == d, "world {world} shared {shared} {dtype:?} {bound:?} {alg:?} {coder:?} rank {rank}: output {k} differs");
                     }
                 }
             }

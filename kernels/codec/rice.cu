@@ -330,12 +330,13 @@ extern "C" __global__ void cfc_codec_rice_offsets(const u8* frame, u64 header_le
 // of the block's r-th coded value), then each value is its planes' low bits and the gap between
 // its stop bit and the one before.
 template <class D>
-__device__ void rice_decode(const u8* __restrict__ frame, u64 header_len, u64 n, u8* ws, typename D::T* __restrict__ out) {
+__device__ void rice_decode(const u8* __restrict__ frame, u64 header_len, u64 n, u8* ws, typename D::T* __restrict__ out,
+                            const u32* status) {
     __shared__ u16 s_pos[RICE_WARPS][RICE_BLOCK];
     const u64 blocks = (n + RICE_BLOCK - 1) / RICE_BLOCK;
     const u64 b = ((u64)blockIdx.x * blockDim.x + threadIdx.x) / 32;
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x / 32;
-    if (b >= blocks) return;
+    if (b >= blocks || (status && *status)) return;  // (a frame failed its checks: nothing is decoded)
     const RiceWs w = rice_ws(ws, blocks);
     const u8* body = frame + header_len;
     if (frame[5] == 1) {  // raw
@@ -393,17 +394,18 @@ __device__ void rice_decode(const u8* __restrict__ frame, u64 header_len, u64 n,
 
 #define RICE_DECODE(name, D)                                                                       \
     extern "C" __global__ void cfc_codec_rice_decode_##name(const u8* frame, u64 header_len, u64 n, u8* ws, \
-                                                            D::T* out) {                           \
-        rice_decode<D>(frame, header_len, n, ws, out);                                             \
+                                                            D::T* out, const u32* status) {        \
+        rice_decode<D>(frame, header_len, n, ws, out, status);                                     \
     }
 DEFINE_FOR_DTYPES(RICE_DECODE)
 
 // The exceptions' raw bits into their places (a thread per exception, grid-stride).
 template <class D>
-__device__ void rice_scatter(const u8* frame, u64 header_len, u64 n, const u8* ws, typename D::T* out) {
+__device__ void rice_scatter(const u8* frame, u64 header_len, u64 n, const u8* ws, typename D::T* out,
+                             const u32* status) {
     const u64 blocks = (n + RICE_BLOCK - 1) / RICE_BLOCK;
     const RiceWs w = rice_ws((u8*)ws, blocks);
-    if (frame[5] == 1) return;  // raw: no exceptions
+    if ((status && *status) || frame[5] == 1) return;  // (a frame failed its checks); raw: no exceptions
     const u64 n_exc = cfc_load_le(frame + 40, 8), idx_size = n <= (1ull << 32) ? 4 : 8;
     const u8* idx = frame + header_len + 8 * blocks + 4 * w.words[blocks];
     const u8* val = idx + n_exc * idx_size;
@@ -415,7 +417,143 @@ __device__ void rice_scatter(const u8* frame, u64 header_len, u64 n, const u8* w
 
 #define RICE_SCATTER(name, D)                                                                      \
     extern "C" __global__ void cfc_codec_rice_scatter_##name(const u8* frame, u64 header_len, u64 n, const u8* ws, \
-                                                             D::T* out) {                          \
-        rice_scatter<D>(frame, header_len, n, ws, out);                                            \
+                                                             D::T* out, const u32* status) {       \
+        rice_scatter<D>(frame, header_len, n, ws, out, status);                                    \
     }
 DEFINE_FOR_DTYPES(RICE_SCATTER)
+
+// ---- the decoded sum of rice frames from other ranks (the engine's all-gather) ---------------
+// Frames another rank sent are hostile: each is checked on the device (rice_check_heads, a scan,
+// rice_check_blocks) before anything is decoded from it, as the CPU's reader checks a frame
+// (docs/FORMAT.md), and a frame that fails sets `bit` in status[0] (and its part + 1 in
+// status[1]): then nothing is written, then or later. Each frame is decoded (rice_decode,
+// rice_scatter) into a buffer of its dtype, added in f32 in frame order (rice_accumulate), and
+// the sum scaled and written in the output dtype (rice_finish): decode_sum's rule.
+
+// Frame `part` (at `frame`, exactly `len` bytes): a rice or raw frame without a zstd stage of n
+// elements of `dtype` (`size` bytes) in `ndim` dimensions, with a header the CPU would read; each
+// block head has its reserved bits zero, at most 1024 unary words, and is 0 where no group is
+// coded. A thread per block (and one more): each block's words go to the workspace for the scan.
+extern "C" __global__ void cfc_codec_rice_check_heads(const u8* f, u64 len, u64 n, u32 dtype, u32 size, u32 ndim,
+                                                      u8* ws, u32* status, u32 bit, u32 part) {
+    const u64 blocks = (n + RICE_BLOCK - 1) / RICE_BLOCK;
+    const RiceWs w = rice_ws(ws, blocks);
+    const u64 b = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (b > blocks) return;
+    const u64 header_len = 64 + 8 * (u64)ndim;
+    bool ok = len >= header_len && f[0] == 'C' && f[1] == 'F' && f[2] == 'C' && f[3] == 'F' && f[4] == 1 &&
+              (f[5] == 1 || f[5] == 3) && f[6] == dtype && f[7] == 0 && f[8] != 2 && f[9] == ndim && f[10] == 5;
+    const bool raw = ok && f[5] == 1;
+    u64 blen = 0;
+    if (ok) {
+        blen = cfc_load_le(f + HDR_BODY_LEN, 8);
+        Dims none;
+        ok = cfc_load_le(f + HDR_N, 8) == n && cfc_load_le(f + HDR_RAW_BODY_LEN, 8) == blen &&
+             blen == len - header_len && header_fields_ok(f, n, ndim, none, false, raw);
+    }
+    if (ok && raw) ok = blen == n * size;
+    if (ok && !raw) ok = cfc_load_le(f + HDR_NEXC, 8) <= n && 8 * blocks <= blen;
+    u64 words = 0;
+    if (ok && !raw && b < blocks) {
+        const u64 head = cfc_load_le(f + header_len + 8 * b, 8);
+        const u32 mask = (u32)head, k = (u32)(head >> 32) & 63, u = (u32)(head >> 48);
+        ok = ((head >> 38) & 0x3ff) == 0 && u <= RICE_BLOCK && (mask != 0 || head == 0);
+        words = (u64)k * __popc(mask) + u;
+    }
+    w.words[b] = ok ? words : 0;
+    if (!ok) report_bad_frame(status, bit, part);
+}
+
+// After rice_check_heads and the scan of words, a warp per block: the heads, data and exceptions
+// fill the body exactly; each block's unary stream holds one stop bit per coded value, no
+// quotient above 31, and ends in its last word; exception indices increase and stay below n.
+extern "C" __global__ void cfc_codec_rice_check_blocks(const u8* f, u64 n, u32 size, u32 ndim, u8* ws, u32* status,
+                                                       u32 bit, u32 part) {
+    if (status[0] || f[5] == 1) return;  // (a frame already failed: nothing will be decoded; raw)
+    const u64 blocks = (n + RICE_BLOCK - 1) / RICE_BLOCK;
+    const RiceWs w = rice_ws(ws, blocks);
+    const u64 header_len = 64 + 8 * (u64)ndim;
+    const u64 blen = cfc_load_le(f + HDR_BODY_LEN, 8), n_exc = cfc_load_le(f + HDR_NEXC, 8);
+    const u64 idx_size = n <= (1ull << 32) ? 4 : 8;
+    const u64 nwords = w.words[blocks];
+    if (8 * blocks + 4 * nwords + n_exc * (idx_size + size) != blen) {
+        if (threadIdx.x == 0) report_bad_frame(status, bit, part);
+        return;
+    }
+    const u8* body = f + header_len;
+    const u64 t = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    const u8* idx = body + 8 * blocks + 4 * nwords;
+    for (u64 e = t; e < n_exc; e += (u64)gridDim.x * blockDim.x) {
+        const u64 i = cfc_load_le(idx + e * idx_size, (int)idx_size);
+        if (i >= n || (e + 1 < n_exc && cfc_load_le(idx + (e + 1) * idx_size, (int)idx_size) <= i))
+            report_bad_frame(status, bit, part);
+    }
+    const u64 b = t / 32;
+    const u32 lane = threadIdx.x & 31;
+    if (b >= blocks) return;  // the whole warp
+    const u64 head = cfc_load_le(body + 8 * b, 8);
+    const u32 mask = (u32)head, k = (u32)(head >> 32) & 63, u = (u32)(head >> 48);
+    const u8* unary = body + 8 * blocks + 4 * (w.words[b] + (u64)k * __popc(mask));
+    // Stop bits in order: each lane's first one is checked against the last one before its word
+    // (a running maximum of the lanes' last positions, carried from chunk to chunk).
+    u32 ones = 0;
+    int last = -1;  // position of the last stop bit so far
+    bool ok = true;
+    for (u32 c0 = 0; c0 < u; c0 += 32) {
+        u32 word = c0 + lane < u ? (u32)cfc_load_le(unary + 4 * (c0 + lane), 4) : 0;
+        const int mine = word ? (int)(32 * (c0 + lane) + 31 - __clz(word)) : -1;
+        int before = mine;  // inclusive running maximum over the lanes, then made exclusive
+        for (int o = 1; o < 32; o <<= 1) {
+            const int v = __shfl_up_sync(CFC_FULL_MASK, before, o);
+            if (lane >= (u32)o) before = max(before, v);
+        }
+        const int chunk_last = __shfl_sync(CFC_FULL_MASK, before, 31);
+        before = __shfl_up_sync(CFC_FULL_MASK, before, 1);
+        int prev = lane == 0 ? last : max(last, before);
+        ones += __reduce_add_sync(CFC_FULL_MASK, __popc(word));
+        while (word) {
+            const int pos = (int)(32 * (c0 + lane)) + __ffs(word) - 1;
+            ok &= pos - prev - 1 <= 31;
+            prev = pos;
+            word &= word - 1;
+        }
+        last = max(last, chunk_last);
+    }
+    ok &= ones == 32 * (u32)__popc(mask);
+    ok &= u == 0 || last >= (int)(32 * (u - 1));  // the stream ends in its last word
+    if (__any_sync(CFC_FULL_MASK, !ok) && lane == 0) report_bad_frame(status, bit, part);
+}
+
+// acc = v (first) or acc + v, in f32, for each of n values of dtype D.
+template <class D>
+__device__ void rice_accumulate(const typename D::T* v, u64 n, float* acc, u32 first, const u32* status) {
+    if (*status) return;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
+        acc[i] = first ? D::to_f32(v[i]) : acc[i] + D::to_f32(v[i]);
+}
+
+#define RICE_ACCUMULATE(name, D)                                                                   \
+    extern "C" __global__ void cfc_codec_rice_accumulate_##name(const D::T* v, u64 n, float* acc, u32 first, \
+                                                                const u32* status) {               \
+        rice_accumulate<D>(v, n, acc, first, status);                                              \
+    }
+DEFINE_FOR_DTYPES(RICE_ACCUMULATE)
+
+// out = O(scale * acc) (the product skipped at scale 1), a NaN as the canonical quiet NaN.
+template <class O>
+__device__ void rice_finish(const float* acc, u64 n, double scale, typename O::T* out, const u32* status) {
+    if (*status) return;
+    const float s = (float)scale;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
+        const float r = s == 1.0f ? acc[i] : acc[i] * s;
+        out[i] = O::from_f32(isnan(r) ? __int_as_float(0x7fc00000) : r);
+    }
+}
+
+// (named by the output dtype)
+#define RICE_FINISH(name, O)                                                                       \
+    extern "C" __global__ void cfc_codec_rice_finish_##name(const float* acc, u64 n, double scale, O::T* out, \
+                                                            const u32* status) {                   \
+        rice_finish<O>(acc, n, scale, out, status);                                                \
+    }
+DEFINE_FOR_DTYPES(RICE_FINISH)

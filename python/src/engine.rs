@@ -71,6 +71,7 @@ fn options(
     min_compress_numel: u64,
     timeout: f64,
     topology: &str,
+    coder: &str,
 ) -> PyResult<Options> {
     let bound = match bound {
         "eps" => BoundRule::Abs(value),
@@ -104,6 +105,8 @@ fn options(
         timeout: cfc::engine::options::timeout_from_seconds(timeout).map_err(to_py)?,
         topology: Topology::from_name(topology)
             .map_err(|e| PyValueError::new_err(e.to_string()))?,
+        coder: cfc::Coder::from_name(coder)
+            .ok_or_else(|| PyValueError::new_err(format!("unknown coder {coder:?}")))?,
     };
     o.check().map_err(to_py)?;
     Ok(o)
@@ -147,8 +150,9 @@ impl Engine {
     ///     agree_token: what every rank must agree on besides the options.
     ///     nodes: each rank's node name (e.g. its host name); None: one node. With
     ///         `topology`, it chooses the flat or the two-level exchange.
+    ///     coder: how the all-gather's frames write their codes ("planes" or "rice").
     #[new]
-    #[pyo3(signature = (listener, addresses, rank, world, secret, engine, *, device=None, nccl_id=None, bound, value, error_feedback, algorithm, fallback, trial_steps, warmup_steps, min_compress_numel, timeout, topology="auto", nodes=None, agree_token=0))]
+    #[pyo3(signature = (listener, addresses, rank, world, secret, engine, *, device=None, nccl_id=None, bound, value, error_feedback, algorithm, fallback, trial_steps, warmup_steps, min_compress_numel, timeout, topology="auto", coder="planes", nodes=None, agree_token=0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -170,6 +174,7 @@ impl Engine {
         min_compress_numel: u64,
         timeout: f64,
         topology: &str,
+        coder: &str,
         nodes: Option<Vec<String>>,
         agree_token: u64,
     ) -> PyResult<Self> {
@@ -184,6 +189,7 @@ impl Engine {
             min_compress_numel,
             timeout,
             topology,
+            coder,
         )?;
         let nodes = nodes.map_or_else(Vec::new, |n| node_indices(&n));
         if !nodes.is_empty() && nodes.len() != world {

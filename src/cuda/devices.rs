@@ -53,6 +53,9 @@ pub(super) struct Kernels {
     pub(super) rice_offsets: CudaFunction,
     pub(super) rice_decode: CudaFunction,
     pub(super) rice_scatter: CudaFunction,
+    pub(super) rice_check_heads: CudaFunction,
+    pub(super) rice_check_blocks: CudaFunction,
+    pub(super) rice_accumulate: CudaFunction,
 }
 
 /// Restores the calling thread's current CUDA context when dropped. Binding a device's context
@@ -360,6 +363,9 @@ impl Device {
             rice_offsets: self.function(c, "rice_offsets", None)?,
             rice_decode: self.function(c, "rice_decode", d)?,
             rice_scatter: self.function(c, "rice_scatter", d)?,
+            rice_check_heads: self.function(c, "rice_check_heads", None)?,
+            rice_check_blocks: self.function(c, "rice_check_blocks", None)?,
+            rice_accumulate: self.function(c, "rice_accumulate", d)?,
         });
         self.kernels
             .lock()

@@ -170,7 +170,7 @@ pub(super) unsafe fn decompress_rice(
     let ws = args.workspace;
     let header_len = (FIXED_HEADER_LEN + 8 * args.ndim) as u64;
     let common = [Arg::Ptr(args.frame), Arg::U64(header_len), Arg::U64(n), Arg::Ptr(ws)];
-    let with_out = [common[0], common[1], common[2], common[3], Arg::Ptr(args.out)];
+    let with_out = [common[0], common[1], common[2], common[3], Arg::Ptr(args.out), Arg::Ptr(0)];
     // SAFETY: the frame was checked on the host (this function's contract), so its heads, data
     // and exceptions lie within it; the workspace holds `rice_workspace_len(n)` bytes.
     unsafe {
@@ -181,6 +181,100 @@ pub(super) unsafe fn decompress_rice(
         launch(stream, &k.rice_decode, Family::Codec, "rice_decode", warp_per_block(n), &with_out)?;
         let exc_cfg = launch_cfg(n.clamp(1, 1 << 16), BLOCK);
         launch(stream, &k.rice_scatter, Family::Codec, "rice_scatter", exc_cfg, &with_out)?;
+    }
+    Ok(())
+}
+
+/// Workspace bytes [`rice_decode_sum`] needs for `n` elements of `dtype`: a rice decode's, a
+/// decoded frame and the f32 sum.
+pub fn rice_decode_sum_workspace_len(n: u64, dtype: DType) -> u64 {
+    let round = |x: u64| x.div_ceil(16) * 16;
+    round(rice_workspace_len(n)) + round(n * dtype.size() as u64) + 4 * n
+}
+
+/// [`decode_sum`] for rice frames (or the raw frames a rice encoder falls back to), each of its
+/// region's exact length (`lens_before` must be 0): every frame is checked on the device as the
+/// CPU's reader checks it before anything is decoded from it, and one that fails sets
+/// [`DECODE_BAD_FRAME`] in `status` (and its index + 1 in the next u32); nothing is written then.
+/// The values are [`decode_sum`]'s. The workspace needs [`rice_decode_sum_workspace_len`] bytes.
+///
+/// # Safety
+/// As [`decode_sum`].
+///
+/// # Errors
+/// As [`decode_sum`].
+pub unsafe fn rice_decode_sum(args: &DecodeSumArgs<'_>) -> Result<()> {
+    let (n, parts) = (args.n, args.frames.len() as u64);
+    check_count(n)?;
+    if parts == 0 || parts > MAX_SUM_PARTS || args.frame_lens.len() as u64 != parts {
+        return Err(Error::Incompatible {
+            what: "count",
+            left: format!("1 to {MAX_SUM_PARTS} frames, a length each"),
+            right: format!("{parts} frames, {} lengths", args.frame_lens.len()),
+        });
+    }
+    for d in [args.dtype, args.out_dtype] {
+        if !d.is_quantizable() {
+            return Err(Error::NotQuantizable(d));
+        }
+    }
+    if args.ndim > MAX_NDIM || args.lens_before != 0 {
+        return Err(Error::Cuda(format!(
+            "rice_decode_sum: {} dimensions, lengths {} bytes before the frames (at most {MAX_NDIM}, none)",
+            args.ndim, args.lens_before
+        )));
+    }
+    let need = rice_decode_sum_workspace_len(n, args.dtype);
+    if args.workspace_len < need {
+        return Err(Error::OutputSize {
+            expected: need,
+            got: args.workspace_len,
+        });
+    }
+    if args.frames.iter().any(|&f| f % 8 != 0) || args.workspace % 16 != 0 || args.status % 4 != 0 {
+        return Err(Error::Cuda(
+            "rice_decode_sum: frames must be 8-aligned, the workspace 16-aligned".into(),
+        ));
+    }
+    let _restore = ContextGuard::save()?;
+    let dev = device(args.device)?;
+    let stream = dev.stream(args.stream)?;
+    let k = dev.kernels(args.dtype)?;
+    let finish = dev.function(Family::Codec, "rice_finish", Some(args.out_dtype))?;
+    let (scan_block, scan_add) = (
+        dev.function(Family::Scan, "block", None)?,
+        dev.function(Family::Scan, "add", None)?,
+    );
+    let b = blocks(n);
+    let ws = args.workspace;
+    let round = |x: u64| x.div_ceil(16) * 16;
+    let values = ws + round(rice_workspace_len(n));
+    let acc = values + round(n * args.dtype.size() as u64);
+    let header_len = (FIXED_HEADER_LEN + 8 * args.ndim) as u64;
+    let (n_a, ws_a, status) = (Arg::U64(n), Arg::Ptr(ws), Arg::Ptr(args.status));
+    let (size_a, ndim_a) = (Arg::U32(args.dtype.size() as u32), Arg::U32(args.ndim as u32));
+    let elements = launch_cfg(n.clamp(1, dev.grid_blocks * BLOCK as u64), BLOCK);
+    // SAFETY: (every launch below) `frame_lens[p]` bytes are readable at frame p (this
+    // function's contract) and the checks read no further; the decoders run only for frames
+    // that passed them (each reads the status first); the workspace holds `need` bytes.
+    unsafe {
+        for (p, (&frame, &len)) in args.frames.iter().zip(args.frame_lens).enumerate() {
+            let (f, part) = (Arg::Ptr(frame), Arg::U32(p as u32));
+            let bad = Arg::U32(DECODE_BAD_FRAME);
+            let heads = [f, Arg::U64(len), n_a, Arg::U32(args.dtype.code() as u32), size_a, ndim_a, ws_a, status, bad, part];
+            launch(&stream, &k.rice_check_heads, Family::Codec, "rice_check_heads", launch_cfg(b + 1, BLOCK), &heads)?;
+            scan(&scan_block, &scan_add, &stream, ws + WS_HEADER + 8 * b, b + 1, ws + WS_HEADER + 8 * (3 * b + 2))?;
+            let blocks_args = [f, n_a, size_a, ndim_a, ws_a, status, bad, part];
+            launch(&stream, &k.rice_check_blocks, Family::Codec, "rice_check_blocks", warp_per_block(n), &blocks_args)?;
+            let decode = [f, Arg::U64(header_len), n_a, ws_a, Arg::Ptr(values), status];
+            launch(&stream, &k.rice_decode, Family::Codec, "rice_decode", warp_per_block(n), &decode)?;
+            let exc_cfg = launch_cfg(n.clamp(1, 1 << 16), BLOCK);
+            launch(&stream, &k.rice_scatter, Family::Codec, "rice_scatter", exc_cfg, &decode)?;
+            let add = [Arg::Ptr(values), n_a, Arg::Ptr(acc), Arg::U32((p == 0) as u32), status];
+            launch(&stream, &k.rice_accumulate, Family::Codec, "rice_accumulate", elements, &add)?;
+        }
+        let fin = [Arg::Ptr(acc), n_a, Arg::F64(args.scale as f64), Arg::Ptr(args.out), status];
+        launch(&stream, &finish, Family::Codec, "rice_finish", elements, &fin)?;
     }
     Ok(())
 }

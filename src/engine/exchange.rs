@@ -15,6 +15,9 @@
 //! head and the receiver from the head it received, so a frame that outgrew its slot is sent
 //! again between those two alone.
 //!
+//! The all-gather's frames write their codes by the engine's `coder` (Rice codes take fewer
+//! bytes); the reduce-scatter's frames, whose codes are summed on the way, are bit planes.
+//!
 //! Each rank's rounding error is at most `eps` per element and its residual keeps it, so the
 //! average is within `eps` of the exact average, up to the rounding of decoding (in f32, then
 //! the bucket's dtype; a bfloat16 or float16 sum of codes is rounded to its dtype before it is
@@ -29,6 +32,7 @@ use super::transport::Transport;
 use super::worker::Worker;
 use super::{Fault, Sent};
 use crate::error::{Error, Result};
+use crate::Coder;
 
 /// A job's stage after its launch.
 pub(crate) enum Stage<B: Backend> {
@@ -217,10 +221,12 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
             self.be
                 .stats(x, c.job.residual, m.sub(STATS_AT, 16)?, 16, 1)?;
         }
+        // (frames that are decoded, not summed: written by the engine's coder)
         self.be.compress(
             x,
             c.job.residual,
             c.eps,
+            self.o.coder,
             m.sub(HEAD, cap)?,
             m.sub(SIZE_AT, 8)?,
         )?;
@@ -277,7 +283,7 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
             .collect::<Result<Vec<_>>>()?;
         let x = c.job.data;
         self.be
-            .decode(&frames, false, x.numel, x.dtype, c.job.scale.factor(w), x)?;
+            .decode(&frames, false, x.numel, x.dtype, self.o.coder, c.job.scale.factor(w), x)?;
         self.bucket(c.job.key)?.slot = next_slot(largest, cap);
         self.be.free(mine);
         self.be.free(recv);
@@ -358,6 +364,7 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
                 x.slice(lo, len),
                 r,
                 c.eps,
+                Coder::Planes, // (summed on the way: bit planes)
                 row.sub(HEAD, caps[j])?,
                 row.sub(SIZE_AT, 8)?,
             )?;
@@ -526,7 +533,7 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
         if let Op::ReduceScatter { out } = c.job.op {
             // This rank's shard is all a reduce-scatter wants: decode it (its size is in its head).
             let frame = [sm.sub(HEAD, sum_caps[me])?];
-            self.be.decode(&frame, true, len, x.dtype, scale, out)?;
+            self.be.decode(&frame, true, len, x.dtype, Coder::Planes, scale, out)?;
             self.be.free(sums);
             self.finish(c)?;
             return Ok(None);
@@ -596,7 +603,7 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
         for (j, &(lo, len)) in parts.iter().enumerate() {
             let frame = [r.sub(j as u64 * row + HEAD, heads[j].size)?];
             self.be
-                .decode(&frame, false, len, x.dtype, scale, x.slice(lo, len))?;
+                .decode(&frame, false, len, x.dtype, Coder::Planes, scale, x.slice(lo, len))?;
         }
         let widest = sum_caps.iter().copied().max().unwrap_or(0);
         self.bucket(c.job.key)?.slot = next_slot(largest, widest);

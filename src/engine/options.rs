@@ -1,6 +1,7 @@
 //! What every rank of an engine must agree on, and its encoding for the agreement round.
 
 use crate::engine::topology::Topology;
+use crate::Coder;
 use crate::error::{Error, Result};
 use std::time::Duration;
 
@@ -163,6 +164,9 @@ pub struct Options {
     pub timeout: Duration,
     /// Flat, or plain inside nodes and compressed between them (see `engine/topology.rs`).
     pub topology: Topology,
+    /// How the frames of all-gather exchanges write their codes (bit planes or Rice codes; the
+    /// reduce-scatter's frames, which are summed, stay bit planes).
+    pub coder: Coder,
 }
 
 impl Options {
@@ -179,6 +183,7 @@ impl Options {
             min_compress_numel: 16384,
             timeout: Duration::from_secs(300),
             topology: Topology::Auto,
+            coder: Coder::Planes,
         }
     }
 
@@ -239,7 +244,7 @@ impl Options {
 /// Bytes of [`descriptor`]'s output.
 pub(crate) const DESCRIPTOR_LEN: usize = 56;
 /// The descriptor's version: bumped whenever its layout changes.
-const DESCRIPTOR_VERSION: u8 = 2;
+const DESCRIPTOR_VERSION: u8 = 3;
 
 /// What every rank sends in the agreement round: the options that order or size the
 /// collectives, the world, and `token` (the caller's: e.g. which checkpoint it resumed from).
@@ -271,7 +276,10 @@ pub(crate) fn descriptor(
     d.push(fallback);
     d.push(o.topology.code());
     d.push(two_level as u8);
-    d.push(0);
+    d.push(match o.coder {
+        Coder::Planes => 0,
+        Coder::Rice => 1,
+    });
     d.extend_from_slice(&o.bound.value().to_le_bytes());
     d.extend_from_slice(&trial.to_le_bytes());
     d.extend_from_slice(&o.warmup_steps.to_le_bytes());
@@ -312,10 +320,11 @@ pub(crate) fn describe(d: &[u8]) -> String {
         .get(d[5] as usize)
         .unwrap_or(&"?");
     let planned = if d[6] != 0 { "two levels" } else { "flat" };
+    let coder = ["planes", "rice"].get(d[7] as usize).unwrap_or(&"?");
     format!(
         "{bound}={:e}, error feedback {}, algorithm {algorithm}, fallback {fallback}, \
          warm-up {} steps, min_compress_numel {}, {} ranks, token {:#x}, topology \
-         {topology} ({planned}), nodes {:#x}",
+         {topology} ({planned}), nodes {:#x}, coder {coder}",
         f64::from_bits(u64_at(8).unwrap_or(0)),
         if d[2] != 0 { "on" } else { "off" },
         u32_at(20).unwrap_or(0),
@@ -358,6 +367,11 @@ mod tests {
         o.warmup_steps = 0;
         o.topology = Topology::Flat;
         assert!(describe(&descriptor(&o, 4, 7, 0, false)).contains("topology flat (flat)"));
+        let planes = descriptor(&o, 4, 7, 0, false);
+        o.coder = Coder::Rice;
+        let rice = descriptor(&o, 4, 7, 0, false);
+        assert_ne!(planes, rice, "ranks that write their codes differently must disagree");
+        assert!(describe(&rice).ends_with("coder rice"), "{}", describe(&rice));
     }
 
     #[test]

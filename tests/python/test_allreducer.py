@@ -45,7 +45,19 @@ def _worker(rank, world, init_file, scenario, device, algorithm=None):
     try:
         state = State(eps=EPS, warmup_steps=0, min_compress_numel=0)
         reducer = cfc.distributed.AllReducer(state, chunk_numel=3000)
-        if scenario == "average":
+        if scenario == "coders":
+            # Rice frames hold the codes bit planes hold: the same results on every rank, fewer bytes
+            seen = {}
+            for coder in ("planes", "rice"):
+                st = cfc.CfcState(rms=0.3, warmup_steps=0, min_compress_numel=0, coder=coder)
+                red = cfc.distributed.AllReducer(st, chunk_numel=30000)
+                seen[coder] = [red(data(rank, call, 70000).to(dev)).wait().cpu() for call in range(3)]
+                seen[coder + " bytes"] = st.stats()["bytes_sent"]
+                red.close()
+            for a, b in zip(seen["planes"], seen["rice"]):
+                assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+            assert seen["rice bytes"] < 0.95 * seen["planes bytes"], seen
+        elif scenario == "average":
             # 10000 values: chunks of 3000, 3000, 3000 and a 1000 tail; then a bf16 tensor
             for call in range(3):
                 x = data(rank, call, 10000).to(dev)
@@ -275,6 +287,12 @@ def test_all_reducer_close(tmp_path, device):
 def test_all_reducer_algorithms(tmp_path, scenario, algorithm, device):
     enough_gpus(device)
     spawn(tmp_path, scenario, device, algorithm=algorithm)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rice_frames_give_the_values_of_bit_planes_in_fewer_bytes(tmp_path, device):
+    enough_gpus(device)
+    spawn(tmp_path, "coders", device)
 
 
 def test_a_silent_peer_is_an_error_after_the_timeout(tmp_path):

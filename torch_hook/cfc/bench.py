@@ -23,6 +23,8 @@ For each size it times, on the same data in the same process group:
   exchange of :class:`cfc.CfcState`'s ``topology`` (default: its automatic choice). Nodes are
   the ranks' host names or ``CFC_NODE``; ``scripts/emulate_nodes.sh`` runs the ranks as
   emulated nodes on one host;
+* ``...-rice@B`` (``--coders planes,rice``): the same with :class:`cfc.CfcState`'s ``coder``
+  (Rice-coded frames in the all-gather; default: bit planes, no suffix);
 * ``fp32-again`` (``--aa``): a second copy of ``fp32``, whose difference from the first is the
   run's noise.
 
@@ -168,6 +170,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     p.add_argument("--auto", action="store_true", help='also cfc with fallback="auto" at the first bound')
     p.add_argument("--algorithms", default="", help="comma list of all-gather, reduce-scatter (default: cfc's choice)")
     p.add_argument("--topologies", default="", help="comma list of flat, two-level (default: cfc's choice)")
+    p.add_argument("--coders", default="planes", help="comma list of planes, rice (default: planes)")
     p.add_argument("--rounds", type=int, default=1, help="rounds in which the methods take turns (medians over them)")
     p.add_argument("--aa", action="store_true", help="also a second copy of fp32 (fp32-again): the noise")
     p.add_argument("--grads", default=None, help="folder of .npy gradient vectors")
@@ -224,14 +227,18 @@ def _run(args, dev, rank: int, world: int) -> Dict[str, Any]:
     suffix = {"auto": "", "flat": "-flat", "two-level": "-2l"}
     if any(t not in suffix for t in topologies):
         raise SystemExit(f"--topologies takes flat and two-level, got {args.topologies!r}")
+    coders = [c.strip() for c in args.coders.split(",") if c.strip()] or ["planes"]
+    if any(c not in ("planes", "rice") for c in coders):
+        raise SystemExit(f"--coders takes planes and rice, got {args.coders!r}")
     reducers = {
-        f"{short[a]}{suffix[t]}@{b:g}": cfc.distributed.AllReducer(
-            cfc.CfcState(eps=b * rms, warmup_steps=0, min_compress_numel=0, algorithm=a, topology=t),
+        f"{short[a]}{suffix[t]}{'' if c == 'planes' else '-' + c}@{b:g}": cfc.distributed.AllReducer(
+            cfc.CfcState(eps=b * rms, warmup_steps=0, min_compress_numel=0, algorithm=a, topology=t, coder=c),
             chunk_numel=chunk,
         )
         for b in bounds
         for a in algorithms
         for t in topologies
+        for c in coders
     }
     node_names: List[Any] = [None] * world
     dist.all_gather_object(node_names, os.environ.get("CFC_NODE") or socket.gethostname())

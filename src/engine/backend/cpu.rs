@@ -11,7 +11,7 @@ use crate::element::Element;
 use crate::engine::job::{Region, Tensor};
 use crate::error::{Error, Result};
 use crate::feedback::compress_with_feedback;
-use crate::format::{self, DType, FIXED_HEADER_LEN};
+use crate::format::{self, Coder, DType, FIXED_HEADER_LEN};
 use half::{bf16, f16};
 
 /// Scratch memory of the CPU backend: 16-byte aligned host memory.
@@ -207,14 +207,19 @@ fn stats<T: Element>(x: &[T], r: Option<&[f32]>) -> (f64, f64) {
 }
 
 /// Whether `frame` is a frame that [`Backend::decode`] and [`Backend::sum`] take for `n`
-/// elements of `dtype`: quantized or raw, no zstd stage, one dimension of `n`.
-fn fits(frame: &[u8], n: u64, dtype: DType) -> bool {
+/// elements of `dtype` written by `coder`: quantized (bit planes) or rice as `coder` says, or
+/// raw; no zstd stage; one dimension of `n`.
+fn fits(frame: &[u8], n: u64, dtype: DType, coder: Coder) -> bool {
+    let codec = match coder {
+        Coder::Planes => format::Codec::Quantized,
+        Coder::Rice => format::Codec::Rice,
+    };
     crate::read_header(frame).is_ok_and(|h| {
         h.n == n
             && h.dtype == dtype
             && !h.zstd
             && h.shape == [n]
-            && matches!(h.codec, format::Codec::Quantized | format::Codec::Raw)
+            && (h.codec == codec || h.codec == format::Codec::Raw)
     })
 }
 
@@ -350,6 +355,7 @@ impl Backend for CpuBackend {
         x: Tensor,
         r: Option<Tensor>,
         eps: f64,
+        coder: Coder,
         frame: Region,
         size_at: Region,
     ) -> Result<()> {
@@ -365,7 +371,7 @@ impl Backend for CpuBackend {
             bound: Bound::Abs(eps),
             zstd_level: None,
             threads: 0,
-            coder: crate::Coder::Planes,
+            coder,
         };
         let shape = [x.numel as usize];
         // SAFETY: the job's tensors (see `stats`); the residual is the job's own float32 memory,
@@ -424,7 +430,7 @@ impl Backend for CpuBackend {
         let parts: Vec<&[u8]> = frames.iter().map(|f| unsafe { bytes(*f) }).collect();
         // A frame that is not one of these elements, or frames that cannot be summed, leave a
         // size of 0, which every rank that receives the sum refuses.
-        let summed = if parts.iter().all(|f| fits(f, n, dtype)) {
+        let summed = if parts.iter().all(|f| fits(f, n, dtype, Coder::Planes)) {
             crate::sum_frames(&parts, None)
                 .ok()
                 .filter(|s| s.len() as u64 <= out.len)
@@ -448,6 +454,7 @@ impl Backend for CpuBackend {
         sized: bool,
         n: u64,
         dtype: DType,
+        coder: Coder,
         scale: f32,
         out: Tensor,
     ) -> Result<()> {
@@ -484,7 +491,7 @@ impl Backend for CpuBackend {
             // SAFETY: as in `sum`.
             parts.push(unsafe { bytes(f) });
         }
-        if let Some(bad) = parts.iter().position(|f| !fits(f, n, dtype)) {
+        if let Some(bad) = parts.iter().position(|f| !fits(f, n, dtype, coder)) {
             self.words[0] = 1 | ((bad as u64 + 1) << 32);
             return Ok(());
         }

@@ -8,7 +8,7 @@ use crate::cuda::{self, driver_err, ContextGuard};
 use crate::engine::job::{Region, Tensor};
 use crate::engine::{Done, ReadyFn};
 use crate::error::{Error, Result};
-use crate::format::DType;
+use crate::format::{Coder, DType};
 use crate::Bound;
 use crossbeam_channel::{Receiver, Sender};
 use cudarc::driver::{sys, CudaContext, CudaEvent, CudaStream};
@@ -302,11 +302,15 @@ impl Backend for CudaBackend {
         x: Tensor,
         r: Option<Tensor>,
         eps: f64,
+        coder: Coder,
         frame: Region,
         size_at: Region,
     ) -> Result<()> {
         let size_at = size_at.sub(0, 8)?;
-        let ws_len = cuda::compress_workspace_len(x.numel, r.is_some());
+        let ws_len = match coder {
+            Coder::Planes => cuda::compress_workspace_len(x.numel, r.is_some()),
+            Coder::Rice => cuda::rice_workspace_len(x.numel),
+        };
         let ws = self.workspace(ws_len)?;
         let args = cuda::CompressArgs {
             device: self.ordinal,
@@ -326,7 +330,13 @@ impl Backend for CudaBackend {
             bound_at: 0,
         };
         // SAFETY: as in `stats`; the frame region is the engine's scratch (checked by `sub`).
-        let out = unsafe { cuda::compress(&args) }.map_err(during("compress"));
+        let out = unsafe {
+            match coder {
+                Coder::Planes => cuda::compress(&args),
+                Coder::Rice => cuda::compress_rice(&args),
+            }
+        }
+        .map_err(during("compress"));
         self.give_back(ws);
         out
     }
@@ -385,12 +395,17 @@ impl Backend for CudaBackend {
         sized: bool,
         n: u64,
         dtype: DType,
+        coder: Coder,
         scale: f32,
         out: Tensor,
     ) -> Result<()> {
         let addrs: Vec<u64> = frames.iter().map(|f| f.addr).collect();
         let lens: Vec<u64> = frames.iter().map(|f| f.len).collect();
-        let ws = self.workspace(cuda::decode_sum_workspace_len(n, frames.len() as u64))?;
+        let ws_len = match coder {
+            Coder::Planes => cuda::decode_sum_workspace_len(n, frames.len() as u64),
+            Coder::Rice => cuda::rice_decode_sum_workspace_len(n, dtype),
+        };
+        let ws = self.workspace(ws_len)?;
         let args = cuda::DecodeSumArgs {
             device: self.ordinal,
             stream: self.raw(Lane::Compute),
@@ -409,7 +424,13 @@ impl Backend for CudaBackend {
         };
         // SAFETY: frames in the engine's scratch, the job's output tensor; frames are checked on
         // the device before anything is written.
-        let r = unsafe { cuda::decode_sum(&args) }.map_err(during("decode"));
+        let r = unsafe {
+            match coder {
+                Coder::Planes => cuda::decode_sum(&args),
+                Coder::Rice => cuda::rice_decode_sum(&args),
+            }
+        }
+        .map_err(during("decode"));
         self.give_back(ws);
         r
     }

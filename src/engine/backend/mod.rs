@@ -19,7 +19,7 @@ pub(crate) mod lanes;
 
 use crate::engine::job::{Region, Tensor};
 use crate::error::Result;
-use crate::format::DType;
+use crate::format::{Coder, DType};
 
 /// Which given-back buffer of `pool` to hand out for `len` bytes: the smallest that holds them.
 /// Both backends choose alike, so that the CPU tests reuse buffers as the GPU does (and the
@@ -122,9 +122,9 @@ pub(crate) trait Backend: Send + 'static {
     fn frame_capacity(&self, n: u64, dtype: DType) -> u64;
 
     /// Queues on the compute lane the frame of `x + r` within `eps` (with error feedback: `r`
-    /// updated in place) into `frame` (at least [`Backend::frame_capacity`] bytes), its size as
-    /// a u64 into the 8 bytes of `size_at`. With a residual, the largest error it leaves
-    /// raises the backend's running maximum ([`Backend::max_error`]).
+    /// updated in place) into `frame` (at least [`Backend::frame_capacity`] bytes), its codes
+    /// written by `coder`, its size as a u64 into the 8 bytes of `size_at`. With a residual,
+    /// the largest error it leaves raises the backend's running maximum ([`Backend::max_error`]).
     ///
     /// # Errors
     /// The codec's errors; device errors.
@@ -133,6 +133,7 @@ pub(crate) trait Backend: Send + 'static {
         x: Tensor,
         r: Option<Tensor>,
         eps: f64,
+        coder: Coder,
         frame: Region,
         size_at: Region,
     ) -> Result<()>;
@@ -159,9 +160,10 @@ pub(crate) trait Backend: Send + 'static {
     /// frame `p` (of its region's length, or with `sized` of the length in the row head
     /// [`crate::engine::rows`] places before it, at most its region's) widened to f32, the sum running in f32 in frame order and the product (skipped
     /// when `scale` is 1) rounded to f32 and then to `out`'s dtype, a NaN as the dtype's
-    /// canonical quiet NaN (its payload is not kept). A frame that is not what its
-    /// header says sets the decoding status ([`Backend::status`]) and nothing is written, then
-    /// or later, until the status is cleared.
+    /// canonical quiet NaN (its payload is not kept). Frames are written by `coder` (or raw);
+    /// a frame that is not what its header says, or not of `coder`, sets the decoding status
+    /// ([`Backend::status`]) and nothing is written, then or later, until the status is
+    /// cleared. (Rice frames come unsized: `sized` is for sums, which are bit planes.)
     ///
     /// # Errors
     /// Device errors (not a frame's: see above).
@@ -171,6 +173,7 @@ pub(crate) trait Backend: Send + 'static {
         sized: bool,
         n: u64,
         dtype: DType,
+        coder: Coder,
         scale: f32,
         out: Tensor,
     ) -> Result<()>;

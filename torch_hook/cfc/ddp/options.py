@@ -3,7 +3,7 @@
 The same names are used by :class:`cfc.distributed.AllReducer` (which takes a ``CfcState``) and by
 ``python -m cfc.bench``: ``eps`` / ``rel`` / ``rms`` (the bound), ``error_feedback``,
 ``warmup_steps``, ``min_compress_numel``, ``fallback`` (``"never"``, ``"auto"``, ``"always"``),
-``trial_steps``, ``algorithm``, ``topology``, ``timeout``.
+``trial_steps``, ``algorithm``, ``topology``, ``coder``, ``timeout``.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ DEFAULT_RMS = 0.05
 ALGORITHMS = ("all-gather", "reduce-scatter")
 FALLBACKS = ("never", "auto", "always")
 TOPOLOGIES = ("auto", "flat", "two-level")
+CODERS = ("planes", "rice")
 # The absolute bounds the codec accepts (src/codec/bounded.rs, check_abs_bound): normal float64 values
 # up to a quarter of the largest, so that a step of 2 eps and its sums stay finite.
 EPS_MIN, EPS_MAX = 2.2250738585072014e-308, 1.7976931348623157e308 / 4
@@ -61,6 +62,7 @@ class Options:
     trial_steps: int = 0
     algorithm: Optional[str] = None
     topology: str = "auto"
+    coder: str = "planes"
     timeout: float = DEFAULT_TIMEOUT
     log_every: int = 0
 
@@ -78,6 +80,7 @@ class Options:
         trial_steps: Any = 4,
         algorithm: Any = None,
         topology: Any = "auto",
+        coder: Any = "planes",
         timeout: Any = None,
         log_every: Any = 0,
     ) -> "Options":
@@ -113,6 +116,8 @@ class Options:
             raise ValueError(f"algorithm must be None, 'all-gather' or 'reduce-scatter', got {algorithm!r}")
         if topology not in TOPOLOGIES:
             raise ValueError(f"topology must be 'auto', 'flat' or 'two-level', got {topology!r}")
+        if coder not in CODERS:
+            raise ValueError(f"coder must be 'planes' or 'rice', got {coder!r}")
         if timeout is None:
             seconds = _default_timeout()
         elif isinstance(timeout, datetime.timedelta):
@@ -129,7 +134,8 @@ class Options:
         return cls(
             bound_kind=kind, bound=bound, error_feedback=bool(error_feedback),
             warmup_steps=counts["warmup_steps"], min_compress_numel=counts["min_compress_numel"],
-            fallback=fallback, trial_steps=trial, algorithm=algorithm, topology=topology, timeout=seconds,
+            fallback=fallback, trial_steps=trial, algorithm=algorithm, topology=topology, coder=coder,
+            timeout=seconds,
             log_every=counts["log_every"],
         )
 
@@ -139,14 +145,15 @@ class Options:
             "bound": self.bound_kind, "value": self.bound, "error_feedback": self.error_feedback,
             "algorithm": self.algorithm, "fallback": self.fallback, "trial_steps": self.trial_steps,
             "warmup_steps": self.warmup_steps, "min_compress_numel": self.min_compress_numel,
-            "topology": self.topology, "timeout": self.timeout,
+            "topology": self.topology, "coder": self.coder, "timeout": self.timeout,
         }
 
     def saved(self) -> Dict[str, Any]:
-        """What a checkpoint records and compares (the timeout, logging and topology may differ:
-        a state saved under one topology loads under another, see ``src/engine/levels.rs``)."""
+        """What a checkpoint records and compares (the timeout, logging, topology and coder may
+        differ: a state saved under one topology loads under another, see
+        ``src/engine/levels.rs``, and the coder changes the bytes, not the values)."""
         d = dataclasses.asdict(self)
-        del d["timeout"], d["log_every"], d["topology"]
+        del d["timeout"], d["log_every"], d["topology"], d["coder"]
         return d
 
     def describe(self) -> str:
