@@ -176,12 +176,14 @@ def register(ddp, name, clock=None):
         # CfcState's own default is 0.05); cfc-ag / cfc-rs: the all-gather or the reduce-scatter (default:
         # cfc's choice); cfc-...-plain: no bucket compressed (every one NCCL's average through
         # cfc's engine: its thread and collectives without the codec); any hook:capN sets
-        # bucket_cap_mb; cfc-flat / cfc-2l: topology "flat" or "two-level" (default "auto")
+        # bucket_cap_mb; cfc-flat / cfc-2l: topology "flat" or "two-level" (default "auto");
+        # cfc-rice: coder "rice" (default "planes")
         rms = float(name.split("@")[1].split(":")[0]) if "@" in name else 0.3
         algorithm = "all-gather" if "-ag" in name else "reduce-scatter" if "-rs" in name else None
         fallback = "always" if "-plain" in name else "auto" if "auto" in name else "never"
         topology = "flat" if "-flat" in name else "two-level" if "-2l" in name else "auto"
-        state = cfc.CfcState(rms=rms, fallback=fallback, algorithm=algorithm, topology=topology)
+        coder = "rice" if "-rice" in name else "planes"
+        state = cfc.CfcState(rms=rms, fallback=fallback, algorithm=algorithm, topology=topology, coder=coder)
         if "auto" in name and "hook" not in name:
             cfc.register_comm_hook(ddp, state)
         else:

@@ -438,3 +438,108 @@ fn a_plain_fallback_is_ncclallreduce() {
         }
     }
 }
+
+/// The device's checks of rice frames from peers: valid frames give `decode_sum`'s values, and a
+/// frame broken anywhere the CPU's reader would refuse it (its header, a block head, a unary
+/// stream, an exception index, its length, another codec) sets the status, naming the frame, and
+/// nothing is written.
+#[test]
+#[ignore = "needs a GPU: run with --include-ignored on the GPU machine (scripts/gpu_run.sh)"]
+fn rice_frames_from_peers_are_checked_on_the_device() {
+    if gpus() == 0 {
+        return;
+    }
+    let n = 5000;
+    let rice = cfc::CompressOptions {
+        coder: Coder::Rice,
+        ..cfc::CompressOptions::new(cfc::Bound::Abs(1e-4))
+    };
+    let frames: Vec<Vec<u8>> = (0..3)
+        .map(|r| {
+            let mut x = grads(r, 0, n);
+            x[10 + r] = f32::NAN; // an exception in each
+            cfc::compress(&x, &[n], &rice).unwrap()
+        })
+        .collect();
+    let mut want = vec![0f32; n];
+    for (p, f) in frames.iter().enumerate() {
+        let (_, v) = cfc::decompress::<f32>(f).unwrap();
+        for (a, v) in want.iter_mut().zip(v) {
+            *a = if p == 0 { v } else { *a + v };
+        }
+    }
+    let want: Vec<u32> = want
+        .iter()
+        .map(|a| {
+            let r = a * (1.0 / 3.0);
+            if r.is_nan() { 0x7fc0_0000 } else { r.to_bits() }
+        })
+        .collect();
+    let ctx = cfc::cuda::context(0).unwrap();
+    let s = ctx.new_stream().unwrap();
+    // (`short`: frame 1's length is that many bytes less than its bytes)
+    let run = |frames: &[Vec<u8>], short: u64| -> (Vec<u32>, Vec<u32>) {
+        let dev: Vec<CudaSlice<u8>> = frames.iter().map(|f| s.clone_htod(f).unwrap()).collect();
+        let addrs: Vec<u64> = dev.iter().map(|d| d.device_ptr(&s).0).collect();
+        let lens: Vec<u64> = frames
+            .iter()
+            .enumerate()
+            .map(|(p, f)| f.len() as u64 - if p == 1 { short } else { 0 })
+            .collect();
+        let out = s.alloc_zeros::<u32>(n).unwrap();
+        let ws_len = cfc::cuda::rice_decode_sum_workspace_len(n as u64, DType::F32);
+        let ws = s.alloc_zeros::<u8>(ws_len as usize).unwrap();
+        let status = s.alloc_zeros::<u32>(2).unwrap();
+        let args = cfc::cuda::DecodeSumArgs {
+            device: 0,
+            stream: s.cu_stream() as usize,
+            frames: &addrs,
+            frame_lens: &lens,
+            lens_before: 0,
+            n: n as u64,
+            dtype: DType::F32,
+            ndim: 1,
+            scale: 1.0 / 3.0,
+            out: out.device_ptr(&s).0,
+            out_dtype: DType::F32,
+            workspace: ws.device_ptr(&s).0,
+            workspace_len: ws_len,
+            status: status.device_ptr(&s).0,
+        };
+        // SAFETY: every buffer lives until the synchronize below.
+        unsafe { cfc::cuda::rice_decode_sum(&args) }.unwrap();
+        s.synchronize().unwrap();
+        (s.clone_dtoh(&out).unwrap(), s.clone_dtoh(&status).unwrap())
+    };
+    let (got, status) = run(&frames, 0);
+    assert_eq!(status, [0, 0]);
+    assert!(got == want, "the device's sum of rice frames is decode_sum's");
+    // Frame 1 broken in one place at a time. Its layout: header 72 bytes, 5 block heads, data.
+    let f = &frames[1];
+    let head0 = u64::from_le_bytes(f[72..80].try_into().unwrap());
+    let (mask, k, u) = (head0 as u32, (head0 >> 32) & 63, (head0 >> 48) as usize);
+    let unary = 72 + 40 + 4 * (k as usize * mask.count_ones() as usize);
+    let exc_at = f.len() - 4 - 4; // the only exception's index (u32), then its value
+    let flip = |at: usize, bits: u8| {
+        let mut g = f.clone();
+        g[at] ^= bits;
+        g
+    };
+    let planes = cfc::CompressOptions::new(cfc::Bound::Abs(1e-4));
+    let planes = cfc::compress(&grads(1, 0, n), &[n], &planes).unwrap();
+    for (what, broken, short) in [
+        ("magic", flip(0, 1), 0),
+        ("a head's reserved bit", flip(72 + 4, 0x40), 0),
+        ("a stop bit", flip(unary + 4 * (u / 2), 0x10), 0),
+        ("the unary words", flip(72 + 6, 1), 0),
+        ("an exception index", flip(exc_at + 1, 0x80), 0),
+        ("a byte short", f.clone(), 1),
+        ("a bit-plane frame", planes.clone(), 0),
+    ] {
+        let mut set = frames.clone();
+        set[1] = broken;
+        let (got, status) = run(&set, short);
+        assert_eq!(status, [1, 2], "{what}: status");
+        assert!(got.iter().all(|&v| v == 0), "{what}: something was written");
+    }
+}
