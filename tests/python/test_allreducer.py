@@ -46,10 +46,12 @@ def _worker(rank, world, init_file, scenario, device, algorithm=None):
         state = State(eps=EPS, warmup_steps=0, min_compress_numel=0)
         reducer = cfc.distributed.AllReducer(state, chunk_numel=3000)
         if scenario == "coders":
-            # Rice frames hold the codes bit planes hold: the same results on every rank, fewer bytes
+            # Rice frames hold the codes bit planes hold: the same results on every rank, fewer
+            # bytes (in the all-gather: the reduce-scatter, 3 ranks' default, keeps bit planes)
             seen = {}
             for coder in ("planes", "rice"):
-                st = cfc.CfcState(rms=0.3, warmup_steps=0, min_compress_numel=0, coder=coder)
+                st = cfc.CfcState(rms=0.3, warmup_steps=0, min_compress_numel=0, coder=coder,
+                                  algorithm="all-gather")
                 red = cfc.distributed.AllReducer(st, chunk_numel=30000)
                 seen[coder] = [red(data(rank, call, 70000).to(dev)).wait().cpu() for call in range(3)]
                 seen[coder + " bytes"] = st.stats()["bytes_sent"]
