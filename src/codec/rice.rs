@@ -22,8 +22,10 @@ pub(crate) const BLOCK: usize = 1024;
 pub(crate) const BLOCK_GROUPS: usize = BLOCK / GROUP;
 /// Bytes of one block head (u64).
 pub(crate) const HEAD_BYTES: usize = 8;
-/// Largest unary part a code may have: `k` is raised until every `z >> k` is at most this.
-pub(crate) const MAX_QUOTIENT: u64 = 31;
+/// Bits of the largest unary part a code may have, and that part: `k` is raised until every
+/// `z >> k` is at most [`MAX_QUOTIENT`].
+const QUOTIENT_BITS: u32 = 5;
+pub(crate) const MAX_QUOTIENT: u64 = (1 << QUOTIENT_BITS) - 1;
 /// Most words one block's bit stream can take: 1024 ones and 1024 x 31 zeros.
 pub(crate) const MAX_UNARY_WORDS: u64 = (BLOCK as u64 * (MAX_QUOTIENT + 1)).div_ceil(32);
 /// Most words one block's data can take: 32 groups of 63 planes, and its bit stream.
@@ -73,7 +75,7 @@ impl Head {
 /// The `k` of a block whose coded groups' codes are `coded` (see the module's rule).
 fn choose_k(coded: &[u64], max: u64) -> u32 {
     let bits = 64 - max.leading_zeros();
-    let mut k = bits.saturating_sub(MAX_QUOTIENT.count_ones());
+    let mut k = bits.saturating_sub(QUOTIENT_BITS);
     // cost(k + 1) - cost(k) = len - sum((z >> k) - (z >> (k + 1))); stop where it is >= 0.
     while k < 63 {
         let gain: u64 = coded.iter().map(|&z| (z >> k) - (z >> (k + 1))).sum();
