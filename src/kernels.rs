@@ -238,7 +238,12 @@ pub(crate) const SIGNATURES: &[(Family, &str, bool, &[Ty])] = &[
         false,
         &[Ptr, U64, U32, U64, Ptr, Ptr, Ptr, Ptr, Ptr],
     ),
-    (Family::Codec, "rice_size", true, &[Ptr, U64, U32, F64, Ptr, Ptr]),
+    (
+        Family::Codec,
+        "rice_size",
+        true,
+        &[Ptr, U64, U32, F64, Ptr, Ptr],
+    ),
     (
         Family::Codec,
         "rice_write",
@@ -246,8 +251,18 @@ pub(crate) const SIGNATURES: &[(Family, &str, bool, &[Ty])] = &[
         &[Ptr, U64, U32, U32, U32, Dims, Ptr, Ptr, Ptr, Ptr, Ptr],
     ),
     (Family::Codec, "rice_offsets", false, &[Ptr, U64, U64, Ptr]),
-    (Family::Codec, "rice_decode", true, &[Ptr, U64, U64, Ptr, Ptr, Ptr]),
-    (Family::Codec, "rice_scatter", true, &[Ptr, U64, U64, Ptr, Ptr, Ptr]),
+    (
+        Family::Codec,
+        "rice_decode",
+        true,
+        &[Ptr, U64, U64, Ptr, Ptr, Ptr],
+    ),
+    (
+        Family::Codec,
+        "rice_scatter",
+        true,
+        &[Ptr, U64, U64, Ptr, Ptr, Ptr],
+    ),
     (
         Family::Codec,
         "rice_check_heads",
@@ -260,8 +275,18 @@ pub(crate) const SIGNATURES: &[(Family, &str, bool, &[Ty])] = &[
         false,
         &[Ptr, U64, U32, U32, Ptr, Ptr, U32, U32],
     ),
-    (Family::Codec, "rice_accumulate", true, &[Ptr, U64, Ptr, U32, Ptr]),
-    (Family::Codec, "rice_finish", true, &[Ptr, U64, F64, Ptr, Ptr]),
+    (
+        Family::Codec,
+        "rice_accumulate",
+        true,
+        &[Ptr, U64, Ptr, U32, Ptr],
+    ),
+    (
+        Family::Codec,
+        "rice_finish",
+        true,
+        &[Ptr, U64, F64, Ptr, Ptr],
+    ),
     (Family::Scan, "block", false, &[Ptr, U64, Ptr]),
     (Family::Scan, "add", false, &[Ptr, U64, Ptr]),
 ];

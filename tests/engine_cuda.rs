@@ -472,7 +472,11 @@ fn rice_frames_from_peers_are_checked_on_the_device() {
         .iter()
         .map(|a| {
             let r = a * (1.0 / 3.0);
-            if r.is_nan() { 0x7fc0_0000 } else { r.to_bits() }
+            if r.is_nan() {
+                0x7fc0_0000
+            } else {
+                r.to_bits()
+            }
         })
         .collect();
     let ctx = cfc::cuda::context(0).unwrap();
@@ -513,7 +517,10 @@ fn rice_frames_from_peers_are_checked_on_the_device() {
     };
     let (got, status) = run(&frames, 0);
     assert_eq!(status, [0, 0]);
-    assert!(got == want, "the device's sum of rice frames is decode_sum's");
+    assert!(
+        got == want,
+        "the device's sum of rice frames is decode_sum's"
+    );
     // Frame 1 broken in one place at a time. Its layout: header 72 bytes, 5 block heads, data.
     let f = &frames[1];
     let head0 = u64::from_le_bytes(f[72..80].try_into().unwrap());

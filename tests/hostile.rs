@@ -205,13 +205,18 @@ fn valid_frames() -> &'static [(&'static str, Vec<u8>)] {
             (
                 "f32 rice, zstd",
                 compress(
-                    &(0..5000).map(|i| [0.1f32, 7.0, -2.5][i % 3]).collect::<Vec<_>>(),
+                    &(0..5000)
+                        .map(|i| [0.1f32, 7.0, -2.5][i % 3])
+                        .collect::<Vec<_>>(),
                     &[5000],
                     &z(rice(abs)),
                 ),
             ),
             ("rice, three blocks", Ok(r_frame())),
-            ("bf16 sum, wide codes, rice", wide.to_frame_as(Coder::Rice, None)),
+            (
+                "bf16 sum, wide codes, rice",
+                wide.to_frame_as(Coder::Rice, None),
+            ),
             ("empty", compress::<f32>(&[], &[0, 3], &abs)),
             ("scalar", compress(&[0.0f32], &[], &abs)),
         ];
@@ -245,8 +250,12 @@ fn valid_frames_are_valid() {
     assert!(hs.iter().any(|h| h.mode == BoundMode::Sum && h.zstd));
     assert!(hs.iter().any(|h| h.codec == Codec::Lossless && h.zstd));
     assert!(hs.iter().any(|h| h.codec == Codec::Rice && h.zstd));
-    assert!(hs.iter().any(|h| h.codec == Codec::Rice && h.n_exceptions > 0));
-    assert!(hs.iter().any(|h| h.codec == Codec::Rice && h.mode == BoundMode::Sum));
+    assert!(hs
+        .iter()
+        .any(|h| h.codec == Codec::Rice && h.n_exceptions > 0));
+    assert!(hs
+        .iter()
+        .any(|h| h.codec == Codec::Rice && h.mode == BoundMode::Sum));
     assert!(hs.iter().any(|h| h.codec == Codec::Lossless && !h.zstd));
     assert!(hs
         .iter()
@@ -533,10 +542,15 @@ struct ROffsets {
 
 fn r_offsets(f: &[u8]) -> ROffsets {
     let heads = 72;
-    let head = |b: usize| u64::from_le_bytes(f[heads + 8 * b..heads + 8 * b + 8].try_into().unwrap());
+    let head =
+        |b: usize| u64::from_le_bytes(f[heads + 8 * b..heads + 8 * b + 8].try_into().unwrap());
     assert_eq!(f[5], 3, "a rice frame");
     assert_eq!(head(1), 0, "block 1 is empty");
-    let (mask, k, u) = (head(0) as u32, (head(0) >> 32) & 63, (head(0) >> 48) as usize);
+    let (mask, k, u) = (
+        head(0) as u32,
+        (head(0) >> 32) & 63,
+        (head(0) >> 48) as usize,
+    );
     assert_eq!(mask, u32::MAX, "block 0 codes every group");
     ROffsets {
         heads,
@@ -734,12 +748,16 @@ fn crafted() -> Vec<Case> {
     let r = r_frame();
     let ro = r_offsets(&r);
     let mut cases = vec![
-        case("rice_head_reserved", set(r.clone(), ro.heads + 4, &[r[ro.heads + 4] | 0x40]), |e| {
-            bad_field(e, "rice block head")
-        }),
-        case("rice_empty_head_with_k", set(r.clone(), ro.heads + 8 + 4, &[1]), |e| {
-            bad_field(e, "rice block head")
-        }),
+        case(
+            "rice_head_reserved",
+            set(r.clone(), ro.heads + 4, &[r[ro.heads + 4] | 0x40]),
+            |e| bad_field(e, "rice block head"),
+        ),
+        case(
+            "rice_empty_head_with_k",
+            set(r.clone(), ro.heads + 8 + 4, &[1]),
+            |e| bad_field(e, "rice block head"),
+        ),
         case(
             "rice_stop_bit_flipped",
             {
@@ -750,20 +768,34 @@ fn crafted() -> Vec<Case> {
         ),
         case(
             "rice_unary_words_short",
-            set(r.clone(), ro.heads + 6, &((ro.unary0_words - 1) as u16).to_le_bytes()),
+            set(
+                r.clone(),
+                ro.heads + 6,
+                &((ro.unary0_words - 1) as u16).to_le_bytes(),
+            ),
             |e| bad_field(e, "rice unary stream"),
         ),
         case(
             "rice_unary_words_past_body",
             set(r.clone(), ro.heads + 6, &1024u16.to_le_bytes()),
-            |e| matches!(fmt_err(e), Some(FormatError::Truncated { part: "rice block data", .. })),
+            |e| {
+                matches!(
+                    fmt_err(e),
+                    Some(FormatError::Truncated {
+                        part: "rice block data",
+                        ..
+                    })
+                )
+            },
         ),
         case(
             "rice_bits_mode",
             set(set(r.clone(), 8, &[2]), 11, &[8]),
             |e| bad_field(e, "bits"),
         ),
-        case("rice_int32", set(r.clone(), 6, &[7]), |e| bad_field(e, "codec")),
+        case("rice_int32", set(r.clone(), 6, &[7]), |e| {
+            bad_field(e, "codec")
+        }),
         case(
             "lossless_bad_method",
             set(l.clone(), lo.table + 3, &[0x70]),

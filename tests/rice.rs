@@ -42,7 +42,10 @@ fn same_as_planes<T: Float>(x: &[T], bound: Bound, zstd: Option<i32>) -> Result<
     if hp.codec == Codec::Quantized && hr.codec == Codec::Rice {
         prop_assert_eq!(bits_of(&dp), bits_of(&dr));
         prop_assert_eq!(hp.n_exceptions, hr.n_exceptions);
-        prop_assert_eq!(Codes::from_frame(&planes).unwrap(), Codes::from_frame(&rice).unwrap());
+        prop_assert_eq!(
+            Codes::from_frame(&planes).unwrap(),
+            Codes::from_frame(&rice).unwrap()
+        );
     } else {
         // One of them fell back to raw bytes (a rice block's head costs 8 bytes, a width 1):
         // both still hold the bound.
@@ -83,7 +86,11 @@ fn bytes_do_not_depend_on_threads() {
             threads,
             ..opts(Bound::Abs(0.05), Coder::Rice)
         };
-        assert_eq!(one, compress(&x, &[x.len()], &o).unwrap(), "{threads} threads");
+        assert_eq!(
+            one,
+            compress(&x, &[x.len()], &o).unwrap(),
+            "{threads} threads"
+        );
     }
 }
 
@@ -104,15 +111,31 @@ fn sums_of_rice_frames_are_rice_frames() {
     let sp = sum_frames(&refs(&planes), None).unwrap();
     assert_eq!(validate(&sr).unwrap().codec, Codec::Rice);
     assert_eq!(validate(&sp).unwrap().codec, Codec::Quantized);
-    assert_eq!(Codes::from_frame(&sr).unwrap(), Codes::from_frame(&sp).unwrap());
-    assert!(sr.len() < sp.len(), "rice sum {} vs planes {}", sr.len(), sp.len());
+    assert_eq!(
+        Codes::from_frame(&sr).unwrap(),
+        Codes::from_frame(&sp).unwrap()
+    );
+    assert!(
+        sr.len() < sp.len(),
+        "rice sum {} vs planes {}",
+        sr.len(),
+        sp.len()
+    );
     // Codes up to 64 bits wide come back exactly.
     let wide = Codes {
         dtype: cfc::DType::F32,
         shape: vec![2100],
         step: 1.0,
         eps: 0.5,
-        codes: (0..2100i64).map(|i| if i % 5 == 0 { i64::MIN + i } else { i * (1 << 40) - 7 }).collect(),
+        codes: (0..2100i64)
+            .map(|i| {
+                if i % 5 == 0 {
+                    i64::MIN + i
+                } else {
+                    i * (1 << 40) - 7
+                }
+            })
+            .collect(),
         exceptions: vec![],
     };
     let f = wide.to_frame_as(Coder::Rice, None).unwrap();
@@ -138,13 +161,28 @@ fn rice_frames_near_the_entropy_of_real_gradients() {
             let eps = k * r;
             let mut counts = std::collections::HashMap::new();
             for &v in &x {
-                *counts.entry((v as f64 / (2.0 * eps)).round_ties_even() as i64).or_insert(0u64) += 1;
+                *counts
+                    .entry((v as f64 / (2.0 * eps)).round_ties_even() as i64)
+                    .or_insert(0u64) += 1;
             }
             let n = x.len() as f64;
-            let entropy: f64 = counts.values().map(|&c| -(c as f64 / n) * (c as f64 / n).log2()).sum();
-            let size = |coder| compress(&x, &[x.len()], &opts(Bound::Abs(eps), coder)).unwrap().len();
-            let (rice, planes) = (size(Coder::Rice) as f64 * 8.0 / n, size(Coder::Planes) as f64 * 8.0 / n);
-            assert!(rice < planes, "{name} k {k}: rice {rice:.3} bits, planes {planes:.3}");
+            let entropy: f64 = counts
+                .values()
+                .map(|&c| -(c as f64 / n) * (c as f64 / n).log2())
+                .sum();
+            let size = |coder| {
+                compress(&x, &[x.len()], &opts(Bound::Abs(eps), coder))
+                    .unwrap()
+                    .len()
+            };
+            let (rice, planes) = (
+                size(Coder::Rice) as f64 * 8.0 / n,
+                size(Coder::Planes) as f64 * 8.0 / n,
+            );
+            assert!(
+                rice < planes,
+                "{name} k {k}: rice {rice:.3} bits, planes {planes:.3}"
+            );
             let reach = if entropy > 2.0 { 0.97 } else { 0.8 };
             assert!(
                 entropy / rice >= reach,

@@ -112,7 +112,9 @@ fn compress<'py>(
 ) -> PyResult<Bound<'py, PyBytes>> {
     let dtype = dtype_of(dtype)?;
     let coder = cfc::Coder::from_name(coder).ok_or_else(|| {
-        PyValueError::new_err(format!("coder must be \"planes\" or \"rice\", not {coder:?}"))
+        PyValueError::new_err(format!(
+            "coder must be \"planes\" or \"rice\", not {coder:?}"
+        ))
     })?;
     let opts = cfc::CompressOptions {
         bound: bound_of(eps, rel, bits)?,

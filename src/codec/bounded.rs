@@ -21,8 +21,8 @@ use crate::codec::format::{
     checked_shape, finish_frame, BoundMode, Codec, Coder, DType, Header, GROUP, MAX_CODE,
     MAX_ENCODE_WIDTH,
 };
-use crate::codec::rice;
 use crate::codec::parallel::{map_ranges, thread_count};
+use crate::codec::rice;
 use crate::error::{Error, Result};
 use half::{bf16, f16};
 

@@ -175,7 +175,9 @@ impl Coder {
 
     /// Parses [`Coder::name`].
     pub fn from_name(name: &str) -> Option<Coder> {
-        [Coder::Planes, Coder::Rice].into_iter().find(|c| c.name() == name)
+        [Coder::Planes, Coder::Rice]
+            .into_iter()
+            .find(|c| c.name() == name)
     }
 }
 
@@ -619,7 +621,9 @@ impl Header {
         let index_size = index_size_for(self.n);
         let exc = self.n_exceptions as usize * (index_size + self.dtype.size());
         let table_len = match self.codec {
-            Codec::Rice => crate::codec::rice::blocks_for(self.n) as usize * crate::codec::rice::HEAD_BYTES,
+            Codec::Rice => {
+                crate::codec::rice::blocks_for(self.n) as usize * crate::codec::rice::HEAD_BYTES
+            }
             _ => groups,
         };
         BodyLayout {

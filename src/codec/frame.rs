@@ -4,10 +4,10 @@
 
 use crate::codec::bounded::decode_range;
 use crate::codec::element::{dequantize, Element};
-use crate::codec::rice;
 use crate::codec::format::{Codec, DType, Header, GROUP, MAX_WIDTH};
 use crate::codec::lossless;
 use crate::codec::parallel::{split_groups, thread_count};
+use crate::codec::rice;
 use crate::error::{try_capacity, Error, FormatError, Result};
 use half::{bf16, f16};
 use std::io::Read;

@@ -61,7 +61,10 @@ impl Head {
             && head.unary_words as u64 <= MAX_UNARY_WORDS
             && (head.mask != 0 || head.to_bits() == 0);
         if !ok {
-            return Err(bad_field("rice block head", format!("block {block}: {bits:#018x}")));
+            return Err(bad_field(
+                "rice block head",
+                format!("block {block}: {bits:#018x}"),
+            ));
         }
         Ok(head)
     }
@@ -142,7 +145,12 @@ pub(crate) struct Blocks {
 }
 
 fn word(data: &[u8], i: usize) -> u32 {
-    u32::from_le_bytes([data[4 * i], data[4 * i + 1], data[4 * i + 2], data[4 * i + 3]])
+    u32::from_le_bytes([
+        data[4 * i],
+        data[4 * i + 1],
+        data[4 * i + 2],
+        data[4 * i + 3],
+    ])
 }
 
 /// Checks a rice body's heads and bit streams against its data of `data_len` bytes (`heads`:
@@ -189,7 +197,12 @@ pub(crate) fn check(heads: &[u8], data: &[u8]) -> Result<Blocks> {
 /// Checks one block's unary stream (`first`: its first word in `data`).
 fn check_unary(data: &[u8], first: usize, head: Head, block: u64) -> Result<()> {
     let wanted = 32 * head.mask.count_ones() as u64;
-    let bad = |what: String| Err(bad_field("rice unary stream", format!("block {block}: {what}")));
+    let bad = |what: String| {
+        Err(bad_field(
+            "rice unary stream",
+            format!("block {block}: {what}"),
+        ))
+    };
     let mut ones = 0u64;
     let mut last_one = 0u64; // one past the last stop bit
     for i in 0..head.unary_words as usize {
@@ -200,7 +213,10 @@ fn check_unary(data: &[u8], first: usize, head: Head, block: u64) -> Result<()> 
                 return bad(format!("more than {wanted} stop bits"));
             }
             if pos - last_one > MAX_QUOTIENT {
-                return bad(format!("a quotient of {} (at most {MAX_QUOTIENT})", pos - last_one));
+                return bad(format!(
+                    "a quotient of {} (at most {MAX_QUOTIENT})",
+                    pos - last_one
+                ));
             }
             ones += 1;
             last_one = pos + 1;
@@ -211,7 +227,11 @@ fn check_unary(data: &[u8], first: usize, head: Head, block: u64) -> Result<()> 
         return bad(format!("{ones} stop bits for {wanted} codes"));
     }
     if last_one.div_ceil(32) != head.unary_words as u64 {
-        return bad(format!("{} words where {} hold it", head.unary_words, last_one.div_ceil(32)));
+        return bad(format!(
+            "{} words where {} hold it",
+            head.unary_words,
+            last_one.div_ceil(32)
+        ));
     }
     Ok(())
 }
@@ -283,7 +303,17 @@ mod tests {
     #[test]
     fn blocks_round_trip() {
         let mut zz = [0u64; BLOCK];
-        assert_eq!(roundtrip(&zz), (Head { mask: 0, k: 0, unary_words: 0 }, 0));
+        assert_eq!(
+            roundtrip(&zz),
+            (
+                Head {
+                    mask: 0,
+                    k: 0,
+                    unary_words: 0
+                },
+                0
+            )
+        );
         zz[40] = 1;
         let (h, len) = roundtrip(&zz);
         // One coded group (group 1) at k = 0: 32 stop bits and one zero before code 8's.
@@ -297,7 +327,10 @@ mod tests {
         }
         let (h, _) = roundtrip(&zz);
         assert_eq!(h.mask, u32::MAX);
-        assert!(h.k >= 59, "k_min keeps the quotients of 64-bit codes at most 31");
+        assert!(
+            h.k >= 59,
+            "k_min keeps the quotients of 64-bit codes at most 31"
+        );
         zz.iter_mut().for_each(|z| *z %= 40);
         let (h, _) = roundtrip(&zz);
         assert!((3..=5).contains(&h.k), "k {} for codes below 40", h.k);
@@ -309,7 +342,9 @@ mod tests {
         for scale in [1u64, 3, 17, 300, 1 << 20] {
             let coded: Vec<u64> = (0..BLOCK)
                 .map(|_| {
-                    x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                    x = x
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
                     (x >> 33) % (scale + 1)
                 })
                 .collect();
@@ -326,7 +361,9 @@ mod tests {
     #[test]
     fn malformed_streams_are_refused() {
         let mut zz = [0u64; BLOCK];
-        zz.iter_mut().enumerate().for_each(|(i, z)| *z = (i % 7) as u64);
+        zz.iter_mut()
+            .enumerate()
+            .for_each(|(i, z)| *z = (i % 7) as u64);
         let (mut heads, mut words) = (Vec::new(), Vec::new());
         encode_block(&zz, &mut heads, &mut words);
         let refused = |heads: &[u8], words: &[u8]| check(heads, words).is_err();
@@ -347,9 +384,18 @@ mod tests {
         assert!(refused(&h, &words));
         assert!(refused(&(1u64 << 32).to_le_bytes(), &[]));
         // A quotient of 32: 32 zeros before the first of 32 stop bits.
-        let head = Head { mask: 1, k: 0, unary_words: 2 }.to_bits().to_le_bytes();
+        let head = Head {
+            mask: 1,
+            k: 0,
+            unary_words: 2,
+        }
+        .to_bits()
+        .to_le_bytes();
         let stream = [0u8, 0, 0, 0, 0xff, 0xff, 0xff, 0xff];
-        let err = check(&head, &stream).err().map(|e| e.to_string()).unwrap_or_default();
+        let err = check(&head, &stream)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
         assert!(err.contains("quotient of 32"), "{err}");
     }
 }

@@ -10,8 +10,8 @@ use crate::codec::bitplane::{pack64, unzigzag, width_of, zigzag};
 use crate::codec::element::{dequantize, Element};
 use crate::codec::format::finish_frame;
 use crate::codec::format::{read_header, BoundMode, Codec, Coder, DType, Header, GROUP};
-use crate::codec::rice;
 use crate::codec::frame::Body;
+use crate::codec::rice;
 use crate::error::{Error, Result};
 use half::{bf16, f16};
 

@@ -5,7 +5,7 @@ use super::*;
 use crate::codec::rice::BLOCK as RICE_BLOCK;
 
 /// Warps per thread block of the rice kernels (`RICE_WARPS` in `kernels/codec/rice.cu`, whose
-/// shared memory holds a block of codes and a unary stream per warp).
+/// shared memory holds a block of codes, or of stop-bit positions, per warp).
 const RICE_WARPS: u64 = 4;
 
 fn blocks(n: u64) -> u64 {
@@ -119,11 +119,25 @@ pub unsafe fn compress_rice(args: &CompressArgs<'_>) -> Result<()> {
         if mode != BoundMode::Abs {
             let elements = launch_cfg(n.min(dev.grid_blocks * BLOCK as u64), BLOCK);
             let max_abs = [input, n_a, ws_a, residual];
-            launch(&stream, &k.max_abs, Family::Codec, "max_abs", elements, &max_abs)?;
+            launch(
+                &stream,
+                &k.max_abs,
+                Family::Codec,
+                "max_abs",
+                elements,
+                &max_abs,
+            )?;
         }
         let size = [input, n_a, mode_code, Arg::F64(value), ws_a, residual];
         let cfg = warp_per_block(n);
-        launch(&stream, &k.rice_size, Family::Codec, "rice_size", cfg, &size)?;
+        launch(
+            &stream,
+            &k.rice_size,
+            Family::Codec,
+            "rice_size",
+            cfg,
+            &size,
+        )?;
         scan(&scan_block, &scan_add, &stream, words, b + 1, sums)?;
         scan(&scan_block, &scan_add, &stream, excs, b + 1, sums)?;
         let write = [
@@ -139,7 +153,14 @@ pub unsafe fn compress_rice(args: &CompressArgs<'_>) -> Result<()> {
             residual,
             Arg::Ptr(args.max_error_to),
         ];
-        launch(&stream, &k.rice_write, Family::Codec, "rice_write", cfg, &write)?;
+        launch(
+            &stream,
+            &k.rice_write,
+            Family::Codec,
+            "rice_write",
+            cfg,
+            &write,
+        )?;
     }
     Ok(())
 }
@@ -169,18 +190,58 @@ pub(super) unsafe fn decompress_rice(
     let b = blocks(n);
     let ws = args.workspace;
     let header_len = (FIXED_HEADER_LEN + 8 * args.ndim) as u64;
-    let common = [Arg::Ptr(args.frame), Arg::U64(header_len), Arg::U64(n), Arg::Ptr(ws)];
-    let with_out = [common[0], common[1], common[2], common[3], Arg::Ptr(args.out), Arg::Ptr(0)];
+    let common = [
+        Arg::Ptr(args.frame),
+        Arg::U64(header_len),
+        Arg::U64(n),
+        Arg::Ptr(ws),
+    ];
+    let with_out = [
+        common[0],
+        common[1],
+        common[2],
+        common[3],
+        Arg::Ptr(args.out),
+        Arg::Ptr(0),
+    ];
     // SAFETY: the frame was checked on the host (this function's contract), so its heads, data
     // and exceptions lie within it; the workspace holds `rice_workspace_len(n)` bytes.
     unsafe {
         let heads = launch_cfg(b + 1, BLOCK);
-        launch(stream, &k.rice_offsets, Family::Codec, "rice_offsets", heads, &common)?;
+        launch(
+            stream,
+            &k.rice_offsets,
+            Family::Codec,
+            "rice_offsets",
+            heads,
+            &common,
+        )?;
         let words = ws + WS_HEADER + 8 * b;
-        scan(&scan_block, &scan_add, stream, words, b + 1, ws + WS_HEADER + 8 * (3 * b + 2))?;
-        launch(stream, &k.rice_decode, Family::Codec, "rice_decode", warp_per_block(n), &with_out)?;
+        scan(
+            &scan_block,
+            &scan_add,
+            stream,
+            words,
+            b + 1,
+            ws + WS_HEADER + 8 * (3 * b + 2),
+        )?;
+        launch(
+            stream,
+            &k.rice_decode,
+            Family::Codec,
+            "rice_decode",
+            warp_per_block(n),
+            &with_out,
+        )?;
         let exc_cfg = launch_cfg(n.clamp(1, 1 << 16), BLOCK);
-        launch(stream, &k.rice_scatter, Family::Codec, "rice_scatter", exc_cfg, &with_out)?;
+        launch(
+            stream,
+            &k.rice_scatter,
+            Family::Codec,
+            "rice_scatter",
+            exc_cfg,
+            &with_out,
+        )?;
     }
     Ok(())
 }
@@ -252,7 +313,10 @@ pub unsafe fn rice_decode_sum(args: &DecodeSumArgs<'_>) -> Result<()> {
     let acc = values + round(n * args.dtype.size() as u64);
     let header_len = (FIXED_HEADER_LEN + 8 * args.ndim) as u64;
     let (n_a, ws_a, status) = (Arg::U64(n), Arg::Ptr(ws), Arg::Ptr(args.status));
-    let (size_a, ndim_a) = (Arg::U32(args.dtype.size() as u32), Arg::U32(args.ndim as u32));
+    let (size_a, ndim_a) = (
+        Arg::U32(args.dtype.size() as u32),
+        Arg::U32(args.ndim as u32),
+    );
     let elements = launch_cfg(n.clamp(1, dev.grid_blocks * BLOCK as u64), BLOCK);
     // SAFETY: (every launch below) `frame_lens[p]` bytes are readable at frame p (this
     // function's contract) and the checks read no further; the decoders run only for frames
@@ -261,20 +325,92 @@ pub unsafe fn rice_decode_sum(args: &DecodeSumArgs<'_>) -> Result<()> {
         for (p, (&frame, &len)) in args.frames.iter().zip(args.frame_lens).enumerate() {
             let (f, part) = (Arg::Ptr(frame), Arg::U32(p as u32));
             let bad = Arg::U32(DECODE_BAD_FRAME);
-            let heads = [f, Arg::U64(len), n_a, Arg::U32(args.dtype.code() as u32), size_a, ndim_a, ws_a, status, bad, part];
-            launch(&stream, &k.rice_check_heads, Family::Codec, "rice_check_heads", launch_cfg(b + 1, BLOCK), &heads)?;
-            scan(&scan_block, &scan_add, &stream, ws + WS_HEADER + 8 * b, b + 1, ws + WS_HEADER + 8 * (3 * b + 2))?;
+            let heads = [
+                f,
+                Arg::U64(len),
+                n_a,
+                Arg::U32(args.dtype.code() as u32),
+                size_a,
+                ndim_a,
+                ws_a,
+                status,
+                bad,
+                part,
+            ];
+            launch(
+                &stream,
+                &k.rice_check_heads,
+                Family::Codec,
+                "rice_check_heads",
+                launch_cfg(b + 1, BLOCK),
+                &heads,
+            )?;
+            scan(
+                &scan_block,
+                &scan_add,
+                &stream,
+                ws + WS_HEADER + 8 * b,
+                b + 1,
+                ws + WS_HEADER + 8 * (3 * b + 2),
+            )?;
             let blocks_args = [f, n_a, size_a, ndim_a, ws_a, status, bad, part];
-            launch(&stream, &k.rice_check_blocks, Family::Codec, "rice_check_blocks", warp_per_block(n), &blocks_args)?;
+            launch(
+                &stream,
+                &k.rice_check_blocks,
+                Family::Codec,
+                "rice_check_blocks",
+                warp_per_block(n),
+                &blocks_args,
+            )?;
             let decode = [f, Arg::U64(header_len), n_a, ws_a, Arg::Ptr(values), status];
-            launch(&stream, &k.rice_decode, Family::Codec, "rice_decode", warp_per_block(n), &decode)?;
+            launch(
+                &stream,
+                &k.rice_decode,
+                Family::Codec,
+                "rice_decode",
+                warp_per_block(n),
+                &decode,
+            )?;
             let exc_cfg = launch_cfg(n.clamp(1, 1 << 16), BLOCK);
-            launch(&stream, &k.rice_scatter, Family::Codec, "rice_scatter", exc_cfg, &decode)?;
-            let add = [Arg::Ptr(values), n_a, Arg::Ptr(acc), Arg::U32((p == 0) as u32), status];
-            launch(&stream, &k.rice_accumulate, Family::Codec, "rice_accumulate", elements, &add)?;
+            launch(
+                &stream,
+                &k.rice_scatter,
+                Family::Codec,
+                "rice_scatter",
+                exc_cfg,
+                &decode,
+            )?;
+            let add = [
+                Arg::Ptr(values),
+                n_a,
+                Arg::Ptr(acc),
+                Arg::U32((p == 0) as u32),
+                status,
+            ];
+            launch(
+                &stream,
+                &k.rice_accumulate,
+                Family::Codec,
+                "rice_accumulate",
+                elements,
+                &add,
+            )?;
         }
-        let fin = [Arg::Ptr(acc), n_a, Arg::F64(args.scale as f64), Arg::Ptr(args.out), status];
-        launch(&stream, &finish, Family::Codec, "rice_finish", elements, &fin)?;
+        let fin = [
+            Arg::Ptr(acc),
+            n_a,
+            Arg::F64(args.scale as f64),
+            Arg::Ptr(args.out),
+            status,
+        ];
+        launch(
+            &stream,
+            &finish,
+            Family::Codec,
+            "rice_finish",
+            elements,
+            &fin,
+        )?;
     }
     Ok(())
 }

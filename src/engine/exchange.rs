@@ -282,8 +282,15 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
             .map(|(j, h)| r.sub(j as u64 * row + HEAD, h.size))
             .collect::<Result<Vec<_>>>()?;
         let x = c.job.data;
-        self.be
-            .decode(&frames, false, x.numel, x.dtype, self.o.coder, c.job.scale.factor(w), x)?;
+        self.be.decode(
+            &frames,
+            false,
+            x.numel,
+            x.dtype,
+            self.o.coder,
+            c.job.scale.factor(w),
+            x,
+        )?;
         self.bucket(c.job.key)?.slot = next_slot(largest, cap);
         self.be.free(mine);
         self.be.free(recv);
@@ -533,7 +540,8 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
         if let Op::ReduceScatter { out } = c.job.op {
             // This rank's shard is all a reduce-scatter wants: decode it (its size is in its head).
             let frame = [sm.sub(HEAD, sum_caps[me])?];
-            self.be.decode(&frame, true, len, x.dtype, Coder::Planes, scale, out)?;
+            self.be
+                .decode(&frame, true, len, x.dtype, Coder::Planes, scale, out)?;
             self.be.free(sums);
             self.finish(c)?;
             return Ok(None);
@@ -602,8 +610,15 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
         let r = recv.region();
         for (j, &(lo, len)) in parts.iter().enumerate() {
             let frame = [r.sub(j as u64 * row + HEAD, heads[j].size)?];
-            self.be
-                .decode(&frame, false, len, x.dtype, Coder::Planes, scale, x.slice(lo, len))?;
+            self.be.decode(
+                &frame,
+                false,
+                len,
+                x.dtype,
+                Coder::Planes,
+                scale,
+                x.slice(lo, len),
+            )?;
         }
         let widest = sum_caps.iter().copied().max().unwrap_or(0);
         self.bucket(c.job.key)?.slot = next_slot(largest, widest);

@@ -1,8 +1,8 @@
 //! What every rank of an engine must agree on, and its encoding for the agreement round.
 
 use crate::engine::topology::Topology;
-use crate::Coder;
 use crate::error::{Error, Result};
+use crate::Coder;
 use std::time::Duration;
 
 /// How each rank's quantization step is set. Every rank quantizes with the same step, so that
@@ -370,8 +370,15 @@ mod tests {
         let planes = descriptor(&o, 4, 7, 0, false);
         o.coder = Coder::Rice;
         let rice = descriptor(&o, 4, 7, 0, false);
-        assert_ne!(planes, rice, "ranks that write their codes differently must disagree");
-        assert!(describe(&rice).ends_with("coder rice"), "{}", describe(&rice));
+        assert_ne!(
+            planes, rice,
+            "ranks that write their codes differently must disagree"
+        );
+        assert!(
+            describe(&rice).ends_with("coder rice"),
+            "{}",
+            describe(&rice)
+        );
     }
 
     #[test]

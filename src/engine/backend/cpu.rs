@@ -448,6 +448,7 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    #[allow(clippy::too_many_arguments)] // (the frames, how to read them, and the output)
     fn decode(
         &mut self,
         frames: &[Region],

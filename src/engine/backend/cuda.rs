@@ -389,6 +389,7 @@ impl Backend for CudaBackend {
         summed.map_err(during("sum"))
     }
 
+    #[allow(clippy::too_many_arguments)] // (the frames, how to read them, and the output)
     fn decode(
         &mut self,
         frames: &[Region],

@@ -167,6 +167,7 @@ pub(crate) trait Backend: Send + 'static {
     ///
     /// # Errors
     /// Device errors (not a frame's: see above).
+    #[allow(clippy::too_many_arguments)] // (the frames, how to read them, and the output)
     fn decode(
         &mut self,
         frames: &[Region],

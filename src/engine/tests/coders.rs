@@ -5,9 +5,12 @@
 use super::*;
 use crate::Coder;
 
-/// Three steps of an all-reduce with residuals on every rank (`nodes[r]`: rank r's node); each
-/// rank's results and residuals, and rank 0's statistics.
-fn steps(nodes: &[usize], o: &Options, n: usize) -> (Vec<Vec<(Vec<f32>, Vec<f32>)>>, Stats) {
+/// Each step's result and residual, on each rank.
+type Seen = Vec<Vec<(Vec<f32>, Vec<f32>)>>;
+
+/// Three steps of an all-reduce with residuals on every rank (`nodes[r]`: rank r's node); what
+/// each rank saw, and rank 0's statistics.
+fn steps(nodes: &[usize], o: &Options, n: usize) -> (Seen, Stats) {
     let out = on_nodes(nodes, o, |rank, e| {
         let mut r = vec![0.0f32; n];
         let mut seen = Vec::new();
@@ -40,7 +43,13 @@ fn rice_frames_give_the_bits_of_bit_planes_in_fewer_bytes() {
         assert_eq!(planes, rice, "{nodes:?} {algorithm:?}");
         // (between nodes where there are two: inside them the bytes go plain)
         let two_nodes = nodes.iter().any(|&m| m != nodes[0]);
-        let sent = |s: &Stats| if two_nodes { s.between_nodes } else { s.bytes_sent };
+        let sent = |s: &Stats| {
+            if two_nodes {
+                s.between_nodes
+            } else {
+                s.bytes_sent
+            }
+        };
         assert!(
             (sent(&sr) as f64) < 0.95 * sent(&sp) as f64,
             "{nodes:?}: rice {} bytes, planes {}",
@@ -79,7 +88,10 @@ fn ranks_with_different_coders_are_refused() {
         for e in &engines {
             s.spawn(move || {
                 let err = e.wait(0).unwrap_err().to_string();
-                assert!(err.contains("coder rice") && err.contains("coder planes"), "{err}");
+                assert!(
+                    err.contains("coder rice") && err.contains("coder planes"),
+                    "{err}"
+                );
             });
         }
     });
