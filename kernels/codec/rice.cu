@@ -38,10 +38,6 @@ __device__ __forceinline__ RiceWs rice_ws(u8* ws, u64 blocks) {
     return r;
 }
 
-// The block's zigzag codes into z (element 1024 b + i at z[i]; 0 past n and at exceptions), a
-// group per step with lane j on element j, and the groups where lane j holds an exception (bit
-// g). The codes live in shared memory rather than registers so that the loops over groups stay
-// loops: 32 unrolled copies of each made the kernels too large for the instruction cache.
 // The value compressed for element i: x[i], or with error feedback (r not null) the value sent
 // for x + r, whose compensated value goes to *comp (src/codec/feedback.rs).
 template <class D>
@@ -52,6 +48,22 @@ __device__ __forceinline__ typename D::T rice_sent(const typename D::T* x, const
     return cfc_sent_value<D>(xi, *comp);
 }
 
+// The code of a value (f: as float32, exactly): by the float32 route where it is sure of it
+// (float32 input and `route`), else by the f64 rule; *exc: whether it is an exception (code 0).
+template <class D>
+__device__ __forceinline__ u32 rice_code(float f, const CfcParams& P, bool route, float inv32, bool* exc) {
+    bool sure = false;
+    u32 c = 0;
+    *exc = false;
+    if (D::SIZE == 4 && route) c = f32_code(f, inv32, &sure);
+    if (!sure) c = rice_code_f64<D>(f, P, exc);
+    return c;
+}
+
+// The block's zigzag codes into z (element 1024 b + i at z[i]; 0 past n and at exceptions), a
+// group per step with lane j on element j, and the groups where lane j holds an exception (bit
+// g). The codes live in shared memory rather than registers so that the loops over groups stay
+// loops: 32 unrolled copies of each made the kernels too large for the instruction cache.
 template <class D>
 __device__ __forceinline__ u32 rice_codes(const typename D::T* __restrict__ x, const float* r, u64 n, u64 b,
                                           const CfcParams& P, bool route, float inv32, u32* z) {
@@ -64,10 +76,7 @@ __device__ __forceinline__ u32 rice_codes(const typename D::T* __restrict__ x, c
         bool exc = false;
         if (i < n) {
             float comp;
-            const float f = D::to_f32(rice_sent<D>(x, r, i, &comp));
-            bool sure = false;
-            if (D::SIZE == 4 && route) c = f32_code(f, inv32, &sure);
-            if (!sure) c = rice_code_f64<D>(f, P, &exc);
+            c = rice_code<D>(D::to_f32(rice_sent<D>(x, r, i, &comp)), P, route, inv32, &exc);
         }
         z[g * 32 + lane] = c;
         excm |= (u32)exc << g;
@@ -234,9 +243,7 @@ __device__ void rice_write(const typename D::T* __restrict__ x, u64 n, u32 dtype
             if (i < n) {
                 v = rice_sent<D>(x, residual, i, &c);
                 f = D::to_f32(v);
-                bool sure = false;
-                if (route) code = f32_code(f, inv32, &sure);
-                if (!sure) code = rice_code_f64<D>(f, P, &exc);
+                code = rice_code<D>(f, P, route, inv32, &exc);
             }
             z[g * 32 + lane] = code;
             const u32 em = __ballot_sync(CFC_FULL_MASK, exc);

@@ -75,20 +75,7 @@ pub unsafe fn compress(args: &CompressArgs<'_>) -> Result<()> {
     if !args.dtype.is_quantizable() {
         return Err(Error::NotQuantizable(args.dtype));
     }
-    let (mode, value, fixed) = match args.bound {
-        Bound::Abs(eps) => {
-            crate::codec::check_abs_bound(eps, "eps")?;
-            (BoundMode::Abs, eps, 0u32)
-        }
-        Bound::Rel(rel) => {
-            crate::codec::check_rel(rel)?;
-            (BoundMode::Rel, rel, 0)
-        }
-        Bound::Bits(b) => {
-            crate::codec::check_bits(b)?;
-            (BoundMode::Bits, b as f64, b as u32)
-        }
-    };
+    let (mode, value, fixed) = bound_parts(args.bound)?;
     if args.bound_at != 0 && mode != BoundMode::Abs {
         return Err(Error::Cuda(
             "compress: a bound read from device memory must be an absolute one".into(),
@@ -219,6 +206,25 @@ pub unsafe fn compress(args: &CompressArgs<'_>) -> Result<()> {
         )?;
     }
     Ok(())
+}
+
+/// A bound as the encoders take it (mode, value, fixed width or 0), checked as the CPU codec
+/// checks it.
+pub(super) fn bound_parts(bound: Bound) -> Result<(BoundMode, f64, u32)> {
+    Ok(match bound {
+        Bound::Abs(eps) => {
+            crate::codec::check_abs_bound(eps, "eps")?;
+            (BoundMode::Abs, eps, 0)
+        }
+        Bound::Rel(rel) => {
+            crate::codec::check_rel(rel)?;
+            (BoundMode::Rel, rel, 0)
+        }
+        Bound::Bits(b) => {
+            crate::codec::check_bits(b)?;
+            (BoundMode::Bits, b as f64, b as u32)
+        }
+    })
 }
 
 /// Arguments of [`decompress`].

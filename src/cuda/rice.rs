@@ -50,17 +50,10 @@ pub unsafe fn compress_rice(args: &CompressArgs<'_>) -> Result<()> {
     if !args.dtype.is_quantizable() {
         return Err(Error::NotQuantizable(args.dtype));
     }
-    let (mode, value) = match args.bound {
-        Bound::Abs(eps) => {
-            crate::codec::check_abs_bound(eps, "eps")?;
-            (BoundMode::Abs, eps)
-        }
-        Bound::Rel(rel) => {
-            crate::codec::check_rel(rel)?;
-            (BoundMode::Rel, rel)
-        }
-        Bound::Bits(_) => return Err(crate::codec::rice::fixed_rate_error()),
-    };
+    let (mode, value, fixed) = bound_parts(args.bound)?;
+    if fixed != 0 {
+        return Err(crate::codec::rice::fixed_rate_error());
+    }
     if args.bound_at != 0 {
         return Err(Error::Cuda(
             "compress_rice: a bound read from device memory is not available for rice frames"
@@ -265,24 +258,19 @@ pub fn rice_decode_sum_workspace_len(n: u64, dtype: DType) -> u64 {
 /// # Errors
 /// As [`decode_sum`].
 pub unsafe fn rice_decode_sum(args: &DecodeSumArgs<'_>) -> Result<()> {
-    let (n, parts) = (args.n, args.frames.len() as u64);
-    check_count(n)?;
-    if parts == 0 || parts > MAX_SUM_PARTS || args.frame_lens.len() as u64 != parts {
+    check_decode_sum_args(args)?;
+    let n = args.n;
+    if args.frame_lens.len() != args.frames.len() {
         return Err(Error::Incompatible {
             what: "count",
-            left: format!("1 to {MAX_SUM_PARTS} frames, a length each"),
-            right: format!("{parts} frames, {} lengths", args.frame_lens.len()),
+            left: format!("{} frames", args.frames.len()),
+            right: format!("{} lengths", args.frame_lens.len()),
         });
     }
-    for d in [args.dtype, args.out_dtype] {
-        if !d.is_quantizable() {
-            return Err(Error::NotQuantizable(d));
-        }
-    }
-    if args.ndim > MAX_NDIM || args.lens_before != 0 {
+    if args.lens_before != 0 {
         return Err(Error::Cuda(format!(
-            "rice_decode_sum: {} dimensions, lengths {} bytes before the frames (at most {MAX_NDIM}, none)",
-            args.ndim, args.lens_before
+            "rice_decode_sum: lengths {} bytes before the frames (rice frames come unsized)",
+            args.lens_before
         )));
     }
     let need = rice_decode_sum_workspace_len(n, args.dtype);

@@ -470,6 +470,33 @@ pub fn decode_status_error(status: u64, source: &str) -> Option<String> {
     ))
 }
 
+/// What every decoded sum checks of its arguments first: the element count, 1 to
+/// [`MAX_SUM_PARTS`] frames, float dtypes in and out, at most [`MAX_NDIM`] dimensions.
+pub(super) fn check_decode_sum_args(args: &DecodeSumArgs<'_>) -> Result<()> {
+    check_count(args.n)?;
+    let parts = args.frames.len() as u64;
+    if parts == 0 || parts > MAX_SUM_PARTS {
+        return Err(Error::Incompatible {
+            what: "count",
+            left: format!("1 to {MAX_SUM_PARTS} frames"),
+            right: parts.to_string(),
+        });
+    }
+    for d in [args.dtype, args.out_dtype] {
+        if !d.is_quantizable() {
+            return Err(Error::NotQuantizable(d));
+        }
+    }
+    if args.ndim > MAX_NDIM {
+        return Err(crate::FormatError::BadField {
+            field: "ndim",
+            value: args.ndim.to_string(),
+        }
+        .into());
+    }
+    Ok(())
+}
+
 /// Queues the decoded sum of frames, scaled and written in another dtype, in one pass that
 /// writes nothing but the output: `out[i] = scale * (v_0[i] + v_1[i] + ...)`, where `v_p[i]`
 /// is what [`decompress`] gives for frame `p`, widened to f32; the sum runs in f32 in frame
@@ -490,27 +517,8 @@ pub fn decode_status_error(status: u64, source: &str) -> Option<String> {
 /// header and widths, [`Error::OutputSize`] for a small workspace (all checked before
 /// anything is queued), and CUDA errors.
 pub unsafe fn decode_sum(args: &DecodeSumArgs<'_>) -> Result<()> {
+    check_decode_sum_args(args)?;
     let (n, parts) = (args.n, args.frames.len() as u64);
-    check_count(n)?;
-    if parts == 0 || parts > MAX_SUM_PARTS {
-        return Err(Error::Incompatible {
-            what: "count",
-            left: format!("1 to {MAX_SUM_PARTS} frames"),
-            right: parts.to_string(),
-        });
-    }
-    for d in [args.dtype, args.out_dtype] {
-        if !d.is_quantizable() {
-            return Err(Error::NotQuantizable(d));
-        }
-    }
-    if args.ndim > MAX_NDIM {
-        return Err(crate::FormatError::BadField {
-            field: "ndim",
-            value: args.ndim.to_string(),
-        }
-        .into());
-    }
     let (table_len, stride, need) = decode_sum_layout(n, parts);
     if args.workspace_len < need {
         return Err(Error::OutputSize {
