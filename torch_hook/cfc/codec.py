@@ -213,7 +213,7 @@ def compress(
             on a GPU when asked to.
         coder: how the codes are written. ``"planes"`` (bit planes of each group's width,
             written and read on the CPU and on GPUs) or ``"rice"`` (Rice codes in blocks of
-            1024: 15-45% fewer bytes on gradients, near the codes' entropy; written and read on
+            1024: 12-39% fewer bytes on gradients, near the codes' entropy; written and read on
             the CPU and on GPUs). Not with ``bits=``.
 
     Returns:

@@ -74,7 +74,7 @@ class CfcState:
             average over the G times more ranks is within ``eps`` of the exact one, as flat.
         coder: how compressed buckets write their codes: ``"planes"`` (default: bit planes of
             each group's width) or ``"rice"`` (Rice codes in blocks of 1024: the same values in
-            13-40% fewer bytes, see docs/FORMAT.md; compressing takes 3-5x the GPU time of bit
+            12-39% fewer bytes, see docs/FORMAT.md; compressing takes 3-5x the GPU time of bit
             planes, a few ms per GB). It applies to the all-gather (2 ranks, or
             ``algorithm="all-gather"``, and the exchange between 2 nodes of ``"two-level"``);
             the reduce-scatter, whose codes are summed on the way, keeps bit planes.
