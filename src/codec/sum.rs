@@ -72,34 +72,26 @@ impl Codes {
                 }));
                 all
             }
-            Codec::Quantized => {
-                let mut planes = body.planes();
-                let mut zz = [0u64; GROUP];
-                for (&w, out) in body.widths().iter().zip(codes.chunks_mut(GROUP)) {
-                    let (mine, rest) = planes.split_at(w as usize * 4);
-                    planes = rest;
-                    crate::codec::bitplane::unpack64(mine, &mut zz);
-                    for (o, &z) in out.iter_mut().zip(zz.iter()) {
-                        *o = unzigzag(z);
+            Codec::Quantized | Codec::Rice => {
+                if h.codec == Codec::Rice {
+                    let (data, blocks) = (body.planes(), &body.blocks);
+                    let mut zz = [0u64; rice::BLOCK];
+                    for (b, out) in codes.chunks_mut(rice::BLOCK).enumerate() {
+                        rice::decode_block(blocks.heads[b], &data[blocks.starts[b]..], &mut zz);
+                        for (o, &z) in out.iter_mut().zip(zz.iter()) {
+                            *o = unzigzag(z);
+                        }
                     }
-                }
-                let exc: Vec<(u64, u32)> = body
-                    .exception_indices()
-                    .zip(body.exception_bits())
-                    .collect();
-                for &(i, _) in &exc {
-                    codes[i as usize] = 0;
-                }
-                exc
-            }
-            Codec::Rice => {
-                let data = body.planes();
-                let mut zz = [0u64; rice::BLOCK];
-                for (b, out) in codes.chunks_mut(rice::BLOCK).enumerate() {
-                    let blocks = &body.blocks;
-                    rice::decode_block(blocks.heads[b], &data[blocks.starts[b]..], &mut zz);
-                    for (o, &z) in out.iter_mut().zip(zz.iter()) {
-                        *o = unzigzag(z);
+                } else {
+                    let mut planes = body.planes();
+                    let mut zz = [0u64; GROUP];
+                    for (&w, out) in body.widths().iter().zip(codes.chunks_mut(GROUP)) {
+                        let (mine, rest) = planes.split_at(w as usize * 4);
+                        planes = rest;
+                        crate::codec::bitplane::unpack64(mine, &mut zz);
+                        for (o, &z) in out.iter_mut().zip(zz.iter()) {
+                            *o = unzigzag(z);
+                        }
                     }
                 }
                 let exc: Vec<(u64, u32)> = body

@@ -95,23 +95,7 @@ pub unsafe fn compress(args: &CompressArgs<'_>) -> Result<()> {
             got: args.workspace_len,
         });
     }
-    // A misaligned load or store would be a device fault, which ends the whole context: the
-    // u64 and f64 words need 8 bytes, the workspace 16 (its chunk table is stored as `uint4`),
-    // the residual its floats' 4 and the input its elements' size.
-    for (what, at, align) in [
-        ("frame size's", args.size_to, 8),
-        ("running maximum's", args.max_error_to, 8),
-        ("bound's", args.bound_at, 8),
-        ("workspace's", args.workspace, 16),
-        ("residual's", args.residual, 4),
-        ("input's", args.input, args.dtype.size() as u64),
-    ] {
-        if at % align != 0 {
-            return Err(Error::Cuda(format!(
-                "compress: the {what} address {at:#x} is not {align}-aligned"
-            )));
-        }
-    }
+    check_compress_alignment("compress", args, 1)?;
     let _restore = ContextGuard::save()?;
     let dev = device(args.device)?;
     let stream = dev.stream(args.stream)?;
@@ -204,6 +188,33 @@ pub unsafe fn compress(args: &CompressArgs<'_>) -> Result<()> {
             one_tile_each,
             &pack,
         )?;
+    }
+    Ok(())
+}
+
+/// Refuses addresses of `args` that the encoders would load or store misaligned: a device fault
+/// ends the whole context. The u64 and f64 words need 8 bytes, the workspace 16 (its tables are
+/// stored as `uint4`), the residual its floats' 4, the input its elements' size, the output
+/// `out_align` (8 for a rice frame, whose heads are stored as u64; bit planes take any).
+pub(super) fn check_compress_alignment(
+    op: &str,
+    args: &CompressArgs<'_>,
+    out_align: u64,
+) -> Result<()> {
+    for (what, at, align) in [
+        ("frame size's", args.size_to, 8),
+        ("running maximum's", args.max_error_to, 8),
+        ("bound's", args.bound_at, 8),
+        ("workspace's", args.workspace, 16),
+        ("residual's", args.residual, 4),
+        ("input's", args.input, args.dtype.size() as u64),
+        ("output's", args.out, out_align),
+    ] {
+        if at % align != 0 {
+            return Err(Error::Cuda(format!(
+                "{op}: the {what} address {at:#x} is not {align}-aligned"
+            )));
+        }
     }
     Ok(())
 }

@@ -72,20 +72,7 @@ pub unsafe fn compress_rice(args: &CompressArgs<'_>) -> Result<()> {
             });
         }
     }
-    for (what, at, align) in [
-        ("frame size's", args.size_to, 8),
-        ("running maximum's", args.max_error_to, 8),
-        ("residual's", args.residual, 4),
-        ("workspace's", args.workspace, 16),
-        ("input's", args.input, args.dtype.size() as u64),
-        ("output's", args.out, 8),
-    ] {
-        if at % align != 0 {
-            return Err(Error::Cuda(format!(
-                "compress_rice: the {what} address {at:#x} is not {align}-aligned"
-            )));
-        }
-    }
+    check_compress_alignment("compress_rice", args, 8)?;
     let _restore = ContextGuard::save()?;
     let dev = device(args.device)?;
     let stream = dev.stream(args.stream)?;
