@@ -69,13 +69,8 @@ pub struct CompressArgs<'a> {
 /// (checked before anything is queued); [`Error::CudaUnavailable`], [`Error::Nvrtc`],
 /// [`Error::Cuda`] from the driver.
 pub unsafe fn compress(args: &CompressArgs<'_>) -> Result<()> {
-    let n = args.n;
-    let ndim = args.shape.len();
-    check_shape(args.shape, n)?;
-    if !args.dtype.is_quantizable() {
-        return Err(Error::NotQuantizable(args.dtype));
-    }
-    let (mode, value, fixed) = bound_parts(args.bound)?;
+    let (n, ndim) = (args.n, args.shape.len());
+    let (mode, value, fixed) = check_compress_args(args)?;
     if args.bound_at != 0 && mode != BoundMode::Abs {
         return Err(Error::Cuda(
             "compress: a bound read from device memory must be an absolute one".into(),
@@ -217,6 +212,16 @@ pub(super) fn check_compress_alignment(
         }
     }
     Ok(())
+}
+
+/// What every encoder checks first: the shape, a float dtype, and the bound, returned as
+/// [`bound_parts`] gives it.
+pub(super) fn check_compress_args(args: &CompressArgs<'_>) -> Result<(BoundMode, f64, u32)> {
+    check_shape(args.shape, args.n)?;
+    if !args.dtype.is_quantizable() {
+        return Err(Error::NotQuantizable(args.dtype));
+    }
+    bound_parts(args.bound)
 }
 
 /// A bound as the encoders take it (mode, value, fixed width or 0), checked as the CPU codec

@@ -66,10 +66,15 @@ pub(super) fn check_decompress_args(args: &DecompressArgs) -> Result<()> {
             got: args.workspace_len,
         });
     }
-    if args.ndim > MAX_NDIM {
+    check_ndim(args.ndim)
+}
+
+/// Refuses more dimensions than a frame's header holds ([`MAX_NDIM`]), as its reader does.
+pub(super) fn check_ndim(ndim: usize) -> Result<()> {
+    if ndim > MAX_NDIM {
         return Err(crate::FormatError::BadField {
             field: "ndim",
-            value: args.ndim.to_string(),
+            value: ndim.to_string(),
         }
         .into());
     }

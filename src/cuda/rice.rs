@@ -44,13 +44,8 @@ fn warp_per_block(n: u64) -> LaunchConfig {
 /// As [`compress`]; [`Error::InvalidBound`] for a fixed rate; [`Error::Cuda`] for a bound read
 /// from device memory.
 pub unsafe fn compress_rice(args: &CompressArgs<'_>) -> Result<()> {
-    let n = args.n;
-    let ndim = args.shape.len();
-    check_shape(args.shape, n)?;
-    if !args.dtype.is_quantizable() {
-        return Err(Error::NotQuantizable(args.dtype));
-    }
-    let (mode, value, fixed) = bound_parts(args.bound)?;
+    let (n, ndim) = (args.n, args.shape.len());
+    let (mode, value, fixed) = check_compress_args(args)?;
     if fixed != 0 {
         return Err(crate::codec::rice::fixed_rate_error());
     }

@@ -487,14 +487,7 @@ pub(super) fn check_decode_sum_args(args: &DecodeSumArgs<'_>) -> Result<()> {
             return Err(Error::NotQuantizable(d));
         }
     }
-    if args.ndim > MAX_NDIM {
-        return Err(crate::FormatError::BadField {
-            field: "ndim",
-            value: args.ndim.to_string(),
-        }
-        .into());
-    }
-    Ok(())
+    check_ndim(args.ndim)
 }
 
 /// Queues the decoded sum of frames, scaled and written in another dtype, in one pass that
