@@ -29,16 +29,18 @@ pub mod nccl;
 // The codec's modules, at the crate's root as well: `cfc::format` and `cfc::lossless` are part
 // of the API, and the rest of the crate names them from there.
 use codec::{bitplane, element, feedback, sum};
-pub use codec::{format, lossless};
+pub use codec::{format, lossless, scales};
 
 pub use bitplane::{unzigzag, zigzag};
 pub use codec::{
-    compress, compress_bytes, decompress, decompress_into_bytes, fixed_rate_size, validate, Bound,
-    CompressOptions, OpenFrame,
+    compress, compress_bytes, compress_scaled, decompress, decompress_into_bytes, fixed_rate_size,
+    validate, Bound, CompressOptions, OpenFrame,
 };
 pub use element::Element;
 pub use error::{Error, FormatError, Result};
-pub use feedback::{compress_bytes_with_feedback, compress_with_feedback};
+pub use feedback::{
+    compress_bytes_with_feedback, compress_with_feedback, compress_with_feedback_scaled,
+};
 pub use format::{read_header, BoundMode, Codec, Coder, DType, Header};
 pub use lossless::{compress_lossless_bytes, LosslessOptions};
 pub use sum::{sum_frames, Codes};

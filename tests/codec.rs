@@ -20,6 +20,7 @@ enum BoundKind {
     Abs(f64),
     Rel(f64),
     Bits(u8),
+    Rms(f64, u8),
 }
 
 fn bound_strategy() -> impl Strategy<Value = BoundKind> {
@@ -27,6 +28,8 @@ fn bound_strategy() -> impl Strategy<Value = BoundKind> {
         prop::sample::select(vec![1e-7, 1e-4, 1e-2, 0.1, 0.5, 3.0]).prop_map(BoundKind::Abs),
         prop::sample::select(vec![1e-7, 1e-5, 1e-3, 0.01, 0.1, 0.5]).prop_map(BoundKind::Rel),
         (2u8..=32).prop_map(BoundKind::Bits),
+        (prop::sample::select(vec![1e-4, 0.05, 0.3, 0.9]), 5u8..=11)
+            .prop_map(|(k, b)| BoundKind::Rms(k, b)),
     ]
 }
 
@@ -77,6 +80,7 @@ fn to_bound<T: Float>(bk: BoundKind, dist: Dist, scale: f64) -> Bound {
         BoundKind::Abs(m) => Bound::Abs(natural_scale::<T>(dist, scale) * m),
         BoundKind::Rel(r) => Bound::Rel(r),
         BoundKind::Bits(b) => Bound::Bits(b),
+        BoundKind::Rms(k, block_log2) => Bound::Rms { k, block_log2 },
     }
 }
 
@@ -134,6 +138,24 @@ fn roundtrip_case<T: Float>(
             let max = max_finite_abs(&x);
             let expected = if max > 0.0 { r * max } else { r };
             prop_assert_eq!(h.eps, expected, "rel {} max {}", r, max);
+        }
+        Bound::Rms { k, block_log2 } => {
+            prop_assert_eq!(h.mode, BoundMode::Rms);
+            prop_assert_eq!(h.step, 2.0 * h.eps);
+            prop_assert_eq!(h.block_log2 != 0, h.codec == Codec::Quantized);
+            // Each block within its own bound: k times its RMS rounded down to a power of two
+            // (at least k 2^-126), and no finer than half that.
+            for (b, (xs, ys)) in x.chunks(1 << block_log2).zip(y.chunks(1 << block_log2)).enumerate() {
+                let fin: Vec<f64> = xs.iter().filter(|v| v.is_finite()).map(|v| v.to_f64()).collect();
+                let rms = (fin.iter().map(|v| v * v).sum::<f64>() / xs.len() as f64).sqrt();
+                if rms == 0.0 {
+                    continue;
+                }
+                let bound = k * 2f64.powi(rms.log2().floor().max(-126.0) as i32);
+                prop_assert!(bound <= (k * rms).max(k * 2f64.powi(-126)) * (1.0 + 1e-12));
+                let c = check(xs, ys, bound);
+                prop_assert_eq!(c.violations, 0, "block {} rms {} bound {}", b, rms, bound);
+            }
         }
         Bound::Bits(b) => {
             prop_assert_eq!(h.mode, BoundMode::Bits);
@@ -811,6 +833,7 @@ fn error_incompatible() {
 #[test]
 fn error_code_overflow() {
     let part = |codes: Vec<i64>| Codes {
+        scales: None,
         dtype: DType::F32,
         shape: vec![codes.len() as u64],
         step: 1.0,

@@ -146,6 +146,7 @@ fn tiny_frame_by_hand() {
             body_len: 9,
             raw_body_len: 9,
             shape: vec![3],
+            block_log2: 0,
         }
     );
     let (_, y) = decompress::<f32>(&f).expect("decodes");
@@ -222,6 +223,7 @@ fn fixed_rate_frame_by_hand() {
 #[test]
 fn sum_frame_by_hand() {
     let c = Codes {
+        scales: None,
         dtype: DType::F32,
         shape: vec![2],
         step: 0.25,
@@ -312,6 +314,7 @@ fn header_write_parse_round_trip() {
         body_len: 0,
         raw_body_len: 0,
         shape: vec![2, 3],
+        block_log2: 0,
     };
     // One group at width 1 plus one exception: 1 + 4 + 4 + 2 bytes.
     let body = [1u8, 0, 0, 0, 0, 4, 0, 0, 0, 0, 0x7c];

@@ -135,6 +135,7 @@ fn valid_frames() -> &'static [(&'static str, Vec<u8>)] {
         let xh: Vec<f16> = x.iter().map(|&v| f16::from_f32(v)).collect();
         let rep: Vec<f32> = (0..200).map(|i| [0.1f32, 7.0, -2.5][i % 3]).collect();
         let wide = Codes {
+            scales: None,
             dtype: DType::BF16,
             shape: vec![2, 20],
             step: 0.5,
@@ -219,6 +220,22 @@ fn valid_frames() -> &'static [(&'static str, Vec<u8>)] {
             ),
             ("empty", compress::<f32>(&[], &[0, 3], &abs)),
             ("scalar", compress(&[0.0f32], &[], &abs)),
+            ("f32 block scales, exceptions", Ok(s_frame())),
+            (
+                "bf16 block scales, rice, zstd",
+                compress(
+                    &xb,
+                    &[300],
+                    &z(rice(CompressOptions::new(Bound::Rms {
+                        k: 0.1,
+                        block_log2: 5,
+                    }))),
+                ),
+            ),
+            (
+                "block scales, sum",
+                cfc::sum_frames(&[&s_frame(), &s_frame()], None),
+            ),
         ];
         frames
             .into_iter()
@@ -478,6 +495,7 @@ fn header(dtype: DType, n: u64, n_exceptions: u64, body: &[u8]) -> Header {
         body_len: body.len() as u64,
         raw_body_len: body.len() as u64,
         shape: vec![n],
+        block_log2: 0,
     }
 }
 
@@ -515,6 +533,21 @@ fn q_frame_with(widths: &[u8], exc: &[(u64, u32)]) -> Vec<u8> {
 }
 
 /// The valid baseline every quantized crafted case starts from.
+/// A frame with block scales (blocks of 64) and exceptions: its scales are the first
+/// `ceil(300 / 64) = 5` bytes of the body.
+fn s_frame() -> Vec<u8> {
+    let mut x: Vec<f32> = gen(Dist::Laplace, 300, 1.0, 2);
+    for (i, v) in x.iter_mut().enumerate() {
+        *v *= [1.0, 1e-3, 1e-6, 1.0, 0.5][i / 64];
+    }
+    x[70] = f32::NAN;
+    let o = CompressOptions::new(Bound::Rms {
+        k: 0.2,
+        block_log2: 6,
+    });
+    compress(&x, &[300], &o).expect("a frame with block scales")
+}
+
 fn q_frame() -> Vec<u8> {
     let (w, e) = q_parts();
     q_frame_with(&w, &e)
@@ -1035,13 +1068,57 @@ fn crafted() -> Vec<Case> {
         case("unknown_dtype", set(q.clone(), 6, &[10]), |e| {
             bad_field(e, "dtype")
         }),
-        case("unknown_flags", set(q.clone(), 7, &[0x02]), |e| {
+        case("unknown_flags", set(q.clone(), 7, &[0x04]), |e| {
             bad_field(e, "flags")
         }),
+        case("scales_flag_no_block", set(q.clone(), 7, &[0x02]), |e| {
+            bad_field(e, "block size (log2)")
+        }),
+        case("scales_block_too_small", set(s_frame(), 12, &[4]), |e| {
+            bad_field(e, "block size (log2)")
+        }),
+        case("scales_block_too_large", set(s_frame(), 12, &[25]), |e| {
+            bad_field(e, "block size (log2)")
+        }),
+        case("scales_block_without_flag", set(q.clone(), 12, &[8]), |e| {
+            bad_field(e, "block scales")
+        }),
+        case("scales_rms_mode_without_flag", set(q.clone(), 8, &[5]), |e| {
+            bad_field(e, "block scales")
+        }),
+        case("scales_in_bits_mode", set(set(s_frame(), 8, &[2]), 11, &[8]), |e| {
+            bad_field(e, "flags")
+        }),
+        case("scales_in_raw_frame", set(raw_frame(), 7, &[0x02]), |e| {
+            bad_field(e, "flags")
+        }),
+        case(
+            "scales_shift_too_deep",
+            {
+                // step 2^-1000: 255 halvings leave no normal number
+                let f = set(s_frame(), 24, &(2f64.powi(-1000)).to_le_bytes());
+                let f = set(f, 32, &(2f64.powi(-1001)).to_le_bytes());
+                set(f, FIXED_HEADER_LEN + 8 + 2, &[255])
+            },
+            |e| bad_field(e, "block shift"),
+        ),
+        case(
+            "scales_missing",
+            {
+                // the body one block of scales short: the widths and planes no longer add up
+                let f = s_frame();
+                let at = FIXED_HEADER_LEN + 8;
+                let mut g = f[..at].to_vec();
+                g.extend_from_slice(&f[at + 1..]);
+                let len = (f.len() - at - 1) as u64;
+                set_u64(set_u64(g, 48, len), 56, len)
+            },
+            |e| fmt_err(e).is_some(),
+        ),
         case("unknown_flags_high", set(q.clone(), 7, &[0x81]), |e| {
             bad_field(e, "flags")
         }),
-        case("unknown_mode", set(q.clone(), 8, &[5]), |e| {
+        case("unknown_mode", set(q.clone(), 8, &[6]), |e| {
             bad_field(e, "mode")
         }),
         case(

@@ -123,6 +123,7 @@ fn sums_of_rice_frames_are_rice_frames() {
     );
     // Codes up to 64 bits wide come back exactly.
     let wide = Codes {
+        scales: None,
         dtype: cfc::DType::F32,
         shape: vec![2100],
         step: 1.0,

@@ -196,6 +196,7 @@ fn codes_strategy() -> impl Strategy<Value = Codes> {
                 codes[i as usize] = 0;
             }
             Codes {
+                scales: None,
                 dtype,
                 shape: vec![codes.len() as u64],
                 step,
@@ -423,6 +424,7 @@ fn sums_of_sums_add_bounds() {
 #[test]
 fn hand_built_codes_are_checked_before_use() {
     let good = Codes {
+        scales: None,
         dtype: DType::F32,
         shape: vec![2, 2],
         step: 0.5,
@@ -434,6 +436,7 @@ fn hand_built_codes_are_checked_before_use() {
     let cases: Vec<(Codes, &str)> = vec![
         (
             Codes {
+                scales: None,
                 codes: vec![1, 2, 3],
                 ..good.clone()
             },
@@ -441,6 +444,7 @@ fn hand_built_codes_are_checked_before_use() {
         ),
         (
             Codes {
+                scales: None,
                 shape: vec![1; 9],
                 codes: vec![0],
                 exceptions: vec![],
@@ -450,6 +454,7 @@ fn hand_built_codes_are_checked_before_use() {
         ),
         (
             Codes {
+                scales: None,
                 step: 0.0,
                 ..good.clone()
             },
@@ -457,6 +462,7 @@ fn hand_built_codes_are_checked_before_use() {
         ),
         (
             Codes {
+                scales: None,
                 step: f64::NAN,
                 ..good.clone()
             },
@@ -464,6 +470,7 @@ fn hand_built_codes_are_checked_before_use() {
         ),
         (
             Codes {
+                scales: None,
                 eps: -1.0,
                 ..good.clone()
             },
@@ -471,6 +478,7 @@ fn hand_built_codes_are_checked_before_use() {
         ),
         (
             Codes {
+                scales: None,
                 exceptions: vec![(4, 0)],
                 ..good.clone()
             },
@@ -478,6 +486,7 @@ fn hand_built_codes_are_checked_before_use() {
         ),
         (
             Codes {
+                scales: None,
                 codes: vec![1, 0, 0, 0],
                 exceptions: vec![(2, 0), (1, 0)],
                 ..good.clone()
@@ -486,6 +495,7 @@ fn hand_built_codes_are_checked_before_use() {
         ),
         (
             Codes {
+                scales: None,
                 codes: vec![1, 0, 0, 0],
                 exceptions: vec![(2, 0), (2, 0)],
                 ..good.clone()
@@ -496,6 +506,7 @@ fn hand_built_codes_are_checked_before_use() {
         // the code at an exception is 0 there.
         (
             Codes {
+                scales: None,
                 dtype: DType::BF16,
                 exceptions: vec![(3, 0x1_7fc0)],
                 ..good.clone()
@@ -504,6 +515,7 @@ fn hand_built_codes_are_checked_before_use() {
         ),
         (
             Codes {
+                scales: None,
                 exceptions: vec![(2, 0)],
                 ..good.clone()
             },
@@ -541,6 +553,7 @@ fn an_exception_sum_is_rounded_through_f32_and_a_nan_is_the_quiet_nan() {
     // takes the decode rule's route, to f32 first (1 + 2^-8: a tie, to even), then to bfloat16
     // (again a tie, to even: 1.0).
     let part = |bits: u32| Codes {
+        scales: None,
         dtype: DType::BF16,
         shape: vec![2],
         step: 1.0,

@@ -65,13 +65,48 @@ pub(crate) fn bound_of(
     rel: Option<f64>,
     bits: Option<i64>,
 ) -> PyResult<cfc::Bound> {
-    match (eps, rel, bits) {
-        (Some(e), None, None) => Ok(cfc::Bound::Abs(e)),
-        (None, Some(r), None) => Ok(cfc::Bound::Rel(r)),
-        (None, None, Some(b)) => bits_of(b).map(cfc::Bound::Bits),
+    block_bound_of(eps, rel, bits, None, None)
+}
+
+/// The bound of `cfc.compress`: one of `eps=`, `rel=`, `bits=` or `rms=` (block scales, with
+/// `block=` elements per block, a power of two).
+pub(crate) fn block_bound_of(
+    eps: Option<f64>,
+    rel: Option<f64>,
+    bits: Option<i64>,
+    rms: Option<f64>,
+    block: Option<u64>,
+) -> PyResult<cfc::Bound> {
+    if block.is_some() && rms.is_none() {
+        return Err(PyValueError::new_err("block= goes with rms="));
+    }
+    match (eps, rel, bits, rms) {
+        (Some(e), None, None, None) => Ok(cfc::Bound::Abs(e)),
+        (None, Some(r), None, None) => Ok(cfc::Bound::Rel(r)),
+        (None, None, Some(b), None) => bits_of(b).map(cfc::Bound::Bits),
+        (None, None, None, Some(k)) => Ok(cfc::Bound::Rms {
+            k,
+            block_log2: block_log2_of(block.unwrap_or(DEFAULT_BLOCK))?,
+        }),
         _ => Err(PyValueError::new_err(
-            "give exactly one of eps=, rel= or bits=",
+            "give exactly one of eps=, rel=, bits= or rms=",
         )),
+    }
+}
+
+/// Elements per block of `rms=` when `block=` is not given.
+const DEFAULT_BLOCK: u64 = 256;
+
+/// `log2` of a block size: a power of two from 32 to 2^24.
+pub(crate) fn block_log2_of(block: u64) -> PyResult<u8> {
+    let lo = 1u64 << cfc::scales::MIN_BLOCK_LOG2;
+    let hi = 1u64 << cfc::scales::MAX_BLOCK_LOG2;
+    if block.is_power_of_two() && (lo..=hi).contains(&block) {
+        Ok(block.trailing_zeros() as u8)
+    } else {
+        Err(PyValueError::new_err(format!(
+            "block must be a power of two from {lo} to {hi}, not {block}"
+        )))
     }
 }
 
@@ -82,7 +117,9 @@ pub(crate) fn bound_of(
 ///     nbytes: their size in bytes.
 ///     dtype: "float32", "bfloat16" or "float16".
 ///     shape: the tensor's dimensions (their product is the element count).
-///     eps, rel, bits: exactly one of them sets the error bound.
+///     eps, rel, bits, rms: exactly one of them sets the error bound (rms: each block's bound
+///         is this fraction of its RMS, rounded down to a power of two).
+///     block: elements per block of rms= (a power of two, 32 to 2^24; default 256).
 ///     zstd_level: if given, run the body through zstd at this level.
 ///     threads: threads to use, 0 for automatic.
 ///     coder: "planes" (bit planes) or "rice" (Rice codes, fewer bytes).
@@ -93,7 +130,7 @@ pub(crate) fn bound_of(
 /// Returns:
 ///     bytes: the frame.
 #[pyfunction]
-#[pyo3(signature = (data_ptr, nbytes, dtype, shape, *, eps=None, rel=None, bits=None, zstd_level=None, threads=0, coder="planes", residual_ptr=0, residual_nbytes=0))]
+#[pyo3(signature = (data_ptr, nbytes, dtype, shape, *, eps=None, rel=None, bits=None, rms=None, block=None, zstd_level=None, threads=0, coder="planes", residual_ptr=0, residual_nbytes=0))]
 #[allow(clippy::too_many_arguments)]
 fn compress<'py>(
     py: Python<'py>,
@@ -104,6 +141,8 @@ fn compress<'py>(
     eps: Option<f64>,
     rel: Option<f64>,
     bits: Option<i64>,
+    rms: Option<f64>,
+    block: Option<u64>,
     zstd_level: Option<i32>,
     threads: usize,
     coder: &str,
@@ -117,7 +156,7 @@ fn compress<'py>(
         ))
     })?;
     let opts = cfc::CompressOptions {
-        bound: bound_of(eps, rel, bits)?,
+        bound: block_bound_of(eps, rel, bits, rms, block)?,
         zstd_level,
         threads,
         coder,
@@ -215,8 +254,8 @@ fn decompress<'py>(
 /// Reads a frame's header.
 ///
 /// Returns:
-///     dict: dtype, shape, numel, eps, step, mode, bits, codec, zstd, exceptions, nbytes,
-///     decoded_nbytes, version.
+///     dict: dtype, shape, numel, eps, step, mode, bits, block (elements per block of a frame
+///     with block scales, else 0), codec, zstd, exceptions, nbytes, decoded_nbytes, version.
 #[pyfunction]
 fn frame_info<'py>(py: Python<'py>, frame: &[u8]) -> PyResult<Bound<'py, PyDict>> {
     let h = cfc::read_header(frame).map_err(to_py)?;
@@ -228,6 +267,14 @@ fn frame_info<'py>(py: Python<'py>, frame: &[u8]) -> PyResult<Bound<'py, PyDict>
     d.set_item("step", h.step)?;
     d.set_item("mode", h.mode.name())?;
     d.set_item("bits", h.bits)?;
+    d.set_item(
+        "block",
+        if h.block_log2 == 0 {
+            0
+        } else {
+            1u64 << h.block_log2
+        },
+    )?;
     d.set_item(
         "codec",
         match h.codec {

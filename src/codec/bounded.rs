@@ -23,6 +23,7 @@ use crate::codec::format::{
 };
 use crate::codec::parallel::{map_ranges, thread_count};
 use crate::codec::rice;
+use crate::codec::scales::{self, halvings, BlockScales, Steps};
 use crate::error::{Error, Result};
 use half::{bf16, f16};
 
@@ -36,6 +37,14 @@ pub enum Bound {
     /// Fixed rate: every group is stored with this many bits per value (2 to 32), so the size
     /// is known before compressing; the bound this achieves is measured and written in the frame.
     Bits(u8),
+    /// Block scales: each block of `2^block_log2` elements is bounded by `k` times its own RMS
+    /// rounded down to a power of two ([`crate::codec::scales`]). `k` is below 1.
+    Rms {
+        /// The fraction of each block's RMS.
+        k: f64,
+        /// Elements per block, as a power of two (5 to 24).
+        block_log2: u8,
+    },
 }
 
 /// Options of [`compress`].
@@ -72,6 +81,37 @@ struct Quantizer {
     eps: f64,
     /// Fixed rate: pack every group at this width and measure the error instead of bounding it.
     fixed_bits: Option<u32>,
+}
+
+impl Quantizer {
+    /// The quantizer of a block `shift` halvings finer (exact: powers of two).
+    fn halved(&self, shift: u8) -> Quantizer {
+        let step = self.step * halvings(shift);
+        Quantizer {
+            step,
+            inv_step: 1.0 / step,
+            eps: self.eps * halvings(shift),
+            fixed_bits: None,
+        }
+    }
+}
+
+/// The quantizer of each group: one, or its block's.
+#[derive(Clone, Copy)]
+struct Quantizers<'a> {
+    base: Quantizer,
+    scales: Option<&'a BlockScales>,
+}
+
+impl Quantizers<'_> {
+    /// The quantizer of the group starting at element `first`.
+    #[inline(always)]
+    fn at(&self, first: u64) -> Quantizer {
+        match self.scales {
+            None => self.base,
+            Some(s) => self.base.halved(s.shifts[(first >> s.log2) as usize]),
+        }
+    }
 }
 
 /// What one thread produces for its range of groups (or of rice blocks).
@@ -143,7 +183,11 @@ fn code_group<T: Element, const FIXED: bool>(
     }
 }
 
-fn encode_range<T: Element, const FIXED: bool>(data: &[T], first: u64, qz: &Quantizer) -> Part {
+fn encode_range<T: Element, const FIXED: bool>(
+    data: &[T],
+    first: u64,
+    qzs: &Quantizers<'_>,
+) -> Part {
     let mut part = Part {
         widths: Vec::with_capacity(data.len().div_ceil(GROUP)),
         planes: Vec::with_capacity(data.len() / 2),
@@ -151,7 +195,9 @@ fn encode_range<T: Element, const FIXED: bool>(data: &[T], first: u64, qz: &Quan
     };
     let mut zz = [0u32; GROUP];
     for (g, chunk) in data.chunks(GROUP).enumerate() {
-        let acc = code_group::<T, FIXED>(chunk, first + (g * GROUP) as u64, qz, &mut zz, &mut part);
+        let at = first + (g * GROUP) as u64;
+        let qz = &qzs.at(at);
+        let acc = code_group::<T, FIXED>(chunk, at, qz, &mut zz, &mut part);
         let w = qz.fixed_bits.unwrap_or_else(|| width_of(acc as u64));
         part.widths.push(w as u8);
         pack32(&zz, w, &mut part.planes);
@@ -160,7 +206,7 @@ fn encode_range<T: Element, const FIXED: bool>(data: &[T], first: u64, qz: &Quan
 }
 
 /// [`encode_range`] for a rice body: `data` starts at a block's first element.
-fn encode_rice_range<T: Element>(data: &[T], first: u64, qz: &Quantizer) -> Part {
+fn encode_rice_range<T: Element>(data: &[T], first: u64, qzs: &Quantizers<'_>) -> Part {
     let mut part = Part {
         widths: Vec::with_capacity(data.len().div_ceil(rice::BLOCK) * rice::HEAD_BYTES),
         planes: Vec::with_capacity(data.len() / 2),
@@ -171,8 +217,8 @@ fn encode_rice_range<T: Element>(data: &[T], first: u64, qz: &Quantizer) -> Part
     for (b, values) in data.chunks(rice::BLOCK).enumerate() {
         block.fill(0);
         for (g, chunk) in values.chunks(GROUP).enumerate() {
-            let at = (b * rice::BLOCK + g * GROUP) as u64;
-            code_group::<T, false>(chunk, first + at, qz, &mut zz, &mut part);
+            let at = first + (b * rice::BLOCK + g * GROUP) as u64;
+            code_group::<T, false>(chunk, at, &qzs.at(at), &mut zz, &mut part);
             for (o, &z) in block[g * GROUP..(g + 1) * GROUP].iter_mut().zip(&zz) {
                 *o = z as u64;
             }
@@ -182,11 +228,11 @@ fn encode_rice_range<T: Element>(data: &[T], first: u64, qz: &Quantizer) -> Part
     part
 }
 
-fn encode<T: Element>(data: &[T], first: u64, qz: &Quantizer, coder: Coder) -> Part {
-    match (coder, qz.fixed_bits.is_some()) {
-        (_, true) => encode_range::<T, true>(data, first, qz),
-        (Coder::Planes, false) => encode_range::<T, false>(data, first, qz),
-        (Coder::Rice, false) => encode_rice_range::<T>(data, first, qz),
+fn encode<T: Element>(data: &[T], first: u64, qzs: &Quantizers<'_>, coder: Coder) -> Part {
+    match (coder, qzs.base.fixed_bits.is_some()) {
+        (_, true) => encode_range::<T, true>(data, first, qzs),
+        (Coder::Planes, false) => encode_range::<T, false>(data, first, qzs),
+        (Coder::Rice, false) => encode_rice_range::<T>(data, first, qzs),
     }
 }
 
@@ -251,15 +297,38 @@ fn abs_quantizer(eps: f64, what: &'static str) -> Result<Quantizer> {
     })
 }
 
-fn quantizer_for<T: Element>(data: &[T], bound: Bound) -> Result<(Quantizer, BoundMode, u8)> {
+/// Checks a per-block fraction of the RMS.
+pub(crate) fn check_rms(k: f64) -> Result<()> {
+    if k.is_finite() && k > 0.0 && k < 1.0 {
+        Ok(())
+    } else {
+        Err(Error::InvalidBound {
+            what: "rms",
+            reason: format!("{k:?} must be above 0 and below 1"),
+        })
+    }
+}
+
+/// The quantizer of a bound, the frame's mode and fixed width, and block scales where the
+/// bound has them.
+type Chosen = (Quantizer, BoundMode, u8, Option<BlockScales>);
+
+fn quantizer_for<T: Element>(data: &[T], bound: Bound) -> Result<Chosen> {
     match bound {
-        Bound::Abs(eps) => Ok((abs_quantizer(eps, "eps")?, BoundMode::Abs, 0)),
+        Bound::Abs(eps) => Ok((abs_quantizer(eps, "eps")?, BoundMode::Abs, 0, None)),
+        Bound::Rms { k, block_log2 } => {
+            check_rms(k)?;
+            scales::check_log2(block_log2)?;
+            let exponents = scales::block_exponents(data, None, block_log2);
+            let (eps, s) = BlockScales::from_exponents(k, &exponents, block_log2);
+            Ok((abs_quantizer(eps, "rms")?, BoundMode::Rms, 0, Some(s)))
+        }
         Bound::Rel(rel) => {
             check_rel(rel)?;
             let max = max_finite_abs(data);
             // With no nonzero finite element every bound holds; use `rel` itself as the bound.
             let eps = if max > 0.0 { rel * max } else { rel };
-            Ok((abs_quantizer(eps, "rel")?, BoundMode::Rel, 0))
+            Ok((abs_quantizer(eps, "rel")?, BoundMode::Rel, 0, None))
         }
         Bound::Bits(bits) => {
             check_bits(bits)?;
@@ -288,6 +357,7 @@ fn quantizer_for<T: Element>(data: &[T], bound: Bound) -> Result<(Quantizer, Bou
                 },
                 BoundMode::Bits,
                 bits,
+                None,
             ))
         }
     }
@@ -306,11 +376,47 @@ pub fn compress<T: Element>(
     shape: &[usize],
     opts: &CompressOptions,
 ) -> Result<Vec<u8>> {
+    compress_with(data, shape, opts, None)
+}
+
+/// [`compress`] with block scales given: block `b` is quantized with the step of the bound
+/// `Bound::Abs(eps)` halved `scales.shifts[b]` times (the distributed engine's scales, agreed
+/// by every rank so that codes add exactly).
+///
+/// # Errors
+/// As [`compress`]; [`Error::InvalidBound`] for a bound other than `Bound::Abs`;
+/// [`Error::InvalidCodes`] for scales that do not fit the tensor or the step.
+pub fn compress_scaled<T: Element>(
+    data: &[T],
+    shape: &[usize],
+    opts: &CompressOptions,
+    scales: &BlockScales,
+) -> Result<Vec<u8>> {
+    if !matches!(opts.bound, Bound::Abs(_)) {
+        return Err(Error::InvalidBound {
+            what: "bound",
+            reason: "given block scales take an absolute bound (eps)".into(),
+        });
+    }
+    compress_with(data, shape, opts, Some(scales))
+}
+
+fn compress_with<T: Element>(
+    data: &[T],
+    shape: &[usize],
+    opts: &CompressOptions,
+    given: Option<&BlockScales>,
+) -> Result<Vec<u8>> {
     let shape = checked_shape(shape, data.len())?;
     if opts.coder == Coder::Rice && matches!(opts.bound, Bound::Bits(_)) {
         return Err(rice::fixed_rate_error());
     }
-    let (qz, mode, bits) = quantizer_for(data, opts.bound)?;
+    let (qz, mode, bits, chosen) = quantizer_for(data, opts.bound)?;
+    let scales = given.or(chosen.as_ref());
+    if let Some(s) = scales {
+        s.check(data.len() as u64, qz.step)?;
+    }
+    let qzs = Quantizers { base: qz, scales };
     let n = data.len();
     // Threads take whole groups, or whole blocks of a rice body.
     let unit = match opts.coder {
@@ -322,14 +428,15 @@ pub fn compress<T: Element>(
 
     let parts: Vec<Part> = map_ranges(n.div_ceil(unit), threads, |r| {
         let (lo, hi) = (r.start * unit, (r.end * unit).min(n));
-        encode(&data[lo..hi], lo as u64, &qz, opts.coder)
+        encode(&data[lo..hi], lo as u64, &qzs, opts.coder)
     });
 
     let n_exc: usize = parts.iter().map(|p| p.exc_index.len()).sum();
     let table_len: usize = parts.iter().map(|p| p.widths.len()).sum();
     let planes_len: usize = parts.iter().map(|p| p.planes.len()).sum();
     let index_size = crate::codec::format::index_size_for(n as u64);
-    let quant_len = table_len + planes_len + n_exc * (index_size + T::DTYPE.size());
+    let scales_len = scales.map_or(0, |s| s.shifts.len());
+    let quant_len = scales_len + table_len + planes_len + n_exc * (index_size + T::DTYPE.size());
     let raw_len = n * T::DTYPE.size();
     let eps = match qz.fixed_bits {
         Some(_) => parts.iter().map(|p| p.max_err).fold(0.0, f64::max),
@@ -352,14 +459,19 @@ pub fn compress<T: Element>(
         body_len: 0,
         raw_body_len: 0,
         shape,
+        block_log2: scales.map_or(0, |s| s.log2),
     };
     // Fixed rate keeps its promised layout; otherwise never store more than the raw bytes.
     let body = if quant_len >= raw_len && qz.fixed_bits.is_none() {
         header.codec = Codec::Raw;
         header.n_exceptions = 0;
+        header.block_log2 = 0;
         bytemuck::cast_slice::<T, u8>(data).to_vec()
     } else {
         let mut body = Vec::with_capacity(quant_len);
+        if let Some(s) = scales {
+            body.extend_from_slice(&s.shifts);
+        }
         for p in &parts {
             body.extend_from_slice(&p.widths);
         }
@@ -409,13 +521,20 @@ pub fn compress_bytes(
     }
 }
 
-/// Decodes groups `range` of a checked quantized body into `out` (which starts at the
-/// range's first element). `planes` starts at the range's first plane.
-pub(crate) fn decode_range<T: Element>(widths: &[u8], mut planes: &[u8], step: f64, out: &mut [T]) {
+/// Decodes a range of groups of a checked quantized body, from group `first`, into `out`
+/// (which starts at the range's first element). `planes` starts at the range's first plane.
+pub(crate) fn decode_range<T: Element>(
+    widths: &[u8],
+    mut planes: &[u8],
+    steps: Steps<'_>,
+    first: usize,
+    out: &mut [T],
+) {
     let mut zz = [0u32; GROUP];
     let mut zz64 = [0u64; GROUP];
-    let zero = dequantize::<T>(0, step);
-    for (&w, chunk) in widths.iter().zip(out.chunks_mut(GROUP)) {
+    for (g, (&w, chunk)) in widths.iter().zip(out.chunks_mut(GROUP)).enumerate() {
+        let step = steps.of_group(first + g);
+        let zero = dequantize::<T>(0, step);
         let nbytes = w as usize * 4;
         let (mine, rest) = planes.split_at(nbytes);
         planes = rest;

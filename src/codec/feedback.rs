@@ -11,7 +11,8 @@
 
 use crate::codec::element::Element;
 use crate::codec::format::DType;
-use crate::codec::{compress, decompress, elements, CompressOptions};
+use crate::codec::scales::BlockScales;
+use crate::codec::{compress, compress_scaled, decompress, elements, CompressOptions};
 use crate::error::{Error, Result};
 use half::{bf16, f16};
 
@@ -28,6 +29,20 @@ pub fn compress_with_feedback<T: Element>(
     shape: &[usize],
     opts: &CompressOptions,
 ) -> Result<Vec<u8>> {
+    compress_with_feedback_scaled(data, residual, shape, opts, None)
+}
+
+/// [`compress_with_feedback`], with block scales given (see [`crate::compress_scaled`]).
+///
+/// # Errors
+/// As [`compress_with_feedback`] and [`crate::compress_scaled`].
+pub fn compress_with_feedback_scaled<T: Element>(
+    data: &[T],
+    residual: &mut [f32],
+    shape: &[usize],
+    opts: &CompressOptions,
+    scales: Option<&BlockScales>,
+) -> Result<Vec<u8>> {
     if residual.len() != data.len() {
         return Err(Error::ShapeMismatch {
             shape_elements: Some(residual.len() as u64),
@@ -40,7 +55,10 @@ pub fn compress_with_feedback<T: Element>(
         .zip(residual.iter())
         .map(|(&x, &r)| compensate(x, r))
         .unzip();
-    let frame = compress(&values, shape, opts)?;
+    let frame = match scales {
+        Some(s) => compress_scaled(&values, shape, opts, s)?,
+        None => compress(&values, shape, opts)?,
+    };
     let (_, decoded) = decompress::<T>(&frame)?;
     for ((r, &c), d) in residual.iter_mut().zip(&compensated).zip(&decoded) {
         let d = d.to_f64() as f32;

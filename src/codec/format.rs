@@ -29,6 +29,8 @@ pub const MAX_ENCODE_WIDTH: u8 = 32;
 pub const MAX_CODE: f64 = 2_147_483_647.0;
 
 const FLAG_ZSTD: u8 = 1;
+/// The body starts with block scales (docs/FORMAT.md, "Block scales").
+const FLAG_SCALES: u8 = 2;
 
 /// Element type of a tensor.
 ///
@@ -205,10 +207,13 @@ pub enum BoundMode {
     Sum,
     /// No loss: every bit pattern comes back (`eps` is 0).
     Lossless,
+    /// Each block's bound is a fraction of its own RMS, rounded down to a power of two (the
+    /// frame has block scales).
+    Rms,
 }
 
 impl BoundMode {
-    /// Lower-case name (`abs`, `rel`, `bits`, `sum`, `lossless`).
+    /// Lower-case name (`abs`, `rel`, `bits`, `sum`, `lossless`, `rms`).
     pub fn name(self) -> &'static str {
         match self {
             BoundMode::Abs => "abs",
@@ -216,6 +221,7 @@ impl BoundMode {
             BoundMode::Bits => "bits",
             BoundMode::Sum => "sum",
             BoundMode::Lossless => "lossless",
+            BoundMode::Rms => "rms",
         }
     }
     /// The mode's number in frames, and in the kernels' parameters.
@@ -226,6 +232,7 @@ impl BoundMode {
             BoundMode::Bits => 2,
             BoundMode::Sum => 3,
             BoundMode::Lossless => 4,
+            BoundMode::Rms => 5,
         }
     }
     fn from_code(c: u8) -> Option<BoundMode> {
@@ -235,6 +242,7 @@ impl BoundMode {
             2 => Some(BoundMode::Bits),
             3 => Some(BoundMode::Sum),
             4 => Some(BoundMode::Lossless),
+            5 => Some(BoundMode::Rms),
             _ => None,
         }
     }
@@ -267,6 +275,10 @@ pub struct Header {
     pub raw_body_len: u64,
     /// Dimensions; their product is `n`.
     pub shape: Vec<u64>,
+    /// Block scales: `log2` of the elements per block (5 to 24), 0 for none. With scales the
+    /// body starts with a shift per block ([`crate::codec::scales`]), and `step` and `eps` are
+    /// the coarsest block's.
+    pub block_log2: u8,
 }
 
 /// Where each part of a quantized body sits, derived from the header alone.
@@ -274,8 +286,10 @@ pub struct Header {
 pub(crate) struct BodyLayout {
     /// Number of groups (`ceil(n / GROUP)`).
     pub groups: usize,
-    /// Bytes before the codes' data: the width table (a byte per group) or the rice block
-    /// heads (8 bytes per block).
+    /// Bytes of block scales at the body's start (a byte per block; 0 without scales).
+    pub scales_len: usize,
+    /// Bytes before the codes' data, after the scales: the width table (a byte per group) or
+    /// the rice block heads (8 bytes per block).
     pub table_len: usize,
     /// Bytes of the codes' data: bit planes, or the rice blocks' data.
     pub planes_len: usize,
@@ -377,12 +391,16 @@ impl Header {
         out.push(VERSION);
         out.push(self.codec.code());
         out.push(self.dtype.code());
-        out.push(if self.zstd { FLAG_ZSTD } else { 0 });
+        out.push(
+            if self.zstd { FLAG_ZSTD } else { 0 }
+                | if self.block_log2 != 0 { FLAG_SCALES } else { 0 },
+        );
         out.push(self.mode.code());
         out.push(self.shape.len() as u8);
         out.push(GROUP_LOG2);
         out.push(self.bits);
-        out.extend_from_slice(&[0u8; 4]);
+        out.push(self.block_log2);
+        out.extend_from_slice(&[0u8; 3]);
         out.extend_from_slice(&self.n.to_le_bytes());
         out.extend_from_slice(&self.step.to_le_bytes());
         out.extend_from_slice(&self.eps.to_le_bytes());
@@ -429,7 +447,7 @@ impl Header {
             ));
         }
         let flags = buf[7];
-        if flags & !FLAG_ZSTD != 0 {
+        if flags & !(FLAG_ZSTD | FLAG_SCALES) != 0 {
             return Err(bad_field("flags", format!("{flags:#04x}")));
         }
         let mode = BoundMode::from_code(buf[8]).ok_or_else(|| bad_field("mode", buf[8]))?;
@@ -459,10 +477,32 @@ impl Header {
         if !bits_ok {
             return Err(bad_field("bits", bits));
         }
-        if buf[12..16] != [0u8; 4] {
+        // Block scales: quantized codes whose step is a bound's (not a fixed rate's).
+        let block_log2 = buf[12];
+        if flags & FLAG_SCALES != 0 {
+            let scalable = codec.is_quantized()
+                && matches!(
+                    mode,
+                    BoundMode::Abs | BoundMode::Rel | BoundMode::Sum | BoundMode::Rms
+                );
+            if !scalable {
+                return Err(bad_field(
+                    "flags",
+                    format!("block scales in a {codec:?} frame of mode {}", mode.name()),
+                ));
+            }
+            crate::codec::scales::check_log2(block_log2)
+                .map_err(|_| bad_field("block size (log2)", block_log2))?;
+        } else if (mode == BoundMode::Rms && codec != Codec::Raw) || block_log2 != 0 {
+            return Err(bad_field(
+                "block scales",
+                format!("mode {}, block size 2^{block_log2}, no scales flag", mode.name()),
+            ));
+        }
+        if buf[13..16] != [0u8; 3] {
             return Err(bad_field(
                 "reserved bytes",
-                format!("{:02x?}", &buf[12..16]),
+                format!("{:02x?}", &buf[13..16]),
             ));
         }
         let n = u64_at(buf, 16);
@@ -528,6 +568,7 @@ impl Header {
             body_len,
             raw_body_len,
             shape,
+            block_log2,
         };
         header.check_raw_body_len()?;
         // An empty tensor's other dimensions are bounded by nothing above (elsewhere the
@@ -600,7 +641,10 @@ impl Header {
                 };
                 let table = table.ok_or_else(overflow)?;
                 let max_planes = max_planes.ok_or_else(overflow)?;
-                let min = table.checked_add(exc).ok_or_else(overflow)?;
+                let min = table
+                    .checked_add(exc)
+                    .and_then(|m| m.checked_add(self.scales_len()))
+                    .ok_or_else(overflow)?;
                 let max = min.checked_add(max_planes).ok_or_else(overflow)?;
                 if self.raw_body_len < min || self.raw_body_len > max {
                     return Err(FormatError::LengthMismatch {
@@ -615,6 +659,15 @@ impl Header {
         Ok(())
     }
 
+    /// Bytes of block scales at the body's start (0 without scales).
+    pub fn scales_len(&self) -> u64 {
+        if self.block_log2 == 0 {
+            0
+        } else {
+            crate::codec::scales::blocks_for(self.n, self.block_log2)
+        }
+    }
+
     /// Layout of a quantized or rice body (valid after `parse`).
     pub(crate) fn layout(&self) -> BodyLayout {
         let groups = groups_for(self.n) as usize;
@@ -626,10 +679,12 @@ impl Header {
             }
             _ => groups,
         };
+        let scales_len = self.scales_len() as usize;
         BodyLayout {
             groups,
+            scales_len,
             table_len,
-            planes_len: self.raw_body_len as usize - table_len - exc,
+            planes_len: self.raw_body_len as usize - scales_len - table_len - exc,
             index_size,
         }
     }

@@ -8,6 +8,7 @@ use crate::codec::format::{Codec, DType, Header, GROUP, MAX_WIDTH};
 use crate::codec::lossless;
 use crate::codec::parallel::{split_groups, thread_count};
 use crate::codec::rice;
+use crate::codec::scales::{BlockScales, Steps};
 use crate::error::{try_capacity, Error, FormatError, Result};
 use half::{bf16, f16};
 use std::io::Read;
@@ -20,6 +21,8 @@ pub(crate) struct Body<'a> {
     pub chunks: Vec<lossless::ChunkRef>,
     /// The blocks of a rice body (empty for other codecs).
     pub blocks: rice::Blocks,
+    /// The block scales of a frame that has them.
+    pub scales: Option<BlockScales>,
 }
 
 impl<'a> Body<'a> {
@@ -37,6 +40,7 @@ impl<'a> Body<'a> {
             raw,
             chunks: Vec::new(),
             blocks: rice::Blocks::default(),
+            scales: None,
         };
         match body.header.codec {
             Codec::Quantized | Codec::Rice => body.check_quantized()?,
@@ -51,8 +55,17 @@ impl<'a> Body<'a> {
 
     fn check_quantized(&mut self) -> Result<()> {
         let lay = self.header.layout();
+        if self.header.block_log2 != 0 {
+            let scales = BlockScales {
+                log2: self.header.block_log2,
+                shifts: self.raw[..lay.scales_len].to_vec(),
+            };
+            scales.check(self.header.n, self.header.step)?;
+            self.scales = Some(scales);
+        }
         if self.header.codec == Codec::Rice {
-            self.blocks = rice::check(&self.raw[..lay.table_len], self.planes())?;
+            let heads = &self.raw[lay.scales_len..lay.scales_len + lay.table_len];
+            self.blocks = rice::check(heads, self.planes())?;
         } else {
             self.check_widths()?;
         }
@@ -72,8 +85,7 @@ impl<'a> Body<'a> {
     }
 
     fn check_widths(&self) -> Result<()> {
-        let lay = self.header.layout();
-        let widths = &self.raw[..lay.groups];
+        let widths = self.widths();
         let mut total: u64 = 0;
         for (g, &w) in widths.iter().enumerate() {
             if w > MAX_WIDTH {
@@ -85,11 +97,12 @@ impl<'a> Body<'a> {
             }
             total += w as u64;
         }
-        if total * 4 != lay.planes_len as u64 {
+        let planes_len = self.header.layout().planes_len as u64;
+        if total * 4 != planes_len {
             return Err(FormatError::LengthMismatch {
                 part: "bit planes",
                 expected: total * 4,
-                found: lay.planes_len as u64,
+                found: planes_len,
             }
             .into());
         }
@@ -98,19 +111,26 @@ impl<'a> Body<'a> {
 
     /// The width table of a bit-plane body.
     pub(crate) fn widths(&self) -> &[u8] {
-        &self.raw[..self.header.layout().groups]
+        let lay = self.header.layout();
+        &self.raw[lay.scales_len..lay.scales_len + lay.groups]
+    }
+
+    /// The steps of the codes: the header's, or each block's.
+    pub(crate) fn steps(&self) -> Steps<'_> {
+        Steps::new(self.header.step, self.scales.as_ref())
     }
 
     /// The codes' data: bit planes, or the rice blocks' data.
     pub(crate) fn planes(&self) -> &[u8] {
         let lay = self.header.layout();
-        &self.raw[lay.table_len..lay.table_len + lay.planes_len]
+        let start = lay.scales_len + lay.table_len;
+        &self.raw[start..start + lay.planes_len]
     }
 
     /// Exception indices in stored order.
     pub(crate) fn exception_indices(&self) -> impl Iterator<Item = u64> + '_ {
         let lay = self.header.layout();
-        let start = lay.table_len + lay.planes_len;
+        let start = lay.scales_len + lay.table_len + lay.planes_len;
         let len = self.header.n_exceptions as usize * lay.index_size;
         self.raw[start..start + len]
             .chunks_exact(lay.index_size)
@@ -125,8 +145,10 @@ impl<'a> Body<'a> {
     pub(crate) fn exception_bits(&self) -> impl Iterator<Item = u32> + '_ {
         let lay = self.header.layout();
         let size = self.header.dtype.size();
-        let start =
-            lay.table_len + lay.planes_len + self.header.n_exceptions as usize * lay.index_size;
+        let start = lay.scales_len
+            + lay.table_len
+            + lay.planes_len
+            + self.header.n_exceptions as usize * lay.index_size;
         let len = self.header.n_exceptions as usize * size;
         self.raw[start..start + len].chunks_exact(size).map(|c| {
             let mut a = [0u8; 4];
@@ -245,8 +267,9 @@ pub(crate) fn decode_into<T: Element>(
             let planes = body.planes();
             let n = out.len();
             let threads = thread_count(threads, n);
+            let steps = body.steps();
             if threads == 1 {
-                decode_range(widths, planes, h.step, out);
+                decode_range(widths, planes, steps, 0, out);
             } else {
                 let ranges = split_groups(widths.len(), threads);
                 // Plane offset of each range: a prefix sum over the (already checked) widths.
@@ -258,13 +281,17 @@ pub(crate) fn decode_into<T: Element>(
                     let (mine, tail) = rest.split_at_mut(elems);
                     rest = tail;
                     let bytes: usize = widths[r.clone()].iter().map(|&w| w as usize * 4).sum();
-                    jobs.push((&widths[r.clone()], &planes[offset..offset + bytes], mine));
+                    jobs.push((
+                        &widths[r.clone()],
+                        &planes[offset..offset + bytes],
+                        r.start,
+                        mine,
+                    ));
                     offset += bytes;
                 }
-                let step = h.step;
                 crossbeam_utils::thread::scope(|s| {
-                    for (w, p, o) in jobs {
-                        s.spawn(move |_| decode_range(w, p, step, o));
+                    for (w, p, first, o) in jobs {
+                        s.spawn(move |_| decode_range(w, p, steps, first, o));
                     }
                 })
                 .unwrap_or_else(|p| std::panic::resume_unwind(p));
@@ -286,7 +313,7 @@ pub(crate) fn decode_into<T: Element>(
 
 /// Decodes a checked rice body's codes into `out`, blocks split over `threads`.
 fn decode_rice<T: Element>(body: &Body<'_>, out: &mut [T], threads: usize) {
-    let step = body.header.step;
+    let steps = body.steps();
     let data = body.planes();
     let blocks = &body.blocks;
     let go = |first: usize, out: &mut [T]| {
@@ -294,8 +321,12 @@ fn decode_rice<T: Element>(body: &Body<'_>, out: &mut [T], threads: usize) {
         for (b, chunk) in out.chunks_mut(rice::BLOCK).enumerate() {
             let b = first + b;
             rice::decode_block(blocks.heads[b], &data[blocks.starts[b]..], &mut zz);
-            for (o, &z) in chunk.iter_mut().zip(zz.iter()) {
-                *o = dequantize(crate::codec::bitplane::unzigzag(z), step);
+            let groups = chunk.chunks_mut(GROUP).zip(zz.chunks(GROUP));
+            for (g, (out, zz)) in groups.enumerate() {
+                let step = steps.of_group(b * (rice::BLOCK / GROUP) + g);
+                for (o, &z) in out.iter_mut().zip(zz) {
+                    *o = dequantize(crate::codec::bitplane::unzigzag(z), step);
+                }
             }
         }
     };

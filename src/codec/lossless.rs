@@ -441,6 +441,7 @@ pub fn compress_lossless_bytes(
         body_len: 0,
         raw_body_len: 0,
         shape,
+        block_log2: 0,
     };
     let body = if 4 * chunks + payload >= bytes.len() {
         header.codec = Codec::Raw;

@@ -12,6 +12,7 @@ use crate::codec::format::finish_frame;
 use crate::codec::format::{read_header, BoundMode, Codec, Coder, DType, Header, GROUP};
 use crate::codec::frame::Body;
 use crate::codec::rice;
+use crate::codec::scales::BlockScales;
 use crate::error::{Error, Result};
 use half::{bf16, f16};
 
@@ -25,10 +26,12 @@ pub struct Codes {
     pub dtype: DType,
     /// Dimensions.
     pub shape: Vec<u64>,
-    /// Quantization step shared by every code.
+    /// Quantization step shared by every code (the coarsest block's, with block scales).
     pub step: f64,
-    /// Bound on `|decoded - original|` for finite elements.
+    /// Bound on `|decoded - original|` for finite elements (the coarsest block's).
     pub eps: f64,
+    /// Block scales: each block's step is `step` halved its shift's times.
+    pub scales: Option<BlockScales>,
     /// One code per element.
     pub codes: Vec<i64>,
     /// `(index, raw bits)` of exactly stored elements, by increasing index.
@@ -109,6 +112,7 @@ impl Codes {
             shape: h.shape.clone(),
             step: h.step,
             eps: h.eps,
+            scales: body.scales.clone(),
             codes,
             exceptions,
         })
@@ -147,6 +151,12 @@ impl Codes {
                 "eps {:e} must be finite and not negative",
                 self.eps
             ));
+        }
+        if let Some(s) = &self.scales {
+            s.check(self.codes.len() as u64, self.step)
+                .map_err(|e| Error::InvalidCodes {
+                    reason: e.to_string(),
+                })?;
         }
         // Bits wider than the element would be cut to it in the frame, and a code at an
         // exception would be dropped there (the frame's code is 0): either way the frame would
@@ -194,6 +204,9 @@ impl Codes {
         let groups = n.div_ceil(GROUP);
         let index_size = crate::codec::format::index_size_for(n as u64);
         let mut body = Vec::with_capacity(groups * 5);
+        if let Some(s) = &self.scales {
+            body.extend_from_slice(&s.shifts);
+        }
         let mut planes = Vec::new();
         match coder {
             Coder::Planes => {
@@ -244,6 +257,7 @@ impl Codes {
             body_len: 0,
             raw_body_len: 0,
             shape: self.shape.clone(),
+            block_log2: self.scales.as_ref().map_or(0, |s| s.log2),
         };
         finish_frame(header, body, zstd_level)
     }
@@ -256,10 +270,14 @@ impl Codes {
                 None => dequantize::<T>(code, step).to_f64(),
             }
         }
+        let step = match &self.scales {
+            Some(s) => s.step(self.step, i >> s.log2),
+            None => self.step,
+        };
         match self.dtype {
-            DType::F32 => v::<f32>(self.codes[i], self.step, exception_bits),
-            DType::BF16 => v::<bf16>(self.codes[i], self.step, exception_bits),
-            DType::F16 => v::<f16>(self.codes[i], self.step, exception_bits),
+            DType::F32 => v::<f32>(self.codes[i], step, exception_bits),
+            DType::BF16 => v::<bf16>(self.codes[i], step, exception_bits),
+            DType::F16 => v::<f16>(self.codes[i], step, exception_bits),
             // `Codes::check` refuses every other dtype before values are read.
             _ => f64::NAN,
         }
@@ -315,6 +333,17 @@ impl Codes {
                     right: format!("{:e}", p.step),
                 });
             }
+            if p.scales != first.scales {
+                let describe = |s: &Option<BlockScales>| match s {
+                    None => "no block scales".to_string(),
+                    Some(s) => format!("blocks of 2^{} with shifts {:?}...", s.log2, &s.shifts[..s.shifts.len().min(4)]),
+                };
+                return Err(Error::Incompatible {
+                    what: "block scales",
+                    left: describe(&first.scales),
+                    right: describe(&p.scales),
+                });
+            }
         }
         let mut codes = first.codes.clone();
         for p in &parts[1..] {
@@ -362,6 +391,7 @@ impl Codes {
             shape: first.shape.clone(),
             step: first.step,
             eps,
+            scales: first.scales.clone(),
             codes,
             exceptions,
         })

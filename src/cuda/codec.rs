@@ -240,6 +240,12 @@ pub(super) fn bound_parts(bound: Bound) -> Result<(BoundMode, f64, u32)> {
             crate::codec::check_bits(b)?;
             (BoundMode::Bits, b as f64, b as u32)
         }
+        Bound::Rms { .. } => {
+            return Err(Error::InvalidBound {
+                what: "rms",
+                reason: "block scales are encoded by the CPU codec only".into(),
+            })
+        }
     })
 }
 

@@ -176,6 +176,8 @@ def compress(
     eps: Optional[float] = None,
     rel: Optional[float] = None,
     bits: Optional[int] = None,
+    rms: Optional[float] = None,
+    block: Optional[int] = None,
     zstd: Union[bool, int] = False,
     threads: int = 0,
     residual: Any = None,
@@ -195,6 +197,11 @@ def compress(
         rel: bound relative to the largest finite magnitude (``eps = rel * max|x|``).
         bits: fixed rate, 2 to 32 bits per value; the size is known in advance
             (:func:`fixed_rate_size`) and the bound achieved is reported as ``.eps``.
+        rms: block scales: each block of ``block`` elements is bounded by this fraction
+            (below 1) of its own RMS, rounded down to a power of two, so small and large
+            regions of a tensor keep the same relative precision. The frame records each
+            block's step; ``.eps`` is the coarsest block's bound.
+        block: elements per block of ``rms=``, a power of two from 32 to 2**24 (default 256).
         zstd: add a lossless zstd stage (``True`` for level 1, or a level up to 22).
         threads: CPU threads to use, 0 for one per core on large tensors.
         residual: error feedback. A float32 tensor (or array) with as many values as ``x``, on
@@ -237,6 +244,8 @@ def compress(
     eps = None if eps is None else _check_number("eps", eps)
     rel = None if rel is None else _check_number("rel", rel)
     bits = None if bits is None else _check_bits(bits)
+    rms = None if rms is None else _check_number("rms", rms)
+    block = None if block is None else _check_integer("block", block)
     threads = _check_threads(threads)
     zstd_level = _zstd_level(zstd)  # (checked before any branch: the same errors on every device)
     if coder not in ("planes", "rice"):
@@ -252,8 +261,8 @@ def compress(
         # both codecs read memory.
         x = x.resolve_neg()
     if lossless:
-        if eps is not None or rel is not None or bits is not None:
-            raise ValueError("lossless=True takes no bound (eps=, rel= or bits=)")
+        if eps is not None or rel is not None or bits is not None or rms is not None:
+            raise ValueError("lossless=True takes no bound (eps=, rel=, bits= or rms=)")
         if residual is not None:
             raise ValueError("lossless=True drops nothing: it takes no residual")
         if torch is not None and isinstance(x, torch.Tensor) and not zstd and _cuda_ready(x):
@@ -271,6 +280,7 @@ def compress(
         and isinstance(x, torch.Tensor)
         and not zstd
         and (coder == "planes" or bits is None)
+        and rms is None  # (block scales: the CPU codec)
         and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
         and _cuda_ready(x)
     ):
@@ -309,6 +319,8 @@ def compress(
         eps=eps,
         rel=rel,
         bits=bits,
+        rms=rms,
+        block=block,
         zstd_level=zstd_level,
         threads=threads,
         coder=coder,
@@ -352,7 +364,7 @@ def decompress(c: Any, device: Any = None, *, threads: int = 0, max_nbytes: Opti
         target = None if device is None else torch.device(device)
         if target is not None and target.type == "cuda" and target.index is None:
             target = torch.device("cuda", torch.cuda.current_device())
-        gpu = not info["zstd"] and (
+        gpu = not info["zstd"] and not info["block"] and (
             info["codec"] == "lossless" or info["dtype"] in _DTYPE_NAMES
         )
         if target is not None and target.type == "cuda" and gpu and _device_supported(target.index):
@@ -388,7 +400,7 @@ def decompress(c: Any, device: Any = None, *, threads: int = 0, max_nbytes: Opti
         info = _native.frame_info(buf)
         # The GPU decodes quantized frames, raw frames of the float types, and lossless frames
         # of every dtype; the zstd stage and raw frames of other dtypes stay on the host.
-        on_gpu = not info["zstd"] and (
+        on_gpu = not info["zstd"] and not info["block"] and (
             info["codec"] == "lossless" or info["dtype"] in _DTYPE_NAMES
         )
         if on_gpu:
