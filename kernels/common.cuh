@@ -114,14 +114,29 @@ __device__ __forceinline__ u64 cfc_load_le(const u8* p, int nbytes) {
 // A frame's shape, passed to kernels by value.
 struct Dims { u64 d[8]; };
 
+// Block scales (docs/FORMAT.md, "Block scales"): with blocks of 2^log2 elements (log2 from 5 to
+// 24; 0: none), a quantized body starts with one shift byte per block, and block b's step is the
+// header's halved shift[b] times.
+__device__ __forceinline__ u64 cfc_scales_len(u64 n, u32 log2) { return log2 ? (n + (1ull << log2) - 1) >> log2 : 0; }
+
+// 2^-s exactly (s up to 255).
+__device__ __forceinline__ double cfc_halvings(u32 s) { return __longlong_as_double((long long)((1023ull - s) << 52)); }
+
+// The step of group g of a frame whose shifts are at `shifts` (null: none).
+__device__ __forceinline__ double cfc_group_step(double step, const u8* shifts, u32 log2, u64 g) {
+    return shifts ? step * cfc_halvings(shifts[g >> (log2 - 5)]) : step;
+}
+
 // A frame header (docs/FORMAT.md) at `h`: 64 bytes, then 8 per dimension. `step` and `eps` are
-// the f64 fields' bits.
+// the f64 fields' bits; `block_log2` nonzero: the body starts with block scales.
 __device__ inline void cfc_write_header(u8* h, u32 codec, u32 dtype, u32 mode, u32 bits, u64 n, u64 step,
-                                        u64 eps, u64 n_exc, u64 body_len, u32 ndim, const Dims& dims) {
+                                        u64 eps, u64 n_exc, u64 body_len, u32 ndim, const Dims& dims,
+                                        u32 block_log2) {
     h[0] = 'C'; h[1] = 'F'; h[2] = 'C'; h[3] = 'F';
-    h[4] = 1; h[5] = (u8)codec; h[6] = (u8)dtype; h[7] = 0;
+    h[4] = 1; h[5] = (u8)codec; h[6] = (u8)dtype; h[7] = block_log2 ? 2 : 0;
     h[8] = (u8)mode; h[9] = (u8)ndim; h[10] = 5; h[11] = (u8)bits;
-    h[12] = h[13] = h[14] = h[15] = 0;
+    h[12] = (u8)block_log2;
+    h[13] = h[14] = h[15] = 0;
     cfc_store_le(h + 16, n, 8);
     cfc_store_le(h + 24, step, 8);
     cfc_store_le(h + 32, eps, 8);

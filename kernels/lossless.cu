@@ -601,7 +601,7 @@ extern "C" __global__ void cfc_lossless_finish(u8* out, u64 n, u64 chunks, u32 d
     u32 raw = lossless_len >= raw_len ? 1 : 0;
     u64 body = raw ? raw_len : lossless_len;
     // Mode 4 (lossless), step 1.0, eps 0, no exceptions.
-    cfc_write_header(out, raw ? 1 : 2, dtype, 4, 0, n, 0x3ff0000000000000ull, 0, 0, body, ndim, dims);
+    cfc_write_header(out, raw ? 1 : 2, dtype, 4, 0, n, 0x3ff0000000000000ull, 0, 0, body, ndim, dims, 0);
     *frame_size = header_len + body;
     *raw_flag = raw;
 }

@@ -145,8 +145,16 @@ fn roundtrip_case<T: Float>(
             prop_assert_eq!(h.block_log2 != 0, h.codec == Codec::Quantized);
             // Each block within its own bound: k times its RMS rounded down to a power of two
             // (at least k 2^-126), and no finer than half that.
-            for (b, (xs, ys)) in x.chunks(1 << block_log2).zip(y.chunks(1 << block_log2)).enumerate() {
-                let fin: Vec<f64> = xs.iter().filter(|v| v.is_finite()).map(|v| v.to_f64()).collect();
+            for (b, (xs, ys)) in x
+                .chunks(1 << block_log2)
+                .zip(y.chunks(1 << block_log2))
+                .enumerate()
+            {
+                let fin: Vec<f64> = xs
+                    .iter()
+                    .filter(|v| v.is_finite())
+                    .map(|v| v.to_f64())
+                    .collect();
                 let rms = (fin.iter().map(|v| v * v).sum::<f64>() / xs.len() as f64).sqrt();
                 if rms == 0.0 {
                     continue;

@@ -53,7 +53,9 @@ fn grads(rank: usize, step: usize, n: usize) -> Vec<f32> {
     (0..n)
         .map(|i| {
             let t = (i * 7919 + rank * 104_729 + step * 15_485_863) % 100_003;
-            let v = ((t as f32 / 100_003.0) - 0.5) * 1e-2 * (1.0 + (i % 13) as f32);
+            // (a scale that drops 10x every 3000 values over 4 decades: block scales differ)
+            let decade = 10f32.powi(-(((i / 3000) % 4) as i32));
+            let v = ((t as f32 / 100_003.0) - 0.5) * 1e-2 * (1.0 + (i % 13) as f32) * decade;
             if i == 77 && step == 1 {
                 f32::NAN
             } else {
@@ -284,20 +286,40 @@ fn the_cuda_engine_writes_the_bits_of_the_cpu_engine() {
     }
     for (world, shared) in cases {
         for dtype in [DType::F32, DType::BF16, DType::F16] {
-            for (bound, alg, coder) in [
-                (BoundRule::Rms(0.3), Algorithm::ReduceScatter, Coder::Planes),
-                (BoundRule::Abs(2e-4), Algorithm::AllGather, Coder::Planes),
-                (BoundRule::Rel(0.01), Algorithm::AllGather, Coder::Planes),
-                (BoundRule::Rms(0.3), Algorithm::AllGather, Coder::Rice),
+            for (bound, alg, coder, block) in [
+                (
+                    BoundRule::Rms(0.3),
+                    Algorithm::ReduceScatter,
+                    Coder::Planes,
+                    0,
+                ),
+                (BoundRule::Abs(2e-4), Algorithm::AllGather, Coder::Planes, 0),
+                (BoundRule::Rel(0.01), Algorithm::AllGather, Coder::Planes, 0),
+                (BoundRule::Rms(0.3), Algorithm::AllGather, Coder::Rice, 0),
+                // block scales: both exchanges, small and large blocks
+                (
+                    BoundRule::Rms(0.3),
+                    Algorithm::ReduceScatter,
+                    Coder::Planes,
+                    256,
+                ),
+                (BoundRule::Rms(0.1), Algorithm::AllGather, Coder::Planes, 32),
+                (
+                    BoundRule::Rms(0.05),
+                    Algorithm::ReduceScatter,
+                    Coder::Planes,
+                    4096,
+                ),
             ] {
                 let n = n - n % world;
                 let mut o = options(bound, alg);
                 o.coder = coder;
+                o.block = block;
                 let cpu = on_cpu(world, &o, dtype, n, 3);
                 let gpu = on_gpu(world, shared, &o, dtype, n, 3);
                 for rank in 0..world {
                     for (k, (c, d)) in cpu[rank].iter().zip(&gpu[rank]).enumerate() {
-                        assert!(c == d, "world {world} shared {shared} {dtype:?} {bound:?} {alg:?} {coder:?} rank {rank}: output {k} differs");
+                        assert!(c == d, "world {world} shared {shared} {dtype:?} {bound:?} {alg:?} {coder:?} block {block} rank {rank}: output {k} differs");
                     }
                 }
             }
@@ -495,6 +517,7 @@ fn rice_frames_from_peers_are_checked_on_the_device() {
         let ws = s.alloc_zeros::<u8>(ws_len as usize).unwrap();
         let status = s.alloc_zeros::<u32>(2).unwrap();
         let args = cfc::cuda::DecodeSumArgs {
+            block_log2: 0,
             device: 0,
             stream: s.cu_stream() as usize,
             frames: &addrs,
@@ -546,6 +569,144 @@ fn rice_frames_from_peers_are_checked_on_the_device() {
         let mut set = frames.clone();
         set[1] = broken;
         let (got, status) = run(&set, short);
+        assert_eq!(status, [1, 2], "{what}: status");
+        assert!(got.iter().all(|&v| v == 0), "{what}: something was written");
+    }
+}
+
+/// Frames with block scales from elsewhere: the device decodes and sums what the CPU codec
+/// wrote (a raw part among them), to the CPU's bits, and refuses frames without the expected
+/// scales or with a shift that leaves no normal step, writing nothing.
+#[test]
+#[ignore = "needs a GPU: run with --include-ignored on the GPU machine (scripts/gpu_run.sh)"]
+fn frames_with_block_scales_are_summed_and_checked_on_the_device() {
+    if gpus() == 0 {
+        return;
+    }
+    let (n, log2) = (9000usize, 8u8);
+    let xs: Vec<Vec<f32>> = (0..3).map(|r| grads(r, 0, n)).collect();
+    let exps: Vec<u8> = (0..n.div_ceil(256))
+        .map(|b| {
+            xs.iter()
+                .map(|x| {
+                    cfc::scales::block_exponents(&x[b * 256..((b + 1) * 256).min(n)], None, log2)[0]
+                })
+                .max()
+                .unwrap()
+        })
+        .collect();
+    let (eps, scales) = cfc::scales::BlockScales::from_exponents(0.3, &exps, log2);
+    let o = cfc::CompressOptions::new(cfc::Bound::Abs(eps));
+    let mut frames: Vec<Vec<u8>> = xs
+        .iter()
+        .map(|x| cfc::compress_scaled(x, &[n], &o, &scales).unwrap())
+        .collect();
+    // rank 2's frame went raw (its bytes kept, as an encoder falls back)
+    let raw = cfc::compress(
+        &xs[2],
+        &[n],
+        &cfc::CompressOptions::new(cfc::Bound::Abs(1e-30)),
+    )
+    .unwrap();
+    assert_eq!(cfc::read_header(&raw).unwrap().codec, cfc::Codec::Raw);
+    frames[2] = raw;
+    let parts: Vec<&[u8]> = frames.iter().map(|f| &f[..]).collect();
+    let want_sum = cfc::sum_frames(&parts, None).unwrap();
+    let ctx = cfc::cuda::context(0).unwrap();
+    let s = ctx.new_stream().unwrap();
+    let upload = |frames: &[Vec<u8>]| -> Vec<CudaSlice<u8>> {
+        frames.iter().map(|f| s.clone_htod(f).unwrap()).collect()
+    };
+    // The exact sum, on the device.
+    let dev = upload(&frames);
+    let addrs: Vec<u64> = dev.iter().map(|d| d.device_ptr(&s).0).collect();
+    let lens: Vec<u64> = frames.iter().map(|f| f.len() as u64).collect();
+    let cap = cfc::cuda::sum_capacity(n as u64, DType::F32, 1);
+    let out = s.alloc_zeros::<u8>(cap as usize).unwrap();
+    let ws_len = cfc::cuda::sum_workspace_len(n as u64, 3);
+    let ws = s.alloc_zeros::<u8>(ws_len as usize).unwrap();
+    let args = cfc::cuda::SumArgs {
+        device: 0,
+        stream: s.cu_stream() as usize,
+        frames: &addrs,
+        frame_lens: &lens,
+        n: n as u64,
+        dtype: DType::F32,
+        shape: &[n as u64],
+        out: out.device_ptr(&s).0,
+        out_len: cap,
+        block_log2: log2,
+        workspace: ws.device_ptr(&s).0,
+        workspace_len: ws_len,
+    };
+    // SAFETY: every buffer lives until the synchronize below.
+    unsafe { cfc::cuda::sum(&args) }.unwrap();
+    s.synchronize().unwrap();
+    let got = s.clone_dtoh(&out).unwrap();
+    assert!(
+        got[..want_sum.len()] == want_sum[..],
+        "the device's sum is the CPU's, byte for byte"
+    );
+    // The decoded average, on the device; then broken frames.
+    let mut want = vec![0f32; n];
+    for (p, f) in frames.iter().enumerate() {
+        let (_, v) = cfc::decompress::<f32>(f).unwrap();
+        for (a, v) in want.iter_mut().zip(v) {
+            *a = if p == 0 { v } else { *a + v };
+        }
+    }
+    let want: Vec<u32> = want.iter().map(|a| (a * (1.0 / 3.0)).to_bits()).collect();
+    let run = |frames: &[Vec<u8>]| -> (Vec<u32>, Vec<u32>) {
+        let dev = upload(frames);
+        let addrs: Vec<u64> = dev.iter().map(|d| d.device_ptr(&s).0).collect();
+        let lens: Vec<u64> = frames.iter().map(|f| f.len() as u64).collect();
+        let out = s.alloc_zeros::<u32>(n).unwrap();
+        let ws_len = cfc::cuda::decode_sum_workspace_len(n as u64, 3);
+        let ws = s.alloc_zeros::<u8>(ws_len as usize).unwrap();
+        let status = s.alloc_zeros::<u32>(2).unwrap();
+        let args = cfc::cuda::DecodeSumArgs {
+            device: 0,
+            stream: s.cu_stream() as usize,
+            frames: &addrs,
+            frame_lens: &lens,
+            lens_before: 0,
+            n: n as u64,
+            dtype: DType::F32,
+            ndim: 1,
+            scale: 1.0 / 3.0,
+            out: out.device_ptr(&s).0,
+            out_dtype: DType::F32,
+            block_log2: log2,
+            workspace: ws.device_ptr(&s).0,
+            workspace_len: ws_len,
+            status: status.device_ptr(&s).0,
+        };
+        // SAFETY: every buffer lives until the synchronize below.
+        unsafe { cfc::cuda::decode_sum(&args) }.unwrap();
+        s.synchronize().unwrap();
+        (s.clone_dtoh(&out).unwrap(), s.clone_dtoh(&status).unwrap())
+    };
+    let (got, status) = run(&frames);
+    assert_eq!(status, [0, 0]);
+    assert!(got == want, "the device's decoded average is the CPU's");
+    let f = &frames[1];
+    let with = |at: usize, v: u8| {
+        let mut g = f.clone();
+        g[at] = v;
+        g
+    };
+    let plain = cfc::compress(&xs[1], &[n], &o).unwrap();
+    let mut tiny = with(24 + 7, 0x01); // step's exponent byte: a step near 2^-1000
+    tiny[72] = 200; // and block 0's shift past what a normal step allows
+    for (what, broken) in [
+        ("no scales", plain),
+        ("scales of another block size", with(12, 9)),
+        ("the scales flag cleared", with(7, 0)),
+        ("a shift past the normal numbers", tiny),
+    ] {
+        let mut set = frames.clone();
+        set[1] = broken;
+        let (got, status) = run(&set);
         assert_eq!(status, [1, 2], "{what}: status");
         assert!(got.iter().all(|&v| v == 0), "{what}: something was written");
     }

@@ -1083,12 +1083,16 @@ fn crafted() -> Vec<Case> {
         case("scales_block_without_flag", set(q.clone(), 12, &[8]), |e| {
             bad_field(e, "block scales")
         }),
-        case("scales_rms_mode_without_flag", set(q.clone(), 8, &[5]), |e| {
-            bad_field(e, "block scales")
-        }),
-        case("scales_in_bits_mode", set(set(s_frame(), 8, &[2]), 11, &[8]), |e| {
-            bad_field(e, "flags")
-        }),
+        case(
+            "scales_rms_mode_without_flag",
+            set(q.clone(), 8, &[5]),
+            |e| bad_field(e, "block scales"),
+        ),
+        case(
+            "scales_in_bits_mode",
+            set(set(s_frame(), 8, &[2]), 11, &[8]),
+            |e| bad_field(e, "flags"),
+        ),
         case("scales_in_raw_frame", set(raw_frame(), 7, &[0x02]), |e| {
             bad_field(e, "flags")
         }),

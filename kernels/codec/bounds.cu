@@ -88,3 +88,56 @@ extern "C" __global__ void cfc_codec_stats_total(const double* partials, u32 cou
         o[1] = m;
     }
 }
+
+// ---- block exponents (the engine's block scales) ----
+
+// floor(log2(v)) of a positive finite double, subnormals included.
+__device__ __forceinline__ long long log2_floor(double v) {
+    const u64 bits = (u64)__double_as_longlong(v);
+    const long long e = (long long)((bits >> 52) & 0x7ff);
+    if (e == 0) return -1074 + 63 - (long long)__clzll((long long)(bits & ((1ull << 52) - 1)));
+    return e - 1023;
+}
+
+// Each block's exponent byte of x + r (src/codec/scales.rs, block_exponents, bit for bit): a warp
+// per block of 2^log2 values, lane j adding the squares of the finite values j, j + 32, ... in
+// turn (f64), the lanes then folded by halves; the byte is floor(floor(log2(sum / count)) / 2)
+// + 127, clamped to 1..=254, or 0 where the sum is 0.
+template <class D>
+__device__ void block_exponents(const typename D::T* x, u64 n, const float* residual, u32 log2, u8* out) {
+    const u64 warps = ((u64)gridDim.x * blockDim.x) / 32;
+    const u32 lane = threadIdx.x & 31;
+    const u64 blocks = (n + (1ull << log2) - 1) >> log2;
+    for (u64 b = ((u64)blockIdx.x * blockDim.x + threadIdx.x) / 32; b < blocks; b += warps) {
+        const u64 lo = b << log2, hi = min(lo + (1ull << log2), n);
+        double s = 0.0;
+        for (u64 i = lo + lane; i < hi; i += 32) {
+            float v = D::to_f32(x[i]);
+            if (residual) v += residual[i];
+            if (isfinite(v)) s += (double)v * (double)v;
+        }
+        for (int o = 16; o > 0; o >>= 1) s += __shfl_down_sync(CFC_FULL_MASK, s, o);
+        if (lane == 0) {
+            const double v = s / (double)(hi - lo);
+            u8 e = 0;
+            if (v > 0.0) {
+                if (isinf(v)) {
+                    e = 254;
+                } else {
+                    const long long e2 = log2_floor(v);
+                    const long long half = e2 >= 0 ? e2 / 2 : -((-e2 + 1) / 2);  // floor(e2 / 2)
+                    e = (u8)max(1ll, min(254ll, half + 127));
+                }
+            }
+            out[b] = e;
+        }
+    }
+}
+
+#define BLOCK_EXPONENTS(name, D)                                                                   \
+    extern "C" __global__ void cfc_codec_block_exponents_##name(const D::T* x, u64 n,              \
+                                                                const float* residual, u32 log2,  \
+                                                                u8* out) {                         \
+        block_exponents<D>(x, n, residual, log2, out);                                             \
+    }
+DEFINE_FOR_DTYPES(BLOCK_EXPONENTS)

@@ -25,13 +25,15 @@ __device__ __forceinline__ u32 load_word_before(const u8* a, const u8* end) {
 // encoder's pass 1 leaves, except that the exception counts (which the decoder does not need)
 // count the widths past MAX_DECODE_WIDTH instead: totals[1] is 0 for a frame cfc wrote, and
 // check_frames refuses any other (its planes would not fit the decoders' staging).
+// With block scales (block_log2 nonzero: what the caller expects, which check_frames holds the
+// frame to), the width table comes after them.
 #define MAX_DECODE_WIDTH 64
-__device__ void decode_offsets(const u8* frame, u64 header_len, u64 n, u8* ws) {
+__device__ void decode_offsets(const u8* frame, u64 header_len, u64 n, u8* ws, u32 block_log2) {
     __shared__ u32 s_warp[TILE_THREADS / 32];
     __shared__ u32 s_wide;
     if (frame[HDR_CODEC] != 0) return;  // raw: every element's place is known
     const Tiles ts = tiles_at(ws, n, TILE_CHUNKS);
-    const u8* body = frame + header_len;
+    const u8* body = frame + header_len + cfc_scales_len(n, block_log2);
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const u64 c0 = (u64)blockIdx.x * SPAN_TILES * TILE_CHUNKS + 2 * threadIdx.x;
     if (threadIdx.x == 0) s_wide = 0;
@@ -84,7 +86,7 @@ __device__ void decode_offsets(const u8* frame, u64 header_len, u64 n, u8* ws) {
 }
 
 extern "C" __global__ void cfc_codec_decode_offsets(const u8* frame, u64 header_len, u64 n, u8* ws) {
-    decode_offsets(frame, header_len, n, ws);
+    decode_offsets(frame, header_len, n, ws, 0);  // (cfc.decompress: frames without block scales)
 }
 
 // One warp copies chunk `ch`'s planes (decode_offsets has run), realigned, to `st` (up to 64

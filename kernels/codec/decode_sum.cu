@@ -14,7 +14,7 @@
 // all-reduce needs no decoded copy of each rank's frame.
 template <class D, class O>
 __device__ void decode_sum(const u64* frames, u32 parts, u64 header_len, u64 n, u8* part_ws, u64 stride,
-                           float scale, typename O::T* __restrict__ out, const u32* status) {
+                           float scale, typename O::T* __restrict__ out, const u32* status, u32 block_log2) {
     __shared__ u32 stage[TILE_THREADS / 32][CHUNK_GROUPS * 64];  // a part per warp
     __shared__ u32 s_masks[TILE_THREADS / 32][CHUNK_GROUPS];
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -26,7 +26,7 @@ __device__ void decode_sum(const u64* frames, u32 parts, u64 header_len, u64 n, 
     typename D::T v[CHUNK_GROUPS];
     for (u32 p = 0; p < parts; ++p) {
         part_values<D>((const u8*)frames[p], header_len, n, part_ws + p * stride, ch, have, stage[warp],
-                       s_masks[warp], v);
+                       s_masks[warp], v, block_log2);
 #pragma unroll
         for (int u = 0; u < CHUNK_GROUPS; ++u) acc[u] = p == 0 ? D::to_f32(v[u]) : acc[u] + D::to_f32(v[u]);
     }
@@ -46,24 +46,27 @@ __device__ void decode_sum(const u64* frames, u32 parts, u64 header_len, u64 n, 
     extern "C" __global__ __launch_bounds__(TILE_THREADS, 3)                                       \
     void cfc_codec_decode_sum_to_f32_##name(const u64* frames, u32 parts,                          \
             u64 header_len, u64 n, u8* part_ws, u64 stride, double scale, float* out,              \
-            const u32* status) {                                                                   \
-        decode_sum<D, F32>(frames, parts, header_len, n, part_ws, stride, (float)scale, out, status); \
+            const u32* status, u32 block_log2) {                                                   \
+        decode_sum<D, F32>(frames, parts, header_len, n, part_ws, stride, (float)scale, out, status, \
+                           block_log2);                                                            \
     }
 #define DECODE_SUM_TO_BF16(name, D)                                                                \
     /* at most 80 registers: 3 blocks per SM */                                                    \
     extern "C" __global__ __launch_bounds__(TILE_THREADS, 3)                                       \
     void cfc_codec_decode_sum_to_bf16_##name(const u64* frames, u32 parts,                         \
             u64 header_len, u64 n, u8* part_ws, u64 stride, double scale, u16* out,                \
-            const u32* status) {                                                                   \
-        decode_sum<D, BF16>(frames, parts, header_len, n, part_ws, stride, (float)scale, out, status); \
+            const u32* status, u32 block_log2) {                                                   \
+        decode_sum<D, BF16>(frames, parts, header_len, n, part_ws, stride, (float)scale, out, status, \
+                            block_log2);                                                           \
     }
 #define DECODE_SUM_TO_F16(name, D)                                                                 \
     /* at most 80 registers: 3 blocks per SM */                                                    \
     extern "C" __global__ __launch_bounds__(TILE_THREADS, 3)                                       \
     void cfc_codec_decode_sum_to_f16_##name(const u64* frames, u32 parts,                          \
             u64 header_len, u64 n, u8* part_ws, u64 stride, double scale, u16* out,                \
-            const u32* status) {                                                                   \
-        decode_sum<D, F16>(frames, parts, header_len, n, part_ws, stride, (float)scale, out, status); \
+            const u32* status, u32 block_log2) {                                                   \
+        decode_sum<D, F16>(frames, parts, header_len, n, part_ws, stride, (float)scale, out, status, \
+                           block_log2);                                                            \
     }
 DEFINE_FOR_DTYPES(DECODE_SUM_TO_F32)
 DEFINE_FOR_DTYPES(DECODE_SUM_TO_BF16)
@@ -72,15 +75,20 @@ DEFINE_FOR_DTYPES(DECODE_SUM_TO_F16)
 // Pass 2 of packing a sum, with the geometry of sum_chunks: each chunk's planes built in the
 // warp's shared memory and written at their place, its exceptions (`value_bits`) in theirs;
 // block 0 writes the header and the frame size (0 on an error).
+// With block scales (block_log2 nonzero), the sum's body starts with the scales of its first
+// quantized part (zeros where every part is raw: its codes are then all 0), then the width
+// table sum_chunks wrote.
 template <class D>
 __device__ void sum_pack(const i64* acc, const u32* value_bits, u64 n, u32 dtype, u32 ndim, const Dims& dims,
-                         u8* __restrict__ out, u8* ws, const u32* union_mask) {
+                         u8* __restrict__ out, u8* ws, const u32* union_mask, const u64* frames, u32 parts,
+                         u32 block_log2) {
     __shared__ u32 stage[TILE_THREADS / 32][CHUNK_GROUPS * 64];  // a part per warp
     const CfcParams* pp = (const CfcParams*)ws;
     const Tiles ts = tiles_at(ws, n, TILE_THREADS / 32);
     const u32 size = D::SIZE;
     const u64 groups = ts.groups, header_len = 64 + 8 * (u64)ndim;
-    u8* body = out + header_len;
+    const u64 scales_len = cfc_scales_len(n, block_log2);
+    u8* body = out + header_len + scales_len;
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const u64 ch = (u64)blockIdx.x * ts.tile_chunks + warp;
     const u64 nwords = ts.totals[0], n_exc = ts.totals[1];
@@ -94,6 +102,13 @@ __device__ void sum_pack(const i64* acc, const u32* value_bits, u64 n, u32 dtype
             *(u32*)(ws + 72) = 0u;
         }
         return;
+    }
+    if (scales_len) {
+        const u8* from = nullptr;
+        for (u32 p = 0; p < parts && !from; ++p)
+            if (((const u8*)frames[p])[HDR_CODEC] == 0) from = (const u8*)frames[p] + header_len;
+        for (u64 k = (u64)blockIdx.x * blockDim.x + threadIdx.x; k < scales_len; k += (u64)gridDim.x * blockDim.x)
+            out[header_len + k] = from ? from[k] : 0;
     }
     if (ch < ts.chunks) {
         const u64 e0 = ch * CHUNK_VALUES;
@@ -137,9 +152,9 @@ __device__ void sum_pack(const i64* acc, const u32* value_bits, u64 n, u32 dtype
         }
     }
     if (blockIdx.x == 0 && threadIdx.x == 0) {
-        const u64 blen = groups + 4 * nwords + n_exc * (idx_size + size);
+        const u64 blen = scales_len + groups + 4 * nwords + n_exc * (idx_size + size);
         cfc_write_header(out, 0, dtype, 3, 0, n, (u64)__double_as_longlong(pp->step),
-                         (u64)__double_as_longlong(pp->eps), n_exc, blen, ndim, dims);
+                         (u64)__double_as_longlong(pp->eps), n_exc, blen, ndim, dims, block_log2);
         if (pp->error) out[0] = 0;
         *(u64*)(ws + 64) = pp->error ? 0 : header_len + blen;
         *(u32*)(ws + 72) = 0u;
@@ -148,7 +163,9 @@ __device__ void sum_pack(const i64* acc, const u32* value_bits, u64 n, u32 dtype
 
 #define SUM_PACK(name, D)                                                                          \
     extern "C" __global__ void cfc_codec_sum_pack_##name(const i64* acc, const u32* value_bits,     \
-            u64 n, u32 dtype, u32 ndim, Dims dims, u8* out, u8* ws, const u32* union_mask) {       \
-        sum_pack<D>(acc, value_bits, n, dtype, ndim, dims, out, ws, union_mask);                   \
+            u64 n, u32 dtype, u32 ndim, Dims dims, u8* out, u8* ws, const u32* union_mask,         \
+            const u64* frames, u32 parts, u32 block_log2) {                                        \
+        sum_pack<D>(acc, value_bits, n, dtype, ndim, dims, out, ws, union_mask, frames, parts,     \
+                    block_log2);                                                                   \
     }
 DEFINE_FOR_DTYPES(SUM_PACK)

@@ -143,10 +143,13 @@ __device__ __noinline__ GroupCoded code_group_f64(u32* row, double step, double 
 #define STAGE_ROW 33
 // Where value i of a tile sits in the shared-memory rows: row i / 32, column i % 32.
 __device__ __forceinline__ u32 stage_at(u32 i) { return (i / CFC_GROUP) * STAGE_ROW + i % CFC_GROUP; }
+// With block scales (`shifts` not null, blocks of 2^block_log2 values), each group is coded with
+// its block's step and bound, the header's halved its block's shift times; `body` is then the
+// frame's width table, after the scales.
 template <class D>
 __device__ void encode_groups(const typename D::T* __restrict__ x, u64 n, u32 mode, double value,
                               u32 fixed, u8* body, u8* ws, float* __restrict__ residual,
-                              const double* value_at) {
+                              const double* value_at, const u8* shifts, u32 block_log2) {
     // A bound read from device memory when the kernel runs (value_at), not fixed at the launch:
     // work recorded once as a CUDA graph is then replayed with each step's bound.
     if (value_at) value = *value_at;
@@ -201,6 +204,12 @@ __device__ void encode_groups(const typename D::T* __restrict__ x, u64 n, u32 mo
     __syncthreads();
     const u64 g = (u64)blockIdx.x * threads + tid;  // this thread's group
     u32* row = (u32*)s_vals + tid * STAGE_ROW;      // its values, then its codes
+    if (shifts && g < ts.groups) {  // the group's block's step and bound (exact: powers of two)
+        const double h = cfc_halvings(shifts[g >> (block_log2 - 5)]);
+        P.step *= h;
+        P.inv_step = 1.0 / P.step;
+        P.eps *= h;
+    }
     u32 acc = 0, excm = 0, w8[8];  // w8: the low bytes of the codes (see slice_planes)
     double max_err = 0.0;
     // The row holds the codes after code_group; after code_group_f32 it still holds the values.
@@ -303,8 +312,8 @@ __device__ void encode_groups(const typename D::T* __restrict__ x, u64 n, u32 mo
 #define ENCODE_GROUPS(name, D)                                                                     \
     extern "C" __global__ __launch_bounds__(TILE_THREADS, 4) void cfc_codec_encode_groups_##name(  \
             const D::T* x, u64 n, u32 mode, double value, u32 fixed, u8* body, u8* ws,             \
-            float* residual, const double* value_at) {                                             \
-        encode_groups<D>(x, n, mode, value, fixed, body, ws, residual, value_at);                  \
+            float* residual, const double* value_at, const u8* shifts, u32 block_log2) {           \
+        encode_groups<D>(x, n, mode, value, fixed, body, ws, residual, value_at, shifts, block_log2); \
     }
 DEFINE_FOR_DTYPES(ENCODE_GROUPS)
 
@@ -317,7 +326,7 @@ DEFINE_FOR_DTYPES(ENCODE_GROUPS)
 template <class D>
 __device__ __forceinline__ void raw_chunk_with_feedback(const typename D::T* x, const Tiles& ts, u64 ch,
                                                         u32 words_in_tile, u32 have, u8* body, float* residual,
-                                                        double step, bool typed) {
+                                                        double step, bool typed, const u8* shifts, u32 block_log2) {
     const u32 lane = threadIdx.x & 31;
     const u64 g0 = ch * CHUNK_GROUPS, e0 = ch * CHUNK_VALUES;
     // Lane u < 8: group u's width, whether its c are kept, where its planes start.
@@ -334,7 +343,8 @@ __device__ __forceinline__ void raw_chunk_with_feedback(const typename D::T* x, 
             c = ts.cvals[e0 + j];
         } else {
             const i64 q = code_at(planes, gwu, lane);
-            c = D::to_f32(cfc_dequantize<D>(q, step)) + residual[e0 + j];
+            const double sg = cfc_group_step(step, shifts, block_log2, g0 + u);
+            c = D::to_f32(cfc_dequantize<D>(q, sg)) + residual[e0 + j];
         }
         const typename D::T v = cfc_sent_value<D>(x[e0 + j], c);
         residual[e0 + j] = cfc_new_residual(c, D::to_f32(v));
@@ -353,17 +363,22 @@ __device__ __forceinline__ void raw_chunk_with_feedback(const typename D::T* x, 
 // quantized frame leaves, and kept the compensated values c of groups with exceptions (whose
 // values are sent as they are); only a frame that falls back to raw rewrites the residuals,
 // each c being rebuilt as decoded + residual from the staged planes, or read where kept.
+// With block scales (`shifts` not null), a quantized body starts with them (copied here), and its
+// width table, planes and exceptions follow; a raw frame has none.
 template <class D>
 __device__ void pack_chunks(const typename D::T* __restrict__ x, u64 n, u32 dtype, u32 mode, u32 fixed,
                             u32 ndim, const Dims& dims, u8* __restrict__ out, u8* __restrict__ ws,
-                            float* __restrict__ residual, u32 wc, u64* size_to, u64* max_to) {
+                            float* __restrict__ residual, u32 wc, u64* size_to, u64* max_to,
+                            const u8* shifts, u32 block_log2) {
     const CfcParams* pp = (const CfcParams*)ws;
     float* const residual_in = residual;  // (`residual` is cleared below where it must stay)
     const Tiles ts = tiles_at(ws, n, (TILE_THREADS / 32) * wc);
     const u32 size = D::SIZE;
     const u64 groups = ts.groups;
     const u64 header_len = 64 + 8 * (u64)ndim;
-    u8* body = out + header_len;
+    u8* body = out + header_len;  // a raw frame's bytes
+    const u64 scales_len = shifts ? cfc_scales_len(n, block_log2) : 0;
+    u8* qbody = body + scales_len;  // a quantized frame's width table and what follows it
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     // This warp's chunks (those of encode_groups' threads 8 k to 8 k + 7 for chunk k).
     const u64 ch0 = (u64)blockIdx.x * ts.tile_chunks + warp * wc;
@@ -389,19 +404,22 @@ __device__ void pack_chunks(const typename D::T* __restrict__ x, u64 n, u32 dtyp
     const u64 max_err_bits = pp->max_err_bits;
     if (pp->error) residual = nullptr;  // as in pass 1: leave the residual untouched
     const u64 idx_size = n <= (1ull << 32) ? 4 : 8;
-    const u64 quant_len = groups + 4 * nwords + n_exc * (idx_size + size);
+    const u64 quant_len = scales_len + groups + 4 * nwords + n_exc * (idx_size + size);
     const bool raw = !fixed && quant_len >= n * size;
     if (!raw && tile_in) {  // the tile's planes, staged back to back, in one piece
         // The output has room for a body smaller than the raw bytes (fixed rate excepted).
         const u8* limit = fixed ? (const u8*)~0ull : body + n * size;
-        put_words_block(body + groups + 4 * tile_wb, staged, last.x + last.z, limit, cur0, prev0);
+        put_words_block(qbody + groups + 4 * tile_wb, staged, last.x + last.z, limit, cur0, prev0);
     }
+    if (!raw && scales_len)  // the scales, ahead of the width table pass 1 wrote
+        for (u64 k = (u64)blockIdx.x * blockDim.x + threadIdx.x; k < scales_len; k += (u64)gridDim.x * blockDim.x)
+            body[k] = shifts[k];
     // Then, chunk by chunk, what the tile has besides planes: raw bytes (and residuals), exceptions.
     const bool typed = ((u64)body % size) == 0;  // raw bytes can be stored as elements
     if (raw && residual)  // (on its own, so that the loop below keeps its registers)
         for (u32 k = 0; k < wc && ch0 + k < ts.chunks; ++k)
             raw_chunk_with_feedback<D>(x, ts, ch0 + k, ts.chunk_info[ch0 + k].x, chunk_values(n, ch0 + k), body,
-                                       residual, P.step, typed);
+                                       residual, P.step, typed, shifts, block_log2);
     const bool any = ch0 < ts.chunks && (raw || last.y + last.w) && !(raw && residual);
     const u64 eb = any ? excs_before(ts, tile) : 0;
     uint4 info[WARP_CHUNKS];  // x, y: words and exceptions before the chunk in its tile; z, w: own
@@ -426,7 +444,7 @@ __device__ void pack_chunks(const typename D::T* __restrict__ x, u64 n, u32 dtyp
             u32 inc = cfc_lane_prefix_sum((u32)__popc(mask_l), CHUNK_GROUPS);
             first_l = eb + info[k].y + inc - __popc(mask_l);
         }
-        u8* idx = body + groups + 4 * nwords;
+        u8* idx = qbody + groups + 4 * nwords;
         u8* val = idx + n_exc * idx_size;
         const typename D::T* xc = x + e0;
         float* rc = residual ? residual + e0 : nullptr;
@@ -455,7 +473,7 @@ __device__ void pack_chunks(const typename D::T* __restrict__ x, u64 n, u32 dtyp
         u64 blen = raw ? n * size : quant_len;
         u64 eps = fixed ? max_err_bits : (u64)__double_as_longlong(P.eps);
         cfc_write_header(out, raw ? 1 : 0, dtype, mode, fixed, n, (u64)__double_as_longlong(P.step), eps,
-                         raw ? 0 : n_exc, blen, ndim, dims);
+                         raw ? 0 : n_exc, blen, ndim, dims, raw || !shifts ? 0 : block_log2);
         // An unusable bound (coded with eps 1, reported by the error word) leaves no frame that
         // a reader on the device would take: the sums and decoders that may read it before the
         // host waits check the magic, as the host's readers do.
@@ -486,8 +504,8 @@ __device__ void pack_chunks(const typename D::T* __restrict__ x, u64 n, u32 dtyp
 #define PACK_CHUNKS(name, D)                                                                       \
     extern "C" __global__ void cfc_codec_pack_chunks_##name(const D::T* x, u64 n, u32 dtype,       \
             u32 mode, u32 fixed, u32 ndim, Dims dims, u8* out, u8* ws, float* residual, u32 wc,    \
-            u64* size_to, u64* max_to) {                                                           \
+            u64* size_to, u64* max_to, const u8* shifts, u32 block_log2) {                         \
         pack_chunks<D>(x, n, dtype, mode, fixed, ndim, dims, out, ws, residual, wc, size_to,       \
-                       max_to);                                                                    \
+                       max_to, shifts, block_log2);                                                \
     }
 DEFINE_FOR_DTYPES(PACK_CHUNKS)

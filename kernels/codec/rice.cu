@@ -199,7 +199,7 @@ __device__ void rice_write(const typename D::T* __restrict__ x, u64 n, u32 dtype
     if (b == 0 && lane == 0) {
         const u64 blen = raw ? n * size : quant_len;
         cfc_write_header(out, raw ? 1 : 3, dtype, mode, 0, n, (u64)__double_as_longlong(P.step),
-                         (u64)__double_as_longlong(P.eps), raw ? 0 : n_exc, blen, ndim, dims);
+                         (u64)__double_as_longlong(P.eps), raw ? 0 : n_exc, blen, ndim, dims, 0);
         if (P.error) out[0] = 0;  // an unusable bound (rel): no reader takes the frame
         *(u64*)(ws + 64) = header_len + blen;
         *(u32*)(ws + 72) = raw ? 1u : 0u;
@@ -456,7 +456,7 @@ extern "C" __global__ void cfc_codec_rice_check_heads(const u8* f, u64 len, u64 
         blen = cfc_load_le(f + HDR_BODY_LEN, 8);
         Dims none;
         ok = cfc_load_le(f + HDR_N, 8) == n && cfc_load_le(f + HDR_RAW_BODY_LEN, 8) == blen &&
-             blen == len - header_len && header_fields_ok(f, n, ndim, none, false, raw);
+             blen == len - header_len && header_fields_ok(f, n, ndim, none, false, raw, 0);
     }
     if (ok && raw) ok = blen == n * size;
     if (ok && !raw) ok = cfc_load_le(f + HDR_NEXC, 8) <= n && 8 * blocks <= blen;

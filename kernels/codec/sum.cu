@@ -45,8 +45,9 @@ extern "C" __global__ void cfc_codec_sum_lens(u64* table, u32 parts, u64 back) {
 }
 
 // Every part's chunk offsets: part blockIdx.y's frame, in its region of `stride` bytes at `parts`.
-extern "C" __global__ void cfc_codec_sum_offsets(const u64* frames, u64 header_len, u64 n, u8* parts, u64 stride) {
-    decode_offsets((const u8*)frames[blockIdx.y], header_len, n, parts + blockIdx.y * stride);
+extern "C" __global__ void cfc_codec_sum_offsets(const u64* frames, u64 header_len, u64 n, u8* parts, u64 stride,
+                                                  u32 block_log2) {
+    decode_offsets((const u8*)frames[blockIdx.y], header_len, n, parts + blockIdx.y * stride, block_log2);
 }
 
 // ---- checks of frames from elsewhere ------------------------------------------------------
@@ -72,10 +73,14 @@ __device__ __forceinline__ void report_bad_frame(u32* status, u32 bit, u32 part)
 // `match_dims`, each dimension must also be the caller's (a sum writes its frame with the
 // caller's shape, and the CPU refuses frames of another shape); without, any that multiply to n.
 __device__ __forceinline__ bool header_fields_ok(const u8* f, u64 n, u32 ndim, const Dims& dims, bool match_dims,
-                                                 bool raw) {
+                                                 bool raw, u32 block_log2) {
     const u8 mode = f[8], bits = f[11];
-    bool ok = mode <= 4 && !(mode == 4 && !raw) && (mode == 2 ? bits >= 2 && bits <= 32 : bits == 0) &&
-              (f[12] | f[13] | f[14] | f[15]) == 0;
+    // Block scales: a quantized frame has them exactly when the caller expects them (modes abs,
+    // rel, sum and rms), a raw frame never; mode rms only with them (or raw).
+    const bool scaled = !raw && block_log2 != 0;
+    bool ok = mode <= 5 && !(mode == 4 && !raw) && !(mode == 5 && !scaled && !raw) &&
+              !(scaled && (mode == 2 || mode == 4)) && (mode == 2 ? bits >= 2 && bits <= 32 : bits == 0) &&
+              f[7] == (scaled ? 2 : 0) && f[12] == (scaled ? block_log2 : 0) && (f[13] | f[14] | f[15]) == 0;
     u64 prod = 1;
     for (u32 i = 0; i < ndim; i++) {
         const u64 d = cfc_load_le(f + 64 + 8 * i, 8);
@@ -98,36 +103,47 @@ __device__ __forceinline__ bool header_fields_ok(const u8* f, u64 n, u32 ndim, c
 // indices increasing and below n. One that is not sets `bit` in status[0] and its index + 1 in
 // status[1] (if none is there yet). Every block of row p checks the header; the blocks share
 // out the exception list.
+// With block scales expected (block_log2 nonzero), a quantized frame must have them, and each
+// shift must leave its block a normal step.
 extern "C" __global__ void cfc_codec_check_frames(const u64* table, u32 parts, u64 header_len, u64 n, u32 dtype,
                                                   u32 size, u32 ndim, Dims dims, u32 match_dims, u8* regions,
-                                                  u64 stride, u32* status, u32 bit) {
+                                                  u64 stride, u32* status, u32 bit, u32 block_log2) {
     const u32 p = blockIdx.y;
     const u8* f = (const u8*)table[p];
     const u64 len = table[parts + p];
     const u64 groups = (n + CFC_GROUP - 1) / CFC_GROUP, idx_size = n <= (1ull << 32) ? 4 : 8;
     bool ok = len >= header_len && f[0] == 'C' && f[1] == 'F' && f[2] == 'C' && f[3] == 'F' && f[4] == 1 &&
-              f[5] <= 1 && f[6] == dtype && f[7] == 0 && f[9] == ndim && f[10] == 5;
+              f[5] <= 1 && f[6] == dtype && f[9] == ndim && f[10] == 5;
     u64 blen = 0, n_exc = 0, nwords = 0;
     if (ok) {
         blen = cfc_load_le(f + HDR_BODY_LEN, 8);
         ok = cfc_load_le(f + HDR_N, 8) == n && cfc_load_le(f + HDR_RAW_BODY_LEN, 8) == blen && blen <= len - header_len;
     }
     const bool raw = f[5] == 1;
-    ok = ok && header_fields_ok(f, n, ndim, dims, match_dims != 0, raw);
+    ok = ok && header_fields_ok(f, n, ndim, dims, match_dims != 0, raw, block_log2);
+    const u64 scales_len = raw ? 0 : cfc_scales_len(n, block_log2);
     if (ok && raw) {
         ok = blen == n * size;
     } else if (ok) {
         const Tiles ts = tiles_at(regions + p * stride, n, TILE_CHUNKS);
         n_exc = cfc_load_le(f + HDR_NEXC, 8);
         nwords = ts.totals[0];
-        ok = ts.totals[1] == 0 && n_exc <= n && blen == groups + 4 * nwords + n_exc * (idx_size + size);
+        ok = ts.totals[1] == 0 && n_exc <= n &&
+             blen == scales_len + groups + 4 * nwords + n_exc * (idx_size + size);
     }
     if (!ok) {
         if (threadIdx.x == 0) report_bad_frame(status, bit, p);
         return;
     }
+    if (scales_len) {  // every block's step a normal number (the CPU's check_shift)
+        const double step = __longlong_as_double((long long)cfc_load_le(f + HDR_STEP, 8));
+        bool normal = true;
+        for (u64 k = (u64)blockIdx.x * blockDim.x + threadIdx.x; k < scales_len; k += (u64)gridDim.x * blockDim.x)
+            normal &= step * cfc_halvings(f[header_len + k]) >= 2.2250738585072014e-308;
+        if (!normal) report_bad_frame(status, bit, p);
+    }
     if (raw || n_exc == 0) return;
-    const u8* idx = f + header_len + groups + 4 * nwords;
+    const u8* idx = f + header_len + scales_len + groups + 4 * nwords;
     bool in_order = true;
     for (u64 k = (u64)blockIdx.x * blockDim.x + threadIdx.x; k < n_exc; k += (u64)gridDim.x * blockDim.x) {
         const u64 i = cfc_load_le(idx + k * idx_size, (int)idx_size);
@@ -154,9 +170,9 @@ __device__ __forceinline__ u64 exception_at_or_after(const u8* idx, u64 idx_size
 template <class D>
 __device__ __forceinline__ void part_chunk(const u8* frame, u64 header_len, u64 n, u8* ws, u64 ch, u32 have,
                                            u32* st, u32* s_mask, i64* q, u32* exc, u32* exc_bits,
-                                           bool want_bits) {
+                                           bool want_bits, u32 block_log2) {
     const u32 lane = threadIdx.x & 31;
-    const u8* body = frame + header_len;
+    const u8* body = frame + header_len;  // a raw part's bytes
     const u64 e0 = ch * CHUNK_VALUES;
     *exc = 0;
     if (frame[HDR_CODEC] != 0) {  // raw: every element stored as it is
@@ -171,6 +187,7 @@ __device__ __forceinline__ void part_chunk(const u8* frame, u64 header_len, u64 
         }
         return;
     }
+    body += cfc_scales_len(n, block_log2);  // a quantized part's width table, after its scales
     const Tiles ts = tiles_at(ws, n, TILE_CHUNKS);
     u32 wl, inc;
     stage_chunk_planes(body, ts, ch, st, &wl, &inc);
@@ -220,20 +237,26 @@ __device__ __forceinline__ void part_chunk(const u8* frame, u64 header_len, u64 
 // step (part_chunk's staging and s_mask use).
 template <class D>
 __device__ __forceinline__ void part_values(const u8* frame, u64 header_len, u64 n, u8* ws, u64 ch, u32 have,
-                                            u32* st, u32* s_mask, typename D::T* v) {
+                                            u32* st, u32* s_mask, typename D::T* v, u32 block_log2) {
     const double step = __longlong_as_double((i64)cfc_load_le(frame + HDR_STEP, 8));
+    // (a raw part's values are all stored: no step is used)
+    const u8* shifts = block_log2 && frame[HDR_CODEC] == 0 ? frame + header_len : nullptr;
     i64 q[CHUNK_GROUPS];
     u32 exc, exc_bits[CHUNK_GROUPS];
-    part_chunk<D>(frame, header_len, n, ws, ch, have, st, s_mask, q, &exc, exc_bits, true);
+    part_chunk<D>(frame, header_len, n, ws, ch, have, st, s_mask, q, &exc, exc_bits, true, block_log2);
 #pragma unroll
-    for (int u = 0; u < CHUNK_GROUPS; ++u)
-        v[u] = (exc >> u) & 1u ? D::from_bits(exc_bits[u]) : cfc_dequantize<D>(q[u], step);
+    for (int u = 0; u < CHUNK_GROUPS; ++u) {
+        const double sg = cfc_group_step(step, shifts, block_log2, ch * CHUNK_GROUPS + u);
+        v[u] = (exc >> u) & 1u ? D::from_bits(exc_bits[u]) : cfc_dequantize<D>(q[u], sg);
+    }
 }
 
 // The sum, a chunk per warp in tiles of 8 chunks (pass 1 of packing it; see above).
 template <class D>
+// With block scales, every quantized part must have the first quantized part's (raw parts,
+// whose values are all stored, fit any); `body` is the sum's width table, after its scales.
 __device__ void sum_chunks(const u64* frames, u32 parts, u64 header_len, u64 n, u8* part_ws, u64 stride,
-                           i64* acc, u32* union_mask, u8* body, u8* ws) {
+                           i64* acc, u32* union_mask, u8* body, u8* ws, u32 block_log2) {
     __shared__ u32 stage[TILE_THREADS / 32][CHUNK_GROUPS * 64];  // a part per warp
     __shared__ u32 s_masks[TILE_THREADS / 32][CHUNK_GROUPS];
     __shared__ u32 s_cw[TILE_THREADS / 32], s_ce[TILE_THREADS / 32];
@@ -249,6 +272,23 @@ __device__ void sum_chunks(const u64* frames, u32 parts, u64 header_len, u64 n, 
             const u8* f = (const u8*)frames[p];
             if (cfc_load_le(f + HDR_STEP, 8) != step) err |= SUM_STEPS_DIFFER;
             eps += __longlong_as_double((i64)cfc_load_le(f + HDR_EPS, 8));
+        }
+        if (block_log2) {  // one thread: the scales are a byte per block
+            const u64 sl = cfc_scales_len(n, block_log2);
+            const u8* first = nullptr;
+            for (u32 p = 0; p < parts && !(err & SUM_STEPS_DIFFER); ++p) {
+                const u8* f = (const u8*)frames[p];
+                if (f[HDR_CODEC] != 0) continue;
+                if (!first) {
+                    first = f;
+                    continue;
+                }
+                for (u64 k = 0; k < sl; ++k)
+                    if (f[header_len + k] != first[header_len + k]) {
+                        err |= SUM_STEPS_DIFFER;
+                        break;
+                    }
+            }
         }
         if (!isfinite(eps)) err |= SUM_EPS_OVERFLOW;
         pp->step = __longlong_as_double((i64)step);
@@ -270,7 +310,7 @@ __device__ void sum_chunks(const u64* frames, u32 parts, u64 header_len, u64 n, 
         for (u32 p = 0; p < parts; ++p) {
             u32 exc;
             part_chunk<D>((const u8*)frames[p], header_len, n, part_ws + p * stride, ch, have, stage[warp],
-                          s_masks[warp], q, &exc, exc_bits, false);
+                          s_masks[warp], q, &exc, exc_bits, false, block_log2);
             any_exc |= exc;
 #pragma unroll
             for (int u = 0; u < CHUNK_GROUPS; ++u) {
@@ -321,7 +361,7 @@ __device__ void sum_chunks(const u64* frames, u32 parts, u64 header_len, u64 n, 
 // exception return at once).
 template <class D>
 __device__ void sum_values(const u64* frames, u32 parts, u64 header_len, u64 n, u8* part_ws, u64 stride,
-                           const u32* union_mask, u32* value_bits, const u32* error) {
+                           const u32* union_mask, u32* value_bits, const u32* error, u32 block_log2) {
     __shared__ u32 stage[TILE_THREADS / 32][CHUNK_GROUPS * 64];  // a part per warp
     __shared__ u32 s_masks[TILE_THREADS / 32][CHUNK_GROUPS];
     if (*error & SUM_BAD_FRAME) return;
@@ -340,7 +380,7 @@ __device__ void sum_values(const u64* frames, u32 parts, u64 header_len, u64 n, 
     for (int u = 0; u < CHUNK_GROUPS; ++u) total[u] = 0.0;
     for (u32 p = 0; p < parts; ++p) {
         part_values<D>((const u8*)frames[p], header_len, n, part_ws + p * stride, ch, have, stage[warp],
-                       s_masks[warp], v);
+                       s_masks[warp], v, block_log2);
 #pragma unroll
         for (int u = 0; u < CHUNK_GROUPS; ++u)
             if ((mine >> u) & 1u) total[u] += D::to_f64(v[u]);
@@ -354,8 +394,9 @@ __device__ void sum_values(const u64* frames, u32 parts, u64 header_len, u64 n, 
 #define SUM_VALUES(name, D)                                                                        \
     extern "C" __global__ void cfc_codec_sum_values_##name(const u64* frames, u32 parts,           \
             u64 header_len, u64 n, u8* part_ws, u64 stride, const u32* union_mask,                 \
-            u32* value_bits, const u32* error) {                                                   \
-        sum_values<D>(frames, parts, header_len, n, part_ws, stride, union_mask, value_bits, error); \
+            u32* value_bits, const u32* error, u32 block_log2) {                                   \
+        sum_values<D>(frames, parts, header_len, n, part_ws, stride, union_mask, value_bits, error, \
+                      block_log2);                                                                 \
     }
 DEFINE_FOR_DTYPES(SUM_VALUES)
 
@@ -363,7 +404,8 @@ DEFINE_FOR_DTYPES(SUM_VALUES)
     /* at most 80 registers: 3 blocks per SM */                                                 \
     extern "C" __global__ __launch_bounds__(TILE_THREADS, 3) void cfc_codec_sum_chunks_##name(const u64* frames, u32 parts,           \
             u64 header_len, u64 n, u8* part_ws, u64 stride, i64* acc, u32* union_mask, u8* body,   \
-            u8* ws) {                                                                              \
-        sum_chunks<D>(frames, parts, header_len, n, part_ws, stride, acc, union_mask, body, ws);   \
+            u8* ws, u32 block_log2) {                                                              \
+        sum_chunks<D>(frames, parts, header_len, n, part_ws, stride, acc, union_mask, body, ws,    \
+                      block_log2);                                                                 \
     }
 DEFINE_FOR_DTYPES(SUM_CHUNKS)

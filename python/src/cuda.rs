@@ -120,6 +120,7 @@ fn cuda_sum(
     ws_len: u64,
 ) -> PyResult<()> {
     let args = cfc::cuda::SumArgs {
+        block_log2: 0,
         device,
         stream,
         frames: &frame_ptrs,
@@ -171,6 +172,7 @@ fn cuda_decode_sum(
     lens_before: u64,
 ) -> PyResult<()> {
     let args = cfc::cuda::DecodeSumArgs {
+        block_log2: 0,
         device,
         stream,
         frames: &frame_ptrs,
@@ -260,6 +262,8 @@ fn cuda_compress(
         PyValueError::new_err(format!("coder must be 'planes' or 'rice', not {coder:?}"))
     })?;
     let args = cfc::cuda::CompressArgs {
+        scales: 0,
+        block_log2: 0,
         device,
         stream,
         input: input_ptr,

@@ -72,6 +72,7 @@ fn options(
     timeout: f64,
     topology: &str,
     coder: &str,
+    block: u64,
 ) -> PyResult<Options> {
     let bound = match bound {
         "eps" => BoundRule::Abs(value),
@@ -107,6 +108,7 @@ fn options(
             .map_err(|e| PyValueError::new_err(e.to_string()))?,
         coder: cfc::Coder::from_name(coder)
             .ok_or_else(|| PyValueError::new_err(format!("unknown coder {coder:?}")))?,
+        block,
     };
     o.check().map_err(to_py)?;
     Ok(o)
@@ -151,8 +153,9 @@ impl Engine {
     ///     nodes: each rank's node name (e.g. its host name); None: one node. With
     ///         `topology`, it chooses the flat or the two-level exchange.
     ///     coder: how the all-gather's frames write their codes ("planes" or "rice").
+    ///     block: elements per block of block scales (with rms), 0 for none.
     #[new]
-    #[pyo3(signature = (listener, addresses, rank, world, secret, engine, *, device=None, nccl_id=None, bound, value, error_feedback, algorithm, fallback, trial_steps, warmup_steps, min_compress_numel, timeout, topology="auto", coder="planes", nodes=None, agree_token=0))]
+    #[pyo3(signature = (listener, addresses, rank, world, secret, engine, *, device=None, nccl_id=None, bound, value, error_feedback, algorithm, fallback, trial_steps, warmup_steps, min_compress_numel, timeout, topology="auto", coder="planes", block=0, nodes=None, agree_token=0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -175,6 +178,7 @@ impl Engine {
         timeout: f64,
         topology: &str,
         coder: &str,
+        block: u64,
         nodes: Option<Vec<String>>,
         agree_token: u64,
     ) -> PyResult<Self> {
@@ -190,6 +194,7 @@ impl Engine {
             timeout,
             topology,
             coder,
+            block,
         )?;
         let nodes = nodes.map_or_else(Vec::new, |n| node_indices(&n));
         if !nodes.is_empty() && nodes.len() != world {

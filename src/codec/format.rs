@@ -496,7 +496,10 @@ impl Header {
         } else if (mode == BoundMode::Rms && codec != Codec::Raw) || block_log2 != 0 {
             return Err(bad_field(
                 "block scales",
-                format!("mode {}, block size 2^{block_log2}, no scales flag", mode.name()),
+                format!(
+                    "mode {}, block size 2^{block_log2}, no scales flag",
+                    mode.name()
+                ),
             ));
         }
         if buf[13..16] != [0u8; 3] {

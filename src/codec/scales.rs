@@ -98,7 +98,7 @@ pub fn block_sum_squares<T: Element>(x: &[T], residual: Option<&[f32]>) -> f64 {
 /// 0 (or not a number). Exact: `floor(log2(sqrt(v))) = floor(floor(log2(v)) / 2)`.
 pub fn exponent_byte(sum: f64, count: u64) -> u8 {
     let v = sum / count.max(1) as f64;
-    if !(v > 0.0) {
+    if v.is_nan() || v <= 0.0 {
         return NO_EXPONENT;
     }
     if v.is_infinite() {
@@ -138,7 +138,12 @@ impl BlockScales {
     /// `Emax - E_b` halvings finer. A block without an exponent takes the base step (its values
     /// are zeros, or error feedback carries them).
     pub fn from_exponents(k: f64, exponents: &[u8], log2: u8) -> (f64, BlockScales) {
-        let top = exponents.iter().copied().max().unwrap_or(NO_EXPONENT).max(1);
+        let top = exponents
+            .iter()
+            .copied()
+            .max()
+            .unwrap_or(NO_EXPONENT)
+            .max(1);
         let eps = k * doublings(top - 1) * halvings(126);
         let shifts = exponents
             .iter()
@@ -154,10 +159,7 @@ impl BlockScales {
         let blocks = blocks_for(n, self.log2);
         if self.shifts.len() as u64 != blocks {
             return Err(Error::InvalidCodes {
-                reason: format!(
-                    "{} block shifts for {blocks} blocks",
-                    self.shifts.len()
-                ),
+                reason: format!("{} block shifts for {blocks} blocks", self.shifts.len()),
             });
         }
         let most = self.shifts.iter().copied().max().unwrap_or(0);
@@ -271,6 +273,11 @@ mod tests {
         };
         assert!(deep.check(32, 1e-300).is_err());
         assert!(deep.check(32, 1.0).is_ok());
-        assert!(BlockScales { log2: 4, shifts: vec![0] }.check(16, 1.0).is_err());
+        assert!(BlockScales {
+            log2: 4,
+            shifts: vec![0]
+        }
+        .check(16, 1.0)
+        .is_err());
     }
 }

@@ -333,18 +333,34 @@ impl Codes {
                     right: format!("{:e}", p.step),
                 });
             }
-            if p.scales != first.scales {
-                let describe = |s: &Option<BlockScales>| match s {
-                    None => "no block scales".to_string(),
-                    Some(s) => format!("blocks of 2^{} with shifts {:?}...", s.log2, &s.shifts[..s.shifts.len().min(4)]),
+        }
+        // Block scales: the parts that have them must have the same; a part without them fits
+        // only where all its codes are 0 (a raw frame's: its values are all stored).
+        let scales = parts.iter().find_map(|p| p.scales.as_ref());
+        if let Some(s) = scales {
+            let describe = |s: Option<&BlockScales>| match s {
+                None => "no block scales, and nonzero codes".to_string(),
+                Some(s) => format!(
+                    "blocks of 2^{} with shifts {:?}...",
+                    s.log2,
+                    &s.shifts[..s.shifts.len().min(4)]
+                ),
+            };
+            for p in parts {
+                let fits = match &p.scales {
+                    Some(ps) => ps == s,
+                    None => p.codes.iter().all(|&c| c == 0),
                 };
-                return Err(Error::Incompatible {
-                    what: "block scales",
-                    left: describe(&first.scales),
-                    right: describe(&p.scales),
-                });
+                if !fits {
+                    return Err(Error::Incompatible {
+                        what: "block scales",
+                        left: describe(Some(s)),
+                        right: describe(p.scales.as_ref()),
+                    });
+                }
             }
         }
+        let scales = scales.cloned();
         let mut codes = first.codes.clone();
         for p in &parts[1..] {
             for (i, (a, &b)) in codes.iter_mut().zip(&p.codes).enumerate() {
@@ -391,7 +407,7 @@ impl Codes {
             shape: first.shape.clone(),
             step: first.step,
             eps,
-            scales: first.scales.clone(),
+            scales,
             codes,
             exceptions,
         })

@@ -49,6 +49,12 @@ pub struct CompressArgs<'a> {
     /// `decode_sum`) refuse the frame. For work recorded once as a CUDA graph and replayed with
     /// each step's bound (a CUDA graph).
     pub bound_at: u64,
+    /// Block scales (docs/FORMAT.md, "Block scales"): device memory holding a shift per block of
+    /// `2^block_log2` elements, or 0 for none. Block `b` is coded with the bound's step and eps
+    /// halved `shift[b]` times; the frame records the shifts. An `Abs` bound only, bit planes only.
+    pub scales: u64,
+    /// `log2` of the elements per block of `scales` (5 to 24), 0 without scales.
+    pub block_log2: u8,
 }
 
 /// Compresses on the device, producing exactly the bytes of [`crate::compress`], and returns
@@ -76,6 +82,7 @@ pub unsafe fn compress(args: &CompressArgs<'_>) -> Result<()> {
             "compress: a bound read from device memory must be an absolute one".into(),
         ));
     }
+    check_scales(args, mode)?;
     let need_out = compress_capacity(n, args.dtype, ndim, args.bound);
     if args.out_len < need_out {
         return Err(Error::OutputSize {
@@ -107,6 +114,11 @@ pub unsafe fn compress(args: &CompressArgs<'_>) -> Result<()> {
     };
     let layout = tile_layout(n, WARPS * wc);
     let header_len = (FIXED_HEADER_LEN + 8 * ndim) as u64;
+    let scales_len = if args.scales != 0 {
+        crate::scales::blocks_for(n, args.block_log2)
+    } else {
+        0
+    };
     // The kernels number the modes as frames do (`make_params` in kernels/codec/codec.cuh).
     let mode_code = u32::from(mode.code());
     let elements = launch_cfg(n.min(dev.grid_blocks * BLOCK as u64), BLOCK);
@@ -147,10 +159,12 @@ pub unsafe fn compress(args: &CompressArgs<'_>) -> Result<()> {
             Arg::U32(mode_code),
             Arg::F64(value),
             fixed_a,
-            Arg::Ptr(args.out + header_len),
+            Arg::Ptr(args.out + header_len + scales_len),
             ws,
             residual,
             Arg::Ptr(args.bound_at),
+            Arg::Ptr(args.scales),
+            Arg::U32(args.block_log2 as u32),
         ];
         launch(
             &stream,
@@ -174,6 +188,8 @@ pub unsafe fn compress(args: &CompressArgs<'_>) -> Result<()> {
             Arg::U32(wc as u32),
             Arg::Ptr(args.size_to),
             Arg::Ptr(args.max_error_to),
+            Arg::Ptr(args.scales),
+            Arg::U32(args.block_log2 as u32),
         ];
         launch(
             &stream,
@@ -185,6 +201,20 @@ pub unsafe fn compress(args: &CompressArgs<'_>) -> Result<()> {
         )?;
     }
     Ok(())
+}
+
+/// Block scales are given with an absolute bound and a block size from 32 to 2^24, or not at all.
+fn check_scales(args: &CompressArgs<'_>, mode: BoundMode) -> Result<()> {
+    if args.scales == 0 {
+        return Ok(());
+    }
+    if mode != BoundMode::Abs || args.bound_at != 0 {
+        return Err(Error::InvalidBound {
+            what: "bound",
+            reason: "given block scales take an absolute bound (eps), fixed at the launch".into(),
+        });
+    }
+    crate::scales::check_log2(args.block_log2)
 }
 
 /// Refuses addresses of `args` that the encoders would load or store misaligned: a device fault

@@ -47,6 +47,7 @@ pub(super) struct Kernels {
     /// `decode_sum_to_<o>`, by output dtype: f32, bf16, f16.
     pub(super) decode_sum: [CudaFunction; 3],
     pub(super) stats: CudaFunction,
+    pub(super) block_exponents: CudaFunction,
     pub(super) stats_total: CudaFunction,
     pub(super) rice_size: CudaFunction,
     pub(super) rice_write: CudaFunction,
@@ -357,6 +358,7 @@ impl Device {
                 self.function(c, "decode_sum_to_f16", d)?,
             ],
             stats: self.function(c, "stats", d)?,
+            block_exponents: self.function(c, "block_exponents", d)?,
             stats_total: self.function(c, "stats_total", None)?,
             rice_size: self.function(c, "rice_size", d)?,
             rice_write: self.function(c, "rice_write", d)?,

@@ -113,6 +113,13 @@ impl PinnedBuffer {
         self.len
     }
 
+    /// Writes `src` at its start (at most its size), for a copy to the device queued after.
+    pub(crate) fn write(&mut self, src: &[u8]) {
+        let len = src.len().min(self.len);
+        // SAFETY: `len` bytes of this allocation, owned by `&mut self`.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.ptr, len) };
+    }
+
     /// A copy of its first `len` bytes (at most its size), as the device last wrote them (the
     /// caller has waited for the copies that wrote them).
     pub(crate) fn bytes(&self, len: usize) -> Vec<u8> {

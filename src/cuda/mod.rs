@@ -11,8 +11,8 @@
 //! provides them in the Python package), and nothing is freed.
 //!
 //! Files: `devices` (driver, contexts, compilation), `launches`, `layout` (sizes), one file per
-//! operation family (`codec`, `rice`, `lossless`, `sum`, `copy`), `memory` (device buffers the engine
-//! owns).
+//! operation family (`codec`, `rice`, `lossless`, `sum`, `copy`, `scales`), `memory` (device
+//! buffers the engine owns).
 
 use crate::error::{Error, Result};
 use crate::format::{groups_for, index_size_for, BoundMode, DType, FIXED_HEADER_LEN, MAX_NDIM};
@@ -33,6 +33,7 @@ mod layout;
 mod lossless;
 pub(crate) mod memory;
 mod rice;
+mod scales;
 mod sum;
 #[cfg(test)]
 mod tests;
@@ -44,4 +45,5 @@ use launches::*;
 pub use layout::*;
 pub use lossless::*;
 pub use rice::*;
+pub use scales::*;
 pub use sum::*;

@@ -55,6 +55,14 @@ pub unsafe fn compress_rice(args: &CompressArgs<'_>) -> Result<()> {
                 .into(),
         ));
     }
+    if args.scales != 0 {
+        return Err(Error::InvalidBound {
+            what: "block",
+            reason: "rice frames with block scales are written by the CPU codec only; on a \
+                     GPU, block scales take bit planes (coder=\"planes\")"
+                .into(),
+        });
+    }
     for (what, need, got) in [
         ("output", rice_capacity(n, args.dtype, ndim), args.out_len),
         ("workspace", rice_workspace_len(n), args.workspace_len),
@@ -241,6 +249,12 @@ pub fn rice_decode_sum_workspace_len(n: u64, dtype: DType) -> u64 {
 /// As [`decode_sum`].
 pub unsafe fn rice_decode_sum(args: &DecodeSumArgs<'_>) -> Result<()> {
     check_decode_sum_args(args)?;
+    if args.block_log2 != 0 {
+        return Err(Error::InvalidBound {
+            what: "block",
+            reason: "rice frames with block scales are read by the CPU codec only".into(),
+        });
+    }
     let n = args.n;
     if args.frame_lens.len() != args.frames.len() {
         return Err(Error::Incompatible {

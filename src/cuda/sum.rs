@@ -52,7 +52,8 @@ pub fn sum_workspace_len(n: u64, parts: u64) -> u64 {
 /// bits, and every element possibly an exception (the frame's real size goes to the workspace).
 pub fn sum_capacity(n: u64, dtype: DType, ndim: usize) -> u64 {
     let header = (FIXED_HEADER_LEN + 8 * ndim) as u64;
-    header + groups_for(n) * (1 + 4 * 64) + n * (index_size_for(n) as u64 + dtype.size() as u64)
+    // (a byte per group covers block scales: blocks hold at least a group)
+    header + groups_for(n) * (2 + 4 * 64) + n * (index_size_for(n) as u64 + dtype.size() as u64)
 }
 
 /// Arguments of [`sum`]; pointers are device addresses on `device`.
@@ -79,6 +80,10 @@ pub struct SumArgs<'a> {
     pub out: u64,
     /// Its size.
     pub out_len: u64,
+    /// Block scales the frames have (`log2` of the elements per block, 5 to 24), or 0 for none:
+    /// every quantized frame must then have these, the same in every frame (raw frames fit any),
+    /// and the sum keeps them.
+    pub block_log2: u8,
     /// Workspace, at least [`sum_workspace_len`] bytes. The frame's size is written at
     /// [`FRAME_SIZE_OFFSET`] (0 when the sum failed) and the failure at
     /// [`BOUND_ERROR_OFFSET`] (a u32: [`SUM_STEPS_DIFFER`], [`SUM_OVERFLOW`], [`SUM_BAD_FRAME`]
@@ -107,8 +112,15 @@ pub const SUM_EPS_OVERFLOW: u32 = 8;
 
 /// Checks on the host that every frame's readable length could hold a frame of `n` elements
 /// in `ndim` dimensions ([`crate::format::min_frame_len`]: its header and a width byte per
-/// group, what `sum_offsets` reads before anything is checked on the device).
-pub(super) fn check_frame_lens(frames: &[u64], lens: &[u64], ndim: usize, n: u64) -> Result<()> {
+/// group, and with block scales a byte per block: what `sum_offsets` reads before anything is
+/// checked on the device). A block size out of range is refused here too.
+pub(super) fn check_frame_lens(
+    frames: &[u64],
+    lens: &[u64],
+    ndim: usize,
+    n: u64,
+    block_log2: u8,
+) -> Result<()> {
     if lens.len() != frames.len() {
         return Err(Error::Incompatible {
             what: "count",
@@ -116,7 +128,11 @@ pub(super) fn check_frame_lens(frames: &[u64], lens: &[u64], ndim: usize, n: u64
             right: format!("{} frame lengths", lens.len()),
         });
     }
-    let needed = crate::format::min_frame_len(n, ndim);
+    let mut needed = crate::format::min_frame_len(n, ndim);
+    if block_log2 != 0 {
+        crate::scales::check_log2(block_log2)?;
+        needed += crate::scales::blocks_for(n, block_log2);
+    }
     match lens.iter().find(|&&len| len < needed) {
         Some(&len) => Err(crate::FormatError::Truncated {
             part: "frame",
@@ -134,7 +150,8 @@ pub(super) fn check_frame_lens(frames: &[u64], lens: &[u64], ndim: usize, n: u64
 /// region of `stride` bytes at `regions`, whose counters must be zero; then `check_frames`,
 /// which sets `bit` in the u32 at `status` (and a bad frame's index + 1 in the u32 after it)
 /// for a frame that is not what its header says, within its length, or (with `Some` dims in
-/// `shape`) whose dimensions are not those.
+/// `shape`) whose dimensions are not those, or (with `block_log2`) a quantized frame without
+/// those block scales.
 ///
 /// # Safety
 /// The table must hold 16 bytes per frame and each region `stride` bytes (at least the
@@ -152,6 +169,7 @@ pub(super) unsafe fn checked_part_offsets(
     stride: u64,
     shape: (u64, DType, usize, Option<&[u64]>),
     status: (u64, u32),
+    block_log2: u8,
 ) -> Result<()> {
     let (n, dtype, ndim, dims) = shape;
     let header_len = (FIXED_HEADER_LEN + 8 * ndim) as u64;
@@ -206,6 +224,7 @@ pub(super) unsafe fn checked_part_offsets(
                 Arg::U64(n),
                 Arg::Ptr(regions),
                 Arg::U64(stride),
+                Arg::U32(block_log2 as u32),
             ],
         )?;
         // Every block of a frame's row checks its header; they share out its exception list.
@@ -231,6 +250,7 @@ pub(super) unsafe fn checked_part_offsets(
                 Arg::U64(stride),
                 Arg::Ptr(status.0),
                 Arg::U32(status.1),
+                Arg::U32(block_log2 as u32),
             ],
         )
     }
@@ -287,12 +307,18 @@ pub unsafe fn sum(args: &SumArgs<'_>) -> Result<()> {
             got: args.workspace_len,
         });
     }
-    check_frame_lens(args.frames, args.frame_lens, ndim, n)?;
+    check_frame_lens(args.frames, args.frame_lens, ndim, n, args.block_log2)?;
     let _restore = ContextGuard::save()?;
     let dev = device(args.device)?;
     let stream = dev.stream(args.stream)?;
     let k = dev.kernels(args.dtype)?;
     let header_len = (FIXED_HEADER_LEN + 8 * ndim) as u64;
+    let log2 = Arg::U32(args.block_log2 as u32);
+    let scales_len = if args.block_log2 != 0 {
+        crate::scales::blocks_for(n, args.block_log2)
+    } else {
+        0
+    };
     let ws = args.workspace;
     let (ws_a, n_a, hl) = (Arg::Ptr(ws), Arg::U64(n), Arg::U64(header_len));
     let table = Arg::Ptr(ws + layout.table);
@@ -325,6 +351,7 @@ pub unsafe fn sum(args: &SumArgs<'_>) -> Result<()> {
             layout.part_stride,
             (n, args.dtype, ndim, Some(args.shape)),
             (ws + BOUND_ERROR_OFFSET, SUM_BAD_FRAME),
+            args.block_log2,
         )?;
         let chunks = [
             table,
@@ -335,8 +362,9 @@ pub unsafe fn sum(args: &SumArgs<'_>) -> Result<()> {
             stride,
             acc_a,
             union_a,
-            Arg::Ptr(args.out + header_len),
+            Arg::Ptr(args.out + header_len + scales_len),
             ws_a,
+            log2,
         ];
         launch(
             &stream,
@@ -356,6 +384,7 @@ pub unsafe fn sum(args: &SumArgs<'_>) -> Result<()> {
             union_a,
             bits_a,
             Arg::Ptr(ws + BOUND_ERROR_OFFSET),
+            log2,
         ];
         launch(
             &stream,
@@ -375,6 +404,9 @@ pub unsafe fn sum(args: &SumArgs<'_>) -> Result<()> {
             Arg::Ptr(args.out),
             ws_a,
             union_a,
+            table,
+            Arg::U32(parts as u32),
+            log2,
         ];
         launch(
             &stream,
@@ -435,6 +467,9 @@ pub struct DecodeSumArgs<'a> {
     pub out: u64,
     /// Element type of the output.
     pub out_dtype: DType,
+    /// Block scales the frames have (`log2` of the elements per block, 5 to 24), or 0 for none:
+    /// every quantized frame must then have them (raw frames have none).
+    pub block_log2: u8,
     /// Workspace, at least [`decode_sum_workspace_len`] bytes.
     pub workspace: u64,
     /// Its size.
@@ -519,7 +554,7 @@ pub unsafe fn decode_sum(args: &DecodeSumArgs<'_>) -> Result<()> {
             got: args.workspace_len,
         });
     }
-    check_frame_lens(args.frames, args.frame_lens, args.ndim, n)?;
+    check_frame_lens(args.frames, args.frame_lens, args.ndim, n, args.block_log2)?;
     let b = args.lens_before;
     if b != 0 && (b % 8 != 0 || args.frames.iter().any(|&f| f % 8 != 0 || f < b)) {
         // A misaligned load would be a device fault, which ends the whole context.
@@ -560,6 +595,7 @@ pub unsafe fn decode_sum(args: &DecodeSumArgs<'_>) -> Result<()> {
             stride,
             (n, args.dtype, args.ndim, None),
             (args.status, DECODE_BAD_FRAME),
+            args.block_log2,
         )?;
         if n == 0 {
             // Nothing to write, but the frames were checked: a frame from elsewhere that is
@@ -578,6 +614,7 @@ pub unsafe fn decode_sum(args: &DecodeSumArgs<'_>) -> Result<()> {
             Arg::F64(args.scale as f64),
             Arg::Ptr(args.out),
             Arg::Ptr(args.status),
+            Arg::U32(args.block_log2 as u32),
         ];
         launch(&stream, to, Family::Codec, op, one_chunk_per_warp, &sum)?;
     }

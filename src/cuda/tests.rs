@@ -47,6 +47,8 @@ fn entry_points_refuse_counts_past_max_elements() {
     unsafe {
         refused(
             compress(&CompressArgs {
+                scales: 0,
+                block_log2: 0,
                 device: 0,
                 stream: 0,
                 input: 0x1000,
@@ -99,6 +101,7 @@ fn entry_points_refuse_counts_past_max_elements() {
         }
         refused(
             sum(&SumArgs {
+                block_log2: 0,
                 device: 0,
                 stream: 0,
                 frames: &frames,
@@ -115,6 +118,7 @@ fn entry_points_refuse_counts_past_max_elements() {
         );
         refused(
             decode_sum(&DecodeSumArgs {
+                block_log2: 0,
                 device: 0,
                 stream: 0,
                 frames: &frames,

@@ -23,7 +23,7 @@
 //! the bucket's dtype; a bfloat16 or float16 sum of codes is rounded to its dtype before it is
 //! scaled).
 
-use super::backend::{Backend, Lane, Memory};
+use super::backend::{Backend, FrameKind, Lane, Memory};
 use super::job::{Job, Op, Region};
 use super::levels::Outer;
 use super::options::Algorithm;
@@ -136,7 +136,12 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
             job.data.dtype as u64,
             kind,
         ]);
-        let eps = self.eps(job, check, rail)?;
+        // (with block scales, each part's bound comes from the scales agreed at its launch)
+        let eps = if self.o.block == 0 {
+            self.eps(job, check, rail)?
+        } else {
+            0.0
+        };
         self.decoded = true;
         if job.residual.is_some() {
             self.bucket(job.key)?.dirty = true;
@@ -211,6 +216,7 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
 
     fn launch_gather(&mut self, mut c: Common<B>) -> Result<Gather<B>> {
         let (x, w) = (c.job.data, self.xgroup(c.rail).1 as u64);
+        let agreed = self.agree_scales(&c.job, &[(0, x.numel)], c.check, c.rail, &mut c.sent)?;
         let cap = self.be.frame_capacity(x.numel, x.dtype);
         let slot = self.bucket(c.job.key)?.slot.min(cap);
         let mine = self.alloc(HEAD + cap)?;
@@ -221,15 +227,22 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
             self.be
                 .stats(x, c.job.residual, m.sub(STATS_AT, 16)?, 16, 1)?;
         }
+        if let Some(a) = &agreed {
+            c.eps = a.eps();
+        }
         // (frames that are decoded, not summed: written by the engine's coder)
         self.be.compress(
             x,
             c.job.residual,
             c.eps,
             self.o.coder,
+            agreed.as_ref().map(|a| a.of(0)).transpose()?,
             m.sub(HEAD, cap)?,
             m.sub(SIZE_AT, 8)?,
         )?;
+        if let Some(a) = agreed {
+            self.be.free(a.shifts);
+        }
         self.corrupt(m.sub(HEAD, cap)?)?;
         self.be.join(Lane::Comm, Lane::Compute)?;
         let row = HEAD + slot;
@@ -287,7 +300,10 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
             false,
             x.numel,
             x.dtype,
-            self.o.coder,
+            FrameKind {
+                coder: self.o.coder,
+                block_log2: self.o.block_log2(),
+            },
             c.job.scale.factor(w),
             x,
         )?;
@@ -317,6 +333,15 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
         Ok(())
     }
 
+    /// How the reduce-scatter's frames and sums are written: bit planes, with the engine's block
+    /// scales.
+    fn planes(&self) -> FrameKind {
+        FrameKind {
+            coder: Coder::Planes,
+            block_log2: self.o.block_log2(),
+        }
+    }
+
     /// The next step's statistics from every rank's heads (added in rank order: the same bits
     /// on every rank).
     fn note_stats(&mut self, job: &Job, heads: &[Head]) -> Result<()> {
@@ -344,6 +369,10 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
             .iter()
             .map(|&(_, len)| self.be.frame_capacity(len, x.dtype))
             .collect();
+        let agreed = self.agree_scales(&c.job, &parts, c.check, c.rail, &mut c.sent)?;
+        if let Some(a) = &agreed {
+            c.eps = a.eps();
+        }
         let stride = HEAD + caps.iter().copied().max().unwrap_or(0);
         let mine = self.alloc(w * stride)?;
         let m = mine.region().sub(0, w * stride)?;
@@ -367,15 +396,23 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
         for (j, &(lo, len)) in parts.iter().enumerate() {
             let row = m.sub(j as u64 * stride, stride)?;
             let r = c.job.residual.map(|r| r.slice(lo, len));
+            let (eps, scales) = match &agreed {
+                Some(a) => (a.parts[j].eps, Some(a.of(j)?)),
+                None => (c.eps, None),
+            };
             self.be.compress(
                 x.slice(lo, len),
                 r,
-                c.eps,
+                eps,
                 Coder::Planes, // (summed on the way: bit planes)
+                scales,
                 row.sub(HEAD, caps[j])?,
                 row.sub(SIZE_AT, 8)?,
             )?;
             self.corrupt(row.sub(HEAD, caps[j])?)?;
+        }
+        if let Some(a) = agreed {
+            self.be.free(a.shifts);
         }
         self.be.join(Lane::Comm, Lane::Compute)?;
         let (send_slots, recv_slots) = {
@@ -528,6 +565,7 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
             &frames,
             len,
             x.dtype,
+            self.o.block_log2(),
             sm.sub(HEAD, sum_caps[me])?,
             sm.sub(SIZE_AT, 8)?,
         )?;
@@ -541,7 +579,7 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
             // This rank's shard is all a reduce-scatter wants: decode it (its size is in its head).
             let frame = [sm.sub(HEAD, sum_caps[me])?];
             self.be
-                .decode(&frame, true, len, x.dtype, Coder::Planes, scale, out)?;
+                .decode(&frame, true, len, x.dtype, self.planes(), scale, out)?;
             self.be.free(sums);
             self.finish(c)?;
             return Ok(None);
@@ -615,7 +653,7 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
                 false,
                 len,
                 x.dtype,
-                Coder::Planes,
+                self.planes(),
                 scale,
                 x.slice(lo, len),
             )?;

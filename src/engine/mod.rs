@@ -27,6 +27,7 @@
 //! wait looks at the board, so no rank waits for a timeout.
 
 pub mod backend;
+mod block_scales;
 pub mod control;
 mod exchange;
 pub mod job;

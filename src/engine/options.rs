@@ -167,6 +167,12 @@ pub struct Options {
     /// How the frames of all-gather exchanges write their codes (bit planes or Rice codes; the
     /// reduce-scatter's frames, which are summed, stay bit planes).
     pub coder: Coder,
+    /// Block scales: with [`BoundRule::Rms`], each block of this many elements (a power of two,
+    /// 32 to 2^24) of a bucket gets its own step, `k` times the block's RMS over the ranks (the
+    /// largest rank's, rounded down to a power of two), agreed in a round before the bucket is
+    /// quantized (see `engine/scales.rs`). 0: one step per bucket, from its RMS at its last
+    /// exchange.
+    pub block: u64,
 }
 
 impl Options {
@@ -184,6 +190,16 @@ impl Options {
             timeout: Duration::from_secs(300),
             topology: Topology::Auto,
             coder: Coder::Planes,
+            block: 0,
+        }
+    }
+
+    /// `log2` of [`Options::block`] (0 without block scales).
+    pub fn block_log2(&self) -> u8 {
+        if self.block == 0 {
+            0
+        } else {
+            self.block.trailing_zeros() as u8
         }
     }
 
@@ -216,6 +232,31 @@ impl Options {
             }
             _ => {}
         }
+        if self.block != 0 {
+            let (lo, hi) = (
+                1u64 << crate::scales::MIN_BLOCK_LOG2,
+                1u64 << crate::scales::MAX_BLOCK_LOG2,
+            );
+            if !matches!(self.bound, BoundRule::Rms(k) if k < 1.0) {
+                return Err(Error::InvalidBound {
+                    what: "block",
+                    reason: format!(
+                        "block scales follow each block's RMS: they take rms= below 1, not {}={}",
+                        self.bound.name(),
+                        self.bound.value()
+                    ),
+                });
+            }
+            if !self.block.is_power_of_two() || !(lo..=hi).contains(&self.block) {
+                return Err(Error::InvalidBound {
+                    what: "block",
+                    reason: format!(
+                        "must be a power of two from {lo} to {hi} (or 0 for none), got {}",
+                        self.block
+                    ),
+                });
+            }
+        }
         if let Fallback::Auto { trial_steps } = self.fallback {
             if trial_steps < 2 || trial_steps % 2 == 1 {
                 return Err(Error::Transport(format!(
@@ -242,9 +283,9 @@ impl Options {
 }
 
 /// Bytes of [`descriptor`]'s output.
-pub(crate) const DESCRIPTOR_LEN: usize = 56;
+pub(crate) const DESCRIPTOR_LEN: usize = 64;
 /// The descriptor's version: bumped whenever its layout changes.
-const DESCRIPTOR_VERSION: u8 = 3;
+const DESCRIPTOR_VERSION: u8 = 4;
 
 /// What every rank sends in the agreement round: the options that order or size the
 /// collectives, the world, and `token` (the caller's: e.g. which checkpoint it resumed from).
@@ -287,6 +328,8 @@ pub(crate) fn descriptor(
     d.extend_from_slice(&(world as u64).to_le_bytes());
     d.extend_from_slice(&token.to_le_bytes());
     d.extend_from_slice(&nodes.to_le_bytes());
+    d.push(o.block_log2());
+    d.extend_from_slice(&[0u8; 7]);
     debug_assert_eq!(d.len(), DESCRIPTOR_LEN);
     d
 }
@@ -321,10 +364,15 @@ pub(crate) fn describe(d: &[u8]) -> String {
         .unwrap_or(&"?");
     let planned = if d[6] != 0 { "two levels" } else { "flat" };
     let coder = ["planes", "rice"].get(d[7] as usize).unwrap_or(&"?");
+    let block = match d[56] {
+        0 => "none".to_string(),
+        b if b < 64 => format!("{}", 1u64 << b),
+        b => format!("2^{b}?"),
+    };
     format!(
         "{bound}={:e}, error feedback {}, algorithm {algorithm}, fallback {fallback}, \
          warm-up {} steps, min_compress_numel {}, {} ranks, token {:#x}, topology \
-         {topology} ({planned}), nodes {:#x}, coder {coder}",
+         {topology} ({planned}), nodes {:#x}, coder {coder}, block {block}",
         f64::from_bits(u64_at(8).unwrap_or(0)),
         if d[2] != 0 { "on" } else { "off" },
         u32_at(20).unwrap_or(0),
@@ -375,9 +423,17 @@ mod tests {
             "ranks that write their codes differently must disagree"
         );
         assert!(
-            describe(&rice).ends_with("coder rice"),
+            describe(&rice).ends_with("coder rice, block none"),
             "{}",
             describe(&rice)
+        );
+        o.block = 256;
+        let blocks = descriptor(&o, 4, 7, 0, false);
+        assert_ne!(blocks, rice, "ranks with other block scales must disagree");
+        assert!(
+            describe(&blocks).ends_with("block 256"),
+            "{}",
+            describe(&blocks)
         );
     }
 
@@ -398,6 +454,19 @@ mod tests {
         assert!(o.check().is_ok());
         o.timeout = Duration::from_nanos(1);
         assert!(o.check().unwrap_err().to_string().contains("0.1 s"));
+        o.timeout = MAX_TIMEOUT;
+        // block scales: rms only, a power of two from 32 to 2^24
+        o.block = 256;
+        assert!(o.check().unwrap_err().to_string().contains("rms="));
+        o.bound = BoundRule::Rms(0.3);
+        assert!(o.check().is_ok());
+        for bad in [16u64, 100, 1 << 25] {
+            o.block = bad;
+            assert!(o.check().is_err(), "{bad}");
+        }
+        o.bound = BoundRule::Rms(1.5);
+        o.block = 256;
+        assert!(o.check().is_err());
         assert!(timeout_from_seconds(f64::NAN).is_err());
         assert!(timeout_from_seconds(1e12).is_err());
         assert_eq!(

@@ -59,6 +59,28 @@ def _worker(rank, world, init_file, scenario, device, algorithm=None):
             for a, b in zip(seen["planes"], seen["rice"]):
                 assert torch.equal(a.view(torch.int32), b.view(torch.int32))
             assert seen["rice bytes"] < 0.95 * seen["planes bytes"], seen
+        elif scenario == "blocks":
+            # Block scales: values whose scale drops 10x every 1024 elements; with one step per
+            # bucket the quietest 1024 round to zero; with a step per block of 256 (blocks and
+            # shards line up with the decades here) each block is within rms=0.3 of its largest
+            # rank's RMS (first call: zero residuals).
+            n, k = 6 * 1024, 0.3
+            decades = torch.tensor([10.0 ** -(i // 1024) for i in range(n)])
+            given = [data(r, 0, n).double() * decades for r in range(world)]
+            exact = sum(given) / world
+            got = {}
+            for block in (0, 256):
+                st = State(rms=k, block=block, warmup_steps=0, min_compress_numel=0)
+                assert st.block == block
+                red = cfc.distributed.AllReducer(st, chunk_numel=1 << 20)
+                got[block] = red((data(rank, 0, n) * decades).to(dev)).wait().double().cpu()
+                red.close()
+            assert torch.all(got[0][5 * 1024:] == 0)
+            for lo in range(0, n, 256):
+                bound = k * max(g[lo:lo + 256].pow(2).mean().sqrt().item() for g in given)
+                err = (got[256][lo:lo + 256] - exact[lo:lo + 256]).abs().max().item()
+                assert err <= bound * (1 + 1e-5), (lo, err, bound)
+            assert torch.any(got[256][5 * 1024:] != 0)
         elif scenario == "average":
             # 10000 values: chunks of 3000, 3000, 3000 and a 1000 tail; then a bf16 tensor
             for call in range(3):
@@ -285,7 +307,7 @@ def test_all_reducer_close(tmp_path, device):
 # ranks): both, whatever the number of ranks.
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("algorithm", ["all-gather", "reduce-scatter"])
-@pytest.mark.parametrize("scenario", ["average", "feedback", "resize", "rms"])
+@pytest.mark.parametrize("scenario", ["average", "feedback", "resize", "rms", "blocks"])
 def test_all_reducer_algorithms(tmp_path, scenario, algorithm, device):
     enough_gpus(device)
     spawn(tmp_path, scenario, device, algorithm=algorithm)

@@ -376,3 +376,44 @@ def test_rice_argument_checks():
         cfc.compress(x, bits=8, coder="rice")
     with pytest.raises(ValueError, match="bits= and lossless="):
         cfc.compress(x, lossless=True, coder="rice")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("coder", ["planes", "rice"])
+def test_block_scales_keep_each_blocks_precision(dtype, coder):
+    """rms= with block=: every block within rms x its own RMS (rounded down to a power of two);
+    one bound for the whole tensor rounds the quiet blocks to zero."""
+    g = torch.Generator().manual_seed(3)
+    decades = torch.tensor([10.0 ** -((i // 1000) % 5) for i in range(5000)])
+    x = (torch.randn(5000, generator=g) * decades).to(dtype)
+    c = cfc.compress(x, rms=0.3, block=128, coder=coder)
+    info = cfc.frame_info(c)
+    assert info["block"] == 128 and info["mode"] == "rms" and c.mode == "rms"
+    y = cfc.decompress(c).double()
+    xd = x.double()
+    for lo in range(0, 5000, 128):
+        blk = xd[lo:lo + 128]
+        rms = blk.pow(2).mean().sqrt().item()
+        assert (y[lo:lo + 128] - blk).abs().max().item() <= 0.3 * rms * (1 + 1e-9)
+    whole = cfc.decompress(cfc.compress(x, eps=0.3 * xd.pow(2).mean().sqrt().item())).double()
+    assert torch.all(whole[4000:] == 0) and torch.any(y[4000:] != 0)
+    # error feedback with block scales: what is sent plus the residual is what was given
+    r = torch.zeros(5000)
+    sent = torch.zeros(5000, dtype=torch.float64)
+    for _ in range(5):
+        sent += cfc.decompress(cfc.compress(x, rms=0.3, block=128, coder=coder, residual=r)).double()
+    assert torch.allclose(sent + r.double(), 5 * xd, rtol=1e-3, atol=1e-6)
+    # frames with the same scales add exactly; frame_info of a frame without scales says 0
+    assert cfc.frame_info(cfc.sum_compressed([c, c]))["block"] == 128
+    assert cfc.frame_info(cfc.compress(x, eps=0.1))["block"] == 0
+
+
+def test_block_scale_argument_checks():
+    x = torch.randn(100)
+    for bad, match in [(dict(rms=0.3, block=100), "power of two"), (dict(rms=0.3, block=16), "power of two"),
+                       (dict(eps=0.1, block=64), "block= goes with rms="), (dict(rms=1.5), "below 1"),
+                       (dict(rms=0.3, eps=0.1), "exactly one")]:
+        with pytest.raises(ValueError, match=match):
+            cfc.compress(x, **bad)
+    with pytest.raises(ValueError, match="lossless"):
+        cfc.compress(x, rms=0.3, lossless=True)

@@ -560,9 +560,15 @@ def test_state_options_are_checked():
         (dict(fallback="auto", trial_steps=3), "even"),
         (dict(algorithm="ring"), "algorithm"),
         (dict(timeout=0), "positive"),
+        (dict(eps=1e-3, block=256), "rms= below 1"),
+        (dict(rms=0.3, block=100), "power of two"),
+        (dict(rms=0.3, block=16), "power of two"),
     ]:
         with pytest.raises(ValueError, match=match):
             CfcState(**bad)
+    assert CfcState(rms=0.3, block=256).block == 256 and "block=256" in repr(CfcState(rms=0.3, block=256))
+    # block scales change the values: a checkpoint records them
+    assert CfcState(rms=0.3, block=256).options.saved()["block"] == 256
     with pytest.raises(TypeError):
         CfcState(error_feedback="yes")
     assert CfcState(fallback=False).fallback == "never"

@@ -5,12 +5,12 @@
 //! that the engine leaves out, which on a GPU would be races.
 
 use super::lanes::LaneCheck;
-use super::{Backend, Lane, Memory};
+use super::{Backend, FrameKind, Lane, Memory};
 use crate::codec::{compress, decompress, Bound, CompressOptions};
 use crate::element::Element;
 use crate::engine::job::{Region, Tensor};
 use crate::error::{Error, Result};
-use crate::feedback::compress_with_feedback;
+use crate::feedback::compress_with_feedback_scaled;
 use crate::format::{self, Coder, DType, FIXED_HEADER_LEN};
 use half::{bf16, f16};
 
@@ -99,9 +99,10 @@ pub(crate) fn frame_capacity(n: u64, dtype: DType) -> u64 {
 /// every element possibly an exception, as the CUDA codec counts them.
 pub(crate) fn sum_capacity(n: u64, dtype: DType) -> u64 {
     let header = (FIXED_HEADER_LEN + 8) as u64;
+    // (a byte per group covers block scales: blocks hold at least a group)
     round16(
         header
-            + format::groups_for(n) * (1 + 4 * 64)
+            + format::groups_for(n) * (2 + 4 * 64)
             + n * (format::index_size_for(n) as u64 + dtype.size() as u64),
     )
 }
@@ -207,20 +208,46 @@ fn stats<T: Element>(x: &[T], r: Option<&[f32]>) -> (f64, f64) {
 }
 
 /// Whether `frame` is a frame that [`Backend::decode`] and [`Backend::sum`] take for `n`
-/// elements of `dtype` written by `coder`: quantized (bit planes) or rice as `coder` says, or
-/// raw; no zstd stage; one dimension of `n`.
-fn fits(frame: &[u8], n: u64, dtype: DType, coder: Coder) -> bool {
-    let codec = match coder {
+/// elements of `dtype` written as `kind` says: quantized (bit planes) or rice as its coder says,
+/// with its block scales, or raw; no zstd stage; one dimension of `n`. (A frame too short for
+/// its header, widths and scales is refused as the CUDA backend refuses it.)
+fn fits(frame: &[u8], n: u64, dtype: DType, kind: FrameKind) -> bool {
+    let codec = match kind.coder {
         Coder::Planes => format::Codec::Quantized,
         Coder::Rice => format::Codec::Rice,
     };
-    crate::read_header(frame).is_ok_and(|h| {
-        h.n == n
-            && h.dtype == dtype
-            && !h.zstd
-            && h.shape == [n]
-            && (h.codec == codec || h.codec == format::Codec::Raw)
-    })
+    let scales = if kind.block_log2 == 0 {
+        0
+    } else {
+        crate::scales::blocks_for(n, kind.block_log2)
+    };
+    frame.len() as u64 >= format::min_frame_len(n, 1) + scales
+        && crate::read_header(frame).is_ok_and(|h| {
+            h.n == n
+                && h.dtype == dtype
+                && !h.zstd
+                && h.shape == [n]
+                && ((h.codec == codec && h.block_log2 == kind.block_log2)
+                    || h.codec == format::Codec::Raw)
+        })
+}
+
+/// The exact sum of `parts` (see [`crate::sum_frames`]); with block scales, a sum of raw parts
+/// alone (no part has scales, every code is 0) gets zero shifts, as the kernels write it, so
+/// that every sum of the exchange has the scales its readers expect.
+fn sum_with_scales(parts: &[&[u8]], n: u64, block_log2: u8) -> Result<Vec<u8>> {
+    let codes = parts
+        .iter()
+        .map(|f| crate::Codes::from_frame(f))
+        .collect::<Result<Vec<_>>>()?;
+    let mut sum = crate::Codes::sum(&codes)?;
+    if block_log2 != 0 && sum.scales.is_none() {
+        sum.scales = Some(crate::scales::BlockScales {
+            log2: block_log2,
+            shifts: vec![0; crate::scales::blocks_for(n, block_log2) as usize],
+        });
+    }
+    sum.to_frame(None)
 }
 
 /// Decoded frames added in f32, in order, scaled and written (see [`Backend::decode`]).
@@ -346,6 +373,46 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn exponents(&mut self, x: Tensor, r: Option<Tensor>, log2: u8, out: Region) -> Result<()> {
+        self.touch(Lane::Compute, x.region(), false, "block exponents")?;
+        if let Some(r) = r {
+            self.touch(Lane::Compute, r.region(), false, "block exponents")?;
+        }
+        self.touch(Lane::Compute, out, true, "block exponents")?;
+        // SAFETY: the job's tensors (see `stats`).
+        let e = with_float!(x.dtype, T, unsafe {
+            Ok(crate::scales::block_exponents::<T>(
+                elements(x),
+                r.map(|r| elements::<f32>(r)),
+                log2,
+            ))
+        })?;
+        if e.len() as u64 != out.len {
+            return Err(Error::Transport(format!(
+                "internal: {} block exponents into {} bytes",
+                e.len(),
+                out.len
+            )));
+        }
+        // SAFETY: scratch checked by the caller (`Region::sub`).
+        unsafe { bytes_mut(out) }.copy_from_slice(&e);
+        Ok(())
+    }
+
+    fn upload(&mut self, lane: Lane, dst: Region, src: &[u8]) -> Result<()> {
+        self.touch(lane, dst, true, "an upload")?;
+        if src.len() as u64 != dst.len {
+            return Err(Error::Transport(format!(
+                "internal: {} bytes uploaded into {}",
+                src.len(),
+                dst.len
+            )));
+        }
+        // SAFETY: scratch checked by the caller.
+        unsafe { bytes_mut(dst) }.copy_from_slice(src);
+        Ok(())
+    }
+
     fn frame_capacity(&self, n: u64, dtype: DType) -> u64 {
         frame_capacity(n, dtype)
     }
@@ -356,6 +423,7 @@ impl Backend for CpuBackend {
         r: Option<Tensor>,
         eps: f64,
         coder: Coder,
+        scales: Option<(u8, Region)>,
         frame: Region,
         size_at: Region,
     ) -> Result<()> {
@@ -363,6 +431,17 @@ impl Backend for CpuBackend {
         if let Some(r) = r {
             self.touch(Lane::Compute, r.region(), true, "compression")?;
         }
+        let scales = match scales {
+            Some((log2, shifts)) => {
+                self.touch(Lane::Compute, shifts, false, "compression")?;
+                Some(crate::scales::BlockScales {
+                    log2,
+                    // SAFETY: scratch checked by the caller.
+                    shifts: unsafe { bytes(shifts) }.to_vec(),
+                })
+            }
+            None => None,
+        };
         self.touch(Lane::Compute, frame, true, "compression")?;
         self.touch(Lane::Compute, size_at.sub(0, 8)?, true, "compression")?;
         let max_error = self.max_error();
@@ -381,14 +460,17 @@ impl Backend for CpuBackend {
             match r {
                 Some(r) => {
                     let r = elements_mut::<f32>(r);
-                    let f = compress_with_feedback(data, r, &shape, &opts)?;
+                    let f = compress_with_feedback_scaled(data, r, &shape, &opts, scales.as_ref())?;
                     let m = r
                         .iter()
                         .filter(|v| v.is_finite())
                         .fold(0.0f64, |m, v| m.max(v.abs() as f64));
                     Ok((f, m))
                 }
-                None => Ok((compress(data, &shape, &opts)?, 0.0)),
+                None => match &scales {
+                    Some(s) => Ok((crate::compress_scaled(data, &shape, &opts, s)?, 0.0)),
+                    None => Ok((compress(data, &shape, &opts)?, 0.0)),
+                },
             }
         })?;
         let len = bytes_out.len() as u64;
@@ -418,6 +500,7 @@ impl Backend for CpuBackend {
         frames: &[Region],
         n: u64,
         dtype: DType,
+        block_log2: u8,
         out: Region,
         size_at: Region,
     ) -> Result<()> {
@@ -430,8 +513,12 @@ impl Backend for CpuBackend {
         let parts: Vec<&[u8]> = frames.iter().map(|f| unsafe { bytes(*f) }).collect();
         // A frame that is not one of these elements, or frames that cannot be summed, leave a
         // size of 0, which every rank that receives the sum refuses.
-        let summed = if parts.iter().all(|f| fits(f, n, dtype, Coder::Planes)) {
-            crate::sum_frames(&parts, None)
+        let kind = FrameKind {
+            coder: Coder::Planes,
+            block_log2,
+        };
+        let summed = if parts.iter().all(|f| fits(f, n, dtype, kind)) {
+            sum_with_scales(&parts, n, block_log2)
                 .ok()
                 .filter(|s| s.len() as u64 <= out.len)
         } else {
@@ -455,7 +542,7 @@ impl Backend for CpuBackend {
         sized: bool,
         n: u64,
         dtype: DType,
-        coder: Coder,
+        kind: FrameKind,
         scale: f32,
         out: Tensor,
     ) -> Result<()> {
@@ -492,7 +579,7 @@ impl Backend for CpuBackend {
             // SAFETY: as in `sum`.
             parts.push(unsafe { bytes(f) });
         }
-        if let Some(bad) = parts.iter().position(|f| !fits(f, n, dtype, coder)) {
+        if let Some(bad) = parts.iter().position(|f| !fits(f, n, dtype, kind)) {
             self.words[0] = 1 | ((bad as u64 + 1) << 32);
             return Ok(());
         }

@@ -2,7 +2,7 @@
 //! (the compute lane and the comm lane), in scratch memory the engine allocates once and reuses.
 //! Nothing here waits for the GPU: the transport waits for marks, polling.
 
-use super::{Backend, Lane, Memory};
+use super::{Backend, FrameKind, Lane, Memory};
 use crate::cuda::memory::{DeviceBuffer, PinnedBuffer};
 use crate::cuda::{self, driver_err, ContextGuard};
 use crate::engine::job::{Region, Tensor};
@@ -110,6 +110,8 @@ pub struct CudaBackend {
     /// The kernels' workspaces (compute lane only), given back for reuse.
     work: Vec<DeviceBuffer>,
     pinned: Pool<PinnedBuffer>,
+    /// Uploads on their way: pinned memory a copy reads until its event is reached.
+    uploads: Vec<(CudaEvent, Fetch)>,
     /// The device may never finish its queued work (`Backend::abandon`): leak, don't free.
     abandoned: bool,
     /// The decoding status (8 bytes) and the running maximum of the error left in residuals
@@ -147,6 +149,7 @@ impl CudaBackend {
             pool: Pool::new(),
             work: Vec::new(),
             pinned: Pool::new(),
+            uploads: Vec::new(),
             abandoned: false,
         })
     }
@@ -293,6 +296,70 @@ impl Backend for CudaBackend {
         r
     }
 
+    fn exponents(&mut self, x: Tensor, r: Option<Tensor>, log2: u8, out: Region) -> Result<()> {
+        let blocks = crate::scales::blocks_for(x.numel, log2);
+        if out.len != blocks {
+            return Err(Error::Transport(format!(
+                "internal: {blocks} block exponents into {} bytes",
+                out.len
+            )));
+        }
+        let args = cuda::ExponentsArgs {
+            device: self.ordinal,
+            stream: self.raw(Lane::Compute),
+            data: x.addr,
+            n: x.numel,
+            dtype: x.dtype,
+            residual: r.map_or(0, |r| r.addr),
+            block_log2: log2,
+            out: out.addr,
+        };
+        // SAFETY: the job's tensors (vouched for by the submitter) and `out` (checked above),
+        // on this device.
+        unsafe { cuda::block_exponents(&args) }.map_err(during("block exponents"))
+    }
+
+    fn upload(&mut self, lane: Lane, dst: Region, bytes: &[u8]) -> Result<()> {
+        if bytes.len() as u64 != dst.len {
+            return Err(Error::Transport(format!(
+                "internal: {} bytes uploaded into {}",
+                bytes.len(),
+                dst.len
+            )));
+        }
+        if bytes.is_empty() {
+            return Ok(());
+        }
+        // Pinned memory of earlier uploads goes back once their copies ran.
+        let mut i = 0;
+        while i < self.uploads.len() {
+            if self.uploads[i].0.try_is_complete().map_err(driver_err)? {
+                self.uploads.swap_remove(i);
+            } else {
+                i += 1;
+            }
+        }
+        let pinned = self.pinned.gathered();
+        let mut host = match pinned.iter().position(|p| p.len() >= bytes.len()) {
+            Some(i) => pinned.swap_remove(i),
+            None => PinnedBuffer::new(&self.ctx, bytes.len().max(4096))?,
+        };
+        host.write(bytes);
+        let addr = host.addr();
+        let held = Fetch {
+            host: Some(host),
+            len: bytes.len(),
+            home: self.pinned.home.clone(),
+        };
+        // SAFETY: `dst` is the engine's scratch (checked by the caller's `sub`); the pinned
+        // memory is kept (in `uploads`) until an event after the copy is reached.
+        unsafe { cuda::copy_async(self.stream(lane), dst.addr, addr, dst.len) }
+            .map_err(during("upload"))?;
+        let e = event(self.stream(lane)).map_err(during("upload"))?;
+        self.uploads.push((e, held));
+        Ok(())
+    }
+
     fn frame_capacity(&self, n: u64, dtype: DType) -> u64 {
         cuda::compress_capacity(n, dtype, 1, Bound::Abs(1.0)).div_ceil(16) * 16
     }
@@ -303,9 +370,17 @@ impl Backend for CudaBackend {
         r: Option<Tensor>,
         eps: f64,
         coder: Coder,
+        scales: Option<(u8, Region)>,
         frame: Region,
         size_at: Region,
     ) -> Result<()> {
+        let (block_log2, shifts) = match scales {
+            Some((log2, s)) => {
+                let blocks = crate::scales::blocks_for(x.numel, log2);
+                (log2, s.sub(0, blocks)?.addr)
+            }
+            None => (0, 0),
+        };
         let size_at = size_at.sub(0, 8)?;
         let ws_len = match coder {
             Coder::Planes => cuda::compress_workspace_len(x.numel, r.is_some()),
@@ -328,6 +403,8 @@ impl Backend for CudaBackend {
             size_to: size_at.addr,
             max_error_to: if r.is_some() { self.words.ptr() + 8 } else { 0 },
             bound_at: 0,
+            scales: shifts,
+            block_log2,
         };
         // SAFETY: as in `stats`; the frame region is the engine's scratch (checked by `sub`).
         let out = unsafe {
@@ -350,6 +427,7 @@ impl Backend for CudaBackend {
         frames: &[Region],
         n: u64,
         dtype: DType,
+        block_log2: u8,
         out: Region,
         size_at: Region,
     ) -> Result<()> {
@@ -367,6 +445,7 @@ impl Backend for CudaBackend {
             shape: &[n],
             out: out.addr,
             out_len: out.len,
+            block_log2,
             workspace: ws.ptr(),
             workspace_len: ws.len() as u64,
         };
@@ -396,10 +475,11 @@ impl Backend for CudaBackend {
         sized: bool,
         n: u64,
         dtype: DType,
-        coder: Coder,
+        kind: FrameKind,
         scale: f32,
         out: Tensor,
     ) -> Result<()> {
+        let coder = kind.coder;
         let addrs: Vec<u64> = frames.iter().map(|f| f.addr).collect();
         let lens: Vec<u64> = frames.iter().map(|f| f.len).collect();
         let ws_len = match coder {
@@ -419,6 +499,7 @@ impl Backend for CudaBackend {
             scale,
             out: out.addr,
             out_dtype: out.dtype,
+            block_log2: kind.block_log2,
             workspace: ws.ptr(),
             workspace_len: ws.len() as u64,
             status: self.words.ptr(),
@@ -557,6 +638,9 @@ impl Drop for CudaBackend {
             // Freeing would wait for a device that may never finish (see `Backend::abandon`).
             self.pool.leak();
             self.pinned.leak();
+            for (_, f) in self.uploads.drain(..) {
+                std::mem::forget(f);
+            }
             for b in self.work.drain(..) {
                 std::mem::forget(b);
             }

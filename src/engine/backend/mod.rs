@@ -32,6 +32,15 @@ pub(crate) fn best_fit<T>(pool: &[T], size: impl Fn(&T) -> u64, len: u64) -> Opt
         .map(|(i, _)| i)
 }
 
+/// How the frames a decoding reads were written: their coder, and their block scales (`log2` of
+/// the elements per block, 0 for none). A quantized frame that is not so written is refused
+/// (raw frames are taken whatever was asked).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct FrameKind {
+    pub coder: Coder,
+    pub block_log2: u8,
+}
+
 /// A lane of work (see the module docs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Lane {
@@ -118,22 +127,40 @@ pub(crate) trait Backend: Send + 'static {
         count: u64,
     ) -> Result<()>;
 
+    /// Queues on the compute lane each block's exponent byte of `x + r` (blocks of `2^log2`
+    /// elements; [`crate::scales::block_exponents`], bit for bit) into `out`, one byte per block.
+    ///
+    /// # Errors
+    /// Device errors; [`crate::Error::Transport`] for an `out` of another length.
+    fn exponents(&mut self, x: Tensor, r: Option<Tensor>, log2: u8, out: Region) -> Result<()>;
+
+    /// Queues on `lane` the copy of `bytes` (host memory, copied before this returns) into
+    /// `dst`, which has their length.
+    ///
+    /// # Errors
+    /// Device errors; [`crate::Error::Transport`] for a `dst` of another length.
+    fn upload(&mut self, lane: Lane, dst: Region, bytes: &[u8]) -> Result<()>;
+
     /// Bytes a frame of `n` elements of `dtype` may take (a multiple of 16).
     fn frame_capacity(&self, n: u64, dtype: DType) -> u64;
 
     /// Queues on the compute lane the frame of `x + r` within `eps` (with error feedback: `r`
     /// updated in place) into `frame` (at least [`Backend::frame_capacity`] bytes), its codes
-    /// written by `coder`, its size as a u64 into the 8 bytes of `size_at`. With a residual,
+    /// written by `coder`, its size as a u64 into the 8 bytes of `size_at`. With `scales`
+    /// (`log2` of the block size, and a shift per block in the backend's memory), block `b`'s
+    /// step is `2 eps` halved `shift[b]` times (a frame with block scales). With a residual,
     /// the largest error it leaves raises the backend's running maximum ([`Backend::max_error`]).
     ///
     /// # Errors
     /// The codec's errors; device errors.
+    #[allow(clippy::too_many_arguments)] // (the input, how to code it, and the output)
     fn compress(
         &mut self,
         x: Tensor,
         r: Option<Tensor>,
         eps: f64,
         coder: Coder,
+        scales: Option<(u8, Region)>,
         frame: Region,
         size_at: Region,
     ) -> Result<()>;
@@ -141,17 +168,20 @@ pub(crate) trait Backend: Send + 'static {
     /// Bytes the exact sum of frames of `n` elements of `dtype` may take (a multiple of 16).
     fn sum_capacity(&self, n: u64, dtype: DType) -> u64;
 
-    /// Queues on the compute lane the exact sum of `frames` (codes added as integers, in order)
-    /// into `out` (at least [`Backend::sum_capacity`] bytes), its size into `size_at` (0 where
-    /// the frames could not be summed: the peers then refuse it alike).
+    /// Queues on the compute lane the exact sum of `frames` (codes added as integers, in order;
+    /// bit planes, with block scales of `2^block_log2` elements where that is not 0) into `out`
+    /// (at least [`Backend::sum_capacity`] bytes), its size into `size_at` (0 where the frames
+    /// could not be summed: the peers then refuse it alike).
     ///
     /// # Errors
     /// Device errors (not a frame's: those show as a size of 0).
+    #[allow(clippy::too_many_arguments)] // (the frames, how to read them, and the output)
     fn sum(
         &mut self,
         frames: &[Region],
         n: u64,
         dtype: DType,
+        block_log2: u8,
         out: Region,
         size_at: Region,
     ) -> Result<()>;
@@ -160,8 +190,8 @@ pub(crate) trait Backend: Send + 'static {
     /// frame `p` (of its region's length, or with `sized` of the length in the row head
     /// [`crate::engine::rows`] places before it, at most its region's) widened to f32, the sum running in f32 in frame order and the product (skipped
     /// when `scale` is 1) rounded to f32 and then to `out`'s dtype, a NaN as the dtype's
-    /// canonical quiet NaN (its payload is not kept). Frames are written by `coder` (or raw);
-    /// a frame that is not what its header says, or not of `coder`, sets the decoding status
+    /// canonical quiet NaN (its payload is not kept). Frames are written as `kind` says (or
+    /// raw); a frame that is not what its header says, or not of that kind, sets the decoding status
     /// ([`Backend::status`]) and nothing is written, then or later, until the status is
     /// cleared. (Rice frames come unsized: `sized` is for sums, which are bit planes.)
     ///
@@ -174,7 +204,7 @@ pub(crate) trait Backend: Send + 'static {
         sized: bool,
         n: u64,
         dtype: DType,
-        coder: Coder,
+        kind: FrameKind,
         scale: f32,
         out: Tensor,
     ) -> Result<()>;

@@ -90,8 +90,10 @@ def parse_state(sd: Mapping, options: Options, rank: int, world: int) -> Dict[st
             f"this state was saved by rank {saved_rank} of {saved_world}; this is rank {rank} of {world} "
             "(each rank loads its own)"
         )
-    if dict(_mapping(sd, "options")) != options.saved():
-        raise ValueError(f"this state was saved with {dict(sd['options'])}; these options are {options.saved()}")
+    # (a state saved before block scales existed had none)
+    saved = {"block": 0, **dict(_mapping(sd, "options"))}
+    if saved != options.saved():
+        raise ValueError(f"this state was saved with {saved}; these options are {options.saved()}")
     residuals = {}
     for o, r in _mapping(sd, "residuals").items():
         o = _count(o, "a residual's parameter ordinal", key=True)

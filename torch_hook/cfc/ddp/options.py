@@ -3,7 +3,7 @@
 The same names are used by :class:`cfc.distributed.AllReducer` (which takes a ``CfcState``) and by
 ``python -m cfc.bench``: ``eps`` / ``rel`` / ``rms`` (the bound), ``error_feedback``,
 ``warmup_steps``, ``min_compress_numel``, ``fallback`` (``"never"``, ``"auto"``, ``"always"``),
-``trial_steps``, ``algorithm``, ``topology``, ``coder``, ``timeout``.
+``trial_steps``, ``algorithm``, ``topology``, ``coder``, ``block``, ``timeout``.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ ALGORITHMS = ("all-gather", "reduce-scatter")
 FALLBACKS = ("never", "auto", "always")
 TOPOLOGIES = ("auto", "flat", "two-level")
 CODERS = ("planes", "rice")
+# Block scales (``block=``): elements per block, a power of two in this range, or 0 for none.
+BLOCK_RANGE = (32, 1 << 24)
 # The absolute bounds the codec accepts (src/codec/bounded.rs, check_abs_bound): normal float64 values
 # up to a quarter of the largest, so that a step of 2 eps and its sums stay finite.
 EPS_MIN, EPS_MAX = 2.2250738585072014e-308, 1.7976931348623157e308 / 4
@@ -63,6 +65,7 @@ class Options:
     algorithm: Optional[str] = None
     topology: str = "auto"
     coder: str = "planes"
+    block: int = 0
     timeout: float = DEFAULT_TIMEOUT
     log_every: int = 0
 
@@ -81,6 +84,7 @@ class Options:
         algorithm: Any = None,
         topology: Any = "auto",
         coder: Any = "planes",
+        block: Any = 0,
         timeout: Any = None,
         log_every: Any = 0,
     ) -> "Options":
@@ -118,6 +122,14 @@ class Options:
             raise ValueError(f"topology must be 'auto', 'flat' or 'two-level', got {topology!r}")
         if coder not in CODERS:
             raise ValueError(f"coder must be 'planes' or 'rice', got {coder!r}")
+        block = _check_integer("block", block)
+        if block:
+            low, high = BLOCK_RANGE
+            if kind != "rms" or bound >= 1:
+                raise ValueError(f"block scales follow each block's RMS: block={block} takes rms= below 1, "
+                                 f"not {kind}={value!r}")
+            if block & (block - 1) or not low <= block <= high:
+                raise ValueError(f"block must be 0 or a power of two from {low} to {high}, got {block}")
         if timeout is None:
             seconds = _default_timeout()
         elif isinstance(timeout, datetime.timedelta):
@@ -135,7 +147,7 @@ class Options:
             bound_kind=kind, bound=bound, error_feedback=bool(error_feedback),
             warmup_steps=counts["warmup_steps"], min_compress_numel=counts["min_compress_numel"],
             fallback=fallback, trial_steps=trial, algorithm=algorithm, topology=topology, coder=coder,
-            timeout=seconds,
+            block=block, timeout=seconds,
             log_every=counts["log_every"],
         )
 
@@ -145,7 +157,7 @@ class Options:
             "bound": self.bound_kind, "value": self.bound, "error_feedback": self.error_feedback,
             "algorithm": self.algorithm, "fallback": self.fallback, "trial_steps": self.trial_steps,
             "warmup_steps": self.warmup_steps, "min_compress_numel": self.min_compress_numel,
-            "topology": self.topology, "coder": self.coder, "timeout": self.timeout,
+            "topology": self.topology, "coder": self.coder, "block": self.block, "timeout": self.timeout,
         }
 
     def saved(self) -> Dict[str, Any]:

@@ -78,6 +78,12 @@ class CfcState:
             planes, a few ms per GB). It applies to the all-gather (2 ranks, or
             ``algorithm="all-gather"``, and the exchange between 2 nodes of ``"two-level"``);
             the reduce-scatter, whose codes are summed on the way, keeps bit planes.
+        block: block scales, with ``rms=``: each block of this many elements of a bucket (a
+            power of two from 32 to 2**24) gets its own step, ``rms`` times the block's own RMS
+            (the largest rank's, rounded down to a power of two), agreed by the ranks in a
+            small round before the bucket is quantized (a byte per block and rank). Regions of
+            small gradients then keep their precision where one step per bucket rounds them to
+            zero. 0 (default): one step per bucket.
         timeout: seconds (or a ``timedelta``) any wait for a peer may last before every rank
             fails (default ``CFC_TIMEOUT``, else 300). A failure on any rank (an exception, a
             bad frame, a process that died) ends the waits of every rank at once, without
@@ -109,12 +115,14 @@ class CfcState:
         algorithm: Optional[str] = None,
         topology: str = "auto",
         coder: str = "planes",
+        block: int = 0,
         timeout: Any = None,
     ):
         self.options = Options.parse(
             eps=eps, rel=rel, rms=rms, error_feedback=error_feedback, warmup_steps=warmup_steps,
             min_compress_numel=min_compress_numel, fallback=fallback, trial_steps=trial_steps,
-            log_every=log_every, algorithm=algorithm, topology=topology, coder=coder, timeout=timeout,
+            log_every=log_every, algorithm=algorithm, topology=topology, coder=coder, block=block,
+            timeout=timeout,
         )
         self.process_group = process_group
         self.rank, self.world = -1, 0
@@ -163,6 +171,7 @@ class CfcState:
     algorithm = property(lambda self: self.options.algorithm)
     topology = property(lambda self: self.options.topology)
     coder = property(lambda self: self.options.coder)
+    block = property(lambda self: self.options.block)
     timeout = property(lambda self: self.options.timeout)
     log_every = property(lambda self: self.options.log_every)
 
@@ -177,7 +186,7 @@ class CfcState:
             **{o.bound_kind: o.bound}, error_feedback=o.error_feedback, warmup_steps=o.warmup_steps,
             min_compress_numel=o.min_compress_numel, fallback=o.fallback,
             trial_steps=o.trial_steps or 4, log_every=o.log_every, algorithm=o.algorithm,
-            topology=o.topology, coder=o.coder, timeout=o.timeout,
+            topology=o.topology, coder=o.coder, block=o.block, timeout=o.timeout,
         )
 
     def _bind(self) -> None:
@@ -263,7 +272,7 @@ class CfcState:
         return (f"CfcState({o.bound_kind}={o.bound:g}, error_feedback={o.error_feedback}, "
                 f"warmup_steps={o.warmup_steps}, min_compress_numel={o.min_compress_numel}, "
                 f"fallback={o.fallback!r}, algorithm={o.algorithm!r}, topology={o.topology!r}, "
-                f"coder={o.coder!r}, timeout={o.timeout:g}; {where})")
+                f"coder={o.coder!r}, block={o.block}, timeout={o.timeout:g}; {where})")
 
     _token_step = 0  # the step a checkpoint was loaded at
 
