@@ -177,13 +177,15 @@ def register(ddp, name, clock=None):
         # cfc's choice); cfc-...-plain: no bucket compressed (every one NCCL's average through
         # cfc's engine: its thread and collectives without the codec); any hook:capN sets
         # bucket_cap_mb; cfc-flat / cfc-2l: topology "flat" or "two-level" (default "auto");
-        # cfc-rice: coder "rice" (default "planes")
+        # cfc-rice: coder "rice" (default "planes"); cfc-bK: block scales of K values (block=K)
         rms = float(name.split("@")[1].split(":")[0]) if "@" in name else 0.3
+        block = next((int(p[1:]) for p in name.split("@")[0].split("-") if p[:1] == "b" and p[1:].isdigit()), 0)
         algorithm = "all-gather" if "-ag" in name else "reduce-scatter" if "-rs" in name else None
         fallback = "always" if "-plain" in name else "auto" if "auto" in name else "never"
         topology = "flat" if "-flat" in name else "two-level" if "-2l" in name else "auto"
         coder = "rice" if "-rice" in name else "planes"
-        state = cfc.CfcState(rms=rms, fallback=fallback, algorithm=algorithm, topology=topology, coder=coder)
+        state = cfc.CfcState(rms=rms, fallback=fallback, algorithm=algorithm, topology=topology, coder=coder,
+                             block=block)
         if "auto" in name and "hook" not in name:
             cfc.register_comm_hook(ddp, state)
         else:

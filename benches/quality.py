@@ -13,6 +13,8 @@ Families (``--families``):
 * ``lm``: the byte-level transformer LM of ``examples/ddp_train.py`` on the Python standard
   library's sources (the last 5% held out), AdamW, warm-up and cosine decay, bf16 autocast on
   GPUs;
+* ``gpt2``: HuggingFace's GPT-2 (6 x 512, byte vocabulary, tied embeddings; needs
+  ``transformers``) on the same corpus and schedule as ``lm``;
 * ``conv``: a convolutional net learning a fixed random teacher of the same shape on Gaussian
   images (mean squared error over the teacher's output variance, so the optimum is 0 and the
   first step is near 1), Adam, the same schedule, a fixed held-out set.
@@ -27,7 +29,8 @@ reference (``allreduce`` by default); a hook named twice is an A/A copy: on the 
 of one hook give the same bits, on GPUs they show the noise.
 
 Hooks: ``allreduce`` (DDP's own), ``fp16``, ``bf16``, ``powersgd`` (rank 4), ``cfc`` (its
-defaults, or ``--rms``), ``cfc@X`` (``rms=X``), ``cfc-noef`` and ``cfc-noef@X`` (no error
+defaults, or ``--rms``), ``cfc@X`` (``rms=X``), ``cfc-bK`` and ``cfc-bK@X`` (block scales of
+``K`` values: ``block=K``), ``cfc-noef`` and ``cfc-noef@X`` (no error
 feedback). ``--fsdp`` trains with FSDP2 instead (``fully_shard`` on every transformer layer, or
 the conv net whole, and on the model): ``allreduce`` is then FSDP's own float32 reduce-scatter,
 ``bf16`` its ``reduce_dtype=bfloat16``, and the ``cfc`` ways go through ``cfc.fsdp.register``
@@ -138,13 +141,48 @@ class LMTask:
         return held_out_loss(model, self.heldout, self.dev, self.args)
 
 
+class GPT2Task(LMTask):
+    """The ``gpt2`` family: HuggingFace's GPT-2 (``transformers``; 6 layers of 512, 8 heads, a
+    byte vocabulary, tied input and output embeddings) on the LM family's corpus, a model whose
+    code cfc was not written against."""
+
+    def model(self):
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        a = self.args
+        cfg = GPT2Config(vocab_size=256, n_positions=a.seq, n_embd=512, n_layer=6, n_head=8,
+                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+        return _Logits(GPT2LMHeadModel(cfg))
+
+
+class _Logits(nn.Module):
+    """A HuggingFace causal LM as the LM family's models are called: ids in, logits out."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, ids):
+        return self.inner(input_ids=ids).logits
+
+
 def cfc_state(hook: str, args, **extra):
-    """The CfcState of a ``cfc``, ``cfc@X``, ``cfc-noef`` or ``cfc-noef@X`` way."""
+    """The CfcState of a ``cfc``, ``cfc@X``, ``cfc-noef``, ``cfc-noef@X``, ``cfc-bK`` or
+    ``cfc-bK@X`` way (``-bK``: block scales of K values)."""
     name, _, x = hook.partition("@")
+    name, block = block_of(name)
     kw = {"error_feedback": name in ("cfc", "cfc-group", "cfc-r4", "cfc-lag"), **extra}
     if x or args.rms is not None:
         kw["rms"] = float(x) if x else args.rms
+    if block:
+        kw["block"] = block
     return cfc.CfcState(**kw)
+
+
+def block_of(name: str):
+    """``cfc-b256`` -> (``cfc``, 256); other names -> (name, 0)."""
+    head, _, tail = name.rpartition("-b")
+    return (head, int(tail)) if head and tail.isdigit() else (name, 0)
 
 
 def sharded(task, hook: str, args, dev):
@@ -152,7 +190,7 @@ def sharded(task, hook: str, args, dev):
     state (or None)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    name = hook.partition("@")[0]
+    name = block_of(hook.partition("@")[0])[0]
     if name not in ("allreduce", "bf16", "cfc", "cfc-noef", "cfc-group", "cfc-r4", "cfc-lag"):
         raise SystemExit(f"{hook!r} is not a way of --fsdp (allreduce, bf16, cfc, cfc@X, cfc-noef, cfc-group, cfc-r4, cfc-lag)")
     model = task.model().to(dev)
@@ -172,7 +210,7 @@ def sharded(task, hook: str, args, dev):
 def register(ddp: DDP, hook: str, args):
     """Registers `hook` on `ddp`; returns the cfc state, or None. PyTorch's hooks as
     examples/ddp_train.py registers them; the cfc ways with this benchmark's options."""
-    if hook.partition("@")[0] in ("cfc", "cfc-noef"):
+    if block_of(hook.partition("@")[0])[0] in ("cfc", "cfc-noef"):
         state = cfc_state(hook, args)
         ddp.register_comm_hook(state, cfc.cfc_hook)
         return state
@@ -365,7 +403,7 @@ def main() -> None:
     rank = dist.get_rank()
     hooks = [h.strip() for h in args.hooks.split(",") if h.strip()]
     labels = labelled(hooks)
-    tasks = {"lm": LMTask, "conv": ConvTask}
+    tasks = {"lm": LMTask, "conv": ConvTask, "gpt2": GPT2Task}
     summaries, everything = {}, {}
 
     def write_json() -> None:

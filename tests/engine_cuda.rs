@@ -602,13 +602,16 @@ fn frames_with_block_scales_are_summed_and_checked_on_the_device() {
         .map(|x| cfc::compress_scaled(x, &[n], &o, &scales).unwrap())
         .collect();
     // rank 2's frame went raw (its bytes kept, as an encoder falls back)
-    let raw = cfc::compress(
+    // (a raw frame keeps the step and bound it was asked for: those of the others here)
+    let mut raw = cfc::compress(
         &xs[2],
         &[n],
         &cfc::CompressOptions::new(cfc::Bound::Abs(1e-30)),
     )
     .unwrap();
     assert_eq!(cfc::read_header(&raw).unwrap().codec, cfc::Codec::Raw);
+    raw[24..32].copy_from_slice(&(2.0 * eps).to_le_bytes());
+    raw[32..40].copy_from_slice(&eps.to_le_bytes());
     frames[2] = raw;
     let parts: Vec<&[u8]> = frames.iter().map(|f| &f[..]).collect();
     let want_sum = cfc::sum_frames(&parts, None).unwrap();

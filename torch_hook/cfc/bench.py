@@ -25,6 +25,9 @@ For each size it times, on the same data in the same process group:
   emulated nodes on one host;
 * ``...-rice@B`` (``--coders planes,rice``): the same with :class:`cfc.CfcState`'s ``coder``
   (Rice-coded frames in the all-gather; default: bit planes, no suffix);
+* ``...-bK@B`` (``--blocks K``): the same with block scales, :class:`cfc.CfcState`'s
+  ``rms=B, block=K`` (each block of K values within B times its own RMS) instead of
+  ``eps = B x RMS`` of the whole data; its error column is then empty;
 * ``fp32-again`` (``--aa``): a second copy of ``fp32``, whose difference from the first is the
   run's noise.
 
@@ -171,6 +174,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     p.add_argument("--algorithms", default="", help="comma list of all-gather, reduce-scatter (default: cfc's choice)")
     p.add_argument("--topologies", default="", help="comma list of flat, two-level (default: cfc's choice)")
     p.add_argument("--coders", default="planes", help="comma list of planes, rice (default: planes)")
+    p.add_argument("--blocks", default="", help="comma list of block sizes: also cfc with rms=B, block=K")
     p.add_argument("--rounds", type=int, default=1, help="rounds in which the methods take turns (medians over them)")
     p.add_argument("--aa", action="store_true", help="also a second copy of fp32 (fp32-again): the noise")
     p.add_argument("--grads", default=None, help="folder of .npy gradient vectors")
@@ -230,15 +234,19 @@ def _run(args, dev, rank: int, world: int) -> Dict[str, Any]:
     coders = [c.strip() for c in args.coders.split(",") if c.strip()] or ["planes"]
     if any(c not in ("planes", "rice") for c in coders):
         raise SystemExit(f"--coders takes planes and rice, got {args.coders!r}")
+    blocks = [int(k) for k in args.blocks.split(",") if k.strip()]
     reducers = {
-        f"{short[a]}{suffix[t]}{'' if c == 'planes' else '-' + c}@{b:g}": cfc.distributed.AllReducer(
-            cfc.CfcState(eps=b * rms, warmup_steps=0, min_compress_numel=0, algorithm=a, topology=t, coder=c),
+        f"{short[a]}{suffix[t]}{'' if c == 'planes' else '-' + c}{'' if not k else f'-b{k}'}@{b:g}":
+        cfc.distributed.AllReducer(
+            cfc.CfcState(**({"eps": b * rms} if not k else {"rms": b, "block": k}), warmup_steps=0,
+                         min_compress_numel=0, algorithm=a, topology=t, coder=c),
             chunk_numel=chunk,
         )
         for b in bounds
         for a in algorithms
         for t in topologies
         for c in coders
+        for k in [0] + blocks
     }
     node_names: List[Any] = [None] * world
     dist.all_gather_object(node_names, os.environ.get("CFC_NODE") or socket.gethostname())
@@ -284,7 +292,7 @@ def _run(args, dev, rank: int, world: int) -> Dict[str, Any]:
             return row
         reducer = reducers[m]
         eps = reducer.state.bound
-        if first:
+        if first and reducer.state.bound_kind == "eps":
             y = reducer(x.clone()).wait()  # a first call: zero residuals, so |err| <= eps
             sync()
             err = torch.tensor([(y.double() - exact).abs().max().item()], dtype=torch.float64, device=dev)

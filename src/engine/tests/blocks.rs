@@ -27,12 +27,7 @@ type Seen = (Vec<Vec<f32>>, Vec<f32>);
 
 /// `steps` all-reduces of `uneven` on every rank with residuals: each rank's results and final
 /// residual, and rank 0's statistics.
-fn run(
-    nodes: &[usize],
-    o: &Options,
-    n: usize,
-    steps: usize,
-) -> (Vec<Seen>, Stats) {
+fn run(nodes: &[usize], o: &Options, n: usize, steps: usize) -> (Vec<Seen>, Stats) {
     let out = on_nodes(nodes, o, |rank, e| {
         let mut r = vec![0.0f32; n];
         let mut seen = Vec::new();
