@@ -59,6 +59,10 @@ struct Common<B: Backend> {
 
 pub(crate) struct Gather<B: Backend> {
     c: Common<B>,
+    /// Bytes before each row's frame: its head, then (with block scales) its sender's
+    /// exponents of the bucket, `exps` bytes, padded to 16.
+    lead: u64,
+    exps: u64,
     cap: u64,
     slot: u64,
     mine: B::Buf,
@@ -71,6 +75,10 @@ pub(crate) struct Scatter<B: Backend> {
     c: Common<B>,
     /// Element ranges of the shards (start, length).
     parts: Vec<(u64, u64)>,
+    /// Bytes before each row's frame (its head, then with block scales its sender's exponents
+    /// of the row's shard, padded to 16: `exps` bytes, the most any shard has).
+    lead: u64,
+    exps: u64,
     /// Frame capacity of each shard, and the stride of this rank's rows (the first shard's row).
     caps: Vec<u64>,
     stride: u64,
@@ -86,6 +94,10 @@ pub(crate) struct Scatter<B: Backend> {
 pub(crate) struct Summed<B: Backend> {
     c: Common<B>,
     parts: Vec<(u64, u64)>,
+    /// Bytes before each sum in its row (its head, then with block scales the largest
+    /// exponents of its shard: `exps` bytes, the most any shard has).
+    lead: u64,
+    exps: u64,
     sum_caps: Vec<u64>,
     sums: B::Buf,
     slot: u64,
@@ -192,16 +204,18 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
     /// A row outgrew its slot (every rank sees it, in the heads): every rank's row again, whole
     /// (`largest` bytes after its head), from the start of `mine` into a new buffer that takes
     /// the place of `recv`. Returns that buffer and its row length.
+    #[allow(clippy::too_many_arguments)] // (what to send, what it outgrew, and the job)
     fn gather_again(
         &mut self,
         mine: Region,
+        lead: u64,
         largest: u64,
         slot: u64,
         recv: B::Buf,
         c: &mut Common<B>,
     ) -> Result<(B::Buf, u64)> {
         let w = self.xgroup(c.rail).1 as u64;
-        let row = HEAD + round16(largest);
+        let row = lead + round16(largest);
         let again = self.alloc_for_comm(w * row)?;
         let r = again.region().sub(0, w * row)?;
         let (tr, be) = self.xt(c.rail);
@@ -216,16 +230,23 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
 
     fn launch_gather(&mut self, mut c: Common<B>) -> Result<Gather<B>> {
         let (x, w) = (c.job.data, self.xgroup(c.rail).1 as u64);
-        let agreed = self.agree_scales(&c.job, &[(0, x.numel)], c.check, c.rail, &mut c.sent)?;
+        let parts = [(0, x.numel)];
+        let agreed = self.scales_for(&c.job, &parts, c.check, c.rail, &mut c.sent)?;
+        let exps: u64 = self.block_counts(&parts).iter().sum();
+        let lead = HEAD + round16(exps);
         let cap = self.be.frame_capacity(x.numel, x.dtype);
         let slot = self.bucket(c.job.key)?.slot.min(cap);
-        let mine = self.alloc(HEAD + cap)?;
-        let m = mine.region().sub(0, HEAD + cap)?;
+        let mine = self.alloc(lead + cap)?;
+        let m = mine.region().sub(0, lead + cap)?;
         self.be
             .put(Lane::Compute, m.sub(CHECK_AT, 8)?, 8, 1, c.check)?;
         if self.o.bound.follows_data() {
             self.be
                 .stats(x, c.job.residual, m.sub(STATS_AT, 16)?, 16, 1)?;
+        }
+        if exps > 0 {
+            // (of x + r before the encoder updates r: the next step's scales)
+            self.put_exponents(&c.job, &parts, m.sub(HEAD, exps)?)?;
         }
         if let Some(a) = &agreed {
             c.eps = a.eps();
@@ -237,24 +258,27 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
             c.eps,
             self.o.coder,
             agreed.as_ref().map(|a| a.of(0)).transpose()?,
-            m.sub(HEAD, cap)?,
+            m.sub(lead, cap)?,
             m.sub(SIZE_AT, 8)?,
         )?;
         if let Some(a) = agreed {
             self.be.free(a.shifts);
         }
-        self.corrupt(m.sub(HEAD, cap)?)?;
+        self.corrupt(m.sub(lead, cap)?)?;
         self.be.join(Lane::Comm, Lane::Compute)?;
-        let row = HEAD + slot;
+        let row = lead + slot;
         let recv = self.alloc(w * row)?;
         let r = recv.region().sub(0, w * row)?;
         let (tr, be) = self.xt(c.rail);
         tr.all_gather(be, m.sub(0, row)?, r)?;
         self.count_all(&mut c.sent, c.rail, row);
-        let heads = self.be.fetch(Lane::Comm, r, row, HEAD, w)?;
+        // (the heads, with the exponents after them)
+        let heads = self.be.fetch(Lane::Comm, r, row, HEAD + exps, w)?;
         let mark = self.be.mark(Lane::Comm)?;
         Ok(Gather {
             c,
+            lead,
+            exps,
             cap,
             slot,
             mine,
@@ -267,6 +291,8 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
     fn finish_gather(&mut self, g: Gather<B>) -> Result<()> {
         let Gather {
             mut c,
+            lead,
+            exps,
             cap,
             slot,
             mine,
@@ -277,22 +303,26 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
         let (tr, be) = self.xt(c.rail);
         tr.wait(be, &mark)?;
         let w = self.xgroup(c.rail).1;
-        let heads = rows::heads(&self.be.fetched(heads), w)?;
+        let fetched = self.be.fetched(heads);
+        let (heads, rows_exps) = rows::split_heads(&fetched, w, exps)?;
         let all: Vec<(usize, Head)> = heads.iter().copied().enumerate().collect();
         rows::check_heads(&all, c.check, cap, "a frame")?;
         self.note_stats(&c.job, &heads)?;
+        if exps > 0 {
+            self.note_exponents(c.job.key, &rows_exps)?;
+        }
         let largest = heads.iter().map(|h| h.size).max().unwrap_or(0);
         let (recv, row) = if largest > slot {
-            self.gather_again(mine.region(), largest, slot, recv, &mut c)?
+            self.gather_again(mine.region(), lead, largest, slot, recv, &mut c)?
         } else {
-            (recv, HEAD + slot)
+            (recv, lead + slot)
         };
         self.be.join(Lane::Compute, Lane::Comm)?;
         let r = recv.region();
         let frames = heads
             .iter()
             .enumerate()
-            .map(|(j, h)| r.sub(j as u64 * row + HEAD, h.size))
+            .map(|(j, h)| r.sub(j as u64 * row + lead, h.size))
             .collect::<Result<Vec<_>>>()?;
         let x = c.job.data;
         self.be.decode(
@@ -369,11 +399,14 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
             .iter()
             .map(|&(_, len)| self.be.frame_capacity(len, x.dtype))
             .collect();
-        let agreed = self.agree_scales(&c.job, &parts, c.check, c.rail, &mut c.sent)?;
+        let agreed = self.scales_for(&c.job, &parts, c.check, c.rail, &mut c.sent)?;
         if let Some(a) = &agreed {
             c.eps = a.eps();
         }
-        let stride = HEAD + caps.iter().copied().max().unwrap_or(0);
+        let counts = self.block_counts(&parts);
+        let exps = counts.iter().copied().max().unwrap_or(0);
+        let lead = HEAD + round16(exps);
+        let stride = lead + caps.iter().copied().max().unwrap_or(0);
         let mine = self.alloc(w * stride)?;
         let m = mine.region().sub(0, w * stride)?;
         // Every row's head carries the whole bucket's statistics and the check word.
@@ -395,6 +428,10 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
         )?;
         for (j, &(lo, len)) in parts.iter().enumerate() {
             let row = m.sub(j as u64 * stride, stride)?;
+            if let Some(&count) = counts.get(j) {
+                // (of x + r before the encoder updates r: the next step's scales)
+                self.put_exponents(&c.job, &parts[j..=j], row.sub(HEAD, count)?)?;
+            }
             let r = c.job.residual.map(|r| r.slice(lo, len));
             let (eps, scales) = match &agreed {
                 Some(a) => (a.parts[j].eps, Some(a.of(j)?)),
@@ -406,10 +443,10 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
                 eps,
                 Coder::Planes, // (summed on the way: bit planes)
                 scales,
-                row.sub(HEAD, caps[j])?,
+                row.sub(lead, caps[j])?,
                 row.sub(SIZE_AT, 8)?,
             )?;
-            self.corrupt(row.sub(HEAD, caps[j])?)?;
+            self.corrupt(row.sub(lead, caps[j])?)?;
         }
         if let Some(a) = agreed {
             self.be.free(a.shifts);
@@ -419,7 +456,7 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
             let b = self.bucket(c.job.key)?;
             (b.send_slots.clone(), b.recv_slots.clone())
         };
-        let rstride = HEAD + recv_slots.iter().copied().max().unwrap_or(0);
+        let rstride = lead + recv_slots.iter().copied().max().unwrap_or(0);
         let recv = self.alloc(w * rstride)?;
         let r = recv.region().sub(0, w * rstride)?;
         let mut sends = Vec::with_capacity(world);
@@ -430,19 +467,22 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
                 recvs.push(r.sub(0, 0)?);
                 continue;
             }
-            let out = HEAD + send_slots[j].min(caps[j]);
+            let out = lead + send_slots[j].min(caps[j]);
             sends.push(m.sub(j as u64 * stride, out)?);
-            recvs.push(r.sub(j as u64 * rstride, HEAD + recv_slots[j])?);
+            recvs.push(r.sub(j as u64 * rstride, lead + recv_slots[j])?);
             self.count(&mut c.sent, c.rail, j, out);
         }
         let (tr, be) = self.xt(c.rail);
         tr.exchange(be, &sends, &recvs)?;
-        let own_heads = self.be.fetch(Lane::Comm, m, stride, HEAD, w)?;
-        let in_heads = self.be.fetch(Lane::Comm, r, rstride, HEAD, w)?;
+        // (the heads, with the exponents after them)
+        let own_heads = self.be.fetch(Lane::Comm, m, stride, HEAD + exps, w)?;
+        let in_heads = self.be.fetch(Lane::Comm, r, rstride, HEAD + exps, w)?;
         let mark = self.be.mark(Lane::Comm)?;
         Ok(Scatter {
             c,
             parts,
+            lead,
+            exps,
             caps,
             stride,
             mine,
@@ -460,6 +500,8 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
         let Scatter {
             mut c,
             parts,
+            lead,
+            exps,
             caps,
             stride,
             mine,
@@ -473,8 +515,23 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
         let w = world as u64;
         let (tr, be) = self.xt(c.rail);
         tr.wait(be, &mark)?;
-        let own = rows::heads(&self.be.fetched(own_heads), world)?;
-        let inn = rows::heads(&self.be.fetched(in_heads), world)?;
+        let own_fetched = self.be.fetched(own_heads);
+        let in_fetched = self.be.fetched(in_heads);
+        let (own, own_exps) = rows::split_heads(&own_fetched, world, exps)?;
+        let (inn, in_exps) = rows::split_heads(&in_fetched, world, exps)?;
+        // With block scales: this shard's largest exponents over the ranks (this rank's own
+        // row of it never travelled), which its sum carries on for the next step.
+        let shard_exps: Vec<u8> = match self.block_counts(&parts).get(me) {
+            Some(&count) => (0..world)
+                .map(|j| if j == me { own_exps[me] } else { in_exps[j] })
+                .fold(vec![0u8; count as usize], |mut a, r| {
+                    for (a, &e) in a.iter_mut().zip(r.iter()) {
+                        *a = (*a).max(e);
+                    }
+                    a
+                }),
+            None => Vec::new(),
+        };
         // This rank's own frame of its shard never travelled: its own head stands in.
         let received: Vec<(usize, Head)> = (0..world)
             .map(|j| (j, if j == me { own[me] } else { inn[j] }))
@@ -512,9 +569,9 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
         let mut frames: Vec<Region> = (0..world)
             .map(|j| {
                 if j == me {
-                    m.sub(j as u64 * stride + HEAD, own[me].size)
+                    m.sub(j as u64 * stride + lead, own[me].size)
                 } else {
-                    r.sub(j as u64 * rstride + HEAD, inn[j].size.min(recv_slots[j]))
+                    r.sub(j as u64 * rstride + lead, inn[j].size.min(recv_slots[j]))
                 }
             })
             .collect::<Result<_>>()?;
@@ -526,7 +583,7 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
             let mut sends = vec![m.sub(0, 0)?; world];
             let mut recvs = vec![b.sub(0, 0)?; world];
             for &j in &outgrown_out {
-                sends[j] = m.sub(j as u64 * stride + HEAD, own[j].size)?;
+                sends[j] = m.sub(j as u64 * stride + lead, own[j].size)?;
                 self.count(&mut c.sent, c.rail, j, own[j].size);
             }
             let mut at = 0;
@@ -559,14 +616,27 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
         // Sized for the largest shard's sum, not this rank's: the all-gather that follows sends
         // rows of one slot (taken from the largest) from every rank, the last shard's included.
         let widest = sum_caps.iter().copied().max().unwrap_or(0);
-        let sums = self.alloc(HEAD + widest)?;
-        let sm = sums.region().sub(0, HEAD + widest)?;
+        // An all-reduce's sums carry their shard's exponents to every rank (a reduce-scatter
+        // job's sum is decoded here, its size read from the head right before it).
+        let (slead, sexps) = match c.job.op {
+            Op::AllReduce => (lead, exps),
+            Op::ReduceScatter { .. } => (HEAD, 0),
+        };
+        let sums = self.alloc(slead + widest)?;
+        let sm = sums.region().sub(0, slead + widest)?;
+        if sexps > 0 {
+            self.be.upload(
+                Lane::Compute,
+                sm.sub(HEAD, shard_exps.len() as u64)?,
+                &shard_exps,
+            )?;
+        }
         self.be.sum(
             &frames,
             len,
             x.dtype,
             self.o.block_log2(),
-            sm.sub(HEAD, sum_caps[me])?,
+            sm.sub(slead, sum_caps[me])?,
             sm.sub(SIZE_AT, 8)?,
         )?;
         self.be.free(mine);
@@ -588,17 +658,19 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
             .put(Lane::Compute, sm.sub(CHECK_AT, 8)?, 8, 1, c.check)?;
         self.be.join(Lane::Comm, Lane::Compute)?;
         let slot = self.bucket(c.job.key)?.slot.min(widest);
-        let row = HEAD + slot;
+        let row = slead + slot;
         let recv = self.alloc(w * row)?;
         let rr = recv.region().sub(0, w * row)?;
         let (tr, be) = self.xt(c.rail);
         tr.all_gather(be, sm.sub(0, row)?, rr)?;
         self.count_all(&mut c.sent, c.rail, row);
-        let heads = self.be.fetch(Lane::Comm, rr, row, HEAD, w)?;
+        let heads = self.be.fetch(Lane::Comm, rr, row, HEAD + sexps, w)?;
         let mark = self.be.mark(Lane::Comm)?;
         Ok(Some(Stage::Summed(Summed {
             c,
             parts,
+            lead: slead,
+            exps: sexps,
             sum_caps,
             sums,
             slot,
@@ -613,6 +685,8 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
         let Summed {
             mut c,
             parts,
+            lead,
+            exps,
             sum_caps,
             sums,
             slot,
@@ -623,7 +697,8 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
         let world = self.xgroup(c.rail).1;
         let (tr, be) = self.xt(c.rail);
         tr.wait(be, &mark)?;
-        let heads = rows::heads(&self.be.fetched(heads), world)?;
+        let fetched = self.be.fetched(heads);
+        let (heads, sums_exps) = rows::split_heads(&fetched, world, exps)?;
         for (j, h) in heads.iter().enumerate() {
             if h.size == 0 {
                 return Err(Error::PeerFailed {
@@ -636,18 +711,28 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
             }
             rows::check_heads(&[(j, *h)], c.check, sum_caps[j], "the sum of its shard")?;
         }
+        if exps > 0 {
+            // every shard's largest exponents, shard by shard: the next step's scales
+            let counts = self.block_counts(&parts);
+            let next: Vec<u8> = sums_exps
+                .iter()
+                .zip(&counts)
+                .flat_map(|(r, &count)| r[..count as usize].iter().copied())
+                .collect();
+            self.bucket(c.job.key)?.exponents = Some(next);
+        }
         let largest = heads.iter().map(|h| h.size).max().unwrap_or(0);
         let (recv, row) = if largest > slot {
-            self.gather_again(sums.region(), largest, slot, recv, &mut c)?
+            self.gather_again(sums.region(), lead, largest, slot, recv, &mut c)?
         } else {
-            (recv, HEAD + slot)
+            (recv, lead + slot)
         };
         self.be.join(Lane::Compute, Lane::Comm)?;
         let x = c.job.data;
         let scale = c.job.scale.factor(world);
         let r = recv.region();
         for (j, &(lo, len)) in parts.iter().enumerate() {
-            let frame = [r.sub(j as u64 * row + HEAD, heads[j].size)?];
+            let frame = [r.sub(j as u64 * row + lead, heads[j].size)?];
             self.be.decode(
                 &frame,
                 false,

@@ -168,10 +168,10 @@ pub struct Options {
     /// reduce-scatter's frames, which are summed, stay bit planes).
     pub coder: Coder,
     /// Block scales: with [`BoundRule::Rms`], each block of this many elements (a power of two,
-    /// 32 to 2^24) of a bucket gets its own step, `k` times the block's RMS over the ranks (the
-    /// largest rank's, rounded down to a power of two), agreed in a round before the bucket is
-    /// quantized (see `engine/scales.rs`). 0: one step per bucket, from its RMS at its last
-    /// exchange.
+    /// 32 to 2^24) of a bucket gets its own step, `k` times the block's RMS (the largest rank's,
+    /// rounded down to a power of two) at the bucket's last exchange, whose rows carry it; at a
+    /// bucket's first compressed step, agreed in a round of its own (see
+    /// `engine/block_scales.rs`). 0: one step per bucket, from its RMS at its last exchange.
     pub block: u64,
 }
 

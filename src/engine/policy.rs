@@ -28,6 +28,9 @@ pub(crate) struct Bucket {
     pub dirty: bool,
     /// The residual may hold values outside this rank's shard of a two-level exchange.
     pub spread: bool,
+    /// Block scales: each block's largest exponent over the ranks at the last exchange (the
+    /// next step's scales; see `block_scales.rs`), once known.
+    pub exponents: Option<Vec<u8>>,
     /// The trial's times of each way (seconds, this rank's).
     pub trial_plain: Vec<f64>,
     pub trial_compressed: Vec<f64>,
@@ -45,6 +48,7 @@ impl Bucket {
             recv_slots: vec![0; world],
             dirty: false,
             spread: true,
+            exponents: None,
             trial_plain: Vec::new(),
             trial_compressed: Vec::new(),
             decision: None,

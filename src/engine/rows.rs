@@ -53,6 +53,29 @@ pub(crate) fn heads(bytes: &[u8], count: usize) -> Result<Vec<Head>> {
         .collect())
 }
 
+/// Heads fetched with `extra` bytes after each (rows fetched as `HEAD + extra` bytes: the
+/// exponents of block scales), and those bytes of each row.
+pub(crate) fn split_heads(
+    bytes: &[u8],
+    count: usize,
+    extra: u64,
+) -> Result<(Vec<Head>, Vec<&[u8]>)> {
+    let width = (HEAD + extra) as usize;
+    if bytes.len() != count * width {
+        return Err(Error::Transport(format!(
+            "internal: {} bytes of heads for {count} rows of {width}",
+            bytes.len()
+        )));
+    }
+    let mut heads = Vec::with_capacity(count * HEAD as usize);
+    let mut extras = Vec::with_capacity(count);
+    for row in bytes.chunks_exact(width) {
+        heads.extend_from_slice(&row[..HEAD as usize]);
+        extras.push(&row[HEAD as usize..]);
+    }
+    Ok((self::heads(&heads, count)?, extras))
+}
+
 /// Fails unless every head's check word is `check` and its size lies in `MIN_FRAME..=cap`
 /// (what `from` the ranks sent: "rank", or "rank ... for its shard").
 pub(crate) fn check_heads(heads: &[(usize, Head)], check: u64, cap: u64, what: &str) -> Result<()> {

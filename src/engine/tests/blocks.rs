@@ -45,9 +45,10 @@ fn run(nodes: &[usize], o: &Options, n: usize, steps: usize) -> (Vec<Seen>, Stat
 }
 
 /// What the engine must give, from the codec alone: per part (the whole bucket, or each shard),
-/// every rank's exponents of `x + r`, their largest, the scales from it, every rank's frame with
-/// error feedback, and the frames decoded (all-gather: added in f32 in rank order) or summed
-/// exactly (reduce-scatter), times 1/world.
+/// every rank's exponents of `x + r`, their largest, the scales from it (at the first step those
+/// of the step itself, then those of the step before: they travel a step ahead), every rank's
+/// frame with error feedback, and the frames decoded (all-gather: added in f32 in rank order) or
+/// summed exactly (reduce-scatter), times 1/world.
 fn reference(
     world: usize,
     n: usize,
@@ -62,11 +63,13 @@ fn reference(
         vec![(0, n as u64)]
     };
     let mut residuals = vec![vec![0.0f32; n]; world];
+    let mut before: Vec<Vec<u8>> = Vec::new();
     let mut results = Vec::new();
     for step in 0..steps {
         let xs: Vec<Vec<f32>> = (0..world).map(|r| uneven(r, step, n)).collect();
         let mut out = vec![0.0f32; n];
-        for &(lo, len) in &parts {
+        let mut now = Vec::new();
+        for (p, &(lo, len)) in parts.iter().enumerate() {
             let (lo, len) = (lo as usize, len as usize);
             let mut top = vec![0u8; len.div_ceil(1 << log2)];
             for rank in 0..world {
@@ -79,7 +82,9 @@ fn reference(
                     *t = (*t).max(e);
                 }
             }
-            let (eps, s) = BlockScales::from_exponents(k, &top, log2);
+            let used = if step == 0 { &top } else { &before[p] };
+            let (eps, s) = BlockScales::from_exponents(k, used, log2);
+            now.push(top);
             let opts = CompressOptions::new(Bound::Abs(eps));
             let frames: Vec<Vec<u8>> = (0..world)
                 .map(|rank| {
@@ -115,6 +120,7 @@ fn reference(
             }
         }
         results.push(out);
+        before = now;
     }
     (results, residuals)
 }

@@ -80,10 +80,11 @@ class CfcState:
             the reduce-scatter, whose codes are summed on the way, keeps bit planes.
         block: block scales, with ``rms=``: each block of this many elements of a bucket (a
             power of two from 32 to 2**24) gets its own step, ``rms`` times the block's own RMS
-            (the largest rank's, rounded down to a power of two), agreed by the ranks in a
-            small round before the bucket is quantized (a byte per block and rank). Regions of
-            small gradients then keep their precision where one step per bucket rounds them to
-            zero. 0 (default): one step per bucket.
+            (the largest rank's, rounded down to a power of two) at the bucket's previous step,
+            as ``rms=`` alone follows the bucket's: the exponents ride in the exchange (a byte
+            per block), and a bucket's first compressed step agrees them in a small round of its
+            own. Regions of small gradients then keep their precision where one step per bucket
+            rounds them to zero. 0 (default): one step per bucket.
         timeout: seconds (or a ``timedelta``) any wait for a peer may last before every rank
             fails (default ``CFC_TIMEOUT``, else 300). A failure on any rank (an exception, a
             bad frame, a process that died) ends the waits of every rank at once, without
