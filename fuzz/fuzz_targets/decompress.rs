@@ -1,7 +1,7 @@
 //! Feeds arbitrary bytes to every decoding entry point of cfc. None may panic; they must
 //! agree on whether the frame is valid, and a valid frame must decode to `n` elements of its
 //! own dtype and give back codes that survive `to_frame` / `from_frame` unchanged, as bit planes
-//! and as Rice codes.
+//! and as Rice codes (with their block scales, where they have them).
 //!
 //! Run: `cargo +nightly fuzz run decompress` (seed corpus: `tests/hostile/`).
 

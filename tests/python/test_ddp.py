@@ -627,6 +627,12 @@ def test_a_state_dict_that_is_not_one_is_refused_and_changes_nothing(tmp_path):
         after = state.state_dict()
         assert all(torch.equal(after["residuals"][k], v) for k, v in before[1].items())
         state.load_state_dict(good)  # and the good one loads
+        # a state saved before block scales existed (no "block" among its options) loads too,
+        # and one saved with other block scales does not
+        older = dict(good, options={k: v for k, v in good["options"].items() if k != "block"})
+        state.load_state_dict(older)
+        with pytest.raises(ValueError, match="saved with"):
+            state.load_state_dict(dict(good, options=dict(good["options"], block=256)))
     finally:
         close_cfc_states()
         dist.destroy_process_group()

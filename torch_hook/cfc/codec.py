@@ -200,7 +200,9 @@ def compress(
         rms: block scales: each block of ``block`` elements is bounded by this fraction
             (below 1) of its own RMS, rounded down to a power of two, so small and large
             regions of a tensor keep the same relative precision. The frame records each
-            block's step; ``.eps`` is the coarsest block's bound.
+            block's step; ``.eps`` is the coarsest block's bound. Written by the CPU codec (a
+            CUDA tensor goes through a host copy), and decoded on the host (a CUDA ``device``
+            gets a copy); the distributed engine writes and reads them on GPUs.
         block: elements per block of ``rms=``, a power of two from 32 to 2**24 (default 256).
         zstd: add a lossless zstd stage (``True`` for level 1, or a level up to 22).
         threads: CPU threads to use, 0 for one per core on large tensors.
