@@ -209,19 +209,22 @@ fn stats<T: Element>(x: &[T], r: Option<&[f32]>) -> (f64, f64) {
 
 /// Whether `frame` is a frame that [`Backend::decode`] and [`Backend::sum`] take for `n`
 /// elements of `dtype` written as `kind` says: quantized (bit planes) or rice as its coder says,
-/// with its block scales, or raw; no zstd stage; one dimension of `n`. (A frame too short for
-/// its header, widths and scales is refused as the CUDA backend refuses it.)
+/// with its block scales, or raw; no zstd stage; one dimension of `n`. (Where bit planes are
+/// asked for, a frame too short for a header, a width per group and the scales is refused, as
+/// the CUDA backend refuses it before reading it.)
 fn fits(frame: &[u8], n: u64, dtype: DType, kind: FrameKind) -> bool {
     let codec = match kind.coder {
         Coder::Planes => format::Codec::Quantized,
         Coder::Rice => format::Codec::Rice,
     };
-    let scales = if kind.block_log2 == 0 {
-        0
-    } else {
-        crate::scales::blocks_for(n, kind.block_log2)
+    let least = match kind.coder {
+        Coder::Planes if kind.block_log2 != 0 => {
+            format::min_frame_len(n, 1) + crate::scales::blocks_for(n, kind.block_log2)
+        }
+        Coder::Planes => format::min_frame_len(n, 1),
+        Coder::Rice => 0,
     };
-    frame.len() as u64 >= format::min_frame_len(n, 1) + scales
+    frame.len() as u64 >= least
         && crate::read_header(frame).is_ok_and(|h| {
             h.n == n
                 && h.dtype == dtype
