@@ -405,7 +405,7 @@ impl Engine {
     }
 
     /// The engine's state for a checkpoint: {"step", "origin", "buckets": [ {key, fingerprint,
-    /// numel, stats, decision, trial_plain, trial_compressed} ]}.
+    /// numel, stats, decision, trial_plain, trial_compressed, exponents (bytes or None)} ]}.
     fn state<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let engine = self.live()?;
         let s = py.detach(|| engine.state()).map_err(to_py)?;
@@ -424,6 +424,10 @@ impl Engine {
                 e.set_item("decision", b.decision)?;
                 e.set_item("trial_plain", b.trial_plain.clone())?;
                 e.set_item("trial_compressed", b.trial_compressed.clone())?;
+                e.set_item(
+                    "exponents",
+                    b.exponents.as_ref().map(|x| PyBytes::new(py, x)),
+                )?;
                 Ok(e)
             })
             .collect::<PyResult<Vec<_>>>()?;
@@ -453,6 +457,11 @@ impl Engine {
                 decision: field("decision")?.extract()?,
                 trial_plain: field("trial_plain")?.extract()?,
                 trial_compressed: field("trial_compressed")?.extract()?,
+                // (a state saved before block scales existed has none)
+                exponents: match b.get_item("exponents") {
+                    Ok(x) if !x.is_none() => Some(x.extract::<Vec<u8>>()?),
+                    _ => None,
+                },
             });
         }
         let levels: Option<(u64, u64)> = match state.get_item("levels")? {

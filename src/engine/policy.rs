@@ -57,7 +57,8 @@ impl Bucket {
 }
 
 /// What a resumed run needs of a bucket to repeat the bits of the run it resumes: the
-/// statistics its next bound comes from, and the trial's times and choice.
+/// statistics its next bound comes from (and with block scales its blocks' exponents), and the
+/// trial's times and choice.
 #[derive(Debug, Clone, PartialEq)]
 pub struct BucketState {
     /// The job key.
@@ -74,6 +75,9 @@ pub struct BucketState {
     pub trial_plain: Vec<f64>,
     /// This rank's trial times of the compressed way (seconds).
     pub trial_compressed: Vec<f64>,
+    /// Block scales: each block's largest exponent over the ranks at the last exchange (the
+    /// next step's scales), once known.
+    pub exponents: Option<Vec<u8>>,
 }
 
 /// An engine's state for a checkpoint (see [`crate::engine::Engine::state`]).
@@ -153,6 +157,7 @@ impl Policy {
                     b.decision = s.decision;
                     b.trial_plain = s.trial_plain;
                     b.trial_compressed = s.trial_compressed;
+                    b.exponents = s.exponents;
                 }
             }
             // A bucket that changes once the trial has chosen has no choice of its own: the
@@ -239,6 +244,7 @@ impl Policy {
                 decision: b.decision,
                 trial_plain: b.trial_plain.clone(),
                 trial_compressed: b.trial_compressed.clone(),
+                exponents: b.exponents.clone(),
             })
             .collect();
         // Loaded states not placed yet are still this run's.

@@ -227,6 +227,7 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
         if state.levels != self.layout() || self.levels.is_some() {
             for b in &mut state.buckets {
                 b.stats = None;
+                b.exponents = None;
             }
         }
         self.policy.load(state);

@@ -112,8 +112,10 @@ def resume_from(ckpt, kw):
 
 def resume(rank, world, out):
     """Train 8 steps straight, and 4 + save + load + 4: the same parameters, bit for bit; with
-    an rms bound (its statistics are in the checkpoint) and with eps."""
-    for kw in (dict(rms=0.3, warmup_steps=1), dict(eps=2e-4, warmup_steps=1)):
+    an rms bound (its statistics are in the checkpoint), with block scales (their exponents are)
+    and with eps."""
+    for kw in (dict(rms=0.3, warmup_steps=1), dict(rms=0.5, block=64, warmup_steps=1),
+               dict(eps=2e-4, warmup_steps=1)):
         ddp, opt = make(CfcState(**kw))
         train(ddp, opt, rank, 8)
         straight = [p.detach().clone() for p in ddp.parameters()]

@@ -526,14 +526,29 @@ fn a_gather_gives_every_rank_every_ranks_bytes_and_ends_with_a_peers_failure() {
 
 #[test]
 fn a_resumed_run_repeats_the_bits_of_the_uninterrupted_one() {
+    // (one step per bucket, and block scales, whose exponents travel a step ahead)
+    for block in [0, 256] {
+        resumed_run_repeats_the_bits(block);
+    }
+}
+
+fn resumed_run_repeats_the_bits(block: u64) {
     let world = 2;
     let n = 20_000;
     let mut o = options(BoundRule::Rms(0.3));
-    o.fallback = Fallback::Auto { trial_steps: 2 };
+    // (block scales: every step compressed, so that the scales at the resume matter)
+    o.fallback = if block == 0 {
+        Fallback::Auto { trial_steps: 2 }
+    } else {
+        Fallback::Never
+    };
+    o.block = block;
     let steps = |e: &Engine, rank: usize, r: &mut Vec<f32>, range: std::ops::Range<usize>| {
         let mut outs = Vec::new();
         for step in range {
-            let mut x = grads(rank, step, n);
+            // (a scale that changes from step to step: each step's scales differ)
+            let k = (1 << (step % 3)) as f32;
+            let mut x: Vec<f32> = grads(rank, step, n).iter().map(|v| v * k).collect();
             // SAFETY: as in `one_step`.
             unsafe { e.submit(job(0, &mut x, Some(r), true), 0) }.unwrap();
             e.wait(0).unwrap();
@@ -556,7 +571,10 @@ fn a_resumed_run_repeats_the_bits_of_the_uninterrupted_one() {
         steps(e, rank, &mut r, 3..6)
     });
     for rank in 0..world {
-        assert_eq!(straight[rank].1, resumed[rank], "rank {rank}");
+        assert_eq!(
+            straight[rank].1, resumed[rank],
+            "block {block}, rank {rank}"
+        );
     }
 }
 

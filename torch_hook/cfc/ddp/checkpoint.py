@@ -55,6 +55,11 @@ def _engine_state(e: Mapping) -> Dict[str, Any]:
         decision = b.get("decision")
         if decision is not None and not isinstance(decision, bool):
             raise ValueError(f"not a cfc_hook state: a bucket's decision is {decision!r}")
+        exponents = b.get("exponents")  # block scales' (none in a state saved before them)
+        if exponents is not None:
+            if not isinstance(exponents, (bytes, bytearray)) or max(exponents, default=0) > 254:
+                raise ValueError("not a cfc_hook state: a bucket's block exponents are not bytes of 0 to 254")
+            exponents = bytes(exponents)
         buckets.append({
             "key": _count(b.get("key"), "a bucket key"),
             "fingerprint": _count(b.get("fingerprint"), "a bucket fingerprint"),
@@ -64,6 +69,7 @@ def _engine_state(e: Mapping) -> Dict[str, Any]:
             "trial_plain": [_number(t, "a trial time") for t in _sequence(b.get("trial_plain", []), "trial times")],
             "trial_compressed": [_number(t, "a trial time")
                                  for t in _sequence(b.get("trial_compressed", []), "trial times")],
+            "exponents": exponents,
         })
     step, origin = _count(e.get("step"), "the engine's step"), _count(e.get("origin"), "the engine's origin")
     if origin > step:
