@@ -6,6 +6,8 @@
 //! exchange of a bucket has a slot of 0: heads only, then the frames). The head also carries
 //! the sender's statistics (for the next step's bound) and a check word: ranks whose jobs do not
 //! match (another bucket, another step) fail at once instead of reading each other's bytes.
+//! With block scales the head is followed by the sender's block exponents, padded to 16 bytes,
+//! and the frame comes after them (the next step's scales: `block_scales.rs`).
 
 use crate::error::{Error, Result};
 use crate::format::FIXED_HEADER_LEN;
