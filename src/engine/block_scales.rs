@@ -181,35 +181,12 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
     ) -> Result<Vec<u8>> {
         let total: u64 = counts.iter().sum();
         let row = ROUND_HEAD + round16(total);
-        let w = self.xgroup(rail).1 as u64;
-        let mine = self.alloc(row)?;
-        let all = self.alloc(w * row)?;
-        let (m, a) = (mine.region().sub(0, row)?, all.region().sub(0, w * row)?);
-        self.be.put(Lane::Compute, m.sub(0, 8)?, 8, 1, check)?;
-        self.put_exponents(job, parts, m.sub(ROUND_HEAD, total)?)?;
-        self.be.join(Lane::Comm, Lane::Compute)?;
-        let (tr, be) = self.xt(rail);
-        tr.all_gather(be, m, a)?;
+        let rows = self.round(row, 0, check, rail, "sent the block scales of", |w, m| {
+            w.put_exponents(job, parts, m.sub(ROUND_HEAD, total)?)
+        })?;
         self.count_all(sent, rail, row);
-        let f = self.be.fetch(Lane::Comm, a, row, ROUND_HEAD + total, w)?;
-        let mark = self.be.mark(Lane::Comm)?;
-        let (tr, be) = self.xt(rail);
-        tr.wait(be, &mark)?;
-        let bytes = self.be.fetched(f);
-        self.be.free(mine);
-        self.be.free(all);
-        let width = (ROUND_HEAD + total) as usize;
         let mut agreed = vec![0u8; total as usize];
-        for (j, r) in bytes.chunks_exact(width).enumerate() {
-            let word = u64::from_le_bytes(r[..8].try_into().unwrap_or([0; 8]));
-            if word != check {
-                return Err(Error::RankMismatch {
-                    what: format!("this rank's job has check word {check:#018x}"),
-                    theirs: format!(
-                        "rank {j} sent the block scales of a job with check word {word:#018x}"
-                    ),
-                });
-            }
+        for r in &rows {
             for (a, &e) in agreed.iter_mut().zip(&r[ROUND_HEAD as usize..]) {
                 *a = (*a).max(e);
             }

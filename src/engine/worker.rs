@@ -656,36 +656,61 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
 
     /// Every rank's statistics of a bucket now (a round of 24 bytes per rank of the group).
     fn measure(&mut self, job: &Job, check: u64, rail: bool) -> Result<(f64, f64)> {
+        let rows = self.round(24, 16, check, rail, "measured", |w, m| {
+            w.be.stats(job.data, job.residual, m.sub(0, 16)?, 16, 1)
+        })?;
+        let (mut sum, mut max) = (0.0f64, 0.0f64);
+        for r in &rows {
+            let word = |i: usize| u64::from_le_bytes(r[i..i + 8].try_into().unwrap_or([0; 8]));
+            sum += f64::from_bits(word(0));
+            max = max.max(f64::from_bits(word(8)));
+        }
+        Ok((sum, max))
+    }
+
+    /// A round of its own among the ranks of a job's exchange: each rank's `row` bytes (queued
+    /// into its row by `fill`, on the compute lane) with the job's check word at `check_at`,
+    /// all-gathered and waited for on the host. Returns every rank's row, in rank order, once
+    /// every check word is this rank's (`did` says what a rank that differs did, for the error).
+    pub(super) fn round(
+        &mut self,
+        row: u64,
+        check_at: u64,
+        check: u64,
+        rail: bool,
+        did: &str,
+        fill: impl FnOnce(&mut Self, Region) -> Result<()>,
+    ) -> Result<Vec<Vec<u8>>> {
         let w = self.xgroup(rail).1 as u64;
-        let mine = self.alloc(24)?;
-        let all = self.alloc(24 * w)?;
-        let (m, a) = (region(&mine).sub(0, 24)?, region(&all).sub(0, 24 * w)?);
+        let mine = self.alloc(row)?;
+        let all = self.alloc(row * w)?;
+        let (m, a) = (region(&mine).sub(0, row)?, region(&all).sub(0, row * w)?);
+        fill(self, m)?;
         self.be
-            .stats(job.data, job.residual, m.sub(0, 16)?, 16, 1)?;
-        self.be.put(Lane::Compute, m.sub(16, 8)?, 8, 1, check)?;
+            .put(Lane::Compute, m.sub(check_at, 8)?, 8, 1, check)?;
         self.be.join(Lane::Comm, Lane::Compute)?;
         let (tr, be) = self.xt(rail);
         tr.all_gather(be, m, a)?;
-        let f = self.be.fetch(Lane::Comm, a, 24, 24, w)?;
+        let f = self.be.fetch(Lane::Comm, a, row, row, w)?;
         let mark = self.be.mark(Lane::Comm)?;
         let (tr, be) = self.xt(rail);
         tr.wait(be, &mark)?;
         let bytes = self.be.fetched(f);
         self.be.free(mine);
         self.be.free(all);
-        let (mut sum, mut max) = (0.0f64, 0.0f64);
-        for (j, r) in bytes.chunks_exact(24).enumerate() {
-            let word = |i: usize| u64::from_le_bytes(r[i..i + 8].try_into().unwrap_or([0; 8]));
-            if word(16) != check {
+        let at = check_at as usize;
+        let mut rows = Vec::with_capacity(w as usize);
+        for (j, r) in bytes.chunks_exact(row as usize).enumerate() {
+            let word = u64::from_le_bytes(r[at..at + 8].try_into().unwrap_or([0; 8]));
+            if word != check {
                 return Err(Error::RankMismatch {
                     what: format!("this rank's job has check word {check:#018x}"),
-                    theirs: format!("rank {j} measured a job with check word {:#018x}", word(16)),
+                    theirs: format!("rank {j} {did} a job with check word {word:#018x}"),
                 });
             }
-            sum += f64::from_bits(word(0));
-            max = max.max(f64::from_bits(word(8)));
+            rows.push(r.to_vec());
         }
-        Ok((sum, max))
+        Ok(rows)
     }
 
     /// Scratch that the comm lane writes next, where no join from the compute lane comes

@@ -236,24 +236,10 @@ fn the_round_is_counted_and_ranks_with_other_blocks_are_refused() {
     let o = block_options(0.3, 256, None);
     let mut other = o.clone();
     other.block = 512;
-    let links = crate::engine::transport::local::LocalLinks::group(2, o.timeout);
-    let engines: Vec<Engine> = links
-        .into_iter()
-        .zip([o, other])
-        .map(|(l, o)| Engine::start(CpuBackend::new(), HostTransport::new(l), o, 0, &[]))
-        .collect::<Result<_>>()
-        .unwrap();
-    std::thread::scope(|s| {
-        for e in &engines {
-            s.spawn(move || {
-                let err = e.wait(0).unwrap_err().to_string();
-                assert!(
-                    err.contains("block 256") && err.contains("block 512"),
-                    "{err}"
-                );
-            });
-        }
-    });
+    every_rank_fails(
+        vec![(o, vec![]), (other, vec![])],
+        &["block 256", "block 512"],
+    );
 }
 
 #[test]

@@ -77,22 +77,8 @@ fn ranks_with_different_coders_are_refused() {
     let o = options(BoundRule::Abs(1e-3));
     let mut rice = o.clone();
     rice.coder = Coder::Rice;
-    let links = crate::engine::transport::local::LocalLinks::group(2, o.timeout);
-    let engines: Vec<Engine> = links
-        .into_iter()
-        .zip([o, rice])
-        .map(|(l, o)| Engine::start(CpuBackend::new(), HostTransport::new(l), o, 0, &[]))
-        .collect::<Result<_>>()
-        .unwrap();
-    std::thread::scope(|s| {
-        for e in &engines {
-            s.spawn(move || {
-                let err = e.wait(0).unwrap_err().to_string();
-                assert!(
-                    err.contains("coder rice") && err.contains("coder planes"),
-                    "{err}"
-                );
-            });
-        }
-    });
+    every_rank_fails(
+        vec![(o, vec![]), (rice, vec![])],
+        &["coder rice", "coder planes"],
+    );
 }

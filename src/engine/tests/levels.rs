@@ -258,22 +258,11 @@ fn the_topology_follows_the_nodes() {
 #[test]
 fn ranks_that_see_different_nodes_are_told() {
     let o = two_level(BoundRule::Abs(1e-4));
-    let links = crate::engine::transport::local::LocalLinks::group(4, o.timeout);
     let maps = [[0, 0, 1, 1], [0, 0, 1, 1], [0, 1, 0, 1], [0, 0, 1, 1]];
-    let engines: Vec<Engine> = links
-        .into_iter()
-        .zip(maps)
-        .map(|(l, m)| Engine::start(CpuBackend::new(), HostTransport::new(l), o.clone(), 0, &m))
-        .collect::<Result<_>>()
-        .unwrap();
-    std::thread::scope(|s| {
-        for e in &engines {
-            s.spawn(move || {
-                let err = e.wait(0).unwrap_err().to_string();
-                assert!(err.contains("nodes"), "{err}");
-            });
-        }
-    });
+    every_rank_fails(
+        maps.iter().map(|m| (o.clone(), m.to_vec())).collect(),
+        &["nodes"],
+    );
 }
 
 #[test]

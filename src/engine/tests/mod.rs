@@ -36,6 +36,31 @@ fn on_nodes<R: Send>(
     })
 }
 
+/// Starts one engine per rank with that rank's options and node map, and checks that every
+/// rank's wait fails with a message holding each of `says`.
+fn every_rank_fails(ranks: Vec<(Options, Vec<usize>)>, says: &[&str]) {
+    let timeout = ranks
+        .first()
+        .map_or(Duration::from_secs(20), |r| r.0.timeout);
+    let links = crate::engine::transport::local::LocalLinks::group(ranks.len(), timeout);
+    let engines: Vec<Engine> = links
+        .into_iter()
+        .zip(ranks)
+        .map(|(l, (o, nodes))| {
+            Engine::start(CpuBackend::new(), HostTransport::new(l), o, 0, &nodes)
+        })
+        .collect::<Result<_>>()
+        .unwrap();
+    std::thread::scope(|s| {
+        for e in &engines {
+            s.spawn(move || {
+                let err = e.wait(0).unwrap_err().to_string();
+                assert!(says.iter().all(|w| err.contains(w)), "{err}");
+            });
+        }
+    });
+}
+
 fn tensor<T>(v: &mut [T], dtype: DType) -> Tensor {
     Tensor {
         addr: v.as_mut_ptr() as u64,
