@@ -185,6 +185,14 @@ def block_of(name: str):
     return (head, int(tail)) if head and tail.isdigit() else (name, 0)
 
 
+def layers_of(model) -> list:
+    """The transformer layers FSDP2 shards one by one: the LM's blocks, GPT-2's ``h``."""
+    inner = getattr(getattr(model, "inner", None), "transformer", None)
+    if inner is not None:
+        return list(inner.h)
+    return list(getattr(getattr(model, "blocks", None), "layers", []))
+
+
 def sharded(task, hook: str, args, dev):
     """The task's model under FSDP2 with `hook`'s reduce-scatter; returns it and the cfc
     state (or None)."""
@@ -195,14 +203,16 @@ def sharded(task, hook: str, args, dev):
         raise SystemExit(f"{hook!r} is not a way of --fsdp (allreduce, bf16, cfc, cfc@X, cfc-noef, cfc-group, cfc-r4, cfc-lag)")
     model = task.model().to(dev)
     policy = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16 if name == "bf16" else None)
-    for layer in getattr(getattr(model, "blocks", None), "layers", []):
+    for layer in layers_of(model):
         fully_shard(layer, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
     state = None
     if name.startswith("cfc"):
         import cfc.fsdp
 
-        state = cfc.fsdp.register(model, cfc_state(hook, args, warmup_steps=0), per_parameter=name != "cfc-group",
+        block = block_of(hook.partition("@")[0])[1]  # (block scales in place of per-parameter ones)
+        state = cfc.fsdp.register(model, cfc_state(hook, args, warmup_steps=0),
+                                  per_parameter=name != "cfc-group" and not block,
                                   residual_bits=4 if name == "cfc-r4" else 32, lagged_scales=name == "cfc-lag")
     return model, state
 

@@ -19,6 +19,8 @@ cfc with ``fallback="auto"``: each group is timed both ways over the first steps
 faster (plain where compression does not pay, as over NVLink). ``cfc-group`` is cfc with one
 step per FSDP group (``per_parameter=False``), ``cfc-r4`` cfc with residuals kept in 4 bits
 (``residual_bits=4``), ``cfc-lag`` cfc with scales agreed a step late (``lagged_scales=True``).
+``-bK`` after a cfc way (``cfc-b256``, ``cfc-auto-b256@0.3``) gives it block scales of ``K``
+values (``CfcState(block=K)``) in place of per-parameter scales.
 
 Step times of ways run one after the other drift (clocks, the allocator, the link), so
 ``--rounds N`` trains every way N times, each round in a rotated order, and reports each way's
@@ -58,6 +60,18 @@ class NoComm(cfc.fsdp._ReduceScatter):  # type: ignore[misc,valid-type]
         return None
 
 
+def block_of(way: str) -> int:
+    """The block size of a ``...-bK`` way (``cfc-b256@0.3`` -> 256), or 0."""
+    head, _, tail = way.partition("@")[0].rpartition("-b")
+    return int(tail) if head and tail.isdigit() else 0
+
+
+def base_of(way: str) -> str:
+    """A way's name without its bound and block size (``cfc-auto-b256@0.3`` -> ``cfc-auto``)."""
+    name = way.partition("@")[0]
+    return name.rpartition("-b")[0] if block_of(way) else name
+
+
 def build(way: str, dev: torch.device, args) -> tuple:
     torch.manual_seed(args.seed)
     model = LM(args.d_model, args.layers, args.heads, args.seq).to(dev)
@@ -73,9 +87,12 @@ def build(way: str, dev: torch.device, args) -> tuple:
     if way.startswith("cfc"):
         rms = float(way.split("@", 1)[1]) if "@" in way else args.rms
         fallback = "auto" if way.startswith("cfc-auto") else "never"
+        block = block_of(way)
         bound = {} if rms is None else {"rms": rms}
+        if block:
+            bound["block"] = block
         state = cfc.fsdp.register(model, cfc.CfcState(**bound, warmup_steps=0, fallback=fallback),
-                                  per_parameter=not way.startswith("cfc-group"),
+                                  per_parameter=not (way.startswith("cfc-group") or block),
                                   residual_bits=4 if way.startswith("cfc-r4") else 32,
                                   lagged_scales=way.startswith("cfc-lag"))
     return model, state
@@ -161,7 +178,7 @@ def main() -> None:
     ways = args.comm.split(",")
     known = {w.split("@")[0] for w in WAYS}
     for way in ways:
-        if way.split("@")[0] not in known:
+        if base_of(way) not in known:
             raise SystemExit(f"{way!r} is not a way: {', '.join(WAYS)}")
     # A way named twice is an A/A copy: labelled "plain#2", trained alike.
     labels = [w if ways[:i].count(w) == 0 else f"{w}#{ways[:i].count(w) + 1}" for i, w in enumerate(ways)]

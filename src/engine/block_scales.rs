@@ -14,12 +14,13 @@
 //! The exponents travel a step ahead, in the rows of the exchange (as the statistics of a
 //! bucket-wide bound do: `rows.rs`), so that agreeing them costs no wait of its own: a job is
 //! quantized with the exponents of its bucket's previous step, and sends its own for the next.
-//! In the all-gather every row carries its sender's exponents of the whole bucket; in the
-//! reduce-scatter each row carries those of the shard it holds, and the shard's owner takes
-//! their largest and sends them on with the sum of the shard. At a bucket's first compressed
-//! step, where its parts changed, and for reduce-scatter jobs (whose ranks never see the other
-//! shards' exponents), they are agreed in a round of their own before the job is quantized:
-//! an all-gather of a byte per block, and a wait on the host.
+//! In the all-gather every row carries its sender's exponents of the whole bucket; in an
+//! all-reduce's reduce-scatter each row carries those of the shard it holds, and the shard's
+//! owner takes their largest and sends them on with the sum of the shard. A reduce-scatter job
+//! (FSDP's), which has no second round, sends all of its exponents in every row (a byte per
+//! block per peer), so that every rank sees every rank's. At a bucket's first compressed step,
+//! and where its parts changed, they are agreed in a round of their own before the job is
+//! quantized: an all-gather of a byte per block, and a wait on the host.
 
 use super::backend::{Backend, Lane, Memory};
 use super::job::{Job, Region};

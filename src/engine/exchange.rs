@@ -75,8 +75,9 @@ pub(crate) struct Scatter<B: Backend> {
     c: Common<B>,
     /// Element ranges of the shards (start, length).
     parts: Vec<(u64, u64)>,
-    /// Bytes before each row's frame (its head, then with block scales its sender's exponents
-    /// of the row's shard, padded to 16: `exps` bytes, the most any shard has).
+    /// Bytes before each row's frame (its head, then with block scales its sender's exponents,
+    /// padded to 16: `exps` bytes). An all-reduce's row carries those of the row's shard (the
+    /// most any shard has), a reduce-scatter job's those of every shard (see `launch_scatter`).
     lead: u64,
     exps: u64,
     /// Frame capacity of each shard, and the stride of this rank's rows (the first shard's row).
@@ -404,7 +405,16 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
             c.eps = a.eps();
         }
         let counts = self.block_counts(&parts);
-        let exps = counts.iter().copied().max().unwrap_or(0);
+        // With block scales, an all-reduce's row carries its sender's exponents of the row's
+        // shard: the shard's owner takes their largest and sends it on with the sum, to every
+        // rank. A reduce-scatter job has no second round: every rank needs every rank's
+        // exponents of every shard for its next step, so every row carries all of its sender's.
+        let every = matches!(c.job.op, Op::ReduceScatter { .. }) && !counts.is_empty();
+        let exps = if every {
+            counts.iter().sum()
+        } else {
+            counts.iter().copied().max().unwrap_or(0)
+        };
         let lead = HEAD + round16(exps);
         let stride = lead + caps.iter().copied().max().unwrap_or(0);
         let mine = self.alloc(w * stride)?;
@@ -426,11 +436,24 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
             w,
             c.check,
         )?;
+        if every {
+            // (of x + r before the encoder updates r: the next step's scales; computed once,
+            // copied into every row)
+            let first = m.sub(HEAD, exps)?;
+            self.put_exponents(&c.job, &parts, first)?;
+            for j in 1..w {
+                self.be
+                    .copy(Lane::Compute, first, m.sub(j * stride + HEAD, exps)?)?;
+            }
+        }
         for (j, &(lo, len)) in parts.iter().enumerate() {
             let row = m.sub(j as u64 * stride, stride)?;
-            if let Some(&count) = counts.get(j) {
-                // (of x + r before the encoder updates r: the next step's scales)
-                self.put_exponents(&c.job, &parts[j..=j], row.sub(HEAD, count)?)?;
+            match counts.get(j) {
+                Some(&count) if !every => {
+                    // (of x + r before the encoder updates r: the next step's scales)
+                    self.put_exponents(&c.job, &parts[j..=j], row.sub(HEAD, count)?)?;
+                }
+                _ => {}
             }
             let r = c.job.residual.map(|r| r.slice(lo, len));
             let (eps, scales) = match &agreed {
@@ -519,9 +542,19 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
         let in_fetched = self.be.fetched(in_heads);
         let (own, own_exps) = rows::split_heads(&own_fetched, world, exps)?;
         let (inn, in_exps) = rows::split_heads(&in_fetched, world, exps)?;
-        // With block scales: this shard's largest exponents over the ranks (this rank's own
-        // row of it never travelled), which its sum carries on for the next step.
+        // With block scales: a reduce-scatter job keeps every shard's largest exponents over
+        // the ranks for its next step (its own row stands in for the one that never
+        // travelled); an all-reduce this shard's, which its sum carries on to every rank.
+        let every = matches!(c.job.op, Op::ReduceScatter { .. });
+        if every && exps > 0 {
+            let rows: Vec<&[u8]> = (0..world)
+                .map(|j| if j == me { own_exps[me] } else { in_exps[j] })
+                .map(|r| &r[..exps as usize])
+                .collect();
+            self.note_exponents(c.job.key, &rows)?;
+        }
         let shard_exps: Vec<u8> = match self.block_counts(&parts).get(me) {
+            Some(_) if every => Vec::new(),
             Some(&count) => (0..world)
                 .map(|j| if j == me { own_exps[me] } else { in_exps[j] })
                 .fold(vec![0u8; count as usize], |mut a, r| {

@@ -416,6 +416,22 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn copy(&mut self, lane: Lane, src: Region, dst: Region) -> Result<()> {
+        self.touch(lane, src, false, "a copy")?;
+        self.touch(lane, dst, true, "a copy")?;
+        if src.len != dst.len {
+            return Err(Error::Transport(format!(
+                "internal: {} bytes copied into {}",
+                src.len, dst.len
+            )));
+        }
+        if src.len > 0 {
+            // SAFETY: scratch checked by the caller; `ptr::copy` allows overlap all the same.
+            unsafe { std::ptr::copy(src.addr as *const u8, dst.addr as *mut u8, src.len as usize) };
+        }
+        Ok(())
+    }
+
     fn frame_capacity(&self, n: u64, dtype: DType) -> u64 {
         frame_capacity(n, dtype)
     }

@@ -360,6 +360,19 @@ impl Backend for CudaBackend {
         Ok(())
     }
 
+    fn copy(&mut self, lane: Lane, src: Region, dst: Region) -> Result<()> {
+        if src.len != dst.len {
+            return Err(Error::Transport(format!(
+                "internal: {} bytes copied into {}",
+                src.len, dst.len
+            )));
+        }
+        // SAFETY: both regions are the engine's scratch (checked by the caller's `sub`), which
+        // lives until the lane's work on it is done.
+        unsafe { cuda::copy_async(self.stream(lane), dst.addr, src.addr, dst.len) }
+            .map_err(during("copy"))
+    }
+
     fn frame_capacity(&self, n: u64, dtype: DType) -> u64 {
         cuda::compress_capacity(n, dtype, 1, Bound::Abs(1.0)).div_ceil(16) * 16
     }

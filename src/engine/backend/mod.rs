@@ -141,6 +141,13 @@ pub(crate) trait Backend: Send + 'static {
     /// Device errors; [`crate::Error::Transport`] for a `dst` of another length.
     fn upload(&mut self, lane: Lane, dst: Region, bytes: &[u8]) -> Result<()>;
 
+    /// Queues on `lane` the copy of `src` into `dst` (scratch of the same length that does not
+    /// overlap it).
+    ///
+    /// # Errors
+    /// Device errors; [`crate::Error::Transport`] for regions of different lengths.
+    fn copy(&mut self, lane: Lane, src: Region, dst: Region) -> Result<()>;
+
     /// Bytes a frame of `n` elements of `dtype` may take (a multiple of 16).
     fn frame_capacity(&self, n: u64, dtype: DType) -> u64;
 

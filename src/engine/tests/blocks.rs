@@ -44,6 +44,41 @@ fn run(nodes: &[usize], o: &Options, n: usize, steps: usize) -> (Vec<Seen>, Stat
     (out.into_iter().map(|(s, _)| s).collect(), stats)
 }
 
+/// `steps` reduce-scatter jobs (FSDP's: `n` elements in, this rank's `n / world` out) of
+/// `uneven` on every rank with residuals: each rank's shards, and its final residual.
+fn run_scatter_jobs(world: usize, o: &Options, n: usize, steps: usize) -> Vec<Seen> {
+    on_nodes(&vec![0; world], o, |rank, e| {
+        let mut r = vec![0.0f32; n];
+        let mut seen = Vec::new();
+        for step in 0..steps {
+            let mut x = uneven(rank, step, n);
+            let mut shard = vec![0.0f32; n / world];
+            let j = Job {
+                op: Op::ReduceScatter {
+                    out: tensor(&mut shard, DType::F32),
+                },
+                ..job(0, &mut x, Some(&mut r), true)
+            };
+            // SAFETY: `x`, `shard` and `r` live until the wait below returns.
+            unsafe { e.submit(j, 0) }.unwrap();
+            e.wait(0).unwrap();
+            seen.push(shard);
+        }
+        (seen, r)
+    })
+}
+
+/// How a job's frames split a bucket.
+#[derive(Clone, Copy, PartialEq)]
+enum Parts {
+    /// One frame of the whole bucket per rank (all-gather).
+    Whole,
+    /// An all-reduce's shards (`rows::shards`), summed exactly.
+    Shards,
+    /// A reduce-scatter job's `world` equal rows, summed exactly.
+    Rows,
+}
+
 /// What the engine must give, from the codec alone: per part (the whole bucket, or each shard),
 /// every rank's exponents of `x + r`, their largest, the scales from it (at the first step those
 /// of the step itself, then those of the step before: they travel a step ahead), every rank's
@@ -55,12 +90,13 @@ fn reference(
     k: f64,
     log2: u8,
     steps: usize,
-    shards: bool,
+    split: Parts,
 ) -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
-    let parts = if shards {
-        rows::shards(n as u64, world)
-    } else {
-        vec![(0, n as u64)]
+    let l = (n / world) as u64;
+    let parts = match split {
+        Parts::Whole => vec![(0, n as u64)],
+        Parts::Shards => rows::shards(n as u64, world),
+        Parts::Rows => (0..world as u64).map(|j| (j * l, l)).collect(),
     };
     let mut residuals = vec![vec![0.0f32; n]; world];
     let mut before: Vec<Vec<u8>> = Vec::new();
@@ -100,7 +136,7 @@ fn reference(
                 })
                 .collect();
             let scale = 1.0 / world as f32;
-            if shards {
+            if split != Parts::Whole {
                 let fs: Vec<&[u8]> = frames.iter().map(|f| &f[..]).collect();
                 let (_, v) = decompress::<f32>(&crate::sum_frames(&fs, None).unwrap()).unwrap();
                 for (o, v) in out[lo..lo + len].iter_mut().zip(v) {
@@ -138,12 +174,40 @@ fn block_scales_give_the_codecs_bits_on_every_rank() {
             let o = block_options(k, block, algorithm);
             let (seen, _) = run(&vec![0; world], &o, n, 3);
             let log2 = block.trailing_zeros() as u8;
-            let (want, residuals) = reference(world, n, k, log2, 3, shards);
+            let split = if shards { Parts::Shards } else { Parts::Whole };
+            let (want, residuals) = reference(world, n, k, log2, 3, split);
             for (rank, (results, r)) in seen.iter().enumerate() {
                 assert!(
                     results == &want,
                     "{world} ranks, shards {shards}, k {k}, block {block}: rank {rank}"
                 );
+                assert!(r == &residuals[rank], "residual of rank {rank}");
+            }
+        }
+    }
+}
+
+/// Reduce-scatter jobs (FSDP's) agree their scales a step ahead too: every row carries its
+/// sender's exponents of every shard, so every rank holds every shard's largest for the next
+/// step. Their bits are the codec's with scales one step late (the reference), which a round
+/// per job (scales of the job's own step) would not give.
+#[test]
+fn reduce_scatter_jobs_carry_every_shards_exponents_a_step_ahead() {
+    let n = 9_000;
+    for world in [2, 3] {
+        for (k, block) in [(0.3, 256u64), (0.1, 32)] {
+            let o = block_options(k, block, None);
+            let seen = run_scatter_jobs(world, &o, n, 3);
+            let log2 = block.trailing_zeros() as u8;
+            let (want, residuals) = reference(world, n, k, log2, 3, Parts::Rows);
+            let l = n / world;
+            for (rank, (shards, r)) in seen.iter().enumerate() {
+                for (step, shard) in shards.iter().enumerate() {
+                    assert!(
+                        shard[..] == want[step][rank * l..(rank + 1) * l],
+                        "{world} ranks, k {k}, block {block}: rank {rank}, step {step}"
+                    );
+                }
                 assert!(r == &residuals[rank], "residual of rank {rank}");
             }
         }
