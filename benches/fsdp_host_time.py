@@ -4,13 +4,13 @@ millisecond it holds the host is a millisecond the next group's backward is not 
 
 Trains ``examples/fsdp_train.py``'s LM with each ``--comm`` way (its ``cfc*`` ways) and times,
 on the host (no extra synchronisation), per step: the whole reduce-scatter calls, and inside
-them a group's first agreement of its per-parameter scales (``agree now``: its input's sums of
-squares, waited for, gathered from every rank), the factors spread over columns, and the 4-bit
-residuals' packing and unpacking; and, outside the calls, the agreement of every group's next
-factors when the step ends (``agree at step end``). The rest of a call is the engine's submit
-and wait and the scaling multiplications. Under torchrun, on GPUs::
+them the agreement of its per-parameter scales (``agree now``: its input's sums of squares,
+waited for, gathered from every rank), the factors spread over columns, and the 4-bit
+residuals' packing and unpacking. The rest of a call is the engine's submit and wait and the
+scaling multiplications (block scales, ``cfc-b256``, need none of these). Under torchrun, on
+GPUs::
 
-    torchrun --standalone --nproc_per_node=2 benches/fsdp_host_time.py --comm cfc-group,cfc,cfc-lag,cfc-r4 \\
+    torchrun --standalone --nproc_per_node=2 benches/fsdp_host_time.py --comm cfc-group,cfc,cfc-b256@0.1,cfc-r4 \\
         --d-model 1024 --layers 8 --heads 16 --seq 256 --batch 8 --steps 25
 
 Medians over the steps after the first fifth, rank 0's.
@@ -41,7 +41,6 @@ from fsdp_train import build  # noqa: E402
 SPOTS = {  # what is timed: (module or class, attribute) -> label
     (cfc.fsdp, "reduce_scatter"): "calls",
     (_param_scales, "agree_norms"): "agree now",
-    (_param_scales.Lagged, "agree_step"): "agree at step end",
     (_param_scales, "columns"): "columns",
     (_packed_residuals, "pack"): "pack",
     (cfc.fsdp, "_unpacked"): "unpack",
@@ -61,7 +60,7 @@ def timed(spent: dict, label: str, f):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--comm", default="cfc-group,cfc,cfc-lag,cfc-r4")
+    p.add_argument("--comm", default="cfc-group,cfc,cfc-b256@0.1,cfc-r4")
     p.add_argument("--steps", type=int, default=25)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=256)

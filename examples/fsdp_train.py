@@ -18,7 +18,7 @@ gradients at all (each rank keeps its own shard): the floor for the step time. `
 cfc with ``fallback="auto"``: each group is timed both ways over the first steps and keeps the
 faster (plain where compression does not pay, as over NVLink). ``cfc-group`` is cfc with one
 step per FSDP group (``per_parameter=False``), ``cfc-r4`` cfc with residuals kept in 4 bits
-(``residual_bits=4``), ``cfc-lag`` cfc with scales agreed a step late (``lagged_scales=True``).
+(``residual_bits=4``).
 ``-bK`` after a cfc way (``cfc-b256``, ``cfc-auto-b256@0.3``) gives it block scales of ``K``
 values (``CfcState(block=K)``) in place of per-parameter scales.
 
@@ -45,7 +45,7 @@ import cfc
 import cfc.fsdp
 from ddp_train import LM, batch, corpus, held_out_loss, lr_factor
 
-WAYS = ("noop", "plain", "bf16", "cfc", "cfc@X", "cfc-auto", "cfc-auto@X", "cfc-group", "cfc-group@X", "cfc-r4", "cfc-r4@X", "cfc-lag", "cfc-lag@X")
+WAYS = ("noop", "plain", "bf16", "cfc", "cfc@X", "cfc-auto", "cfc-auto@X", "cfc-group", "cfc-group@X", "cfc-r4", "cfc-r4@X")
 
 
 class NoComm(cfc.fsdp._ReduceScatter):  # type: ignore[misc,valid-type]
@@ -93,8 +93,7 @@ def build(way: str, dev: torch.device, args) -> tuple:
             bound["block"] = block
         state = cfc.fsdp.register(model, cfc.CfcState(**bound, warmup_steps=0, fallback=fallback),
                                   per_parameter=not (way.startswith("cfc-group") or block),
-                                  residual_bits=4 if way.startswith("cfc-r4") else 32,
-                                  lagged_scales=way.startswith("cfc-lag"))
+                                  residual_bits=4 if way.startswith("cfc-r4") else 32)
     return model, state
 
 

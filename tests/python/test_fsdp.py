@@ -105,12 +105,12 @@ def every_step_within_bound(rank, world, out):
     rank's decoded value within eps of its gradient plus residual, each residual within eps):
     what FSDP gets from cfc is the gradient it handed over, step after step, on the streams
     FSDP runs it on."""
-    for bound, lagged in ((dict(eps=1e-4), False), (dict(rms=0.3), False), (dict(rms=0.3), True)):
-        _within_bound_for_ten_steps(rank, world, bound, lagged)
+    for bound in (dict(eps=1e-4), dict(rms=0.3), dict(rms=0.3, block=256)):
+        _within_bound_for_ten_steps(rank, world, bound)
 
 
-def _within_bound_for_ten_steps(rank, world, bound, lagged):
-    model, opt, state = make(CfcState(**bound, warmup_steps=0, min_compress_numel=4000), lagged_scales=lagged)
+def _within_bound_for_ten_steps(rank, world, bound):
+    model, opt, state = make(CfcState(**bound, warmup_steps=0, min_compress_numel=4000))
     checks = []
     real = cfc.fsdp.reduce_scatter
 
@@ -118,15 +118,13 @@ def _within_bound_for_ten_steps(rank, world, bound, lagged):
         exact = inp.detach().float().clone()
         dist.all_reduce(exact, group=group)  # (queued on FSDP's stream, before cfc reads inp)
         mine = exact.view(world, -1)[dist.get_rank(group)] / world
-        # With rms=, each parameter goes in scaled by a power of two (cfc._param_scales) and
-        # the bound holds in those units: the same factors, agreed the same way, rescale the error.
+        # With rms= (and no block scales), each parameter goes in scaled by a power of two
+        # (cfc._param_scales) and the bound holds in those units: the same factors, agreed the
+        # same way, rescale the error. (With block scales every block's bound is at most the
+        # coarsest, the state's eps.)
         lengths = _param_scales.row_lengths(st._fsdp_groups.get(key))
-        scaled = "rms" in bound and lengths is not None and inp.numel() >= 4000
-        # (the factors the call uses: agreed at the last step's end, or, at a group's first
-        # call, from this input, as the call agrees them)
-        f = st._scales.factors(key, world, lengths) if scaled else None
-        if scaled and f is None:
-            f = _param_scales.agree(inp.view(world, -1), lengths, gather_over(group))
+        scaled = "rms" in bound and "block" not in bound and lengths is not None and inp.numel() >= 4000
+        f = _param_scales.agree(inp.view(world, -1), lengths, gather_over(group)) if scaled else None
         f = _param_scales.columns(f, lengths, mine.device) if scaled else torch.ones_like(mine)
         real(st, key, out_, inp, group, op)
         checks.append((st.step, key, ((out_.float() - mine) * f).abs().max(), (mine * f).abs().max()))
@@ -200,41 +198,36 @@ def per_parameter(rank, world, out):
         assert errors[False][0] < 0.05 and errors[False][1] > 0.5, (dtype, errors)
 
 
-def lagged_scales(rank, world, out):
-    """With lagged_scales=True a group's first call agrees its per-parameter factors from its
-    own input (waiting on the host); every later call uses those agreed from the group's sums
-    of the step before, all groups' in one round of the engine at the step's end: the factors
-    follow a gradient that grows 1024x one step late, exactly."""
+def block_scales(rank, world, out):
+    """With block scales (``CfcState(block=256)``) the engine agrees each block's step over the
+    ranks a step ahead, in the exchange's own rows: no call waits on the host for per-parameter
+    factors, and the agreed exponents follow a gradient that grows 1024x one step late, exactly
+    (10 more for every block of the grown parameter, none for the other's)."""
     n = Two.N
     a, b = Two.inputs(rank)
-
-    def expected(x):  # the power of two that brings x's RMS over every rank into [0.5, 1)
-        sq = x.double().square().sum()
-        dist.all_reduce(sq)
-        m, e = math.frexp(math.sqrt(sq.item() / (n * world)))
-        return 2.0 ** -e
-
     model = Two().to(DEV)
     fully_shard(model)
-    state = cfc.fsdp.register(model, CfcState(rms=0.05, warmup_steps=0, min_compress_numel=0), lagged_scales=True)
-    agreed_now = []
+    # (without error feedback the exponents are those of the gradients alone: exact)
+    state = cfc.fsdp.register(model, CfcState(rms=0.05, block=256, warmup_steps=0, min_compress_numel=0,
+                                              error_feedback=False))
+    calls = []
     real = _param_scales.agree_norms
-    _param_scales.agree_norms = lambda *a, **k: agreed_now.append(1) or real(*a, **k)
+    _param_scales.agree_norms = lambda *a_, **k: calls.append(1) or real(*a_, **k)
     try:
-        used = []
-        for step, small in enumerate((b, 1024 * b, 1024 * b)):
-            used.append(state._scales.factors(0, world, (n // world, n // world)))
+        seen = []
+        for small in (b, 1024 * b, 1024 * b):
             model(a, small).backward()
             model.zero_grad()
-            f = state._scales.factors(0, world, (n // world, n // world))
-            assert f.tolist() == [expected(a), expected(small)], (step, f, expected(a), expected(small))
+            (bucket,) = state.state_dict()["engine"]["buckets"]
+            seen.append(torch.tensor(list(bucket["exponents"])))
     finally:
         _param_scales.agree_norms = real
-    assert agreed_now == [1], agreed_now  # only the first call waited for its own
-    assert used[0] is None  # (the first call's came from its own input)
-    assert used[1].tolist() == [expected(a), expected(b)]  # step 2: step 1's, though it grew
-    assert used[2].tolist() == [expected(a), expected(1024 * b)]
-    assert expected(1024 * b) == expected(b) / 1024
+    assert not calls, "a call agreed per-parameter factors"
+    # each rank's row of the input: its shard of `big` (n / world values), then of `small`
+    grown = (seen[1] - seen[0]).view(world, 2, n // world // 256)
+    assert bool((grown[:, 0] == 0).all()) and bool((grown[:, 1] == 10).all()), grown
+    assert torch.equal(seen[2], seen[1])
+    assert state.stats()["compressed_buckets"] == 3, state.stats()
     state.close()
 
 
@@ -481,7 +474,7 @@ def resume(rank, world, out):
     # "compress every group" through a checkpoint after the trial: then the resumed run's first
     # step, the step check's, sends every group plainly with what its residual held at the save)
     ways = ((dict(), 2, {}, False), (auto, 3, {}, False), (auto, 3, {}, True),
-            (dict(), 2, dict(residual_bits=4), False), (dict(), 2, dict(lagged_scales=True, residual_bits=4), False))
+            (dict(), 2, dict(residual_bits=4), False), (dict(block=256), 2, dict(residual_bits=4), False))
     for kw, before, reg, compress_all in ways:
         model, opt, state = make(CfcState(warmup_steps=0, **kw), sgd=True, **reg)
         if compress_all:
@@ -510,9 +503,9 @@ def resume(rank, world, out):
                 # the first step on, as in the uninterrupted run
                 chosen = {b["key"] for b in saved["engine"]["buckets"] if b["decision"] is False}
                 assert state2._plain_keys == chosen == plain_at_save, (state2._plain_keys, chosen)
-                # lagged: the per-parameter factors the next calls use, agreed before the save
-                assert bool(saved["scales"]) == bool(reg.get("lagged_scales"))
-                assert state2._scales.saved() == saved["scales"], saved["scales"]
+                # block scales: the compressed groups' exponents for their next calls, agreed
+                # before the save
+                assert any(b["exponents"] is not None for b in saved["engine"]["buckets"]) == bool(kw.get("block"))
                 # fallback="auto": the check over whole steps goes on where it was
                 assert ("step_check" in saved) == (kw.get("fallback") == "auto")
                 if "step_check" in saved:
@@ -614,7 +607,7 @@ def refusals(rank, world, out):
         cfc.fsdp.register(nn.Linear(2, 2))
 
 
-SCENARIOS = {f.__name__: f for f in (bound, every_step_within_bound, per_parameter, lagged_scales, parity, accumulate, overflow, feedback,
+SCENARIOS = {f.__name__: f for f in (bound, every_step_within_bound, per_parameter, block_scales, parity, accumulate, overflow, feedback,
                                       packed_feedback, fallback, mismatch, failures,
                                       resume, plain_paths, refusals)}
 FOUR_RANKS = {f.__name__: f for f in (replicas, replica_failure)}  # (test_fsdp_replicas)

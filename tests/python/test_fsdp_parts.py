@@ -94,40 +94,6 @@ def test_a_packed_residual_comes_back_in_the_units_of_the_call_that_reads_it():
         assert torch.equal(got, back * cols), now  # (powers of two: exactly)
 
 
-def test_factors_agreed_at_a_steps_end_are_those_agreed_at_once():
-    g = torch.Generator().manual_seed(2)
-    groups = {3: (1e-4 * torch.randn(2, 9, generator=g), (4, 5)), 1: (torch.randn(2, 6, generator=g), (6,))}
-    other = {3: [2e-7, 5.0], 1: [30.0]}  # another rank's sums of squares
-    lagged = _param_scales.Lagged()
-    for key, (rows, lengths) in groups.items():
-        lagged.note(key, 2, lengths, _param_scales.norms(rows, lengths))
-    peer = np.concatenate([[0.0], other[1], other[3]])  # (keys in order, after the shape's check)
-
-    def gather(mine):
-        peer[0] = np.frombuffer(mine, dtype=np.float64)[0]  # the same groups and layouts
-        return [mine, peer.tobytes()]
-
-    lagged.agree_step(gather)
-    assert not lagged.noted
-    for key, (rows, lengths) in groups.items():
-        want = _param_scales.agree(rows, lengths, gathered(other[key]))
-        assert torch.equal(lagged.factors(key, 2, lengths), want), key
-        assert lagged.factors(key, 1, lengths) is None  # (agreed for another layout)
-    again = _param_scales.Lagged()
-    again.load(lagged.saved())
-    assert again.saved() == lagged.saved() and torch.equal(again.factors(3, 2, (4, 5)), lagged.factors(3, 2, (4, 5)))
-
-
-def test_ranks_that_noted_different_groups_are_refused_at_the_steps_end():
-    lagged = _param_scales.Lagged()
-    lagged.note(0, 1, (4,), torch.ones(1))
-    with pytest.raises(ValueError, match="different groups"):
-        lagged.agree_step(lambda mine: [mine, np.array([1.0, 2.0]).tobytes()])  # same size, another shape
-    lagged.note(0, 1, (4,), torch.ones(1))
-    with pytest.raises(ValueError, match="different groups"):
-        lagged.agree_step(lambda mine: [mine, np.zeros(3).tobytes()])  # another size
-
-
 class Steps:
     """Drives a StepCheck through steps as cfc.fsdp does, with a clock that advances by each
     step's cost (``plain`` when every group went plain, ``chosen`` otherwise), and another rank

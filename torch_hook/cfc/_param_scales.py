@@ -13,14 +13,10 @@ power of two changes no bit of a value (barring subnormals), so the codes still 
 the bound holds for each parameter in its own units.
 
 The scales are agreed through the engine (``Engine.gather``: one float64 per parameter and
-rank, over the engine's own links). By default each call agrees its own (:func:`agree`, which
-waits on the host for the group's input). With ``lagged_scales=True`` a call uses the factors
-agreed from its group's sums of the step before (:class:`Lagged`: the sums are copied to the
-host without a wait, and every group's go through the engine in one round when the step ends;
-a group's first call agrees its own), so that the call hands its job to the engine at once, as
-an unscaled one does. A factor one step old brings a parameter's RMS near 1 less tightly, so
-more frames outgrow their slots and go again; the bound holds in the scaled units whatever the
-factors. float16 groups are sent unscaled (see :func:`scalable`).
+rank, over the engine's own links), each call its own (:func:`agree`, which waits on the host
+for the group's input). The engine's block scales (``CfcState(block=K)``) need no such wait:
+they travel a step ahead in the exchange's rows. float16 groups are sent unscaled (see
+:func:`scalable`).
 """
 
 from __future__ import annotations
@@ -130,89 +126,6 @@ def agree_norms(n: Any, lengths: Tuple[int, ...], rows: int, gather: Callable[[b
     out of step for every later collective). It waits on the host for this rank's sums."""
     everyone = _split(gather(_squares(n.cpu()).tobytes()), "the ranks' groups hold different numbers of parameters")
     return factors_of(everyone, lengths, rows)
-
-
-class Lagged:
-    """Factors agreed one step late: each group's call uses those agreed from its sums of the
-    step before (:meth:`factors`) and leaves its own sums (:meth:`note`), copied to the host
-    without a wait; :meth:`agree_step` agrees every group's at once when the step ends (one
-    round of the engine's links a step, where :func:`agree` takes one a call, after a wait for
-    the group's input). Every rank makes the same calls, so every rank holds the same factors.
-    """
-
-    def __init__(self) -> None:
-        # key -> ((rows, lengths), factors): what the group's next call uses
-        self.agreed: dict = {}
-        # key -> ((rows, lengths), norms on the host, the copy's CUDA event or None): this
-        # step's, not yet agreed
-        self.noted: dict = {}
-
-    def factors(self, key: int, rows: int, lengths: Tuple[int, ...]) -> Optional[Any]:
-        """The factors agreed for the group's layout at the last step's end (None: none yet,
-        or agreed for another layout)."""
-        held = self.agreed.get(key)
-        return held[1] if held is not None and held[0] == (rows, tuple(lengths)) else None
-
-    def note(self, key: int, rows: int, lengths: Tuple[int, ...], n: Any) -> None:
-        """This call's norms (:func:`norms`), copied to the host in stream order, without a
-        wait: they are read when the step ends (after the copy's event, which by then has
-        almost always passed)."""
-        import torch
-
-        done = None
-        if n.device.type == "cuda":
-            host = torch.empty(n.shape, dtype=n.dtype, pin_memory=True)
-            host.copy_(n, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record()
-        else:
-            host = n.cpu()
-        self.noted[key] = ((rows, tuple(lengths)), host, done)
-
-    def set(self, key: int, rows: int, lengths: Tuple[int, ...], factors: Any) -> None:
-        """Factors agreed now (a group's first call, :func:`agree`) for the group's next call."""
-        self.agreed[key] = ((rows, tuple(lengths)), factors)
-
-    def agree_step(self, gather: Callable[[bytes], List[bytes]]) -> None:
-        """At a step's end, on every rank: every group's noted sums go through ``gather`` in
-        one round, and give each group's factors for its next call.
-
-        Raises:
-            ValueError: the ranks noted different groups or layouts (on every rank alike)."""
-        import zlib
-
-        import numpy as np
-
-        noted, self.noted = self.noted, {}
-        if not noted:
-            return
-        keys = sorted(noted)
-        for _, _, done in noted.values():
-            if done is not None:
-                done.synchronize()
-        shape = zlib.crc32(repr([(k, noted[k][0]) for k in keys]).encode())
-        mine = np.concatenate([np.asarray([shape], dtype=np.float64)] + [_squares(noted[k][1]) for k in keys])
-        everyone = _split(gather(mine.tobytes()), "the ranks reduce-scattered different groups this step")
-        if any(e[0] != everyone[0][0] for e in everyone):
-            raise ValueError("cfc.fsdp: the ranks reduce-scattered different groups or layouts this step")
-        at = 1
-        for k in keys:
-            (rows, lengths), _, _ = noted[k]
-            self.agreed[k] = ((rows, lengths), factors_of([e[at : at + len(lengths)] for e in everyone], lengths, rows))
-            at += len(lengths)
-
-    def saved(self) -> dict:
-        """The agreed factors, for a checkpoint: key -> [rows, lengths, factors]."""
-        return {k: [rows, list(lengths), [float(x) for x in f.tolist()]]
-                for k, ((rows, lengths), f) in self.agreed.items()}
-
-    def load(self, saved: dict) -> None:
-        """What :meth:`saved` gave (checked by ``cfc.ddp.checkpoint``); nothing noted."""
-        import torch
-
-        self.agreed = {k: ((rows, tuple(lengths)), torch.tensor(f, dtype=torch.float32))
-                       for k, (rows, lengths, f) in saved.items()}
-        self.noted = {}
 
 
 def columns(factors: Any, lengths: Tuple[int, ...], device: Any = None) -> Any:

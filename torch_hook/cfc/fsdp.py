@@ -15,15 +15,20 @@ reduce-scatter on that stream instead, with no wait on the host. Because of that
 trial's per-group choice is then checked over whole steps (:mod:`cfc._step_check`): every group
 goes plain unless the trial's ways make the step faster.
 
-Per-parameter scales (``register(..., per_parameter=True)``, the default): FSDP groups
-parameters by module, so one group can hold gradients of very different sizes (an LM's output
-head with its embeddings). Before a group is quantized, each parameter's gradient is multiplied
-by a power of two that brings its RMS over the ranks near 1, so that a bound of ``rms=k``
-gives every parameter a step of about ``k`` times its own RMS instead of a share of its
-group's; the result is divided back. The ranks agree the factors through the engine (their
-sums of squares, a few bytes per parameter): by default in each call, waiting on the host for
-the group's input before the engine gets it; with ``lagged_scales=True``, from the group's sums
-of the step before, every group's in one round when a step ends. See ``cfc._param_scales``.
+Scales within a group: FSDP groups parameters by module, so one group can hold gradients of
+very different sizes (an LM's output head with its embeddings), and one step for the whole
+group leaves the small ones to error feedback alone. Two remedies:
+
+- per-parameter scales (``register(..., per_parameter=True)``, the default): before a group is
+  quantized, each parameter's gradient is multiplied by a power of two that brings its RMS over
+  the ranks near 1, so that a bound of ``rms=k`` gives every parameter a step of about ``k``
+  times its own RMS; the result is divided back. The ranks agree the factors through the engine
+  (their sums of squares, a few bytes per parameter) in each call, which waits on the host for
+  the group's input before the engine gets it. See ``cfc._param_scales``.
+- block scales (``CfcState(rms=k, block=K)``): the engine gives each block of ``K`` values a
+  step that follows the block's own RMS, agreed over the ranks a step ahead in the exchange's
+  own rows, so a call hands its job to the engine at once. Per-parameter scales are then not
+  applied.
 
 Replicas (HSDP): shard the model over one dimension of a (replicate, shard) mesh with
 ``fully_shard(model, mesh=mesh["shard"])`` and give ``register`` a second state bound to the
@@ -60,7 +65,7 @@ from cfc.ddp.state import CfcState
 
 logger = logging.getLogger("cfc")
 
-__all__ = ["CfcReduceScatter", "average_replicas", "register"]
+__all__ = ["CfcReduceScatter", "average_replicas", "default_state", "register"]
 
 try:  # the interface FSDP2 takes (a private module of torch: its path may move)
     from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _ReduceScatter
@@ -99,14 +104,15 @@ class CfcReduceScatter(_ReduceScatter):  # type: ignore[misc,valid-type]
 
 
 def register(model: Any, state: Optional[CfcState] = None, *, replicas: Optional[CfcState] = None,
-             per_parameter: bool = True, residual_bits: int = 32, lagged_scales: bool = False) -> CfcState:
+             per_parameter: bool = True, residual_bits: int = 32) -> CfcState:
     """Install cfc's reduce-scatter on every ``FSDPModule`` of ``model`` (``fully_shard``
     applied first), on every rank, and return the state it runs on.
 
     Args:
         model: a module on which ``fully_shard`` was called (it, or modules inside it).
         state: the options (:class:`cfc.CfcState`, not used elsewhere); default
-            ``CfcState(warmup_steps=0)``, a bound of 0.05 x each group's RMS. A *step* is a
+            :func:`default_state`: block scales, each block of 256 values within 0.1 x its
+            RMS (why: ``docs/performance.md``, "FSDP2: block scales"). A *step* is a
             backward pass that reduce-scatters (``warmup_steps`` and ``trial_steps`` count
             those; with ``fallback="auto"`` each group keeps the faster way, plain or
             compressed, as its trial found, and then ``trial_steps`` more steps time the whole
@@ -116,25 +122,21 @@ def register(model: Any, state: Optional[CfcState] = None, *, replicas: Optional
         replicas: for replicas of the sharded model (see the module docs), a second state,
             whose process group is the replicate group: the average over the replicas of each
             reduce-scatter's output, compressed, through ``FSDPModule.set_all_reduce_hook``.
-        per_parameter: with a bound that follows the data (``rms=``, ``rel=``), scale each
+        per_parameter: for a state without block scales (``block=0``, ``CfcState``'s own
+            default) and a bound that follows the data (``rms=``, ``rel=``), scale each
             parameter's gradient by a power of two that brings its RMS over the ranks into
             [0.5, 1) before its group is quantized (agreed through the engine), so that
             each parameter's step is ``rms`` times its own RMS within a factor of two rather
             than a share of its group's, which FSDP's grouping by module sets (see
             ``cfc._param_scales``). The state's ``eps`` and ``max_error`` are then in those
-            scaled units. With ``eps=`` (an absolute bound), and for float16 groups, there is
-            no scaling.
+            scaled units. With ``eps=`` (an absolute bound), with block scales, and for
+            float16 groups, there is no such scaling. Each call then waits on the host for its
+            group's input and a round of the engine's links.
         residual_bits: 32 keeps each group's error-feedback residual as float32 (4 bytes per
             unsharded parameter); 4 keeps it, between the group's calls, as 4-bit codes and one
             number per group (half a byte per parameter; the float32 residual of one group
             lives during its call), losing at most a fourteenth of its largest value per step
             (see ``cfc._packed_residuals``).
-        lagged_scales: with ``per_parameter``, each call uses the factors agreed from its
-            group's sums of the step before (every group's in one round of the engine when a
-            step ends; a group's first call agrees its own), instead of waiting on the host for
-            its own input's sums before the engine gets the job. The factors then follow the
-            gradients a step late: on a small LM (CPU, 2 ranks) quality was alike and about 10%
-            more bytes went out (more frames outgrew their slots and were sent again).
 
     Reduce-scatters cfc does not compress go through torch's own, uncompressed, after a log
     line: groups of a dtype other than float32, bfloat16 and float16, and the pre-multiplied
@@ -150,7 +152,7 @@ def register(model: Any, state: Optional[CfcState] = None, *, replicas: Optional
     """
     from torch.distributed.fsdp import FSDPModule
 
-    state = state if state is not None else CfcState(warmup_steps=0)
+    state = state if state is not None else default_state()
     for s in (state, replicas):
         if s is not None and not isinstance(s, CfcState):
             raise TypeError(f"states must be cfc.CfcState, got {type(s).__name__}")
@@ -175,12 +177,11 @@ def register(model: Any, state: Optional[CfcState] = None, *, replicas: Optional
         if s is not None:
             s._residuals.keep_unseen = True  # one group per step: every residual lives on
             s._residual_bits = residual_bits
-            s._lagged_scales = lagged_scales
             s._residuals.held_elsewhere = functools.partial(_saved_packed, s)
     for key, m in enumerate(modules):
         m.set_custom_reduce_scatter(CfcReduceScatter(state, key))
         # (its layout is read at each call: FSDP settles it at its lazy init, after this)
-        state._fsdp_groups[key] = _param_group(m) if per_parameter else None
+        state._fsdp_groups[key] = _param_group(m) if per_parameter and not state.options.block else None
         if replicas is not None:
             m.set_all_reduce_hook(functools.partial(average_replicas, replicas, key, state))
             replicas._fsdp_groups[key] = state._fsdp_groups[key]
@@ -188,6 +189,15 @@ def register(model: Any, state: Optional[CfcState] = None, *, replicas: Optional
     if state.options.fallback == "auto":
         state._step_check = _step_check.StepCheck(state.options.trial_steps)
     return state
+
+
+def default_state() -> CfcState:
+    """The state :func:`register` makes when given none: ``CfcState(rms=0.1, block=256,
+    warmup_steps=0)``. Block scales give each block of 256 values a step of at most 0.1 times
+    its RMS (the largest rank's, rounded down to a power of two, a step late), agreed in the
+    exchange's own rows, so no call waits on the host for them; on the project's measurements
+    they cost about the bytes of per-parameter scales at ``rms=0.05`` and shortened FSDP's step."""
+    return CfcState(rms=0.1, block=256, warmup_steps=0)
 
 
 def _param_group(module: Any) -> Any:
@@ -235,7 +245,8 @@ def _submit(state: CfcState, key: int, data: Any, out: Any, scale: Any) -> None:
     into ``out`` (a reduce-scatter, ``data`` one row per rank), queued on the current stream
     when this returns. The step (what the warm-up and the trial count) ends with the backward
     pass (:func:`_end_step`). With per-parameter scales (:mod:`cfc._param_scales`, agreed
-    through the engine), the data and residual go in scaled and come out in their own units."""
+    through the engine in this call), the data and residual go in scaled and come out in their
+    own units."""
     engine = state._engine_for(data.device)
     in_backward = _open_step(state)
     rows = 1 if out is None else state.world
@@ -245,18 +256,8 @@ def _submit(state: CfcState, key: int, data: Any, out: Any, scale: Any) -> None:
     group = state._fsdp_groups.get(key) if scaled else None
     lengths = None if group is None else _param_scales.row_lengths(group)
     norms = None if lengths is None else _param_scales.norms(data.view(rows, -1), lengths)
-    per_param = None
-    if norms is not None:
-        # Lagged: the factors agreed from the group's sums of the last step, this step's noted
-        # for the next. Otherwise (and at a lagged group's first call, or first with a new
-        # layout) the group's own, agreed now, waiting on the host for its input.
-        per_param = state._scales.factors(key, rows, lengths) if state._lagged_scales else None
-        if per_param is None:
-            per_param = _param_scales.agree_norms(norms, lengths, rows, engine.gather)
-            if state._lagged_scales:
-                state._scales.set(key, rows, lengths, per_param)
-        else:
-            state._scales.note(key, rows, lengths, norms)
+    # (the group's own factors, agreed now: a wait on the host for its input)
+    per_param = None if norms is None else _param_scales.agree_norms(norms, lengths, rows, engine.gather)
     if lengths is not None and norms is None and key not in state._unscaled:
         state._unscaled.add(key)
         logger.warning("cfc.fsdp: group %d's input does not match its parameters' layout (a parameter "
@@ -383,7 +384,6 @@ def _end_step(state: CfcState) -> None:
     state._fsdp_step_open = False
     try:
         if state._engine is not None:
-            state._scales.agree_step(state._engine.gather)  # (the next step's per-parameter scales)
             state._engine.end_step()
     finally:
         state._residuals.end_step()
@@ -415,7 +415,6 @@ def _failed(state: CfcState, e: BaseException, linked: Optional[CfcState]) -> No
     pass raises, so its step does not end: the next pass opens one again."""
     _fail(state, e, last=False)
     state._fsdp_step_open = False
-    state._scales.noted.clear()  # (this step's sums are not agreed: it does not end)
     engine = getattr(linked, "_engine", None)
     if engine is not None:
         engine.fail(f"{type(e).__name__}: {e}")

@@ -117,31 +117,10 @@ def parse_state(sd: Mapping, options: Options, rank: int, world: int) -> Dict[st
                for i, l in _mapping(sd, "layouts").items()}
     step = _count(sd.get("step"), "step")
     engine = _engine_state(_mapping(sd, "engine"))
-    scales = _scales(_mapping(sd, "scales")) if "scales" in sd else {}
     step_check = _step_check(_mapping(sd, "step_check")) if "step_check" in sd else None
     if not math.isfinite(float(step)):  # pragma: no cover - an int
         raise ValueError("not a cfc_hook state")
-    return {"step": step, "residuals": residuals, "layouts": layouts, "engine": engine, "scales": scales,
-            "step_check": step_check}
-
-
-def _scales(saved: Mapping) -> Dict[int, Any]:
-    """cfc.fsdp's per-parameter factors (``cfc._param_scales.Lagged.saved``), checked: per group,
-    its rows, its parameters' lengths and a power of two for each."""
-    out = {}
-    for k, v in saved.items():
-        k = _count(k, "a group's key", key=True)
-        v = _sequence(v, f"group {k}'s scales")
-        if len(v) != 3:
-            raise ValueError(f"not a cfc_hook state: group {k}'s scales are not [rows, lengths, factors]")
-        rows = _count(v[0], f"group {k}'s rows")
-        lengths = [_count(n, f"a length of group {k}") for n in _sequence(v[1], f"group {k}'s lengths")]
-        factors = [_number(f, f"a factor of group {k}") for f in _sequence(v[2], f"group {k}'s factors")]
-        if len(factors) != len(lengths) or any(not (f > 0 and math.isfinite(f) and math.frexp(f)[0] == 0.5)
-                                               for f in factors):
-            raise ValueError(f"not a cfc_hook state: group {k}'s factors are not a power of two per parameter")
-        out[k] = [rows, lengths, factors]
-    return out
+    return {"step": step, "residuals": residuals, "layouts": layouts, "engine": engine, "step_check": step_check}
 
 
 def _step_check(saved: Mapping) -> Dict[str, Any]:

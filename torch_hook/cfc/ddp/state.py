@@ -9,7 +9,7 @@ import zlib
 from typing import Any, Dict, List, Mapping, Optional
 
 import cfc
-from cfc import _engine, _param_scales, _step_check
+from cfc import _engine, _step_check
 from cfc.ddp.options import Options
 from cfc.ddp.residuals import Residuals
 from cfc.ddp.checkpoint import STATE_VERSION, parse_state
@@ -149,8 +149,6 @@ class CfcState:
         # (None: not scaled), and the groups whose input did not match its layout (logged once)
         self._fsdp_groups: Dict[int, Any] = {}
         self._unscaled: set = set()
-        self._lagged_scales = False
-        self._scales = _param_scales.Lagged()  # with _lagged_scales: each group's next factors
         # cfc.fsdp's residuals kept in 4 bits between calls (cfc._packed_residuals), by key
         self._residual_bits = 32
         self._packed: Dict[int, Any] = {}
@@ -391,7 +389,6 @@ class CfcState:
             "residuals": self._residuals.saved(),  # per parameter ordinal
             "layouts": layouts,
             "engine": engine,
-            "scales": self._scales.saved(),  # (cfc.fsdp's per-parameter factors, by group)
             **({} if self._step_check is None else {"step_check": self._step_check.saved()}),
             "stats": self.stats(),
         }
@@ -426,7 +423,6 @@ class CfcState:
         self._token_step = self.step
         self._residuals.load(loaded["residuals"], loaded["layouts"])
         self._packed = {}
-        self._scales.load(loaded["scales"])
         # (cfc.fsdp: the groups the saved trial chose plain go through torch from the next step,
         # as they did in the saved run; their residuals go out with their first plain call)
         self._plain_keys = ({b["key"] for b in loaded["engine"]["buckets"] if b["decision"] is False}
@@ -436,7 +432,6 @@ class CfcState:
             self._step_check.load(loaded["step_check"], _step_check.ahead(loaded["engine"], self.options))
         shared = repr((sorted(loaded["layouts"].items()),
                        [(b["key"], b["decision"]) for b in loaded["engine"]["buckets"]],
-                       sorted(loaded["scales"].items()),
                        None if loaded["step_check"] is None else loaded["step_check"]["verdict"]))
         self._token = (self.step << 32) | zlib.crc32(shared.encode())
         if self._engine is not None:
