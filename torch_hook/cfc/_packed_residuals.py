@@ -1,14 +1,15 @@
 """Error-feedback residuals of :mod:`cfc.fsdp` kept in 4 bits per element between calls
-(``register(..., residual_bits=4)``): half a byte per unsharded parameter instead of 4.
+(``register(..., residual_bits=4)``): about half a byte per unsharded parameter instead of 4.
 
-A residual is what the decoder did not reproduce: within the group's step ``eps`` everywhere
-(in the units the group was quantized in: with per-parameter scales, every parameter's residual
-lies within the same scaled ``eps``). So one number per group, the largest magnitude over 7,
-and a signed code in -7..7 per element keep it to within 1/14 of that largest magnitude; the
-rounding is lost, as the decoder's rounding would be without error feedback, but it is at most
-a fourteenth of it. Between its calls a group keeps only the codes, the number and its
-per-parameter factors; during its call the residual is a float32 tensor again (one group at a
-time: FSDP's reduce-scatters run one after the other).
+A residual is what the decoder did not reproduce: within the step's bound everywhere, and that
+bound differs from block to block (block scales) or from parameter to parameter (per-parameter
+scales, in whose units a residual is kept). So each chunk of 256 values keeps one number, its
+largest magnitude over 7, and a signed code in -7..7 per element keeps each value to within 1/14
+of its chunk's largest; the rounding is lost, as the decoder's rounding would be without error
+feedback, but it is at most a fourteenth of it. Between its calls a group keeps only the codes,
+the chunks' numbers (4 bytes per 256 values) and its per-parameter factors; during its call the
+residual is a float32 tensor again (one group at a time: FSDP's reduce-scatters run one after
+the other).
 """
 
 from __future__ import annotations
@@ -17,12 +18,13 @@ from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
 LEVELS = 7  # codes -7..7, two to a byte
+CHUNK = 256  # values per step: one float32 per chunk
 
 
 @dataclass
 class Packed:
-    """A residual of ``numel`` float32 values as 4-bit codes times ``step`` (a 0-d float32
-    tensor on the residual's device), in the units of ``factors`` (the per-parameter factors
+    """A residual of ``numel`` float32 values as 4-bit codes times ``step`` (one float32 per
+    chunk of :data:`CHUNK` values, on the residual's device), in the units of ``factors`` (the per-parameter factors
     of the call that left it, parameter ``i`` over ``lengths[i]`` columns of each of its
     ``rows``; or None)."""
 
@@ -35,7 +37,7 @@ class Packed:
 
     def nbytes(self) -> int:
         f = 0 if self.factors is None else self.factors.numel() * self.factors.element_size()
-        return self.codes.numel() + self.step.element_size() + f
+        return self.codes.numel() + self.step.numel() * self.step.element_size() + f
 
 
 def pack(r: Any, factors: Optional[Any] = None, rows: int = 1, lengths: Optional[Tuple[int, ...]] = None) -> Packed:
@@ -44,17 +46,20 @@ def pack(r: Any, factors: Optional[Any] = None, rows: int = 1, lengths: Optional
     run of FSDP2 makes for every group and step.)"""
     import torch
 
-    top = torch.linalg.vector_norm(r, float("inf"))
-    step = torch.where(top > 0, top / LEVELS, torch.ones_like(top))
-    q = r / step
-    q.round_().clamp_(-LEVELS, LEVELS)
     n = r.numel()
-    codes = torch.zeros(n + n % 2, dtype=torch.int8, device=r.device)
-    codes[:n].copy_(q)
+    chunks = -(-n // CHUNK)
+    padded = torch.zeros(chunks * CHUNK, dtype=torch.float32, device=r.device)
+    padded[:n].copy_(r)
+    by_chunk = padded.view(chunks, CHUNK)
+    top = by_chunk.abs().amax(dim=1, keepdim=True)
+    step = torch.where(top > 0, top / LEVELS, torch.ones_like(top))
+    q = by_chunk / step
+    q.round_().clamp_(-LEVELS, LEVELS)
+    codes = q.to(torch.int8).view(-1)  # (CHUNK is even: whole pairs)
     pairs = codes.view(-1, 2)
     # low nibble: the even element's code; high nibble: the odd one's (two's complement, 4 bits)
     packed = (pairs[:, 0] & 0xF) | (pairs[:, 1] << 4)
-    return Packed(packed.view(torch.uint8), step, n, factors, rows, lengths)
+    return Packed(packed.view(torch.uint8), step.view(-1), n, factors, rows, lengths)
 
 
 def unpack(p: Packed) -> Any:
@@ -65,6 +70,7 @@ def unpack(p: Packed) -> Any:
     out = torch.empty(2 * b.numel(), dtype=torch.float32, device=b.device)
     pairs = out.view(-1, 2)
     # (arithmetic shifts of 8-bit integers bring each nibble back with its sign)
-    torch.mul((b << 4) >> 4, p.step, out=pairs[:, 0])
-    torch.mul(b >> 4, p.step, out=pairs[:, 1])
+    pairs[:, 0].copy_((b << 4) >> 4)
+    pairs[:, 1].copy_(b >> 4)
+    out.view(-1, CHUNK).mul_(p.step.view(-1, 1))
     return out[: p.numel]

@@ -134,9 +134,9 @@ def register(model: Any, state: Optional[CfcState] = None, *, replicas: Optional
             group's input and a round of the engine's links.
         residual_bits: 32 keeps each group's error-feedback residual as float32 (4 bytes per
             unsharded parameter); 4 keeps it, between the group's calls, as 4-bit codes and one
-            number per group (half a byte per parameter; the float32 residual of one group
-            lives during its call), losing at most a fourteenth of its largest value per step
-            (see ``cfc._packed_residuals``).
+            number per 256 values (about half a byte per parameter; the float32 residual of
+            one group lives during its call), losing at most a fourteenth of each 256 values'
+            largest per step (see ``cfc._packed_residuals``).
 
     Reduce-scatters cfc does not compress go through torch's own, uncompressed, after a log
     line: groups of a dtype other than float32, bfloat16 and float16, and the pre-multiplied
