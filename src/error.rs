@@ -135,6 +135,26 @@ pub enum Error {
     LaneOrder(String),
 }
 
+/// What a device decoding's status reports, if anything: its 8 bytes read as a little-endian
+/// u64, the error bits (low half) and the bad frame's index + 1 (high half; 0: not known). The
+/// CUDA decoders write it (`kernels/codec/decode_sum.cu`); the engine and the Python package
+/// both report it with this message.
+pub fn decode_status_error(status: u64) -> Option<String> {
+    let (bits, which) = (status as u32, (status >> 32) as u32);
+    if bits == 0 {
+        return None;
+    }
+    let frame = match which {
+        0 => "a frame".to_string(),
+        i => format!("frame {}", i - 1),
+    };
+    Some(format!(
+        "{frame} of a decoding was not a frame of the elements decoded, laid out as its header \
+         says within its size (checked on the device; error bits {bits:#x}): nothing was decoded \
+         from then on"
+    ))
+}
+
 /// An empty vector with room for `n` values, or [`Error::Allocation`] where the memory cannot
 /// be had (`Vec::with_capacity` would abort the process).
 pub(crate) fn try_capacity<T>(n: usize) -> Result<Vec<T>> {

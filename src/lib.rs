@@ -37,7 +37,7 @@ pub use codec::{
     validate, Bound, CompressOptions, OpenFrame,
 };
 pub use element::Element;
-pub use error::{Error, FormatError, Result};
+pub use error::{decode_status_error, Error, FormatError, Result};
 pub use feedback::{
     compress_bytes_with_feedback, compress_with_feedback, compress_with_feedback_scaled,
 };

@@ -139,6 +139,13 @@ fn cuda_sum(
         .map_err(to_py)
 }
 
+/// What a `cuda_decode_sum` status reports (its 8 bytes as a little-endian u64), or None: the
+/// message the engine gives too (`cfc::decode_status_error`).
+#[pyfunction]
+fn decode_status_error(status: u64) -> Option<String> {
+    cfc::decode_status_error(status)
+}
+
 /// Workspace bytes of `cuda_decode_sum` for `parts` frames of `numel` elements.
 #[pyfunction]
 fn cuda_decode_sum_workspace_len(numel: u64, parts: u64) -> PyResult<u64> {
@@ -462,6 +469,7 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda_sum, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_decode_sum_workspace_len, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_decode_sum, m)?)?;
+    m.add_function(wrap_pyfunction!(decode_status_error, m)?)?;
     m.add_function(wrap_pyfunction!(nccl_unique_id, m)?)?;
     m.add_function(wrap_pyfunction!(nccl_version, m)?)?;
     m.add("CUDA_SUM_STEPS_DIFFER", cfc::cuda::SUM_STEPS_DIFFER)?;

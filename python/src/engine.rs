@@ -362,11 +362,6 @@ impl Engine {
         Ok(self.live()?.settled())
     }
 
-    /// The first failure of any rank seen so far, as (rank, reason), or None.
-    fn failure(&self) -> PyResult<Option<(usize, String)>> {
-        Ok(self.live()?.control().failure().map(|f| (f.rank, f.reason)))
-    }
-
     /// Checks again, with every rank, the options and `token` (after a checkpoint was loaded).
     fn agree(&self, py: Python<'_>, token: u64) -> PyResult<()> {
         let engine = self.live()?;

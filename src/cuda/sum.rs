@@ -483,27 +483,8 @@ pub struct DecodeSumArgs<'a> {
 }
 
 /// Error bit of [`decode_sum`]'s status: a frame is not what its header says (see
-/// [`DecodeSumArgs::status`]).
+/// [`DecodeSumArgs::status`]; [`crate::error::decode_status_error`] words it).
 pub const DECODE_BAD_FRAME: u32 = 1;
-
-/// What a [`decode_sum`] status reports (its 8 bytes read back as a little-endian u64: the
-/// error bits, then the bad frame's index + 1), for frames that come from `source`s counted
-/// from 0 (e.g. "rank"): `None` while it reports nothing.
-pub fn decode_status_error(status: u64, source: &str) -> Option<String> {
-    let status = [status as u32, (status >> 32) as u32];
-    if status[0] == 0 {
-        return None;
-    }
-    let which = match status[1] {
-        0 => "a frame".to_string(),
-        i => format!("the frame of {source} {}", i - 1),
-    };
-    Some(format!(
-        "{which} is not a frame of the elements decoded, laid out as its header says within its \
-         size (checked on the device): nothing was decoded from then on (error bits {:#x})",
-        status[0]
-    ))
-}
 
 /// What every decoded sum checks of its arguments first: the element count, 1 to
 /// [`MAX_SUM_PARTS`] frames, float dtypes in and out, at most [`MAX_NDIM`] dimensions.

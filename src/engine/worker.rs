@@ -31,7 +31,7 @@ use super::options::{Algorithm, BoundRule, Options};
 use super::policy::{decide, EngineState, Phase, Policy};
 use super::transport::Transport;
 use super::{Fault, Msg, Shared};
-use crate::error::{Error, Result};
+use crate::error::{decode_status_error, Error, Result};
 use crate::format::DType;
 use crossbeam_channel::{Receiver, RecvTimeoutError};
 use std::collections::VecDeque;
@@ -735,20 +735,4 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
 /// A buffer's whole region.
 pub(super) fn region<M: crate::engine::backend::Memory>(m: &M) -> Region {
     m.region()
-}
-
-/// What a decoding status (error bits, then the bad frame's index + 1) reports, if anything.
-pub(crate) fn decode_status_error(status: u64) -> Option<String> {
-    let (bits, which) = (status as u32, (status >> 32) as u32);
-    if bits == 0 {
-        return None;
-    }
-    let frame = match which {
-        0 => "a frame".to_string(),
-        i => format!("frame {}", i - 1),
-    };
-    Some(format!(
-        "{frame} of a decoding was not a frame of the elements decoded, laid out as its header \
-         says within its size (error bits {bits:#x}); nothing was decoded from then on"
-    ))
 }

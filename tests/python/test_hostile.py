@@ -170,6 +170,18 @@ def test_the_gpu_tests_corruptions_are_refused_by_the_host(name):
         cfc.decompress(bytes(bad))
 
 
+def test_a_decoding_status_is_worded_in_one_place():
+    """The message of a device decoding's status (the engine's and cfc._gpu's): the bad frame
+    counted from 0, the error bits, nothing where the bits are 0."""
+    from cfc import _native
+
+    assert _native.decode_status_error(0) is None
+    assert _native.decode_status_error(5 << 32) is None
+    why = _native.decode_status_error(1 | 2 << 32)
+    assert why.startswith("frame 1 of a decoding") and "0x1" in why, why
+    assert _native.decode_status_error(1).startswith("a frame")
+
+
 def _on_gpu(b):
     return torch.frombuffer(bytearray(b), dtype=torch.uint8).cuda()
 

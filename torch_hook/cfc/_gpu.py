@@ -457,9 +457,5 @@ def _decode_sum_cuda(frames, numel: int, dtype: str, out, scale: float = 1.0, nd
 def _decode_status_error(status) -> Optional[str]:
     """The failure a :func:`_decode_sum_cuda` status reports (read back: waits for the GPU), or
     None."""
-    bits, which = (int(v) for v in status.tolist())
-    if bits == 0:
-        return None
-    frame = f"frame {which - 1}" if which else "a frame"
-    return (f"{frame} is not a frame of the elements decoded, laid out as its header says within its size "
-            "(checked on the GPU): nothing was decoded from then on")
+    bits, which = (int(v) & 0xFFFFFFFF for v in status.tolist())
+    return _native.decode_status_error(bits | which << 32)

@@ -29,7 +29,7 @@ def cfc_hook(state, bucket):  # no annotations: DDP checks them against its own 
     Returns a ``torch.futures.Future`` holding the averaged bucket, written in place into
     ``bucket.buffer()``.
     """
-    return reduce_bucket(state, bucket, for_ddp=True)
+    return reduce_bucket(state, bucket)
 
 
 def _compressible(buf: Any) -> bool:
@@ -38,9 +38,8 @@ def _compressible(buf: Any) -> bool:
     return not buf.is_sparse and buf.dtype in (torch.float32, torch.bfloat16, torch.float16)
 
 
-def reduce_bucket(state: CfcState, bucket: Any, for_ddp: bool) -> Any:
-    """:func:`cfc_hook`'s work, for DDP's reducer (``for_ddp``) or for
-    :class:`cfc.distributed.AllReducer` (whose "bucket" is a chunk of a tensor)."""
+def reduce_bucket(state: CfcState, bucket: Any) -> Any:
+    """:func:`cfc_hook`'s work, for DDP's reducer."""
     import torch
 
     last = False
@@ -73,7 +72,7 @@ def reduce_bucket(state: CfcState, bucket: Any, for_ddp: bool) -> Any:
             state._end_step(_engine.stream_of(buf))
     except BaseException as e:  # noqa: BLE001 - handed to DDP (backward() raises it) or AllReducer
         _fail(state, e, last and getattr(state, "step", None) == step)
-        return _failed_future(e, for_ddp)
+        return _failed_future(e)
     done = torch.futures.Future()
     done.set_result(buf)
     return done
@@ -111,17 +110,11 @@ def _plain(state: CfcState, buf: Any) -> None:
     buf.div_(state.world)
 
 
-def _failed_future(e: BaseException, for_ddp: bool) -> Any:
-    """A future that has failed with ``e``. For DDP's reducer (``for_ddp``), as it sees a
-    failure: backward() raises a RuntimeError that names ``e``'s type and message (a callback
-    that raises is what marks a future failed where the reducer looks). Otherwise
-    (AllReducer) the exception is set, and ``wait()`` raises ``e`` itself."""
+def _failed_future(e: BaseException) -> Any:
+    """A future that has failed with ``e``, as DDP's reducer sees a failure: backward() raises
+    a RuntimeError that names ``e``'s type and message (a callback that raises is what marks a
+    future failed where the reducer looks)."""
     import torch
-
-    if not for_ddp:
-        failed = torch.futures.Future()
-        failed.set_exception(e)
-        return failed
 
     def fail(_: Any) -> None:
         raise e
