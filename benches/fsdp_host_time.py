@@ -34,15 +34,15 @@ import torch.nn as nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 import cfc.fsdp  # noqa: E402
-from cfc import _packed_residuals, _param_scales  # noqa: E402
+from cfc.fsdp import packed_residuals, param_scales  # noqa: E402
 from ddp_train import batch, corpus, lr_factor  # noqa: E402
 from fsdp_train import build  # noqa: E402
 
 SPOTS = {  # what is timed: (module or class, attribute) -> label
     (cfc.fsdp, "reduce_scatter"): "calls",
-    (_param_scales, "agree_norms"): "agree now",
-    (_param_scales, "columns"): "columns",
-    (_packed_residuals, "pack"): "pack",
+    (param_scales, "agree_norms"): "agree now",
+    (param_scales, "columns"): "columns",
+    (packed_residuals, "pack"): "pack",
     (cfc.fsdp, "_unpacked"): "unpack",
 }
 

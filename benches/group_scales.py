@@ -7,7 +7,7 @@ the step ``eps`` it gets and the share of its values below ``eps`` (values that 
   25 MiB: DDP's defaults);
 * ``fsdp``: one step per FSDP2 group (each transformer layer, and the root: embeddings, head,
   final norm), as ``cfc.fsdp.register(..., per_parameter=False)`` sends them;
-* ``fsdp+scales``: the same groups with cfc's per-parameter scales (``cfc._param_scales``: each
+* ``fsdp+scales``: the same groups with cfc's per-parameter scales (``cfc.fsdp.param_scales``: each
   parameter's gradient brought to an RMS in [0.5, 1) by a power of two), the default.
 
 No process group and no cfc engine: the steps are computed from the gradients as the engine's
@@ -45,7 +45,7 @@ def groupings(model: torch.nn.Module) -> dict:
 
 
 def power_of_two_scale(g: torch.Tensor) -> float:
-    """cfc._param_scales' factor for one parameter: 2**-e where rms = m * 2**e, m in [0.5, 1)."""
+    """cfc.fsdp.param_scales' factor for one parameter: 2**-e where rms = m * 2**e, m in [0.5, 1)."""
     rms = g.pow(2).mean().sqrt()
     if not (torch.isfinite(rms) and rms > 0):
         return 1.0

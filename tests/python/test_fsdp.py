@@ -2,7 +2,6 @@
 weights and batches: 2 and 3 processes with gloo on the CPU (in CI), and one GPU per rank over
 NCCL (``-m gpu``)."""
 
-import math
 import os
 import time
 
@@ -13,7 +12,8 @@ import torch.nn as nn
 
 import cfc
 import cfc.fsdp
-from cfc import CfcState, _param_scales
+from cfc import CfcState
+from cfc.fsdp import param_scales
 from conftest import enough_gpus, spawn_scenario, world_of
 
 fsdp = pytest.importorskip("torch.distributed.fsdp")
@@ -119,13 +119,13 @@ def _within_bound_for_ten_steps(rank, world, bound):
         dist.all_reduce(exact, group=group)  # (queued on FSDP's stream, before cfc reads inp)
         mine = exact.view(world, -1)[dist.get_rank(group)] / world
         # With rms= (and no block scales), each parameter goes in scaled by a power of two
-        # (cfc._param_scales) and the bound holds in those units: the same factors, agreed the
+        # (cfc.fsdp.param_scales) and the bound holds in those units: the same factors, agreed the
         # same way, rescale the error. (With block scales every block's bound is at most the
         # coarsest, the state's eps.)
-        lengths = _param_scales.row_lengths(st._fsdp_groups.get(key))
+        lengths = param_scales.row_lengths(st._fsdp.groups.get(key))
         scaled = "rms" in bound and "block" not in bound and lengths is not None and inp.numel() >= 4000
-        f = _param_scales.agree(inp.view(world, -1), lengths, gather_over(group)) if scaled else None
-        f = _param_scales.columns(f, lengths, mine.device) if scaled else torch.ones_like(mine)
+        f = param_scales.agree(inp.view(world, -1), lengths, gather_over(group)) if scaled else None
+        f = param_scales.columns(f, lengths, mine.device) if scaled else torch.ones_like(mine)
         real(st, key, out_, inp, group, op)
         checks.append((st.step, key, ((out_.float() - mine) * f).abs().max(), (mine * f).abs().max()))
 
@@ -211,8 +211,8 @@ def block_scales(rank, world, out):
     state = cfc.fsdp.register(model, CfcState(rms=0.05, block=256, warmup_steps=0, min_compress_numel=0,
                                               error_feedback=False))
     calls = []
-    real = _param_scales.agree_norms
-    _param_scales.agree_norms = lambda *a_, **k: calls.append(1) or real(*a_, **k)
+    real = param_scales.agree_norms
+    param_scales.agree_norms = lambda *a_, **k: calls.append(1) or real(*a_, **k)
     try:
         seen = []
         for small in (b, 1024 * b, 1024 * b):
@@ -221,7 +221,7 @@ def block_scales(rank, world, out):
             (bucket,) = state.state_dict()["engine"]["buckets"]
             seen.append(torch.tensor(list(bucket["exponents"])))
     finally:
-        _param_scales.agree_norms = real
+        param_scales.agree_norms = real
     assert not calls, "a call agreed per-parameter factors"
     # each rank's row of the input: its shard of `big` (n / world values), then of `small`
     grown = (seen[1] - seen[0]).view(world, 2, n // world // 256)
@@ -318,12 +318,12 @@ def packed_feedback(rank, world, out):
             loss_of(model, rank, 0).backward()
             got = [p.grad.full_tensor() for p in model.parameters()]
             total = got if total is None else [t + g for t, g in zip(total, got)]
-            assert not state._residuals.by_bucket and len(state._packed) == 3, state._residuals.by_bucket
+            assert not state._residuals.by_bucket and len(state._fsdp.packed) == 3, state._residuals.by_bucket
         # each group's reduce-scatter input: its parameters, dim 0 padded to a multiple of world
         sizes = [sum(-(-q.shape[0] // world) * world * (q.numel() // q.shape[0]) for q in (m.weight, m.bias))
                  for m in model if isinstance(m, nn.Linear)]
-        packed = sorted(p.codes.numel() for p in state._packed.values())
-        assert packed == sorted((n + 1) // 2 for n in sizes), (packed, sizes)
+        packed = sorted(p.codes.numel() for p in state._fsdp.packed.values())
+        assert packed == sorted(-(-n // 256) * 128 for n in sizes), (packed, sizes)  # (whole chunks of 256)
         if "eps" in bound:
             worst = max((t - w).abs().max().item() for t, w in zip(total, want))
             assert worst <= 1.6 * eps, worst
@@ -348,7 +348,7 @@ def fallback(rank, world, out):
     # The check's clock (see below) from the start: the check reads it first at the end of the
     # step before its own (step 3 here), and one reading of the real clock among the counts
     # would make a step's "time" negative.
-    state._step_check.clock = lambda: state.stats()["plain_buckets"]
+    state._fsdp.step_check.clock = lambda: state.stats()["plain_buckets"]
     per_step = []
     for step in range(4):
         before = state.stats()
@@ -367,7 +367,7 @@ def fallback(rank, world, out):
     assert all(e == everyone[0] for e in everyone), everyone
     # The groups the trial chose plain go through torch's reduce-scatter, not the engine.
     plain = {k for k, d in decisions if d is False}
-    assert state._plain_keys == plain, (state._plain_keys, decisions)
+    assert state._fsdp.plain_keys == plain, (state._fsdp.plain_keys, decisions)
     # Then the check (see below); once its verdict keeps the trial's ways (here a clock that
     # finds compressed steps fast), the groups the trial chose plain go through torch.
     train(model, opt, rank, 2, start=4)
@@ -389,7 +389,7 @@ def fallback(rank, world, out):
         model, opt, state = make(CfcState(warmup_steps=1, fallback="auto", trial_steps=2, min_compress_numel=0))
         state.load_state_dict(saved)
         plain_cost, compressed_cost = costs[rank % 2]
-        state._step_check.clock = lambda: (plain_cost * state.stats()["plain_buckets"]
+        state._fsdp.step_check.clock = lambda: (plain_cost * state.stats()["plain_buckets"]
                                            + compressed_cost * state.stats()["compressed_buckets"])
         per_step = []
         for step in range(3, 8):
@@ -484,12 +484,12 @@ def resume(rank, world, out):
                 b["decision"] = True
             state.load_state_dict(sd)
             train(model, opt, rank, before - 2, start=2)
-            assert state._residuals.by_bucket and state._step_check.all_plain
+            assert state._residuals.by_bucket and state._fsdp.step_check.all_plain
         else:
             train(model, opt, rank, before)
         shards = {k: v.to_local().clone() for k, v in model.state_dict().items()}
         saved = state.state_dict()
-        plain_at_save = set(state._plain_keys)
+        plain_at_save = set(state._fsdp.plain_keys)
         want = train(model, opt, rank, 2, start=before)
         want_params = [p.to_local().clone() for p in model.parameters()]
 
@@ -502,14 +502,14 @@ def resume(rank, world, out):
                 # the groups the saved trial chose plain go through torch's reduce-scatter from
                 # the first step on, as in the uninterrupted run
                 chosen = {b["key"] for b in saved["engine"]["buckets"] if b["decision"] is False}
-                assert state2._plain_keys == chosen == plain_at_save, (state2._plain_keys, chosen)
+                assert state2._fsdp.plain_keys == chosen == plain_at_save, (state2._fsdp.plain_keys, chosen)
                 # block scales: the compressed groups' exponents for their next calls, agreed
                 # before the save
                 assert any(b["exponents"] is not None for b in saved["engine"]["buckets"]) == bool(kw.get("block"))
                 # fallback="auto": the check over whole steps goes on where it was
                 assert ("step_check" in saved) == (kw.get("fallback") == "auto")
                 if "step_check" in saved:
-                    assert state2._step_check.saved() == saved["step_check"]
+                    assert state2._fsdp.step_check.saved() == saved["step_check"]
             got = train(model2, opt2, rank, 2, start=before)
             return got, [p.to_local() for p in model2.parameters()]
 

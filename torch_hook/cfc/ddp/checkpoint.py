@@ -124,7 +124,7 @@ def parse_state(sd: Mapping, options: Options, rank: int, world: int) -> Dict[st
 
 
 def _step_check(saved: Mapping) -> Dict[str, Any]:
-    """cfc.fsdp's check of ``fallback="auto"`` over whole steps (``cfc._step_check.StepCheck.saved``),
+    """cfc.fsdp's check of ``fallback="auto"`` over whole steps (``cfc.fsdp.step_check.StepCheck.saved``),
     checked: the trial's origin it follows, its step times of each way, its verdict."""
     origin = saved.get("origin")
     origin = None if origin is None else _count(origin, "the step check's origin")

@@ -9,7 +9,7 @@ import zlib
 from typing import Any, Dict, List, Mapping, Optional
 
 import cfc
-from cfc import _engine, _step_check
+from cfc import _engine
 from cfc.ddp.options import Options
 from cfc.ddp.residuals import Residuals
 from cfc.ddp.checkpoint import STATE_VERSION, parse_state
@@ -141,20 +141,7 @@ class CfcState:
         self._held: List[Any] = []  # tensors of earlier steps the engine may still use (_let_go)
         self._scatters: List[Any] = []  # parts to write back into their buckets after the wait
         self._plain_kinds: set = set()
-        # cfc.fsdp's groups sent plainly without the engine (see cfc.fsdp._direct): the keys
-        # the trial chose plain, the keys whose residual went out with them, and their counts
-        self._plain_keys: set = set()
-        self._folded: set = set()
-        # cfc.fsdp's per-parameter scales (cfc._param_scales): each key's FSDP parameter group
-        # (None: not scaled), and the groups whose input did not match its layout (logged once)
-        self._fsdp_groups: Dict[int, Any] = {}
-        self._unscaled: set = set()
-        # cfc.fsdp's residuals kept in 4 bits between calls (cfc._packed_residuals), by key
-        self._residual_bits = 32
-        self._packed: Dict[int, Any] = {}
-        self._direct = {"plain_buckets": 0, "bytes_sent": 0}
-        # cfc.fsdp's check of fallback="auto" over whole steps (cfc._step_check; None elsewhere)
-        self._step_check: Any = None
+        self._fsdp: Any = None  # cfc.fsdp's part (cfc.fsdp.state.FsdpState), made by cfc.fsdp
         self._base: Dict[str, float] = {}  # what reset_stats() subtracts
         self._closed = False
         self._model: Any = None  # a weak reference to the DDP model register_comm_hook gave it to
@@ -315,9 +302,10 @@ class CfcState:
         else:
             s = dict(getattr(self, "_final_stats", {}))
         s = {k: s.get(k, 0) for k in keys}
-        s["plain_buckets"] += self._direct["plain_buckets"]
-        s["bytes_sent"] += self._direct["bytes_sent"]
-        s["bytes_uncompressed"] += self._direct["bytes_sent"]
+        if self._fsdp is not None:  # (FSDP's groups sent through torch's own reduce-scatter)
+            s["plain_buckets"] += self._fsdp.direct["plain_buckets"]
+            s["bytes_sent"] += self._fsdp.direct["bytes_sent"]
+            s["bytes_uncompressed"] += self._fsdp.direct["bytes_sent"]
         s["residual_resets"] = self._residuals.resets
         return s
 
@@ -389,7 +377,7 @@ class CfcState:
             "residuals": self._residuals.saved(),  # per parameter ordinal
             "layouts": layouts,
             "engine": engine,
-            **({} if self._step_check is None else {"step_check": self._step_check.saved()}),
+            **({} if self._fsdp is None else self._fsdp.saved()),
             "stats": self.stats(),
         }
 
@@ -422,14 +410,8 @@ class CfcState:
         self.step = loaded["step"]
         self._token_step = self.step
         self._residuals.load(loaded["residuals"], loaded["layouts"])
-        self._packed = {}
-        # (cfc.fsdp: the groups the saved trial chose plain go through torch from the next step,
-        # as they did in the saved run; their residuals go out with their first plain call)
-        self._plain_keys = ({b["key"] for b in loaded["engine"]["buckets"] if b["decision"] is False}
-                            if self.options.fallback == "auto" else set())
-        self._folded = set()
-        if self._step_check is not None:
-            self._step_check.load(loaded["step_check"], _step_check.ahead(loaded["engine"], self.options))
+        if self._fsdp is not None:
+            self._fsdp.load(loaded, self.options)
         shared = repr((sorted(loaded["layouts"].items()),
                        [(b["key"], b["decision"]) for b in loaded["engine"]["buckets"]],
                        None if loaded["step_check"] is None else loaded["step_check"]["verdict"]))

@@ -12,7 +12,7 @@ stream), as FSDP requires: unlike the DDP hook, each compressed group's exchange
 on the host before the next group's backward is queued. A group sent plainly (every group with
 ``fallback="always"``; with ``"auto"``, those whose trial chose plain) goes through torch's own
 reduce-scatter on that stream instead, with no wait on the host. Because of that wait, the
-trial's per-group choice is then checked over whole steps (:mod:`cfc._step_check`): every group
+trial's per-group choice is then checked over whole steps (:mod:`cfc.fsdp.step_check`): every group
 goes plain unless the trial's ways make the step faster.
 
 Scales within a group: FSDP groups parameters by module, so one group can hold gradients of
@@ -24,7 +24,7 @@ group leaves the small ones to error feedback alone. Two remedies:
   the ranks near 1, so that a bound of ``rms=k`` gives every parameter a step of about ``k``
   times its own RMS; the result is divided back. The ranks agree the factors through the engine
   (their sums of squares, a few bytes per parameter) in each call, which waits on the host for
-  the group's input before the engine gets it. See ``cfc._param_scales``.
+  the group's input before the engine gets it. See ``cfc.fsdp.param_scales``.
 - block scales (``CfcState(rms=k, block=K)``): the engine gives each block of ``K`` values a
   step that follows the block's own RMS, agreed over the ranks a step ahead in the exchange's
   own rows, so a call hands its job to the engine at once. Per-parameter scales are then not
@@ -58,7 +58,9 @@ import functools
 import logging
 from typing import Any, List, Optional
 
-from cfc import _engine, _packed_residuals, _param_scales, _step_check
+from cfc import _engine
+from cfc.fsdp import packed_residuals, param_scales, step_check
+from cfc.fsdp.state import FsdpState
 from cfc.ddp.hook import _compressible, _fail
 from cfc.ddp.residuals import fingerprint
 from cfc.ddp.state import CfcState
@@ -128,7 +130,7 @@ def register(model: Any, state: Optional[CfcState] = None, *, replicas: Optional
             [0.5, 1) before its group is quantized (agreed through the engine), so that
             each parameter's step is ``rms`` times its own RMS within a factor of two rather
             than a share of its group's, which FSDP's grouping by module sets (see
-            ``cfc._param_scales``). The state's ``eps`` and ``max_error`` are then in those
+            ``cfc.fsdp.param_scales``). The state's ``eps`` and ``max_error`` are then in those
             scaled units. With ``eps=`` (an absolute bound), with block scales, and for
             float16 groups, there is no such scaling. Each call then waits on the host for its
             group's input and a round of the engine's links.
@@ -136,7 +138,7 @@ def register(model: Any, state: Optional[CfcState] = None, *, replicas: Optional
             unsharded parameter); 4 keeps it, between the group's calls, as 4-bit codes and one
             number per 256 values (about half a byte per parameter; the float32 residual of
             one group lives during its call), losing at most a fourteenth of each 256 values'
-            largest per step (see ``cfc._packed_residuals``).
+            largest per step (see ``cfc.fsdp.packed_residuals``).
 
     Reduce-scatters cfc does not compress go through torch's own, uncompressed, after a log
     line: groups of a dtype other than float32, bfloat16 and float16, and the pre-multiplied
@@ -176,18 +178,16 @@ def register(model: Any, state: Optional[CfcState] = None, *, replicas: Optional
     for s in (state, replicas):
         if s is not None:
             s._residuals.keep_unseen = True  # one group per step: every residual lives on
-            s._residual_bits = residual_bits
+            s._fsdp = FsdpState(s.options, residual_bits, checks_steps=s is state)
             s._residuals.held_elsewhere = functools.partial(_saved_packed, s)
     for key, m in enumerate(modules):
         m.set_custom_reduce_scatter(CfcReduceScatter(state, key))
         # (its layout is read at each call: FSDP settles it at its lazy init, after this)
-        state._fsdp_groups[key] = _param_group(m) if per_parameter and not state.options.block else None
+        state._fsdp.groups[key] = _param_group(m) if per_parameter and not state.options.block else None
         if replicas is not None:
             m.set_all_reduce_hook(functools.partial(average_replicas, replicas, key, state))
-            replicas._fsdp_groups[key] = state._fsdp_groups[key]
-    state._fsdp_replicas = replicas  # told of this state's failures (see reduce_scatter)
-    if state.options.fallback == "auto":
-        state._step_check = _step_check.StepCheck(state.options.trial_steps)
+            replicas._fsdp.groups[key] = state._fsdp.groups[key]
+    state._fsdp.replicas = replicas
     return state
 
 
@@ -212,6 +212,15 @@ def _param_group(module: Any) -> Any:
         return groups[0] if groups else None
     except Exception:  # noqa: BLE001 - a private API: without it, the group binds at the first call
         return None
+
+
+def _part(state: CfcState) -> FsdpState:
+    """The state's FSDP part: made by :func:`register`, or here for a state used by a
+    :class:`CfcReduceScatter` made without it (float32 residuals, the step check of its
+    options)."""
+    if state._fsdp is None:
+        state._fsdp = FsdpState(state.options, 32, checks_steps=True)
+    return state._fsdp
 
 
 def _scale_of(op: Any) -> Any:
@@ -244,7 +253,7 @@ def _submit(state: CfcState, key: int, data: Any, out: Any, scale: Any) -> None:
     """One job of the engine, and the wait for it: ``data`` reduced in place (``out`` None) or
     into ``out`` (a reduce-scatter, ``data`` one row per rank), queued on the current stream
     when this returns. The step (what the warm-up and the trial count) ends with the backward
-    pass (:func:`_end_step`). With per-parameter scales (:mod:`cfc._param_scales`, agreed
+    pass (:func:`_end_step`). With per-parameter scales (:mod:`cfc.fsdp.param_scales`, agreed
     through the engine in this call), the data and residual go in scaled and come out in their
     own units."""
     engine = state._engine_for(data.device)
@@ -252,20 +261,20 @@ def _submit(state: CfcState, key: int, data: Any, out: Any, scale: Any) -> None:
     rows = 1 if out is None else state.world
     # The whole input as one "parameter" of ordinal `key`: its residual is saved in checkpoints.
     layout = ((key, 0, data.numel()),)
-    scaled = state.options.bound_kind != "eps" and _param_scales.scalable(data.dtype)
-    group = state._fsdp_groups.get(key) if scaled else None
-    lengths = None if group is None else _param_scales.row_lengths(group)
-    norms = None if lengths is None else _param_scales.norms(data.view(rows, -1), lengths)
+    scaled = state.options.bound_kind != "eps" and param_scales.scalable(data.dtype)
+    group = state._fsdp.groups.get(key) if scaled else None
+    lengths = None if group is None else param_scales.row_lengths(group)
+    norms = None if lengths is None else param_scales.norms(data.view(rows, -1), lengths)
     # (the group's own factors, agreed now: a wait on the host for its input)
-    per_param = None if norms is None else _param_scales.agree_norms(norms, lengths, rows, engine.gather)
-    if lengths is not None and norms is None and key not in state._unscaled:
-        state._unscaled.add(key)
+    per_param = None if norms is None else param_scales.agree_norms(norms, lengths, rows, engine.gather)
+    if lengths is not None and norms is None and key not in state._fsdp.unscaled:
+        state._fsdp.unscaled.add(key)
         logger.warning("cfc.fsdp: group %d's input does not match its parameters' layout (a parameter "
                        "without a gradient?); it is sent without per-parameter scales", key)
     if per_param is not None and bool((per_param == 1).all()):
         per_param = None  # (known on the host: the units are the parameters' own, nothing to multiply)
-    factors = None if per_param is None else _param_scales.columns(per_param, lengths, data.device)
-    packed = state._packed.pop(key, None)
+    factors = None if per_param is None else param_scales.columns(per_param, lengths, data.device)
+    packed = state._fsdp.packed.pop(key, None)
     in_units = False  # whether the residual is already in this call's units
     if packed is not None and state._feeds(data):  # (its float32 form, for this call)
         if packed.numel == data.numel() and packed.codes.device == data.device:
@@ -301,10 +310,10 @@ def _submit(state: CfcState, key: int, data: Any, out: Any, scale: Any) -> None:
     inverse = None if factors is None else factors.reciprocal()  # (exact: powers of two)
     if inverse is not None:
         (data if out is None else out).view(1, -1).mul_(inverse)
-    if r is not None and state._residual_bits == 4:
+    if r is not None and state._fsdp.residual_bits == 4:
         # Kept as codes, in the units it was quantized in (every parameter's within one eps);
         # the float32 tensor goes once the engine has settled (state._let_go).
-        state._packed[key] = _packed_residuals.pack(r, per_param, rows, lengths)
+        state._fsdp.packed[key] = packed_residuals.pack(r, per_param, rows, lengths)
         state._residuals.drop(key, layout)
     elif r is not None and inverse is not None:
         r.view(rows, -1).mul_(inverse)
@@ -320,20 +329,20 @@ def _direct(state: CfcState, key: int, out: Any, inp: Any, op: Any) -> None:
     rank, and may run the trial again), and what the group's residual still holds from its
     compressed steps goes out with its first plain one."""
     in_backward = _open_step(state)
-    packed = state._packed.pop(key, None)
+    packed = state._fsdp.packed.pop(key, None)
     if packed is not None:
         inp.view(-1).add_(_unpacked(packed).to(inp.dtype))
-    if key not in state._folded:
+    if key not in state._fsdp.folded:
         # (the residual it holds, whether an exchange placed it or a checkpoint loaded it)
         held = state._residuals.held(key, ((key, 0, inp.numel()),), inp.view(-1))
         if held is not None:
             inp.view(-1).add_(held.to(inp.dtype))
             held.zero_()
-    state._folded.add(key)
+    state._fsdp.folded.add(key)
     _torch_reduce_scatter(out, inp, op, state.process_group)
-    state._direct["plain_buckets"] += 1
+    state._fsdp.direct["plain_buckets"] += 1
     w = state.world
-    state._direct["bytes_sent"] += (w - 1) * -(-inp.numel() * inp.element_size() // w)
+    state._fsdp.direct["bytes_sent"] += (w - 1) * -(-inp.numel() * inp.element_size() // w)
     if not in_backward:
         _end_step(state)
 
@@ -342,31 +351,31 @@ def _unpacked(packed: Any, per_param: Any = None, rows: int = 1, lengths: Any = 
     """A packed residual as float32, in the units of ``per_param`` (per-parameter factors over
     ``rows`` rows of ``lengths`` columns; None: the parameters' own units). Factors are powers
     of two, so their ratios are exact, and where they did not change nothing is multiplied."""
-    r = _packed_residuals.unpack(packed)
+    r = packed_residuals.unpack(packed)
     now, before = per_param, packed.factors
     if before is not None and now is not None and (packed.rows, packed.lengths) == (rows, tuple(lengths)):
         ratio = now / before
         if not bool((ratio == 1).all()):
-            r.view(rows, -1).mul_(_param_scales.columns(ratio, lengths, r.device))
+            r.view(rows, -1).mul_(param_scales.columns(ratio, lengths, r.device))
         return r
     if before is not None:
-        r.view(packed.rows, -1).mul_(_param_scales.columns(before.reciprocal(), packed.lengths, r.device))
+        r.view(packed.rows, -1).mul_(param_scales.columns(before.reciprocal(), packed.lengths, r.device))
     if now is not None:
-        r.view(rows, -1).mul_(_param_scales.columns(now, lengths, r.device))
+        r.view(rows, -1).mul_(param_scales.columns(now, lengths, r.device))
     return r
 
 
 def _saved_packed(state: CfcState) -> dict:
     """The packed residuals as a checkpoint keeps every residual: float32 on the CPU, in
     their own units, by key."""
-    return {key: _unpacked(p).cpu() for key, p in state._packed.items()}
+    return {key: _unpacked(p).cpu() for key, p in state._fsdp.packed.items()}
 
 
 def _open_step(state: CfcState) -> bool:
     """At the first group of a backward pass: the step ends when the pass does (a callback of
     autograd's, after FSDP's own). Returns False outside a backward pass (a reduce-scatter
     called directly), where the step is the call."""
-    if getattr(state, "_fsdp_step_open", False):
+    if state._fsdp.step_open:
         return True
     from torch.autograd import Variable
 
@@ -374,14 +383,14 @@ def _open_step(state: CfcState) -> bool:
         Variable._execution_engine.queue_callback(functools.partial(_end_step, state))
     except RuntimeError:  # "Final callbacks can only be installed during backward pass"
         return False
-    state._fsdp_step_open = True
+    state._fsdp.step_open = True
     return True
 
 
 def _end_step(state: CfcState) -> None:
     """The end of a step: the engine closes it (alike on every rank: each rank's backward
     pass ends after the same groups), and the state counts it."""
-    state._fsdp_step_open = False
+    state._fsdp.step_open = False
     try:
         if state._engine is not None:
             state._engine.end_step()
@@ -392,10 +401,10 @@ def _end_step(state: CfcState) -> None:
         # The groups the trial chose plain, alike on every rank (decided from every rank's
         # times), read once per step: the next step sends them without the engine.
         engine = state._engine.state()
-        state._plain_keys = {b["key"] for b in engine["buckets"] if b["decision"] is False}
-        if state._step_check is not None:
+        state._fsdp.plain_keys = {b["key"] for b in engine["buckets"] if b["decision"] is False}
+        if state._fsdp.step_check is not None:
             any_compressed = any(b["decision"] is True for b in engine["buckets"])
-            state._step_check.step_ended(_step_check.ahead(engine, state.options), engine["origin"], any_compressed,
+            state._fsdp.step_check.step_ended(step_check.ahead(engine, state.options), engine["origin"], any_compressed,
                                          functools.partial(_synchronize, state._device), state._engine.gather)
     if state.options.log_every and state.step % state.options.log_every == 0:
         logger.info("cfc.fsdp step %d: %s", state.step, state.stats())
@@ -414,7 +423,7 @@ def _failed(state: CfcState, e: BaseException, linked: Optional[CfcState]) -> No
     state of a model with replicas, whose ranks may be waiting in its engine). The backward
     pass raises, so its step does not end: the next pass opens one again."""
     _fail(state, e, last=False)
-    state._fsdp_step_open = False
+    state._fsdp.step_open = False
     engine = getattr(linked, "_engine", None)
     if engine is not None:
         engine.fail(f"{type(e).__name__}: {e}")
@@ -429,6 +438,7 @@ def reduce_scatter(state: CfcState, key: int, out: Any, inp: Any, group: Any, op
     try:
         if not isinstance(state, CfcState):
             raise TypeError(f"the state must be a cfc.CfcState, got {type(state).__name__}")
+        _part(state)
         _bind_group(state, group)
         scale = _scale_of(op)
         if out.dtype != inp.dtype or out.device != inp.device:
@@ -443,15 +453,15 @@ def reduce_scatter(state: CfcState, key: int, out: Any, inp: Any, group: Any, op
                    lambda: _torch_reduce_scatter(out, inp, op, state.process_group))
             return
         state._engine_for(inp.device)  # (opened, and the ranks' options agreed, in any case)
-        check = state._step_check
-        if state.options.fallback == "always" or key in state._plain_keys or (check is not None and check.all_plain):
+        check = state._fsdp.step_check
+        if state.options.fallback == "always" or key in state._fsdp.plain_keys or (check is not None and check.all_plain):
             _direct(state, key, out, inp, op)
             return
-        state._folded.discard(key)
+        state._fsdp.folded.discard(key)
         _submit(state, key, inp.view(-1), out.view(-1), scale)
     except BaseException as e:  # noqa: BLE001 - re-raised: FSDP's backward() raises it
         if isinstance(state, CfcState):
-            _failed(state, e, getattr(state, "_fsdp_replicas", None))
+            _failed(state, e, state._fsdp.replicas)
         raise
 
 
@@ -462,6 +472,7 @@ def average_replicas(state: CfcState, key: int, sharded: Optional[CfcState], sha
     try:
         if not isinstance(state, CfcState):
             raise TypeError(f"the state must be a cfc.CfcState, got {type(state).__name__}")
+        _part(state)
         state._bind()
         if not shard.is_contiguous():
             raise ValueError("FSDP's reduce-scatter output must be contiguous")
