@@ -20,6 +20,7 @@ mod codec;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod engine;
+pub mod env;
 mod error;
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 mod kernels;

@@ -520,6 +520,21 @@ fn settle_dropped_engines(py: Python<'_>, seconds: f64) -> PyResult<usize> {
     Ok(py.detach(|| cfc::engine::settle_dropped(limit)))
 }
 
+/// `CFC_TIMEOUT` in seconds, or None where it is not set (`cfc::env::timeout`, the one reader
+/// of the variable): ValueError for a malformed value.
+#[pyfunction]
+fn env_timeout() -> PyResult<Option<f64>> {
+    cfc::env::timeout()
+        .map(|t| t.map(|d| d.as_secs_f64()))
+        .map_err(|e| PyValueError::new_err(e.to_string()))
+}
+
+/// `CFC_NODE`, or None (`cfc::env::node`).
+#[pyfunction]
+fn env_node() -> Option<String> {
+    cfc::env::node()
+}
+
 /// Adds the engine's classes to the module.
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Listener>()?;
@@ -533,5 +548,7 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     )?;
     m.add_class::<Engine>()?;
     m.add_function(wrap_pyfunction!(settle_dropped_engines, m)?)?;
+    m.add_function(wrap_pyfunction!(env_timeout, m)?)?;
+    m.add_function(wrap_pyfunction!(env_node, m)?)?;
     Ok(())
 }

@@ -20,7 +20,7 @@ use error::{CfcError, FormatError};
 
 fn init_logging() {
     // `CFC_LOG=debug` (any tracing-subscriber filter) turns on cfc's own log lines on stderr.
-    if let Ok(filter) = std::env::var("CFC_LOG") {
+    if let Some(filter) = cfc::env::log_filter() {
         let _ = tracing_subscriber::fmt()
             .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
             .with_writer(std::io::stderr)

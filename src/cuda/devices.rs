@@ -201,7 +201,7 @@ pub(crate) fn borrowed_stream(ordinal: usize, raw: usize) -> Result<Arc<CudaStre
 /// `CUDA_PATH`, the usual install paths.
 pub(super) fn cuda_include_dir() -> Result<String> {
     let mut candidates: Vec<String> = Vec::new();
-    if let Ok(p) = std::env::var("CFC_CUDA_INCLUDE") {
+    if let Some(p) = crate::env::cuda_include() {
         candidates.push(p);
     }
     for var in ["CUDA_HOME", "CUDA_PATH"] {

@@ -57,7 +57,7 @@ fn reduction(dtype: DType, average: bool) -> Result<(c_int, c_int)> {
 /// `CFC_NCCL_BLOCKING=1` makes NCCL's calls block instead (only the waits for the GPU then time
 /// out).
 fn config() -> RawConfig {
-    let blocking = std::env::var("CFC_NCCL_BLOCKING").is_ok_and(|v| v == "1");
+    let blocking = crate::env::nccl_blocking();
     RawConfig {
         size: std::mem::size_of::<RawConfig>(),
         magic: 0xcafe_beef,
@@ -77,9 +77,9 @@ impl Communicator {
     ///
     /// # Errors
     /// [`Error::NcclUnavailable`], [`Error::CudaUnavailable`], [`Error::Nccl`] (NCCL's message),
-    /// [`Error::Transport`] for a rank outside `0..world`.
+    /// [`Error::Transport`] for a rank outside `0..world` or a malformed `CFC_TIMEOUT`.
     pub fn new(device: usize, id: &UniqueId, rank: usize, world: usize) -> Result<Communicator> {
-        Communicator::with_timeout(device, id, rank, world, default_timeout())
+        Communicator::with_timeout(device, id, rank, world, default_timeout()?)
     }
 
     /// As [`Communicator::new`], with `timeout` for the wait for every rank to join as for

@@ -251,9 +251,9 @@ pub fn library() -> Result<&'static Library> {
     if let Some(l) = NCCL.get() {
         return Ok(l);
     }
-    let names: Vec<String> = match std::env::var("CFC_NCCL_LIBRARY") {
-        Ok(p) if !p.is_empty() => vec![p],
-        _ => vec!["libnccl.so.2".into(), "libnccl.so".into()],
+    let names: Vec<String> = match crate::env::nccl_library() {
+        Some(p) => vec![p],
+        None => vec!["libnccl.so.2".into(), "libnccl.so".into()],
     };
     let mut tried = Vec::new();
     for name in &names {
@@ -323,22 +323,19 @@ impl UniqueId {
     /// # Errors
     /// [`Error::Transport`] when it is not set or not an id.
     pub fn from_env() -> Result<UniqueId> {
-        let v = std::env::var("CFC_NCCL_ID")
-            .map_err(|_| Error::Transport("CFC_NCCL_ID is not set".into()))?;
+        let v = crate::env::nccl_id()
+            .ok_or_else(|| Error::Transport("CFC_NCCL_ID is not set".into()))?;
         UniqueId::from_hex(&v)
     }
 }
 
 /// How long a wait on NCCL may see no progress before the communicator is aborted, unless
 /// [`Communicator::set_timeout`] says otherwise: `CFC_TIMEOUT` seconds, default 300.
-fn default_timeout() -> Duration {
-    std::env::var("CFC_TIMEOUT")
-        .ok()
-        .and_then(|s| s.parse::<f64>().ok())
-        .filter(|s| *s > 0.0)
-        // (not a number, or more seconds than a Duration holds: the default)
-        .and_then(|s| Duration::try_from_secs_f64(s).ok())
-        .unwrap_or(Duration::from_secs(300))
+///
+/// # Errors
+/// A malformed `CFC_TIMEOUT` ([`crate::env::timeout`]).
+fn default_timeout() -> Result<Duration> {
+    Ok(crate::env::timeout()?.unwrap_or(Duration::from_secs(300)))
 }
 
 mod communicator;

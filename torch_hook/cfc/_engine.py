@@ -19,7 +19,6 @@ import atexit
 import datetime
 import itertools
 import logging
-import os
 import secrets
 import socket
 import weakref
@@ -118,7 +117,7 @@ def open_engine(group: Any, device: Any, options: Dict[str, Any], agree_token: i
     if rank == 0:
         store.set(f"{prefix}/secret", secrets.token_hex(32))
     host = socket.gethostname()
-    store.set(f"{prefix}/host/{rank}", f"{host}\t{os.environ.get('CFC_NODE') or host}")
+    store.set(f"{prefix}/host/{rank}", f"{host}\t{_native.env_node() or host}")
     hosts = {j: f"{prefix}/host/{j}" for j in range(world)}
     _wait_for(store, hosts, timeout, rank, n, "their hosts")
     places = [store.get(hosts[j]).decode(errors="replace") for j in range(world)]

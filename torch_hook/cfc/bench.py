@@ -249,7 +249,7 @@ def _run(args, dev, rank: int, world: int) -> Dict[str, Any]:
         for k in [0] + blocks
     }
     node_names: List[Any] = [None] * world
-    dist.all_gather_object(node_names, os.environ.get("CFC_NODE") or socket.gethostname())
+    dist.all_gather_object(node_names, cfc._native.env_node() or socket.gethostname())
     nodes = len(set(node_names))
     if args.auto and bounds:
         trial = cfc.CfcState(eps=bounds[0] * rms, warmup_steps=0, min_compress_numel=0, fallback="auto")

@@ -67,8 +67,7 @@ pub(crate) struct LaneCheck {
 impl LaneCheck {
     /// A check when this build or process asks for one (see the module docs).
     pub(crate) fn wanted() -> Option<LaneCheck> {
-        (cfg!(test) || std::env::var("CFC_CHECK_LANES").is_ok_and(|v| v == "1"))
-            .then(LaneCheck::default)
+        (cfg!(test) || crate::env::check_lanes()).then(LaneCheck::default)
     }
 
     /// The point a mark recorded now on `lane` stands for.

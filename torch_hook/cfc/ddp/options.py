@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import math
-import os
 from typing import Any, Dict, Optional
 
 from cfc import _native
@@ -40,15 +39,11 @@ TIMEOUT_RANGE = _native.TIMEOUT_RANGE
 
 
 def _default_timeout() -> float:
-    """CFC_TIMEOUT (seconds) where it is set, else ``DEFAULT_TIMEOUT``; read when options are
-    made, so that a malformed value is an error of the state being made, not of ``import cfc``."""
-    said = os.environ.get("CFC_TIMEOUT")
-    if said is None:
-        return DEFAULT_TIMEOUT
-    try:
-        return float(said)
-    except ValueError:
-        raise ValueError(f"CFC_TIMEOUT must be seconds, got {said!r}") from None
+    """CFC_TIMEOUT (seconds) where it is set, else ``DEFAULT_TIMEOUT``; read (by the core:
+    ``cfc::env``) when options are made, so that a malformed value is an error of the state
+    being made, not of ``import cfc``."""
+    said = _native.env_timeout()
+    return DEFAULT_TIMEOUT if said is None else said
 
 
 @dataclasses.dataclass(frozen=True)

@@ -98,12 +98,10 @@ impl Listener {
     /// # Errors
     /// [`Error::Transport`] when `CFC_LINK_ADDR` is no IP address or no port can be bound.
     pub fn bind(reach: Reach) -> Result<Listener> {
-        let ip: IpAddr = match std::env::var("CFC_LINK_ADDR") {
-            Ok(a) => a
-                .parse()
-                .map_err(|_| Error::Transport(format!("CFC_LINK_ADDR={a} is not an IP address")))?,
-            Err(_) if reach == Reach::OneHost => IpAddr::V4(Ipv4Addr::LOCALHOST),
-            Err(_) => {
+        let ip: IpAddr = match crate::env::link_addr()? {
+            Some(a) => a,
+            None if reach == Reach::OneHost => IpAddr::V4(Ipv4Addr::LOCALHOST),
+            None => {
                 let found = routed_to_master()
                     .into_iter()
                     .chain(named_addresses())
