@@ -269,6 +269,8 @@ def train(task, hook: str, seed: int, args, dev) -> dict:
             points.append({"step": step, "held_out": task.held_out(model), "seconds": wall})
     out = {"hook": hook, "seed": seed, "points": points, "fewer_bytes": fewer_bytes(hook, state)}
     if state is not None:
+        s = state.stats()  # (where cfc's bytes went: see print_table)
+        out["bytes"] = {k: s[k] for k in ("bytes_sent", "frame_bytes", "outgrown_bytes")}
         state.close()
     return out
 
@@ -305,11 +307,22 @@ def summarize(runs: list[dict], labels: list[str]) -> dict:
             "mean_gap": mean,
             "se": se,
             "fewer_bytes": statistics.fmean(by[(label, s)]["fewer_bytes"] for s in seeds),
+            # (shares of cfc's bytes sent, where the runs kept them)
+            "frames": _share(by, label, seeds, "frame_bytes"),
+            "outgrown": _share(by, label, seeds, "outgrown_bytes"),
             "time_to_target": statistics.median(times),
             "reached": sum(t < math.inf for t in times),
             "seeds": len(seeds),
         }
     return out
+
+
+def _share(by: dict, label: str, seeds: list, key: str) -> float:
+    """The mean over seeds of ``key``'s share of cfc's bytes sent (NaN where not kept)."""
+    kept = [by[(label, s)].get("bytes") for s in seeds]
+    if not all(kept) or not all(b["bytes_sent"] for b in kept):
+        return math.nan
+    return statistics.fmean(b[key] / b["bytes_sent"] for b in kept)
 
 
 def print_table(family: str, summary: dict, args) -> None:
@@ -328,6 +341,17 @@ def print_table(family: str, summary: dict, args) -> None:
              else f"not reached ({s['reached']}/{s['seeds']} seeds)")
         b = "-" if math.isnan(s["fewer_bytes"]) else f"{s['fewer_bytes']:.1f}x"
         print(f"| {label} | " + " | ".join(cells) + f" | {b} | {t} |")
+    wire = {label: s for label, s in summary.items() if not math.isnan(s.get("frames", math.nan))}
+    if wire:
+        # frames: the compressed frames themselves; outgrown: slots their frames outgrew (the
+        # frames then went again); the rest: rows' heads and block exponents, slots' margins,
+        # rounds of their own, plain buckets
+        print(f"\n{family}: where cfc's bytes sent went (mean share over seeds)")
+        print("| hook | frames | outgrown slots | the rest |")
+        print("|---|---|---|---|")
+        for label, s in wire.items():
+            rest = 1 - s["frames"] - s["outgrown"]
+            print(f"| {label} | {100 * s['frames']:.1f}% | {100 * s['outgrown']:.1f}% | {100 * rest:.1f}% |")
 
 
 def draw(path: Path, summaries: dict) -> None:

@@ -224,6 +224,7 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
         self.count_all(&mut c.sent, c.rail, row);
         if slot > 0 {
             self.shared.resend(); // (with no slot yet, sending the heads first is the plan)
+            c.sent.outgrown += (w - 1) * (lead + slot);
         }
         self.be.free(recv);
         Ok((again, row))
@@ -303,11 +304,12 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
         } = g;
         let (tr, be) = self.xt(c.rail);
         tr.wait(be, &mark)?;
-        let w = self.xgroup(c.rail).1;
+        let (me, w) = self.xgroup(c.rail);
         let fetched = self.be.fetched(heads);
         let (heads, rows_exps) = rows::split_heads(&fetched, w, exps)?;
         let all: Vec<(usize, Head)> = heads.iter().copied().enumerate().collect();
         rows::check_heads(&all, c.check, cap, "a frame")?;
+        c.sent.frames += (w as u64 - 1) * heads[me].size;
         self.note_stats(&c.job, &heads)?;
         if exps > 0 {
             self.note_exponents(c.job.key, &rows_exps)?;
@@ -586,6 +588,10 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
         }
         let heads: Vec<Head> = received.iter().map(|(_, h)| *h).collect();
         self.note_stats(&c.job, &heads)?;
+        c.sent.frames += (0..world)
+            .filter(|&j| j != me)
+            .map(|j| own[j].size)
+            .sum::<u64>();
         let (send_slots, recv_slots) = {
             let b = self.bucket(c.job.key)?;
             (b.send_slots.clone(), b.recv_slots.clone())
@@ -618,6 +624,10 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
             for &j in &outgrown_out {
                 sends[j] = m.sub(j as u64 * stride + lead, own[j].size)?;
                 self.count(&mut c.sent, c.rail, j, own[j].size);
+                if send_slots[j] > 0 {
+                    // (the first send's slot was too small; with no slot yet, this is the plan)
+                    c.sent.outgrown += lead + send_slots[j].min(caps[j]);
+                }
             }
             let mut at = 0;
             for &j in &outgrown_in {
@@ -732,6 +742,7 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
         tr.wait(be, &mark)?;
         let fetched = self.be.fetched(heads);
         let (heads, sums_exps) = rows::split_heads(&fetched, world, exps)?;
+        let me = self.xgroup(c.rail).0;
         for (j, h) in heads.iter().enumerate() {
             if h.size == 0 {
                 return Err(Error::PeerFailed {
@@ -744,6 +755,7 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
             }
             rows::check_heads(&[(j, *h)], c.check, sum_caps[j], "the sum of its shard")?;
         }
+        c.sent.frames += (world as u64 - 1) * heads[me].size;
         if exps > 0 {
             // every shard's largest exponents, shard by shard: the next step's scales
             let counts = self.block_counts(&parts);

@@ -106,13 +106,14 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
         if self.node_of.iter().all(|n| Some(n) == here) {
             return Sent {
                 inside: bytes,
-                between: 0,
+                ..Sent::default()
             };
         }
         let between = bytes / per_node.max(1);
         Sent {
             inside: bytes - between,
             between,
+            ..Sent::default()
         }
     }
 

@@ -130,6 +130,14 @@ pub struct Stats {
     pub bytes_uncompressed: u64,
     /// Exchanges in which a frame outgrew its slot and went again.
     pub resends: u64,
+    /// The part of `bytes_sent` that is compressed frames themselves, each counted once per
+    /// peer it went to: what a sender that knew every frame's size would send. The rest is the
+    /// rows' heads (with block exponents), the slots' margins, the rounds of their own (a
+    /// bound's or block scales' first agreement), `outgrown_bytes` and plain jobs.
+    pub frame_bytes: u64,
+    /// The part of `bytes_sent` that went in slots their frames outgrew (those frames then
+    /// went again, whole: `resends` counts those exchanges).
+    pub outgrown_bytes: u64,
     /// The largest bound a job was compressed with.
     pub eps: f64,
     /// The largest error left in a residual (what a compressed job did not send).
@@ -264,6 +272,8 @@ impl Shared {
             s.plain += 1;
         }
         s.bytes_sent += sent.inside + sent.between;
+        s.frame_bytes += sent.frames;
+        s.outgrown_bytes += sent.outgrown;
         s.inside_node += sent.inside;
         s.between_nodes += sent.between;
         s.bytes_uncompressed += uncompressed;
@@ -285,11 +295,15 @@ impl Shared {
     }
 }
 
-/// Bytes a job sent, inside this rank's node and to other nodes.
+/// Bytes a job sent, inside this rank's node and to other nodes; of them, its frames' own
+/// bytes and those of slots their frames outgrew (see [`Stats::frame_bytes`],
+/// [`Stats::outgrown_bytes`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub(crate) struct Sent {
     pub inside: u64,
     pub between: u64,
+    pub frames: u64,
+    pub outgrown: u64,
 }
 
 /// One rank's handle to an engine; see the module docs.

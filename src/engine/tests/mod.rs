@@ -687,6 +687,7 @@ fn a_dropped_engine_stops_its_thread_and_settle_dropped_joins_it() {
     assert_eq!(running(&ids), 0, "the threads of dropped engines still run");
 }
 
+mod accounting;
 mod blocks;
 mod coders;
 mod failures;

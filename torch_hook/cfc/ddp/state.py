@@ -296,7 +296,8 @@ class CfcState:
 
     def _raw_stats(self) -> Dict[str, float]:
         keys = ("compressed_buckets", "plain_buckets", "bytes_sent", "bytes_uncompressed", "resends",
-                "inside_node", "between_nodes", "uncompressed_between_nodes", "eps", "max_error", "seconds")
+                "frame_bytes", "outgrown_bytes", "inside_node", "between_nodes", "uncompressed_between_nodes",
+                "eps", "max_error", "seconds")
         if self._engine is not None:
             s = dict(self._engine.stats())
         else:
@@ -341,11 +342,16 @@ class CfcState:
         * ``seconds``: host time the engine's thread spent on buckets;
         * ``residual_resets``: residuals restarted because a bucket changed in a way its
           parameters could not be followed;
-        * ``resends``: exchanges in which a frame outgrew its slot and went again.
+        * ``resends``: exchanges in which a frame outgrew its slot and went again;
+        * ``frame_bytes``: the part of ``bytes_sent`` that is compressed frames themselves (once
+          per peer each went to), and ``outgrown_bytes`` the part that went in slots their
+          frames outgrew; the rest is rows' heads (with block exponents), slots' margins, the
+          rounds that first agree a bound or block scales, and buckets sent plainly.
         """
         s = self._raw_stats()
         for k in ("compressed_buckets", "plain_buckets", "bytes_sent", "bytes_uncompressed", "resends",
-                  "inside_node", "between_nodes", "uncompressed_between_nodes", "seconds", "residual_resets"):
+                  "frame_bytes", "outgrown_bytes", "inside_node", "between_nodes", "uncompressed_between_nodes",
+                  "seconds", "residual_resets"):
             s[k] -= self._base.get(k, 0)
         if not self.options.error_feedback and s["compressed_buckets"]:
             s["max_error"] = math.nan
