@@ -250,7 +250,10 @@ def train(task, hook: str, seed: int, args, dev) -> dict:
     gen = torch.Generator().manual_seed(seed * 1000 + rank)  # the same batches for every hook
     marks = {max(1, round(args.steps * (i + 1) / POINTS)) for i in range(POINTS)}
     points, wall = [], 0.0
+    early = None  # cfc's counters at 20% of training: the wire's parts are counted after it
     for step in range(1, args.steps + 1):
+        if state is not None and early is None and step > args.steps // 5:
+            early = state.stats()
         xy = task.batch(gen)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
@@ -269,8 +272,10 @@ def train(task, hook: str, seed: int, args, dev) -> dict:
             points.append({"step": step, "held_out": task.held_out(model), "seconds": wall})
     out = {"hook": hook, "seed": seed, "points": points, "fewer_bytes": fewer_bytes(hook, state)}
     if state is not None:
-        s = state.stats()  # (where cfc's bytes went: see print_table)
-        out["bytes"] = {k: s[k] for k in ("bytes_sent", "frame_bytes", "outgrown_bytes")}
+        # where cfc's bytes went from 20% of training on (past the warm-up's plain steps and the
+        # first steps' rounds; see print_table)
+        s, e = state.stats(), early or {}
+        out["bytes"] = {k: s[k] - e.get(k, 0) for k in ("bytes_sent", "frame_bytes", "outgrown_bytes")}
         state.close()
     return out
 
@@ -346,7 +351,7 @@ def print_table(family: str, summary: dict, args) -> None:
         # frames: the compressed frames themselves; outgrown: slots their frames outgrew (the
         # frames then went again); the rest: rows' heads and block exponents, slots' margins,
         # rounds of their own, plain buckets
-        print(f"\n{family}: where cfc's bytes sent went (mean share over seeds)")
+        print(f"\n{family}: where cfc's bytes sent from 20% of training on went (mean share over seeds)")
         print("| hook | frames | outgrown slots | the rest |")
         print("|---|---|---|---|")
         for label, s in wire.items():
