@@ -4,29 +4,25 @@
 
 use super::*;
 
-/// Each step's change of (bytes sent, frame bytes, outgrown bytes, resends) on every rank, over 4
-/// steps whose third has 4x larger gradients than the second (its frames outgrow their slots).
+/// Each step's change of (bytes sent, frame bytes, outgrown bytes, resends) on every rank, over
+/// [`growing_steps`] (its third step's frames outgrow their slots).
 fn per_step(world: usize, o: &Options, n: usize) -> Vec<Vec<(u64, u64, u64, u64)>> {
-    ranks(world, o, |rank, e| {
-        let mut r = vec![0.0f32; n];
-        let mut steps = Vec::new();
-        for step in 0..4 {
-            let k = if step == 2 { 4.0 } else { 1.0 };
-            let mut x: Vec<f32> = grads(rank, step, n).iter().map(|v| v * k).collect();
-            let a = e.stats();
-            // SAFETY: `x` and `r` live until the wait below returns.
-            unsafe { e.submit(job(0, &mut x, Some(&mut r), true), 0) }.unwrap();
-            e.wait(0).unwrap();
-            let b = e.stats();
-            steps.push((
-                b.bytes_sent - a.bytes_sent,
-                b.frame_bytes - a.frame_bytes,
-                b.outgrown_bytes - a.outgrown_bytes,
-                b.resends - a.resends,
-            ));
-        }
-        steps
-    })
+    growing_steps(world, o, n)
+        .into_iter()
+        .map(|steps| {
+            steps
+                .iter()
+                .map(|(b, a)| {
+                    (
+                        a.bytes_sent - b.bytes_sent,
+                        a.frame_bytes - b.frame_bytes,
+                        a.outgrown_bytes - b.outgrown_bytes,
+                        a.resends - b.resends,
+                    )
+                })
+                .collect()
+        })
+        .collect()
 }
 
 #[test]
@@ -62,8 +58,7 @@ fn frame_bytes_are_the_codecs_frames() {
     for (rank, steps) in out.iter().enumerate() {
         let mut r = vec![0.0f32; n];
         for (step, &(_, frames, _, _)) in steps.iter().enumerate() {
-            let k = if step == 2 { 4.0 } else { 1.0 };
-            let x: Vec<f32> = grads(rank, step, n).iter().map(|v| v * k).collect();
+            let x = growing(rank, step, n);
             let frame =
                 compress_with_feedback(&x, &mut r, &[n], &CompressOptions::new(Bound::Abs(eps)))
                     .unwrap();

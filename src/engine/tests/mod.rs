@@ -272,32 +272,45 @@ fn half_precision_buckets_and_a_reduce_scatter_job() {
     }
 }
 
+/// The gradients of [`growing_steps`]' step `step` on `rank`: `grads`, 4x larger at step 2.
+fn growing(rank: usize, step: usize, n: usize) -> Vec<f32> {
+    let k = if step == 2 { 4.0 } else { 1.0 };
+    grads(rank, step, n).iter().map(|v| v * k).collect()
+}
+
+/// Each rank's statistics before and after each of 4 all-reduces with residuals of
+/// [`growing`]: step 2's gradients are 4x larger, so its frames outgrow the slots sized at
+/// step 1.
+fn growing_steps(world: usize, o: &Options, n: usize) -> Vec<Vec<(Stats, Stats)>> {
+    ranks(world, o, |rank, e| {
+        let mut r = vec![0.0f32; n];
+        (0..4)
+            .map(|step| {
+                let mut x = growing(rank, step, n);
+                let before = e.stats();
+                // SAFETY: as in `one_step`.
+                unsafe { e.submit(job(0, &mut x, Some(&mut r), true), 0) }.unwrap();
+                e.wait(0).unwrap();
+                (before, e.stats())
+            })
+            .collect()
+    })
+}
+
 #[test]
 fn an_rms_bound_follows_the_previous_step_and_slots_grow_with_the_frames() {
-    let world = 2;
-    let n = 50_000;
     let o = options(BoundRule::Rms(0.3));
-    let out = ranks(world, &o, |rank, e| {
-        let mut r = vec![0.0f32; n];
-        let mut eps = Vec::new();
-        let mut sent = Vec::new();
-        for step in 0..4 {
-            // step 2's gradients are 4x larger: its frames outgrow the slots sized at step 1
-            let k = if step == 2 { 4.0 } else { 1.0 };
-            let mut x: Vec<f32> = grads(rank, step, n).iter().map(|v| v * k).collect();
-            let before = e.stats();
-            // SAFETY: as in `one_step`.
-            unsafe { e.submit(job(0, &mut x, Some(&mut r), true), 0) }.unwrap();
-            e.wait(0).unwrap();
-            let after = e.stats();
-            eps.push(after.eps);
-            sent.push((
-                after.bytes_sent - before.bytes_sent,
-                after.resends - before.resends,
-            ));
-        }
-        (eps, sent)
-    });
+    let out: Vec<_> = growing_steps(2, &o, 50_000)
+        .into_iter()
+        .map(|steps| {
+            let eps: Vec<f64> = steps.iter().map(|(_, a)| a.eps).collect();
+            let sent: Vec<(u64, u64)> = steps
+                .iter()
+                .map(|(b, a)| (a.bytes_sent - b.bytes_sent, a.resends - b.resends))
+                .collect();
+            (eps, sent)
+        })
+        .collect();
     let (eps, sent) = &out[0];
     assert_eq!(out[0], out[1]);
     // the first step's bound came from its own RMS, the next from the step before: close
