@@ -17,6 +17,13 @@ from cfc.ddp.checkpoint import STATE_VERSION, parse_state
 logger = logging.getLogger("cfc")
 
 
+# The engine's counters in stats(), which reset_stats() zeroes (eps and max_error are largest
+# values, not counts).
+_ENGINE_COUNTERS = ("compressed_buckets", "plain_buckets", "bytes_sent", "bytes_uncompressed", "resends",
+                    "frame_bytes", "outgrown_bytes", "inside_node", "between_nodes",
+                    "uncompressed_between_nodes", "seconds")
+
+
 class CfcState:
     """Options and per-rank state of :func:`cfc.cfc_hook` (and of
     :class:`cfc.distributed.AllReducer`).
@@ -295,9 +302,7 @@ class CfcState:
     # ---- stats ----
 
     def _raw_stats(self) -> Dict[str, float]:
-        keys = ("compressed_buckets", "plain_buckets", "bytes_sent", "bytes_uncompressed", "resends",
-                "frame_bytes", "outgrown_bytes", "inside_node", "between_nodes", "uncompressed_between_nodes",
-                "eps", "max_error", "seconds")
+        keys = _ENGINE_COUNTERS + ("eps", "max_error")
         if self._engine is not None:
             s = dict(self._engine.stats())
         else:
@@ -349,9 +354,7 @@ class CfcState:
           rounds that first agree a bound or block scales, and buckets sent plainly.
         """
         s = self._raw_stats()
-        for k in ("compressed_buckets", "plain_buckets", "bytes_sent", "bytes_uncompressed", "resends",
-                  "frame_bytes", "outgrown_bytes", "inside_node", "between_nodes", "uncompressed_between_nodes",
-                  "seconds", "residual_resets"):
+        for k in _ENGINE_COUNTERS + ("residual_resets",):
             s[k] -= self._base.get(k, 0)
         if not self.options.error_feedback and s["compressed_buckets"]:
             s["max_error"] = math.nan
