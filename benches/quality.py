@@ -275,7 +275,8 @@ def train(task, hook: str, seed: int, args, dev) -> dict:
         # where cfc's bytes went from 20% of training on (past the warm-up's plain steps and the
         # first steps' rounds; see print_table)
         s, e = state.stats(), early or {}
-        out["bytes"] = {k: s[k] - e.get(k, 0) for k in ("bytes_sent", "frame_bytes", "outgrown_bytes")}
+        out["bytes"] = {k: s[k] - e.get(k, 0) for k in ("bytes_sent", "frame_bytes", "slack_bytes",
+                                                        "resends", "compressed_buckets")}
         state.close()
     return out
 
@@ -314,7 +315,8 @@ def summarize(runs: list[dict], labels: list[str]) -> dict:
             "fewer_bytes": statistics.fmean(by[(label, s)]["fewer_bytes"] for s in seeds),
             # (shares of cfc's bytes sent, where the runs kept them)
             "frames": _share(by, label, seeds, "frame_bytes"),
-            "outgrown": _share(by, label, seeds, "outgrown_bytes"),
+            "slack": _share(by, label, seeds, "slack_bytes"),
+            "resends": _per_bucket(by, label, seeds),
             "time_to_target": statistics.median(times),
             "reached": sum(t < math.inf for t in times),
             "seeds": len(seeds),
@@ -328,6 +330,14 @@ def _share(by: dict, label: str, seeds: list, key: str) -> float:
     if not all(kept) or not all(b["bytes_sent"] for b in kept):
         return math.nan
     return statistics.fmean(b[key] / b["bytes_sent"] for b in kept)
+
+
+def _per_bucket(by: dict, label: str, seeds: list) -> float:
+    """The mean over seeds of resends per compressed bucket (NaN where not kept)."""
+    kept = [by[(label, s)].get("bytes") for s in seeds]
+    if not all(kept) or not all(b.get("compressed_buckets") for b in kept):
+        return math.nan
+    return statistics.fmean(b["resends"] / b["compressed_buckets"] for b in kept)
 
 
 def print_table(family: str, summary: dict, args) -> None:
@@ -348,15 +358,17 @@ def print_table(family: str, summary: dict, args) -> None:
         print(f"| {label} | " + " | ".join(cells) + f" | {b} | {t} |")
     wire = {label: s for label, s in summary.items() if not math.isnan(s.get("frames", math.nan))}
     if wire:
-        # frames: the compressed frames themselves; outgrown: slots their frames outgrew (the
-        # frames then went again); the rest: rows' heads and block exponents, slots' margins,
-        # rounds of their own, plain buckets
+        # frames: the compressed frames themselves; slack: slot bytes frames did not fill (and
+        # tails' padding); the rest: rows' heads and block exponents, rounds of their own, plain
+        # buckets. Resends: exchanges that took a second round for the tails of frames that
+        # outgrew their slots, per compressed bucket.
         print(f"\n{family}: where cfc's bytes sent from 20% of training on went (mean share over seeds)")
-        print("| hook | frames | outgrown slots | the rest |")
-        print("|---|---|---|---|")
+        print("| hook | frames | slack | the rest | second rounds per bucket |")
+        print("|---|---|---|---|---|")
         for label, s in wire.items():
-            rest = 1 - s["frames"] - s["outgrown"]
-            print(f"| {label} | {100 * s['frames']:.1f}% | {100 * s['outgrown']:.1f}% | {100 * rest:.1f}% |")
+            rest = 1 - s["frames"] - s["slack"]
+            print(f"| {label} | {100 * s['frames']:.1f}% | {100 * s['slack']:.1f}% | {100 * rest:.1f}% "
+                  f"| {s['resends']:.2f} |")
 
 
 def draw(path: Path, summaries: dict) -> None:

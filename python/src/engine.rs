@@ -386,7 +386,7 @@ impl Engine {
         d.set_item("bytes_uncompressed", s.bytes_uncompressed)?;
         d.set_item("resends", s.resends)?;
         d.set_item("frame_bytes", s.frame_bytes)?;
-        d.set_item("outgrown_bytes", s.outgrown_bytes)?;
+        d.set_item("slack_bytes", s.slack_bytes)?;
         d.set_item("inside_node", s.inside_node)?;
         d.set_item("between_nodes", s.between_nodes)?;
         d.set_item("uncompressed_between_nodes", s.uncompressed_between_nodes)?;

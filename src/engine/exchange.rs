@@ -12,8 +12,8 @@
 //! all-reduce, the sums are all-gathered and every rank decodes each into its shard. A rank sends
 //! about `2 (N - 1) / N` times a compressed bucket instead of `N - 1` times. In the exchange of
 //! shards each pair of ranks has its own slot: the sender knows its frame's size from its own
-//! head and the receiver from the head it received, so a frame that outgrew its slot is sent
-//! again between those two alone.
+//! head and the receiver from the head it received, so a frame that outgrew its slot sends its
+//! tail between those two alone (`tails.rs`).
 //!
 //! The all-gather's frames write their codes by the engine's `coder` (Rice codes take fewer
 //! bytes); the reduce-scatter's frames, whose codes are summed on the way, are bit planes.
@@ -28,6 +28,7 @@ use super::job::{Job, Op, Region};
 use super::levels::Outer;
 use super::options::Algorithm;
 use super::rows::{self, next_slot, round16, Head, CHECK_AT, HEAD, SIZE_AT, STATS_AT};
+use super::tails::{Frames, Pairs};
 use super::transport::Transport;
 use super::worker::Worker;
 use super::{Fault, Sent};
@@ -202,34 +203,6 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
         Ok(())
     }
 
-    /// A row outgrew its slot (every rank sees it, in the heads): every rank's row again, whole
-    /// (`largest` bytes after its head), from the start of `mine` into a new buffer that takes
-    /// the place of `recv`. Returns that buffer and its row length.
-    #[allow(clippy::too_many_arguments)] // (what to send, what it outgrew, and the job)
-    fn gather_again(
-        &mut self,
-        mine: Region,
-        lead: u64,
-        largest: u64,
-        slot: u64,
-        recv: B::Buf,
-        c: &mut Common<B>,
-    ) -> Result<(B::Buf, u64)> {
-        let w = self.xgroup(c.rail).1 as u64;
-        let row = lead + round16(largest);
-        let again = self.alloc_for_comm(w * row)?;
-        let r = again.region().sub(0, w * row)?;
-        let (tr, be) = self.xt(c.rail);
-        tr.all_gather(be, mine.sub(0, row)?, r)?;
-        self.count_all(&mut c.sent, c.rail, row);
-        if slot > 0 {
-            self.shared.resend(); // (with no slot yet, sending the heads first is the plan)
-            c.sent.outgrown += (w - 1) * (lead + slot);
-        }
-        self.be.free(recv);
-        Ok((again, row))
-    }
-
     fn launch_gather(&mut self, mut c: Common<B>) -> Result<Gather<B>> {
         let (x, w) = (c.job.data, self.xgroup(c.rail).1 as u64);
         let parts = [(0, x.numel)];
@@ -309,23 +282,29 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
         let (heads, rows_exps) = rows::split_heads(&fetched, w, exps)?;
         let all: Vec<(usize, Head)> = heads.iter().copied().enumerate().collect();
         rows::check_heads(&all, c.check, cap, "a frame")?;
-        c.sent.frames += (w as u64 - 1) * heads[me].size;
+        let size = heads[me].size;
+        c.sent.frames += (w as u64 - 1) * size;
+        c.sent.slack += (w as u64 - 1) * slot.saturating_sub(size);
         self.note_stats(&c.job, &heads)?;
         if exps > 0 {
             self.note_exponents(c.job.key, &rows_exps)?;
         }
         let largest = heads.iter().map(|h| h.size).max().unwrap_or(0);
-        let (recv, row) = if largest > slot {
-            self.gather_again(mine.region(), lead, largest, slot, recv, &mut c)?
+        let got = if largest > slot {
+            let m = mine.region();
+            self.gather_tails(m, lead, size, largest, slot, recv, c.rail, &mut c.sent)?
         } else {
-            (recv, lead + slot)
+            Frames {
+                buf: recv,
+                at: lead,
+                stride: lead + slot,
+            }
         };
         self.be.join(Lane::Compute, Lane::Comm)?;
-        let r = recv.region();
         let frames = heads
             .iter()
             .enumerate()
-            .map(|(j, h)| r.sub(j as u64 * row + lead, h.size))
+            .map(|(j, h)| got.frame(j, h.size))
             .collect::<Result<Vec<_>>>()?;
         let x = c.job.data;
         self.be.decode(
@@ -342,7 +321,7 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
         )?;
         self.bucket(c.job.key)?.slot = next_slot(largest, cap);
         self.be.free(mine);
-        self.be.free(recv);
+        self.be.free(got.buf);
         self.finish(c)
     }
 
@@ -596,13 +575,11 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
             let b = self.bucket(c.job.key)?;
             (b.send_slots.clone(), b.recv_slots.clone())
         };
-        // Pairs whose frame outgrew its slot: both sides know it from the same head.
-        let outgrown_out: Vec<usize> = (0..world)
-            .filter(|&j| j != me && own[j].size > send_slots[j].min(caps[j]))
-            .collect();
-        let outgrown_in: Vec<usize> = (0..world)
-            .filter(|&j| j != me && inn[j].size > recv_slots[j])
-            .collect();
+        let slots_out: Vec<u64> = (0..world).map(|j| send_slots[j].min(caps[j])).collect();
+        c.sent.slack += (0..world)
+            .filter(|&j| j != me)
+            .map(|j| slots_out[j].saturating_sub(own[j].size))
+            .sum::<u64>();
         let m = mine.region();
         let r = recv.region();
         let mut frames: Vec<Region> = (0..world)
@@ -614,34 +591,21 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
                 }
             })
             .collect::<Result<_>>()?;
-        let mut again = None;
-        if !outgrown_out.is_empty() || !outgrown_in.is_empty() {
-            let total: u64 = outgrown_in.iter().map(|&j| round16(inn[j].size)).sum();
-            let buf = self.alloc_for_comm(total.max(16))?;
-            let b = buf.region();
-            let mut sends = vec![m.sub(0, 0)?; world];
-            let mut recvs = vec![b.sub(0, 0)?; world];
-            for &j in &outgrown_out {
-                sends[j] = m.sub(j as u64 * stride + lead, own[j].size)?;
-                self.count(&mut c.sent, c.rail, j, own[j].size);
-                if send_slots[j] > 0 {
-                    // (the first send's slot was too small; with no slot yet, this is the plan)
-                    c.sent.outgrown += lead + send_slots[j].min(caps[j]);
-                }
-            }
-            let mut at = 0;
-            for &j in &outgrown_in {
-                recvs[j] = b.sub(at, inn[j].size)?;
-                frames[j] = recvs[j];
-                at += round16(inn[j].size);
-            }
-            let (tr, be) = self.xt(c.rail);
-            tr.exchange(be, &sends, &recvs)?;
-            if send_slots.iter().chain(&recv_slots).any(|&s| s > 0) {
-                self.shared.resend();
-            }
-            again = Some(buf);
-        }
+        // Pairs whose frame outgrew its slot: both sides know it from the same head.
+        let sizes_out: Vec<u64> = own.iter().map(|h| h.size).collect();
+        let sizes_in: Vec<u64> = inn.iter().map(|h| h.size).collect();
+        let pairs = Pairs {
+            mine: m,
+            stride,
+            sizes_out: &sizes_out,
+            slots_out: &slots_out,
+            recv: r,
+            rstride,
+            sizes_in: &sizes_in,
+            slots_in: &recv_slots,
+            lead,
+        };
+        let again = self.exchange_tails(&pairs, &mut frames, c.rail, &mut c.sent)?;
         {
             let b = self.bucket(c.job.key)?;
             for j in (0..world).filter(|&j| j != me) {
@@ -755,7 +719,9 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
             }
             rows::check_heads(&[(j, *h)], c.check, sum_caps[j], "the sum of its shard")?;
         }
-        c.sent.frames += (world as u64 - 1) * heads[me].size;
+        let size = heads[me].size;
+        c.sent.frames += (world as u64 - 1) * size;
+        c.sent.slack += (world as u64 - 1) * slot.saturating_sub(size);
         if exps > 0 {
             // every shard's largest exponents, shard by shard: the next step's scales
             let counts = self.block_counts(&parts);
@@ -767,17 +733,21 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
             self.bucket(c.job.key)?.exponents = Some(next);
         }
         let largest = heads.iter().map(|h| h.size).max().unwrap_or(0);
-        let (recv, row) = if largest > slot {
-            self.gather_again(sums.region(), lead, largest, slot, recv, &mut c)?
+        let got = if largest > slot {
+            let s = sums.region();
+            self.gather_tails(s, lead, size, largest, slot, recv, c.rail, &mut c.sent)?
         } else {
-            (recv, lead + slot)
+            Frames {
+                buf: recv,
+                at: lead,
+                stride: lead + slot,
+            }
         };
         self.be.join(Lane::Compute, Lane::Comm)?;
         let x = c.job.data;
         let scale = c.job.scale.factor(world);
-        let r = recv.region();
         for (j, &(lo, len)) in parts.iter().enumerate() {
-            let frame = [r.sub(j as u64 * row + lead, heads[j].size)?];
+            let frame = [got.frame(j, heads[j].size)?];
             self.be.decode(
                 &frame,
                 false,
@@ -791,7 +761,7 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
         let widest = sum_caps.iter().copied().max().unwrap_or(0);
         self.bucket(c.job.key)?.slot = next_slot(largest, widest);
         self.be.free(sums);
-        self.be.free(recv);
+        self.be.free(got.buf);
         self.finish(c)
     }
 }

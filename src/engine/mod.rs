@@ -36,6 +36,7 @@ mod open;
 pub mod options;
 pub mod policy;
 mod rows;
+mod tails;
 pub mod topology;
 pub mod transport;
 mod worker;
@@ -128,16 +129,18 @@ pub struct Stats {
     pub uncompressed_between_nodes: u64,
     /// Bytes a ring collective of the same jobs would have sent uncompressed.
     pub bytes_uncompressed: u64,
-    /// Exchanges in which a frame outgrew its slot and went again.
+    /// Exchanges in which a frame outgrew its slot (its bytes past the slot then went in a
+    /// second exchange).
     pub resends: u64,
     /// The part of `bytes_sent` that is compressed frames themselves, each counted once per
-    /// peer it went to: what a sender that knew every frame's size would send. The rest is the
-    /// rows' heads (with block exponents), the slots' margins, the rounds of their own (a
-    /// bound's or block scales' first agreement), `outgrown_bytes` and plain jobs.
+    /// peer it went to: what a sender that knew every frame's size would send. The rest is
+    /// `slack_bytes`, the rows' heads (with block exponents), the rounds of their own (a bound's
+    /// or block scales' first agreement) and plain jobs.
     pub frame_bytes: u64,
-    /// The part of `bytes_sent` that went in slots their frames outgrew (those frames then
-    /// went again, whole: `resends` counts those exchanges).
-    pub outgrown_bytes: u64,
+    /// The part of `bytes_sent` that is neither frames nor heads: slot bytes that frames did
+    /// not fill (a slot's margin over its frame) and, where frames outgrew their slots in an
+    /// all-gather, the padding of every rank's tail to the longest.
+    pub slack_bytes: u64,
     /// The largest bound a job was compressed with.
     pub eps: f64,
     /// The largest error left in a residual (what a compressed job did not send).
@@ -273,7 +276,7 @@ impl Shared {
         }
         s.bytes_sent += sent.inside + sent.between;
         s.frame_bytes += sent.frames;
-        s.outgrown_bytes += sent.outgrown;
+        s.slack_bytes += sent.slack;
         s.inside_node += sent.inside;
         s.between_nodes += sent.between;
         s.bytes_uncompressed += uncompressed;
@@ -296,14 +299,13 @@ impl Shared {
 }
 
 /// Bytes a job sent, inside this rank's node and to other nodes; of them, its frames' own
-/// bytes and those of slots their frames outgrew (see [`Stats::frame_bytes`],
-/// [`Stats::outgrown_bytes`]).
+/// bytes and the slack around them (see [`Stats::frame_bytes`], [`Stats::slack_bytes`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub(crate) struct Sent {
     pub inside: u64,
     pub between: u64,
     pub frames: u64,
-    pub outgrown: u64,
+    pub slack: u64,
 }
 
 /// One rank's handle to an engine; see the module docs.

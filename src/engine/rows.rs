@@ -2,8 +2,9 @@
 //! sides know in advance, so each frame travels in a *row*: a head of [`HEAD`] bytes, then
 //! `slot` bytes of the frame, where the slot comes from the bucket's earlier frames
 //! ([`next_slot`]). The head holds the frame's size, so once the heads are on the host, every
-//! rank knows whether a frame outgrew its slot; such a frame is sent again, whole (the first
-//! exchange of a bucket has a slot of 0: heads only, then the frames). The head also carries
+//! rank knows whether a frame outgrew its slot; such a frame's bytes past the slot then go in a
+//! second exchange (`tails.rs`; the first exchange of a bucket has a slot of 0: heads only, then
+//! the frames). The head also carries
 //! the sender's statistics (for the next step's bound) and a check word: ranks whose jobs do not
 //! match (another bucket, another step) fail at once instead of reading each other's bytes.
 //! With block scales the head is followed by the sender's block exponents, padded to 16 bytes,

@@ -96,7 +96,7 @@ def bound(rank, world, out):
         assert s["compressed_buckets"] == 2 and s["plain_buckets"] == 1, s
         assert s["bytes_sent"] < s["bytes_uncompressed"], s
         # (the frames are part of what was sent; the plain group's bytes are not frames)
-        assert 0 < s["frame_bytes"] and s["frame_bytes"] + s["outgrown_bytes"] < s["bytes_sent"], s
+        assert 0 < s["frame_bytes"] and s["frame_bytes"] + s["slack_bytes"] < s["bytes_sent"], s
         assert 0 < s["max_error"] <= eps * (1 + 1e-6), s
         state.close()
 

@@ -318,7 +318,7 @@ fn an_rms_bound_follows_the_previous_step_and_slots_grow_with_the_frames() {
     // the first exchange sends the heads, then the frames; the second fits its slot
     assert_eq!(sent[0].1, 0);
     assert_eq!(sent[1].1, 0);
-    // 4x larger values take more bits than the slot held: sent again
+    // 4x larger values take more bits than the slot held: their tails went in a second round
     assert_eq!(sent[2].1, 1, "{sent:?}");
 }
 

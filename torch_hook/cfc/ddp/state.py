@@ -20,7 +20,7 @@ logger = logging.getLogger("cfc")
 # The engine's counters in stats(), which reset_stats() zeroes (eps and max_error are largest
 # values, not counts).
 _ENGINE_COUNTERS = ("compressed_buckets", "plain_buckets", "bytes_sent", "bytes_uncompressed", "resends",
-                    "frame_bytes", "outgrown_bytes", "inside_node", "between_nodes",
+                    "frame_bytes", "slack_bytes", "inside_node", "between_nodes",
                     "uncompressed_between_nodes", "seconds")
 
 
@@ -347,11 +347,13 @@ class CfcState:
         * ``seconds``: host time the engine's thread spent on buckets;
         * ``residual_resets``: residuals restarted because a bucket changed in a way its
           parameters could not be followed;
-        * ``resends``: exchanges in which a frame outgrew its slot and went again;
+        * ``resends``: exchanges in which a frame outgrew the slot sized from the bucket's
+          earlier frames (its bytes past the slot then went in a second exchange);
         * ``frame_bytes``: the part of ``bytes_sent`` that is compressed frames themselves (once
-          per peer each went to), and ``outgrown_bytes`` the part that went in slots their
-          frames outgrew; the rest is rows' heads (with block exponents), slots' margins, the
-          rounds that first agree a bound or block scales, and buckets sent plainly.
+          per peer each went to), and ``slack_bytes`` the part that is slot bytes frames did not
+          fill (and the padding of frames' tails to the longest); the rest is rows' heads (with
+          block exponents), the rounds that first agree a bound or block scales, and buckets
+          sent plainly.
         """
         s = self._raw_stats()
         for k in _ENGINE_COUNTERS + ("residual_resets",):
