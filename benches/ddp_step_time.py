@@ -401,7 +401,8 @@ class Runner:
             if not self.state.probe["registered"]:
                 return out  # DDP's own all-reduce: the state saw nothing
         s = self.state.stats()
-        return {**out, **{k: s[k] for k in ("ratio", "max_error", "eps", "compressed_buckets", "plain_buckets")}}
+        keys = ("ratio", "max_error", "eps", "compressed_buckets", "plain_buckets", "resends")
+        return {**out, **{k: s[k] for k in keys if k in s}}
 
 
 def _spinner(event):
@@ -541,6 +542,9 @@ def report(rows, nparams, args):
         spread = f"{1e3 * q[0]:.1f}-{1e3 * q[2]:.1f} ms"
         x = f"{r['median_ms'] / floor:.2f}x" if floor else "-"
         ratio = f"{r['ratio']:.1f}x" if "ratio" in r else "-"
+        if r.get("compressed_buckets") and "resends" in r:
+            # (buckets whose frames outgrew their slots: a second round for their tails)
+            ratio += f", {r['resends'] / r['compressed_buckets']:.2f} resends per bucket"
         if "probe" in r:  # what cfc.register_comm_hook measured, and chose
             p = r["probe"]
             ratio += (f" (probe: plain {1e3 * p['plain_seconds']:.2f} / cfc {1e3 * p['compressed_seconds']:.2f} ms"

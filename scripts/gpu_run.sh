@@ -19,7 +19,7 @@
 #            float32, bfloat16 reduce_dtype, cfc and cfc with fallback="auto" (FSDP_WAYS picks;
 #            FSDP_ARGS: model size, steps, --rounds; FSDP_TIMEOUT per link, default 400 s);
 #   fsdphost benches/fsdp_host_time.py over NVLink: where cfc.fsdp's calls hold the host
-#            (FSDP_HOST_WAYS, default cfc-group,cfc,cfc-lag,cfc-r4; FSDP_HOST_ARGS: model size, steps);
+#            (FSDP_HOST_WAYS, default those of the script; FSDP_HOST_ARGS: model size, steps);
 #   levels   emulated nodes (scripts/emulate_nodes.sh): python -m cfc.bench at LEVEL_SIZES (default
 #            64M,256M) with cfc flat and two-level, an A/A copy of fp32 and LEVEL_ROUNDS rounds
 #            (default 3), NODES x PER_NODE ranks (default 2 x 2); then 2 nodes of 1 (two-level falls
@@ -112,7 +112,7 @@ for part in $PARTS; do case $part in
     done ;;
   fsdphost)
     PYTHONPATH=/tmp/site timeout 200 torchrun --standalone --nproc_per_node=$NPROC benches/fsdp_host_time.py \
-        --comm ${FSDP_HOST_WAYS:-cfc-group,cfc,cfc-lag,cfc-r4} ${FSDP_HOST_ARGS:-} 2>&1 | grep -vE "^W[0-9]|\*\*\*|OMP_NUM" \
+        ${FSDP_HOST_WAYS:+--comm $FSDP_HOST_WAYS} ${FSDP_HOST_ARGS:-} 2>&1 | grep -vE "^W[0-9]|\*\*\*|OMP_NUM" \
         | tail -6 | tee "$OUT/fsdp_host_$NPROC.md"
     { echo "fsdp host time, $NPROC ranks:"; cat "$OUT/fsdp_host_$NPROC.md"; } >> "$SUMMARY" ;;
   levels)

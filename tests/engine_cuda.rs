@@ -49,13 +49,16 @@ fn nccl() -> bool {
 }
 
 /// Gradient-like values of a rank at a step.
+/// Test gradients; 4x larger at step 2 (and 9, the second bucket's step 2), so that frames
+/// outgrow the slots sized at the step before and send their tails in a second round.
 fn grads(rank: usize, step: usize, n: usize) -> Vec<f32> {
+    let grow = if step % 7 == 2 { 4.0 } else { 1.0 };
     (0..n)
         .map(|i| {
             let t = (i * 7919 + rank * 104_729 + step * 15_485_863) % 100_003;
             // (a scale that drops 10x every 3000 values over 4 decades: block scales differ)
             let decade = 10f32.powi(-(((i / 3000) % 4) as i32));
-            let v = ((t as f32 / 100_003.0) - 0.5) * 1e-2 * (1.0 + (i % 13) as f32) * decade;
+            let v = ((t as f32 / 100_003.0) - 0.5) * 1e-2 * (1.0 + (i % 13) as f32) * decade * grow;
             if i == 77 && step == 1 {
                 f32::NAN
             } else {
