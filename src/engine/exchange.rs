@@ -27,7 +27,7 @@ use super::backend::{Backend, FrameKind, Lane, Memory};
 use super::job::{Job, Op, Region};
 use super::levels::Outer;
 use super::options::Algorithm;
-use super::rows::{self, next_slot, round16, Head, CHECK_AT, HEAD, SIZE_AT, STATS_AT};
+use super::rows::{self, round16, Head, Slot, CHECK_AT, HEAD, SIZE_AT, STATS_AT};
 use super::tails::{Frames, Pairs};
 use super::transport::Transport;
 use super::worker::Worker;
@@ -210,7 +210,7 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
         let exps: u64 = self.block_counts(&parts).iter().sum();
         let lead = HEAD + round16(exps);
         let cap = self.be.frame_capacity(x.numel, x.dtype);
-        let slot = self.bucket(c.job.key)?.slot.min(cap);
+        let slot = self.bucket(c.job.key)?.slot.bytes.min(cap);
         let mine = self.alloc(lead + cap)?;
         let m = mine.region().sub(0, lead + cap)?;
         self.be
@@ -319,7 +319,7 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
             c.job.scale.factor(w),
             x,
         )?;
-        self.bucket(c.job.key)?.slot = next_slot(largest, cap);
+        self.bucket(c.job.key)?.slot.follow(largest, cap);
         self.be.free(mine);
         self.be.free(got.buf);
         self.finish(c)
@@ -456,9 +456,10 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
             self.be.free(a.shifts);
         }
         self.be.join(Lane::Comm, Lane::Compute)?;
-        let (send_slots, recv_slots) = {
+        let (send_slots, recv_slots): (Vec<u64>, Vec<u64>) = {
             let b = self.bucket(c.job.key)?;
-            (b.send_slots.clone(), b.recv_slots.clone())
+            let bytes = |s: &[Slot]| s.iter().map(|s| s.bytes).collect();
+            (bytes(&b.send_slots), bytes(&b.recv_slots))
         };
         let rstride = lead + recv_slots.iter().copied().max().unwrap_or(0);
         let recv = self.alloc(w * rstride)?;
@@ -571,9 +572,10 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
             .filter(|&j| j != me)
             .map(|j| own[j].size)
             .sum::<u64>();
-        let (send_slots, recv_slots) = {
+        let (send_slots, recv_slots): (Vec<u64>, Vec<u64>) = {
             let b = self.bucket(c.job.key)?;
-            (b.send_slots.clone(), b.recv_slots.clone())
+            let bytes = |s: &[Slot]| s.iter().map(|s| s.bytes).collect();
+            (bytes(&b.send_slots), bytes(&b.recv_slots))
         };
         let slots_out: Vec<u64> = (0..world).map(|j| send_slots[j].min(caps[j])).collect();
         c.sent.slack += (0..world)
@@ -609,8 +611,8 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
         {
             let b = self.bucket(c.job.key)?;
             for j in (0..world).filter(|&j| j != me) {
-                b.send_slots[j] = next_slot(own[j].size, caps[j]);
-                b.recv_slots[j] = next_slot(inn[j].size, caps[me]);
+                b.send_slots[j].follow(own[j].size, caps[j]);
+                b.recv_slots[j].follow(inn[j].size, caps[me]);
             }
         }
         self.be.join(Lane::Compute, Lane::Comm)?;
@@ -664,7 +666,7 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
         self.be
             .put(Lane::Compute, sm.sub(CHECK_AT, 8)?, 8, 1, c.check)?;
         self.be.join(Lane::Comm, Lane::Compute)?;
-        let slot = self.bucket(c.job.key)?.slot.min(widest);
+        let slot = self.bucket(c.job.key)?.slot.bytes.min(widest);
         let row = slead + slot;
         let recv = self.alloc(w * row)?;
         let rr = recv.region().sub(0, w * row)?;
@@ -759,7 +761,7 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
             )?;
         }
         let widest = sum_caps.iter().copied().max().unwrap_or(0);
-        self.bucket(c.job.key)?.slot = next_slot(largest, widest);
+        self.bucket(c.job.key)?.slot.follow(largest, widest);
         self.be.free(sums);
         self.be.free(got.buf);
         self.finish(c)

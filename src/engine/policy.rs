@@ -6,6 +6,7 @@
 //! rank takes the same decisions without talking about them.
 
 use crate::engine::options::{Fallback, Options};
+use crate::engine::rows::Slot;
 use crate::format::DType;
 use std::collections::HashMap;
 
@@ -18,12 +19,12 @@ pub(crate) struct Bucket {
     /// Every rank's sum of squares and largest magnitude at the last exchange (the next
     /// step's bound), once measured.
     pub stats: Option<(f64, f64)>,
-    /// Frame bytes per row of the bucket's all-gather (of frames, or of summed shards).
-    pub slot: u64,
-    /// Frame bytes this rank sends to each rank, and receives from each, in the exchange of
-    /// shards.
-    pub send_slots: Vec<u64>,
-    pub recv_slots: Vec<u64>,
+    /// The slot of each row of the bucket's all-gather (of frames, or of summed shards).
+    pub slot: Slot,
+    /// The slots of what this rank sends to each rank, and receives from each, in the
+    /// exchange of shards.
+    pub send_slots: Vec<Slot>,
+    pub recv_slots: Vec<Slot>,
     /// The residual may hold what no exchange has sent yet.
     pub dirty: bool,
     /// The residual may hold values outside this rank's shard of a two-level exchange.
@@ -43,9 +44,9 @@ impl Bucket {
         Bucket {
             identity,
             stats: None,
-            slot: 0,
-            send_slots: vec![0; world],
-            recv_slots: vec![0; world],
+            slot: Slot::new(),
+            send_slots: vec![Slot::new(); world],
+            recv_slots: vec![Slot::new(); world],
             dirty: false,
             spread: true,
             exponents: None,

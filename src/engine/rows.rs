@@ -1,7 +1,7 @@
 //! Rows: how a frame travels. Frame sizes depend on the data and collectives want lengths both
 //! sides know in advance, so each frame travels in a *row*: a head of [`HEAD`] bytes, then
 //! `slot` bytes of the frame, where the slot comes from the bucket's earlier frames
-//! ([`next_slot`]). The head holds the frame's size, so once the heads are on the host, every
+//! ([`Slot`]). The head holds the frame's size, so once the heads are on the host, every
 //! rank knows whether a frame outgrew its slot; such a frame's bytes past the slot then go in a
 //! second exchange (`tails.rs`; the first exchange of a bucket has a slot of 0: heads only, then
 //! the frames). The head also carries
@@ -108,12 +108,51 @@ pub(crate) fn round16(x: u64) -> u64 {
     x.div_ceil(16) * 16
 }
 
-/// Frame bytes a bucket's next exchange carries, from the largest frame of this one: 12.5% and
-/// 256 bytes above it, so that most steps send once; at most the frame capacity. (Over the 217M
-/// LM's buckets, frames grew by more than 6.25% from one step to the next in about one bucket of
-/// seven, and by more than 12.5% in one of twenty; the wider margin sent fewer bytes in all.)
-pub(crate) fn next_slot(largest: u64, capacity: u64) -> u64 {
-    round16(largest + largest / 8 + 256).min(round16(capacity))
+/// A slot: the frame bytes a row of a bucket's next exchange carries, sized from the largest
+/// frame of its last one with a margin above it, and that margin.
+///
+/// Bytes of the margin that a frame does not fill travel for nothing, every step; a frame that
+/// outgrows its slot costs a second round for its tail (`tails.rs`), not bytes. So the margin
+/// follows the bucket: it doubles (up to a quarter) after an exchange whose frame outgrew its
+/// slot, and shrinks by 1/64 (down to 1/64) after each that fit: a bucket whose frames barely
+/// change sends little slack, one whose frames swing takes few second rounds. Every rank that
+/// sizes a slot sees the same frame sizes, so all of them size it alike.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Slot {
+    /// Frame bytes (a multiple of 16); 0 before the bucket's first exchange.
+    pub bytes: u64,
+    /// The margin, in 64ths of the largest frame.
+    margin: u64,
+}
+
+impl Slot {
+    /// Bounds of the margin, in 64ths, and where it starts.
+    const MIN: u64 = 1;
+    const MAX: u64 = 16;
+    const START: u64 = 8;
+    /// Bytes above the margin (small frames vary by more than their share).
+    const FLOOR: u64 = 256;
+
+    pub fn new() -> Slot {
+        Slot {
+            bytes: 0,
+            margin: Slot::START,
+        }
+    }
+
+    /// The slot after an exchange whose largest frame took `largest` bytes, at most
+    /// `capacity`: its margin above that frame, moved by whether the frame outgrew this slot.
+    pub fn follow(&mut self, largest: u64, capacity: u64) {
+        if self.bytes > 0 {
+            self.margin = if largest > self.bytes {
+                (2 * self.margin).min(Slot::MAX)
+            } else {
+                (self.margin - 1).max(Slot::MIN)
+            };
+        }
+        let bytes = largest + largest * self.margin / 64 + Slot::FLOOR;
+        self.bytes = round16(bytes).min(round16(capacity));
+    }
 }
 
 /// The check word of a job: the engine's job number and the job's key, fingerprint, element
@@ -152,11 +191,33 @@ mod tests {
     #[test]
     fn slots_stay_aligned_and_within_the_capacity() {
         for (largest, cap) in [(0, 100), (100, 1000), (1000, 1000), (5000, 4100)] {
-            let s = next_slot(largest, cap);
-            assert_eq!(s % 16, 0);
-            assert!(s <= round16(cap));
-            assert!(s >= largest.min(round16(cap)));
+            let mut s = Slot::new();
+            for _ in 0..3 {
+                s.follow(largest, cap);
+                assert_eq!(s.bytes % 16, 0);
+                assert!(s.bytes <= round16(cap));
+                assert!(s.bytes >= largest.min(round16(cap)));
+            }
         }
+    }
+
+    /// Steady frames shrink the margin to its least; a frame that outgrows its slot doubles it.
+    #[test]
+    fn the_margin_follows_the_frames() {
+        let cap = 1 << 30;
+        let mut s = Slot::new();
+        s.follow(640_000, cap);
+        assert_eq!(s.bytes, round16(640_000 + 80_000 + 256)); // an eighth to start
+        for _ in 0..20 {
+            s.follow(640_000, cap);
+        }
+        assert_eq!(s.bytes, round16(640_000 + 10_000 + 256)); // a 64th
+        s.follow(700_000, cap); // outgrew: 2/64
+        assert_eq!(s.bytes, round16(700_000 + 21_875 + 256));
+        for size in [800_000, 1_040_000, 1_352_000, 1_757_600] {
+            s.follow(size, cap); // outgrew each time: 4, 8, 16, then at most 16 64ths
+        }
+        assert_eq!(s.bytes, round16(1_757_600 + 439_400 + 256));
     }
 
     #[test]

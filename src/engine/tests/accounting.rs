@@ -3,7 +3,7 @@
 //! of `bytes_sent`, whose rest is the rows' heads.
 
 use super::*;
-use crate::engine::rows::{next_slot, HEAD};
+use crate::engine::rows::{Slot, HEAD};
 
 /// Each step's change of (bytes sent, frame bytes, slack bytes, resends) on every rank, over
 /// [`growing_steps`] (its third step's frames outgrow their slots).
@@ -77,8 +77,8 @@ fn frame_bytes_are_the_codecs_frames() {
     }
 }
 
-/// An all-gather's slot is sized from the largest frame of the step before ([`next_slot`]); a
-/// frame that fits leaves the rest of it as slack, sent to each peer.
+/// An all-gather's slot is sized from the largest frame of the step before ([`Slot`]); a frame
+/// that fits leaves the rest of it as slack, sent to each peer.
 #[test]
 fn slack_is_what_frames_leave_of_their_slot() {
     let n = 50_000;
@@ -91,10 +91,8 @@ fn slack_is_what_frames_leave_of_their_slot() {
     for (rank, steps) in out.iter().enumerate() {
         let (_, frames, slack, resends) = steps[1];
         assert_eq!(resends, 0, "rank {rank}: {steps:?}");
-        assert_eq!(
-            slack,
-            next_slot(largest, cap) - frames,
-            "rank {rank}: {steps:?}"
-        );
+        let mut slot = Slot::new();
+        slot.follow(largest, cap);
+        assert_eq!(slack, slot.bytes - frames, "rank {rank}: {steps:?}");
     }
 }

@@ -177,8 +177,8 @@ fn two_levels_send_a_node_share_of_the_flat_bytes_between_nodes() {
         let count = (nodes.iter().max().unwrap() + 1) as f64;
         // The formula: B/c at 2 nodes, 2 (N - 1) / N B/c from 3, with B/c the frames of the
         // first node's sums of its shards (at the measured step, without residuals, so a little
-        // off). The engine sends whole slots, 12.5% + 256 bytes above the last step's largest
-        // frame (`rows::next_slot`), and heads: about 1.13-1.2 times the frames.
+        // off). The engine sends whole slots, a margin (1/64 to 1/4) and 256 bytes above the
+        // last step's largest frame (`rows::Slot`), and heads: about 1.0-1.2 times the frames.
         let g = per_node as usize;
         let per = n / g;
         let opts = CompressOptions::new(Bound::Abs(per_node * eps));
