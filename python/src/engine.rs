@@ -11,8 +11,8 @@ use crate::error::{to_py, CfcError};
 use cfc::engine::topology::node_indices;
 use cfc::engine::transport::tcp::{Credentials, Listener as TcpListener, Reach, Shape, TcpLinks};
 use cfc::engine::{
-    Algorithm, BoundRule, BucketState, Engine as CoreEngine, EngineState, Fallback, Fault, Job, Op,
-    Options, Scale, Tensor, Topology,
+    Algorithm, BoundRule, BucketState, Engine as CoreEngine, EngineState, Fallback, Fault,
+    FsdpOptions, Job, Op, Options, Scale, Tensor, Topology,
 };
 
 /// A bound TCP port for the engine's links: made first, its addresses published to the other
@@ -73,6 +73,7 @@ fn options(
     topology: &str,
     coder: &str,
     block: u64,
+    fsdp: Option<(bool, u8)>,
 ) -> PyResult<Options> {
     let bound = match bound {
         "eps" => BoundRule::Abs(value),
@@ -109,6 +110,10 @@ fn options(
         coder: cfc::Coder::from_name(coder)
             .ok_or_else(|| PyValueError::new_err(format!("unknown coder {coder:?}")))?,
         block,
+        fsdp: fsdp.map(|(per_parameter, residual_bits)| FsdpOptions {
+            per_parameter,
+            residual_bits,
+        }),
     };
     o.check().map_err(to_py)?;
     Ok(o)
@@ -154,8 +159,9 @@ impl Engine {
     ///         `topology`, it chooses the flat or the two-level exchange.
     ///     coder: how the all-gather's frames write their codes ("planes" or "rice").
     ///     block: elements per block of block scales (with rms), 0 for none.
+    ///     fsdp: for cfc.fsdp's calls, (per_parameter, residual_bits): agreed between ranks.
     #[new]
-    #[pyo3(signature = (listener, addresses, rank, world, secret, engine, *, device=None, nccl_id=None, bound, value, error_feedback, algorithm, fallback, trial_steps, warmup_steps, min_compress_numel, timeout, topology="auto", coder="planes", block=0, nodes=None, agree_token=0))]
+    #[pyo3(signature = (listener, addresses, rank, world, secret, engine, *, device=None, nccl_id=None, bound, value, error_feedback, algorithm, fallback, trial_steps, warmup_steps, min_compress_numel, timeout, topology="auto", coder="planes", block=0, fsdp=None, nodes=None, agree_token=0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -179,6 +185,7 @@ impl Engine {
         topology: &str,
         coder: &str,
         block: u64,
+        fsdp: Option<(bool, u8)>,
         nodes: Option<Vec<String>>,
         agree_token: u64,
     ) -> PyResult<Self> {
@@ -195,6 +202,7 @@ impl Engine {
             topology,
             coder,
             block,
+            fsdp,
         )?;
         let nodes = nodes.map_or_else(Vec::new, |n| node_indices(&n));
         if !nodes.is_empty() && nodes.len() != world {

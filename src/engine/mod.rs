@@ -43,7 +43,7 @@ mod worker;
 
 pub use control::{Control, Failure};
 pub use job::{Job, Op, Scale, Tensor};
-pub use options::{Algorithm, BoundRule, Fallback, Options};
+pub use options::{Algorithm, BoundRule, Fallback, FsdpOptions, Options};
 pub use policy::{BucketState, EngineState};
 pub use topology::{Levels, Topology};
 

@@ -173,6 +173,22 @@ pub struct Options {
     /// bucket's first compressed step, agreed in a round of its own (see
     /// `engine/block_scales.rs`). 0: one step per bucket, from its RMS at its last exchange.
     pub block: u64,
+    /// The options of `cfc.fsdp`'s calls, for an engine that runs them (`None` for DDP's
+    /// buckets and `AllReducer`'s).
+    pub fsdp: Option<FsdpOptions>,
+}
+
+/// The options of `cfc.fsdp`'s calls. `cfc.fsdp` applies them; the engine agrees them between
+/// ranks with the others (ranks that scale different parameters would add codes of different
+/// steps, and ranks that keep residuals differently would resume differently) and names them
+/// in its errors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FsdpOptions {
+    /// Each parameter's gradient scaled by a power of two before its call is quantized (see
+    /// `cfc.fsdp.param_scales`).
+    pub per_parameter: bool,
+    /// Bits per value of the residuals kept between calls: 32 (float32) or 4 (packed).
+    pub residual_bits: u8,
 }
 
 impl Options {
@@ -191,6 +207,7 @@ impl Options {
             topology: Topology::Auto,
             coder: Coder::Planes,
             block: 0,
+            fsdp: None,
         }
     }
 
@@ -264,6 +281,14 @@ impl Options {
                 )));
             }
         }
+        if let Some(f) = self.fsdp {
+            if f.residual_bits != 32 && f.residual_bits != 4 {
+                return Err(Error::Transport(format!(
+                    "residual_bits must be 32 or 4, got {}",
+                    f.residual_bits
+                )));
+            }
+        }
         timeout_from_seconds(self.timeout.as_secs_f64())?;
         Ok(())
     }
@@ -285,7 +310,7 @@ impl Options {
 /// Bytes of [`descriptor`]'s output.
 pub(crate) const DESCRIPTOR_LEN: usize = 64;
 /// The descriptor's version: bumped whenever its layout changes.
-const DESCRIPTOR_VERSION: u8 = 4;
+const DESCRIPTOR_VERSION: u8 = 5;
 
 /// What every rank sends in the agreement round: the options that order or size the
 /// collectives, the world, and `token` (the caller's: e.g. which checkpoint it resumed from).
@@ -329,7 +354,11 @@ pub(crate) fn descriptor(
     d.extend_from_slice(&token.to_le_bytes());
     d.extend_from_slice(&nodes.to_le_bytes());
     d.push(o.block_log2());
-    d.extend_from_slice(&[0u8; 7]);
+    match o.fsdp {
+        None => d.extend_from_slice(&[0, 0]),
+        Some(f) => d.extend_from_slice(&[1 | (f.per_parameter as u8) << 1, f.residual_bits]),
+    }
+    d.extend_from_slice(&[0u8; 5]);
     debug_assert_eq!(d.len(), DESCRIPTOR_LEN);
     d
 }
@@ -369,10 +398,18 @@ pub(crate) fn describe(d: &[u8]) -> String {
         b if b < 64 => format!("{}", 1u64 << b),
         b => format!("2^{b}?"),
     };
+    let fsdp = match d[57] {
+        0 => "no".to_string(),
+        f => format!(
+            "per-parameter scales {}, {}-bit residuals",
+            if f & 2 != 0 { "on" } else { "off" },
+            d[58]
+        ),
+    };
     format!(
         "{bound}={:e}, error feedback {}, algorithm {algorithm}, fallback {fallback}, \
          warm-up {} steps, min_compress_numel {}, {} ranks, token {:#x}, topology \
-         {topology} ({planned}), nodes {:#x}, coder {coder}, block {block}",
+         {topology} ({planned}), nodes {:#x}, coder {coder}, block {block}, fsdp {fsdp}",
         f64::from_bits(u64_at(8).unwrap_or(0)),
         if d[2] != 0 { "on" } else { "off" },
         u32_at(20).unwrap_or(0),
@@ -423,7 +460,7 @@ mod tests {
             "ranks that write their codes differently must disagree"
         );
         assert!(
-            describe(&rice).ends_with("coder rice, block none"),
+            describe(&rice).ends_with("coder rice, block none, fsdp no"),
             "{}",
             describe(&rice)
         );
@@ -431,9 +468,25 @@ mod tests {
         let blocks = descriptor(&o, 4, 7, 0, false);
         assert_ne!(blocks, rice, "ranks with other block scales must disagree");
         assert!(
-            describe(&blocks).ends_with("block 256"),
+            describe(&blocks).ends_with("block 256, fsdp no"),
             "{}",
             describe(&blocks)
+        );
+        // cfc.fsdp's options: each of them set apart ranks
+        let mut seen = vec![blocks];
+        for (per_parameter, residual_bits) in [(true, 32), (false, 32), (false, 4)] {
+            o.fsdp = Some(FsdpOptions {
+                per_parameter,
+                residual_bits,
+            });
+            let d = descriptor(&o, 4, 7, 0, false);
+            assert!(!seen.contains(&d), "{per_parameter} {residual_bits}");
+            seen.push(d);
+        }
+        assert!(
+            describe(&seen[3]).ends_with("fsdp per-parameter scales off, 4-bit residuals"),
+            "{}",
+            describe(&seen[3])
         );
     }
 
@@ -447,6 +500,12 @@ mod tests {
         assert!(o.check().is_err());
         o.fallback = Fallback::Auto { trial_steps: 2 };
         assert!(o.check().is_ok());
+        o.fsdp = Some(FsdpOptions {
+            per_parameter: false,
+            residual_bits: 8,
+        });
+        assert!(o.check().unwrap_err().to_string().contains("residual_bits"));
+        o.fsdp = None;
         // a timeout whose double would overflow a wait is refused, not a panic later
         o.timeout = Duration::from_secs(u64::MAX / 2);
         assert!(o.check().unwrap_err().to_string().contains("30 days"));

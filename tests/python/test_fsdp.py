@@ -418,12 +418,17 @@ def fallback(rank, world, out):
 
 
 def mismatch(rank, world, out):
-    """Ranks with different options all raise, naming both, before any gradient moves."""
+    """Ranks with different options all raise, naming both, before any gradient moves; so do
+    ranks that gave cfc.fsdp.register different options of its own."""
     model, _, _ = make(CfcState(rms=0.3 if rank == 0 else 0.1, warmup_steps=0))
     t0 = time.monotonic()
     with pytest.raises(cfc.CfcError, match="rms=3e-1.*rms=1e-1"):
         loss_of(model, rank, 0).backward()
     assert time.monotonic() - t0 < 30
+    model, _, state = make(CfcState(warmup_steps=0), residual_bits=4 if rank == 0 else 32)
+    assert state.options.fsdp == cfc.ddp.options.FsdpOptions(per_parameter=True, residual_bits=4 if rank == 0 else 32)
+    with pytest.raises(cfc.CfcError, match="4-bit residuals.*32-bit residuals"):
+        loss_of(model, rank, 0).backward()
 
 
 def failures(rank, world, out):
@@ -515,6 +520,15 @@ def resume(rank, world, out):
             got = train(model2, opt2, rank, 2, start=before)
             return got, [p.to_local() for p in model2.parameters()]
 
+        if reg:
+            # cfc.fsdp's own options are recorded, and compared, with the others
+            _, _, other = make(CfcState(warmup_steps=0, **kw), sgd=True)
+            with pytest.raises(ValueError, match="'residual_bits': 4"):
+                other.load_state_dict(saved)
+            # (a state saved before they were recorded loads)
+            older = {**saved, "options": {k: v for k, v in saved["options"].items() if k != "fsdp"}}
+            _, _, same = make(CfcState(warmup_steps=0, **kw), sgd=True, **reg)
+            same.load_state_dict(older)
         got, params = resumed(True)
         assert got == want, (kw, reg, compress_all)
         assert all(torch.equal(a, b) for a, b in zip(want_params, params)), (kw, reg, compress_all)

@@ -183,6 +183,9 @@ class Engine:
         min_compress_numel: int,
         timeout: float,
         topology: str = "auto",
+        coder: str = "planes",
+        block: int = 0,
+        fsdp: Optional[Tuple[bool, int]] = None,
         nodes: Optional[List[str]] = None,
         agree_token: int = 0,
     ) -> None: ...

@@ -96,8 +96,8 @@ def parse_state(sd: Mapping, options: Options, rank: int, world: int) -> Dict[st
             f"this state was saved by rank {saved_rank} of {saved_world}; this is rank {rank} of {world} "
             "(each rank loads its own)"
         )
-    # (a state saved before block scales existed had none)
-    saved = {"block": 0, **dict(_mapping(sd, "options"))}
+    # (states saved before a field existed: "block" was 0, and "fsdp" was not recorded)
+    saved = {"block": 0, "fsdp": options.saved()["fsdp"], **dict(_mapping(sd, "options"))}
     if saved != options.saved():
         raise ValueError(f"this state was saved with {saved}; these options are {options.saved()}")
     residuals = {}

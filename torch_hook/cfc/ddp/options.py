@@ -47,6 +47,16 @@ def _default_timeout() -> float:
 
 
 @dataclasses.dataclass(frozen=True)
+class FsdpOptions:
+    """The options of :mod:`cfc.fsdp`'s calls (see :func:`cfc.fsdp.register`), set on a state
+    by ``cfc.fsdp``: the engine agrees them between ranks with the others, and checkpoints
+    record them."""
+
+    per_parameter: bool = False  # per-parameter scales (cfc.fsdp.param_scales) in use
+    residual_bits: int = 32  # residuals kept between calls as float32 (32) or packed (4)
+
+
+@dataclasses.dataclass(frozen=True)
 class Options:
     """Checked options (see :class:`cfc.CfcState` for their meaning)."""
 
@@ -63,6 +73,7 @@ class Options:
     block: int = 0
     timeout: float = DEFAULT_TIMEOUT
     log_every: int = 0
+    fsdp: Optional[FsdpOptions] = None  # set by cfc.fsdp for the states it runs on
 
     @classmethod
     def parse(
@@ -153,6 +164,7 @@ class Options:
             "algorithm": self.algorithm, "fallback": self.fallback, "trial_steps": self.trial_steps,
             "warmup_steps": self.warmup_steps, "min_compress_numel": self.min_compress_numel,
             "topology": self.topology, "coder": self.coder, "block": self.block, "timeout": self.timeout,
+            "fsdp": None if self.fsdp is None else (self.fsdp.per_parameter, self.fsdp.residual_bits),
         }
 
     def saved(self) -> Dict[str, Any]:

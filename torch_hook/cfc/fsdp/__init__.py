@@ -55,6 +55,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from typing import Any, List, Optional
@@ -63,6 +64,7 @@ from cfc import _engine
 from cfc.fsdp import packed_residuals, param_scales, step_check
 from cfc.fsdp.state import FsdpState
 from cfc.ddp.hook import _compressible, _fail
+from cfc.ddp.options import FsdpOptions
 from cfc.ddp.residuals import fingerprint
 from cfc.ddp.state import CfcState
 
@@ -141,6 +143,10 @@ def register(model: Any, state: Optional[CfcState] = None, *, replicas: Optional
             one group lives during its call), losing at most a fourteenth of each 256 values'
             largest per step (see ``cfc.fsdp.packed_residuals``).
 
+    Those two join the state's options (``state.options.fsdp``, with ``per_parameter`` false
+    under block scales, which take its place): the ranks agree them when the engine opens and
+    checkpoints record them, like the others.
+
     Reduce-scatters cfc does not compress go through torch's own, uncompressed, after a log
     line: groups of a dtype other than float32, bfloat16 and float16, and the pre-multiplied
     sums FSDP asks for after ``set_gradient_divide_factor`` with a factor other than the
@@ -176,15 +182,17 @@ def register(model: Any, state: Optional[CfcState] = None, *, replicas: Optional
     if state.process_group is None and groups:
         # FSDP's shard group, known now: a checkpoint loaded before the first backward binds to it.
         state.process_group = getattr(getattr(groups[0], "mesh_info", None), "shard_process_group", None)
+    # (block scales take the place of per-parameter scales)
+    fsdp = FsdpOptions(per_parameter=bool(per_parameter) and not state.options.block, residual_bits=residual_bits)
     for s in (state, replicas):
         if s is not None:
+            _make_part(s, fsdp, checks_steps=s is state)
             s._residuals.keep_unseen = True  # one group per step: every residual lives on
-            s._fsdp = FsdpState(s.options, residual_bits, checks_steps=s is state)
             s._residuals.held_elsewhere = functools.partial(_saved_packed, s)
     for key, m in enumerate(modules):
         m.set_custom_reduce_scatter(CfcReduceScatter(state, key))
         # (its layout is read at each call: FSDP settles it at its lazy init, after this)
-        state._fsdp.groups[key] = _param_group(m) if per_parameter and not state.options.block else None
+        state._fsdp.groups[key] = _param_group(m) if fsdp.per_parameter else None
         if replicas is not None:
             m.set_all_reduce_hook(functools.partial(average_replicas, replicas, key, state))
             replicas._fsdp.groups[key] = state._fsdp.groups[key]
@@ -221,8 +229,18 @@ def _part(state: CfcState) -> FsdpState:
     :class:`CfcReduceScatter` made without it (float32 residuals, the step check of its
     options)."""
     if state._fsdp is None:
-        state._fsdp = FsdpState(state.options, 32, checks_steps=True)
+        _make_part(state, FsdpOptions(), checks_steps=True)
     return state._fsdp
+
+
+def _make_part(state: CfcState, fsdp: FsdpOptions, checks_steps: bool) -> None:
+    """Gives ``state`` its FSDP part, and its options cfc.fsdp's (agreed between the ranks
+    when the engine opens, and recorded in checkpoints)."""
+    if state._engine is not None and state.options.fsdp != fsdp:
+        raise ValueError("this CfcState's engine is already open without these cfc.fsdp options: "
+                         "give cfc.fsdp.register a state not used elsewhere")
+    state.options = dataclasses.replace(state.options, fsdp=fsdp)
+    state._fsdp = FsdpState(state.options, checks_steps=checks_steps)
 
 
 def _scale_of(op: Any) -> Any:

@@ -16,18 +16,19 @@ class FsdpState:
     """One state's FSDP part.
 
     Args:
-        options: the state's options (``cfc.ddp.options.Options``).
-        residual_bits: 32 (float32 residuals) or 4 (:mod:`cfc.fsdp.packed_residuals`).
+        options: the state's options (``cfc.ddp.options.Options``), their ``fsdp`` part set:
+            its ``residual_bits`` are 32 (float32 residuals) or 4
+            (:mod:`cfc.fsdp.packed_residuals`).
         checks_steps: whether ``fallback="auto"``'s choice is checked over whole steps
             (:mod:`cfc.fsdp.step_check`): the reduce-scatters' state, not the replicas'.
     """
 
-    def __init__(self, options: Any, residual_bits: int, checks_steps: bool):
+    def __init__(self, options: Any, checks_steps: bool):
         # per-parameter scales (cfc.fsdp.param_scales): each key's FSDP parameter group (None:
         # not scaled), and the groups whose input did not match their layout (logged once)
         self.groups: Dict[int, Any] = {}
         self.unscaled: set = set()
-        self.residual_bits = residual_bits
+        self.residual_bits = options.fsdp.residual_bits
         self.packed: Dict[int, Any] = {}  # residuals kept in 4 bits between calls, by key
         # groups sent plainly without the engine (cfc.fsdp._direct): the keys the trial chose
         # plain, the keys whose residual went out with them, and their counts
