@@ -29,6 +29,7 @@ pub mod nccl;
 
 // The codec's modules, at the crate's root as well: `cfc::format` and `cfc::lossless` are part
 // of the API, and the rest of the crate names them from there.
+pub use codec::bounded::{MAX_EPS, MIN_EPS};
 use codec::{bitplane, element, feedback, sum};
 pub use codec::{format, lossless, scales};
 

@@ -548,12 +548,21 @@ fn env_node() -> Option<String> {
 /// Adds the engine's classes to the module.
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Listener>()?;
-    // (the one definition of these limits: cfc::engine::options)
+    // (the one definition of these limits: cfc::engine::options, the codec's bound check and
+    // block scales)
     m.add(
         "TIMEOUT_RANGE",
         (
             cfc::engine::options::MIN_TIMEOUT.as_secs_f64(),
             cfc::engine::options::MAX_TIMEOUT.as_secs_f64(),
+        ),
+    )?;
+    m.add("EPS_RANGE", (cfc::MIN_EPS, cfc::MAX_EPS))?;
+    m.add(
+        "BLOCK_RANGE",
+        (
+            1u64 << cfc::scales::MIN_BLOCK_LOG2,
+            1u64 << cfc::scales::MAX_BLOCK_LOG2,
         ),
     )?;
     m.add_class::<Engine>()?;

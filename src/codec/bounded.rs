@@ -244,6 +244,14 @@ fn max_finite_abs<T: Element>(data: &[T]) -> f64 {
         .fold(0.0, f64::max)
 }
 
+/// The smallest absolute bound the codec takes: the smallest normal f64. (The one definition of
+/// the range: the engine's options and the Python package, through `cfc._native.EPS_RANGE`,
+/// read these two.)
+pub const MIN_EPS: f64 = f64::MIN_POSITIVE;
+/// The largest absolute bound the codec takes: a quarter of the largest f64, so that a step of
+/// `2 eps` and its sums stay finite.
+pub const MAX_EPS: f64 = f64::MAX / 4.0;
+
 /// Checks an absolute bound (given, or derived from `rel`).
 pub(crate) fn check_abs_bound(eps: f64, what: &'static str) -> Result<()> {
     let bad = |reason: &str| Error::InvalidBound {
@@ -256,7 +264,7 @@ pub(crate) fn check_abs_bound(eps: f64, what: &'static str) -> Result<()> {
     if eps <= 0.0 {
         return Err(bad("must be positive"));
     }
-    if !(f64::MIN_POSITIVE..=f64::MAX / 4.0).contains(&eps) {
+    if !(MIN_EPS..=MAX_EPS).contains(&eps) {
         return Err(bad("is outside the usable range of f64"));
     }
     Ok(())

@@ -69,10 +69,7 @@ impl BoundRule {
     }
 }
 
-/// The smallest and largest absolute bounds the codec takes (normal f64 values, up to a quarter
-/// of the largest, so that a step of `2 eps` and its sums stay finite).
-pub(crate) const MIN_EPS: f64 = f64::MIN_POSITIVE;
-pub(crate) const MAX_EPS: f64 = f64::MAX / 4.0;
+pub(crate) use crate::codec::bounded::{MAX_EPS, MIN_EPS};
 
 /// How a compressed bucket moves between the ranks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -568,6 +568,21 @@ def test_state_options_are_checked():
     ]:
         with pytest.raises(ValueError, match=match):
             CfcState(**bad)
+    # the limits are the core's: the largest eps a state takes, the codec takes, and no more
+    import math
+
+    from cfc.ddp.options import BLOCK_RANGE, EPS_MAX, EPS_MIN
+
+    x = torch.randn(100)
+    for eps in (EPS_MIN, EPS_MAX):
+        CfcState(eps=eps)
+        cfc.compress(x, eps=eps)
+    for eps in (EPS_MIN / 2, math.nextafter(EPS_MAX, math.inf)):
+        with pytest.raises(ValueError, match="between"):
+            CfcState(eps=eps)
+        with pytest.raises(Exception, match="usable range"):
+            cfc.compress(x, eps=eps)
+    assert BLOCK_RANGE == (32, 1 << 24) and CfcState(rms=0.3, block=1 << 24).block == 1 << 24
     assert CfcState(rms=0.3, block=256).block == 256 and "block=256" in repr(CfcState(rms=0.3, block=256))
     # block scales change the values: a checkpoint records them
     assert CfcState(rms=0.3, block=256).options.saved()["block"] == 256

@@ -156,6 +156,8 @@ def cuda_lossless_chunks(
 ) -> None: ...
 
 TIMEOUT_RANGE: Tuple[float, float]
+EPS_RANGE: Tuple[float, float]
+BLOCK_RANGE: Tuple[int, int]
 
 class Listener:
     def __init__(self, one_host: bool) -> None: ...

@@ -27,11 +27,12 @@ ALGORITHMS = ("all-gather", "reduce-scatter")
 FALLBACKS = ("never", "auto", "always")
 TOPOLOGIES = ("auto", "flat", "two-level")
 CODERS = ("planes", "rice")
-# Block scales (``block=``): elements per block, a power of two in this range, or 0 for none.
-BLOCK_RANGE = (32, 1 << 24)
-# The absolute bounds the codec accepts (src/codec/bounded.rs, check_abs_bound): normal float64 values
-# up to a quarter of the largest, so that a step of 2 eps and its sums stay finite.
-EPS_MIN, EPS_MAX = 2.2250738585072014e-308, 1.7976931348623157e308 / 4
+# Block scales (``block=``): elements per block, a power of two in this range, or 0 for none
+# (defined by the core: cfc::scales).
+BLOCK_RANGE = _native.BLOCK_RANGE
+# The absolute bounds the codec accepts (defined by the core: cfc::MIN_EPS, cfc::MAX_EPS): normal
+# float64 values up to a quarter of the largest, so that a step of 2 eps and its sums stay finite.
+EPS_MIN, EPS_MAX = _native.EPS_RANGE
 # How long any wait for a peer lasts before the engine fails, unless `timeout=` or CFC_TIMEOUT says.
 DEFAULT_TIMEOUT = 300.0
 # The timeouts the engine takes, in seconds (defined in cfc::engine::options).
