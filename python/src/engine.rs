@@ -7,12 +7,13 @@ use pyo3::types::{PyBytes, PyDict};
 use std::sync::{Arc, Mutex};
 
 use crate::codec::dtype_of;
+use crate::engine_state;
 use crate::error::{to_py, CfcError};
 use cfc::engine::topology::node_indices;
 use cfc::engine::transport::tcp::{Credentials, Listener as TcpListener, Reach, Shape, TcpLinks};
 use cfc::engine::{
-    Algorithm, BoundRule, BucketState, Engine as CoreEngine, EngineState, Fallback, Fault,
-    FsdpOptions, Job, Op, Options, Scale, Tensor, Topology,
+    Algorithm, BoundRule, Engine as CoreEngine, Fallback, Fault, FsdpOptions, Job, Op, Options,
+    Scale, Tensor, Topology,
 };
 
 /// A bound TCP port for the engine's links: made first, its addresses published to the other
@@ -414,71 +415,13 @@ impl Engine {
     fn state<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let engine = self.live()?;
         let s = py.detach(|| engine.state()).map_err(to_py)?;
-        let d = PyDict::new(py);
-        d.set_item("step", s.step)?;
-        d.set_item("origin", s.origin)?;
-        let buckets = s
-            .buckets
-            .iter()
-            .map(|b| {
-                let e = PyDict::new(py);
-                e.set_item("key", b.key)?;
-                e.set_item("fingerprint", b.fingerprint)?;
-                e.set_item("numel", b.numel)?;
-                e.set_item("stats", b.stats)?;
-                e.set_item("decision", b.decision)?;
-                e.set_item("trial_plain", b.trial_plain.clone())?;
-                e.set_item("trial_compressed", b.trial_compressed.clone())?;
-                e.set_item(
-                    "exponents",
-                    b.exponents.as_ref().map(|x| PyBytes::new(py, x)),
-                )?;
-                Ok(e)
-            })
-            .collect::<PyResult<Vec<_>>>()?;
-        d.set_item("buckets", buckets)?;
-        d.set_item("levels", s.levels)?;
-        Ok(d)
+        engine_state::write(py, &s)
     }
 
-    /// Replaces the engine's state with what `state` gave (checked by the Python package).
-    fn load_state(&self, py: Python<'_>, state: &Bound<'_, PyDict>) -> PyResult<()> {
-        let get = |k: &str| -> PyResult<Bound<'_, PyAny>> {
-            state
-                .get_item(k)?
-                .ok_or_else(|| PyValueError::new_err(format!("an engine state without {k:?}")))
-        };
-        let step: u64 = get("step")?.extract()?;
-        let origin: u64 = get("origin")?.extract()?;
-        let mut buckets = Vec::new();
-        for b in get("buckets")?.try_iter()? {
-            let b = b?;
-            let field = |k: &str| b.get_item(k);
-            buckets.push(BucketState {
-                key: field("key")?.extract()?,
-                fingerprint: field("fingerprint")?.extract()?,
-                numel: field("numel")?.extract()?,
-                stats: field("stats")?.extract()?,
-                decision: field("decision")?.extract()?,
-                trial_plain: field("trial_plain")?.extract()?,
-                trial_compressed: field("trial_compressed")?.extract()?,
-                // (a state saved before block scales existed has none)
-                exponents: match b.get_item("exponents") {
-                    Ok(x) if !x.is_none() => Some(x.extract::<Vec<u8>>()?),
-                    _ => None,
-                },
-            });
-        }
-        let levels: Option<(u64, u64)> = match state.get_item("levels")? {
-            Some(l) => l.extract()?,
-            None => None,
-        };
-        let s = EngineState {
-            step,
-            origin,
-            buckets,
-            levels,
-        };
+    /// Replaces the engine's state with `state` (as `state` wrote it; every field checked
+    /// first: `ValueError` naming a bad one).
+    fn load_state(&self, py: Python<'_>, state: &Bound<'_, PyAny>) -> PyResult<()> {
+        let s = engine_state::read(state)?;
         let engine = self.live()?;
         py.detach(|| engine.load_state(s)).map_err(to_py)
     }
@@ -566,6 +509,7 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
         ),
     )?;
     m.add_class::<Engine>()?;
+    m.add_function(wrap_pyfunction!(engine_state::parse_engine_state, m)?)?;
     m.add_function(wrap_pyfunction!(settle_dropped_engines, m)?)?;
     m.add_function(wrap_pyfunction!(env_timeout, m)?)?;
     m.add_function(wrap_pyfunction!(env_node, m)?)?;

@@ -15,6 +15,7 @@ use pyo3::prelude::*;
 mod codec;
 mod cuda;
 mod engine;
+mod engine_state;
 mod error;
 use error::{CfcError, FormatError};
 

@@ -631,6 +631,18 @@ def test_a_state_dict_that_is_not_one_is_refused_and_changes_nothing(tmp_path):
             (dict(good, engine=dict(good["engine"], origin=good["engine"]["step"] + 1)), "past its step"),
             (dict(good, engine=dict(good["engine"], buckets=[dict(b, decision="yes") for b in good["engine"]["buckets"]]
                                     or [{"key": 0, "fingerprint": 1, "numel": 1, "decision": "yes"}])), "decision"),
+            # the engine's part, read by the core (python/src/engine_state.rs)
+            (dict(good, engine={"step": 1, "origin": 0}), "no buckets"),
+            (dict(good, engine={"step": 1, "origin": 0, "buckets": [{"key": True, "fingerprint": 1, "numel": 1}]}),
+             "bucket key"),
+            (dict(good, engine={"step": 1, "origin": 0, "buckets": [{"key": 0, "fingerprint": 1, "numel": 1,
+                                                                     "exponents": b"\x03\xff"}]}), "exponents"),
+            (dict(good, engine={"step": 1, "origin": 0, "buckets": [{"key": 0, "fingerprint": 1, "numel": 1,
+                                                                     "stats": [1.0]}]}), "statistics"),
+            (dict(good, engine={"step": 1, "origin": 0, "buckets": [{"key": 0, "fingerprint": 1, "numel": 1,
+                                                                     "trial_plain": ["0.1"]}]}), "trial time"),
+            (dict(good, engine={"step": 1, "origin": 0, "buckets": [], "levels": [2, 2, 2]}), "levels"),
+            (dict(good, engine=[1, 2]), "engine"),
         ]
         for sd, match in bad:
             with pytest.raises(ValueError, match=match):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any, Dict, Mapping, Sequence
 
+from cfc import _native
 from cfc.ddp.options import Options
 
 # 4: the engine's state (per-bucket statistics and choices) in one field
@@ -41,45 +42,10 @@ def _mapping(sd: Mapping, name: str) -> Mapping:
     return value
 
 
-def _engine_state(e: Mapping) -> Dict[str, Any]:
-    """The engine's part, checked: what ``_native.Engine.load_state`` takes."""
-    buckets = []
-    for b in _sequence(e.get("buckets"), "the engine's buckets"):
-        if not isinstance(b, Mapping):
-            raise ValueError(f"not a cfc_hook state: an engine bucket is {b!r}")
-        stats = b.get("stats")
-        if stats is not None:
-            stats = tuple(_number(x, "a bucket's statistics") for x in _sequence(stats, "statistics"))
-            if len(stats) != 2:
-                raise ValueError("not a cfc_hook state: a bucket's statistics are not (sum of squares, max)")
-        decision = b.get("decision")
-        if decision is not None and not isinstance(decision, bool):
-            raise ValueError(f"not a cfc_hook state: a bucket's decision is {decision!r}")
-        exponents = b.get("exponents")  # block scales' (none in a state saved before them)
-        if exponents is not None:
-            if not isinstance(exponents, (bytes, bytearray)) or max(exponents, default=0) > 254:
-                raise ValueError("not a cfc_hook state: a bucket's block exponents are not bytes of 0 to 254")
-            exponents = bytes(exponents)
-        buckets.append({
-            "key": _count(b.get("key"), "a bucket key"),
-            "fingerprint": _count(b.get("fingerprint"), "a bucket fingerprint"),
-            "numel": _count(b.get("numel"), "a bucket's size"),
-            "stats": stats,
-            "decision": decision,
-            "trial_plain": [_number(t, "a trial time") for t in _sequence(b.get("trial_plain", []), "trial times")],
-            "trial_compressed": [_number(t, "a trial time")
-                                 for t in _sequence(b.get("trial_compressed", []), "trial times")],
-            "exponents": exponents,
-        })
-    step, origin = _count(e.get("step"), "the engine's step"), _count(e.get("origin"), "the engine's origin")
-    if origin > step:
-        raise ValueError(f"not a cfc_hook state: the engine's origin {origin} is past its step {step}")
-    levels = e.get("levels")
-    if levels is not None:
-        levels = tuple(_count(x, "the engine's levels") for x in _sequence(levels, "the engine's levels"))
-        if len(levels) != 2:
-            raise ValueError(f"not a cfc_hook state: the engine's levels are {levels!r}, not (nodes, ranks per node)")
-    return {"step": step, "origin": origin, "buckets": buckets, "levels": levels}
+def _engine_state(e: Any) -> Dict[str, Any]:
+    """The engine's part, checked by the core (its one reader and writer:
+    ``python/src/engine_state.rs``), as ``_native.Engine.load_state`` takes it."""
+    return _native.parse_engine_state(e)
 
 
 def parse_state(sd: Mapping, options: Options, rank: int, world: int) -> Dict[str, Any]:
