@@ -428,7 +428,9 @@ def main() -> None:
                    help="comma-separated; the first is the reference")
     p.add_argument("--seeds", type=int, default=5)
     p.add_argument("--steps", type=int, default=600)
-    p.add_argument("--lr", type=float, default=2e-3, help="lm: the peak learning rate")
+    p.add_argument("--lr", type=float, default=2e-3,
+                   help="lm and gpt2: the peak learning rate (gpt2 at 2e-3 over 600 steps: plain's seeds end 27%% "
+                        "apart, too far to rank ways; 6e-4 kept them within 1.3%%: docs/performance.md)")
     p.add_argument("--conv-lr", type=float, default=3e-4, help="conv: the peak learning rate")
     p.add_argument("--clip", type=float, default=1.0, help="clip the gradient norm at this (0: no clipping)")
     p.add_argument("--schedule", choices=("cosine", "constant"), default="cosine")
