@@ -331,6 +331,10 @@ class CfcState:
     def stats(self) -> Dict[str, float]:
         """Counters since the start (or :meth:`reset_stats`), as a plain dict.
 
+        A *bucket* here is what the state reduces in one go: one of DDP's gradient buckets, one
+        call of :mod:`cfc.fsdp` (an FSDP group's reduce-scatter in one backward pass, or its
+        replicas' average), or one chunk of an :class:`cfc.distributed.AllReducer` call.
+
         * ``step``: completed steps;
         * ``compressed_buckets`` / ``plain_buckets``: buckets each way;
         * ``bytes_sent``: bytes this rank sent; ``bytes_uncompressed``: what a plain ring
