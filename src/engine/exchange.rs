@@ -27,7 +27,7 @@ use super::backend::{Backend, FrameKind, Lane, Memory};
 use super::job::{Job, Op, Region};
 use super::levels::Outer;
 use super::options::Algorithm;
-use super::rows::{self, round16, Head, Slot, CHECK_AT, HEAD, SIZE_AT, STATS_AT};
+use super::rows::{self, round16, Head, CHECK_AT, HEAD, SIZE_AT, STATS_AT};
 use super::tails::{Frames, Pairs};
 use super::transport::Transport;
 use super::worker::Worker;
@@ -456,11 +456,7 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
             self.be.free(a.shifts);
         }
         self.be.join(Lane::Comm, Lane::Compute)?;
-        let (send_slots, recv_slots): (Vec<u64>, Vec<u64>) = {
-            let b = self.bucket(c.job.key)?;
-            let bytes = |s: &[Slot]| s.iter().map(|s| s.bytes).collect();
-            (bytes(&b.send_slots), bytes(&b.recv_slots))
-        };
+        let (send_slots, recv_slots) = self.bucket(c.job.key)?.pair_slots();
         let rstride = lead + recv_slots.iter().copied().max().unwrap_or(0);
         let recv = self.alloc(w * rstride)?;
         let r = recv.region().sub(0, w * rstride)?;
@@ -572,11 +568,7 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
             .filter(|&j| j != me)
             .map(|j| own[j].size)
             .sum::<u64>();
-        let (send_slots, recv_slots): (Vec<u64>, Vec<u64>) = {
-            let b = self.bucket(c.job.key)?;
-            let bytes = |s: &[Slot]| s.iter().map(|s| s.bytes).collect();
-            (bytes(&b.send_slots), bytes(&b.recv_slots))
-        };
+        let (send_slots, recv_slots) = self.bucket(c.job.key)?.pair_slots();
         let slots_out: Vec<u64> = (0..world).map(|j| send_slots[j].min(caps[j])).collect();
         c.sent.slack += (0..world)
             .filter(|&j| j != me)

@@ -40,6 +40,13 @@ pub(crate) struct Bucket {
 }
 
 impl Bucket {
+    /// The frame bytes of the slots of the exchange of shards: what this rank sends to each
+    /// rank, and receives from each.
+    pub fn pair_slots(&self) -> (Vec<u64>, Vec<u64>) {
+        let bytes = |s: &[Slot]| s.iter().map(|s| s.bytes).collect();
+        (bytes(&self.send_slots), bytes(&self.recv_slots))
+    }
+
     pub fn new(identity: (u64, u64, DType, u8), world: usize) -> Bucket {
         Bucket {
             identity,
