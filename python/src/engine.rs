@@ -347,6 +347,21 @@ impl Engine {
         py.detach(|| engine.wait(stream)).map_err(to_py)
     }
 
+    /// Orders `stream` after the results of every job submitted so far without closing the
+    /// step (see `cfc::engine::Engine::order`): on a GPU it returns at once, the stream waiting
+    /// on the device; on the CPU it waits. Returns the order's number (see `queued`); raises
+    /// the failure of any rank known so far. The step's outcome comes with `end_step` or `wait`.
+    fn order(&self, py: Python<'_>, stream: u64) -> PyResult<u64> {
+        let engine = self.live()?;
+        py.detach(|| engine.order(stream)).map_err(to_py)
+    }
+
+    /// The latest order whose jobs' work is queued on the device: the memory of those jobs may
+    /// then go back to an allocator that orders its reuse after the order's stream.
+    fn queued(&self) -> PyResult<u64> {
+        Ok(self.live()?.queued())
+    }
+
     /// Closes the step without a job of its own (see `cfc::engine::Engine::end_step`); raises
     /// the failure of any rank.
     fn end_step(&self, py: Python<'_>) -> PyResult<()> {

@@ -79,6 +79,9 @@ pub(crate) enum Msg {
     Flush,
     EndStep,
     Agree(u64),
+    /// The jobs so far finished on the comm thread, then the gate raised to this count (see
+    /// [`Engine::order`]).
+    Order(u64),
     /// Every rank's bytes, in rank order, to every rank (see [`Engine::gather`]).
     Gather(Vec<u8>, Sender<Vec<Vec<u8>>>),
     Reset,
@@ -107,6 +110,9 @@ impl Msg {
 
 /// What a caller's stream waits on after a close (an event on the GPU; nothing on the CPU).
 pub(crate) type Done = Box<dyn Fn(u64) -> Result<()> + Send + Sync>;
+/// What queues on a caller's stream (a `CUstream`) a wait until the engine's gate reaches a
+/// count (see [`Engine::order`]).
+pub(crate) type HoldFn = Arc<dyn Fn(u64, u64) -> Result<()> + Send + Sync>;
 /// What a submission records for the engine to wait on (an event on the caller's stream).
 pub(crate) type ReadyFn = Arc<dyn Fn(u64) -> Result<Box<dyn Any + Send>> + Send + Sync>;
 
@@ -163,6 +169,10 @@ struct Progress {
     /// run (see [`Engine::settled`]).
     stranded: bool,
     done: Option<Arc<Done>>,
+    /// The latest order whose jobs' work is queued (see [`Engine::order`]), and what a
+    /// caller's stream waits on for it where the backend has no gate.
+    queued: u64,
+    queued_done: Option<Arc<Done>>,
 }
 
 impl Progress {
@@ -189,6 +199,8 @@ impl Shared {
                 dead: false,
                 stranded: false,
                 done: None,
+                queued: 0,
+                queued_done: None,
             }),
             cv: Condvar::new(),
             stats: Mutex::new(Stats::default()),
@@ -225,6 +237,14 @@ impl Shared {
         if let Some(d) = done {
             p.done = Some(Arc::new(d));
         }
+        self.cv.notify_all();
+    }
+
+    /// The jobs before order `at` are queued on the device (see [`Engine::order`]).
+    pub(crate) fn note_queued(&self, at: u64, done: Done) {
+        let mut p = self.progress();
+        p.queued = at;
+        p.queued_done = Some(Arc::new(done));
         self.cv.notify_all();
     }
 
@@ -314,6 +334,11 @@ pub struct Engine {
     shared: Arc<Shared>,
     control: Arc<Control>,
     ready: ReadyFn,
+    /// Where callers' streams wait for ordered jobs on the device (`None`: on the host).
+    hold: Option<HoldFn>,
+    /// Orders made so far (see [`Engine::order`]); held while one is handed over, so that
+    /// orders reach the comm thread in their numbers' order.
+    orders: Mutex<u64>,
     rank: usize,
     world: usize,
     options: Options,
@@ -383,6 +408,7 @@ impl Engine {
         };
         let control = tr.control().clone();
         let ready = be.ready_maker();
+        let hold = be.hold_maker();
         let shared = Shared::new();
         let (tx, rx) = crossbeam_channel::unbounded();
         let worker = worker::Worker::new(
@@ -417,6 +443,8 @@ impl Engine {
             shared,
             control,
             ready,
+            hold,
+            orders: Mutex::new(0),
             rank,
             world,
             options,
@@ -543,6 +571,66 @@ impl Engine {
         }
     }
 
+    /// Orders `stream` (a `CUstream`; ignored on the CPU) after the results of every job
+    /// submitted so far, without closing the step: for callers that must hand each job's result
+    /// on before the step ends (FSDP2's reduce-scatters). On a CUDA engine it returns at once:
+    /// the comm thread finishes the jobs' exchange (their decoding queued), then raises its
+    /// gate, on the device, where the stream waits (`backend/gate.rs`). Without a gate (the
+    /// CPU, or a device that cannot wait on values in a stream) it waits on the host until the
+    /// comm thread is that far, then orders the stream after the results.
+    ///
+    /// The outcome (success, or the failure of any rank, a frame some rank could not decode
+    /// included) is reported by the next [`Engine::wait`] or [`Engine::end_step`], on every
+    /// rank: what the stream computes from the results before then may come from a step that
+    /// fails. A stream waiting at the gate of an engine that fails goes on once the engine's
+    /// device has drained.
+    ///
+    /// Returns the order's number: once [`Engine::queued`] reaches it, the jobs' work is queued
+    /// on the device, so that memory they use, given back to an allocator that orders its reuse
+    /// after `stream`, is safe to give back.
+    ///
+    /// # Errors
+    /// The failure of any rank, raised so far; device errors (this rank then fails);
+    /// [`Error::Timeout`] as for [`Engine::wait`] where it waits on the host.
+    pub fn order(&self, stream: u64) -> Result<u64> {
+        if let Some(f) = self.control.failure() {
+            return Err(f.error());
+        }
+        let at = {
+            let mut n = self.orders.lock().unwrap_or_else(|e| e.into_inner());
+            *n += 1;
+            self.send(Msg::Order(*n))?;
+            *n
+        };
+        match &self.hold {
+            Some(hold) => {
+                if let Err(e) = hold(stream, at) {
+                    self.fail(&e.to_string());
+                    return Err(e);
+                }
+            }
+            None => {
+                // (a failure ends the wait: a failed comm thread queues nothing more)
+                self.wait_until(|p| p.queued >= at || p.failure.is_some())?;
+                let p = self.shared.progress();
+                if p.queued < at {
+                    return Err(self.failure_of(&p));
+                }
+                let done = p.queued_done.clone();
+                drop(p);
+                if let Some(d) = done {
+                    d(stream)?;
+                }
+            }
+        }
+        Ok(at)
+    }
+
+    /// The latest order (see [`Engine::order`]) whose jobs' work is queued on the device.
+    pub fn queued(&self) -> u64 {
+        self.shared.progress().queued
+    }
+
     /// Closes the step without a job of its own: for callers that learn where a step ends only
     /// after its last job (FSDP2 runs one group per call, [`Engine::wait`]ing for each, and
     /// ends the step when the backward pass does). The warm-up and the trial count such steps.
@@ -565,6 +653,18 @@ impl Engine {
     }
 
     fn wait_for(&self, want: u64) -> Result<()> {
+        self.wait_until(|p| p.published >= want)?;
+        let p = self.shared.progress();
+        if p.succeeded(want) {
+            Ok(())
+        } else {
+            Err(self.failure_of(&p))
+        }
+    }
+
+    /// Waits until `reached` holds of the comm thread's progress (Ok), or the thread ends, or
+    /// the wait runs out of time (twice the timeout and 10 s).
+    fn wait_until(&self, reached: impl Fn(&Progress) -> bool) -> Result<()> {
         let limit = self.options.timeout * 2 + Duration::from_secs(10);
         let t0 = Instant::now();
         let mut p = self.shared.progress();
@@ -572,16 +672,12 @@ impl Engine {
             if p.dead {
                 return Err(self.failure_of(&p));
             }
-            if p.published >= want {
-                let ok = p.succeeded(want);
-                if ok {
-                    return Ok(());
-                }
-                return Err(self.failure_of(&p));
+            if reached(&p) {
+                return Ok(());
             }
             let left = limit.saturating_sub(t0.elapsed());
             if left.is_zero() {
-                return Err(self.give_up(p, want, limit));
+                return Err(self.give_up(p, reached, limit));
             }
             p = self.shared.wait(p, left.min(Duration::from_millis(100)));
         }
@@ -590,7 +686,12 @@ impl Engine {
     /// A wait that ran out of time: a failure of every rank, so that the engine's thread gives
     /// up at its next look at the board and lets go of the caller's memory, and a short grace
     /// for it to say so (see [`Engine::settled`]).
-    fn give_up(&self, p: std::sync::MutexGuard<'_, Progress>, want: u64, limit: Duration) -> Error {
+    fn give_up(
+        &self,
+        p: std::sync::MutexGuard<'_, Progress>,
+        reached: impl Fn(&Progress) -> bool,
+        limit: Duration,
+    ) -> Error {
         let seconds = limit.as_secs_f64();
         let failure = Failure {
             rank: self.rank,
@@ -605,7 +706,7 @@ impl Engine {
         self.control.raise(failure, true);
         let t0 = Instant::now();
         let mut p = self.shared.progress();
-        while !(p.dead || p.published >= want) && t0.elapsed() < GIVE_UP_GRACE {
+        while !(p.dead || reached(&p)) && t0.elapsed() < GIVE_UP_GRACE {
             p = self.shared.wait(p, Duration::from_millis(50));
         }
         Error::Timeout {

@@ -178,6 +178,14 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
                         self.close(true);
                     }
                 }
+                Msg::Order(at) => {
+                    if self.failed {
+                        // (its failure is on the board: an order waiting on the host reads it)
+                        self.shared.note_failure(self.tr.control().failure());
+                    } else if let Err(e) = self.order(at) {
+                        self.fail_with(Some(e));
+                    }
+                }
                 Msg::Flush => self.close(false),
                 Msg::EndStep => self.close(true),
                 Msg::Agree(token) => {
@@ -491,6 +499,21 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
         self.shared.publish(done.is_some(), done);
     }
 
+    /// An order (see `Engine::order`): the stages left run, then the gate is raised to `at`
+    /// after the results on the device, for the caller's stream. The step stays open.
+    fn order(&mut self, at: u64) -> Result<()> {
+        let t0 = Instant::now();
+        self.drain()?;
+        self.be.join(Lane::Compute, Lane::Comm)?;
+        let handed = std::mem::take(&mut self.step_tensors);
+        self.be.caller_touches(&handed)?;
+        self.be.raise_gate(at)?;
+        let done = self.be.done()?;
+        self.shared.note_queued(at, done);
+        self.shared.add_seconds(t0.elapsed().as_secs_f64());
+        Ok(())
+    }
+
     /// Every rank's decoding status: a frame that failed its check on one rank (each rank
     /// receives its own copy) fails every rank, and none keeps a step another did not.
     fn closing_round(&mut self) -> Result<()> {
@@ -583,6 +606,8 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
         };
         if drained {
             drop(stages);
+            // (what the callers' streams queued after the gate may run now: see gate.rs)
+            self.be.open_gate();
         } else {
             // The device may never finish: leak its memory rather than wait to free it.
             tracing::error!(

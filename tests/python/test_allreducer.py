@@ -251,7 +251,7 @@ def _worker(rank, world, init_file, scenario, device, algorithm=None):
             reducer(data(rank, 0, 10000).to(dev)).wait()
             if rank == 0:
                 t0 = time.perf_counter()
-                with pytest.raises(cfc.CfcError, match="did not answer within 3") as e:
+                with pytest.raises(cfc.CfcError, match="did not answer within 3"):
                     reducer(data(rank, 1, 10000).to(dev)).wait()
                 waited = time.perf_counter() - t0
                 assert 2.5 < waited < 8, waited  # rank 1 is silent for 12 s

@@ -469,6 +469,34 @@ def failures(rank, world, out):
         state.close()
 
 
+class _Calls:
+    """An engine whose calls are counted by name (for `orders`)."""
+
+    def __init__(self, engine):
+        self._engine, self.calls = engine, {}
+
+    def __getattr__(self, name):
+        self.calls[name] = self.calls.get(name, 0) + 1
+        return getattr(self._engine, name)
+
+
+def orders(rank, world, out):
+    """A compressed call hands its job over with an order (on a GPU the stream waits, not the
+    host): no call waits for the engine, each step's end waits once, and every tensor a call
+    gave the engine is let go by the step's end."""
+    model, opt, state = make()
+    train(model, opt, rank, 1)  # (the engine opens)
+    spy = _Calls(state._engine)
+    state._engine = spy
+    train(model, opt, rank, 2, start=1)
+    state._engine = spy._engine
+    calls = state.stats()["compressed_buckets"]
+    assert calls >= 4, state.stats()
+    assert spy.calls.get("order", 0) >= 4 and spy.calls.get("order") == spy.calls.get("submit"), spy.calls
+    assert "wait" not in spy.calls and spy.calls.get("end_step") == 2, spy.calls
+    assert not state._fsdp.ordered and not state._keep and not state._held
+
+
 def resume(rank, world, out):
     """A run resumed after step 2 from this rank's model shards and cfc state (SGD: no optimizer
     state) computes the bits of the uninterrupted one; without the cfc state it does not. So
@@ -624,7 +652,7 @@ def refusals(rank, world, out):
 
 
 SCENARIOS = {f.__name__: f for f in (bound, every_step_within_bound, per_parameter, block_scales, parity, accumulate, overflow, feedback,
-                                      packed_feedback, fallback, mismatch, failures,
+                                      packed_feedback, fallback, mismatch, failures, orders,
                                       resume, plain_paths, refusals)}
 FOUR_RANKS = {f.__name__: f for f in (replicas, replica_failure)}  # (test_fsdp_replicas)
 SCENARIOS.update(FOUR_RANKS)

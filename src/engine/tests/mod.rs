@@ -705,3 +705,4 @@ mod blocks;
 mod coders;
 mod failures;
 mod levels;
+mod orders;
