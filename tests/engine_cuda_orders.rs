@@ -1,7 +1,7 @@
-//! Orders on the GPU (`Engine::order`, cfc.fsdp's calls): the caller's stream waits at the
-//! engine's gate, on the device, so that what it queues right after an order reads the job's
-//! result, bit for bit the CPU engine's; a stream at the gate of an engine that fails goes on
-//! once the failure is known, and the step's end reports it on every rank.
+//! Orders on the GPU (`Engine::order`, cfc.fsdp's calls): what the caller's stream queues
+//! right after an order reads the job's result, bit for bit the CPU engine's, before the step
+//! ends; on an engine that fails, the caller's stream goes on and the step's end reports the
+//! failure on every rank.
 //!
 //! Ignored by a plain `cargo test`; the GPU machine runs them with `--include-ignored` and
 //! `CFC_REQUIRE_GPU=1` (see `engine_cuda.rs`).
@@ -110,7 +110,7 @@ fn on_gpu(
             // SAFETY: the buffers live until the step ends and the stream is synced.
             let ordered = unsafe { e.submit(j, cu) }.and_then(|()| e.order(cu));
             if ordered.is_ok() {
-                // queued at once on the caller's stream: it runs once the gate opens
+                // queued on the caller's stream right after the order
                 let mut host = s.alloc_zeros::<u8>(4 * n / world).unwrap();
                 s.memcpy_dtod(&shard, &mut host).unwrap();
                 copies.push(host);
@@ -118,7 +118,7 @@ fn on_gpu(
             live.push((x, shard));
         }
         let end = e.end_step();
-        // (a stream at the gate of a failed engine goes on: this returns)
+        // (the stream of a failed engine goes on: this returns)
         s.synchronize().unwrap();
         for c in &copies {
             shards.push(s.clone_dtoh(c).unwrap());
@@ -191,8 +191,8 @@ fn cases() -> Vec<(usize, bool)> {
 #[test]
 #[ignore = "needs a GPU: run with --include-ignored on the GPU machine (scripts/gpu_run.sh)"]
 fn what_the_stream_queues_after_an_order_reads_the_cpu_engines_bits() {
-    // (large enough that the exchange takes far longer than queuing a copy: without the
-    // gate, the copies would read the shards before the results)
+    // (large enough that the exchange takes far longer than queuing a copy: a stream not
+    // ordered after the results would copy the shards before them)
     let n = 3 << 20;
     for (world, shared) in cases() {
         for block in [0, 256] {
@@ -220,7 +220,7 @@ fn what_the_stream_queues_after_an_order_reads_the_cpu_engines_bits() {
 
 #[test]
 #[ignore = "needs a GPU: run with --include-ignored on the GPU machine (scripts/gpu_run.sh)"]
-fn a_stream_at_the_gate_of_a_failed_engine_goes_on_and_the_step_reports_it() {
+fn the_stream_of_a_failed_engine_goes_on_and_the_step_reports_it() {
     let t0 = Instant::now();
     for (world, shared) in cases() {
         if world < 2 {

@@ -347,19 +347,13 @@ impl Engine {
         py.detach(|| engine.wait(stream)).map_err(to_py)
     }
 
-    /// Orders `stream` after the results of every job submitted so far without closing the
-    /// step (see `cfc::engine::Engine::order`): on a GPU it returns at once, the stream waiting
-    /// on the device; on the CPU it waits. Returns the order's number (see `queued`); raises
-    /// the failure of any rank known so far. The step's outcome comes with `end_step` or `wait`.
-    fn order(&self, py: Python<'_>, stream: u64) -> PyResult<u64> {
+    /// Waits until every job submitted so far is exchanged and its decoding queued, then orders
+    /// `stream` after the results, without closing the step (see `cfc::engine::Engine::order`);
+    /// raises the failure of any rank seen so far. The step's outcome comes with `end_step` or
+    /// `wait`.
+    fn order(&self, py: Python<'_>, stream: u64) -> PyResult<()> {
         let engine = self.live()?;
         py.detach(|| engine.order(stream)).map_err(to_py)
-    }
-
-    /// The latest order whose jobs' work is queued on the device: the memory of those jobs may
-    /// then go back to an allocator that orders its reuse after the order's stream.
-    fn queued(&self) -> PyResult<u64> {
-        Ok(self.live()?.queued())
     }
 
     /// Closes the step without a job of its own (see `cfc::engine::Engine::end_step`); raises

@@ -79,8 +79,8 @@ pub(crate) enum Msg {
     Flush,
     EndStep,
     Agree(u64),
-    /// The jobs so far finished on the comm thread, then the gate raised to this count (see
-    /// [`Engine::order`]).
+    /// The jobs so far finished on the comm thread, and their mark published under this number
+    /// (see [`Engine::order`]).
     Order(u64),
     /// Every rank's bytes, in rank order, to every rank (see [`Engine::gather`]).
     Gather(Vec<u8>, Sender<Vec<Vec<u8>>>),
@@ -110,9 +110,6 @@ impl Msg {
 
 /// What a caller's stream waits on after a close (an event on the GPU; nothing on the CPU).
 pub(crate) type Done = Box<dyn Fn(u64) -> Result<()> + Send + Sync>;
-/// What queues on a caller's stream (a `CUstream`) a wait until the engine's gate reaches a
-/// count (see [`Engine::order`]).
-pub(crate) type HoldFn = Arc<dyn Fn(u64, u64) -> Result<()> + Send + Sync>;
 /// What a submission records for the engine to wait on (an event on the caller's stream).
 pub(crate) type ReadyFn = Arc<dyn Fn(u64) -> Result<Box<dyn Any + Send>> + Send + Sync>;
 
@@ -170,7 +167,7 @@ struct Progress {
     stranded: bool,
     done: Option<Arc<Done>>,
     /// The latest order whose jobs' work is queued (see [`Engine::order`]), and what a
-    /// caller's stream waits on for it where the backend has no gate.
+    /// caller's stream waits on for it.
     queued: u64,
     queued_done: Option<Arc<Done>>,
 }
@@ -334,8 +331,6 @@ pub struct Engine {
     shared: Arc<Shared>,
     control: Arc<Control>,
     ready: ReadyFn,
-    /// Where callers' streams wait for ordered jobs on the device (`None`: on the host).
-    hold: Option<HoldFn>,
     /// Orders made so far (see [`Engine::order`]); held while one is handed over, so that
     /// orders reach the comm thread in their numbers' order.
     orders: Mutex<u64>,
@@ -408,7 +403,6 @@ impl Engine {
         };
         let control = tr.control().clone();
         let ready = be.ready_maker();
-        let hold = be.hold_maker();
         let shared = Shared::new();
         let (tx, rx) = crossbeam_channel::unbounded();
         let worker = worker::Worker::new(
@@ -443,7 +437,6 @@ impl Engine {
             shared,
             control,
             ready,
-            hold,
             orders: Mutex::new(0),
             rank,
             world,
@@ -572,27 +565,20 @@ impl Engine {
     }
 
     /// Orders `stream` (a `CUstream`; ignored on the CPU) after the results of every job
-    /// submitted so far, without closing the step: for callers that must hand each job's result
-    /// on before the step ends (FSDP2's reduce-scatters). On a CUDA engine it returns at once:
-    /// the comm thread finishes the jobs' exchange (their decoding queued), then raises its
-    /// gate, on the device, where the stream waits (`backend/gate.rs`). Without a gate (the
-    /// CPU, or a device that cannot wait on values in a stream) it waits on the host until the
-    /// comm thread is that far, then orders the stream after the results.
-    ///
-    /// The outcome (success, or the failure of any rank, a frame some rank could not decode
-    /// included) is reported by the next [`Engine::wait`] or [`Engine::end_step`], on every
-    /// rank: what the stream computes from the results before then may come from a step that
-    /// fails. A stream waiting at the gate of an engine that fails goes on once the engine's
-    /// device has drained.
-    ///
-    /// Returns the order's number: once [`Engine::queued`] reaches it, the jobs' work is queued
-    /// on the device, so that memory they use, given back to an allocator that orders its reuse
-    /// after `stream`, is safe to give back.
+    /// submitted so far, without closing the step: for callers that hand each job's result on
+    /// before the step ends (FSDP2's reduce-scatters). Waits on the host until the comm thread
+    /// has finished the jobs' exchange and queued their decoding, as [`Engine::wait`] does, but
+    /// without the closing round (every rank's decoding status, gathered) and without counting
+    /// a step: the outcome (success, or the failure of any rank, a frame some rank could not
+    /// decode included) is reported by the next [`Engine::wait`] or [`Engine::end_step`], on
+    /// every rank, so what the stream computes from the results before then may come from a
+    /// step that fails. When it returns, the engine is done with the jobs' memory as far as
+    /// the host is concerned (its work on it is queued, and `stream` comes after that work).
     ///
     /// # Errors
-    /// The failure of any rank, raised so far; device errors (this rank then fails);
-    /// [`Error::Timeout`] as for [`Engine::wait`] where it waits on the host.
-    pub fn order(&self, stream: u64) -> Result<u64> {
+    /// The failure of any rank, raised so far or met while waiting; device errors;
+    /// [`Error::Timeout`] as for [`Engine::wait`].
+    pub fn order(&self, stream: u64) -> Result<()> {
         if let Some(f) = self.control.failure() {
             return Err(f.error());
         }
@@ -602,33 +588,18 @@ impl Engine {
             self.send(Msg::Order(*n))?;
             *n
         };
-        match &self.hold {
-            Some(hold) => {
-                if let Err(e) = hold(stream, at) {
-                    self.fail(&e.to_string());
-                    return Err(e);
-                }
-            }
-            None => {
-                // (a failure ends the wait: a failed comm thread queues nothing more)
-                self.wait_until(|p| p.queued >= at || p.failure.is_some())?;
-                let p = self.shared.progress();
-                if p.queued < at {
-                    return Err(self.failure_of(&p));
-                }
-                let done = p.queued_done.clone();
-                drop(p);
-                if let Some(d) = done {
-                    d(stream)?;
-                }
-            }
+        // (a failure ends the wait: a failed comm thread queues nothing more)
+        self.wait_until(|p| p.queued >= at || p.failure.is_some())?;
+        let p = self.shared.progress();
+        if p.queued < at {
+            return Err(self.failure_of(&p));
         }
-        Ok(at)
-    }
-
-    /// The latest order (see [`Engine::order`]) whose jobs' work is queued on the device.
-    pub fn queued(&self) -> u64 {
-        self.shared.progress().queued
+        let done = p.queued_done.clone();
+        drop(p);
+        match done {
+            Some(d) => d(stream),
+            None => Ok(()),
+        }
     }
 
     /// Closes the step without a job of its own: for callers that learn where a step ends only

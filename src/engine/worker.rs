@@ -180,7 +180,7 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
                 }
                 Msg::Order(at) => {
                     if self.failed {
-                        // (its failure is on the board: an order waiting on the host reads it)
+                        // (its failure is on the board: the order's wait reads it)
                         self.shared.note_failure(self.tr.control().failure());
                     } else if let Err(e) = self.order(at) {
                         self.fail_with(Some(e));
@@ -499,15 +499,14 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
         self.shared.publish(done.is_some(), done);
     }
 
-    /// An order (see `Engine::order`): the stages left run, then the gate is raised to `at`
-    /// after the results on the device, for the caller's stream. The step stays open.
+    /// An order (see `Engine::order`): the stages left run, and the mark after the results
+    /// is published for the caller's stream. The step stays open.
     fn order(&mut self, at: u64) -> Result<()> {
         let t0 = Instant::now();
         self.drain()?;
         self.be.join(Lane::Compute, Lane::Comm)?;
         let handed = std::mem::take(&mut self.step_tensors);
         self.be.caller_touches(&handed)?;
-        self.be.raise_gate(at)?;
         let done = self.be.done()?;
         self.shared.note_queued(at, done);
         self.shared.add_seconds(t0.elapsed().as_secs_f64());
@@ -606,8 +605,6 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
         };
         if drained {
             drop(stages);
-            // (what the callers' streams queued after the gate may run now: see gate.rs)
-            self.be.open_gate();
         } else {
             // The device may never finish: leak its memory rather than wait to free it.
             tracing::error!(

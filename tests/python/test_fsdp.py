@@ -481,9 +481,9 @@ class _Calls:
 
 
 def orders(rank, world, out):
-    """A compressed call hands its job over with an order (on a GPU the stream waits, not the
-    host): no call waits for the engine, each step's end waits once, and every tensor a call
-    gave the engine is let go by the step's end."""
+    """A compressed call waits for its own exchange only (an order): no call closes a step
+    (the closing round, every rank's decoding status, runs once, at the step's end), and every
+    tensor a call gave the engine is let go by the step's end."""
     model, opt, state = make()
     train(model, opt, rank, 1)  # (the engine opens)
     spy = _Calls(state._engine)
@@ -494,7 +494,7 @@ def orders(rank, world, out):
     assert calls >= 4, state.stats()
     assert spy.calls.get("order", 0) >= 4 and spy.calls.get("order") == spy.calls.get("submit"), spy.calls
     assert "wait" not in spy.calls and spy.calls.get("end_step") == 2, spy.calls
-    assert not state._fsdp.ordered and not state._keep and not state._held
+    assert not state._keep and not state._held
 
 
 def resume(rank, world, out):

@@ -117,8 +117,6 @@ pub struct CudaBackend {
     /// The decoding status (8 bytes) and the running maximum of the error left in residuals
     /// (f64 bits), zeroed once.
     words: std::mem::ManuallyDrop<DeviceBuffer>,
-    /// Where callers' streams wait for ordered jobs (`None`: the device cannot).
-    gate: Option<Arc<super::gate::Gate>>,
 }
 
 impl std::fmt::Debug for CudaBackend {
@@ -147,7 +145,6 @@ impl CudaBackend {
             compute: ctx.new_stream().map_err(driver_err)?,
             comm: ctx.new_stream().map_err(driver_err)?,
             words: std::mem::ManuallyDrop::new(DeviceBuffer::zeroed(&ctx, 16)?),
-            gate: super::gate::Gate::new(&ctx)?.map(Arc::new),
             ctx,
             pool: Pool::new(),
             work: Vec::new(),
@@ -646,24 +643,6 @@ impl Backend for CudaBackend {
                 .map_err(driver_err)
         }))
     }
-
-    fn hold_maker(&self) -> Option<crate::engine::HoldFn> {
-        let gate = self.gate.clone()?;
-        Some(Arc::new(move |stream: u64, at: u64| gate.hold(stream, at)))
-    }
-
-    fn raise_gate(&mut self, to: u64) -> Result<()> {
-        match &self.gate {
-            Some(g) => g.raise_on(&self.compute, to),
-            None => Ok(()),
-        }
-    }
-
-    fn open_gate(&mut self) {
-        if let Some(g) = &self.gate {
-            g.open();
-        }
-    }
 }
 
 impl Drop for CudaBackend {
@@ -679,15 +658,6 @@ impl Drop for CudaBackend {
                 std::mem::forget(b);
             }
         } else {
-            // The gate opens once the engine's work is done (a stream may wait at it for a job
-            // the engine was given before it stopped, or failed).
-            let _restore = ContextGuard::save();
-            let drained = self.ctx.bind_to_thread().is_ok()
-                && self.compute.synchronize().is_ok()
-                && self.comm.synchronize().is_ok();
-            if drained {
-                self.open_gate();
-            }
             // SAFETY: dropped once, here, and never used again.
             unsafe { std::mem::ManuallyDrop::drop(&mut self.words) };
         }

@@ -15,8 +15,6 @@
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
-#[cfg(feature = "cuda")]
-pub(crate) mod gate;
 pub(crate) mod lanes;
 
 use crate::engine::job::{Region, Tensor};
@@ -282,23 +280,4 @@ pub(crate) trait Backend: Send + 'static {
     /// # Errors
     /// Device errors.
     fn done(&mut self) -> Result<crate::engine::Done>;
-
-    /// What queues, on a caller's stream, a wait until the engine's gate reaches a count (see
-    /// [`crate::engine::Engine::order`] and `gate.rs`); `None` where callers wait on the host
-    /// instead (the CPU, a device that cannot wait on values in a stream).
-    fn hold_maker(&self) -> Option<crate::engine::HoldFn> {
-        None
-    }
-
-    /// Queues on the compute lane the raising of the gate's count to `to` (nothing without a
-    /// gate).
-    ///
-    /// # Errors
-    /// Device errors.
-    fn raise_gate(&mut self, _to: u64) -> Result<()> {
-        Ok(())
-    }
-
-    /// Opens the gate for good (after a failure, once the device drained: see `gate.rs`).
-    fn open_gate(&mut self) {}
 }

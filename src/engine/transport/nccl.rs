@@ -24,6 +24,9 @@ pub struct NcclTransport {
     _links: Option<Box<dyn super::Links>>,
     /// Device memory for small host messages.
     small: Option<DeviceBuffer>,
+    /// Smaller ones it replaced, freed with the transport: freeing device memory mid-run would
+    /// wait for the whole device, every stream of the process's included.
+    outgrown: Vec<DeviceBuffer>,
 }
 
 impl std::fmt::Debug for NcclTransport {
@@ -49,6 +52,7 @@ impl NcclTransport {
             control,
             _links: links,
             small: None,
+            outgrown: Vec::new(),
         }
     }
 
@@ -196,7 +200,8 @@ impl NcclTransport {
         let len = mine.len().max(1);
         let need = len * (w + 1);
         if self.small.as_ref().is_none_or(|b| b.len() < need) {
-            self.small = Some(DeviceBuffer::new(be.context(), need.next_power_of_two())?);
+            let bigger = DeviceBuffer::new(be.context(), need.next_power_of_two())?;
+            self.outgrown.extend(self.small.replace(bigger));
         }
         let buf = self.small.as_ref().map_or(0, |b| b.ptr());
         let stream = be.comm_stream().clone();

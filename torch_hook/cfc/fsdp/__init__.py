@@ -7,18 +7,17 @@ rank's shard; cfc's engine (the one behind :func:`cfc.cfc_hook`) quantizes the w
 with a step every rank shares and with error feedback, sums every rank's codes for each shard
 exactly as integers, and writes this rank's averaged (or summed, as FSDP asks) shard.
 
-On a GPU a compressed call returns as soon as the engine has its job: the current stream (FSDP's
-reduce-scatter stream) waits, on the device, until the engine has written the result
-(``Engine.order``, a value in memory the engine raises after its work), so that FSDP's use of
-the result comes after it while the host goes on queuing the next group's backward pass and the
-engine exchanges one group as the GPU computes the next. Whether every call of a step succeeded
-on every rank (a frame some rank could not decode, a peer that failed) is known when the
-backward pass ends, where the step's end waits for the engine and raises any failure, before
-the optimizer runs. On the CPU a call returns with its result. A group sent plainly (every
-group with ``fallback="always"``; with ``"auto"``, those whose trial chose plain) goes through
-torch's own reduce-scatter on that stream instead. The trial times each group's exchange alone,
-so its per-group choice is then checked over whole steps (:mod:`cfc.fsdp.step_check`): every
-group goes plain unless the trial's ways make the step faster.
+The call returns once its result is queued on the current stream (FSDP's reduce-scatter
+stream), as FSDP requires: unlike the DDP hook, each compressed group's exchange is waited for
+on the host (``Engine.order``) before the next group's backward is queued. The wait ends when
+the exchange is done and the decoding queued; whether every call of a step succeeded on every
+rank (a frame some rank could not decode, a peer that failed) is checked once, when the
+backward pass ends, where the step's end raises any failure before the optimizer runs. A group
+sent plainly (every group with ``fallback="always"``; with ``"auto"``, those whose trial chose
+plain) goes through torch's own reduce-scatter on that stream instead, with no wait on the host.
+Because of the wait, the trial's per-group choice is then checked over whole steps
+(:mod:`cfc.fsdp.step_check`): every group goes plain unless the trial's ways make the step
+faster.
 
 Scales within a group: FSDP groups parameters by module, so one group can hold gradients of
 very different sizes (an LM's output head with its embeddings), and one step for the whole
@@ -276,12 +275,10 @@ def _bind_group(state: CfcState, group: Any) -> None:
 
 def _submit(state: CfcState, key: int, data: Any, out: Any, scale: Any) -> None:
     """One job of the engine: ``data`` reduced in place (``out`` None) or into ``out`` (a
-    reduce-scatter, ``data`` one row per rank). On a GPU this returns once the job is handed
-    over: the current stream waits, on the device, until the engine has the result in place
-    (``Engine.order``), and what is queued on it after (here, and FSDP's own use of the result)
-    runs then. On the CPU it returns with the result in place. The step (what the warm-up and
-    the trial count) ends with the backward pass (:func:`_end_step`), whose wait reports the
-    outcome of every call of the step. With per-parameter scales (:mod:`cfc.fsdp.param_scales`,
+    reduce-scatter, ``data`` one row per rank), queued on the current stream when this returns
+    (``Engine.order``: a wait on the host for the exchange, without the closing round of a
+    step). The step (what the warm-up and the trial count) ends with the backward pass
+    (:func:`_end_step`), whose wait reports the outcome of every call of the step. With per-parameter scales (:mod:`cfc.fsdp.param_scales`,
     agreed through the engine in this call: a wait on the host for the group's input), the
     data and residual go in scaled and come out in their own units."""
     engine = state._engine_for(data.device)
@@ -325,7 +322,7 @@ def _submit(state: CfcState, key: int, data: Any, out: Any, scale: Any) -> None:
         None if out is None else (out.data_ptr(), out.numel()), scale, False, fresh, stream,
     )
     try:
-        at = engine.order(stream)
+        engine.order(stream)
     except BaseException:
         if factors is not None and r is not None:
             # The residual is in this call's scaled units, and the engine may still write it:
@@ -333,10 +330,8 @@ def _submit(state: CfcState, key: int, data: Any, out: Any, scale: Any) -> None:
             # new one at zero.
             state._residuals.drop(key, layout)
         raise
-    state._keep.remove(held)
-    state._fsdp.ordered.append((at, held))
-    _let_go_queued(state, engine)
-    # (queued after the order: on a GPU they run once the engine has written the results)
+    # (the engine's work on them is queued, and the stream comes after it)
+    state._keep = [k for k in state._keep if k is not held]
     inverse = None if factors is None else factors.reciprocal()  # (exact: powers of two)
     if inverse is not None:
         (data if out is None else out).view(1, -1).mul_(inverse)
@@ -349,18 +344,6 @@ def _submit(state: CfcState, key: int, data: Any, out: Any, scale: Any) -> None:
         r.view(rows, -1).mul_(inverse)
     if not in_backward:
         _end_step(state)
-
-
-def _let_go_queued(state: CfcState, engine: Any) -> None:
-    """Drops the tensors of the calls whose work the engine has queued on the device. Torch's
-    allocator reuses their memory only after the stream each call was ordered on (FSDP frees a
-    reduce-scatter's input once its compute stream has waited for that stream), and that stream
-    waits for the engine's work; what the allocator might give back to the driver is freed
-    only after the device is idle. Until its work is queued, a call's tensors are kept."""
-    queued = engine.queued()
-    ordered = state._fsdp.ordered
-    while ordered and ordered[0][0] <= queued:
-        ordered.popleft()
 
 
 def _direct(state: CfcState, key: int, out: Any, inp: Any, op: Any) -> None:
@@ -437,9 +420,6 @@ def _end_step(state: CfcState) -> None:
         if state._engine is not None:
             state._engine.end_step()
     finally:
-        # (after a failure, kept until the engine has settled: see CfcState._let_go)
-        state._keep.extend(held for _, held in state._fsdp.ordered)
-        state._fsdp.ordered.clear()
         state._let_go()
         state._residuals.end_step()
         state.step += 1

@@ -7,8 +7,7 @@ its ``stats()``.
 
 from __future__ import annotations
 
-import collections
-from typing import Any, Deque, Dict, Optional, Tuple
+from typing import Any, Dict, Optional
 
 from cfc.fsdp.step_check import StepCheck, ahead
 
@@ -39,9 +38,6 @@ class FsdpState:
         self.step_check: Optional[StepCheck] = (
             StepCheck(options.trial_steps) if checks_steps and options.fallback == "auto" else None)
         self.step_open = False  # whether a backward pass's step is open (its end is queued)
-        # the tensors of this step's calls, by order number, until the engine has queued their
-        # work (cfc.fsdp._let_go_queued)
-        self.ordered: Deque[Tuple[int, Any]] = collections.deque()
         self.replicas: Any = None  # with replicas: their state, told of this state's failures
 
     def saved(self) -> Dict[str, Any]:
