@@ -19,6 +19,14 @@ Because of the wait, the trial's per-group choice is then checked over whole ste
 (:mod:`cfc.fsdp.step_check`): every group goes plain unless the trial's ways make the step
 faster.
 
+Why the host waits: FSDP needs the result on its stream when the call returns, and the engine
+learns the frames' sizes on the host mid-exchange, so its work for a call is not all queued at
+once. A wait on the device instead (the stream held at a value in memory that the engine's
+thread raises after queuing the decoding, ``cuStreamWaitValue64``) deadlocks as soon as that
+thread, or NCCL under it, makes a driver call that waits for the whole device while the
+stream is held: freeing device memory does (measured on an H200), NCCL's abort frees memory,
+and CUDA's lazy loading may load a kernel on its first use that way.
+
 Scales within a group: FSDP groups parameters by module, so one group can hold gradients of
 very different sizes (an LM's output head with its embeddings), and one step for the whole
 group leaves the small ones to error feedback alone. Two remedies:
