@@ -175,6 +175,3 @@ class Options:
         d = dataclasses.asdict(self)
         del d["timeout"], d["log_every"], d["topology"], d["coder"]
         return d
-
-    def describe(self) -> str:
-        return ", ".join(f"{k}={v!r}" for k, v in self.saved().items())

@@ -1,0 +1,116 @@
+//! Tensors and streams as the engine's binding takes them: torch's objects (or any object with
+//! their methods), read and checked here, once, so that no method of `Engine` takes a memory
+//! address or a stream handle as a number. Nothing here imports torch: a tensor is read through
+//! `data_ptr()`, `numel()`, `element_size()`, `is_contiguous()`, `dtype` and `device`, a stream
+//! through `cuda_stream` and `device`.
+
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::prelude::*;
+
+use crate::codec::dtype_of;
+use cfc::engine::Tensor;
+
+/// Where memory lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Place {
+    Host,
+    Cuda(usize),
+}
+
+impl std::fmt::Display for Place {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Place::Host => write!(f, "cpu"),
+            Place::Cuda(i) => write!(f, "cuda:{i}"),
+        }
+    }
+}
+
+/// The place of a `torch.device`.
+fn place_of(device: &Bound<'_, PyAny>, what: &str) -> PyResult<Place> {
+    let kind: String = device.getattr("type")?.extract()?;
+    match kind.as_str() {
+        "cpu" => Ok(Place::Host),
+        "cuda" => {
+            let index: Option<usize> = device.getattr("index")?.extract()?;
+            Ok(Place::Cuda(index.unwrap_or(0)))
+        }
+        other => Err(PyValueError::new_err(format!(
+            "{what} is on a {other} device; cfc's engine takes cpu and cuda tensors"
+        ))),
+    }
+}
+
+/// The contiguous tensor `obj` as the engine takes it, which must be on `place`; `what` names
+/// it in errors.
+///
+/// # Errors
+/// `TypeError` for an object that is not a tensor or of a dtype cfc does not know; `ValueError`
+/// for a tensor that is not contiguous, on another device, or whose element size is not its
+/// dtype's.
+pub(crate) fn tensor(obj: &Bound<'_, PyAny>, place: Place, what: &str) -> PyResult<Tensor> {
+    let not_a_tensor = |_| {
+        PyTypeError::new_err(format!(
+            "{what} must be a tensor, got {}",
+            obj.get_type()
+                .name()
+                .map_or_else(|_| "?".to_string(), |n| n.to_string())
+        ))
+    };
+    let contiguous: bool = obj
+        .call_method0("is_contiguous")
+        .map_err(not_a_tensor)?
+        .extract()?;
+    if !contiguous {
+        return Err(PyValueError::new_err(format!("{what} must be contiguous")));
+    }
+    let at = place_of(&obj.getattr("device").map_err(not_a_tensor)?, what)?;
+    if at != place {
+        return Err(PyValueError::new_err(format!(
+            "{what} is on {at}, this engine's tensors on {place}"
+        )));
+    }
+    let name = obj.getattr("dtype")?.str()?.to_string();
+    let dtype = dtype_of(name.trim_start_matches("torch."))?;
+    let size: usize = obj.call_method0("element_size")?.extract()?;
+    if size != dtype.size() {
+        return Err(PyValueError::new_err(format!(
+            "{what}: {size}-byte elements for a {name} tensor"
+        )));
+    }
+    Ok(Tensor {
+        addr: obj.call_method0("data_ptr")?.extract()?,
+        numel: obj.call_method0("numel")?.extract()?,
+        dtype,
+    })
+}
+
+/// The CUDA stream `obj` (a `torch.cuda.Stream`), which must be of `place`'s device, as the
+/// core takes it; 0 for a host engine, which takes none (`None`).
+///
+/// # Errors
+/// `ValueError` for a stream given to a host engine, none given to a CUDA engine, or a stream
+/// of another device; `TypeError` for an object that is not a stream.
+pub(crate) fn stream(obj: Option<&Bound<'_, PyAny>>, place: Place) -> PyResult<u64> {
+    match (obj, place) {
+        (None, Place::Host) => Ok(0),
+        (Some(_), Place::Host) => Err(PyValueError::new_err(
+            "a CUDA stream for an engine on the cpu: give None",
+        )),
+        (None, Place::Cuda(i)) => Err(PyValueError::new_err(format!(
+            "this engine runs on cuda:{i}: give the stream its results are ordered on"
+        ))),
+        (Some(s), Place::Cuda(_)) => {
+            let raw = s.getattr("cuda_stream").map_err(|_| {
+                PyTypeError::new_err("stream must be a torch.cuda.Stream (it has no cuda_stream)")
+            })?;
+            let at = place_of(&s.getattr("device")?, "the stream")?;
+            if at != place {
+                return Err(PyValueError::new_err(format!(
+                    "the stream is of {at}, this engine's device is {place}"
+                )));
+            }
+            raw.extract()
+        }
+    }
+}
