@@ -1,13 +1,15 @@
-//! The CUDA codec functions of `cfc._native`: device memory of tensors the Python package keeps
-//! alive, work queued on the caller's stream (nothing waits for the GPU), and NCCL's id.
+//! The CUDA codec functions of `cfc._native`: CUDA tensors the Python package keeps alive (read
+//! and checked in `tensor.rs`: no address crosses as a number), work queued on the caller's
+//! stream (nothing waits for the GPU), and NCCL's id.
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 use crate::codec::{bound_of, dtype_of};
 use crate::error::to_py;
+use crate::tensor;
 
-// ---- CUDA: device pointers from torch tensors the Python package keeps alive ----------------
+// ---- CUDA: torch tensors the Python package keeps alive, read in `tensor.rs` ------------------
 
 /// Whether a CUDA driver and at least one device are present.
 #[pyfunction]
@@ -99,42 +101,62 @@ fn cuda_sum_sizes(numel: u64, dtype: &str, ndim: usize, parts: u64) -> PyResult<
     ))
 }
 
-/// Queues the sum of device-resident frames (quantized or raw, `frame_lens[p]` bytes readable
-/// at `frame_ptrs[p]`, checked on the device) into one frame of mode `sum` (returns before the
-/// GPU finishes; the frame's size, and any failure, are written to the workspace).
+/// The frames of a sum (uint8 tensors on `device`): their addresses and lengths.
+fn frames_on(frames: &[Bound<'_, PyAny>], device: usize) -> PyResult<(Vec<u64>, Vec<u64>)> {
+    let mut addrs = Vec::with_capacity(frames.len());
+    let mut lens = Vec::with_capacity(frames.len());
+    for (i, f) in frames.iter().enumerate() {
+        let m = tensor::on_device(f, device, &format!("frame {i}"))?;
+        addrs.push(m.addr);
+        lens.push(m.bytes);
+    }
+    Ok((addrs, lens))
+}
+
+/// Elements of `shape`, refused where they overflow.
+fn elements(shape: &[u64]) -> PyResult<u64> {
+    shape
+        .iter()
+        .try_fold(1u64, |n, d| n.checked_mul(*d))
+        .ok_or_else(|| PyValueError::new_err(format!("a shape of too many elements: {shape:?}")))
+}
+
+/// Queues on `stream` (a `torch.cuda.Stream`) the sum of `frames` (uint8 CUDA tensors of its
+/// device, each a frame of `dtype` and `shape`, quantized or raw, checked on the device to lie
+/// within its tensor) into one frame of mode `sum` in `out` (returns before the GPU finishes;
+/// the frame's size, and any failure, are written to `workspace`).
 #[pyfunction]
-#[pyo3(signature = (device, stream, frame_ptrs, frame_lens, numel, dtype, shape, out_ptr, out_len, ws_ptr, ws_len))]
 #[allow(clippy::too_many_arguments)]
 fn cuda_sum(
     py: Python<'_>,
-    device: usize,
-    stream: usize,
-    frame_ptrs: Vec<u64>,
-    frame_lens: Vec<u64>,
-    numel: u64,
+    stream: &Bound<'_, PyAny>,
+    frames: Vec<Bound<'_, PyAny>>,
     dtype: &str,
     shape: Vec<u64>,
-    out_ptr: u64,
-    out_len: u64,
-    ws_ptr: u64,
-    ws_len: u64,
+    out: &Bound<'_, PyAny>,
+    workspace: &Bound<'_, PyAny>,
 ) -> PyResult<()> {
+    let (device, stream) = tensor::cuda_stream(stream)?;
+    let (addrs, lens) = frames_on(&frames, device)?;
+    let out = tensor::on_device(out, device, "out")?;
+    let ws = tensor::on_device(workspace, device, "the workspace")?;
     let args = cfc::cuda::SumArgs {
         block_log2: 0,
         device,
-        stream,
-        frames: &frame_ptrs,
-        frame_lens: &frame_lens,
-        n: numel,
+        stream: stream as usize,
+        frames: &addrs,
+        frame_lens: &lens,
+        n: elements(&shape)?,
         dtype: dtype_of(dtype)?,
         shape: &shape,
-        out: out_ptr,
-        out_len,
-        workspace: ws_ptr,
-        workspace_len: ws_len,
+        out: out.addr,
+        out_len: out.bytes,
+        workspace: ws.addr,
+        workspace_len: ws.bytes,
     };
-    // SAFETY: cfc.codec passes tensors of the frames' lengths (what is checked on the device
-    // lies within them), and buffers it keeps alive until the stream's work is done.
+    // SAFETY: every address and length is a live, contiguous CUDA tensor's of the stream's
+    // device (read above), which cfc.codec keeps alive until the stream's work is done; what is
+    // checked on the device lies within each frame's tensor.
     py.detach(|| unsafe { cfc::cuda::sum(&args) })
         .map_err(to_py)
 }
@@ -153,142 +175,198 @@ fn cuda_decode_sum_workspace_len(numel: u64, parts: u64) -> PyResult<u64> {
     Ok(cfc::cuda::decode_sum_workspace_len(numel, parts))
 }
 
-/// Queues the decoded sum of device-resident frames (`frame_lens[p]` bytes readable at
-/// `frame_ptrs[p]`, checked on the device), times `scale`, written as `out_dtype` (returns
-/// before the GPU finishes). `status_ptr`: 8 bytes of device memory, zeroed before their first
-/// use, where a frame that fails its check is reported (and while they are not zero, nothing
-/// is written). `lens_before` (0: none) is `DecodeSumArgs::lens_before`.
+/// Queues on `stream` the decoded sum of `frames` (uint8 CUDA tensors, each an `ndim`-dimensional
+/// frame of `dtype`, checked on the device), times `scale`, written into `out` (float32,
+/// bfloat16 or float16, one element per frame element) (returns before the GPU finishes).
+/// `status`: 8 bytes of device memory, zeroed before their first use, where a frame that fails
+/// its check is reported (and while they are not zero, nothing is written). `lens_before`
+/// (0: none) is `DecodeSumArgs::lens_before`: each frame's length read from the u64 that many
+/// bytes before it, as the engine's rows carry it.
 #[pyfunction]
-#[pyo3(signature = (device, stream, frame_ptrs, frame_lens, numel, dtype, ndim, scale, out_ptr, out_dtype, ws_ptr, ws_len, status_ptr, *, lens_before=0))]
+#[pyo3(signature = (stream, frames, dtype, ndim, scale, out, workspace, status, *, lens_before=0))]
 #[allow(clippy::too_many_arguments)]
 fn cuda_decode_sum(
     py: Python<'_>,
-    device: usize,
-    stream: usize,
-    frame_ptrs: Vec<u64>,
-    frame_lens: Vec<u64>,
-    numel: u64,
+    stream: &Bound<'_, PyAny>,
+    frames: Vec<Bound<'_, PyAny>>,
     dtype: &str,
     ndim: usize,
     scale: f32,
-    out_ptr: u64,
-    out_dtype: &str,
-    ws_ptr: u64,
-    ws_len: u64,
-    status_ptr: u64,
+    out: &Bound<'_, PyAny>,
+    workspace: &Bound<'_, PyAny>,
+    status: &Bound<'_, PyAny>,
     lens_before: u64,
 ) -> PyResult<()> {
+    let (device, stream) = tensor::cuda_stream(stream)?;
+    let (addrs, lens) = frames_on(&frames, device)?;
+    let out = tensor::on_device(out, device, "out")?;
+    let ws = tensor::on_device(workspace, device, "the workspace")?;
+    let st = tensor::on_device(status, device, "the status")?;
+    if st.bytes != 8 {
+        return Err(PyValueError::new_err(format!(
+            "the status takes 8 bytes, got {}",
+            st.bytes
+        )));
+    }
+    check_device_sizes(out.numel, ndim, addrs.len() as u64)?;
     let args = cfc::cuda::DecodeSumArgs {
         block_log2: 0,
         device,
-        stream,
-        frames: &frame_ptrs,
-        frame_lens: &frame_lens,
+        stream: stream as usize,
+        frames: &addrs,
+        frame_lens: &lens,
         lens_before,
-        n: numel,
+        n: out.numel,
         dtype: dtype_of(dtype)?,
         ndim,
         scale,
-        out: out_ptr,
-        out_dtype: dtype_of(out_dtype)?,
-        workspace: ws_ptr,
-        workspace_len: ws_len,
-        status: status_ptr,
+        out: out.addr,
+        out_dtype: out.dtype,
+        workspace: ws.addr,
+        workspace_len: ws.bytes,
+        status: st.addr,
     };
-    // SAFETY: as cuda_sum, and an output of `numel` elements of `out_dtype`, a status of 8
-    // bytes.
+    // SAFETY: as cuda_sum; `out` holds its `numel` elements of its dtype, the status 8 bytes.
     py.detach(|| unsafe { cfc::cuda::decode_sum(&args) })
         .map_err(to_py)
 }
-/// finishes; the frame's size is written to the workspace).
+
+/// Queues on `stream` the lossless compression of `data` (a contiguous CUDA tensor of the
+/// stream's device) into `out` (uint8, at least `cuda_lossless_sizes`' capacity), as a frame of
+/// `shape` (returns before the GPU finishes; the frame's size is written to `workspace`).
 #[pyfunction]
-#[pyo3(signature = (device, stream, data_ptr, numel, dtype, shape, out_ptr, out_len, ws_ptr, ws_len))]
-#[allow(clippy::too_many_arguments)]
 fn cuda_compress_lossless(
     py: Python<'_>,
-    device: usize,
-    stream: usize,
-    data_ptr: u64,
-    numel: u64,
-    dtype: &str,
+    stream: &Bound<'_, PyAny>,
+    data: &Bound<'_, PyAny>,
     shape: Vec<u64>,
-    out_ptr: u64,
-    out_len: u64,
-    ws_ptr: u64,
-    ws_len: u64,
+    out: &Bound<'_, PyAny>,
+    workspace: &Bound<'_, PyAny>,
 ) -> PyResult<()> {
+    let (device, stream) = tensor::cuda_stream(stream)?;
+    let input = tensor::on_device(data, device, "data")?;
+    let out = tensor::on_device(out, device, "out")?;
+    let ws = tensor::on_device(workspace, device, "the workspace")?;
+    same_elements(&shape, input.numel)?;
     let args = cfc::cuda::LosslessCompressArgs {
         device,
-        stream,
-        input: data_ptr,
-        n: numel,
-        dtype: dtype_of(dtype)?,
+        stream: stream as usize,
+        input: input.addr,
+        n: input.numel,
+        dtype: input.dtype,
         shape: &shape,
-        out: out_ptr,
-        out_len,
-        workspace: ws_ptr,
-        workspace_len: ws_len,
+        out: out.addr,
+        out_len: out.bytes,
+        workspace: ws.addr,
+        workspace_len: ws.bytes,
     };
-    // SAFETY: as cuda_compress: cfc.codec passes data_ptr()s and sizes of CUDA tensors on
-    // `device` that it keeps alive until the stream's work is done.
+    // SAFETY: as cuda_sum: live, contiguous CUDA tensors of the stream's device, read above.
     py.detach(|| unsafe { cfc::cuda::compress_lossless(&args) })
         .map_err(to_py)
 }
 
-/// Queues compression of device memory on a CUDA stream (returns before the GPU finishes).
-///
-/// The caller (cfc.codec) passes `data_ptr()`s of live CUDA tensors on `device` that it keeps
-/// referenced, and `stream` = `torch.cuda.current_stream(device).cuda_stream`. `size_ptr`,
-/// `max_error_ptr` and `bound_ptr` (0: none) are `CompressArgs::size_to`,
-/// `CompressArgs::max_error_to` and `CompressArgs::bound_at`.
+/// Refuses a frame shape of other than `numel` elements.
+fn same_elements(shape: &[u64], numel: u64) -> PyResult<()> {
+    let n = elements(shape)?;
+    if n != numel {
+        return Err(PyValueError::new_err(format!(
+            "a shape of {n} elements for a tensor of {numel}"
+        )));
+    }
+    Ok(())
+}
+
+/// Queues on `stream` the compression of `data` (a contiguous float32, bfloat16 or float16
+/// CUDA tensor of the stream's device) into `out` (uint8, at least `cuda_compress_capacity`),
+/// as a frame of `shape`, with error feedback into `residual` (float32, `data`'s size) when
+/// given (returns before the GPU finishes; the frame's size is written to `workspace`). The
+/// engine's own uses, reached here for their tests: `size` (8 bytes or more: the frame's size
+/// is also written at its start) and `max_error` (8 bytes or more: a float64 at its start is
+/// raised to the largest error left in the residual).
 #[pyfunction]
-#[pyo3(signature = (device, stream, input_ptr, numel, dtype, shape, out_ptr, out_len, ws_ptr, ws_len, *, eps=None, rel=None, bits=None, residual_ptr=0, size_ptr=0, max_error_ptr=0, bound_ptr=0, coder="planes"))]
+#[pyo3(signature = (stream, data, shape, out, workspace, *, eps=None, rel=None, bits=None, residual=None, coder="planes", size=None, max_error=None))]
 #[allow(clippy::too_many_arguments)]
 fn cuda_compress(
     py: Python<'_>,
-    device: usize,
-    stream: usize,
-    input_ptr: u64,
-    numel: u64,
-    dtype: &str,
+    stream: &Bound<'_, PyAny>,
+    data: &Bound<'_, PyAny>,
     shape: Vec<u64>,
-    out_ptr: u64,
-    out_len: u64,
-    ws_ptr: u64,
-    ws_len: u64,
+    out: &Bound<'_, PyAny>,
+    workspace: &Bound<'_, PyAny>,
     eps: Option<f64>,
     rel: Option<f64>,
     bits: Option<i64>,
-    residual_ptr: u64,
-    size_ptr: u64,
-    max_error_ptr: u64,
-    bound_ptr: u64,
+    residual: Option<&Bound<'_, PyAny>>,
     coder: &str,
+    size: Option<&Bound<'_, PyAny>>,
+    max_error: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<()> {
     let coder = cfc::Coder::from_name(coder).ok_or_else(|| {
         PyValueError::new_err(format!("coder must be 'planes' or 'rice', not {coder:?}"))
     })?;
+    let (device, stream) = tensor::cuda_stream(stream)?;
+    let input = tensor::on_device(data, device, "data")?;
+    let out = tensor::on_device(out, device, "out")?;
+    let ws = tensor::on_device(workspace, device, "the workspace")?;
+    same_elements(&shape, input.numel)?;
+    let residual = match residual {
+        Some(r) => {
+            let r = tensor::on_device(r, device, "the residual")?;
+            if r.dtype != cfc::DType::F32 || r.numel != input.numel {
+                return Err(PyValueError::new_err(format!(
+                    "the residual must be float32 of {} elements, got {} of {}",
+                    input.numel,
+                    r.dtype.name(),
+                    r.numel
+                )));
+            }
+            // (an empty input has no residual to write)
+            if input.numel == 0 {
+                0
+            } else {
+                r.addr
+            }
+        }
+        None => 0,
+    };
+    let word = |t: Option<&Bound<'_, PyAny>>, what: &str| -> PyResult<u64> {
+        match t {
+            None => Ok(0),
+            Some(t) => {
+                let m = tensor::on_device(t, device, what)?;
+                if m.bytes < 8 {
+                    return Err(PyValueError::new_err(format!(
+                        "{what} takes 8 bytes, got {}",
+                        m.bytes
+                    )));
+                }
+                Ok(m.addr)
+            }
+        }
+    };
+    let size_to = word(size, "size")?;
+    let max_error_to = word(max_error, "max_error")?;
     let args = cfc::cuda::CompressArgs {
         scales: 0,
         block_log2: 0,
         device,
-        stream,
-        input: input_ptr,
-        n: numel,
-        dtype: dtype_of(dtype)?,
+        stream: stream as usize,
+        input: input.addr,
+        n: input.numel,
+        dtype: input.dtype,
         shape: &shape,
         bound: bound_of(eps, rel, bits)?,
-        out: out_ptr,
-        out_len,
-        workspace: ws_ptr,
-        workspace_len: ws_len,
-        residual: residual_ptr,
-        size_to: size_ptr,
-        max_error_to: max_error_ptr,
-        bound_at: bound_ptr,
+        out: out.addr,
+        out_len: out.bytes,
+        workspace: ws.addr,
+        workspace_len: ws.bytes,
+        residual,
+        size_to,
+        max_error_to,
+        bound_at: 0,
     };
-    // SAFETY: cfc.codec passes data_ptr()s and sizes of CUDA tensors on `device` that it keeps
-    // alive (and, through torch's caching allocator, unreused) until the stream's work is done.
+    // SAFETY: as cuda_sum: live, contiguous CUDA tensors of the stream's device, read above,
+    // the residual of the input's size (cfc.codec checks that it does not overlap the input).
     py.detach(|| unsafe {
         match coder {
             cfc::Coder::Planes => cfc::cuda::compress(&args),
@@ -299,21 +377,18 @@ fn cuda_compress(
     .map_err(to_py)
 }
 
-/// Queues decoding of a device-resident frame (checked on the host or made by cuda_compress).
+/// Queues on `stream` the decoding of `frame` (a uint8 CUDA tensor holding a frame checked on
+/// the host or made by cuda_compress) into `out` (its dtype and element count the frame's),
+/// `ndim` the frame's dimensions.
 #[pyfunction]
-#[pyo3(signature = (device, stream, frame_ptr, numel, dtype, ndim, out_ptr, ws_ptr, ws_len, codec="quantized"))]
-#[allow(clippy::too_many_arguments)]
+#[pyo3(signature = (stream, frame, ndim, out, workspace, codec="quantized"))]
 fn cuda_decompress(
     py: Python<'_>,
-    device: usize,
-    stream: usize,
-    frame_ptr: u64,
-    numel: u64,
-    dtype: &str,
+    stream: &Bound<'_, PyAny>,
+    frame: &Bound<'_, PyAny>,
     ndim: usize,
-    out_ptr: u64,
-    ws_ptr: u64,
-    ws_len: u64,
+    out: &Bound<'_, PyAny>,
+    workspace: &Bound<'_, PyAny>,
     codec: &str,
 ) -> PyResult<()> {
     let codec = match codec {
@@ -327,110 +402,101 @@ fn cuda_decompress(
             )))
         }
     };
-    let args = decompress_args(
-        device, stream, frame_ptr, numel, dtype, codec, ndim, out_ptr, ws_ptr, ws_len,
-    )?;
-    // SAFETY: as for cuda_compress; cfc.codec validates host frames (cfc::validate) before
-    // uploading them, and frames made by cuda_compress are well-formed by construction.
+    let (device, stream) = tensor::cuda_stream(stream)?;
+    let out = tensor::on_device(out, device, "out")?;
+    let args = decompress_args(device, stream, frame, ndim, out, codec, workspace)?;
+    // SAFETY: live CUDA tensors of the stream's device, read above; cfc.codec validates host
+    // frames (cfc::validate) before uploading them, and frames made by cuda_compress are
+    // well-formed by construction.
     py.detach(|| unsafe { cfc::cuda::decompress(&args) })
         .map_err(to_py)
 }
 
-/// Queues the chunk offsets of a checked lossless frame whose header and chunk table are on the
-/// device (the rest may still be arriving): the first half of a decode in parts.
+/// Queues on `stream` the chunk offsets of a checked lossless frame (a uint8 CUDA tensor)
+/// whose header and chunk table are on the device (the rest may still be arriving), to be
+/// decoded into `out`: the first half of a decode in parts.
 #[pyfunction]
-#[pyo3(signature = (device, stream, frame_ptr, numel, dtype, ndim, ws_ptr, ws_len))]
-#[allow(clippy::too_many_arguments)]
 fn cuda_lossless_offsets(
     py: Python<'_>,
-    device: usize,
-    stream: usize,
-    frame_ptr: u64,
-    numel: u64,
-    dtype: &str,
+    stream: &Bound<'_, PyAny>,
+    frame: &Bound<'_, PyAny>,
     ndim: usize,
-    ws_ptr: u64,
-    ws_len: u64,
+    out: &Bound<'_, PyAny>,
+    workspace: &Bound<'_, PyAny>,
 ) -> PyResult<()> {
-    let args = decompress_args(
+    let (device, stream) = tensor::cuda_stream(stream)?;
+    let out = tensor::on_device(out, device, "out")?;
+    let mut args = decompress_args(
         device,
         stream,
-        frame_ptr,
-        numel,
-        dtype,
-        cfc::Codec::Lossless,
+        frame,
         ndim,
-        0,
-        ws_ptr,
-        ws_len,
+        out,
+        cfc::Codec::Lossless,
+        workspace,
     )?;
-    // SAFETY: as cuda_decompress; cfc.codec checked the frame on the host (cfc.pin) and queues
-    // this after the copy of its header and chunk table, on the same stream.
+    args.out = 0; // (nothing is written into it yet)
+                  // SAFETY: as cuda_decompress; cfc.codec checked the frame on the host (cfc.pin) and queues
+                  // this after the copy of its header and chunk table, on the same stream.
     py.detach(|| unsafe { cfc::cuda::lossless_offsets(&args) })
         .map_err(to_py)
 }
 
-/// Queues the decoding of chunks `first..last` of a lossless frame, after
-/// `cuda_lossless_offsets` and after those chunks' bytes reached the device.
+/// Queues on `stream` the decoding of chunks `first..last` of a lossless frame into `out`,
+/// after `cuda_lossless_offsets` and after those chunks' bytes reached the device.
 #[pyfunction]
-#[pyo3(signature = (device, stream, frame_ptr, numel, dtype, ndim, out_ptr, ws_ptr, ws_len, first, last))]
 #[allow(clippy::too_many_arguments)]
 fn cuda_lossless_chunks(
     py: Python<'_>,
-    device: usize,
-    stream: usize,
-    frame_ptr: u64,
-    numel: u64,
-    dtype: &str,
+    stream: &Bound<'_, PyAny>,
+    frame: &Bound<'_, PyAny>,
     ndim: usize,
-    out_ptr: u64,
-    ws_ptr: u64,
-    ws_len: u64,
+    out: &Bound<'_, PyAny>,
+    workspace: &Bound<'_, PyAny>,
     first: u64,
     last: u64,
 ) -> PyResult<()> {
+    let (device, stream) = tensor::cuda_stream(stream)?;
+    let out = tensor::on_device(out, device, "out")?;
     let args = decompress_args(
         device,
         stream,
-        frame_ptr,
-        numel,
-        dtype,
-        cfc::Codec::Lossless,
+        frame,
         ndim,
-        out_ptr,
-        ws_ptr,
-        ws_len,
+        out,
+        cfc::Codec::Lossless,
+        workspace,
     )?;
     // SAFETY: as cuda_lossless_offsets; the stream waits for the copy of these chunks first.
     py.detach(|| unsafe { cfc::cuda::lossless_chunks(&args, first, last) })
         .map_err(to_py)
 }
 
-/// The arguments of every decoding call (`cuda_decompress`, `cuda_lossless_*`).
-#[allow(clippy::too_many_arguments)]
+/// The arguments of every decoding call (`cuda_decompress`, `cuda_lossless_*`): the frame and
+/// workspace read from their tensors, the output's element count and dtype from `out`.
 fn decompress_args(
     device: usize,
-    stream: usize,
-    frame: u64,
-    n: u64,
-    dtype: &str,
-    codec: cfc::Codec,
+    stream: u64,
+    frame: &Bound<'_, PyAny>,
     ndim: usize,
-    out: u64,
-    workspace: u64,
-    workspace_len: u64,
+    out: tensor::Memory,
+    codec: cfc::Codec,
+    workspace: &Bound<'_, PyAny>,
 ) -> PyResult<cfc::cuda::DecompressArgs> {
+    let frame = tensor::on_device(frame, device, "the frame")?;
+    let ws = tensor::on_device(workspace, device, "the workspace")?;
+    check_device_sizes(out.numel, ndim, 0)?;
     Ok(cfc::cuda::DecompressArgs {
         device,
-        stream,
-        frame,
-        n,
-        dtype: dtype_of(dtype)?,
+        stream: stream as usize,
+        frame: frame.addr,
+        n: out.numel,
+        dtype: out.dtype,
         codec,
         ndim,
-        out,
-        workspace,
-        workspace_len,
+        out: out.addr,
+        workspace: ws.addr,
+        workspace_len: ws.bytes,
     })
 }
 

@@ -1,5 +1,5 @@
-//! Tensors and streams as the engine's binding takes them: torch's objects (or any object with
-//! their methods), read and checked here, once, so that no method of `Engine` takes a memory
+//! Tensors and streams as the binding's engine and CUDA codec take them: torch's objects (or
+//! any object with their methods), read and checked here, once, so that neither takes a memory
 //! address or a stream handle as a number. Nothing here imports torch: a tensor is read through
 //! `data_ptr()`, `numel()`, `element_size()`, `is_contiguous()`, `dtype` and `device`, a stream
 //! through `cuda_stream` and `device`.
@@ -67,7 +67,7 @@ pub(crate) fn tensor(obj: &Bound<'_, PyAny>, place: Place, what: &str) -> PyResu
     let at = place_of(&obj.getattr("device").map_err(not_a_tensor)?, what)?;
     if at != place {
         return Err(PyValueError::new_err(format!(
-            "{what} is on {at}, this engine's tensors on {place}"
+            "{what} is on {at}; it must be on {place}"
         )));
     }
     let name = obj.getattr("dtype")?.str()?.to_string();
@@ -78,11 +78,48 @@ pub(crate) fn tensor(obj: &Bound<'_, PyAny>, place: Place, what: &str) -> PyResu
             "{what}: {size}-byte elements for a {name} tensor"
         )));
     }
-    Ok(Tensor {
-        addr: obj.call_method0("data_ptr")?.extract()?,
-        numel: obj.call_method0("numel")?.extract()?,
-        dtype,
+    let addr: u64 = obj.call_method0("data_ptr")?.extract()?;
+    let numel: u64 = obj.call_method0("numel")?.extract()?;
+    if addr == 0 && numel > 0 {
+        return Err(PyValueError::new_err(format!(
+            "{what}: a null data_ptr for {numel} elements"
+        )));
+    }
+    Ok(Tensor { addr, numel, dtype })
+}
+
+/// A contiguous tensor's memory, as the CUDA codec takes it.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Memory {
+    pub addr: u64,
+    pub numel: u64,
+    pub bytes: u64,
+    pub dtype: cfc::DType,
+}
+
+/// The contiguous tensor `obj`, which must be on CUDA device `device` (see [`tensor`]).
+pub(crate) fn on_device(obj: &Bound<'_, PyAny>, device: usize, what: &str) -> PyResult<Memory> {
+    let t = tensor(obj, Place::Cuda(device), what)?;
+    Ok(Memory {
+        addr: t.addr,
+        numel: t.numel,
+        bytes: t.numel * t.dtype.size() as u64,
+        dtype: t.dtype,
     })
+}
+
+/// The CUDA stream `obj` (a `torch.cuda.Stream`): its device and its `CUstream`.
+///
+/// # Errors
+/// `TypeError` for an object that is not a CUDA stream.
+pub(crate) fn cuda_stream(obj: &Bound<'_, PyAny>) -> PyResult<(usize, u64)> {
+    let raw = obj.getattr("cuda_stream").map_err(|_| {
+        PyTypeError::new_err("stream must be a torch.cuda.Stream (it has no cuda_stream)")
+    })?;
+    match place_of(&obj.getattr("device")?, "the stream")? {
+        Place::Cuda(i) => Ok((i, raw.extract()?)),
+        Place::Host => Err(PyTypeError::new_err("stream must be a torch.cuda.Stream")),
+    }
 }
 
 /// The CUDA stream `obj` (a `torch.cuda.Stream`), which must be of `place`'s device, as the
@@ -101,16 +138,13 @@ pub(crate) fn stream(obj: Option<&Bound<'_, PyAny>>, place: Place) -> PyResult<u
             "this engine runs on cuda:{i}: give the stream its results are ordered on"
         ))),
         (Some(s), Place::Cuda(_)) => {
-            let raw = s.getattr("cuda_stream").map_err(|_| {
-                PyTypeError::new_err("stream must be a torch.cuda.Stream (it has no cuda_stream)")
-            })?;
-            let at = place_of(&s.getattr("device")?, "the stream")?;
-            if at != place {
+            let (device, raw) = cuda_stream(s)?;
+            if Place::Cuda(device) != place {
                 return Err(PyValueError::new_err(format!(
-                    "the stream is of {at}, this engine's device is {place}"
+                    "the stream is of cuda:{device}, this engine's device is {place}"
                 )));
             }
-            raw.extract()
+            Ok(raw)
         }
     }
 }

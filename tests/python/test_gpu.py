@@ -354,11 +354,7 @@ def test_gpu_compress_writes_nothing_past_the_capacity_or_workspace(dtype, feedb
     ws = torch.full((guard + ws_len + guard,), 0xCD, dtype=torch.uint8, device="cuda")
     r = (torch.randn(n, generator=torch.Generator().manual_seed(n)) * 1e-3).cuda() if feedback else None
     stream = torch.cuda.current_stream()
-    _native.cuda_compress(
-        0, stream.cuda_stream, x.data_ptr(), n, str(dtype).split(".")[1], [n],
-        out.data_ptr() + guard, cap, ws.data_ptr() + guard, ws_len, **bound,
-        residual_ptr=0 if r is None else r.data_ptr(),
-    )
+    _native.cuda_compress(stream, x, [n], out[guard : guard + cap], ws[guard : guard + ws_len], **bound, residual=r)
     torch.cuda.synchronize()
     for buf, fill, length in ((out, 0xAB, cap), (ws, 0xCD, ws_len)):
         assert bool((buf[:guard] == fill).all()), "written before the buffer"
@@ -392,12 +388,10 @@ def test_gpu_compress_writes_its_size_and_raises_the_running_maximum(dtype, eps,
     size = torch.full((2,), -1, dtype=torch.int64, device="cuda")  # [1] stays: nothing past 8 bytes
     most = torch.zeros(2, dtype=torch.float64, device="cuda")
     most[1] = 1e9  # already higher
-    stream = torch.cuda.current_stream().cuda_stream
-    for target in (most.data_ptr(), most.data_ptr() + 8):
+    stream = torch.cuda.current_stream()
+    for target in (most, most[1:]):
         r_step = r.clone()
-        _native.cuda_compress(0, stream, x.data_ptr(), n, name, [n], out.data_ptr(), cap, ws.data_ptr(), ws_len,
-                              eps=eps, residual_ptr=r_step.data_ptr(), size_ptr=size.data_ptr(),
-                              max_error_ptr=target)
+        _native.cuda_compress(stream, x, [n], out, ws, eps=eps, residual=r_step, size=size, max_error=target)
     torch.cuda.synchronize()
     at = _native.CUDA_FRAME_SIZE_OFFSET
     in_ws = int(ws[at : at + 8].cpu().numpy().view(np.int64)[0])
@@ -410,53 +404,51 @@ def test_gpu_compress_writes_its_size_and_raises_the_running_maximum(dtype, eps,
     assert most.tolist() == [want, 1e9]
 
 
+class _Misplaced:
+    """A CUDA tensor's stand-in at an address off its alignment (torch makes none): what the
+    binding passes on, for the core's checks."""
+
+    def __init__(self, t, offset):
+        self.t, self.offset = t, offset
+        self.dtype, self.device = t.dtype, t.device
+
+    def is_contiguous(self):
+        return True
+
+    def data_ptr(self):
+        return self.t.data_ptr() + self.offset
+
+    def numel(self):
+        return self.t.numel() - 1
+
+    def element_size(self):
+        return self.t.element_size()
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_gpu_compress_reads_its_bound_from_memory_where_asked(dtype):
-    """With ``bound_ptr`` the encoder takes ``eps`` from device memory when it runs, not from
-    the launch (what lets a recorded CUDA graph replay with each step's bound): here the
-    launch's ``eps`` deliberately differs from the memory's, and the frame and residual are
-    those of compressing with the memory's. A relative bound, or a misaligned address, is
-    refused before anything is queued."""
+def test_gpu_compress_refuses_memory_off_its_alignment(dtype):
+    """A workspace, residual or input off its alignment would fault on the device: refused
+    before anything is queued."""
     from cfc import _native
 
     name, n = str(dtype).split(".")[1], 5000
-    g = torch.Generator().manual_seed(11)
-    x = (torch.randn(n, generator=g) * 0.01).to(dtype).cuda()
-    r0 = (torch.randn(n, generator=g) * 1e-3).cuda()
+    x = (torch.randn(n, generator=torch.Generator().manual_seed(11)) * 0.01).to(dtype).cuda()
     cap = _native.cuda_compress_capacity(n, name, 1, eps=1e-3)
     ws_len = _native.cuda_workspace_len(n, compress=True, feedback=True)
-    stream = torch.cuda.current_stream().cuda_stream
-    word = torch.tensor([4e-3, 0.0], dtype=torch.float64, device="cuda")
-    got = {}
-    for how, eps, at in (("launch", 4e-3, 0), ("memory", 1e-3, word.data_ptr())):
-        out = torch.zeros(cap, dtype=torch.uint8, device="cuda")
-        ws = torch.empty(ws_len, dtype=torch.uint8, device="cuda")
-        r = r0.clone()
-        _native.cuda_compress(0, stream, x.data_ptr(), n, name, [n], out.data_ptr(), cap, ws.data_ptr(), ws_len,
-                              eps=eps, residual_ptr=r.data_ptr(), bound_ptr=at)
-        torch.cuda.synchronize()
-        got[how] = (out, r)
-    assert torch.equal(got["launch"][0], got["memory"][0])
-    assert torch.equal(got["launch"][1], got["memory"][1])
+    stream = torch.cuda.current_stream()
     out = torch.zeros(cap, dtype=torch.uint8, device="cuda")
     ws = torch.empty(ws_len, dtype=torch.uint8, device="cuda")
-    for kw, why in (({"rel": 1e-2}, "absolute"), ({"eps": 1e-3}, "8-aligned")):
-        at = word.data_ptr() + (4 if "eps" in kw else 0)
-        with pytest.raises(Exception, match=why):
-            _native.cuda_compress(0, stream, x.data_ptr(), n, name, [n], out.data_ptr(), cap, ws.data_ptr(), ws_len,
-                                  bound_ptr=at, **kw)
-    # a workspace, residual or input off its alignment would fault on the device: refused
     wide = torch.empty(ws_len + 16, dtype=torch.uint8, device="cuda")
     rr = torch.zeros(n + 1, device="cuda")
     xx = torch.zeros(n + 1, dtype=dtype, device="cuda")
+    r = torch.zeros(n, device="cuda")
     for where, (xp, wp, rp) in {
-        "workspace's": (x.data_ptr(), wide.data_ptr() + 8, rr.data_ptr()),
-        "residual's": (x.data_ptr(), ws.data_ptr(), rr.data_ptr() + 2),
-        "input's": (xx.data_ptr() + 1, ws.data_ptr(), rr.data_ptr()),
+        "workspace's": (x, wide[8 : 8 + ws_len], r),
+        "residual's": (x, ws, _Misplaced(rr, 2)),
+        "input's": (_Misplaced(xx, 1), ws, r),
     }.items():
         with pytest.raises(Exception, match=f"{where} address .* is not"):
-            _native.cuda_compress(0, stream, xp, n, name, [n], out.data_ptr(), cap, wp, ws_len, eps=1e-3,
-                                  residual_ptr=rp)
+            _native.cuda_compress(stream, xp, [n], out, wp, eps=1e-3, residual=rp)
     torch.cuda.synchronize()
     assert not bool(out.any()), "nothing was queued"
 
@@ -476,16 +468,15 @@ def test_gpu_decoded_sum_reads_the_lengths_before_its_frames_where_asked():
     for j, c in enumerate(cs):
         rows[j * row : j * row + 8].view(torch.int64).fill_(lens[j])
         rows[j * row + 16 : j * row + 16 + lens[j]] = c._out
-    frames = [rows.data_ptr() + j * row + 16 for j in range(len(cs))]
+    frames = [rows[j * row + 16 : j * row + 16 + lens[j]] for j in range(len(cs))]
     ws_len = cfc._native.cuda_decode_sum_workspace_len(n, len(cs))
-    stream = torch.cuda.current_stream().cuda_stream
+    stream = torch.cuda.current_stream()
 
     def decode(before):
         out = torch.full((n,), 7.0, device="cuda")
         ws = torch.empty(ws_len, dtype=torch.uint8, device="cuda")
         status = torch.zeros(2, dtype=torch.int32, device="cuda")
-        cfc._native.cuda_decode_sum(0, stream, frames, lens, n, "float32", 1, 0.5, out.data_ptr(), "float32",
-                                    ws.data_ptr(), ws_len, status.data_ptr(), lens_before=before)
+        cfc._native.cuda_decode_sum(stream, frames, "float32", 1, 0.5, out, ws, status, lens_before=before)
         torch.cuda.synchronize()
         return out, status.tolist()
 
@@ -716,10 +707,9 @@ def test_gpu_decoded_sum_writes_only_its_output():
     status = torch.zeros(2, dtype=torch.int32, device="cuda")
     lens = [c._out.numel() for c in cs]
     stream = torch.cuda.current_stream()
-    cfc._native.cuda_decode_sum(
-        0, stream.cuda_stream, [c._out.data_ptr() for c in cs], lens, n, "float32", 1, 0.5,
-        out.data_ptr() + guard, "bfloat16", ws.data_ptr() + guard, ws_len, status.data_ptr(),
-    )
+    frames = [c._out[:length] for c, length in zip(cs, lens)]
+    cfc._native.cuda_decode_sum(stream, frames, "float32", 1, 0.5, out[guard : guard + 2 * n].view(torch.bfloat16),
+                                ws[guard : guard + ws_len], status)
     torch.cuda.synchronize()
     for buf, fill, length in ((out, 0xAB, 2 * n), (ws, 0xCD, ws_len)):
         assert bool((buf[:guard] == fill).all()), "written before the buffer"
@@ -728,10 +718,8 @@ def test_gpu_decoded_sum_writes_only_its_output():
     got = out[guard : guard + 2 * n].view(torch.bfloat16)
     assert same_values(got, _decoded_sum_reference(cs, 0.5, torch.bfloat16))
     with pytest.raises(ValueError, match="bytes"):
-        cfc._native.cuda_decode_sum(
-            0, stream.cuda_stream, [c._out.data_ptr() for c in cs], lens, n, "float32", 1, 0.5,
-            out.data_ptr(), "bfloat16", ws.data_ptr(), ws_len - 1, status.data_ptr(),
-        )
+        cfc._native.cuda_decode_sum(stream, frames, "float32", 1, 0.5, out[: 2 * n].view(torch.bfloat16),
+                                    ws[: ws_len - 1], status)
 
 
 

@@ -27,34 +27,88 @@ def test_every_stub_exists_and_every_public_name_has_a_stub():
     assert stub_names() == public
 
 
+class _OnCuda:
+    """A stand-in for a contiguous CUDA tensor or stream of device 0 (the binding reads tensors
+    through their methods): reaches the checks made before a device is touched, on any machine.
+    Its memory is never read: every call below is refused first."""
+
+    def __init__(self, numel=0, dtype="uint8", addr=1 << 20):
+        import torch
+
+        self._numel, self.dtype, self._addr = numel, getattr(torch, dtype), addr
+        self.device = torch.device("cuda", 0)
+        self.cuda_stream = 0
+
+    def is_contiguous(self):
+        return True
+
+    def data_ptr(self):
+        return self._addr
+
+    def numel(self):
+        return self._numel
+
+    def element_size(self):
+        import torch
+
+        return torch.empty(0, dtype=self.dtype).element_size()
+
+
 @pytest.mark.skipif(native.cuda_available(), reason="checks the error raised without CUDA")
 def test_cuda_calls_without_cuda_raise_a_clear_error():
+    pytest.importorskip("torch")
     with pytest.raises(cfc.CfcError, match="CUDA"):
-        native.cuda_compress(0, 0, 0, 0, "float32", [0], 0, 1 << 12, 0, 1 << 12, eps=1e-3)
+        native.cuda_compress(_OnCuda(), _OnCuda(16, "float32"), [16], _OnCuda(1 << 12), _OnCuda(1 << 12), eps=1e-3)
+
+
+def test_the_cuda_codec_takes_tensors_and_checks_them_first():
+    torch = pytest.importorskip("torch")
+    s, ws = _OnCuda(), _OnCuda(1 << 12)
+    for call, error, match in [
+        (lambda: native.cuda_compress(0, _OnCuda(16, "float32"), [16], ws, ws, eps=1e-3), TypeError,
+         "torch.cuda.Stream"),
+        (lambda: native.cuda_compress(s, 12345, [16], ws, ws, eps=1e-3), TypeError, "data must be a tensor"),
+        (lambda: native.cuda_compress(s, torch.zeros(16), [16], ws, ws, eps=1e-3), ValueError,
+         "data is on cpu; it must be on cuda:0"),
+        (lambda: native.cuda_compress(s, _OnCuda(16, "float32", addr=0), [16], ws, ws, eps=1e-3), ValueError,
+         "null data_ptr"),
+        (lambda: native.cuda_compress(s, _OnCuda(16, "float32"), [4, 5], ws, ws, eps=1e-3), ValueError,
+         "a shape of 20 elements for a tensor of 16"),
+        (lambda: native.cuda_compress(s, _OnCuda(16, "float32"), [16], ws, ws, eps=1e-3,
+                                      residual=_OnCuda(16, "bfloat16")), ValueError, "float32 of 16"),
+        (lambda: native.cuda_decode_sum(s, [_OnCuda(100)], "float32", 1, 1.0, _OnCuda(1, "float32"), ws,
+                                        _OnCuda(10)), ValueError, "8 bytes, got 10"),
+    ]:
+        with pytest.raises(error, match=match):
+            call()
 
 
 def test_cuda_sum_checks_its_frame_count_before_touching_a_device():
+    pytest.importorskip("torch")
+    s, big = _OnCuda(), _OnCuda(1 << 30)
     # sum_offsets gives each frame a row of the grid, which CUDA caps at 65535 rows.
     with pytest.raises(cfc.CfcError, match="at most 65535 frames"):
-        native.cuda_sum(0, 0, [0] * 65536, [100] * 65536, 1, "float32", [1], 0, 1 << 20, 0, 1 << 30)
+        native.cuda_sum(s, [_OnCuda(100)] * 65536, "float32", [1], _OnCuda(1 << 20), big)
     with pytest.raises(cfc.CfcError, match="at least one frame"):
-        native.cuda_sum(0, 0, [], [], 1, "float32", [1], 0, 1 << 20, 0, 1 << 30)
+        native.cuda_sum(s, [], "float32", [1], _OnCuda(1 << 20), big)
     # Each frame's length must hold its header and a width byte per group of 32 elements.
-    with pytest.raises(cfc.CfcError, match="2 frame lengths"):
-        native.cuda_sum(0, 0, [0], [100, 100], 1, "float32", [1], 0, 1 << 20, 0, 1 << 30)
     with pytest.raises(cfc.FormatError, match="frame"):
-        native.cuda_sum(0, 0, [0], [72 + 31], 1000, "float32", [1000], 0, 1 << 20, 0, 1 << 30)
+        native.cuda_sum(s, [_OnCuda(72 + 31)], "float32", [1000], _OnCuda(1 << 20), big)
 
 
 def test_cuda_decode_sum_checks_its_arguments_before_touching_a_device():
+    pytest.importorskip("torch")
+    s, ws = _OnCuda(), _OnCuda(1 << 20)
     with pytest.raises(cfc.CfcError, match="1 to 65535 frames"):
-        native.cuda_decode_sum(0, 0, [], [], 1, "float32", 1, 1.0, 0, "float32", 0, 1 << 20, 0)
+        native.cuda_decode_sum(s, [], "float32", 1, 1.0, _OnCuda(1, "float32"), ws, _OnCuda(8))
     with pytest.raises(TypeError, match="float64"):
-        native.cuda_decode_sum(0, 0, [0], [100], 1, "float32", 1, 1.0, 0, "float64", 0, 1 << 20, 0)
+        native.cuda_decode_sum(s, [_OnCuda(100)], "float32", 1, 1.0, _OnCuda(1, "float64"), ws, _OnCuda(8))
     with pytest.raises(ValueError, match="10 bytes"):
-        native.cuda_decode_sum(0, 0, [0], [100], 1 << 20, "float32", 1, 1.0, 0, "float32", 0, 10, 0)
+        native.cuda_decode_sum(s, [_OnCuda(100)], "float32", 1, 1.0, _OnCuda(1 << 20, "float32"), _OnCuda(10),
+                               _OnCuda(8))
     with pytest.raises(cfc.FormatError, match="frame"):
-        native.cuda_decode_sum(0, 0, [0, 0], [4096, 72 + 31], 1000, "float32", 1, 1.0, 0, "float32", 0, 1 << 20, 0)
+        native.cuda_decode_sum(s, [_OnCuda(4096), _OnCuda(72 + 31)], "float32", 1, 1.0, _OnCuda(1000, "float32"), ws,
+                               _OnCuda(8))
 
 
 def _engine(**kw):

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
 import numpy as np
 
 from cfc import _native
-from cfc._checks import _ELEMENT_SIZE, _check_apart, _dtype_name, _span, _torch_dtype
+from cfc._checks import _ELEMENT_SIZE, _check_apart, _span, _torch_dtype
 
 if TYPE_CHECKING:
     from cfc.codec import Compressed
@@ -132,13 +132,12 @@ def _fetch_lossless(c: "PinnedCompressed", target):
             ev = torch.cuda.Event()
             ev.record(side)
             events.append(ev)
-    common = (target.index, cur.cuda_stream, frame_dev.data_ptr(), info["numel"], info["dtype"],
-              len(info["shape"]))
+    ndim = len(info["shape"])
     cur.wait_event(events[0])
-    _native.cuda_lossless_offsets(*common, ws.data_ptr(), ws.numel())
+    _native.cuda_lossless_offsets(cur, frame_dev, ndim, out, ws)
     for i, ev in enumerate(events):
         cur.wait_event(ev)
-        _native.cuda_lossless_chunks(*common, out.data_ptr(), ws.data_ptr(), ws.numel(), bounds[i], bounds[i + 1])
+        _native.cuda_lossless_chunks(cur, frame_dev, ndim, out, ws, bounds[i], bounds[i + 1])
     return out
 
 
@@ -314,11 +313,8 @@ def _compress_cuda(t, name: str, shape, eps, rel, bits, residual=None, coder="pl
     ws = torch.empty(_native.cuda_workspace_len(n, compress=True, feedback=residual is not None),
                      dtype=torch.uint8, device=dev)
     stream = torch.cuda.current_stream(dev)
-    _native.cuda_compress(
-        dev.index, stream.cuda_stream, t.data_ptr(), n, name, list(shape),
-        out.data_ptr(), cap, ws.data_ptr(), ws.numel(), eps=eps, rel=rel, bits=bits,
-        residual_ptr=0 if residual is None or n == 0 else residual.data_ptr(), coder=coder,
-    )
+    _native.cuda_compress(stream, t, list(shape), out, ws, eps=eps, rel=rel, bits=bits, residual=residual,
+                          coder=coder)
     # Input and residual must outlive the queued kernels even if the caller drops them and they
     # were made on another stream: tell the caching allocator they are used on this one.
     t.record_stream(stream)
@@ -347,10 +343,7 @@ def _compress_lossless_cuda(t, name: str) -> CudaCompressed:
     out = torch.empty(cap, dtype=torch.uint8, device=dev)
     ws = torch.empty(ws_len, dtype=torch.uint8, device=dev)
     stream = torch.cuda.current_stream(dev)
-    _native.cuda_compress_lossless(
-        dev.index, stream.cuda_stream, t.data_ptr(), t.numel(), name, list(shape),
-        out.data_ptr(), cap, ws.data_ptr(), ws_len,
-    )
+    _native.cuda_compress_lossless(stream, t, list(shape), out, ws)
     t.record_stream(stream)  # the input must outlive the queued kernels
     return CudaCompressed(out, ws, name, shape, "lossless", stream, "lossless")
 
@@ -367,10 +360,7 @@ def _decompress_cuda(frame_dev, numel: int, dtype: str, shape, ndim: int, after=
     if after is not None:
         stream.wait_event(after)  # compressed on another stream: wait for it on the GPU
         frame_dev.record_stream(stream)
-    _native.cuda_decompress(
-        dev.index, stream.cuda_stream, frame_dev.data_ptr(), numel, dtype, ndim,
-        out.data_ptr(), ws.data_ptr(), ws.numel(), codec=codec,
-    )
+    _native.cuda_decompress(stream, frame_dev, ndim, out, ws, codec=codec)
     return out
 
 
@@ -420,10 +410,7 @@ def _sum_frames_cuda(frames, dtype: str, shape, after=(), capacity: int = 0) -> 
         stream.wait_event(e)  # made on another stream: wait for it on the GPU
     for f in frames:
         f.record_stream(stream)
-    _native.cuda_sum(
-        dev.index, stream.cuda_stream, [f.data_ptr() for f in frames], [f.numel() for f in frames], n, dtype,
-        list(shape), out.data_ptr(), out.numel(), ws.data_ptr(), ws_len,
-    )
+    _native.cuda_sum(stream, list(frames), dtype, list(shape), out, ws)
     return CudaCompressed(out, ws, dtype, tuple(shape), "sum", stream)
 
 
@@ -442,15 +429,14 @@ def _decode_sum_cuda(frames, numel: int, dtype: str, out, scale: float = 1.0, nd
     import torch
 
     dev = out.device
+    if out.numel() != numel:
+        raise ValueError(f"the decoded sum of frames of {numel} elements into {out.numel()}")
     ws_len = _native.cuda_decode_sum_workspace_len(numel, len(frames))
     ws = torch.empty(ws_len, dtype=torch.uint8, device=dev)
     if status is None:
         status = torch.zeros(2, dtype=torch.int32, device=dev)
     stream = torch.cuda.current_stream(dev)
-    _native.cuda_decode_sum(
-        dev.index, stream.cuda_stream, [f.data_ptr() for f in frames], [f.numel() for f in frames], numel, dtype,
-        ndim, scale, out.data_ptr(), _dtype_name(out.dtype), ws.data_ptr(), ws_len, status.data_ptr(),
-    )
+    _native.cuda_decode_sum(stream, list(frames), dtype, ndim, scale, out, ws, status)
     return status
 
 

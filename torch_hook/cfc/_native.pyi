@@ -58,67 +58,36 @@ def cuda_compress_capacity(
     bits: Optional[int] = None,
 ) -> int: ...
 def cuda_compress(
-    device: int,
-    stream: int,
-    input_ptr: int,
-    numel: int,
-    dtype: str,
+    stream: Any,
+    data: Any,
     shape: Sequence[int],
-    out_ptr: int,
-    out_len: int,
-    ws_ptr: int,
-    ws_len: int,
+    out: Any,
+    workspace: Any,
     *,
     eps: Optional[float] = None,
     rel: Optional[float] = None,
     bits: Optional[int] = None,
-    residual_ptr: int = 0,
-    size_ptr: int = 0,
-    max_error_ptr: int = 0,
-    bound_ptr: int = 0,
+    residual: Optional[Any] = None,
+    coder: str = "planes",
+    size: Optional[Any] = None,
+    max_error: Optional[Any] = None,
 ) -> None: ...
 def cuda_decompress(
-    device: int,
-    stream: int,
-    frame_ptr: int,
-    numel: int,
-    dtype: str,
-    ndim: int,
-    out_ptr: int,
-    ws_ptr: int,
-    ws_len: int,
-    codec: str = "quantized",
+    stream: Any, frame: Any, ndim: int, out: Any, workspace: Any, codec: str = "quantized"
 ) -> None: ...
 def cuda_sum_sizes(numel: int, dtype: str, ndim: int, parts: int) -> Tuple[int, int]: ...
-def cuda_sum(
-    device: int,
-    stream: int,
-    frame_ptrs: Sequence[int],
-    frame_lens: Sequence[int],
-    numel: int,
-    dtype: str,
-    shape: Sequence[int],
-    out_ptr: int,
-    out_len: int,
-    ws_ptr: int,
-    ws_len: int,
-) -> None: ...
+def cuda_sum(stream: Any, frames: Sequence[Any], dtype: str, shape: Sequence[int], out: Any, workspace: Any) -> None: ...
 def decode_status_error(status: int) -> Optional[str]: ...
 def cuda_decode_sum_workspace_len(numel: int, parts: int) -> int: ...
 def cuda_decode_sum(
-    device: int,
-    stream: int,
-    frame_ptrs: Sequence[int],
-    frame_lens: Sequence[int],
-    numel: int,
+    stream: Any,
+    frames: Sequence[Any],
     dtype: str,
     ndim: int,
     scale: float,
-    out_ptr: int,
-    out_dtype: str,
-    ws_ptr: int,
-    ws_len: int,
-    status_ptr: int,
+    out: Any,
+    workspace: Any,
+    status: Any,
     *,
     lens_before: int = 0,
 ) -> None: ...
@@ -126,33 +95,10 @@ def cuda_lossless_sizes(numel: int, dtype: str, ndim: int) -> Tuple[int, int]: .
 def nccl_unique_id() -> str: ...
 def nccl_version() -> Tuple[int, int, int]: ...
 
-def cuda_compress_lossless(
-    device: int,
-    stream: int,
-    data_ptr: int,
-    numel: int,
-    dtype: str,
-    shape: Sequence[int],
-    out_ptr: int,
-    out_len: int,
-    ws_ptr: int,
-    ws_len: int,
-) -> None: ...
-def cuda_lossless_offsets(
-    device: int, stream: int, frame_ptr: int, numel: int, dtype: str, ndim: int, ws_ptr: int, ws_len: int
-) -> None: ...
+def cuda_compress_lossless(stream: Any, data: Any, shape: Sequence[int], out: Any, workspace: Any) -> None: ...
+def cuda_lossless_offsets(stream: Any, frame: Any, ndim: int, out: Any, workspace: Any) -> None: ...
 def cuda_lossless_chunks(
-    device: int,
-    stream: int,
-    frame_ptr: int,
-    numel: int,
-    dtype: str,
-    ndim: int,
-    out_ptr: int,
-    ws_ptr: int,
-    ws_len: int,
-    first: int,
-    last: int,
+    stream: Any, frame: Any, ndim: int, out: Any, workspace: Any, first: int, last: int
 ) -> None: ...
 
 TIMEOUT_RANGE: Tuple[float, float]
