@@ -1,6 +1,6 @@
-//! Tensors and streams as the binding's engine and CUDA codec take them: torch's objects (or
-//! any object with their methods), read and checked here, once, so that neither takes a memory
-//! address or a stream handle as a number. Nothing here imports torch: a tensor is read through
+//! Tensors and streams as the binding's CUDA codec takes them: torch's objects (or any object
+//! with their methods), read and checked here, once, so that it takes no memory address or
+//! stream handle as a number. Nothing here imports torch: a tensor is read through
 //! `data_ptr()`, `numel()`, `element_size()`, `is_contiguous()`, `dtype` and `device`, a stream
 //! through `cuda_stream` and `device`.
 
@@ -119,32 +119,5 @@ pub(crate) fn cuda_stream(obj: &Bound<'_, PyAny>) -> PyResult<(usize, u64)> {
     match place_of(&obj.getattr("device")?, "the stream")? {
         Place::Cuda(i) => Ok((i, raw.extract()?)),
         Place::Host => Err(PyTypeError::new_err("stream must be a torch.cuda.Stream")),
-    }
-}
-
-/// The CUDA stream `obj` (a `torch.cuda.Stream`), which must be of `place`'s device, as the
-/// core takes it; 0 for a host engine, which takes none (`None`).
-///
-/// # Errors
-/// `ValueError` for a stream given to a host engine, none given to a CUDA engine, or a stream
-/// of another device; `TypeError` for an object that is not a stream.
-pub(crate) fn stream(obj: Option<&Bound<'_, PyAny>>, place: Place) -> PyResult<u64> {
-    match (obj, place) {
-        (None, Place::Host) => Ok(0),
-        (Some(_), Place::Host) => Err(PyValueError::new_err(
-            "a CUDA stream for an engine on the cpu: give None",
-        )),
-        (None, Place::Cuda(i)) => Err(PyValueError::new_err(format!(
-            "this engine runs on cuda:{i}: give the stream its results are ordered on"
-        ))),
-        (Some(s), Place::Cuda(_)) => {
-            let (device, raw) = cuda_stream(s)?;
-            if Place::Cuda(device) != place {
-                return Err(PyValueError::new_err(format!(
-                    "the stream is of cuda:{device}, this engine's device is {place}"
-                )));
-            }
-            Ok(raw)
-        }
     }
 }

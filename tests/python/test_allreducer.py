@@ -220,7 +220,7 @@ def _worker(rank, world, init_file, scenario, device, algorithm=None):
             assert time.monotonic() - t0 < cfc._engine.EXIT_WAIT_SECONDS
             assert cfc._native.settle_dropped_engines(0.0) == 0
             with pytest.raises(cfc.CfcError, match="closed"):
-                engine.wait()
+                engine.wait(0)
             with pytest.raises(ValueError, match="seconds"):
                 cfc._native.settle_dropped_engines(-1.0)
         elif scenario == "auto":

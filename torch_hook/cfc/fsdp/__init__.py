@@ -324,7 +324,11 @@ def _submit(state: CfcState, key: int, data: Any, out: Any, scale: Any) -> None:
         if r is not None and not in_units:
             r.view(rows, -1).mul_(factors)
     stream = _engine.stream_of(data)
-    engine.submit(key, fingerprint(None, data), data, r, out, scale, False, fresh, stream)
+    engine.submit(
+        key, fingerprint(None, data), _engine.describe(data),
+        None if r is None else (r.data_ptr(), r.numel()),
+        None if out is None else (out.data_ptr(), out.numel()), scale, False, fresh, stream,
+    )
     try:
         engine.order(stream)
     except BaseException:
