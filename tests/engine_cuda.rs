@@ -19,7 +19,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 mod gpu_common;
-use gpu_common::{bytes_of, gpus, grads, nccl};
+use gpu_common::{bytes_of, gpus, grads, nccl, on_cuda_ranks};
 
 /// What one rank ends with after `steps` steps of two buckets (an all-reduce and a
 /// reduce-scatter): every step's results and residuals, as bytes.
@@ -180,33 +180,9 @@ fn on_gpu(
     n: usize,
     steps: usize,
 ) -> Vec<Outcome> {
-    let links = LocalLinks::group(world, o.timeout);
-    let id = UniqueId::new().unwrap();
-    std::thread::scope(|s| {
-        let hs: Vec<_> = links
-            .into_iter()
-            .enumerate()
-            .map(|(rank, l)| {
-                let (o, id) = (o.clone(), &id);
-                s.spawn(move || {
-                    let device = if shared { 0 } else { rank };
-                    let ctx = cfc::cuda::context(device).unwrap();
-                    let stream = ctx.new_stream().unwrap();
-                    let e = if shared {
-                        Engine::on_cuda_links(device, l, o, 0, &[]).unwrap()
-                    } else {
-                        let comm = Communicator::new(device, id, rank, world).unwrap();
-                        let control = l.control().clone();
-                        Engine::on_cuda_nccl(device, comm, control, Some(Box::new(l)), o, 0, &[])
-                            .unwrap()
-                    };
-                    let out = drive(&e, rank, dtype, n, steps, Some(&stream));
-                    e.close().unwrap();
-                    out
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    on_cuda_ranks(world, shared, o, |rank, device, e| {
+        let stream = cfc::cuda::context(device).unwrap().new_stream().unwrap();
+        drive(e, rank, dtype, n, steps, Some(&stream))
     })
 }
 

@@ -7,16 +7,13 @@
 //! `CFC_REQUIRE_GPU=1` (see `engine_cuda.rs`).
 #![cfg(feature = "cuda")]
 
-use cfc::engine::transport::local::LocalLinks;
-use cfc::engine::transport::Links;
 use cfc::engine::{Algorithm, BoundRule, Engine, Fault, Job, Op, Options, Scale, Tensor};
-use cfc::nccl::{Communicator, UniqueId};
 use cfc::DType;
 use cudarc::driver::{CudaSlice, DevicePtr};
 use std::time::{Duration, Instant};
 
 mod gpu_common;
-use gpu_common::{bytes_of, gpus, grads, nccl};
+use gpu_common::{bytes_of, gpus, grads, nccl, on_cuda_ranks};
 
 /// Keys (FSDP groups) per step.
 const KEYS: usize = 3;
@@ -139,31 +136,8 @@ fn ranks_on_gpu(
     steps: usize,
     fault: Option<(usize, Fault)>,
 ) -> Vec<Seen> {
-    let links = LocalLinks::group(world, o.timeout);
-    let id = UniqueId::new().unwrap();
-    std::thread::scope(|sc| {
-        let hs: Vec<_> = links
-            .into_iter()
-            .enumerate()
-            .map(|(rank, l)| {
-                let (o, id) = (o.clone(), &id);
-                sc.spawn(move || {
-                    let device = if shared { 0 } else { rank };
-                    let e = if shared {
-                        Engine::on_cuda_links(device, l, o, 0, &[]).unwrap()
-                    } else {
-                        let comm = Communicator::new(device, id, rank, world).unwrap();
-                        let control = l.control().clone();
-                        Engine::on_cuda_nccl(device, comm, control, Some(Box::new(l)), o, 0, &[])
-                            .unwrap()
-                    };
-                    let seen = on_gpu(&e, device, rank, n, steps, fault);
-                    let _ = e.close();
-                    seen
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    on_cuda_ranks(world, shared, o, |rank, device, e| {
+        on_gpu(e, device, rank, n, steps, fault)
     })
 }
 

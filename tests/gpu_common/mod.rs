@@ -1,8 +1,49 @@
 //! What the GPU integration tests share: whether a GPU and NCCL are here (required under
-//! `CFC_REQUIRE_GPU=1`), and their test gradients.
+//! `CFC_REQUIRE_GPU=1`), their test gradients, and a CUDA engine per rank.
 #![allow(dead_code)] // (each test file uses a part)
 
+use cfc::engine::transport::local::LocalLinks;
+use cfc::engine::transport::Links;
+use cfc::engine::{Engine, Options};
+use cfc::nccl::{Communicator, UniqueId};
 use cfc::DType;
+
+/// Runs `f(rank, device, engine)` on a thread per rank of `world` CUDA engines with options
+/// `o`: over NCCL with a GPU each, or (`shared`) over host links with every rank on GPU 0;
+/// closes each engine after.
+pub fn on_cuda_ranks<R: Send>(
+    world: usize,
+    shared: bool,
+    o: &Options,
+    f: impl Fn(usize, usize, &Engine) -> R + Sync,
+) -> Vec<R> {
+    let links = LocalLinks::group(world, o.timeout);
+    let id = UniqueId::new().unwrap();
+    std::thread::scope(|s| {
+        let hs: Vec<_> = links
+            .into_iter()
+            .enumerate()
+            .map(|(rank, l)| {
+                let (o, id, f) = (o.clone(), &id, &f);
+                s.spawn(move || {
+                    let device = if shared { 0 } else { rank };
+                    let e = if shared {
+                        Engine::on_cuda_links(device, l, o, 0, &[]).unwrap()
+                    } else {
+                        let comm = Communicator::new(device, id, rank, world).unwrap();
+                        let control = l.control().clone();
+                        Engine::on_cuda_nccl(device, comm, control, Some(Box::new(l)), o, 0, &[])
+                            .unwrap()
+                    };
+                    let out = f(rank, device, &e);
+                    e.close().unwrap();
+                    out
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
 
 /// GPUs usable here (0 where there are none: the tests then return, unless required).
 pub fn gpus() -> usize {
