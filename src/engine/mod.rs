@@ -603,7 +603,7 @@ impl Engine {
     }
 
     /// Closes the step without a job of its own: for callers that learn where a step ends only
-    /// after its last job (FSDP2 runs one group per call, [`Engine::wait`]ing for each, and
+    /// after its last job (FSDP2 runs one group per call, [`Engine::order`]ing each, and
     /// ends the step when the backward pass does). The warm-up and the trial count such steps.
     /// Every rank must call it at the same point of its jobs. Waits like [`Engine::wait`],
     /// without ordering a stream.

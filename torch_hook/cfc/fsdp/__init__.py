@@ -286,9 +286,10 @@ def _submit(state: CfcState, key: int, data: Any, out: Any, scale: Any) -> None:
     reduce-scatter, ``data`` one row per rank), queued on the current stream when this returns
     (``Engine.order``: a wait on the host for the exchange, without the closing round of a
     step). The step (what the warm-up and the trial count) ends with the backward pass
-    (:func:`_end_step`), whose wait reports the outcome of every call of the step. With per-parameter scales (:mod:`cfc.fsdp.param_scales`,
-    agreed through the engine in this call: a wait on the host for the group's input), the
-    data and residual go in scaled and come out in their own units."""
+    (:func:`_end_step`), whose wait reports the outcome of every call of the step. With
+    per-parameter scales (:mod:`cfc.fsdp.param_scales`, agreed through the engine in this call:
+    a wait on the host for the group's input), the data and residual go in scaled and come out
+    in their own units."""
     engine = state._engine_for(data.device)
     in_backward = _open_step(state)
     rows = 1 if out is None else state.world
