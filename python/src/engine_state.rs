@@ -14,7 +14,7 @@ use cfc::engine::{BucketState, EngineState};
 const MAX_EXPONENT: u8 = 254;
 
 fn bad(what: String) -> PyErr {
-    PyValueError::new_err(format!("not a cfc_hook state: {what}"))
+    PyValueError::new_err(format!("not a CfcState checkpoint: {what}"))
 }
 
 fn repr(v: &Bound<'_, PyAny>) -> String {

@@ -187,5 +187,5 @@ def test_a_step_check_resumed_within_the_check_keeps_the_trials_ways_without_tim
                                  {"origin": 0, "times": [[math.nan], []], "verdict": None},
                                  {"origin": 0, "times": [[], []], "verdict": "plain"}])
 def test_a_malformed_step_check_is_refused(bad):
-    with pytest.raises(ValueError, match="not a cfc_hook state"):
+    with pytest.raises(ValueError, match="not a CfcState checkpoint"):
         parsed_step_check(bad)

@@ -11,11 +11,14 @@ from cfc.ddp.options import Options
 
 # 4: the engine's state (per-bucket statistics and choices) in one field
 STATE_VERSION = 4
+# What a refusal says: one checkpoint format serves cfc_hook, AllReducer and cfc.fsdp (the
+# engine's part says the same: python/src/engine_state.rs).
+NOT_A_STATE = "not a CfcState checkpoint"
 
 
 def _sequence(value: Any, what: str) -> Sequence:
     if not isinstance(value, (list, tuple)):
-        raise ValueError(f"not a cfc_hook state: {what} is a {type(value).__name__}, not a list")
+        raise ValueError(f"{NOT_A_STATE}: {what} is a {type(value).__name__}, not a list")
     return value
 
 
@@ -23,22 +26,22 @@ def _count(value: Any, what: str, key: bool = False) -> int:
     if key and isinstance(value, str) and value.isdigit():
         value = int(value)  # a key that went through a format whose keys are strings
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"not a cfc_hook state: {what} is {value!r}, not an integer >= 0")
+        raise ValueError(f"{NOT_A_STATE}: {what} is {value!r}, not an integer >= 0")
     return value
 
 
 def _number(value: Any, what: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"not a cfc_hook state: {what} is {value!r}, not a number")
+        raise ValueError(f"{NOT_A_STATE}: {what} is {value!r}, not a number")
     return float(value)
 
 
 def _mapping(sd: Mapping, name: str) -> Mapping:
     if name not in sd:
-        raise ValueError(f"not a cfc_hook state: no {name!r}")
+        raise ValueError(f"{NOT_A_STATE}: no {name!r}")
     value = sd[name]
     if not isinstance(value, Mapping):
-        raise ValueError(f"not a cfc_hook state: {name!r} is a {type(value).__name__}, not a mapping")
+        raise ValueError(f"{NOT_A_STATE}: {name!r} is a {type(value).__name__}, not a mapping")
     return value
 
 
@@ -55,7 +58,7 @@ def parse_state(sd: Mapping, options: Options, rank: int, world: int) -> Dict[st
     import torch
 
     if not isinstance(sd, Mapping) or sd.get("version") != STATE_VERSION:
-        raise ValueError("not a cfc_hook state (or one of another version)")
+        raise ValueError(f"{NOT_A_STATE} (or one of another version)")
     saved_rank, saved_world = _count(sd.get("rank"), "rank"), _count(sd.get("world"), "world")
     if (saved_world, saved_rank) != (world, rank):
         raise ValueError(
@@ -71,12 +74,12 @@ def parse_state(sd: Mapping, options: Options, rank: int, world: int) -> Dict[st
         o = _count(o, "a residual's parameter ordinal", key=True)
         if not (isinstance(r, torch.Tensor) and r.dtype == torch.float32 and r.dim() == 1
                 and r.layout == torch.strided and r.device.type != "meta"):
-            raise ValueError(f"the residual of parameter {o} is not a 1-D float32 dense tensor: not a saved state")
+            raise ValueError(f"the residual of parameter {o} is not a 1-D float32 dense tensor: {NOT_A_STATE}")
         r = r.detach().cpu()
         if not bool(torch.isfinite(r).all()):
             # the codec never leaves a non-finite value in a residual (it would reach the
             # gradients of every rank)
-            raise ValueError(f"the residual of parameter {o} holds a NaN or an infinity: not a saved state")
+            raise ValueError(f"the residual of parameter {o} holds a NaN or an infinity: {NOT_A_STATE}")
         residuals[o] = r
     layouts = {_count(i, "a bucket index", key=True): tuple(_count(x, "a layout's ordinal")
                                                              for x in _sequence(l, "a layout"))
@@ -85,7 +88,7 @@ def parse_state(sd: Mapping, options: Options, rank: int, world: int) -> Dict[st
     engine = _engine_state(_mapping(sd, "engine"))
     step_check = _step_check(_mapping(sd, "step_check")) if "step_check" in sd else None
     if not math.isfinite(float(step)):  # pragma: no cover - an int
-        raise ValueError("not a cfc_hook state")
+        raise ValueError(NOT_A_STATE)
     return {"step": step, "residuals": residuals, "layouts": layouts, "engine": engine, "step_check": step_check}
 
 
@@ -96,11 +99,11 @@ def _step_check(saved: Mapping) -> Dict[str, Any]:
     origin = None if origin is None else _count(origin, "the step check's origin")
     times = _sequence(saved.get("times"), "the step check's times")
     if len(times) != 2:
-        raise ValueError("not a cfc_hook state: the step check's times are not [plain, the trial's ways]")
+        raise ValueError(f"{NOT_A_STATE}: the step check's times are not [plain, the trial's ways]")
     times = [[_number(t, "a step time") for t in _sequence(way, "step times")] for way in times]
     if any(not (t >= 0 and math.isfinite(t)) for way in times for t in way):
-        raise ValueError("not a cfc_hook state: a step time of the step check is not a finite number >= 0")
+        raise ValueError(f"{NOT_A_STATE}: a step time of the step check is not a finite number >= 0")
     verdict = saved.get("verdict")
     if verdict is not None and not isinstance(verdict, bool):
-        raise ValueError(f"not a cfc_hook state: the step check's verdict is {verdict!r}")
+        raise ValueError(f"{NOT_A_STATE}: the step check's verdict is {verdict!r}")
     return {"origin": origin, "times": times, "verdict": verdict}
