@@ -8,11 +8,10 @@ use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 
 use crate::codec::dtype_of;
-use cfc::engine::Tensor;
 
 /// Where memory lives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Place {
+enum Place {
     Host,
     Cuda(usize),
 }
@@ -41,14 +40,23 @@ fn place_of(device: &Bound<'_, PyAny>, what: &str) -> PyResult<Place> {
     }
 }
 
-/// The contiguous tensor `obj` as the engine takes it, which must be on `place`; `what` names
-/// it in errors.
+/// A contiguous tensor's memory, as the CUDA codec takes it.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Memory {
+    pub addr: u64,
+    pub numel: u64,
+    pub bytes: u64,
+    pub dtype: cfc::DType,
+}
+
+/// The contiguous tensor `obj`, which must be on CUDA device `device`; `what` names it in
+/// errors.
 ///
 /// # Errors
 /// `TypeError` for an object that is not a tensor or of a dtype cfc does not know; `ValueError`
-/// for a tensor that is not contiguous, on another device, or whose element size is not its
-/// dtype's.
-pub(crate) fn tensor(obj: &Bound<'_, PyAny>, place: Place, what: &str) -> PyResult<Tensor> {
+/// for a tensor that is not contiguous, on another device, with a null `data_ptr`, or whose
+/// element size is not its dtype's.
+pub(crate) fn on_device(obj: &Bound<'_, PyAny>, device: usize, what: &str) -> PyResult<Memory> {
     let not_a_tensor = |_| {
         PyTypeError::new_err(format!(
             "{what} must be a tensor, got {}",
@@ -64,6 +72,7 @@ pub(crate) fn tensor(obj: &Bound<'_, PyAny>, place: Place, what: &str) -> PyResu
     if !contiguous {
         return Err(PyValueError::new_err(format!("{what} must be contiguous")));
     }
+    let place = Place::Cuda(device);
     let at = place_of(&obj.getattr("device").map_err(not_a_tensor)?, what)?;
     if at != place {
         return Err(PyValueError::new_err(format!(
@@ -85,26 +94,11 @@ pub(crate) fn tensor(obj: &Bound<'_, PyAny>, place: Place, what: &str) -> PyResu
             "{what}: a null data_ptr for {numel} elements"
         )));
     }
-    Ok(Tensor { addr, numel, dtype })
-}
-
-/// A contiguous tensor's memory, as the CUDA codec takes it.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Memory {
-    pub addr: u64,
-    pub numel: u64,
-    pub bytes: u64,
-    pub dtype: cfc::DType,
-}
-
-/// The contiguous tensor `obj`, which must be on CUDA device `device` (see [`tensor`]).
-pub(crate) fn on_device(obj: &Bound<'_, PyAny>, device: usize, what: &str) -> PyResult<Memory> {
-    let t = tensor(obj, Place::Cuda(device), what)?;
     Ok(Memory {
-        addr: t.addr,
-        numel: t.numel,
-        bytes: t.numel * t.dtype.size() as u64,
-        dtype: t.dtype,
+        addr,
+        numel,
+        bytes: numel * size as u64,
+        dtype,
     })
 }
 
