@@ -4,13 +4,10 @@ millisecond it holds the host is a millisecond the next group's backward is not 
 
 Trains ``examples/fsdp_train.py``'s LM with each ``--comm`` way (its ``cfc*`` ways) and times,
 on the host (no extra synchronisation), per step: the whole reduce-scatter calls, and inside
-them the agreement of its per-parameter scales (``agree now``: its input's sums of squares,
-waited for, gathered from every rank), the factors spread over columns, and the 4-bit
-residuals' packing and unpacking. The rest of a call is the engine's submit and wait and the
-scaling multiplications (block scales, ``cfc-b256``, need none of these). Under torchrun, on
-GPUs::
+them the 4-bit residuals' packing and unpacking. The rest of a call is the engine's submit and
+its wait. Under torchrun, on GPUs::
 
-    torchrun --standalone --nproc_per_node=2 benches/fsdp_host_time.py --comm cfc-group,cfc,cfc-b256@0.1,cfc-r4 \\
+    torchrun --standalone --nproc_per_node=2 benches/fsdp_host_time.py --comm cfc,cfc-b256@0.1,cfc-r4-b256@0.1 \\
         --d-model 1024 --layers 8 --heads 16 --seq 256 --batch 8 --steps 25
 
 Medians over the steps after the first fifth, rank 0's.
@@ -34,16 +31,14 @@ import torch.nn as nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 import cfc.fsdp  # noqa: E402
-from cfc.fsdp import packed_residuals, param_scales  # noqa: E402
+from cfc.fsdp import packed_residuals  # noqa: E402
 from ddp_train import batch, corpus, lr_factor  # noqa: E402
 from fsdp_train import build  # noqa: E402
 
 SPOTS = {  # what is timed: (module or class, attribute) -> label
     (cfc.fsdp, "reduce_scatter"): "calls",
-    (param_scales, "agree_norms"): "agree now",
-    (param_scales, "columns"): "columns",
     (packed_residuals, "pack"): "pack",
-    (cfc.fsdp, "_unpacked"): "unpack",
+    (packed_residuals, "unpack"): "unpack",
 }
 
 
@@ -60,7 +55,7 @@ def timed(spent: dict, label: str, f):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--comm", default="cfc-group,cfc,cfc-b256@0.1,cfc-r4")
+    p.add_argument("--comm", default="cfc,cfc-b256@0.1,cfc-r4-b256@0.1")
     p.add_argument("--steps", type=int, default=25)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=256)

@@ -6,12 +6,13 @@ the step ``eps`` it gets and the share of its values below ``eps`` (values that 
 * ``ddp``: one step per DDP bucket (parameters in reverse order, the first bucket 1 MiB, then
   25 MiB: DDP's defaults);
 * ``fsdp``: one step per FSDP2 group (each transformer layer, and the root: embeddings, head,
-  final norm), as ``cfc.fsdp.register(..., per_parameter=False)`` sends them;
-* ``fsdp+scales``: the same groups with cfc's per-parameter scales (``cfc.fsdp.param_scales``: each
-  parameter's gradient brought to an RMS in [0.5, 1) by a power of two), the default.
+  final norm), as ``cfc.fsdp.register`` sends them with a state of ``block=0``;
+* ``fsdp+blocks``: the same groups with block scales of 256 values (``CfcState(block=256)``,
+  ``cfc.fsdp.register``'s own state): each block of the group's values gets ``k`` x its own RMS,
+  rounded down to a power of two (its "eps / RMS" here is the median over the parameter's values).
 
 No process group and no cfc engine: the steps are computed from the gradients as the engine's
-rms rule sets them (k x the RMS of the group's values). Run::
+rms rule sets them (k x the RMS of the group's values, or of the block's). Run::
 
     python benches/group_scales.py --steps 1,60
 """
@@ -44,25 +45,38 @@ def groupings(model: torch.nn.Module) -> dict:
     return {"ddp": ddp, "fsdp": fsdp}
 
 
-def power_of_two_scale(g: torch.Tensor) -> float:
-    """cfc.fsdp.param_scales' factor for one parameter: 2**-e where rms = m * 2**e, m in [0.5, 1)."""
-    rms = g.pow(2).mean().sqrt()
-    if not (torch.isfinite(rms) and rms > 0):
-        return 1.0
-    return 2.0 ** -int(torch.frexp(rms).exponent)
+BLOCK = 256
+
+
+def block_eps(values: torch.Tensor, k: float) -> torch.Tensor:
+    """Each value's step under block scales: ``k`` x its block's RMS, rounded down to a power
+    of two (blocks of :data:`BLOCK` values in the group's order; the last one shorter)."""
+    n = values.numel()
+    padded = torch.zeros(-(-n // BLOCK) * BLOCK)
+    padded[:n] = values
+    sums = padded.view(-1, BLOCK).pow(2).sum(1)
+    counts = torch.full_like(sums, BLOCK)
+    counts[-1] = n - BLOCK * (counts.numel() - 1)
+    eps = k * (sums / counts).sqrt()
+    eps = torch.where(eps > 0, torch.exp2(torch.floor(torch.log2(eps))), torch.zeros_like(eps))
+    return eps.repeat_interleave(BLOCK)[:n]
 
 
 def table(model: torch.nn.Module, k: float) -> list:
     grads = {n: p.grad.detach().float().reshape(-1) for n, p in model.named_parameters()}
     rows = []
     for label, grouping in groupings(model).items():
-        for scaled in ((False, True) if label == "fsdp" else (False,)):
-            scale = {n: power_of_two_scale(g) if scaled else 1.0 for n, g in grads.items()}
+        for blocks in ((False, True) if label == "fsdp" else (False,)):
             for n, g in grads.items():
-                members = [grads[m] * scale[m] for m in grads if grouping[m] == grouping[n]]
-                eps = k * torch.cat(members).pow(2).mean().sqrt().item() / scale[n]
+                members = [m for m in grads if grouping[m] == grouping[n]]
+                values = torch.cat([grads[m] for m in members])
+                if blocks:
+                    at = sum(grads[m].numel() for m in members[: members.index(n)])
+                    eps = block_eps(values, k)[at : at + g.numel()]
+                else:
+                    eps = torch.full_like(g, k * values.pow(2).mean().sqrt().item())
                 rms = g.pow(2).mean().sqrt().item()
-                rows.append((label + ("+scales" if scaled else ""), n, g.numel(), rms, eps / rms,
+                rows.append((label + ("+blocks" if blocks else ""), n, g.numel(), rms, eps.median().item() / rms,
                              (g.abs() < eps).float().mean().item()))
     return rows
 

@@ -34,10 +34,9 @@ defaults, or ``--rms``), ``cfc@X`` (``rms=X``), ``cfc-bK`` and ``cfc-bK@X`` (blo
 feedback). ``--fsdp`` trains with FSDP2 instead (``fully_shard`` on every transformer layer, or
 the conv net whole, and on the model): ``allreduce`` is then FSDP's own float32 reduce-scatter,
 ``bf16`` its ``reduce_dtype=bfloat16``, and the ``cfc`` ways go through ``cfc.fsdp.register``
-(``warmup_steps=0``, as its default; ``cfc-group`` and ``cfc-group@X`` with one step per
-FSDP group, ``per_parameter=False``; ``cfc-r4`` and ``cfc-r4@X`` with residuals kept in 4 bits,
-``residual_bits=4``; ``cfc-bK`` and ``cfc-bK@X`` with block scales in place of per-parameter
-ones). ``--json`` keeps every curve; ``--png`` draws the mean gaps with their standard
+(``warmup_steps=0``, as its default; ``cfc`` and ``cfc@X`` with one step per FSDP group,
+``cfc-bK`` and ``cfc-bK@X`` with block scales, ``cfc-r4`` and ``cfc-r4@X`` with residuals kept
+in 4 bits, ``residual_bits=4``). ``--json`` keeps every curve; ``--png`` draws the mean gaps with their standard
 error as bands (needs matplotlib).
 """
 
@@ -172,7 +171,7 @@ def cfc_state(hook: str, args, **extra):
     ``cfc-bK@X`` way (``-bK``: block scales of K values)."""
     name, _, x = hook.partition("@")
     name, block = block_of(name)
-    kw = {"error_feedback": name in ("cfc", "cfc-group", "cfc-r4"), **extra}
+    kw = {"error_feedback": name in ("cfc", "cfc-r4"), **extra}
     if x or args.rms is not None:
         kw["rms"] = float(x) if x else args.rms
     if block:
@@ -200,8 +199,8 @@ def sharded(task, hook: str, args, dev):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     name = block_of(hook.partition("@")[0])[0]
-    if name not in ("allreduce", "bf16", "cfc", "cfc-noef", "cfc-group", "cfc-r4"):
-        raise SystemExit(f"{hook!r} is not a way of --fsdp (allreduce, bf16, cfc, cfc@X, cfc-bK@X, cfc-noef, cfc-group, cfc-r4)")
+    if name not in ("allreduce", "bf16", "cfc", "cfc-noef", "cfc-r4"):
+        raise SystemExit(f"{hook!r} is not a way of --fsdp (allreduce, bf16, cfc, cfc@X, cfc-bK@X, cfc-noef, cfc-r4)")
     model = task.model().to(dev)
     policy = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16 if name == "bf16" else None)
     for layer in layers_of(model):
@@ -211,9 +210,7 @@ def sharded(task, hook: str, args, dev):
     if name.startswith("cfc"):
         import cfc.fsdp
 
-        block = block_of(hook.partition("@")[0])[1]  # (block scales in place of per-parameter ones)
         state = cfc.fsdp.register(model, cfc_state(hook, args, warmup_steps=0),
-                                  per_parameter=name != "cfc-group" and not block,
                                   residual_bits=4 if name == "cfc-r4" else 32)
     return model, state
 

@@ -16,11 +16,10 @@ sized for it and went a second time: each costs a round trip) and the share of F
 that went compressed ("compressed"; below 100% where ``fallback="auto"`` chose plain). ``noop`` moves no
 gradients at all (each rank keeps its own shard): the floor for the step time. ``cfc-auto`` is
 cfc with ``fallback="auto"``: each group is timed both ways over the first steps and keeps the
-faster (plain where compression does not pay, as over NVLink). ``cfc-group`` is cfc with one
-step per FSDP group (``per_parameter=False``), ``cfc-r4`` cfc with residuals kept in 4 bits
-(``residual_bits=4``).
-``-bK`` after a cfc way (``cfc-b256``, ``cfc-auto-b256@0.3``) gives it block scales of ``K``
-values (``CfcState(block=K)``) in place of per-parameter scales.
+faster (plain where compression does not pay, as over NVLink). ``cfc-r4`` is cfc with
+residuals kept in 4 bits (``residual_bits=4``). A cfc way quantizes each FSDP group with one
+step; ``-bK`` after it (``cfc-b256``, ``cfc-auto-b256@0.3``) gives it block scales of ``K``
+values (``CfcState(block=K)``, as ``cfc.fsdp.register``'s own state has).
 
 Step times of ways run one after the other drift (clocks, the allocator, the link), so
 ``--rounds N`` trains every way N times, each round in a rotated order, and reports each way's
@@ -45,7 +44,7 @@ import cfc
 import cfc.fsdp
 from ddp_train import LM, batch, corpus, held_out_loss, lr_factor
 
-WAYS = ("noop", "plain", "bf16", "cfc", "cfc@X", "cfc-auto", "cfc-auto@X", "cfc-group", "cfc-group@X", "cfc-r4", "cfc-r4@X")
+WAYS = ("noop", "plain", "bf16", "cfc", "cfc@X", "cfc-auto", "cfc-auto@X", "cfc-r4", "cfc-r4@X")
 
 
 class NoComm(cfc.fsdp._ReduceScatter):  # type: ignore[misc,valid-type]
@@ -92,7 +91,6 @@ def build(way: str, dev: torch.device, args) -> tuple:
         if block:
             bound["block"] = block
         state = cfc.fsdp.register(model, cfc.CfcState(**bound, warmup_steps=0, fallback=fallback),
-                                  per_parameter=not (way.startswith("cfc-group") or block),
                                   residual_bits=4 if way.startswith("cfc-r4") else 32)
     return model, state
 

@@ -74,7 +74,7 @@ fn options(
     topology: &str,
     coder: &str,
     block: u64,
-    fsdp: Option<(bool, u8)>,
+    fsdp: Option<u8>,
 ) -> PyResult<Options> {
     let bound = match bound {
         "eps" => BoundRule::Abs(value),
@@ -111,10 +111,7 @@ fn options(
         coder: cfc::Coder::from_name(coder)
             .ok_or_else(|| PyValueError::new_err(format!("unknown coder {coder:?}")))?,
         block,
-        fsdp: fsdp.map(|(per_parameter, residual_bits)| FsdpOptions {
-            per_parameter,
-            residual_bits,
-        }),
+        fsdp: fsdp.map(|residual_bits| FsdpOptions { residual_bits }),
     };
     o.check().map_err(to_py)?;
     Ok(o)
@@ -160,7 +157,8 @@ impl Engine {
     ///         `topology`, it chooses the flat or the two-level exchange.
     ///     coder: how the all-gather's frames write their codes ("planes" or "rice").
     ///     block: elements per block of block scales (with rms), 0 for none.
-    ///     fsdp: for cfc.fsdp's calls, (per_parameter, residual_bits): agreed between ranks.
+    ///     fsdp: for cfc.fsdp's calls, the bits of their residuals (32 or 4): agreed between
+    ///         ranks. None: not cfc.fsdp's.
     #[new]
     #[pyo3(signature = (listener, addresses, rank, world, secret, engine, *, device=None, nccl_id=None, bound, value, error_feedback, algorithm, fallback, trial_steps, warmup_steps, min_compress_numel, timeout, topology="auto", coder="planes", block=0, fsdp=None, nodes=None, agree_token=0))]
     #[allow(clippy::too_many_arguments)]
@@ -186,7 +184,7 @@ impl Engine {
         topology: &str,
         coder: &str,
         block: u64,
-        fsdp: Option<(bool, u8)>,
+        fsdp: Option<u8>,
         nodes: Option<Vec<String>>,
         agree_token: u64,
     ) -> PyResult<Self> {

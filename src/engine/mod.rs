@@ -709,8 +709,8 @@ impl Engine {
         self.wait_for(want)
     }
 
-    /// Every rank's `mine` (a few bytes: what the ranks must agree on, e.g. cfc.fsdp's
-    /// per-parameter sums of squares), in rank order, on every rank: a round of the engine's
+    /// Every rank's `mine` (a few bytes: what the ranks must agree on, e.g. the step times of
+    /// cfc.fsdp's step check), in rank order, on every rank: a round of the engine's
     /// own links, in order with the jobs, that a failure anywhere ends as it ends any wait
     /// (where a collective of the caller's process group would wait for its timeout).
     ///

@@ -176,14 +176,10 @@ pub struct Options {
 }
 
 /// The options of `cfc.fsdp`'s calls. `cfc.fsdp` applies them; the engine agrees them between
-/// ranks with the others (ranks that scale different parameters would add codes of different
-/// steps, and ranks that keep residuals differently would resume differently) and names them
-/// in its errors.
+/// ranks with the others (ranks that keep residuals differently would resume differently) and
+/// names them in its errors.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct FsdpOptions {
-    /// Each parameter's gradient scaled by a power of two before its call is quantized (see
-    /// `cfc.fsdp.param_scales`).
-    pub per_parameter: bool,
     /// Bits per value of the residuals kept between calls: 32 (float32) or 4 (packed).
     pub residual_bits: u8,
 }
@@ -353,7 +349,7 @@ pub(crate) fn descriptor(
     d.push(o.block_log2());
     match o.fsdp {
         None => d.extend_from_slice(&[0, 0]),
-        Some(f) => d.extend_from_slice(&[1 | (f.per_parameter as u8) << 1, f.residual_bits]),
+        Some(f) => d.extend_from_slice(&[1, f.residual_bits]),
     }
     d.extend_from_slice(&[0u8; 5]);
     debug_assert_eq!(d.len(), DESCRIPTOR_LEN);
@@ -397,11 +393,7 @@ pub(crate) fn describe(d: &[u8]) -> String {
     };
     let fsdp = match d[57] {
         0 => "no".to_string(),
-        f => format!(
-            "per-parameter scales {}, {}-bit residuals",
-            if f & 2 != 0 { "on" } else { "off" },
-            d[58]
-        ),
+        _ => format!("{}-bit residuals", d[58]),
     };
     format!(
         "{bound}={:e}, error feedback {}, algorithm {algorithm}, fallback {fallback}, \
@@ -471,19 +463,16 @@ mod tests {
         );
         // cfc.fsdp's options: each of them set apart ranks
         let mut seen = vec![blocks];
-        for (per_parameter, residual_bits) in [(true, 32), (false, 32), (false, 4)] {
-            o.fsdp = Some(FsdpOptions {
-                per_parameter,
-                residual_bits,
-            });
+        for residual_bits in [32, 4] {
+            o.fsdp = Some(FsdpOptions { residual_bits });
             let d = descriptor(&o, 4, 7, 0, false);
-            assert!(!seen.contains(&d), "{per_parameter} {residual_bits}");
+            assert!(!seen.contains(&d), "{residual_bits}");
             seen.push(d);
         }
         assert!(
-            describe(&seen[3]).ends_with("fsdp per-parameter scales off, 4-bit residuals"),
+            describe(&seen[2]).ends_with("fsdp 4-bit residuals"),
             "{}",
-            describe(&seen[3])
+            describe(&seen[2])
         );
     }
 
@@ -497,10 +486,7 @@ mod tests {
         assert!(o.check().is_err());
         o.fallback = Fallback::Auto { trial_steps: 2 };
         assert!(o.check().is_ok());
-        o.fsdp = Some(FsdpOptions {
-            per_parameter: false,
-            residual_bits: 8,
-        });
+        o.fsdp = Some(FsdpOptions { residual_bits: 8 });
         assert!(o.check().unwrap_err().to_string().contains("residual_bits"));
         o.fsdp = None;
         // a timeout whose double would overflow a wait is refused, not a panic later

@@ -1,6 +1,6 @@
-"""The pieces cfc.fsdp runs each group through, without processes: per-parameter scales
-(``cfc.fsdp.param_scales``), residuals in 4 bits (``cfc.fsdp.packed_residuals``), and the check of
-``fallback="auto"`` over whole steps (``cfc.fsdp.step_check``)."""
+"""The pieces cfc.fsdp runs each group through, without processes: residuals in 4 bits
+(``cfc.fsdp.packed_residuals``) and the check of ``fallback="auto"`` over whole steps
+(``cfc.fsdp.step_check``)."""
 
 import math
 
@@ -8,56 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from cfc.fsdp import packed_residuals, param_scales, step_check
+from cfc.fsdp import packed_residuals, step_check
 from cfc.ddp.checkpoint import _step_check as parsed_step_check
-
-
-def gathered(*ranks):
-    """A stand-in for Engine.gather: these ranks' float64 sums (rank 0 is the caller's own
-    bytes, replaced by what the caller sends)."""
-    def gather(mine):
-        return [mine] + [torch.tensor(r, dtype=torch.float64).numpy().tobytes() for r in ranks]
-    return gather
-
-
-def test_scales_are_powers_of_two_that_bring_each_parameters_rms_into_half_to_one():
-    g = torch.Generator().manual_seed(0)
-    lengths = (300, 5, 1000)
-    rows = torch.cat([1e-5 * torch.randn(2, 300, generator=g), 40 * torch.randn(2, 5, generator=g),
-                      torch.randn(2, 1000, generator=g)], 1)
-    other = [float(s) for s in (4e-8, 3e3, 2e3)]  # another rank's sums of squares
-    f = param_scales.agree(rows, lengths, gathered(other))
-    assert f.dtype == torch.float32 and f.shape == (3,)
-    at = 0
-    for i, n in enumerate(lengths):
-        mantissa, _ = math.frexp(f[i].item())
-        assert mantissa == 0.5, f[i]  # a power of two
-        sq = rows[:, at : at + n].double().square().sum().item() + other[i]
-        rms = math.sqrt(sq / (2 * n * 2))  # two rows here, two ranks
-        assert 0.5 <= rms * f[i].item() < 1, (i, rms, f[i])
-        at += n
-    cols = param_scales.columns(f, lengths)
-    assert cols.shape == (1305,) and cols[0] == f[0] and cols[300] == f[1] and cols[-1] == f[2]
-
-
-def test_a_zero_or_overflowing_parameter_keeps_the_factor_one():
-    rows = torch.tensor([[0.0, 0.0, float("inf"), 1.0]])
-    f = param_scales.agree(rows, (2, 2), gathered([0.0, 1.0]))
-    assert f.tolist() == [1.0, 1.0]
-
-
-def test_a_layout_that_does_not_tile_the_row_is_sent_unscaled():
-    assert param_scales.agree(torch.ones(2, 10), (4, 5), gathered([1.0, 1.0])) is None
-
-
-def test_ranks_with_different_parameters_are_refused():
-    with pytest.raises(ValueError, match="different numbers of parameters"):
-        param_scales.agree(torch.ones(1, 10), (4, 6), gathered([1.0]))
-
-
-def test_only_dtypes_that_scale_exactly_are_scaled():
-    assert param_scales.scalable(torch.float32) and param_scales.scalable(torch.bfloat16)
-    assert not param_scales.scalable(torch.float16)
 
 
 @pytest.mark.parametrize("n", [1, 2, 1001, 4096])
@@ -83,21 +35,6 @@ def test_a_zero_residual_packs_to_zero():
     p = packed_residuals.pack(torch.zeros(7))
     assert torch.equal(packed_residuals.unpack(p), torch.zeros(7))
     assert p.nbytes() == 128 + 4  # the codes of one chunk, and its number
-
-
-def test_a_packed_residual_comes_back_in_the_units_of_the_call_that_reads_it():
-    from cfc.fsdp import _unpacked
-
-    lengths = (3, 5)
-    own = torch.randn(2, 8, generator=torch.Generator().manual_seed(1))
-    before = torch.tensor([4.0, 0.5])  # the factors of the call that packed it
-    p = packed_residuals.pack((own * param_scales.columns(before, lengths)).view(-1), before, 2, lengths)
-    back = _unpacked(p).view(2, 8)  # (in its own units)
-    assert (back - own).abs().max() <= (own * param_scales.columns(before, lengths)).abs().max() / 14 / 0.5
-    for now in (torch.tensor([4.0, 0.5]), torch.tensor([1.0, 2.0]), None):
-        cols = torch.ones(8) if now is None else param_scales.columns(now, lengths)
-        got = _unpacked(p, now, 2, lengths if now is not None else None).view(2, 8)
-        assert torch.equal(got, back * cols), now  # (powers of two: exactly)
 
 
 class Steps:

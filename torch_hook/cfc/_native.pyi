@@ -133,7 +133,7 @@ class Engine:
         topology: str = "auto",
         coder: str = "planes",
         block: int = 0,
-        fsdp: Optional[Tuple[bool, int]] = None,
+        fsdp: Optional[int] = None,
         nodes: Optional[List[str]] = None,
         agree_token: int = 0,
     ) -> None: ...

@@ -3,11 +3,14 @@ checked before anything changes."""
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any, Dict, Mapping, Sequence
 
 from cfc import _native
 from cfc.ddp.options import Options
+
+logger = logging.getLogger("cfc")
 
 # 4: the engine's state (per-bucket statistics and choices) in one field
 STATE_VERSION = 4
@@ -67,6 +70,15 @@ def parse_state(sd: Mapping, options: Options, rank: int, world: int) -> Dict[st
         )
     # (states saved before a field existed: "block" was 0, and "fsdp" was not recorded)
     saved = {"block": 0, "fsdp": options.saved()["fsdp"], **dict(_mapping(sd, "options"))}
+    fsdp = saved["fsdp"]
+    if isinstance(fsdp, Mapping) and "per_parameter" in fsdp:
+        # cfc.fsdp's per-parameter scales, which block scales replaced: residuals were saved in
+        # the parameters' own units, so the run resumes without them (one step per group).
+        saved["fsdp"] = {k: v for k, v in fsdp.items() if k != "per_parameter"}
+        if fsdp["per_parameter"]:
+            logger.warning("cfc: this state was saved with cfc.fsdp's per-parameter scales, which this version of "
+                           "cfc does not have; it resumes with one step per FSDP group (block scales, "
+                           "CfcState(block=256), give each block of 256 values its own)")
     if saved != options.saved():
         raise ValueError(f"this state was saved with {saved}; these options are {options.saved()}")
     residuals = {}

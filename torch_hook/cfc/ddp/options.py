@@ -53,7 +53,6 @@ class FsdpOptions:
     by ``cfc.fsdp``: the engine agrees them between ranks with the others, and checkpoints
     record them."""
 
-    per_parameter: bool = False  # per-parameter scales (cfc.fsdp.param_scales) in use
     residual_bits: int = 32  # residuals kept between calls as float32 (32) or packed (4)
 
 
@@ -165,7 +164,7 @@ class Options:
             "algorithm": self.algorithm, "fallback": self.fallback, "trial_steps": self.trial_steps,
             "warmup_steps": self.warmup_steps, "min_compress_numel": self.min_compress_numel,
             "topology": self.topology, "coder": self.coder, "block": self.block, "timeout": self.timeout,
-            "fsdp": None if self.fsdp is None else (self.fsdp.per_parameter, self.fsdp.residual_bits),
+            "fsdp": None if self.fsdp is None else self.fsdp.residual_bits,
         }
 
     def saved(self) -> Dict[str, Any]:

@@ -29,19 +29,12 @@ and CUDA's lazy loading may load a kernel on its first use that way.
 
 Scales within a group: FSDP groups parameters by module, so one group can hold gradients of
 very different sizes (an LM's output head with its embeddings), and one step for the whole
-group leaves the small ones to error feedback alone. Two remedies:
-
-- block scales (``CfcState(rms=k, block=K)``; the state :func:`register` makes when given none
-  has ``rms=0.1, block=256``): the engine gives each block of ``K`` values a step that follows
-  the block's own RMS, agreed over the ranks a step ahead in the exchange's own rows, so a call
-  hands its job to the engine at once.
-- per-parameter scales (``register(..., per_parameter=True)``, for a state without block
-  scales): before a group is quantized, each parameter's gradient is multiplied by a power of
-  two that brings its RMS over the ranks near 1, so that a bound of ``rms=k`` gives every
-  parameter a step of about ``k`` times its own RMS; the result is divided back. The ranks
-  agree the factors through the engine (their sums of squares, a few bytes per parameter) in
-  each call, which waits on the host for the group's input before the engine gets it. See
-  ``cfc.fsdp.param_scales``.
+group leaves the small ones to error feedback alone. Block scales (``CfcState(rms=k,
+block=K)``; the state :func:`register` makes when given none has ``rms=0.1, block=256``) give
+each block of ``K`` values a step that follows the block's own RMS, agreed over the ranks a
+step ahead in the exchange's own rows, so a call hands its job to the engine at once. A state
+without them (``block=0``) quantizes each group with one step, and :func:`register` says so
+in a log line.
 
 Replicas (HSDP): shard the model over one dimension of a (replicate, shard) mesh with
 ``fully_shard(model, mesh=mesh["shard"])`` and give ``register`` a second state bound to the
@@ -51,8 +44,8 @@ all-reduce hook, in place of native HSDP's uncompressed all-reduce.
 
 Memory: with error feedback, each rank keeps a residual per element of each group's
 reduce-scatter input: float32, 4 bytes per unsharded parameter, or with ``residual_bits=4``
-half a byte between the group's calls (plus 4 bytes per 256 values, and with per-parameter
-scales 4 per parameter), and a float32 residual for the group being reduced (``error_feedback=False`` keeps none).
+half a byte between the group's calls (plus 4 bytes per 256 values), and a float32 residual
+for the group being reduced (``error_feedback=False`` keeps none).
 
 Example::
 
@@ -73,7 +66,7 @@ import logging
 from typing import Any, List, Optional
 
 from cfc import _engine
-from cfc.fsdp import packed_residuals, param_scales, step_check
+from cfc.fsdp import packed_residuals, step_check
 from cfc.fsdp.state import FsdpState
 from cfc.ddp.hook import _compressible, _fail
 from cfc.ddp.options import FsdpOptions
@@ -121,7 +114,7 @@ class CfcReduceScatter(_ReduceScatter):  # type: ignore[misc,valid-type]
 
 
 def register(model: Any, state: Optional[CfcState] = None, *, replicas: Optional[CfcState] = None,
-             per_parameter: bool = True, residual_bits: int = 32) -> CfcState:
+             residual_bits: int = 32) -> CfcState:
     """Install cfc's reduce-scatter on every ``FSDPModule`` of ``model`` (``fully_shard``
     applied first), on every rank, and return the state it runs on.
 
@@ -135,29 +128,21 @@ def register(model: Any, state: Optional[CfcState] = None, *, replicas: Optional
             compressed, as its trial found, and then ``trial_steps`` more steps time the whole
             step with those ways and with every group plain, alternately: every group goes
             plain from then on unless the trial's ways were faster on the slowest rank). Its
-            process group, when not given, is FSDP's shard group.
+            process group, when not given, is FSDP's shard group. A state without block
+            scales (``block=0``) quantizes each FSDP group with one step, so a group's small
+            gradients are left to error feedback (measured 1.2-5.8% worse on an LM:
+            ``docs/performance.md``, "FSDP2: block scales"); ``register`` logs a line saying so.
         replicas: for replicas of the sharded model (see the module docs), a second state,
             whose process group is the replicate group: the average over the replicas of each
             reduce-scatter's output, compressed, through ``FSDPModule.set_all_reduce_hook``.
-        per_parameter: for a state without block scales (``block=0``, ``CfcState``'s own
-            default) and a bound that follows the data (``rms=``, ``rel=``), scale each
-            parameter's gradient by a power of two that brings its RMS over the ranks into
-            [0.5, 1) before its group is quantized (agreed through the engine), so that
-            each parameter's step is ``rms`` times its own RMS within a factor of two rather
-            than a share of its group's, which FSDP's grouping by module sets (see
-            ``cfc.fsdp.param_scales``). The state's ``eps`` and ``max_error`` are then in those
-            scaled units. With ``eps=`` (an absolute bound), with block scales, and for
-            float16 groups, there is no such scaling. Each call then waits on the host for its
-            group's input and a round of the engine's links.
         residual_bits: 32 keeps each group's error-feedback residual as float32 (4 bytes per
             unsharded parameter); 4 keeps it, between the group's calls, as 4-bit codes and one
             number per 256 values (about half a byte per parameter; the float32 residual of
             one group lives during its call), losing at most a fourteenth of each 256 values'
             largest per step (see ``cfc.fsdp.packed_residuals``).
 
-    Those two join the state's options (``state.options.fsdp``, with ``per_parameter`` false
-    under block scales, which take its place): the ranks agree them when the engine opens and
-    checkpoints record them, like the others.
+    ``residual_bits`` joins the state's options (``state.options.fsdp``): the ranks agree it
+    when the engine opens and checkpoints record it, like the others.
 
     Reduce-scatters cfc does not compress go through torch's own, uncompressed, after a log
     line: groups of a dtype other than float32, bfloat16 and float16, and the pre-multiplied
@@ -194,8 +179,11 @@ def register(model: Any, state: Optional[CfcState] = None, *, replicas: Optional
     if state.process_group is None and groups:
         # FSDP's shard group, known now: a checkpoint loaded before the first backward binds to it.
         state.process_group = getattr(getattr(groups[0], "mesh_info", None), "shard_process_group", None)
-    # (block scales take the place of per-parameter scales)
-    fsdp = FsdpOptions(per_parameter=bool(per_parameter) and not state.options.block, residual_bits=residual_bits)
+    if state.options.bound_kind != "eps" and not state.options.block:
+        logger.warning("cfc.fsdp: this state has no block scales (block=0): each FSDP group is quantized with "
+                       "one step, leaving its small gradients to error feedback; CfcState(rms=..., block=256) "
+                       "gives each block of 256 values its own")
+    fsdp = FsdpOptions(residual_bits=residual_bits)
     for s in (state, replicas):
         if s is not None:
             _make_part(s, fsdp, checks_steps=s is state)
@@ -203,11 +191,8 @@ def register(model: Any, state: Optional[CfcState] = None, *, replicas: Optional
             s._residuals.held_elsewhere = functools.partial(_saved_packed, s)
     for key, m in enumerate(modules):
         m.set_custom_reduce_scatter(CfcReduceScatter(state, key))
-        # (its layout is read at each call: FSDP settles it at its lazy init, after this)
-        state._fsdp.groups[key] = _param_group(m) if fsdp.per_parameter else None
         if replicas is not None:
             m.set_all_reduce_hook(functools.partial(average_replicas, replicas, key, state))
-            replicas._fsdp.groups[key] = state._fsdp.groups[key]
     state._fsdp.replicas = replicas
     return state
 
@@ -216,9 +201,8 @@ def default_state() -> CfcState:
     """The state :func:`register` makes when given none: ``CfcState(rms=0.1, block=256,
     warmup_steps=0)``. Block scales give each block of 256 values a step of at most 0.1 times
     its RMS (the largest rank's, rounded down to a power of two, a step late), agreed in the
-    exchange's own rows, so no call waits on the host for them. Measured against per-parameter
-    scales at ``rms=0.05`` (``docs/performance.md``, "FSDP2: block scales"): about their bytes,
-    a shorter step, better on GPT-2, about 0.6% worse at the end on the project's LM."""
+    exchange's own rows, so no call waits on the host for them (measured in
+    ``docs/performance.md``, "FSDP2: block scales")."""
     return CfcState(rms=0.1, block=256, warmup_steps=0)
 
 
@@ -286,71 +270,34 @@ def _submit(state: CfcState, key: int, data: Any, out: Any, scale: Any) -> None:
     reduce-scatter, ``data`` one row per rank), queued on the current stream when this returns
     (``Engine.order``: a wait on the host for the exchange, without the closing round of a
     step). The step (what the warm-up and the trial count) ends with the backward pass
-    (:func:`_end_step`), whose wait reports the outcome of every call of the step. With
-    per-parameter scales (:mod:`cfc.fsdp.param_scales`, agreed through the engine in this call:
-    a wait on the host for the group's input), the data and residual go in scaled and come out
-    in their own units."""
+    (:func:`_end_step`), whose wait reports the outcome of every call of the step."""
     engine = state._engine_for(data.device)
     in_backward = _open_step(state)
-    rows = 1 if out is None else state.world
     # The whole input as one "parameter" of ordinal `key`: its residual is saved in checkpoints.
     layout = ((key, 0, data.numel()),)
-    scaled = state.options.bound_kind != "eps" and param_scales.scalable(data.dtype)
-    group = state._fsdp.groups.get(key) if scaled else None
-    lengths = None if group is None else param_scales.row_lengths(group)
-    norms = None if lengths is None else param_scales.norms(data.view(rows, -1), lengths)
-    # (the group's own factors, agreed now: a wait on the host for its input)
-    per_param = None if norms is None else param_scales.agree_norms(norms, lengths, rows, engine.gather)
-    if lengths is not None and norms is None and key not in state._fsdp.unscaled:
-        state._fsdp.unscaled.add(key)
-        logger.warning("cfc.fsdp: group %d's input does not match its parameters' layout (a parameter "
-                       "without a gradient?); it is sent without per-parameter scales", key)
-    if per_param is not None and bool((per_param == 1).all()):
-        per_param = None  # (known on the host: the units are the parameters' own, nothing to multiply)
-    factors = None if per_param is None else param_scales.columns(per_param, lengths, data.device)
     packed = state._fsdp.packed.pop(key, None)
-    in_units = False  # whether the residual is already in this call's units
     if packed is not None and state._feeds(data):  # (its float32 form, for this call)
         if packed.numel == data.numel() and packed.codes.device == data.device:
-            state._residuals.put(key, layout, data, _unpacked(packed, per_param, rows, lengths))
-            in_units = True
+            state._residuals.put(key, layout, data, packed_residuals.unpack(packed))
         else:  # (FSDP changed the group's size: counted, as any residual restarted)
             logger.warning("cfc.fsdp: group %d's input changed size; its residual restarts at zero", key)
             state._residuals.resets += 1
     r, fresh = state._residuals.get(key, layout, data) if state._feeds(data) else (None, False)
     held = (data, out, r)
     state._keep.append(held)
-    if factors is not None:
-        data.view(rows, -1).mul_(factors)
-        if r is not None and not in_units:
-            r.view(rows, -1).mul_(factors)
     stream = _engine.stream_of(data)
     engine.submit(
         key, fingerprint(None, data), _engine.describe(data),
         None if r is None else (r.data_ptr(), r.numel()),
         None if out is None else (out.data_ptr(), out.numel()), scale, False, fresh, stream,
     )
-    try:
-        engine.order(stream)
-    except BaseException:
-        if factors is not None and r is not None:
-            # The residual is in this call's scaled units, and the engine may still write it:
-            # it goes (held until the engine has settled), and the group's next call starts a
-            # new one at zero.
-            state._residuals.drop(key, layout)
-        raise
+    engine.order(stream)
     # (the engine's work on them is queued, and the stream comes after it)
     state._keep = [k for k in state._keep if k is not held]
-    inverse = None if factors is None else factors.reciprocal()  # (exact: powers of two)
-    if inverse is not None:
-        (data if out is None else out).view(1, -1).mul_(inverse)
     if r is not None and state._fsdp.residual_bits == 4:
-        # Kept as codes, in the units it was quantized in (every parameter's within one eps);
-        # the float32 tensor goes once the engine has settled (state._let_go).
-        state._fsdp.packed[key] = packed_residuals.pack(r, per_param, rows, lengths)
+        # Kept as codes; the float32 tensor goes once the engine has settled (state._let_go).
+        state._fsdp.packed[key] = packed_residuals.pack(r)
         state._residuals.drop(key, layout)
-    elif r is not None and inverse is not None:
-        r.view(rows, -1).mul_(inverse)
     if not in_backward:
         _end_step(state)
 
@@ -365,7 +312,7 @@ def _direct(state: CfcState, key: int, out: Any, inp: Any, op: Any) -> None:
     in_backward = _open_step(state)
     packed = state._fsdp.packed.pop(key, None)
     if packed is not None:
-        inp.view(-1).add_(_unpacked(packed).to(inp.dtype))
+        inp.view(-1).add_(packed_residuals.unpack(packed).to(inp.dtype))
     if key not in state._fsdp.folded:
         # (the residual it holds, whether an exchange placed it or a checkpoint loaded it)
         held = state._residuals.held(key, ((key, 0, inp.numel()),), inp.view(-1))
@@ -381,28 +328,10 @@ def _direct(state: CfcState, key: int, out: Any, inp: Any, op: Any) -> None:
         _end_step(state)
 
 
-def _unpacked(packed: Any, per_param: Any = None, rows: int = 1, lengths: Any = None) -> Any:
-    """A packed residual as float32, in the units of ``per_param`` (per-parameter factors over
-    ``rows`` rows of ``lengths`` columns; None: the parameters' own units). Factors are powers
-    of two, so their ratios are exact, and where they did not change nothing is multiplied."""
-    r = packed_residuals.unpack(packed)
-    now, before = per_param, packed.factors
-    if before is not None and now is not None and (packed.rows, packed.lengths) == (rows, tuple(lengths)):
-        ratio = now / before
-        if not bool((ratio == 1).all()):
-            r.view(rows, -1).mul_(param_scales.columns(ratio, lengths, r.device))
-        return r
-    if before is not None:
-        r.view(packed.rows, -1).mul_(param_scales.columns(before.reciprocal(), packed.lengths, r.device))
-    if now is not None:
-        r.view(rows, -1).mul_(param_scales.columns(now, lengths, r.device))
-    return r
-
-
 def _saved_packed(state: CfcState) -> dict:
     """The packed residuals as a checkpoint keeps every residual: float32 on the CPU, in
     their own units, by key."""
-    return {key: _unpacked(p).cpu() for key, p in state._fsdp.packed.items()}
+    return {key: packed_residuals.unpack(p).cpu() for key, p in state._fsdp.packed.items()}
 
 
 def _open_step(state: CfcState) -> bool:

@@ -2,12 +2,11 @@
 (``register(..., residual_bits=4)``): about half a byte per unsharded parameter instead of 4.
 
 A residual is what the decoder did not reproduce: within the step's bound everywhere, and that
-bound differs from block to block (block scales) or from parameter to parameter (per-parameter
-scales, in whose units a residual is kept). So each chunk of 256 values keeps one number, its
+bound differs from block to block (block scales). So each chunk of 256 values keeps one number, its
 largest magnitude over 7, and a signed code in -7..7 per element keeps each value to within 1/14
 of its chunk's largest; the rounding is lost, as the decoder's rounding would be without error
-feedback, but it is at most a fourteenth of it. Between its calls a group keeps only the codes,
-the chunks' numbers (4 bytes per 256 values) and its per-parameter factors; during its call the
+feedback, but it is at most a fourteenth of it. Between its calls a group keeps only the codes
+and the chunks' numbers (4 bytes per 256 values); during its call the
 residual is a float32 tensor again (one group at a time: FSDP's reduce-scatters run one after
 the other).
 """
@@ -15,7 +14,7 @@ the other).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Tuple
+from typing import Any
 
 LEVELS = 7  # codes -7..7, two to a byte
 CHUNK = 256  # values per step: one float32 per chunk
@@ -24,25 +23,18 @@ CHUNK = 256  # values per step: one float32 per chunk
 @dataclass
 class Packed:
     """A residual of ``numel`` float32 values as 4-bit codes times ``step`` (one float32 per
-    chunk of :data:`CHUNK` values, on the residual's device), in the units of ``factors`` (the per-parameter factors
-    of the call that left it, parameter ``i`` over ``lengths[i]`` columns of each of its
-    ``rows``; or None)."""
+    chunk of :data:`CHUNK` values, on the residual's device)."""
 
     codes: Any
     step: Any
     numel: int
-    factors: Optional[Any] = None
-    rows: int = 1
-    lengths: Optional[Tuple[int, ...]] = None
 
     def nbytes(self) -> int:
-        f = 0 if self.factors is None else self.factors.numel() * self.factors.element_size()
-        return self.codes.numel() + self.step.numel() * self.step.element_size() + f
+        return self.codes.numel() + self.step.numel() * self.step.element_size()
 
 
-def pack(r: Any, factors: Optional[Any] = None, rows: int = 1, lengths: Optional[Tuple[int, ...]] = None) -> Packed:
-    """``r`` (float32, 1-D, finite) as 4-bit codes (see the module docs), with the factors of
-    the units it is in. (In 8-bit integers throughout: a few passes over ``r``, which a GPU
+def pack(r: Any) -> Packed:
+    """``r`` (float32, 1-D, finite) as 4-bit codes (see the module docs). (In 8-bit integers throughout: a few passes over ``r``, which a GPU
     run of FSDP2 makes for every group and step.)"""
     import torch
 
@@ -59,11 +51,11 @@ def pack(r: Any, factors: Optional[Any] = None, rows: int = 1, lengths: Optional
     pairs = codes.view(-1, 2)
     # low nibble: the even element's code; high nibble: the odd one's (two's complement, 4 bits)
     packed = (pairs[:, 0] & 0xF) | (pairs[:, 1] << 4)
-    return Packed(packed.view(torch.uint8), step.view(-1), n, factors, rows, lengths)
+    return Packed(packed.view(torch.uint8), step.view(-1), n)
 
 
 def unpack(p: Packed) -> Any:
-    """The float32 residual of ``p``, in the units it was packed in."""
+    """The float32 residual of ``p``."""
     import torch
 
     b = p.codes.view(torch.int8)

@@ -24,10 +24,6 @@ class FsdpState:
     """
 
     def __init__(self, options: Any, checks_steps: bool):
-        # per-parameter scales (cfc.fsdp.param_scales): each key's FSDP parameter group (None:
-        # not scaled), and the groups whose input did not match their layout (logged once)
-        self.groups: Dict[int, Any] = {}
-        self.unscaled: set = set()
         self.residual_bits = options.fsdp.residual_bits
         self.packed: Dict[int, Any] = {}  # residuals kept in 4 bits between calls, by key
         # groups sent plainly without the engine (cfc.fsdp._direct): the keys the trial chose
