@@ -109,7 +109,7 @@ pub(crate) const SIGNATURES: &[(Family, &str, bool, &[Ty])] = &[
         Family::Codec,
         "encode_groups",
         true,
-        &[Ptr, U64, U32, F64, U32, Ptr, Ptr, Ptr, Ptr, Ptr, U32],
+        &[Ptr, U64, U32, F64, U32, Ptr, Ptr, Ptr, Ptr, U32],
     ),
     (
         Family::Codec,

@@ -149,10 +149,7 @@ __device__ __forceinline__ u32 stage_at(u32 i) { return (i / CFC_GROUP) * STAGE_
 template <class D>
 __device__ void encode_groups(const typename D::T* __restrict__ x, u64 n, u32 mode, double value,
                               u32 fixed, u8* body, u8* ws, float* __restrict__ residual,
-                              const double* value_at, const u8* shifts, u32 block_log2) {
-    // A bound read from device memory when the kernel runs (value_at), not fixed at the launch:
-    // work recorded once as a CUDA graph is then replayed with each step's bound.
-    if (value_at) value = *value_at;
+                              const u8* shifts, u32 block_log2) {
     extern __shared__ float s_vals[];  // blockDim.x rows of STAGE_ROW (twice that with a residual)
     __shared__ u32 s_cw[TILE_CHUNKS], s_ce[TILE_CHUNKS], s_cwo[32];
     CfcParams* pp = (CfcParams*)ws;
@@ -312,8 +309,8 @@ __device__ void encode_groups(const typename D::T* __restrict__ x, u64 n, u32 mo
 #define ENCODE_GROUPS(name, D)                                                                     \
     extern "C" __global__ __launch_bounds__(TILE_THREADS, 4) void cfc_codec_encode_groups_##name(  \
             const D::T* x, u64 n, u32 mode, double value, u32 fixed, u8* body, u8* ws,             \
-            float* residual, const double* value_at, const u8* shifts, u32 block_log2) {           \
-        encode_groups<D>(x, n, mode, value, fixed, body, ws, residual, value_at, shifts, block_log2); \
+            float* residual, const u8* shifts, u32 block_log2) {                                   \
+        encode_groups<D>(x, n, mode, value, fixed, body, ws, residual, shifts, block_log2);        \
     }
 DEFINE_FOR_DTYPES(ENCODE_GROUPS)
 

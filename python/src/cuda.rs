@@ -363,7 +363,6 @@ fn cuda_compress(
         residual,
         size_to,
         max_error_to,
-        bound_at: 0,
     };
     // SAFETY: as cuda_sum: live, contiguous CUDA tensors of the stream's device, read above,
     // the residual of the input's size (cfc.codec checks that it does not overlap the input).

@@ -41,14 +41,6 @@ pub struct CompressArgs<'a> {
     /// doubles orders as their bits do), or 0 for
     /// none: raised by the last kernel rather than by a kernel of its own after it.
     pub max_error_to: u64,
-    /// With an `Abs` bound, 8-aligned device memory whose f64 the encoder reads as `eps` when
-    /// it runs, or 0 to take `bound`'s value at the launch. `bound` must hold the value that
-    /// memory will hold (it is what the host checks). An unusable one is reported as with a
-    /// `Rel` bound: it codes with eps 1, leaves the residual as it was, sets the workspace's
-    /// error word and breaks the frame's magic, so that readers on the device (a peer's
-    /// `decode_sum`) refuse the frame. For work recorded once as a CUDA graph and replayed with
-    /// each step's bound (a CUDA graph).
-    pub bound_at: u64,
     /// Block scales (docs/FORMAT.md, "Block scales"): device memory holding a shift per block of
     /// `2^block_log2` elements, or 0 for none. Block `b` is coded with the bound's step and eps
     /// halved `shift[b]` times; the frame records the shifts. An `Abs` bound only, bit planes only.
@@ -60,8 +52,7 @@ pub struct CompressArgs<'a> {
 /// Compresses on the device, producing exactly the bytes of [`crate::compress`], and returns
 /// without waiting for the GPU. The frame's size is written (as a u64) at
 /// [`FRAME_SIZE_OFFSET`] of the workspace (and at `size_to`, if given; with error feedback,
-/// the residual's running maximum is raised at `max_error_to`, if given); in `rel` mode (or
-/// with `bound_at`) a nonzero u32 at [`BOUND_ERROR_OFFSET`] means the bound was unusable (the
+/// the residual's running maximum is raised at `max_error_to`, if given); in `rel` mode a nonzero u32 at [`BOUND_ERROR_OFFSET`] means the bound was unusable (the
 /// CPU codec's `InvalidBound`), and the frame's first byte is then 0, not a magic any reader
 /// takes.
 ///
@@ -77,11 +68,6 @@ pub struct CompressArgs<'a> {
 pub unsafe fn compress(args: &CompressArgs<'_>) -> Result<()> {
     let (n, ndim) = (args.n, args.shape.len());
     let (mode, value, fixed) = check_compress_args(args)?;
-    if args.bound_at != 0 && mode != BoundMode::Abs {
-        return Err(Error::Cuda(
-            "compress: a bound read from device memory must be an absolute one".into(),
-        ));
-    }
     check_scales(args, mode)?;
     let need_out = compress_capacity(n, args.dtype, ndim, args.bound);
     if args.out_len < need_out {
@@ -162,7 +148,6 @@ pub unsafe fn compress(args: &CompressArgs<'_>) -> Result<()> {
             Arg::Ptr(args.out + header_len + scales_len),
             ws,
             residual,
-            Arg::Ptr(args.bound_at),
             Arg::Ptr(args.scales),
             Arg::U32(args.block_log2 as u32),
         ];
@@ -208,7 +193,7 @@ fn check_scales(args: &CompressArgs<'_>, mode: BoundMode) -> Result<()> {
     if args.scales == 0 {
         return Ok(());
     }
-    if mode != BoundMode::Abs || args.bound_at != 0 {
+    if mode != BoundMode::Abs {
         return Err(Error::InvalidBound {
             what: "bound",
             reason: "given block scales take an absolute bound (eps), fixed at the launch".into(),
@@ -229,7 +214,6 @@ pub(super) fn check_compress_alignment(
     for (what, at, align) in [
         ("frame size's", args.size_to, 8),
         ("running maximum's", args.max_error_to, 8),
-        ("bound's", args.bound_at, 8),
         ("workspace's", args.workspace, 16),
         ("residual's", args.residual, 4),
         ("input's", args.input, args.dtype.size() as u64),

@@ -31,8 +31,7 @@ fn warp_per_block(n: u64) -> LaunchConfig {
 }
 
 /// [`compress`] into a rice frame (coder rice): the same arguments, checked the same way, except
-/// that fixed rate (`Bound::Bits`) and a bound read from device memory (`bound_at`) are refused,
-/// and the output and workspace need [`rice_capacity`] and [`rice_workspace_len`] bytes. The
+/// that fixed rate (`Bound::Bits`) is refused, and the output and workspace need [`rice_capacity`] and [`rice_workspace_len`] bytes. The
 /// frame's size lands at [`FRAME_SIZE_OFFSET`] of the workspace (and `size_to`), an unusable
 /// `rel` bound at [`BOUND_ERROR_OFFSET`], the residual and its running maximum are updated, as
 /// for [`compress`].
@@ -41,19 +40,12 @@ fn warp_per_block(n: u64) -> LaunchConfig {
 /// As [`compress`].
 ///
 /// # Errors
-/// As [`compress`]; [`Error::InvalidBound`] for a fixed rate; [`Error::Cuda`] for a bound read
-/// from device memory.
+/// As [`compress`]; [`Error::InvalidBound`] for a fixed rate.
 pub unsafe fn compress_rice(args: &CompressArgs<'_>) -> Result<()> {
     let (n, ndim) = (args.n, args.shape.len());
     let (mode, value, fixed) = check_compress_args(args)?;
     if fixed != 0 {
         return Err(crate::codec::rice::fixed_rate_error());
-    }
-    if args.bound_at != 0 {
-        return Err(Error::Cuda(
-            "compress_rice: a bound read from device memory is not available for rice frames"
-                .into(),
-        ));
     }
     if args.scales != 0 {
         return Err(Error::InvalidBound {

@@ -63,7 +63,6 @@ fn entry_points_refuse_counts_past_max_elements() {
                 residual: 0,
                 size_to: 0,
                 max_error_to: 0,
-                bound_at: 0,
             }),
             "compress",
         );

@@ -415,7 +415,6 @@ impl Backend for CudaBackend {
             residual: r.map_or(0, |r| r.addr),
             size_to: size_at.addr,
             max_error_to: if r.is_some() { self.words.ptr() + 8 } else { 0 },
-            bound_at: 0,
             scales: shifts,
             block_log2,
         };
