@@ -74,7 +74,7 @@ fn options(
     topology: &str,
     coder: &str,
     block: u64,
-    fsdp: Option<u8>,
+    fsdp: Option<(u8, bool)>,
 ) -> PyResult<Options> {
     let bound = match bound {
         "eps" => BoundRule::Abs(value),
@@ -111,7 +111,10 @@ fn options(
         coder: cfc::Coder::from_name(coder)
             .ok_or_else(|| PyValueError::new_err(format!("unknown coder {coder:?}")))?,
         block,
-        fsdp: fsdp.map(|residual_bits| FsdpOptions { residual_bits }),
+        fsdp: fsdp.map(|(residual_bits, step_check)| FsdpOptions {
+            residual_bits,
+            step_check,
+        }),
     };
     o.check().map_err(to_py)?;
     Ok(o)
@@ -157,8 +160,9 @@ impl Engine {
     ///         `topology`, it chooses the flat or the two-level exchange.
     ///     coder: how the all-gather's frames write their codes ("planes" or "rice").
     ///     block: elements per block of block scales (with rms), 0 for none.
-    ///     fsdp: for cfc.fsdp's calls, the bits of their residuals (32 or 4): agreed between
-    ///         ranks. None: not cfc.fsdp's.
+    ///     fsdp: for cfc.fsdp's calls, (the bits of their residuals, 32 or 4; whether
+    ///         fallback="auto"'s trial is checked over whole steps): agreed between ranks.
+    ///         None: not cfc.fsdp's.
     #[new]
     #[pyo3(signature = (listener, addresses, rank, world, secret, engine, *, device=None, nccl_id=None, bound, value, error_feedback, algorithm, fallback, trial_steps, warmup_steps, min_compress_numel, timeout, topology="auto", coder="planes", block=0, fsdp=None, nodes=None, agree_token=0))]
     #[allow(clippy::too_many_arguments)]
@@ -184,7 +188,7 @@ impl Engine {
         topology: &str,
         coder: &str,
         block: u64,
-        fsdp: Option<u8>,
+        fsdp: Option<(u8, bool)>,
         nodes: Option<Vec<String>>,
         agree_token: u64,
     ) -> PyResult<Self> {
@@ -417,8 +421,16 @@ impl Engine {
         self.live()?.reset().map_err(to_py)
     }
 
+    /// The ways of the next step (read after a step's end): (whether every bucket goes plain,
+    /// the keys the trial chose plain). See `cfc::engine::Engine::ways`.
+    fn ways(&self, py: Python<'_>) -> PyResult<(bool, Vec<u64>)> {
+        let engine = self.live()?;
+        py.detach(|| engine.ways()).map_err(to_py)
+    }
+
     /// The engine's state for a checkpoint: {"step", "origin", "buckets": [ {key, fingerprint,
-    /// numel, stats, decision, trial_plain, trial_compressed, exponents (bytes or None)} ]}.
+    /// numel, stats, decision, trial_plain, trial_compressed, exponents (bytes or None)} ],
+    /// "levels", "step_check": {origin, times: [plain, the trial's ways], verdict} or None}.
     fn state<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let engine = self.live()?;
         let s = py.detach(|| engine.state()).map_err(to_py)?;

@@ -8,7 +8,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyByteArray, PyBytes, PyDict, PyFloat, PyInt, PyList, PyTuple};
 
-use cfc::engine::{BucketState, EngineState};
+use cfc::engine::{BucketState, EngineState, StepCheckState};
 
 /// The largest block exponent a bucket's state may hold (255 is not an exponent).
 const MAX_EXPONENT: u8 = 254;
@@ -118,6 +118,46 @@ fn bucket(b: &Bound<'_, PyAny>) -> PyResult<BucketState> {
     })
 }
 
+/// The step check's state (`cfc::engine::step_check`): its trial's origin, its step times of
+/// each way (finite, >= 0), its verdict.
+fn step_check(s: &Bound<'_, PyAny>) -> PyResult<StepCheckState> {
+    let s = mapping(s, "the step check")?;
+    let origin = match field(&s, "origin")? {
+        None => None,
+        o => Some(count(o, "the step check's origin")?),
+    };
+    let times = sequence(field(&s, "times")?, "the step check's times")?;
+    let [plain, chosen] = &times[..] else {
+        return Err(bad(
+            "the step check's times are not [plain, the trial's ways]".into(),
+        ));
+    };
+    let what = "a step time of the step check";
+    let times = [
+        numbers(Some(plain.clone()), what)?,
+        numbers(Some(chosen.clone()), what)?,
+    ];
+    if times
+        .iter()
+        .flatten()
+        .any(|t| !(t.is_finite() && *t >= 0.0))
+    {
+        return Err(bad(
+            "a step time of the step check is not a finite number >= 0".into(),
+        ));
+    }
+    let verdict = match field(&s, "verdict")? {
+        None => None,
+        Some(v) if v.is_instance_of::<PyBool>() => Some(v.extract::<bool>()?),
+        Some(v) => return Err(bad(format!("the step check's verdict is {}", repr(&v)))),
+    };
+    Ok(StepCheckState {
+        origin,
+        times,
+        verdict,
+    })
+}
+
 /// The engine's state from a checkpoint's `engine` field, every field checked.
 pub(crate) fn read(e: &Bound<'_, PyAny>) -> PyResult<EngineState> {
     let e = mapping(e, "the engine's state")?;
@@ -152,11 +192,16 @@ pub(crate) fn read(e: &Bound<'_, PyAny>) -> PyResult<EngineState> {
             }
         }
     };
+    let step_check = match field(&e, "step_check")? {
+        None => None,
+        Some(s) => Some(step_check(&s)?),
+    };
     Ok(EngineState {
         step,
         origin,
         buckets,
         levels,
+        step_check,
     })
 }
 
@@ -186,6 +231,17 @@ pub(crate) fn write<'py>(py: Python<'py>, s: &EngineState) -> PyResult<Bound<'py
         .collect::<PyResult<Vec<_>>>()?;
     d.set_item("buckets", buckets)?;
     d.set_item("levels", s.levels)?;
+    let check = match &s.step_check {
+        None => None,
+        Some(c) => {
+            let e = PyDict::new(py);
+            e.set_item("origin", c.origin)?;
+            e.set_item("times", [c.times[0].clone(), c.times[1].clone()])?;
+            e.set_item("verdict", c.verdict)?;
+            Some(e)
+        }
+    };
+    d.set_item("step_check", check)?;
     Ok(d)
 }
 

@@ -36,6 +36,7 @@ mod open;
 pub mod options;
 pub mod policy;
 mod rows;
+pub mod step_check;
 mod tails;
 pub mod topology;
 pub mod transport;
@@ -45,6 +46,7 @@ pub use control::{Control, Failure};
 pub use job::{Job, Op, Scale, Tensor};
 pub use options::{Algorithm, BoundRule, Fallback, FsdpOptions, Options};
 pub use policy::{BucketState, EngineState};
+pub use step_check::StepCheckState;
 pub use topology::{Levels, Topology};
 
 use crate::error::{Error, Result};
@@ -771,6 +773,24 @@ impl Engine {
         self.send(Msg::State(tx))?;
         rx.recv_timeout(self.options.timeout * 2 + Duration::from_secs(10))
             .map_err(|_| Error::Transport("the engine's thread did not answer".into()))
+    }
+
+    /// The ways of the next step, for callers that send plain buckets themselves (`cfc.fsdp`
+    /// sends them through torch's own reduce-scatter): whether every bucket goes plain (the
+    /// step check's plain steps, or its verdict: `step_check.rs`), and the keys the trial
+    /// chose plain. Read after a step's end, it is the same on every rank.
+    ///
+    /// # Errors
+    /// The engine's thread has ended.
+    pub fn ways(&self) -> Result<(bool, Vec<u64>)> {
+        let s = self.state()?;
+        let plain = s
+            .buckets
+            .iter()
+            .filter(|b| b.decision == Some(false))
+            .map(|b| b.key)
+            .collect();
+        Ok((s.all_plain(&self.options), plain))
     }
 
     /// Replaces the engine's state with a checkpoint's (before the next job).

@@ -182,6 +182,9 @@ pub struct Options {
 pub struct FsdpOptions {
     /// Bits per value of the residuals kept between calls: 32 (float32) or 4 (packed).
     pub residual_bits: u8,
+    /// With [`Fallback::Auto`], the trial's ways are checked over whole steps (see
+    /// `engine/step_check.rs`): the reduce-scatters' engine, not the replicas'.
+    pub step_check: bool,
 }
 
 impl Options {
@@ -291,6 +294,11 @@ impl Options {
         self.algorithm.unwrap_or(Algorithm::for_world(world))
     }
 
+    /// Whether the trial's ways are checked over whole steps (`engine/step_check.rs`).
+    pub(crate) fn checks_steps(&self) -> bool {
+        self.trial_steps() > 0 && self.fsdp.is_some_and(|f| f.step_check)
+    }
+
     /// Steps of the trial (0 without [`Fallback::Auto`]).
     pub(crate) fn trial_steps(&self) -> u64 {
         match self.fallback {
@@ -349,7 +357,7 @@ pub(crate) fn descriptor(
     d.push(o.block_log2());
     match o.fsdp {
         None => d.extend_from_slice(&[0, 0]),
-        Some(f) => d.extend_from_slice(&[1, f.residual_bits]),
+        Some(f) => d.extend_from_slice(&[1 | (f.step_check as u8) << 1, f.residual_bits]),
     }
     d.extend_from_slice(&[0u8; 5]);
     debug_assert_eq!(d.len(), DESCRIPTOR_LEN);
@@ -393,7 +401,11 @@ pub(crate) fn describe(d: &[u8]) -> String {
     };
     let fsdp = match d[57] {
         0 => "no".to_string(),
-        _ => format!("{}-bit residuals", d[58]),
+        f => format!(
+            "{}-bit residuals, step check {}",
+            d[58],
+            if f & 2 != 0 { "on" } else { "off" }
+        ),
     };
     format!(
         "{bound}={:e}, error feedback {}, algorithm {algorithm}, fallback {fallback}, \
@@ -463,16 +475,19 @@ mod tests {
         );
         // cfc.fsdp's options: each of them set apart ranks
         let mut seen = vec![blocks];
-        for residual_bits in [32, 4] {
-            o.fsdp = Some(FsdpOptions { residual_bits });
+        for (residual_bits, step_check) in [(32, false), (4, false), (4, true)] {
+            o.fsdp = Some(FsdpOptions {
+                residual_bits,
+                step_check,
+            });
             let d = descriptor(&o, 4, 7, 0, false);
-            assert!(!seen.contains(&d), "{residual_bits}");
+            assert!(!seen.contains(&d), "{residual_bits} {step_check}");
             seen.push(d);
         }
         assert!(
-            describe(&seen[2]).ends_with("fsdp 4-bit residuals"),
+            describe(&seen[3]).ends_with("fsdp 4-bit residuals, step check on"),
             "{}",
-            describe(&seen[2])
+            describe(&seen[3])
         );
     }
 
@@ -486,7 +501,10 @@ mod tests {
         assert!(o.check().is_err());
         o.fallback = Fallback::Auto { trial_steps: 2 };
         assert!(o.check().is_ok());
-        o.fsdp = Some(FsdpOptions { residual_bits: 8 });
+        o.fsdp = Some(FsdpOptions {
+            residual_bits: 8,
+            step_check: false,
+        });
         assert!(o.check().unwrap_err().to_string().contains("residual_bits"));
         o.fsdp = None;
         // a timeout whose double would overflow a wait is refused, not a panic later

@@ -7,6 +7,7 @@
 
 use crate::engine::options::{Fallback, Options};
 use crate::engine::rows::Slot;
+use crate::engine::step_check::{StepCheck, StepCheckState};
 use crate::format::DType;
 use std::collections::HashMap;
 
@@ -101,6 +102,30 @@ pub struct EngineState {
     /// flat. Loaded into another, the statistics are measured again (they are of other data:
     /// a node's sums of a shard, or whole buckets); the residuals carry over as they are.
     pub levels: Option<(u64, u64)>,
+    /// The step check of the trial's ways (`engine/step_check.rs`), where the options ask for
+    /// one.
+    pub step_check: Option<StepCheckState>,
+}
+
+impl EngineState {
+    /// Whether every bucket goes plain in the next step: the step check's plain steps, and
+    /// every step after its verdict against the trial's ways.
+    pub fn all_plain(&self, o: &Options) -> bool {
+        let mut check = StepCheck::default();
+        match &self.step_check {
+            Some(s) if o.checks_steps() && s.origin == Some(self.origin) => {
+                check.load(s.clone());
+                check.all_plain(o.trial_steps(), ahead(self.step, self.origin, o))
+            }
+            _ => false,
+        }
+    }
+}
+
+/// The next step's index past the trial, after `step` steps closed since `origin` (negative
+/// during the warm-up and the trial; see `StepCheck::at_step_end`).
+pub(crate) fn ahead(step: u64, origin: u64, o: &Options) -> i64 {
+    step as i64 - origin as i64 - o.warmup_steps as i64 - o.trial_steps() as i64 - 1
 }
 
 /// Where a step stands.
@@ -121,6 +146,8 @@ pub(crate) struct Policy {
     pub loaded: HashMap<u64, BucketState>,
     /// A bucket changed in the run phase of a trial: the trial starts again at the next step.
     pub retrial: bool,
+    /// The step check (used where the options ask for one).
+    pub check: StepCheck,
 }
 
 impl Policy {
@@ -131,6 +158,7 @@ impl Policy {
             buckets: HashMap::new(),
             loaded: HashMap::new(),
             retrial: false,
+            check: StepCheck::default(),
         }
     }
 
@@ -210,6 +238,14 @@ impl Policy {
         })
     }
 
+    /// Whether the trial chose to compress any bucket (loaded ones not placed yet included:
+    /// a resumed run whose buckets all went plain since has them only there).
+    pub fn any_compressed(&self) -> bool {
+        let placed = self.buckets.values().map(|b| b.decision);
+        let loaded = self.loaded.values().map(|b| b.decision);
+        placed.chain(loaded).any(|d| d == Some(true))
+    }
+
     /// Keys with trial times, in order, and this rank's best time of each way (NaN: none).
     pub fn trial_times(&self) -> Vec<(u64, f64, f64)> {
         let best = |v: &Vec<f64>| v.iter().copied().fold(f64::NAN, f64::min);
@@ -239,8 +275,9 @@ impl Policy {
         }
     }
 
-    /// Everything kept per bucket, for a checkpoint.
-    pub fn state(&self) -> EngineState {
+    /// Everything kept per bucket, and the step check, for a checkpoint (`o`: whether the
+    /// options run a step check).
+    pub fn state(&self, o: &Options) -> EngineState {
         let mut buckets: Vec<BucketState> = self
             .buckets
             .iter()
@@ -263,6 +300,7 @@ impl Policy {
             origin: self.origin,
             buckets,
             levels: None,
+            step_check: o.checks_steps().then(|| self.check.state.clone()),
         }
     }
 
@@ -272,6 +310,7 @@ impl Policy {
         self.origin = state.origin;
         self.buckets.clear();
         self.retrial = false;
+        self.check.load(state.step_check.unwrap_or_default());
         self.loaded = state.buckets.into_iter().map(|b| (b.key, b)).collect();
     }
 

@@ -29,6 +29,7 @@ use super::control::Failure;
 use super::job::{Job, Op, Region, Tensor};
 use super::options::{Algorithm, BoundRule, Options};
 use super::policy::{decide, EngineState, Phase, Policy};
+use super::step_check::Timing;
 use super::transport::Transport;
 use super::{Fault, Msg, Shared};
 use crate::error::{decode_status_error, Error, Result};
@@ -78,6 +79,8 @@ pub(crate) struct Worker<B: Backend, T: Transport<B>> {
     statuses: Option<B::Buf>,
     /// The tensors of the step's jobs, handed back to the caller at its close.
     step_tensors: Vec<Tensor>,
+    /// The step check's clock starts here.
+    epoch: Instant,
 }
 
 impl<B: Backend, T: Transport<B>> Worker<B, T> {
@@ -115,6 +118,7 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
             faults: Vec::new(),
             statuses: None,
             step_tensors: Vec::new(),
+            epoch: Instant::now(),
         }
     }
 
@@ -212,7 +216,7 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
                     self.policy.reset();
                 }
                 Msg::State(reply) => {
-                    let mut state = self.policy.state();
+                    let mut state = self.policy.state(&self.o);
                     state.levels = self.layout();
                     let _ = reply.send(state);
                 }
@@ -495,8 +499,48 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
         self.step_tensors.clear();
         if last {
             self.policy.end_step(&self.o);
+            if done.is_some() && self.o.checks_steps() {
+                if let Err(e) = self.check_step() {
+                    self.fail_with(Some(e));
+                    done = None;
+                }
+            }
         }
         self.shared.publish(done.is_some(), done);
+    }
+
+    /// The step check at a step's end (see `step_check.rs`): in the steps it times, the device
+    /// is synchronised (the caller's work of the step included) and the clock read; at its
+    /// last, every rank's best times are gathered and every rank takes the same verdict.
+    fn check_step(&mut self) -> Result<()> {
+        let steps = self.o.trial_steps();
+        let ahead = super::policy::ahead(self.policy.step, self.policy.origin, &self.o);
+        let any_compressed = self.policy.any_compressed();
+        let origin = self.policy.origin;
+        let check = &mut self.policy.check;
+        if check.at_step_end(steps, ahead, origin, any_compressed) == Timing::None {
+            return Ok(());
+        }
+        self.be.synchronize()?;
+        let now = self.epoch.elapsed().as_secs_f64();
+        let Some(mine) = self.policy.check.timed(steps, ahead, now) else {
+            return Ok(());
+        };
+        let bytes: Vec<u8> = mine.iter().flat_map(|t| t.to_le_bytes()).collect();
+        let all = self.tr.gather(&mut self.be, &bytes)?;
+        let mut times = Vec::with_capacity(all.len());
+        for (j, b) in all.iter().enumerate() {
+            let t: Option<[f64; 2]> = (b.len() == 16).then(|| {
+                let f = |i: usize| f64::from_le_bytes(b[i..i + 8].try_into().unwrap_or([0; 8]));
+                [f(0), f(8)]
+            });
+            times.push(t.ok_or_else(|| Error::RankMismatch {
+                what: "this rank sent its step check's two times".into(),
+                theirs: format!("rank {j} sent {} bytes", b.len()),
+            })?);
+        }
+        self.policy.check.decide(&times);
+        Ok(())
     }
 
     /// An order (see `Engine::order`): the stages left run, and the mark after the results

@@ -333,12 +333,10 @@ def packed_feedback(rank, world, out):
 def fallback(rank, world, out):
     """Steps are backward passes: one of warm-up (every group plain), then fallback="auto"'s
     trial (each group one way in one pass and the other way in the next), then every group
-    keeps the way every rank's timings chose alike. fallback="always" never compresses."""
+    keeps the way every rank's timings chose alike, then the engine's step check times a step
+    with every group plain and a step with the trial's ways, and keeps the faster on the
+    slowest rank (every group plain otherwise). fallback="always" never compresses."""
     model, opt, state = make(CfcState(warmup_steps=1, fallback="auto", trial_steps=2, min_compress_numel=0))
-    # The check's clock (see below) from the start: the check reads it first at the end of the
-    # step before its own (step 3 here), and one reading of the real clock among the counts
-    # would make a step's "time" negative.
-    state._fsdp.step_check.clock = lambda: state.stats()["plain_buckets"]
     per_step = []
     for step in range(4):
         before = state.stats()
@@ -357,39 +355,44 @@ def fallback(rank, world, out):
     assert all(e == everyone[0] for e in everyone), everyone
     # The groups the trial chose plain go through torch's reduce-scatter, not the engine.
     plain = {k for k, d in decisions if d is False}
-    assert state._fsdp.plain_keys == plain, (state._fsdp.plain_keys, decisions)
-    # Then the check (see below); once its verdict keeps the trial's ways (here a clock that
-    # finds compressed steps fast), the groups the trial chose plain go through torch.
+    assert state._engine.ways()[1] == sorted(plain), (state._engine.ways(), decisions)
+    # Then the check (steps 4-5 here, when the trial chose to compress some group), whose
+    # verdict every rank takes alike; after it the groups go as it says.
     train(model, opt, rank, 2, start=4)
+    verdict = state.state_dict()["engine"]["step_check"]["verdict"]
+    everyone = [None] * world
+    dist.all_gather_object(everyone, verdict)
+    assert all(v == everyone[0] for v in everyone) and (verdict is False or len(plain) < 3), (everyone, plain)
     before, engine_before = state.stats(), state._engine.stats()
     train(model, opt, rank, 1, start=6)
     after, engine_after = state.stats(), state._engine.stats()
     assert engine_after["plain_buckets"] == engine_before["plain_buckets"], (engine_before, engine_after)
-    assert after["plain_buckets"] - before["plain_buckets"] == len(plain), (before, after, plain)
-    assert after["compressed_buckets"] - before["compressed_buckets"] == 3 - len(plain), (before, after)
+    went_plain = 3 if verdict is False else len(plain)
+    assert after["plain_buckets"] - before["plain_buckets"] == went_plain, (before, after, plain, verdict)
+    assert after["compressed_buckets"] - before["compressed_buckets"] == 3 - went_plain, (before, after)
     # The check after the trial (in steps 4-5; then every group plain unless the trial's ways
     # were faster), with the trial's choice made "compress every group" through the checkpoint
-    # of step 3, and step times from a clock that counts the step's groups: every way the same
-    # on every rank, whichever rank's steps were slower.
+    # of step 3, and steps made slower by a sleep of each way's cost on each rank (x 60 ms,
+    # between the steps): every way the same on every rank, whichever rank's steps were slower.
     state.close()
     for e in saved["engine"]["buckets"]:
         e["decision"] = True
-    for costs, keeps in (({0: (1, 0), 1: (1, 0)}, True), ({0: (1, 0), 1: (1, 10)}, False),
-                         ({0: (1, 10), 1: (1, 10)}, False)):
+    for costs, keeps in (({0: (2, 0), 1: (2, 0)}, True), ({0: (2, 0), 1: (0, 4)}, False),
+                         ({0: (0, 4), 1: (0, 4)}, False)):
         model, opt, state = make(CfcState(warmup_steps=1, fallback="auto", trial_steps=2, min_compress_numel=0))
         state.load_state_dict(saved)
         plain_cost, compressed_cost = costs[rank % 2]
-        state._fsdp.step_check.clock = lambda: (plain_cost * state.stats()["plain_buckets"]
-                                           + compressed_cost * state.stats()["compressed_buckets"])
         per_step = []
         for step in range(3, 8):
             before = state.stats()
             train(model, opt, rank, 1, start=step)
             after = state.stats()
             per_step.append(tuple(after[k] - before[k] for k in ("plain_buckets", "compressed_buckets")))
+            all_plain, _ = state._engine.ways()  # (the next step's)
+            time.sleep(0.06 * (plain_cost if all_plain else compressed_cost))
         after_check = (0, 3) if keeps else (3, 0)
         assert per_step == [(0, 3), (3, 0), (0, 3), after_check, after_check], (costs, per_step)
-        assert state.state_dict()["step_check"]["verdict"] is keeps
+        assert state.state_dict()["engine"]["step_check"]["verdict"] is keeps
         if not keeps:
             assert state._engine.stats()["compressed_buckets"] == 6  # (steps 3 and 5 only)
         state.close()
@@ -414,7 +417,7 @@ def mismatch(rank, world, out):
         loss_of(model, rank, 0).backward()
     assert time.monotonic() - t0 < 30
     model, _, state = make(CfcState(warmup_steps=0), residual_bits=4 if rank == 0 else 32)
-    assert state.options.fsdp == cfc.ddp.options.FsdpOptions(residual_bits=4 if rank == 0 else 32)
+    assert state.options.fsdp == cfc.ddp.options.FsdpOptions(residual_bits=4 if rank == 0 else 32, step_check=True)
     with pytest.raises(cfc.CfcError, match="4-bit residuals.*32-bit residuals"):
         loss_of(model, rank, 0).backward()
 
@@ -507,12 +510,12 @@ def resume(rank, world, out):
                 b["decision"] = True
             state.load_state_dict(sd)
             train(model, opt, rank, before - 2, start=2)
-            assert state._residuals.by_bucket and state._fsdp.step_check.all_plain
+            assert state._residuals.by_bucket and state._engine.ways()[0]
         else:
             train(model, opt, rank, before)
         shards = {k: v.to_local().clone() for k, v in model.state_dict().items()}
         saved = state.state_dict()
-        plain_at_save = set(state._fsdp.plain_keys)
+        plain_at_save = set(state._engine.ways()[1])
         want = train(model, opt, rank, 2, start=before)
         want_params = [p.to_local().clone() for p in model.parameters()]
 
@@ -525,14 +528,14 @@ def resume(rank, world, out):
                 # the groups the saved trial chose plain go through torch's reduce-scatter from
                 # the first step on, as in the uninterrupted run
                 chosen = {b["key"] for b in saved["engine"]["buckets"] if b["decision"] is False}
-                assert state2._fsdp.plain_keys == chosen == plain_at_save, (state2._fsdp.plain_keys, chosen)
+                assert set(state2._engine_for(DEV).ways()[1]) == chosen == plain_at_save, chosen
                 # block scales: the compressed groups' exponents for their next calls, agreed
                 # before the save
                 assert any(b["exponents"] is not None for b in saved["engine"]["buckets"]) == bool(kw.get("block"))
                 # fallback="auto": the check over whole steps goes on where it was
-                assert ("step_check" in saved) == (kw.get("fallback") == "auto")
-                if "step_check" in saved:
-                    assert state2._fsdp.step_check.saved() == saved["step_check"]
+                check = saved["engine"]["step_check"]
+                assert (check is not None) == (kw.get("fallback") == "auto")
+                assert state2.state_dict()["engine"]["step_check"] == check
             got = train(model2, opt2, rank, 2, start=before)
             return got, [p.to_local() for p in model2.parameters()]
 
@@ -555,6 +558,15 @@ def resume(rank, world, out):
                     same.load_state_dict(with_scales)
                 assert any("per-parameter scales" in line for line in lines) == scaled, lines
             same.load_state_dict(saved)
+        if kw.get("fallback") == "auto":
+            # (a checkpoint whose step check was saved beside the engine's part, not in it,
+            # loads it into the engine)
+            check = saved["engine"]["step_check"]
+            beside = {**saved, "step_check": check,
+                      "engine": {k: v for k, v in saved["engine"].items() if k != "step_check"}}
+            _, _, same = make(CfcState(warmup_steps=0, **kw), sgd=True, **reg)
+            same.load_state_dict(beside)
+            assert same.state_dict()["engine"]["step_check"] == check
         got, params = resumed(True)
         assert got == want, (kw, reg, compress_all)
         assert all(torch.equal(a, b) for a, b in zip(want_params, params)), (kw, reg, compress_all)

@@ -255,6 +255,14 @@ impl Backend for CudaBackend {
         }
     }
 
+    fn synchronize(&mut self) -> Result<()> {
+        let _restore = ContextGuard::save()?;
+        self.ctx
+            .synchronize()
+            .map_err(driver_err)
+            .map_err(during("synchronize"))
+    }
+
     fn join(&mut self, to: Lane, from: Lane) -> Result<()> {
         let e = event(self.stream(from)).map_err(during("join"))?;
         self.stream(to)

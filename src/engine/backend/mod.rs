@@ -104,6 +104,16 @@ pub(crate) trait Backend: Send + 'static {
         Ok(())
     }
 
+    /// Waits for everything queued on the device, the caller's work included (the step
+    /// check times whole steps: `engine/step_check.rs`). Nothing to wait for on the CPU, whose
+    /// work is done when queued.
+    ///
+    /// # Errors
+    /// Device errors.
+    fn synchronize(&mut self) -> Result<()> {
+        Ok(())
+    }
+
     /// Orders `to` after everything queued on `from` so far.
     ///
     /// # Errors

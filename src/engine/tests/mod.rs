@@ -706,3 +706,4 @@ mod coders;
 mod failures;
 mod levels;
 mod orders;
+mod step_checks;

@@ -97,25 +97,11 @@ def parse_state(sd: Mapping, options: Options, rank: int, world: int) -> Dict[st
                                                              for x in _sequence(l, "a layout"))
                for i, l in _mapping(sd, "layouts").items()}
     step = _count(sd.get("step"), "step")
-    engine = _engine_state(_mapping(sd, "engine"))
-    step_check = _step_check(_mapping(sd, "step_check")) if "step_check" in sd else None
+    engine = dict(_mapping(sd, "engine"))
+    if "step_check" in sd and engine.get("step_check") is None:
+        # (cfc.fsdp's step check, saved beside the engine's state before the engine ran it)
+        engine["step_check"] = sd["step_check"]
+    engine = _engine_state(engine)
     if not math.isfinite(float(step)):  # pragma: no cover - an int
         raise ValueError(NOT_A_STATE)
-    return {"step": step, "residuals": residuals, "layouts": layouts, "engine": engine, "step_check": step_check}
-
-
-def _step_check(saved: Mapping) -> Dict[str, Any]:
-    """cfc.fsdp's check of ``fallback="auto"`` over whole steps (``cfc.fsdp.step_check.StepCheck.saved``),
-    checked: the trial's origin it follows, its step times of each way, its verdict."""
-    origin = saved.get("origin")
-    origin = None if origin is None else _count(origin, "the step check's origin")
-    times = _sequence(saved.get("times"), "the step check's times")
-    if len(times) != 2:
-        raise ValueError(f"{NOT_A_STATE}: the step check's times are not [plain, the trial's ways]")
-    times = [[_number(t, "a step time") for t in _sequence(way, "step times")] for way in times]
-    if any(not (t >= 0 and math.isfinite(t)) for way in times for t in way):
-        raise ValueError(f"{NOT_A_STATE}: a step time of the step check is not a finite number >= 0")
-    verdict = saved.get("verdict")
-    if verdict is not None and not isinstance(verdict, bool):
-        raise ValueError(f"{NOT_A_STATE}: the step check's verdict is {verdict!r}")
-    return {"origin": origin, "times": times, "verdict": verdict}
+    return {"step": step, "residuals": residuals, "layouts": layouts, "engine": engine}

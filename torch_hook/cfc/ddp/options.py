@@ -54,6 +54,9 @@ class FsdpOptions:
     record them."""
 
     residual_bits: int = 32  # residuals kept between calls as float32 (32) or packed (4)
+    # with fallback="auto", the trial's ways checked over whole steps by the engine
+    # (src/engine/step_check.rs): the reduce-scatters' state, not the replicas'
+    step_check: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,7 +167,7 @@ class Options:
             "algorithm": self.algorithm, "fallback": self.fallback, "trial_steps": self.trial_steps,
             "warmup_steps": self.warmup_steps, "min_compress_numel": self.min_compress_numel,
             "topology": self.topology, "coder": self.coder, "block": self.block, "timeout": self.timeout,
-            "fsdp": None if self.fsdp is None else self.fsdp.residual_bits,
+            "fsdp": None if self.fsdp is None else (self.fsdp.residual_bits, self.fsdp.step_check),
         }
 
     def saved(self) -> Dict[str, Any]:

@@ -392,7 +392,6 @@ class CfcState:
             "residuals": self._residuals.saved(),  # per parameter ordinal
             "layouts": layouts,
             "engine": engine,
-            **({} if self._fsdp is None else self._fsdp.saved()),
             "stats": self.stats(),
         }
 
@@ -426,10 +425,11 @@ class CfcState:
         self._token_step = self.step
         self._residuals.load(loaded["residuals"], loaded["layouts"])
         if self._fsdp is not None:
-            self._fsdp.load(loaded, self.options)
+            self._fsdp.load()
+        check = loaded["engine"].get("step_check")
         shared = repr((sorted(loaded["layouts"].items()),
                        [(b["key"], b["decision"]) for b in loaded["engine"]["buckets"]],
-                       None if loaded["step_check"] is None else loaded["step_check"]["verdict"]))
+                       None if check is None else check["verdict"]))
         self._token = (self.step << 32) | zlib.crc32(shared.encode())
         if self._engine is not None:
             self._engine.load_state(loaded["engine"])

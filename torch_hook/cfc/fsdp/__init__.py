@@ -15,9 +15,9 @@ rank (a frame some rank could not decode, a peer that failed) is checked once, w
 backward pass ends, where the step's end raises any failure before the optimizer runs. A group
 sent plainly (every group with ``fallback="always"``; with ``"auto"``, those whose trial chose
 plain) goes through torch's own reduce-scatter on that stream instead, with no wait on the host.
-Because of the wait, the trial's per-group choice is then checked over whole steps
-(:mod:`cfc.fsdp.step_check`): every group goes plain unless the trial's ways make the step
-faster.
+Because of the wait, the trial's per-group choice is then checked over whole steps by the
+engine (``src/engine/step_check.rs``): every group goes plain unless the trial's ways make the
+step faster.
 
 Why the host waits: FSDP needs the result on its stream when the call returns, and the engine
 learns the frames' sizes on the host mid-exchange, so its work for a call is not all queued at
@@ -66,7 +66,7 @@ import logging
 from typing import Any, List, Optional
 
 from cfc import _engine
-from cfc.fsdp import packed_residuals, step_check
+from cfc.fsdp import packed_residuals
 from cfc.fsdp.state import FsdpState
 from cfc.ddp.hook import _compressible, _fail
 from cfc.ddp.options import FsdpOptions
@@ -186,7 +186,7 @@ def register(model: Any, state: Optional[CfcState] = None, *, replicas: Optional
     fsdp = FsdpOptions(residual_bits=residual_bits)
     for s in (state, replicas):
         if s is not None:
-            _make_part(s, fsdp, checks_steps=s is state)
+            _make_part(s, dataclasses.replace(fsdp, step_check=s is state))
             s._residuals.keep_unseen = True  # one group per step: every residual lives on
             s._residuals.held_elsewhere = functools.partial(_saved_packed, s)
     for key, m in enumerate(modules):
@@ -225,18 +225,18 @@ def _part(state: CfcState) -> FsdpState:
     :class:`CfcReduceScatter` made without it (float32 residuals, the step check of its
     options)."""
     if state._fsdp is None:
-        _make_part(state, FsdpOptions(), checks_steps=True)
+        _make_part(state, FsdpOptions(step_check=True))
     return state._fsdp
 
 
-def _make_part(state: CfcState, fsdp: FsdpOptions, checks_steps: bool) -> None:
+def _make_part(state: CfcState, fsdp: FsdpOptions) -> None:
     """Gives ``state`` its FSDP part, and its options cfc.fsdp's (agreed between the ranks
     when the engine opens, and recorded in checkpoints)."""
     if state._engine is not None and state.options.fsdp != fsdp:
         raise ValueError("this CfcState's engine is already open without these cfc.fsdp options: "
                          "give cfc.fsdp.register a state not used elsewhere")
     state.options = dataclasses.replace(state.options, fsdp=fsdp)
-    state._fsdp = FsdpState(state.options, checks_steps=checks_steps)
+    state._fsdp = FsdpState(state.options)
 
 
 def _scale_of(op: Any) -> Any:
@@ -352,8 +352,10 @@ def _open_step(state: CfcState) -> bool:
 
 def _end_step(state: CfcState) -> None:
     """The end of a step: the engine closes it (alike on every rank: each rank's backward
-    pass ends after the same groups), and the state counts it."""
+    pass ends after the same groups; with ``fallback="auto"`` it runs the step check there),
+    and the state counts it."""
     state._fsdp.step_open = False
+    state._fsdp.ways = None  # (the next step's, read at its first call)
     try:
         if state._engine is not None:
             state._engine.end_step()
@@ -361,25 +363,24 @@ def _end_step(state: CfcState) -> None:
         state._let_go()
         state._residuals.end_step()
         state.step += 1
-    if state.options.fallback == "auto" and state._engine is not None:
-        # The groups the trial chose plain, alike on every rank (decided from every rank's
-        # times), read once per step: the next step sends them without the engine.
-        engine = state._engine.state()
-        state._fsdp.plain_keys = {b["key"] for b in engine["buckets"] if b["decision"] is False}
-        if state._fsdp.step_check is not None:
-            any_compressed = any(b["decision"] is True for b in engine["buckets"])
-            state._fsdp.step_check.step_ended(step_check.ahead(engine, state.options), engine["origin"], any_compressed,
-                                         functools.partial(_synchronize, state._device), state._engine.gather)
     if state.options.log_every and state.step % state.options.log_every == 0:
         logger.info("cfc.fsdp step %d: %s", state.step, state.stats())
 
 
-def _synchronize(device: Any) -> None:
-    """Waits for everything queued on ``device`` (a CUDA device; nothing to wait for on the CPU)."""
-    import torch
-
-    if device is not None and device.type == "cuda":
-        torch.cuda.synchronize(device)
+def _goes_plain(state: CfcState, key: int) -> bool:
+    """Whether group ``key`` goes through torch's own reduce-scatter this step: every group
+    with ``fallback="always"``; with ``"auto"``, as the engine says at the step's first call
+    (alike on every rank: the trial's choice and the step check's, decided from every rank's
+    times)."""
+    if state.options.fallback == "always":
+        return True
+    if state.options.fallback != "auto":
+        return False
+    if state._fsdp.ways is None:
+        all_plain, keys = state._engine.ways()
+        state._fsdp.ways = (all_plain, set(keys))
+    all_plain, keys = state._fsdp.ways
+    return all_plain or key in keys
 
 
 def _failed(state: CfcState, e: BaseException, linked: Optional[CfcState]) -> None:
@@ -417,8 +418,7 @@ def reduce_scatter(state: CfcState, key: int, out: Any, inp: Any, group: Any, op
                    lambda: _torch_reduce_scatter(out, inp, op, state.process_group))
             return
         state._engine_for(inp.device)  # (opened, and the ranks' options agreed, in any case)
-        check = state._fsdp.step_check
-        if state.options.fallback == "always" or key in state._fsdp.plain_keys or (check is not None and check.all_plain):
+        if _goes_plain(state, key):
             _direct(state, key, out, inp, op)
             return
         state._fsdp.folded.discard(key)

@@ -1,15 +1,14 @@
 """What :mod:`cfc.fsdp` keeps for a :class:`cfc.CfcState` beyond its options, engine and
 residuals: :class:`FsdpState`, made by :func:`cfc.fsdp.register` and held as the state's
-``_fsdp`` (None for a state DDP or ``AllReducer`` use). The state saves and loads it with its
-own checkpoint (:meth:`FsdpState.saved`, :meth:`FsdpState.load`) and counts its plain sends in
-its ``stats()``.
+``_fsdp`` (None for a state DDP or ``AllReducer`` use). The state counts its plain sends in
+its ``stats()``; its checkpoint holds the packed residuals as float32 ones, and the engine's
+part holds the trial's choice and the step check, so loading one only resets this part
+(:meth:`FsdpState.load`).
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
-
-from cfc.fsdp.step_check import StepCheck, ahead
+from typing import Any, Dict, Optional, Set, Tuple
 
 
 class FsdpState:
@@ -19,35 +18,28 @@ class FsdpState:
         options: the state's options (``cfc.ddp.options.Options``), their ``fsdp`` part set:
             its ``residual_bits`` are 32 (float32 residuals) or 4
             (:mod:`cfc.fsdp.packed_residuals`).
-        checks_steps: whether ``fallback="auto"``'s choice is checked over whole steps
-            (:mod:`cfc.fsdp.step_check`): the reduce-scatters' state, not the replicas'.
     """
 
-    def __init__(self, options: Any, checks_steps: bool):
+    def __init__(self, options: Any):
         self.residual_bits = options.fsdp.residual_bits
         self.packed: Dict[int, Any] = {}  # residuals kept in 4 bits between calls, by key
-        # groups sent plainly without the engine (cfc.fsdp._direct): the keys the trial chose
-        # plain, the keys whose residual went out with them, and their counts
-        self.plain_keys: set = set()
+        # With fallback="auto", the ways of the step under way, read from the engine at its
+        # first call (Engine.ways: whether every group goes plain, the step check's choice, and
+        # the keys the trial chose plain); None until then.
+        self.ways: Optional[Tuple[bool, Set[int]]] = None
+        # groups sent plainly without the engine (cfc.fsdp._direct): the keys whose residual
+        # went out with them, and their counts
         self.folded: set = set()
         self.direct = {"plain_buckets": 0, "bytes_sent": 0}
-        self.step_check: Optional[StepCheck] = (
-            StepCheck(options.trial_steps) if checks_steps and options.fallback == "auto" else None)
         self.step_open = False  # whether a backward pass's step is open (its end is queued)
         self.replicas: Any = None  # with replicas: their state, told of this state's failures
 
-    def saved(self) -> Dict[str, Any]:
-        """What the state's checkpoint adds for FSDP: the step check, where there is one."""
-        return {} if self.step_check is None else {"step_check": self.step_check.saved()}
-
-    def load(self, loaded: Dict[str, Any], options: Any) -> None:
-        """After the state loaded a checkpoint (``loaded``: ``cfc.ddp.checkpoint.parse_state``'s):
-        the groups the saved trial chose plain go through torch from the next step, as they did
-        in the saved run, their residuals going out with their first plain call; packed
-        residuals give way to the loaded ones; the step check goes on where it was."""
+    def load(self) -> None:
+        """After the state loaded a checkpoint: packed residuals give way to the loaded ones,
+        and the next step's ways are read from the engine, which has the saved trial's choice
+        and step check: the groups the saved trial chose plain go through torch from the next
+        step on, as they did in the saved run, their residuals going out with their first plain
+        call."""
         self.packed = {}
-        self.plain_keys = ({b["key"] for b in loaded["engine"]["buckets"] if b["decision"] is False}
-                           if options.fallback == "auto" else set())
+        self.ways = None
         self.folded = set()
-        if self.step_check is not None:
-            self.step_check.load(loaded["step_check"], ahead(loaded["engine"], options))
