@@ -6,9 +6,9 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 use std::sync::{Arc, Mutex};
 
-use crate::codec::dtype_of;
 use crate::engine_state;
 use crate::error::{to_py, CfcError};
+use crate::tensor::{self, Place};
 use cfc::engine::topology::node_indices;
 use cfc::engine::transport::tcp::{Credentials, Listener as TcpListener, Reach, Shape, TcpLinks};
 use cfc::engine::{
@@ -49,13 +49,13 @@ impl Listener {
     }
 }
 
-/// A tensor as the Python package describes it: (address, element count, dtype name).
-fn tensor(t: (u64, u64, String)) -> PyResult<Tensor> {
-    Ok(Tensor {
-        addr: t.0,
-        numel: t.1,
-        dtype: dtype_of(&t.2)?,
-    })
+/// A tensor as the core takes it (read and checked by `tensor::at`).
+fn core_tensor(m: tensor::Memory) -> Tensor {
+    Tensor {
+        addr: m.addr,
+        numel: m.numel,
+        dtype: m.dtype,
+    }
 }
 
 /// The engine's options from the Python package's (already checked there; checked again by the
@@ -126,6 +126,8 @@ pub struct Engine {
     inner: Mutex<Option<Arc<CoreEngine>>>,
     world: usize,
     rank: usize,
+    /// Where the engine's tensors live: the host, or its CUDA device.
+    place: Place,
 }
 
 impl Engine {
@@ -258,6 +260,7 @@ impl Engine {
             inner: Mutex::new(Some(Arc::new(engine))),
             world,
             rank,
+            place: device.map_or(Place::Host, Place::Cuda),
         })
     }
 
@@ -287,50 +290,51 @@ impl Engine {
     ///
     /// Args:
     ///     key, fingerprint: the bucket's identity from step to step, and what it holds.
-    ///     data: (address, numel, dtype) of the values, reduced in place (an all-reduce) or
-    ///         read (a reduce-scatter, with `out`).
-    ///     residual: (address, numel) of float32 residuals, or None.
-    ///     out: (address, numel) of this rank's shard of a reduce-scatter, or None.
+    ///     data: the values (a contiguous tensor on the engine's device), reduced in place (an
+    ///         all-reduce) or read (a reduce-scatter, with `out`).
+    ///     residual: float32 residuals of `data`'s size, or None.
+    ///     out: this rank's shard of a reduce-scatter (`data`'s dtype), or None.
     ///     scale: what the sum is multiplied by; None: 1 / world (an average).
     ///     last: the bucket ends a step.
     ///     fresh: the residual holds values not sent yet.
-    ///     stream: the caller's CUDA stream (0 on the CPU).
+    ///     stream: the `torch.cuda.Stream` that `data` (and the others) are written on; None
+    ///         on the CPU.
     ///
-    /// The caller keeps every tensor alive and untouched until `wait` returns.
+    /// Each tensor is checked here (contiguous, of a dtype cfc knows, on the engine's device)
+    /// and by the engine (sizes, alignment, overlap). The caller keeps every tensor alive and
+    /// untouched until `wait` returns.
     #[pyo3(signature = (key, fingerprint, data, residual, out, scale, last, fresh, stream))]
     #[allow(clippy::too_many_arguments)]
     fn submit(
         &self,
         key: u64,
         fingerprint: u64,
-        data: (u64, u64, String),
-        residual: Option<(u64, u64)>,
-        out: Option<(u64, u64)>,
+        data: &Bound<'_, PyAny>,
+        residual: Option<&Bound<'_, PyAny>>,
+        out: Option<&Bound<'_, PyAny>>,
         scale: Option<f32>,
         last: bool,
         fresh: bool,
-        stream: u64,
+        stream: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let engine = self.live()?;
-        let data = tensor(data)?;
+        let place = self.place;
+        let data = core_tensor(tensor::at(data, place, "data")?);
+        let residual = residual
+            .map(|r| tensor::at(r, place, "the residual").map(core_tensor))
+            .transpose()?;
+        let out = out
+            .map(|o| tensor::at(o, place, "out").map(core_tensor))
+            .transpose()?;
+        let stream = tensor::stream_at(stream, place)?;
         let job = Job {
             key,
             fingerprint,
             data,
-            residual: residual.map(|(addr, numel)| Tensor {
-                addr,
-                numel,
-                dtype: cfc::DType::F32,
-            }),
+            residual,
             op: match out {
                 None => Op::AllReduce,
-                Some((addr, numel)) => Op::ReduceScatter {
-                    out: Tensor {
-                        addr,
-                        numel,
-                        dtype: data.dtype,
-                    },
-                },
+                Some(out) => Op::ReduceScatter { out },
             },
             scale: scale.map_or(Scale::Average, Scale::Times),
             last,
@@ -343,9 +347,12 @@ impl Engine {
     }
 
     /// Waits until every bucket submitted is done and the step closed, then orders `stream`
-    /// after the results; raises the failure of any rank.
-    fn wait(&self, py: Python<'_>, stream: u64) -> PyResult<()> {
+    /// (a `torch.cuda.Stream`; None on the CPU) after the results; raises the failure of any
+    /// rank.
+    #[pyo3(signature = (stream=None))]
+    fn wait(&self, py: Python<'_>, stream: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
         let engine = self.live()?;
+        let stream = tensor::stream_at(stream, self.place)?;
         py.detach(|| engine.wait(stream)).map_err(to_py)
     }
 
@@ -353,8 +360,10 @@ impl Engine {
     /// `stream` after the results, without closing the step (see `cfc::engine::Engine::order`);
     /// raises the failure of any rank seen so far. The step's outcome comes with `end_step` or
     /// `wait`.
-    fn order(&self, py: Python<'_>, stream: u64) -> PyResult<()> {
+    #[pyo3(signature = (stream=None))]
+    fn order(&self, py: Python<'_>, stream: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
         let engine = self.live()?;
+        let stream = tensor::stream_at(stream, self.place)?;
         py.detach(|| engine.order(stream)).map_err(to_py)
     }
 

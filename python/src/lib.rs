@@ -5,11 +5,12 @@
 //! `torch_hook/cfc` builds the user-facing API on top. One file per role: the codec on host
 //! memory (`codec.rs`), the CUDA codec (`cuda.rs`), the engine (`engine.rs`).
 //!
-//! The CUDA codec (`cuda.rs`) takes torch tensors and streams, read and checked in one place
-//! (`tensor.rs`). The host codec and the engine still take memory as addresses, because the
-//! buffer protocol is not part of the stable ABI before Python 3.11 and the wheel is abi3 for
-//! 3.9+: the Python package computes them from a live, contiguous numpy array or torch tensor
-//! that it keeps referenced for as long as the work lasts. This module never imports torch.
+//! The CUDA codec (`cuda.rs`) and the engine (`engine.rs`) take torch tensors and streams,
+//! read and checked in one place (`tensor.rs`). The host codec still takes memory as addresses,
+//! because the buffer protocol is not part of the stable ABI before Python 3.11 and the wheel
+//! is abi3 for 3.9+: the Python package computes them from a live, contiguous numpy array or
+//! torch tensor that it keeps referenced for as long as the work lasts. This module never
+//! imports torch.
 
 use pyo3::prelude::*;
 

@@ -1,6 +1,6 @@
-//! Tensors and streams as the binding's CUDA codec takes them: torch's objects (or any object
-//! with their methods), read and checked here, once, so that it takes no memory address or
-//! stream handle as a number. Nothing here imports torch: a tensor is read through
+//! Tensors and streams as the binding's CUDA codec and engine take them: torch's objects (or
+//! any object with their methods), read and checked here, once, so that neither takes a memory
+//! address or stream handle as a number. Nothing here imports torch: a tensor is read through
 //! `data_ptr()`, `numel()`, `element_size()`, `is_contiguous()`, `dtype` and `device`, a stream
 //! through `cuda_stream` and `device`.
 
@@ -11,7 +11,7 @@ use crate::codec::dtype_of;
 
 /// Where memory lives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Place {
+pub(crate) enum Place {
     Host,
     Cuda(usize),
 }
@@ -40,7 +40,7 @@ fn place_of(device: &Bound<'_, PyAny>, what: &str) -> PyResult<Place> {
     }
 }
 
-/// A contiguous tensor's memory, as the CUDA codec takes it.
+/// A contiguous tensor's memory.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Memory {
     pub addr: u64,
@@ -53,10 +53,18 @@ pub(crate) struct Memory {
 /// errors.
 ///
 /// # Errors
-/// `TypeError` for an object that is not a tensor or of a dtype cfc does not know; `ValueError`
-/// for a tensor that is not contiguous, on another device, with a null `data_ptr`, or whose
-/// element size is not its dtype's.
+/// As [`at`].
 pub(crate) fn on_device(obj: &Bound<'_, PyAny>, device: usize, what: &str) -> PyResult<Memory> {
+    at(obj, Place::Cuda(device), what)
+}
+
+/// The contiguous tensor `obj`, which must be at `place`; `what` names it in errors.
+///
+/// # Errors
+/// `TypeError` for an object that is not a tensor or of a dtype cfc does not know; `ValueError`
+/// for a tensor that is not contiguous, elsewhere, with a null `data_ptr`, or whose element
+/// size is not its dtype's.
+pub(crate) fn at(obj: &Bound<'_, PyAny>, place: Place, what: &str) -> PyResult<Memory> {
     let not_a_tensor = |_| {
         PyTypeError::new_err(format!(
             "{what} must be a tensor, got {}",
@@ -72,7 +80,6 @@ pub(crate) fn on_device(obj: &Bound<'_, PyAny>, device: usize, what: &str) -> Py
     if !contiguous {
         return Err(PyValueError::new_err(format!("{what} must be contiguous")));
     }
-    let place = Place::Cuda(device);
     let at = place_of(&obj.getattr("device").map_err(not_a_tensor)?, what)?;
     if at != place {
         return Err(PyValueError::new_err(format!(
@@ -100,6 +107,30 @@ pub(crate) fn on_device(obj: &Bound<'_, PyAny>, device: usize, what: &str) -> Py
         bytes: numel * size as u64,
         dtype,
     })
+}
+
+/// The stream an engine at `place` orders its results on, as the core takes it: a CUDA engine
+/// takes a `torch.cuda.Stream` of its device, a host engine none (0 for the core).
+///
+/// # Errors
+/// `ValueError` for a stream given to a host engine, none given to a CUDA engine, or a stream
+/// of another device; `TypeError` for an object that is not a CUDA stream.
+pub(crate) fn stream_at(obj: Option<&Bound<'_, PyAny>>, place: Place) -> PyResult<u64> {
+    match (obj, place) {
+        (None, Place::Host) => Ok(0),
+        (Some(_), Place::Host) => Err(PyValueError::new_err(
+            "a CUDA stream for an engine on the cpu: give None",
+        )),
+        (None, Place::Cuda(i)) => Err(PyValueError::new_err(format!(
+            "this engine runs on cuda:{i}: give the stream its results are ordered on"
+        ))),
+        (Some(s), Place::Cuda(i)) => match cuda_stream(s)? {
+            (d, raw) if d == i => Ok(raw),
+            (d, _) => Err(PyValueError::new_err(format!(
+                "the stream is of cuda:{d}, this engine's device is cuda:{i}"
+            ))),
+        },
+    }
 }
 
 /// The CUDA stream `obj` (a `torch.cuda.Stream`): its device and its `CUstream`.

@@ -139,32 +139,47 @@ def test_the_engine_refuses_bad_options_and_jobs_clearly():
         native.Engine(native.Listener(True), [[]], 0, 1, b"short", 7, bound="rms", value=0.3,
                       error_feedback=True, algorithm=None, fallback="never", trial_steps=0, warmup_steps=0,
                       min_compress_numel=0, timeout=30.0)
+    torch = pytest.importorskip("torch")
     e = _engine()
     assert (e.rank, e.world) == (0, 1)
-    with pytest.raises(TypeError, match="unsupported dtype"):
-        e.submit(0, 0, (0, 4, "complex64"), None, None, None, True, False, 0)
-    # A refused job fails the engine on every rank (here, the one): later calls say so at once.
+    x = torch.zeros(8)
+    # What the binding refuses (no address crosses as a number): the engine is untouched.
+    for args, error, match in [
+        ((torch.zeros(4, dtype=torch.complex64), None, None), TypeError, "unsupported dtype"),
+        ((12345, None, None), TypeError, "data must be a tensor"),
+        ((torch.zeros(4, 4).t(), None, None), ValueError, "data must be contiguous"),
+        ((torch.zeros(4, device="meta"), None, None), ValueError, "meta device"),
+        ((x, (x.data_ptr(), 8), None), TypeError, "the residual must be a tensor"),
+        ((x, None, torch.zeros(8)[::2]), ValueError, "out must be contiguous"),
+    ]:
+        with pytest.raises(error, match=match):
+            e.submit(0, 0, *args, None, True, False, None)
+    with pytest.raises(ValueError, match="a CUDA stream for an engine on the cpu"):
+        e.submit(0, 0, x, None, None, None, True, False, object())
+    with pytest.raises(ValueError, match="a CUDA stream for an engine on the cpu"):
+        e.wait(object())
+    # A job the engine refuses fails it on every rank (here, the one): later calls say so at once.
     with pytest.raises(TypeError, match="float64"):
-        e.submit(0, 0, (0, 4, "float64"), None, None, None, True, False, 0)
+        e.submit(0, 0, torch.zeros(4, dtype=torch.float64), None, None, None, True, False, None)
     with pytest.raises(cfc.CfcError, match="rank 0"):
-        e.submit(0, 0, (0, 0, "float32"), None, None, None, True, False, 0)
+        e.submit(0, 0, x, None, None, None, True, False, None)
     e.close()
     e.close()
     with pytest.raises(cfc.CfcError, match="closed"):
-        e.wait(0)
+        e.wait()
 
 
 def test_a_one_rank_engine_averages_a_host_tensor_in_place():
-    import numpy as np
+    torch = pytest.importorskip("torch")
 
     e = _engine(bound="eps", value=1e-3)
-    x = np.linspace(-1, 1, 10_000, dtype=np.float32)
-    r = np.zeros_like(x)
-    want = x.copy()
-    e.submit(0, 1, (x.ctypes.data, x.size, "float32"), (r.ctypes.data, r.size), None, None, True, False, 0)
-    e.wait(0)
-    assert np.abs(x - want).max() <= 1e-3 * (1 + 1e-6)
-    assert np.abs(r).max() <= 1e-3 * (1 + 1e-6) and np.abs(r).max() > 0
+    x = torch.linspace(-1, 1, 10_000)
+    r = torch.zeros_like(x)
+    want = x.clone()
+    e.submit(0, 1, x, r, None, None, True, False, None)
+    e.wait()
+    assert (x - want).abs().max() <= 1e-3 * (1 + 1e-6)
+    assert r.abs().max() <= 1e-3 * (1 + 1e-6) and r.abs().max() > 0
     s = e.stats()
     assert s["compressed_buckets"] == 1 and s["bytes_sent"] == 0  # one rank sends nothing
     state = e.state()

@@ -156,26 +156,16 @@ def open_engine(group: Any, device: Any, options: Dict[str, Any], agree_token: i
     return engine
 
 
-def describe(t: Any) -> Tuple[int, int, str]:
-    """A contiguous tensor as the engine takes it: (address, element count, dtype name)."""
-    from cfc._checks import _dtype_name
-
-    return (t.data_ptr(), t.numel(), _dtype_name(t.dtype))
-
-
-def stream_of(t: Any) -> int:
-    """The calling thread's current CUDA stream on ``t``'s device (0 for a CPU tensor)."""
-    if t.device.type != "cuda":
-        return 0
-    import torch
-
-    return torch.cuda.current_stream(t.device).cuda_stream
+def stream_of(t: Any) -> Any:
+    """The calling thread's current CUDA stream on ``t``'s device (None for a CPU tensor), as
+    the engine takes it."""
+    return stream_of_device(t.device)
 
 
-def stream_of_device(device: Any) -> int:
-    """The calling thread's current CUDA stream on ``device`` (0 for the CPU or none)."""
+def stream_of_device(device: Any) -> Any:
+    """The calling thread's current CUDA stream on ``device`` (None for the CPU or none)."""
     if device is None or device.type != "cuda":
-        return 0
+        return None
     import torch
 
-    return torch.cuda.current_stream(device).cuda_stream
+    return torch.cuda.current_stream(device)

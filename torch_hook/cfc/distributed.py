@@ -113,9 +113,7 @@ class AllReducer:
             chunk = flat[a : a + step]
             r, fresh = state._residuals.get(i, None, chunk) if state._feeds(chunk) else (None, False)
             state._keep.append((chunk, r))
-            engine.submit(i, fingerprint(None, chunk), _engine.describe(chunk),
-                          None if r is None else (r.data_ptr(), r.numel()), None, None,
-                          i == len(starts) - 1, fresh, stream)
+            engine.submit(i, fingerprint(None, chunk), chunk, r, None, None, i == len(starts) - 1, fresh, stream)
         self._pending = Pending(tensor, self)
         return self._pending
 

@@ -158,7 +158,8 @@ impl Transport<CudaBackend> for NcclTransport {
         let longest = lens.iter().copied().max().unwrap_or(0);
         if longest > 1 << 26 {
             return Err(Error::Transport(format!(
-                "a peer sent {longest} bytes for a small message"
+                "a peer sent {longest} bytes for a small message: the ranks' collectives are \
+                 out of step (do they all submit the same jobs?)"
             )));
         }
         let mut padded = mine.to_vec();

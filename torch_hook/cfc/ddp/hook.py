@@ -61,11 +61,8 @@ def reduce_bucket(state: CfcState, bucket: Any) -> Any:
                 r, fresh = residuals.get(key, sub, flat) if state._feeds(flat) else (None, False)
                 residuals.layouts[key] = ordinals(sub)
                 state._keep.append((flat, r))
-                engine.submit(
-                    key, fingerprint(sub, flat), _engine.describe(flat),
-                    None if r is None else (r.data_ptr(), r.numel()), None, None,
-                    last and i == len(parts) - 1, fresh, stream,
-                )
+                engine.submit(key, fingerprint(sub, flat), flat, r, None, None, last and i == len(parts) - 1, fresh,
+                              stream)
             if scatter is not None:
                 state._scatters.append(scatter)
         if last:

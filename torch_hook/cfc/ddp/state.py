@@ -220,7 +220,7 @@ class CfcState:
         return (self.options.error_feedback and buf.numel() >= self.options.min_compress_numel
                 and self.step >= self.options.warmup_steps)
 
-    def _end_step(self, stream: int) -> None:
+    def _end_step(self, stream: Any) -> None:
         """At a step's last bucket: wait for the engine (every bucket done on every rank, or its
         failure raised), write back the parts, and count the step."""
         try:

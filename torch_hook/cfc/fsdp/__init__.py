@@ -286,11 +286,7 @@ def _submit(state: CfcState, key: int, data: Any, out: Any, scale: Any) -> None:
     held = (data, out, r)
     state._keep.append(held)
     stream = _engine.stream_of(data)
-    engine.submit(
-        key, fingerprint(None, data), _engine.describe(data),
-        None if r is None else (r.data_ptr(), r.numel()),
-        None if out is None else (out.data_ptr(), out.numel()), scale, False, fresh, stream,
-    )
+    engine.submit(key, fingerprint(None, data), data, r, out, scale, False, fresh, stream)
     engine.order(stream)
     # (the engine's work on them is queued, and the stream comes after it)
     state._keep = [k for k in state._keep if k is not held]
