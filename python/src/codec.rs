@@ -5,44 +5,9 @@ use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyBytes, PyDict};
 
 use crate::error::{to_py, CfcError};
+use crate::tensor::host_array;
 
-// Tensor memory crosses as (address, length) because the buffer protocol is not part of the
-// stable ABI before Python 3.11 and the wheel is abi3 for 3.9+. The Python package computes
-// both from a live, contiguous numpy array or torch tensor that it keeps referenced for the
-// duration of the call; this module never imports torch.
-
-/// Host memory handed over by address: `len` bytes at `addr`.
-fn host_slice<'a>(addr: usize, len: usize, what: &str) -> PyResult<&'a [u8]> {
-    if len == 0 {
-        return Ok(&[]);
-    }
-    if addr == 0 {
-        return Err(PyValueError::new_err(format!(
-            "{what}: null address with {len} bytes"
-        )));
-    }
-    // SAFETY: the caller (cfc.codec) passes the address and byte length of a contiguous host
-    // array it keeps alive and does not resize until this call returns; `addr` is non-null.
-    Ok(unsafe { std::slice::from_raw_parts(addr as *const u8, len) })
-}
-
-/// The error-feedback residual handed over by address (float32 host memory, updated in place):
-/// `None` for address 0.
-fn residual_slice<'a>(addr: usize, len: usize) -> PyResult<Option<&'a mut [u8]>> {
-    if addr == 0 {
-        return if len == 0 {
-            Ok(None)
-        } else {
-            Err(PyValueError::new_err("residual: null address"))
-        };
-    }
-    // SAFETY: the caller (cfc.codec / cfc.distributed) passes the non-null address of `len`
-    // writable bytes of a contiguous float32 host tensor it keeps alive for the call, distinct
-    // from the data.
-    Ok(Some(unsafe {
-        std::slice::from_raw_parts_mut(addr as *mut u8, len)
-    }))
-}
+// Host memory crosses as numpy arrays, read and checked in one place (`tensor::host_array`).
 
 pub(crate) fn dtype_of(name: &str) -> PyResult<cfc::DType> {
     cfc::DType::from_name(name).ok_or_else(|| {
@@ -113,8 +78,7 @@ pub(crate) fn block_log2_of(block: u64) -> PyResult<u8> {
 /// Compresses raw little-endian element bytes into a cfc frame.
 ///
 /// Args:
-///     data_ptr: address of the elements (contiguous host memory, kept alive by the caller).
-///     nbytes: their size in bytes.
+///     data: the elements' bytes (a C-contiguous numpy array).
 ///     dtype: "float32", "bfloat16" or "float16".
 ///     shape: the tensor's dimensions (their product is the element count).
 ///     eps, rel, bits, rms: exactly one of them sets the error bound (rms: each block's bound
@@ -123,19 +87,18 @@ pub(crate) fn block_log2_of(block: u64) -> PyResult<u8> {
 ///     zstd_level: if given, run the body through zstd at this level.
 ///     threads: threads to use, 0 for automatic.
 ///     coder: "planes" (bit planes) or "rice" (Rice codes, fewer bytes).
-///     residual_ptr, residual_nbytes: error feedback: contiguous, 4-byte aligned float32 host
-///         memory, one value per element, kept alive by the caller and updated in place
-///         (0, 0 for none).
+///     residual: error feedback: a writable C-contiguous numpy array of float32 residuals (or
+///         their bytes), one per element, 4-byte aligned, apart from `data`, updated in place;
+///         None for none.
 ///
 /// Returns:
 ///     bytes: the frame.
 #[pyfunction]
-#[pyo3(signature = (data_ptr, nbytes, dtype, shape, *, eps=None, rel=None, bits=None, rms=None, block=None, zstd_level=None, threads=0, coder="planes", residual_ptr=0, residual_nbytes=0))]
+#[pyo3(signature = (data, dtype, shape, *, eps=None, rel=None, bits=None, rms=None, block=None, zstd_level=None, threads=0, coder="planes", residual=None))]
 #[allow(clippy::too_many_arguments)]
 fn compress<'py>(
     py: Python<'py>,
-    data_ptr: usize,
-    nbytes: usize,
+    data: &Bound<'py, PyAny>,
     dtype: &str,
     shape: Vec<usize>,
     eps: Option<f64>,
@@ -146,8 +109,7 @@ fn compress<'py>(
     zstd_level: Option<i32>,
     threads: usize,
     coder: &str,
-    residual_ptr: usize,
-    residual_nbytes: usize,
+    residual: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Bound<'py, PyBytes>> {
     let dtype = dtype_of(dtype)?;
     let coder = cfc::Coder::from_name(coder).ok_or_else(|| {
@@ -161,8 +123,23 @@ fn compress<'py>(
         threads,
         coder,
     };
-    let input = host_slice(data_ptr, nbytes, "data")?;
-    let residual = residual_slice(residual_ptr, residual_nbytes)?;
+    let data = host_array(data, "data")?;
+    let residual = residual
+        .map(|r| host_array(r, "the residual"))
+        .transpose()?;
+    if residual.is_some_and(|r| r.overlaps(&data)) {
+        return Err(PyValueError::new_err(
+            "the residual overlaps the data: give it memory of its own",
+        ));
+    }
+    // SAFETY: both arrays are referenced by this call's arguments until it returns (a numpy
+    // array with references keeps its memory), and they do not overlap (checked above).
+    let input = unsafe { data.bytes() };
+    let residual = match residual {
+        None => None,
+        // SAFETY: as `input`; nothing else reads or writes the residual during the call.
+        Some(r) => Some(unsafe { r.bytes_mut("the residual") }?),
+    };
     let frame = py
         .detach(|| match residual {
             None => cfc::compress_bytes(input, dtype, &shape, &opts),
@@ -175,8 +152,7 @@ fn compress<'py>(
 /// Compresses raw little-endian element bytes into a lossless cfc frame (any dtype cfc knows).
 ///
 /// Args:
-///     data_ptr: address of the elements (contiguous host memory, kept alive by the caller).
-///     nbytes: their size in bytes.
+///     data: the elements' bytes (a C-contiguous numpy array).
 ///     dtype: "float32", "bfloat16", "float16", "float64", "uint8", "int8", "int16", "int32",
 ///         "int64" or "bool".
 ///     shape: the tensor's dimensions (their product is the element count).
@@ -186,11 +162,10 @@ fn compress<'py>(
 /// Returns:
 ///     bytes: the frame.
 #[pyfunction]
-#[pyo3(signature = (data_ptr, nbytes, dtype, shape, *, zstd_level=None, threads=0))]
+#[pyo3(signature = (data, dtype, shape, *, zstd_level=None, threads=0))]
 fn compress_lossless<'py>(
     py: Python<'py>,
-    data_ptr: usize,
-    nbytes: usize,
+    data: &Bound<'py, PyAny>,
     dtype: &str,
     shape: Vec<usize>,
     zstd_level: Option<i32>,
@@ -201,23 +176,27 @@ fn compress_lossless<'py>(
         zstd_level,
         threads,
     };
-    let input = host_slice(data_ptr, nbytes, "data")?;
+    let data = host_array(data, "data")?;
+    // SAFETY: `data` is referenced by this call's argument until it returns.
+    let input = unsafe { data.bytes() };
     let frame = py
         .detach(|| cfc::compress_lossless_bytes(input, dtype, &shape, &opts))
         .map_err(to_py)?;
     Ok(PyBytes::new(py, &frame))
 }
 
-/// Plain zstd of host bytes (no cfc frame), for comparisons such as `examples/compress_model.py`.
+/// Plain zstd of a host array's bytes (no cfc frame), for comparisons such as
+/// `examples/compress_model.py`.
 #[pyfunction]
-#[pyo3(signature = (data_ptr, nbytes, level=3))]
+#[pyo3(signature = (data, level=3))]
 fn zstd_compress<'py>(
     py: Python<'py>,
-    data_ptr: usize,
-    nbytes: usize,
+    data: &Bound<'py, PyAny>,
     level: i32,
 ) -> PyResult<Bound<'py, PyBytes>> {
-    let input = host_slice(data_ptr, nbytes, "data")?;
+    let data = host_array(data, "data")?;
+    // SAFETY: `data` is referenced by this call's argument until it returns.
+    let input = unsafe { data.bytes() };
     let out = py
         .detach(|| zstd::bulk::compress(input, level))
         .map_err(|e| CfcError::new_err(format!("zstd failed: {e}")))?;

@@ -5,12 +5,12 @@
 //! `torch_hook/cfc` builds the user-facing API on top. One file per role: the codec on host
 //! memory (`codec.rs`), the CUDA codec (`cuda.rs`), the engine (`engine.rs`).
 //!
-//! The CUDA codec (`cuda.rs`) and the engine (`engine.rs`) take torch tensors and streams,
-//! read and checked in one place (`tensor.rs`). The host codec still takes memory as addresses,
-//! because the buffer protocol is not part of the stable ABI before Python 3.11 and the wheel
-//! is abi3 for 3.9+: the Python package computes them from a live, contiguous numpy array or
-//! torch tensor that it keeps referenced for as long as the work lasts. This module never
-//! imports torch.
+//! No function takes a memory address as a number: the CUDA codec (`cuda.rs`) and the engine
+//! (`engine.rs`) take torch tensors and streams, the host codec (`codec.rs`) numpy arrays
+//! (through `__array_interface__`: the buffer protocol is not part of the stable ABI before
+//! Python 3.11, and the wheel is abi3 for 3.9+), all read and checked in one place
+//! (`tensor.rs`). The engine's caller keeps its tensors alive until the engine is done with
+//! them (`cfc._engine`). This module never imports torch.
 
 use pyo3::prelude::*;
 

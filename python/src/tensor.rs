@@ -146,3 +146,99 @@ pub(crate) fn cuda_stream(obj: &Bound<'_, PyAny>) -> PyResult<(usize, u64)> {
         Place::Host => Err(PyTypeError::new_err("stream must be a torch.cuda.Stream")),
     }
 }
+
+/// A contiguous host array, as the host codec takes it: read from its `__array_interface__`
+/// (numpy's protocol; the buffer protocol is not part of the stable ABI before Python 3.11, and
+/// the wheel is abi3 for 3.9+).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct HostArray {
+    addr: usize,
+    len: usize,
+    read_only: bool,
+}
+
+/// The contiguous host array `obj` (a numpy array, or anything with `__array_interface__`);
+/// `what` names it in errors.
+///
+/// # Errors
+/// `TypeError` for an object without the interface; `ValueError` for one that is not
+/// C-contiguous, whose size overflows, or with a null address and elements.
+pub(crate) fn host_array(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<HostArray> {
+    let iface = obj.getattr("__array_interface__").map_err(|_| {
+        PyTypeError::new_err(format!(
+            "{what} must be a numpy array, got {}",
+            obj.get_type()
+                .name()
+                .map_or_else(|_| "?".to_string(), |n| n.to_string())
+        ))
+    })?;
+    let (addr, read_only): (usize, bool) = iface.get_item("data")?.extract()?;
+    let shape: Vec<usize> = iface.get_item("shape")?.extract()?;
+    let typestr: String = iface.get_item("typestr")?.extract()?;
+    let strides = iface.call_method1("get", ("strides",))?;
+    if !strides.is_none() {
+        return Err(PyValueError::new_err(format!(
+            "{what} must be C-contiguous"
+        )));
+    }
+    let item: usize = typestr
+        .get(2..)
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| PyValueError::new_err(format!("{what}: an array of type {typestr:?}")))?;
+    let len = shape
+        .iter()
+        .try_fold(item, |a, &d| a.checked_mul(d))
+        .ok_or_else(|| PyValueError::new_err(format!("{what}: a size that overflows")))?;
+    if addr == 0 && len > 0 {
+        return Err(PyValueError::new_err(format!(
+            "{what}: a null address for {len} bytes"
+        )));
+    }
+    Ok(HostArray {
+        addr,
+        len,
+        read_only,
+    })
+}
+
+impl HostArray {
+    /// Whether its bytes and `other`'s overlap.
+    pub(crate) fn overlaps(&self, other: &HostArray) -> bool {
+        self.len > 0
+            && other.len > 0
+            && self.addr < other.addr + other.len
+            && other.addr < self.addr + self.len
+    }
+
+    /// Its bytes.
+    ///
+    /// # Safety
+    /// The array must stay alive and keep its memory while the slice is used (the binding's
+    /// functions hold a reference to it for the call, and a numpy array with references cannot
+    /// be resized).
+    pub(crate) unsafe fn bytes<'a>(&self) -> &'a [u8] {
+        if self.len == 0 {
+            return &[];
+        }
+        // SAFETY: non-null (checked at reading) and `len` bytes long; alive by the contract.
+        unsafe { std::slice::from_raw_parts(self.addr as *const u8, self.len) }
+    }
+
+    /// Its bytes, to write; `what` names it in errors.
+    ///
+    /// # Safety
+    /// As [`HostArray::bytes`], and no other slice of its memory may be in use meanwhile.
+    ///
+    /// # Errors
+    /// `ValueError` for a read-only array.
+    pub(crate) unsafe fn bytes_mut<'a>(&self, what: &str) -> PyResult<&'a mut [u8]> {
+        if self.read_only {
+            return Err(PyValueError::new_err(format!("{what} is read-only")));
+        }
+        if self.len == 0 {
+            return Ok(&mut []);
+        }
+        // SAFETY: as `bytes`, and exclusive by the contract.
+        Ok(unsafe { std::slice::from_raw_parts_mut(self.addr as *mut u8, self.len) })
+    }
+}

@@ -83,6 +83,31 @@ def test_the_cuda_codec_takes_tensors_and_checks_them_first():
             call()
 
 
+def test_the_host_codec_takes_arrays_and_checks_them_first():
+    import numpy as np
+
+    x = np.linspace(-1, 1, 1000, dtype=np.float32)
+    r = np.zeros_like(x)
+    frame = native.compress(x.view(np.uint8), "float32", [1000], eps=1e-3, residual=r.view(np.uint8))
+    back = np.frombuffer(native.decompress(frame), dtype=np.float32)
+    assert np.abs(back - x).max() <= 1e-3 * (1 + 1e-6) and 0 < np.abs(r).max() <= 1e-3 * (1 + 1e-6)
+    assert native.decompress(native.compress_lossless(x, "float32", [1000])) == x.tobytes()
+    assert len(native.zstd_compress(np.zeros(4096, dtype=np.uint8))) < 100
+    frozen = r.copy()
+    frozen.flags.writeable = False
+    for call, error, match in [
+        (lambda: native.compress(x.ctypes.data, "float32", [1000], eps=1e-3), TypeError, "data must be a numpy array"),
+        (lambda: native.compress(x[::2], "float32", [500], eps=1e-3), ValueError, "C-contiguous"),
+        (lambda: native.compress(x, "float32", [1000], eps=1e-3, residual=frozen), ValueError, "read-only"),
+        (lambda: native.compress(x, "float32", [1000], eps=1e-3, residual=x), ValueError, "overlaps the data"),
+        (lambda: native.compress_lossless(b"1234", "float32", [1]), TypeError, "numpy array"),
+        (lambda: native.zstd_compress(12345), TypeError, "numpy array"),
+    ]:
+        with pytest.raises(error, match=match):
+            call()
+    assert np.all(r == frozen)  # (refused before anything was written)
+
+
 def test_cuda_sum_checks_its_frame_count_before_touching_a_device():
     pytest.importorskip("torch")
     s, big = _OnCuda(), _OnCuda(1 << 30)

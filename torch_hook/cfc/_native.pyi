@@ -17,29 +17,29 @@ class CfcError(Exception): ...
 class FormatError(CfcError): ...
 
 def compress(
-    data_ptr: int,
-    nbytes: int,
+    data: Any,
     dtype: str,
     shape: Sequence[int],
     *,
     eps: Optional[float] = None,
     rel: Optional[float] = None,
     bits: Optional[int] = None,
+    rms: Optional[float] = None,
+    block: Optional[int] = None,
     zstd_level: Optional[int] = None,
     threads: int = 0,
-    residual_ptr: int = 0,
-    residual_nbytes: int = 0,
+    coder: str = "planes",
+    residual: Optional[Any] = None,
 ) -> bytes: ...
 def compress_lossless(
-    data_ptr: int,
-    nbytes: int,
+    data: Any,
     dtype: str,
     shape: Sequence[int],
     *,
     zstd_level: Optional[int] = None,
     threads: int = 0,
 ) -> bytes: ...
-def zstd_compress(data_ptr: int, nbytes: int, level: int = 3) -> bytes: ...
+def zstd_compress(data: Any, level: int = 3) -> bytes: ...
 def decompress(frame: bytes, *, threads: int = 0) -> bytearray: ...
 def frame_info(frame: bytes) -> Dict[str, Any]: ...
 def validate(frame: bytes) -> None: ...

@@ -273,9 +273,7 @@ def compress(
                 raise _unsupported(x.dtype, True)
             return _compress_lossless_cuda(x, name)
         data, name, shape = _tensor_bytes(x, lossless=True)
-        frame = _native.compress_lossless(
-            _addr(data), data.nbytes, name, list(shape), zstd_level=zstd_level, threads=threads
-        )
+        frame = _native.compress_lossless(data, name, list(shape), zstd_level=zstd_level, threads=threads)
         return Compressed(frame)
     if (
         torch is not None
@@ -314,8 +312,7 @@ def compress(
             _check_apart(*_span(caller_x), _addr(r), r.nbytes)  # a strided x: `data` is its copy
     # `data` and `r` stay referenced until the call returns, so their memory stays valid.
     frame = _native.compress(
-        _addr(data),
-        data.nbytes,
+        data,
         name,
         list(shape),
         eps=eps,
@@ -326,8 +323,7 @@ def compress(
         zstd_level=zstd_level,
         threads=threads,
         coder=coder,
-        residual_ptr=0 if r is None else _addr(r),
-        residual_nbytes=0 if r is None else r.nbytes,
+        residual=r,
     )
     if host_residual is not None:
         residual.detach().copy_(host_residual)  # (as the other paths: no autograd on a residual)
