@@ -624,6 +624,7 @@ def test_a_state_dict_that_is_not_one_is_refused_and_changes_nothing(tmp_path):
             ({}, "another version"),
             (dict(good, version=3), "another version"),
             (dict(good, step=-1), "step"),
+            (dict(good, serves="nonsense"), "serves 'nonsense'"),
             (dict(good, residuals={0: torch.tensor([math.nan])}), "NaN"),
             (dict(good, residuals={0: torch.zeros(4).to_sparse()}), "dense"),
             (dict(good, layouts={"a": [1]}), "bucket index"),
@@ -651,6 +652,21 @@ def test_a_state_dict_that_is_not_one_is_refused_and_changes_nothing(tmp_path):
         after = state.state_dict()
         assert all(torch.equal(after["residuals"][k], v) for k, v in before[1].items())
         state.load_state_dict(good)  # and the good one loads
+        # A state says which entry point it serves, and serves only that one: a checkpoint of
+        # cfc_hook's state is refused by AllReducer's, and a state that loaded it serves cfc_hook.
+        assert good["serves"] == "cfc_hook"
+        reducer = cfc.distributed.AllReducer(CfcState(eps=1e-3, warmup_steps=1, min_compress_numel=0))
+        with pytest.raises(ValueError, match="served cfc_hook; this CfcState serves AllReducer"):
+            reducer.state.load_state_dict(good)
+        fresh = CfcState(eps=1e-3, warmup_steps=1, min_compress_numel=0)
+        fresh.load_state_dict(good)
+        with pytest.raises(ValueError, match="serves cfc_hook: give AllReducer a CfcState of its own"):
+            cfc.distributed.AllReducer(fresh)
+        with pytest.raises(ValueError, match="serves cfc_hook: give AllReducer"):
+            cfc.distributed.AllReducer(state)
+        fresh.load_state_dict({k: v for k, v in good.items() if k != "serves"})  # (saved before it was recorded)
+        reducer.close()
+        fresh.close()
         # a state saved before block scales existed (no "block" among its options) loads too,
         # and one saved with other block scales does not
         older = dict(good, options={k: v for k, v in good["options"].items() if k != "block"})

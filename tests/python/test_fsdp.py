@@ -653,12 +653,23 @@ def plain_paths(rank, world, out):
 
 
 def refusals(rank, world, out):
-    """What register refuses, before anything runs."""
+    """What register refuses, before anything runs: a state that serves another entry point
+    among them (its residuals and steps are that one's)."""
     model, _, _ = make(register=False)
     with pytest.raises(TypeError, match="CfcState"):
         cfc.fsdp.register(model, object())
     with pytest.raises(TypeError, match="no FSDPModule"):
         cfc.fsdp.register(nn.Linear(2, 2))
+    reducer = cfc.distributed.AllReducer(CfcState())
+    with pytest.raises(ValueError, match="serves AllReducer: give cfc.fsdp a CfcState of its own"):
+        cfc.fsdp.register(model, reducer.state)
+    assert reducer.state.options.fsdp is None and reducer.state.process_group is None  # (nothing changed)
+    state = cfc.fsdp.register(model)
+    with pytest.raises(ValueError, match="serves cfc.fsdp: give AllReducer"):
+        cfc.distributed.AllReducer(state)
+    assert state.state_dict()["serves"] == "cfc.fsdp"
+    reducer.close()
+    state.close()
 
 
 SCENARIOS = {f.__name__: f for f in (bound, every_step_within_bound, small_gradients, block_scales, parity, accumulate, overflow, feedback,

@@ -70,6 +70,7 @@ class AllReducer:
         self.state = state if state is not None else CfcState(warmup_steps=0)
         if not isinstance(self.state, CfcState):
             raise TypeError(f"state must be a cfc.CfcState, got {type(self.state).__name__}")
+        self.state._serve("AllReducer")
         self.chunk_numel = int(chunk_numel)
         self._last: Any = None  # the last call's (numel, dtype)
         self._pending: Optional[Pending] = None

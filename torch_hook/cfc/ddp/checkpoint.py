@@ -17,6 +17,8 @@ STATE_VERSION = 4
 # What a refusal says: one checkpoint format serves cfc_hook, AllReducer and cfc.fsdp (the
 # engine's part says the same: python/src/engine_state.rs).
 NOT_A_STATE = "not a CfcState checkpoint"
+# What a state can serve (CfcState._serve), as its checkpoint says.
+ENTRY_POINTS = ("cfc_hook", "AllReducer", "cfc.fsdp", "cfc.fsdp replicas")
 
 
 def _sequence(value: Any, what: str) -> Sequence:
@@ -104,4 +106,7 @@ def parse_state(sd: Mapping, options: Options, rank: int, world: int) -> Dict[st
     engine = _engine_state(engine)
     if not math.isfinite(float(step)):  # pragma: no cover - an int
         raise ValueError(NOT_A_STATE)
-    return {"step": step, "residuals": residuals, "layouts": layouts, "engine": engine}
+    serves = sd.get("serves")  # (None: a state that served nothing, or saved before it was recorded)
+    if serves is not None and serves not in ENTRY_POINTS:
+        raise ValueError(f"{NOT_A_STATE}: it serves {serves!r}, not one of {list(ENTRY_POINTS)}")
+    return {"step": step, "residuals": residuals, "layouts": layouts, "engine": engine, "serves": serves}

@@ -47,6 +47,7 @@ def reduce_bucket(state: CfcState, bucket: Any) -> Any:
     try:
         if not isinstance(state, CfcState):
             raise TypeError(f"cfc_hook's state must be a cfc.CfcState, got {type(state).__name__}")
+        state._serve("cfc_hook")
         # Each of the bucket's methods lets go of Python's lock: each is called once.
         buf, last, index = bucket.buffer(), bucket.is_last(), bucket.index()
         if not _compressible(buf):
@@ -163,6 +164,7 @@ def register_comm_hook(ddp: Any, state: Optional[CfcState] = None) -> bool:
     ddp = getattr(ddp, "_orig_mod", ddp)  # torch.compile(ddp_model) wraps the DDP model
     if not isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
         raise TypeError(f"register_comm_hook takes a DistributedDataParallel model, got {type(ddp).__name__}")
+    state._serve("cfc_hook")
     served = state._model() if state._model is not None else None
     if served is not None and served is not ddp:
         raise ValueError(

@@ -149,6 +149,9 @@ class CfcState:
         self._scatters: List[Any] = []  # parts to write back into their buckets after the wait
         self._plain_kinds: set = set()
         self._fsdp: Any = None  # cfc.fsdp's part (cfc.fsdp.state.FsdpState), made by cfc.fsdp
+        # The entry point the state serves (one of checkpoint.ENTRY_POINTS), once known: its
+        # residuals, steps and choices are that entry point's, and its checkpoints say so.
+        self._serves: Optional[str] = None
         self._base: Dict[str, float] = {}  # what reset_stats() subtracts
         self._closed = False
         self._model: Any = None  # a weak reference to the DDP model register_comm_hook gave it to
@@ -181,6 +184,18 @@ class CfcState:
             trial_steps=o.trial_steps or 4, log_every=o.log_every, algorithm=o.algorithm,
             topology=o.topology, coder=o.coder, block=o.block, timeout=o.timeout,
         )
+
+    def _serve(self, entry: str) -> None:
+        """The state serves ``entry`` (``cfc_hook``, ``AllReducer``, ``cfc.fsdp`` or
+        ``cfc.fsdp replicas``), and only it: a state serving two would mix their residuals,
+        steps and choices under the same keys."""
+        self._check_serve(entry)
+        self._serves = entry
+
+    def _check_serve(self, entry: str) -> None:
+        """Raises ``ValueError`` where :meth:`_serve` would, changing nothing."""
+        if self._serves not in (None, entry):
+            raise ValueError(f"this CfcState serves {self._serves}: give {entry} a CfcState of its own")
 
     def _bind(self) -> None:
         """Binds the state to its process group (at the first bucket, or when a checkpoint is
@@ -392,6 +407,7 @@ class CfcState:
             "residuals": self._residuals.saved(),  # per parameter ordinal
             "layouts": layouts,
             "engine": engine,
+            "serves": self._serves,
             "stats": self.stats(),
         }
 
@@ -419,11 +435,17 @@ class CfcState:
             raise cfc.CfcError("this CfcState was closed (CfcState.close()); make a new one to go on")
         self._bind()
         loaded = parse_state(sd, self.options, self.rank, self.world)  # all checked first
+        serves = loaded["serves"]
+        if serves is not None and self._serves not in (None, serves):
+            raise ValueError(f"this checkpoint is of a state that served {serves}; this CfcState serves "
+                             f"{self._serves}")
         if self._engine is not None:  # a load mid-run: the engine's work is all done first
             self._engine.wait(_engine.stream_of_device(self._device))
         self.step = loaded["step"]
         self._token_step = self.step
         self._residuals.load(loaded["residuals"], loaded["layouts"])
+        if serves is not None:
+            self._serves = serves  # (a state that served nothing yet serves what the saved one did)
         if self._fsdp is not None:
             self._fsdp.load()
         check = loaded["engine"].get("step_check")

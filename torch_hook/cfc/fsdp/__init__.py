@@ -164,6 +164,9 @@ def register(model: Any, state: Optional[CfcState] = None, *, replicas: Optional
             raise TypeError(f"states must be cfc.CfcState, got {type(s).__name__}")
     if residual_bits not in (32, 4):
         raise ValueError(f"residual_bits must be 32 or 4, got {residual_bits!r}")
+    state._check_serve("cfc.fsdp")
+    if replicas is not None:
+        replicas._check_serve("cfc.fsdp replicas")
     if replicas is not None and (replicas is state or replicas.process_group is None):
         raise ValueError("replicas must be a CfcState of its own, made with the replicate group "
                          "(process_group=mesh['replicate'].get_group())")
@@ -186,7 +189,8 @@ def register(model: Any, state: Optional[CfcState] = None, *, replicas: Optional
     fsdp = FsdpOptions(residual_bits=residual_bits)
     for s in (state, replicas):
         if s is not None:
-            _make_part(s, dataclasses.replace(fsdp, step_check=s is state))
+            _make_part(s, dataclasses.replace(fsdp, step_check=s is state),
+                       "cfc.fsdp" if s is state else "cfc.fsdp replicas")
             s._residuals.keep_unseen = True  # one group per step: every residual lives on
             s._residuals.held_elsewhere = functools.partial(_saved_packed, s)
     for key, m in enumerate(modules):
@@ -225,13 +229,15 @@ def _part(state: CfcState) -> FsdpState:
     :class:`CfcReduceScatter` made without it (float32 residuals, the step check of its
     options)."""
     if state._fsdp is None:
-        _make_part(state, FsdpOptions(step_check=True))
+        _make_part(state, FsdpOptions(step_check=True), "cfc.fsdp")
     return state._fsdp
 
 
-def _make_part(state: CfcState, fsdp: FsdpOptions) -> None:
+def _make_part(state: CfcState, fsdp: FsdpOptions, entry: str) -> None:
     """Gives ``state`` its FSDP part, and its options cfc.fsdp's (agreed between the ranks
-    when the engine opens, and recorded in checkpoints)."""
+    when the engine opens, and recorded in checkpoints); it serves ``entry`` (the
+    reduce-scatters, or the replicas' averages)."""
+    state._serve(entry)
     if state._engine is not None and state.options.fsdp != fsdp:
         raise ValueError("this CfcState's engine is already open without these cfc.fsdp options: "
                          "give cfc.fsdp.register a state not used elsewhere")
