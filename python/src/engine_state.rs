@@ -65,6 +65,15 @@ fn sequence<'py>(v: Option<Bound<'py, PyAny>>, what: &str) -> PyResult<Vec<Bound
     }
 }
 
+/// A choice that may not be made yet: a bool, or None.
+fn flag(v: Option<Bound<'_, PyAny>>, what: &str) -> PyResult<Option<bool>> {
+    match v {
+        None => Ok(None),
+        Some(v) if v.is_instance_of::<PyBool>() => Ok(Some(v.extract::<bool>()?)),
+        Some(v) => Err(bad(format!("{what} is {}", repr(&v)))),
+    }
+}
+
 fn numbers(v: Option<Bound<'_, PyAny>>, what: &str) -> PyResult<Vec<f64>> {
     sequence(v, what)?.iter().map(|x| number(x, what)).collect()
 }
@@ -82,11 +91,7 @@ fn bucket(b: &Bound<'_, PyAny>) -> PyResult<BucketState> {
             }
         },
     };
-    let decision = match field(&b, "decision")? {
-        None => None,
-        Some(d) if d.is_instance_of::<PyBool>() => Some(d.extract::<bool>()?),
-        Some(d) => return Err(bad(format!("a bucket's decision is {}", repr(&d)))),
-    };
+    let decision = flag(field(&b, "decision")?, "a bucket's decision")?;
     // (block scales': none in a state saved before them)
     let exponents = match field(&b, "exponents")? {
         None => None,
@@ -146,11 +151,7 @@ fn step_check(s: &Bound<'_, PyAny>) -> PyResult<StepCheckState> {
             "a step time of the step check is not a finite number >= 0".into(),
         ));
     }
-    let verdict = match field(&s, "verdict")? {
-        None => None,
-        Some(v) if v.is_instance_of::<PyBool>() => Some(v.extract::<bool>()?),
-        Some(v) => return Err(bad(format!("the step check's verdict is {}", repr(&v)))),
-    };
+    let verdict = flag(field(&s, "verdict")?, "the step check's verdict")?;
     Ok(StepCheckState {
         origin,
         times,

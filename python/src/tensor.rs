@@ -40,6 +40,13 @@ fn place_of(device: &Bound<'_, PyAny>, what: &str) -> PyResult<Place> {
     }
 }
 
+/// The name of `obj`'s type, for errors.
+fn type_name(obj: &Bound<'_, PyAny>) -> String {
+    obj.get_type()
+        .name()
+        .map_or_else(|_| "?".to_string(), |n| n.to_string())
+}
+
 /// A contiguous tensor's memory.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Memory {
@@ -65,14 +72,8 @@ pub(crate) fn on_device(obj: &Bound<'_, PyAny>, device: usize, what: &str) -> Py
 /// for a tensor that is not contiguous, elsewhere, with a null `data_ptr`, or whose element
 /// size is not its dtype's.
 pub(crate) fn at(obj: &Bound<'_, PyAny>, place: Place, what: &str) -> PyResult<Memory> {
-    let not_a_tensor = |_| {
-        PyTypeError::new_err(format!(
-            "{what} must be a tensor, got {}",
-            obj.get_type()
-                .name()
-                .map_or_else(|_| "?".to_string(), |n| n.to_string())
-        ))
-    };
+    let not_a_tensor =
+        |_| PyTypeError::new_err(format!("{what} must be a tensor, got {}", type_name(obj)));
     let contiguous: bool = obj
         .call_method0("is_contiguous")
         .map_err(not_a_tensor)?
@@ -167,9 +168,7 @@ pub(crate) fn host_array(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<HostArr
     let iface = obj.getattr("__array_interface__").map_err(|_| {
         PyTypeError::new_err(format!(
             "{what} must be a numpy array, got {}",
-            obj.get_type()
-                .name()
-                .map_or_else(|_| "?".to_string(), |n| n.to_string())
+            type_name(obj)
         ))
     })?;
     let (addr, read_only): (usize, bool) = iface.get_item("data")?.extract()?;

@@ -17,6 +17,8 @@
 //! time on each rank, the slowest rank's of each way compared, every rank taking the same
 //! verdict from the same gathered times. A new trial (a bucket changed) starts a new check.
 
+use crate::error::{Error, Result};
+
 /// The check's state, as a checkpoint keeps it.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct StepCheckState {
@@ -133,6 +135,31 @@ impl StepCheck {
     }
 }
 
+/// A rank's best times as the gather of [`StepCheck::decide`]'s inputs carries them.
+pub(crate) fn encode(mine: [f64; 2]) -> Vec<u8> {
+    mine.iter().flat_map(|t| t.to_le_bytes()).collect()
+}
+
+/// Every rank's best times from the gathered bytes (what [`encode`] wrote on each).
+///
+/// # Errors
+/// [`Error::RankMismatch`] for a rank that sent anything else.
+pub(crate) fn decode(all: &[Vec<u8>]) -> Result<Vec<[f64; 2]>> {
+    all.iter()
+        .enumerate()
+        .map(|(j, b)| match <[u8; 16]>::try_from(&b[..]) {
+            Ok(b) => {
+                let f = |i: usize| f64::from_le_bytes(b[i..i + 8].try_into().unwrap_or([0; 8]));
+                Ok([f(0), f(8)])
+            }
+            Err(_) => Err(Error::RankMismatch {
+                what: "this rank sent its step check's two times".into(),
+                theirs: format!("rank {j} sent {} bytes", b.len()),
+            }),
+        })
+        .collect()
+}
+
 /// The least of `t` (NaN when empty).
 fn best(t: &[f64]) -> f64 {
     t.iter().copied().fold(f64::NAN, f64::min)
@@ -221,6 +248,18 @@ mod tests {
         assert_eq!(syncs, 0);
         assert_eq!(check.state.verdict, Some(false));
         assert!(ways.iter().skip(1).all(|&p| p));
+    }
+
+    #[test]
+    fn times_cross_as_sixteen_bytes_and_anything_else_is_a_mismatch() {
+        let all = vec![encode([1.5, f64::NAN]), encode([0.25, 2.0])];
+        let got = decode(&all).unwrap();
+        assert_eq!(got[1], [0.25, 2.0]);
+        assert!(got[0][0] == 1.5 && got[0][1].is_nan());
+        let e = decode(&[encode([1.0, 2.0]), vec![0; 8]])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("rank 1 sent 8 bytes"), "{e}");
     }
 
     #[test]

@@ -526,20 +526,10 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
         let Some(mine) = self.policy.check.timed(steps, ahead, now) else {
             return Ok(());
         };
-        let bytes: Vec<u8> = mine.iter().flat_map(|t| t.to_le_bytes()).collect();
-        let all = self.tr.gather(&mut self.be, &bytes)?;
-        let mut times = Vec::with_capacity(all.len());
-        for (j, b) in all.iter().enumerate() {
-            let t: Option<[f64; 2]> = (b.len() == 16).then(|| {
-                let f = |i: usize| f64::from_le_bytes(b[i..i + 8].try_into().unwrap_or([0; 8]));
-                [f(0), f(8)]
-            });
-            times.push(t.ok_or_else(|| Error::RankMismatch {
-                what: "this rank sent its step check's two times".into(),
-                theirs: format!("rank {j} sent {} bytes", b.len()),
-            })?);
-        }
-        self.policy.check.decide(&times);
+        let all = self
+            .tr
+            .gather(&mut self.be, &super::step_check::encode(mine))?;
+        self.policy.check.decide(&super::step_check::decode(&all)?);
         Ok(())
     }
 

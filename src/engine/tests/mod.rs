@@ -92,6 +92,17 @@ fn job(key: u64, data: &mut [f32], r: Option<&mut [f32]>, last: bool) -> Job {
     }
 }
 
+/// A reduce-scatter job (cfc.fsdp's call) of `x` into `shard`, with the residual `r`.
+fn scatter_job(key: usize, x: &mut [f32], r: &mut [f32], shard: &mut [f32]) -> Job {
+    Job {
+        residual: Some(tensor(r, DType::F32)),
+        op: Op::ReduceScatter {
+            out: tensor(shard, DType::F32),
+        },
+        ..job(key as u64, x, None, false)
+    }
+}
+
 fn options(bound: BoundRule) -> Options {
     let mut o = Options::new(bound);
     o.min_compress_numel = 1;

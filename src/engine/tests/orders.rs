@@ -28,13 +28,7 @@ fn scatter_steps(world: usize, o: &Options, per: Per) -> Vec<Seen> {
             for (key, r) in residuals.iter_mut().enumerate() {
                 let mut x = grads(rank, 3 * step + key, n);
                 let mut shard = vec![0.0f32; n / world];
-                let j = Job {
-                    residual: Some(tensor(r, DType::F32)),
-                    op: Op::ReduceScatter {
-                        out: tensor(&mut shard, DType::F32),
-                    },
-                    ..job(key as u64, &mut x, None, false)
-                };
+                let j = scatter_job(key, &mut x, r, &mut shard);
                 // SAFETY: `x`, `shard` and the residual live until the wait or order below
                 // returns, which on the CPU backend is when the engine is done with them.
                 unsafe { e.submit(j, 0) }.unwrap();

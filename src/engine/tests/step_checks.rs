@@ -78,13 +78,7 @@ fn steps(
                 for (key, r) in residuals.iter_mut().enumerate() {
                     let mut x = grads(rank, step, N);
                     let mut shard = vec![0.0f32; N / world];
-                    let j = Job {
-                        residual: Some(tensor(r, DType::F32)),
-                        op: Op::ReduceScatter {
-                            out: tensor(&mut shard, DType::F32),
-                        },
-                        ..job(key as u64, &mut x, None, false)
-                    };
+                    let j = scatter_job(key, &mut x, r, &mut shard);
                     // SAFETY: `x`, `shard` and the residual live until the order returns, when
                     // the CPU backend is done with them.
                     unsafe { e.submit(j, 0) }.unwrap();

@@ -164,12 +164,12 @@ def register(model: Any, state: Optional[CfcState] = None, *, replicas: Optional
             raise TypeError(f"states must be cfc.CfcState, got {type(s).__name__}")
     if residual_bits not in (32, 4):
         raise ValueError(f"residual_bits must be 32 or 4, got {residual_bits!r}")
-    state._check_serve("cfc.fsdp")
-    if replicas is not None:
-        replicas._check_serve("cfc.fsdp replicas")
     if replicas is not None and (replicas is state or replicas.process_group is None):
         raise ValueError("replicas must be a CfcState of its own, made with the replicate group "
                          "(process_group=mesh['replicate'].get_group())")
+    state._check_serve("cfc.fsdp")
+    if replicas is not None:
+        replicas._check_serve("cfc.fsdp replicas")
     if _ReduceScatter is object or not hasattr(FSDPModule, "set_custom_reduce_scatter"):
         raise RuntimeError("cfc.fsdp needs FSDPModule.set_custom_reduce_scatter (torch 2.9 or later)")
     modules: List[Any] = [m for m in model.modules() if isinstance(m, FSDPModule)]
