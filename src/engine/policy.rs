@@ -111,11 +111,9 @@ impl EngineState {
     /// Whether every bucket goes plain in the next step: the step check's plain steps, and
     /// every step after its verdict against the trial's ways.
     pub fn all_plain(&self, o: &Options) -> bool {
-        let mut check = StepCheck::default();
         match &self.step_check {
             Some(s) if o.checks_steps() && s.origin == Some(self.origin) => {
-                check.load(s.clone());
-                check.all_plain(o.trial_steps(), ahead(self.step, self.origin, o))
+                s.all_plain(o.trial_steps(), ahead(self.step, self.origin, o))
             }
             _ => false,
         }

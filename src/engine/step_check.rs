@@ -32,6 +32,18 @@ pub struct StepCheckState {
     pub verdict: Option<bool>,
 }
 
+impl StepCheckState {
+    /// Whether every bucket goes plain in the step `ahead` (as in
+    /// [`StepCheck::at_step_end`], read after it) of a check of `steps` steps: the check's
+    /// plain steps, and every step after a verdict against the trial's ways.
+    pub fn all_plain(&self, steps: u64, ahead: i64) -> bool {
+        match self.verdict {
+            Some(keep) => !keep,
+            None => (0..steps as i64).contains(&ahead) && ahead % 2 == 0,
+        }
+    }
+}
+
 /// What the worker does at a step's end, as [`StepCheck::at_step_end`] says.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Timing {
@@ -117,16 +129,6 @@ impl StepCheck {
         keep
     }
 
-    /// Whether every bucket goes plain in the step `ahead` (as in
-    /// [`StepCheck::at_step_end`], read after it): the check's plain steps, and every step
-    /// after a verdict against the trial's ways.
-    pub fn all_plain(&self, steps: u64, ahead: i64) -> bool {
-        match self.state.verdict {
-            Some(keep) => !keep,
-            None => (0..steps as i64).contains(&ahead) && ahead % 2 == 0,
-        }
-    }
-
     /// Replaces the state with a checkpoint's: the interval under way when it was saved is
     /// lost (the next check step is not timed).
     pub fn load(&mut self, state: StepCheckState) {
@@ -193,7 +195,7 @@ mod tests {
         let (mut now, mut syncs, mut gathered, mut ways) = (0.0, 0, None, Vec::new());
         for ahead in first..first + count {
             // the step `ahead - 1` runs, then ends
-            let plain = check.all_plain(steps, ahead - 1);
+            let plain = check.state.all_plain(steps, ahead - 1);
             if ahead > 0 {
                 ways.push(plain);
             }
@@ -238,7 +240,7 @@ mod tests {
         assert!(!check.decide(&[[1.0, 1.0]]));
         // a rank without a time of one way: the trial's ways stay
         assert!(check.decide(&[[1.0, 2.0], [f64::NAN, 2.0]]));
-        assert!(!check.all_plain(4, 9), "the trial's ways stay");
+        assert!(!check.state.all_plain(4, 9), "the trial's ways stay");
     }
 
     #[test]
