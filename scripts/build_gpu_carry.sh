@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Here (with Rust): build what scripts/gpu_run.sh runs on the GPU machine (which has no Rust) into
 # .carry/: the cfc wheel, cfc-bench with the cuda feature, the test binaries of the engine on the
-# GPU (tests/engine_cuda.rs, tests/engine_cuda_orders.rs) and of the crate's own unit tests (the engine's state machine on the
+# GPU and of the CUDA codec against the CPU's (tests/engine_cuda.rs, tests/engine_cuda_orders.rs,
+# tests/codec_cuda.rs) and of the crate's own unit tests (the engine's state machine on the
 # CPU, the kernels' NVRTC check), and the gradient vectors of ../shared/data/grads where that
 # folder exists.
 set -euo pipefail
@@ -19,8 +20,10 @@ test_binary() {  # the executable of cargo test target $1 (a --test name, or --l
 }
 cp "$(test_binary '--test engine_cuda')" .carry/engine-cuda-tests
 cp "$(test_binary '--test engine_cuda_orders')" .carry/engine-cuda-orders-tests
+cp "$(test_binary '--test codec_cuda')" .carry/codec-cuda-tests
 cp "$(test_binary --lib)" .carry/lib-tests
 if [ -d ../shared/data/grads ]; then
     mkdir -p .carry/grads && cp ../shared/data/grads/* .carry/grads/
 fi
-ls -la .carry/cfc-*.whl .carry/cfc-bench .carry/engine-cuda-tests .carry/engine-cuda-orders-tests .carry/lib-tests
+ls -la .carry/cfc-*.whl .carry/cfc-bench .carry/engine-cuda-tests .carry/engine-cuda-orders-tests .carry/codec-cuda-tests \
+    .carry/lib-tests

@@ -52,6 +52,7 @@ for part in $PARTS; do case $part in
   rust)
     CFC_REQUIRE_GPU=1 timeout ${RUST_TIMEOUT:-300} .carry/engine-cuda-tests --include-ignored --test-threads=1 2>&1 | tail -15 | tee "$OUT/rust_engine_cuda.log"
     CFC_REQUIRE_GPU=1 timeout 200 .carry/engine-cuda-orders-tests --include-ignored --test-threads=1 2>&1 | tail -15 | tee "$OUT/rust_engine_cuda_orders.log"
+    CFC_REQUIRE_GPU=1 timeout 200 .carry/codec-cuda-tests --include-ignored --test-threads=1 2>&1 | tail -15 | tee "$OUT/rust_codec_cuda.log"
     CFC_REQUIRE_GPU=1 timeout 200 .carry/lib-tests --test-threads=2 2>&1 | tail -4 | tee "$OUT/rust_lib.log"
     grep -h "test result" "$OUT"/rust_*.log >> "$SUMMARY" ;;
   pytest)

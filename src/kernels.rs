@@ -248,13 +248,15 @@ pub(crate) const SIGNATURES: &[(Family, &str, bool, &[Ty])] = &[
         Family::Codec,
         "rice_size",
         true,
-        &[Ptr, U64, U32, F64, Ptr, Ptr],
+        &[Ptr, U64, U32, F64, Ptr, Ptr, Ptr, U32],
     ),
     (
         Family::Codec,
         "rice_write",
         true,
-        &[Ptr, U64, U32, U32, U32, Dims, Ptr, Ptr, Ptr, Ptr, Ptr],
+        &[
+            Ptr, U64, U32, U32, U32, Dims, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U32,
+        ],
     ),
     (Family::Codec, "rice_offsets", false, &[Ptr, U64, U64, Ptr]),
     (
@@ -273,7 +275,7 @@ pub(crate) const SIGNATURES: &[(Family, &str, bool, &[Ty])] = &[
         Family::Codec,
         "rice_check_heads",
         false,
-        &[Ptr, U64, U64, U32, U32, U32, Ptr, Ptr, U32, U32],
+        &[Ptr, U64, U64, U32, U32, U32, Ptr, Ptr, U32, U32, U32],
     ),
     (
         Family::Codec,

@@ -7,6 +7,12 @@
 // exceptions in place, or the raw bytes). Decompress: rice_offsets -> scan -> rice_decode ->
 // rice_scatter (exceptions). Every size stays on the device.
 //
+// Block scales (docs/FORMAT.md "Block scales"; `shifts` not null on the encoder's side, the
+// frame's header byte 12 on the decoder's): each group is coded with its block's step and bound,
+// the header's halved its block's shift times (as encode_groups does), and the body starts with
+// the shifts, a byte per block, so the heads and words after them are at any alignment: they
+// are read and written through rice_load/rice_store, whole words where the address allows.
+//
 // Workspace (after WS_HEADER's 80 bytes: CfcParams, frame size at 64, raw flag at 72):
 //   heads u64 x B, words u64 x (B + 1), excs u64 x (B + 1), then the scans' scratch.
 // The scans are exclusive, so words[B] and excs[B] end up as the totals.
@@ -22,6 +28,40 @@ template <class D>
 __device__ __noinline__ u32 rice_code_f64(float f, CfcParams P, bool* exc) {
     double e;
     return encode_value<D, false>(f, P, exc, &e);
+}
+
+// A little-endian word of `bytes` (4 or 8) at `p`, of any alignment.
+__device__ __forceinline__ u64 rice_load(const u8* p, int bytes) {
+    if (((u64)p & (bytes - 1)) == 0) return bytes == 8 ? *(const u64*)p : *(const u32*)p;
+    return cfc_load_le(p, bytes);
+}
+__device__ __forceinline__ void rice_store(u8* p, u64 v, int bytes) {
+    if (((u64)p & (bytes - 1)) != 0)
+        cfc_store_le(p, v, bytes);
+    else if (bytes == 8)
+        *(u64*)p = v;
+    else
+        *(u32*)p = (u32)v;
+}
+
+// Bytes of block scales at the start of a rice body: the frame's (header byte 12), none for a
+// raw frame. (Decoders read frames checked on the host or on the device, where byte 12 is 5 to
+// 24 or 0.)
+__device__ __forceinline__ u64 rice_scales_len(const u8* frame, u64 n) {
+    return frame[5] == 3 ? cfc_scales_len(n, frame[12]) : 0;
+}
+
+// The parameters of the group whose first element is `first`: `P`, or with block scales its
+// block's (step and bound halved its shift times, the inverse step computed from the step:
+// the CPU's Quantizer::halved).
+__device__ __forceinline__ CfcParams rice_params_at(CfcParams P, const u8* shifts, u32 block_log2, u64 first) {
+    if (shifts) {
+        const double h = cfc_halvings(shifts[first >> block_log2]);
+        P.step *= h;
+        P.inv_step = 1.0 / P.step;
+        P.eps *= h;
+    }
+    return P;
 }
 
 struct RiceWs {
@@ -64,19 +104,22 @@ __device__ __forceinline__ u32 rice_code(float f, const CfcParams& P, bool route
 // group per step with lane j on element j, and the groups where lane j holds an exception (bit
 // g). The codes live in shared memory rather than registers so that the loops over groups stay
 // loops: 32 unrolled copies of each made the kernels too large for the instruction cache.
+// With block scales (`shifts`), each group takes its block's parameters.
 template <class D>
 __device__ __forceinline__ u32 rice_codes(const typename D::T* __restrict__ x, const float* r, u64 n, u64 b,
-                                          const CfcParams& P, bool route, float inv32, u32* z) {
+                                          const CfcParams& P0, const u8* shifts, u32 block_log2, u32* z) {
     const u32 lane = threadIdx.x & 31;
     u32 excm = 0;
 #pragma unroll 4
     for (u32 g = 0; g < 32; ++g) {
         const u64 i = b * RICE_BLOCK + g * 32 + lane;
+        const CfcParams P = rice_params_at(P0, shifts, block_log2, b * RICE_BLOCK + g * 32);
         u32 c = 0;
         bool exc = false;
         if (i < n) {
             float comp;
-            c = rice_code<D>(D::to_f32(rice_sent<D>(x, r, i, &comp)), P, route, inv32, &exc);
+            c = rice_code<D>(D::to_f32(rice_sent<D>(x, r, i, &comp)), P, D::SIZE == 4 && f32_route_on(P),
+                             __double2float_rn(P.inv_step), &exc);
         }
         z[g * 32 + lane] = c;
         excm |= (u32)exc << g;
@@ -125,7 +168,7 @@ __device__ __forceinline__ u32 rice_zeros(const u32* z, u32 mask, u32 k) {
 // workspace (the words and exceptions then scanned by the host's scan launches).
 template <class D>
 __device__ void rice_size(const typename D::T* __restrict__ x, u64 n, u32 mode, double value, u8* ws,
-                          const float* residual) {
+                          const float* residual, const u8* shifts, u32 block_log2) {
     CfcParams* pp = (CfcParams*)ws;
     const u64 blocks = (n + RICE_BLOCK - 1) / RICE_BLOCK;
     const u64 b = ((u64)blockIdx.x * blockDim.x + threadIdx.x) / 32;
@@ -142,8 +185,7 @@ __device__ void rice_size(const typename D::T* __restrict__ x, u64 n, u32 mode, 
     if (b >= blocks) return;  // the whole warp
     __shared__ u32 s_codes[RICE_WARPS][RICE_BLOCK];
     u32* z = s_codes[threadIdx.x / 32];
-    const u32 excm = rice_codes<D>(x, residual, n, b, P, D::SIZE == 4 && f32_route_on(P),
-                                   __double2float_rn(P.inv_step), z);
+    const u32 excm = rice_codes<D>(x, residual, n, b, P, shifts, block_log2, z);
     u32 mask, k;
     rice_choose(z, &mask, &k);
     const u32 unary_words = mask ? (32 * __popc(mask) + rice_zeros(z, mask, k) + 31) / 32 : 0;
@@ -157,8 +199,9 @@ __device__ void rice_size(const typename D::T* __restrict__ x, u64 n, u32 mode, 
 
 #define RICE_SIZE(name, D)                                                                         \
     extern "C" __global__ void cfc_codec_rice_size_##name(const D::T* x, u64 n, u32 mode, double value, \
-                                                          u8* ws, const float* residual) {         \
-        rice_size<D>(x, n, mode, value, ws, residual);                                             \
+                                                          u8* ws, const float* residual,           \
+                                                          const u8* shifts, u32 block_log2) {      \
+        rice_size<D>(x, n, mode, value, ws, residual, shifts, block_log2);                         \
     }
 DEFINE_FOR_DTYPES(RICE_SIZE)
 
@@ -174,10 +217,11 @@ __device__ __forceinline__ void rice_max_to(u64* max_to, double m) {
 // unary stream and exceptions in their places. The codes are computed again (cheaper than
 // staging them). With error feedback (residual not null) each residual becomes what the frame
 // will not give back, c - decoded, and the largest finite one raises *max_to (unless null).
+// With block scales (`shifts`), a rice body starts with them (copied here).
 template <class D>
 __device__ void rice_write(const typename D::T* __restrict__ x, u64 n, u32 dtype, u32 mode, u32 ndim,
                            const Dims& dims, u8* __restrict__ out, u8* ws, u64* size_to, float* residual,
-                           u64* max_to) {
+                           u64* max_to, const u8* shifts, u32 block_log2) {
     __shared__ u32 s_codes[RICE_WARPS][RICE_BLOCK];
     const CfcParams* pp = (const CfcParams*)ws;
     const u64 blocks = (n + RICE_BLOCK - 1) / RICE_BLOCK;
@@ -193,18 +237,24 @@ __device__ void rice_write(const typename D::T* __restrict__ x, u64 n, u32 dtype
     const u64 size = D::SIZE, idx_size = n <= (1ull << 32) ? 4 : 8;
     const u64 nwords = w.words[blocks], n_exc = w.excs[blocks];
     const u64 header_len = 64 + 8 * (u64)ndim;
-    const u64 quant_len = 8 * blocks + 4 * nwords + n_exc * (idx_size + size);
+    const u64 scales_len = shifts ? cfc_scales_len(n, block_log2) : 0;
+    const u64 quant_len = scales_len + 8 * blocks + 4 * nwords + n_exc * (idx_size + size);
     const bool raw = quant_len >= n * size;
     u8* body = out + header_len;
+    u8* heads = body + scales_len;  // (a quantized body's: after its scales)
     if (b == 0 && lane == 0) {
         const u64 blen = raw ? n * size : quant_len;
         cfc_write_header(out, raw ? 1 : 3, dtype, mode, 0, n, (u64)__double_as_longlong(P.step),
-                         (u64)__double_as_longlong(P.eps), raw ? 0 : n_exc, blen, ndim, dims, 0);
+                         (u64)__double_as_longlong(P.eps), raw ? 0 : n_exc, blen, ndim, dims,
+                         raw || !shifts ? 0 : block_log2);
         if (P.error) out[0] = 0;  // an unusable bound (rel): no reader takes the frame
         *(u64*)(ws + 64) = header_len + blen;
         *(u32*)(ws + 72) = raw ? 1u : 0u;
         if (size_to) *size_to = header_len + blen;
     }
+    if (!raw)  // the scales, ahead of the heads
+        for (u64 s = (u64)blockIdx.x * blockDim.x + threadIdx.x; s < scales_len; s += (u64)gridDim.x * blockDim.x)
+            body[s] = shifts[s];
     if (b >= blocks) return;  // the whole warp
     double max_err = 0.0;
     if (raw) {
@@ -228,14 +278,15 @@ __device__ void rice_write(const typename D::T* __restrict__ x, u64 n, u32 dtype
     // frame decodes to (an exception: the value sent). Each residual is read before it is written.
     u32* z = s_codes[warp];
     {
-        const bool route = D::SIZE == 4 && f32_route_on(P);
-        const float inv32 = __double2float_rn(P.inv_step);
-        u8* idx = body + 8 * blocks + 4 * nwords;
+        u8* idx = heads + 8 * blocks + 4 * nwords;
         u8* val = idx + n_exc * idx_size;
         u64 r_exc = w.excs[b];
 #pragma unroll 2
         for (u32 g = 0; g < 32; ++g) {
             const u64 i = b * RICE_BLOCK + g * 32 + lane;
+            const CfcParams Pg = rice_params_at(P, shifts, block_log2, b * RICE_BLOCK + g * 32);
+            const bool route = D::SIZE == 4 && f32_route_on(Pg);
+            const float inv32 = __double2float_rn(Pg.inv_step);
             u32 code = 0;
             bool exc = false;
             float c = 0.0f, f = 0.0f;
@@ -243,7 +294,7 @@ __device__ void rice_write(const typename D::T* __restrict__ x, u64 n, u32 dtype
             if (i < n) {
                 v = rice_sent<D>(x, residual, i, &c);
                 f = D::to_f32(v);
-                code = rice_code<D>(f, P, route, inv32, &exc);
+                code = rice_code<D>(f, Pg, route, inv32, &exc);
             }
             z[g * 32 + lane] = code;
             const u32 em = __ballot_sync(CFC_FULL_MASK, exc);
@@ -254,7 +305,7 @@ __device__ void rice_write(const typename D::T* __restrict__ x, u64 n, u32 dtype
             }
             r_exc += __popc(em);
             if (residual && i < n) {
-                const float d = exc ? f : D::to_f32(decode_zigzag32<D>(code, P.step));
+                const float d = exc ? f : D::to_f32(decode_zigzag32<D>(code, Pg.step));
                 const float rn = cfc_new_residual(c, d);
                 residual[i] = rn;
                 if (fabsf(rn) <= 3.402823466e38f) max_err = fmax(max_err, (double)fabsf(rn));
@@ -264,8 +315,8 @@ __device__ void rice_write(const typename D::T* __restrict__ x, u64 n, u32 dtype
     }
     const u64 head = w.heads[b];
     const u32 mask = (u32)head, k = (u32)(head >> 32) & 63;
-    if (lane == 0) *(u64*)(body + 8 * b) = head;  // (8-aligned: the output is, and so is the header)
-    u32* data = (u32*)(body + 8 * blocks) + w.words[b];
+    if (lane == 0) rice_store(heads + 8 * b, head, 8);
+    u8* data = heads + 8 * blocks + 4 * w.words[b];
     // Planes: coded group after coded group, lane p < k writes plane p.
     u32 gi = 0;
     for (u32 m = mask; m; m &= m - 1, ++gi) {
@@ -275,12 +326,12 @@ __device__ void rice_write(const typename D::T* __restrict__ x, u64 n, u32 dtype
             const u32 plane = __ballot_sync(CFC_FULL_MASK, (c >> p) & 1);
             if (lane == p) mine = plane;
         }
-        if (lane < k) data[gi * k + lane] = mine;
+        if (lane < k) rice_store(data + 4 * ((u64)gi * k + lane), mine, 4);
     }
     // The unary stream, word after word: code r's stop bit at (the zeros and stop bits before
     // it) + z >> k. A group's stop bits fall in the words from base / 32 on, each gathered by one
     // OR over the warp; the last, partly filled, waits in `pending` for the next group's bits.
-    u32* unary = data + k * __popc(mask);
+    u8* unary = data + 4 * (u64)k * __popc(mask);
     u32 base = 0, pending = 0;
     for (u32 m = mask; m; m &= m - 1) {
         const u32 h = (u32)((u64)z[(__ffs(m) - 1) * 32 + lane] >> k);
@@ -291,25 +342,27 @@ __device__ void rice_write(const typename D::T* __restrict__ x, u64 n, u32 dtype
             u32 bits = __reduce_or_sync(CFC_FULL_MASK, pos / 32 == wd ? 1u << (pos % 32) : 0u);
             if (wd == first) bits |= pending;
             if (wd < last) {
-                if (lane == 0) unary[wd] = bits;
+                if (lane == 0) rice_store(unary + 4 * wd, bits, 4);
             } else {
                 pending = bits;
             }
         }
         base += total;
         if (base % 32 == 0) {  // the last word is full
-            if (lane == 0) unary[last] = pending;
+            if (lane == 0) rice_store(unary + 4 * last, pending, 4);
             pending = 0;
         }
     }
-    if (base % 32 != 0 && lane == 0) unary[base / 32] = pending;
+    if (base % 32 != 0 && lane == 0) rice_store(unary + 4 * (base / 32), pending, 4);
     if (residual && max_to) rice_max_to(max_to, max_err);
 }
 
 #define RICE_WRITE(name, D)                                                                        \
     extern "C" __global__ void cfc_codec_rice_write_##name(const D::T* x, u64 n, u32 dtype, u32 mode, \
-            u32 ndim, Dims dims, u8* out, u8* ws, u64* size_to, float* residual, u64* max_to) {    \
-        rice_write<D>(x, n, dtype, mode, ndim, dims, out, ws, size_to, residual, max_to);          \
+            u32 ndim, Dims dims, u8* out, u8* ws, u64* size_to, float* residual, u64* max_to,     \
+            const u8* shifts, u32 block_log2) {                                                    \
+        rice_write<D>(x, n, dtype, mode, ndim, dims, out, ws, size_to, residual, max_to, shifts,   \
+                      block_log2);                                                                 \
     }
 DEFINE_FOR_DTYPES(RICE_WRITE)
 
@@ -326,7 +379,7 @@ extern "C" __global__ void cfc_codec_rice_offsets(const u8* frame, u64 header_le
     if (b > blocks) return;
     u64 words = 0;
     if (b < blocks && frame[5] != 1) {
-        const u64 head = cfc_load_le(frame + header_len + 8 * b, 8);
+        const u64 head = cfc_load_le(frame + header_len + rice_scales_len(frame, n) + 8 * b, 8);
         words = ((head >> 32) & 63) * __popc((u32)head) + (head >> 48);
     }
     w.words[b] = words;
@@ -354,15 +407,17 @@ __device__ void rice_decode(const u8* __restrict__ frame, u64 header_len, u64 n,
         return;
     }
     const double step = __longlong_as_double((i64)cfc_load_le(frame + 24, 8));
-    // (the frame is 8-aligned, src/cuda/rice.rs checks, and so are its header and heads)
-    const u64 head = ((const u64*)body)[b];
+    const u32 block_log2 = frame[12];
+    const u8* shifts = block_log2 ? body : nullptr;  // (the scales, then the heads)
+    const u8* heads = body + rice_scales_len(frame, n);
+    const u64 head = rice_load(heads + 8 * b, 8);
     const u32 mask = (u32)head, k = (u32)(head >> 32) & 63, unary_words = (u32)(head >> 48);
-    const u32* data = (const u32*)(body + 8 * blocks) + w.words[b];
-    const u32* unary = data + (u64)k * __popc(mask);
+    const u8* data = heads + 8 * blocks + 4 * w.words[b];
+    const u8* unary = data + 4 * (u64)k * __popc(mask);
     u16* pos = s_pos[warp];
     u32 rank = 0;
     for (u32 c0 = 0; c0 < unary_words; c0 += 32) {
-        u32 word = c0 + lane < unary_words ? unary[c0 + lane] : 0;
+        u32 word = c0 + lane < unary_words ? (u32)rice_load(unary + 4 * (c0 + lane), 4) : 0;
         const u32 ones = __popc(word);
         u32 r = rank + cfc_lane_prefix_sum(ones) - ones;
         while (word) {
@@ -382,9 +437,9 @@ __device__ void rice_decode(const u8* __restrict__ frame, u64 header_len, u64 n,
             if (j < have) ob[j] = zero;
             continue;
         }
-        const u32* planes = data + (u64)gi * k;
-        const u32 p0 = lane < k ? planes[lane] : 0;
-        const u32 p1 = lane + 32 < k ? planes[lane + 32] : 0;
+        const u8* planes = data + 4 * (u64)gi * k;
+        const u32 p0 = lane < k ? (u32)rice_load(planes + 4 * lane, 4) : 0;
+        const u32 p1 = lane + 32 < k ? (u32)rice_load(planes + 4 * (lane + 32), 4) : 0;
         u64 low = 0;
         for (u32 p = 0; p < k; ++p) {
             const u32 plane = __shfl_sync(CFC_FULL_MASK, p < 32 ? p0 : p1, p & 31);
@@ -394,7 +449,7 @@ __device__ void rice_decode(const u8* __restrict__ frame, u64 header_len, u64 n,
         const u32 before = r == 0 ? 0 : (u32)pos[r - 1] + 1;
         const u64 z = ((u64)(pos[r] - before) << k) | low;
         const i64 q = (i64)(z >> 1) ^ -(i64)(z & 1);
-        if (j < have) ob[j] = cfc_dequantize<D>(q, step);
+        if (j < have) ob[j] = cfc_dequantize<D>(q, cfc_group_step(step, shifts, block_log2, b * 32 + g));
         ++gi;
     }
 }
@@ -414,7 +469,7 @@ __device__ void rice_scatter(const u8* frame, u64 header_len, u64 n, const u8* w
     const RiceWs w = rice_ws((u8*)ws, blocks);
     if ((status && *status) || frame[5] == 1) return;  // (a frame failed its checks); raw: no exceptions
     const u64 n_exc = cfc_load_le(frame + 40, 8), idx_size = n <= (1ull << 32) ? 4 : 8;
-    const u8* idx = frame + header_len + 8 * blocks + 4 * w.words[blocks];
+    const u8* idx = frame + header_len + rice_scales_len(frame, n) + 8 * blocks + 4 * w.words[blocks];
     const u8* val = idx + n_exc * idx_size;
     for (u64 e = (u64)blockIdx.x * blockDim.x + threadIdx.x; e < n_exc; e += (u64)gridDim.x * blockDim.x) {
         const u64 i = cfc_load_le(idx + e * idx_size, (int)idx_size);
@@ -440,29 +495,40 @@ DEFINE_FOR_DTYPES(RICE_SCATTER)
 // Frame `part` (at `frame`, exactly `len` bytes): a rice or raw frame without a zstd stage of n
 // elements of `dtype` (`size` bytes) in `ndim` dimensions, with a header the CPU would read; each
 // block head has its reserved bits zero, at most 1024 unary words, and is 0 where no group is
-// coded. A thread per block (and one more): each block's words go to the workspace for the scan.
+// coded. With block scales expected (block_log2 nonzero), a rice frame must have them, of that
+// block size, each leaving its block a normal step (as check_frames holds bit planes); a raw
+// frame has none. A thread per block (and one more), the scales shared out among all of them:
+// each block's words go to the workspace for the scan.
 extern "C" __global__ void cfc_codec_rice_check_heads(const u8* f, u64 len, u64 n, u32 dtype, u32 size, u32 ndim,
-                                                      u8* ws, u32* status, u32 bit, u32 part) {
+                                                      u8* ws, u32* status, u32 bit, u32 part, u32 block_log2) {
     const u64 blocks = (n + RICE_BLOCK - 1) / RICE_BLOCK;
     const RiceWs w = rice_ws(ws, blocks);
     const u64 b = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (b > blocks) return;
     const u64 header_len = 64 + 8 * (u64)ndim;
     bool ok = len >= header_len && f[0] == 'C' && f[1] == 'F' && f[2] == 'C' && f[3] == 'F' && f[4] == 1 &&
-              (f[5] == 1 || f[5] == 3) && f[6] == dtype && f[7] == 0 && f[8] != 2 && f[9] == ndim && f[10] == 5;
+              (f[5] == 1 || f[5] == 3) && f[6] == dtype && f[8] != 2 && f[9] == ndim && f[10] == 5;
     const bool raw = ok && f[5] == 1;
     u64 blen = 0;
     if (ok) {
         blen = cfc_load_le(f + HDR_BODY_LEN, 8);
         Dims none;
         ok = cfc_load_le(f + HDR_N, 8) == n && cfc_load_le(f + HDR_RAW_BODY_LEN, 8) == blen &&
-             blen == len - header_len && header_fields_ok(f, n, ndim, none, false, raw, 0);
+             blen == len - header_len && header_fields_ok(f, n, ndim, none, false, raw, block_log2);
     }
+    const u64 scales_len = raw ? 0 : cfc_scales_len(n, block_log2);
     if (ok && raw) ok = blen == n * size;
-    if (ok && !raw) ok = cfc_load_le(f + HDR_NEXC, 8) <= n && 8 * blocks <= blen;
+    if (ok && !raw) ok = cfc_load_le(f + HDR_NEXC, 8) <= n && scales_len + 8 * blocks <= blen;
+    if (ok && scales_len) {  // every block's step a normal number (the CPU's check_shift)
+        const double step = __longlong_as_double((long long)cfc_load_le(f + HDR_STEP, 8));
+        bool normal = true;
+        for (u64 s = b; s < scales_len; s += (u64)gridDim.x * blockDim.x)
+            normal &= step * cfc_halvings(f[header_len + s]) >= 2.2250738585072014e-308;
+        if (!normal) report_bad_frame(status, bit, part);
+    }
+    if (b > blocks) return;
     u64 words = 0;
     if (ok && !raw && b < blocks) {
-        const u64 head = cfc_load_le(f + header_len + 8 * b, 8);
+        const u64 head = cfc_load_le(f + header_len + scales_len + 8 * b, 8);
         const u32 mask = (u32)head, k = (u32)(head >> 32) & 63, u = (u32)(head >> 48);
         ok = ((head >> 38) & 0x3ff) == 0 && u <= RICE_BLOCK && (mask != 0 || head == 0);
         words = (u64)k * __popc(mask) + u;
@@ -483,11 +549,13 @@ extern "C" __global__ void cfc_codec_rice_check_blocks(const u8* f, u64 n, u32 s
     const u64 blen = cfc_load_le(f + HDR_BODY_LEN, 8), n_exc = cfc_load_le(f + HDR_NEXC, 8);
     const u64 idx_size = n <= (1ull << 32) ? 4 : 8;
     const u64 nwords = w.words[blocks];
-    if (8 * blocks + 4 * nwords + n_exc * (idx_size + size) != blen) {
+    // (the scales' bytes, which rice_check_heads held to the expected block size)
+    const u64 scales_len = rice_scales_len(f, n);
+    if (scales_len + 8 * blocks + 4 * nwords + n_exc * (idx_size + size) != blen) {
         if (threadIdx.x == 0) report_bad_frame(status, bit, part);
         return;
     }
-    const u8* body = f + header_len;
+    const u8* body = f + header_len + scales_len;  // (the heads)
     const u64 t = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     const u8* idx = body + 8 * blocks + 4 * nwords;
     for (u64 e = t; e < n_exc; e += (u64)gridDim.x * blockDim.x) {

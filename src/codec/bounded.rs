@@ -57,7 +57,7 @@ pub struct CompressOptions {
     /// Threads to use; 0 picks one per available core for large tensors.
     pub threads: usize,
     /// How the codes are written: bit planes (the default, what the GPU reads and writes) or
-    /// Rice codes (closer to the codes' entropy; the CPU only, and not at a fixed rate).
+    /// Rice codes (closer to the codes' entropy; not at a fixed rate).
     pub coder: Coder,
 }
 

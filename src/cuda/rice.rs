@@ -47,14 +47,7 @@ pub unsafe fn compress_rice(args: &CompressArgs<'_>) -> Result<()> {
     if fixed != 0 {
         return Err(crate::codec::rice::fixed_rate_error());
     }
-    if args.scales != 0 {
-        return Err(Error::InvalidBound {
-            what: "block",
-            reason: "rice frames with block scales are written by the CPU codec only; on a \
-                     GPU, block scales take bit planes (coder=\"planes\")"
-                .into(),
-        });
-    }
+    check_scales(args, mode)?;
     for (what, need, got) in [
         ("output", rice_capacity(n, args.dtype, ndim), args.out_len),
         ("workspace", rice_workspace_len(n), args.workspace_len),
@@ -86,6 +79,7 @@ pub unsafe fn compress_rice(args: &CompressArgs<'_>) -> Result<()> {
     let (input, n_a, ws_a) = (Arg::Ptr(args.input), Arg::U64(n), Arg::Ptr(ws));
     let residual = Arg::Ptr(args.residual);
     let mode_code = Arg::U32(u32::from(mode.code()));
+    let (shifts, block_log2) = (Arg::Ptr(args.scales), Arg::U32(args.block_log2 as u32));
     // SAFETY: (every launch below) the caller's buffers, whose sizes were checked above; the
     // scans run over the `b + 1` words and exceptions within the workspace, with their scratch
     // after them (`rice_workspace_len`); `launch` checks each argument list.
@@ -103,7 +97,16 @@ pub unsafe fn compress_rice(args: &CompressArgs<'_>) -> Result<()> {
                 &max_abs,
             )?;
         }
-        let size = [input, n_a, mode_code, Arg::F64(value), ws_a, residual];
+        let size = [
+            input,
+            n_a,
+            mode_code,
+            Arg::F64(value),
+            ws_a,
+            residual,
+            shifts,
+            block_log2,
+        ];
         let cfg = warp_per_block(n);
         launch(
             &stream,
@@ -127,6 +130,8 @@ pub unsafe fn compress_rice(args: &CompressArgs<'_>) -> Result<()> {
             Arg::Ptr(args.size_to),
             residual,
             Arg::Ptr(args.max_error_to),
+            shifts,
+            block_log2,
         ];
         launch(
             &stream,
@@ -241,12 +246,6 @@ pub fn rice_decode_sum_workspace_len(n: u64, dtype: DType) -> u64 {
 /// As [`decode_sum`].
 pub unsafe fn rice_decode_sum(args: &DecodeSumArgs<'_>) -> Result<()> {
     check_decode_sum_args(args)?;
-    if args.block_log2 != 0 {
-        return Err(Error::InvalidBound {
-            what: "block",
-            reason: "rice frames with block scales are read by the CPU codec only".into(),
-        });
-    }
     let n = args.n;
     if args.frame_lens.len() != args.frames.len() {
         return Err(Error::Incompatible {
@@ -312,6 +311,7 @@ pub unsafe fn rice_decode_sum(args: &DecodeSumArgs<'_>) -> Result<()> {
                 status,
                 bad,
                 part,
+                Arg::U32(args.block_log2 as u32),
             ];
             launch(
                 &stream,
