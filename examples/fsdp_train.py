@@ -17,7 +17,8 @@ that went compressed ("compressed"; below 100% where ``fallback="auto"`` chose p
 gradients at all (each rank keeps its own shard): the floor for the step time. ``cfc-auto`` is
 cfc with ``fallback="auto"``: each group is timed both ways over the first steps and keeps the
 faster (plain where compression does not pay, as over NVLink). ``cfc-r4`` is cfc with
-residuals kept in 4 bits (``residual_bits=4``). A cfc way quantizes each FSDP group with one
+residuals kept in 4 bits (``residual_bits=4``), ``cfc-rice`` cfc whose frames are Rice-coded
+(``coder="rice"``). A cfc way quantizes each FSDP group with one
 step; ``-bK`` after it (``cfc-b256``, ``cfc-auto-b256@0.3``) gives it block scales of ``K``
 values (``CfcState(block=K)``, as ``cfc.fsdp.register``'s own state has).
 
@@ -44,7 +45,8 @@ import cfc
 import cfc.fsdp
 from ddp_train import LM, batch, corpus, held_out_loss, lr_factor
 
-WAYS = ("noop", "plain", "bf16", "cfc", "cfc@X", "cfc-auto", "cfc-auto@X", "cfc-r4", "cfc-r4@X")
+WAYS = ("noop", "plain", "bf16", "cfc", "cfc@X", "cfc-auto", "cfc-auto@X", "cfc-r4", "cfc-r4@X", "cfc-rice",
+        "cfc-rice@X")
 
 
 class NoComm(cfc.fsdp._ReduceScatter):  # type: ignore[misc,valid-type]
@@ -90,7 +92,8 @@ def build(way: str, dev: torch.device, args) -> tuple:
         bound = {} if rms is None else {"rms": rms}
         if block:
             bound["block"] = block
-        state = cfc.fsdp.register(model, cfc.CfcState(**bound, warmup_steps=0, fallback=fallback),
+        coder = "rice" if way.startswith("cfc-rice") else "planes"
+        state = cfc.fsdp.register(model, cfc.CfcState(**bound, warmup_steps=0, fallback=fallback, coder=coder),
                                   residual_bits=4 if way.startswith("cfc-r4") else 32)
     return model, state
 

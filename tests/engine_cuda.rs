@@ -232,6 +232,13 @@ fn the_cuda_engine_writes_the_bits_of_the_cpu_engine() {
                 // block and across several, scales that leave the heads unaligned
                 (BoundRule::Rms(0.3), Algorithm::AllGather, Coder::Rice, 256),
                 (BoundRule::Rms(0.1), Algorithm::AllGather, Coder::Rice, 4096),
+                // (the reduce-scatter job's frames rice, decoded where they arrive)
+                (
+                    BoundRule::Rms(0.3),
+                    Algorithm::ReduceScatter,
+                    Coder::Rice,
+                    256,
+                ),
             ] {
                 let n = n - n % world;
                 let mut o = options(bound, alg);

@@ -160,7 +160,8 @@ impl Engine {
     ///     agree_token: what every rank must agree on besides the options.
     ///     nodes: each rank's node name (e.g. its host name); None: one node. With
     ///         `topology`, it chooses the flat or the two-level exchange.
-    ///     coder: how the all-gather's frames write their codes ("planes" or "rice").
+    ///     coder: how frames decoded where they arrive (the all-gather's, reduce-scatter jobs')
+    ///         write their codes ("planes" or "rice").
     ///     block: elements per block of block scales (with rms), 0 for none.
     ///     fsdp: for cfc.fsdp's calls, (the bits of their residuals, 32 or 4; whether
     ///         fallback="auto"'s trial is checked over whole steps): agreed between ranks.

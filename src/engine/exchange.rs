@@ -345,8 +345,17 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
         Ok(())
     }
 
-    /// How the reduce-scatter's frames and sums are written: bit planes, with the engine's block
-    /// scales.
+    /// How the frames of a job's exchange of shards are written: a reduce-scatter job's (FSDP's,
+    /// decoded where they arrive) with the engine's coder; an all-reduce's, summed on the way,
+    /// with bit planes (the device sums no rice frames).
+    fn shard_coder(&self, job: &Job) -> Coder {
+        match job.op {
+            Op::ReduceScatter { .. } => self.o.coder,
+            Op::AllReduce => Coder::Planes,
+        }
+    }
+
+    /// How the reduce-scatter's sums are written: bit planes, with the engine's block scales.
     fn planes(&self) -> FrameKind {
         FrameKind {
             coder: Coder::Planes,
@@ -445,7 +454,7 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
                 x.slice(lo, len),
                 r,
                 eps,
-                Coder::Planes, // (summed on the way: bit planes)
+                self.shard_coder(&c.job),
                 scales,
                 row.sub(lead, caps[j])?,
                 row.sub(SIZE_AT, 8)?,
@@ -610,6 +619,24 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
         self.be.join(Lane::Compute, Lane::Comm)?;
         let x = c.job.data;
         let (_, len) = parts[me];
+        if let (Op::ReduceScatter { out }, Coder::Rice) = (c.job.op, self.shard_coder(&c.job)) {
+            // Rice frames are decoded where they arrive and added in f32, in rank order, as the
+            // all-gather's are: this rank's shard is all a reduce-scatter job wants.
+            let kind = FrameKind {
+                coder: Coder::Rice,
+                block_log2: self.o.block_log2(),
+            };
+            let scale = c.job.scale.factor(world);
+            self.be
+                .decode(&frames, false, len, x.dtype, kind, scale, out)?;
+            self.be.free(mine);
+            self.be.free(recv);
+            if let Some(b) = again {
+                self.be.free(b);
+            }
+            self.finish(c)?;
+            return Ok(None);
+        }
         let sum_caps: Vec<u64> = parts
             .iter()
             .map(|&(_, l)| self.be.sum_capacity(l, x.dtype))

@@ -161,8 +161,9 @@ pub struct Options {
     pub timeout: Duration,
     /// Flat, or plain inside nodes and compressed between them (see `engine/topology.rs`).
     pub topology: Topology,
-    /// How the frames of all-gather exchanges write their codes (bit planes or Rice codes; the
-    /// reduce-scatter's frames, which are summed, stay bit planes).
+    /// How frames that are decoded where they arrive write their codes (bit planes or Rice
+    /// codes): the all-gather's, and reduce-scatter jobs' (FSDP's). An all-reduce's shards,
+    /// summed on the way, stay bit planes.
     pub coder: Coder,
     /// Block scales: with [`BoundRule::Rms`], each block of this many elements (a power of two,
     /// 32 to 2^24) of a bucket gets its own step, `k` times the block's RMS (the largest rank's,

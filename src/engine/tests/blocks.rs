@@ -75,8 +75,10 @@ enum Parts {
     Whole,
     /// An all-reduce's shards (`rows::shards`), summed exactly.
     Shards,
-    /// A reduce-scatter job's `world` equal rows, summed exactly.
+    /// A reduce-scatter job's `world` equal rows, summed exactly (bit planes).
     Rows,
+    /// A reduce-scatter job's rows as rice frames: decoded, added in f32 in rank order.
+    RiceRows,
 }
 
 /// What the engine must give, from the codec alone: per part (the whole bucket, or each shard),
@@ -96,7 +98,7 @@ fn reference(
     let parts = match split {
         Parts::Whole => vec![(0, n as u64)],
         Parts::Shards => rows::shards(n as u64, world),
-        Parts::Rows => (0..world as u64).map(|j| (j * l, l)).collect(),
+        Parts::Rows | Parts::RiceRows => (0..world as u64).map(|j| (j * l, l)).collect(),
     };
     let mut residuals = vec![vec![0.0f32; n]; world];
     let mut before: Vec<Vec<u8>> = Vec::new();
@@ -121,7 +123,10 @@ fn reference(
             let used = if step == 0 { &top } else { &before[p] };
             let (eps, s) = BlockScales::from_exponents(k, used, log2);
             now.push(top);
-            let opts = CompressOptions::new(Bound::Abs(eps));
+            let mut opts = CompressOptions::new(Bound::Abs(eps));
+            if split == Parts::RiceRows {
+                opts.coder = crate::Coder::Rice;
+            }
             let frames: Vec<Vec<u8>> = (0..world)
                 .map(|rank| {
                     let r = &mut residuals[rank][lo..lo + len];
@@ -136,7 +141,7 @@ fn reference(
                 })
                 .collect();
             let scale = 1.0 / world as f32;
-            if split != Parts::Whole {
+            if matches!(split, Parts::Shards | Parts::Rows) {
                 let fs: Vec<&[u8]> = frames.iter().map(|f| &f[..]).collect();
                 let (_, v) = decompress::<f32>(&crate::sum_frames(&fs, None).unwrap()).unwrap();
                 for (o, v) in out[lo..lo + len].iter_mut().zip(v) {
@@ -190,22 +195,32 @@ fn block_scales_give_the_codecs_bits_on_every_rank() {
 /// Reduce-scatter jobs (FSDP's) agree their scales a step ahead too: every row carries its
 /// sender's exponents of every shard, so every rank holds every shard's largest for the next
 /// step. Their bits are the codec's with scales one step late (the reference), which a round
-/// per job (scales of the job's own step) would not give.
+/// per job (scales of the job's own step) would not give; with rice frames, those of the rice
+/// frames decoded and added in f32 (the residuals are the same whichever the coder).
 #[test]
 fn reduce_scatter_jobs_carry_every_shards_exponents_a_step_ahead() {
     let n = 9_000;
     for world in [2, 3] {
-        for (k, block) in [(0.3, 256u64), (0.1, 32)] {
-            let o = block_options(k, block, None);
+        for (k, block, rice) in [
+            (0.3, 256u64, false),
+            (0.1, 32, false),
+            (0.3, 256, true),
+            (0.1, 4096, true),
+        ] {
+            let mut o = block_options(k, block, None);
+            if rice {
+                o.coder = crate::Coder::Rice;
+            }
             let seen = run_scatter_jobs(world, &o, n, 3);
             let log2 = block.trailing_zeros() as u8;
-            let (want, residuals) = reference(world, n, k, log2, 3, Parts::Rows);
+            let split = if rice { Parts::RiceRows } else { Parts::Rows };
+            let (want, residuals) = reference(world, n, k, log2, 3, split);
             let l = n / world;
             for (rank, (shards, r)) in seen.iter().enumerate() {
                 for (step, shard) in shards.iter().enumerate() {
                     assert!(
                         shard[..] == want[step][rank * l..(rank + 1) * l],
-                        "{world} ranks, k {k}, block {block}: rank {rank}, step {step}"
+                        "{world} ranks, k {k}, block {block}, rice {rice}: rank {rank}, step {step}"
                     );
                 }
                 assert!(r == &residuals[rank], "residual of rank {rank}");

@@ -1,6 +1,7 @@
 //! The engine's coders: frames of all-gather exchanges written with Rice codes decode to the bits
-//! bit planes give, in fewer bytes; the reduce-scatter's frames stay bit planes; ranks that write
-//! their codes differently are refused.
+//! bit planes give, in fewer bytes; so do reduce-scatter jobs' (FSDP's) frames, decoded where they
+//! arrive; an all-reduce's shards, summed on the way, stay bit planes; ranks that write their
+//! codes differently are refused.
 
 use super::*;
 use crate::Coder;
@@ -60,8 +61,48 @@ fn rice_frames_give_the_bits_of_bit_planes_in_fewer_bytes() {
     }
 }
 
+/// Reduce-scatter jobs with rice frames send fewer bytes than with bit planes; each rank's
+/// residuals are the same bits (the same codes), and its shard the same average to within f32
+/// rounding (rice frames are decoded and added in f32, bit planes' codes summed exactly).
 #[test]
-fn the_reduce_scatter_keeps_bit_planes() {
+fn reduce_scatter_jobs_send_rice_frames() {
+    let (n, world) = (60_000, 3);
+    let run = |coder: Coder| {
+        let mut o = options(BoundRule::Rms(0.3));
+        o.block = 256;
+        o.coder = coder;
+        ranks(world, &o, |rank, e| {
+            let mut r = vec![0.0f32; n];
+            let mut shard = vec![0.0f32; n / world];
+            for step in 0..3 {
+                let mut x = grads(rank, step, n);
+                // SAFETY: `x`, `r` and `shard` live until the wait below returns.
+                unsafe { e.submit(scatter_job(0, &mut x, &mut r, &mut shard), 0) }.unwrap();
+                e.wait(0).unwrap();
+            }
+            (shard, r, e.stats())
+        })
+    };
+    let (planes, rice) = (run(Coder::Planes), run(Coder::Rice));
+    for (rank, (p, r)) in planes.iter().zip(&rice).enumerate() {
+        assert_eq!(p.1, r.1, "rank {rank}: residuals");
+        for (a, b) in p.0.iter().zip(&r.0) {
+            assert!(
+                (a - b).abs() <= 1e-6 * a.abs().max(1e-3),
+                "rank {rank}: {a} and {b}"
+            );
+        }
+        assert!(
+            (r.2.bytes_sent as f64) < 0.9 * p.2.bytes_sent as f64,
+            "rank {rank}: rice {} bytes, planes {}",
+            r.2.bytes_sent,
+            p.2.bytes_sent
+        );
+    }
+}
+
+#[test]
+fn an_all_reduce_over_the_reduce_scatter_keeps_bit_planes() {
     let n = 50_000;
     let mut o = options(BoundRule::Rms(0.3));
     o.algorithm = Some(Algorithm::ReduceScatter);

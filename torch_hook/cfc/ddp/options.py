@@ -173,7 +173,7 @@ class Options:
     def saved(self) -> Dict[str, Any]:
         """What a checkpoint records and compares (the timeout, logging, topology and coder may
         differ: a state saved under one topology loads under another, see
-        ``src/engine/levels.rs``, and the coder changes the bytes, not the values)."""
+        ``src/engine/levels.rs``, and the coder changes the bytes, not the codes or residuals)."""
         d = dataclasses.asdict(self)
         del d["timeout"], d["log_every"], d["topology"], d["coder"]
         return d

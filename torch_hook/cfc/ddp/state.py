@@ -83,8 +83,11 @@ class CfcState:
             each group's width) or ``"rice"`` (Rice codes in blocks of 1024: the same values in
             12-39% fewer bytes, see docs/FORMAT.md; compressing takes 3-5x the GPU time of bit
             planes, a few ms per GB). It applies to the all-gather (2 ranks, or
-            ``algorithm="all-gather"``, and the exchange between 2 nodes of ``"two-level"``);
-            the reduce-scatter, whose codes are summed on the way, keeps bit planes.
+            ``algorithm="all-gather"``, and the exchange between 2 nodes of ``"two-level"``)
+            and to :mod:`cfc.fsdp`'s reduce-scatters (whose frames are then decoded and added
+            in float32, as the all-gather's are, instead of their codes summed: the same
+            average to within float32 rounding); a DDP bucket's reduce-scatter, whose codes
+            are summed on the way, keeps bit planes.
         block: block scales, with ``rms=``: each block of this many elements of a bucket (a
             power of two from 32 to 2**24) gets its own step, ``rms`` times the block's own RMS
             (the largest rank's, rounded down to a power of two) at the bucket's previous step,
