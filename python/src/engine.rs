@@ -62,8 +62,8 @@ fn core_tensor(m: tensor::Memory) -> Tensor {
 /// core).
 #[allow(clippy::too_many_arguments)]
 fn options(
-    bound: &str,
-    value: f64,
+    bound_kind: &str,
+    bound: f64,
     error_feedback: bool,
     algorithm: Option<&str>,
     fallback: &str,
@@ -76,11 +76,15 @@ fn options(
     block: u64,
     fsdp: Option<(u8, bool)>,
 ) -> PyResult<Options> {
-    let bound = match bound {
-        "eps" => BoundRule::Abs(value),
-        "rms" => BoundRule::Rms(value),
-        "rel" => BoundRule::Rel(value),
-        other => return Err(PyValueError::new_err(format!("unknown bound {other:?}"))),
+    let bound = match bound_kind {
+        "eps" => BoundRule::Abs(bound),
+        "rms" => BoundRule::Rms(bound),
+        "rel" => BoundRule::Rel(bound),
+        other => {
+            return Err(PyValueError::new_err(format!(
+                "unknown bound kind {other:?}"
+            )))
+        }
     };
     let algorithm = match algorithm {
         None => None,
@@ -100,7 +104,7 @@ fn options(
     };
     let o = Options {
         bound,
-        feedback: error_feedback,
+        error_feedback,
         algorithm,
         fallback,
         warmup_steps,
@@ -155,8 +159,9 @@ impl Engine {
     ///     device: the CUDA device for a CUDA engine, or None for a CPU engine.
     ///     nccl_id: with a device, the NCCL unique id (hex) every rank joins; None to move the
     ///         device's bytes over the TCP links instead (ranks sharing one GPU).
-    ///     bound, value, error_feedback, algorithm, fallback, trial_steps, warmup_steps,
-    ///         min_compress_numel, timeout: the options (see `cfc.CfcState`).
+    ///     bound_kind ("eps", "rel" or "rms"), bound (its value), error_feedback, algorithm,
+    ///         fallback, trial_steps, warmup_steps, min_compress_numel, timeout: the options,
+    ///         named as `cfc.ddp.options.Options` names them (see `cfc.CfcState`).
     ///     agree_token: what every rank must agree on besides the options.
     ///     nodes: each rank's node name (e.g. its host name); None: one node. With
     ///         `topology`, it chooses the flat or the two-level exchange.
@@ -167,7 +172,7 @@ impl Engine {
     ///         fallback="auto"'s trial is checked over whole steps): agreed between ranks.
     ///         None: not cfc.fsdp's.
     #[new]
-    #[pyo3(signature = (listener, addresses, rank, world, secret, engine, *, device=None, nccl_id=None, bound, value, error_feedback, algorithm, fallback, trial_steps, warmup_steps, min_compress_numel, timeout, topology="auto", coder="planes", block=0, fsdp=None, nodes=None, agree_token=0))]
+    #[pyo3(signature = (listener, addresses, rank, world, secret, engine, *, device=None, nccl_id=None, bound_kind, bound, error_feedback, algorithm, fallback, trial_steps, warmup_steps, min_compress_numel, timeout, topology="auto", coder="planes", block=0, fsdp=None, nodes=None, agree_token=0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -179,8 +184,8 @@ impl Engine {
         engine: u64,
         device: Option<usize>,
         nccl_id: Option<String>,
-        bound: &str,
-        value: f64,
+        bound_kind: &str,
+        bound: f64,
         error_feedback: bool,
         algorithm: Option<&str>,
         fallback: &str,
@@ -196,8 +201,8 @@ impl Engine {
         agree_token: u64,
     ) -> PyResult<Self> {
         let o = options(
+            bound_kind,
             bound,
-            value,
             error_feedback,
             algorithm,
             fallback,

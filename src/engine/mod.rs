@@ -515,17 +515,19 @@ impl Engine {
         if let Some(f) = self.control.failure() {
             return Err(f.error());
         }
-        let checked = job.check(self.world, self.options.feedback).and_then(|()| {
-            if let Op::ReduceScatter { out } = job.op {
-                let (a, b) = (job.data.region(), out.region());
-                if a.addr < b.addr + b.len && b.addr < a.addr + a.len {
-                    return Err(Error::Transport(
-                        "a reduce-scatter's output lies inside its input".into(),
-                    ));
+        let checked = job
+            .check(self.world, self.options.error_feedback)
+            .and_then(|()| {
+                if let Op::ReduceScatter { out } = job.op {
+                    let (a, b) = (job.data.region(), out.region());
+                    if a.addr < b.addr + b.len && b.addr < a.addr + a.len {
+                        return Err(Error::Transport(
+                            "a reduce-scatter's output lies inside its input".into(),
+                        ));
+                    }
                 }
-            }
-            Ok(())
-        });
+                Ok(())
+            });
         if let Err(e) = checked {
             self.fail(&e.to_string());
             return Err(e);

@@ -146,7 +146,7 @@ pub struct Options {
     /// The quantization step.
     pub bound: BoundRule,
     /// Whether jobs carry error-feedback residuals.
-    pub feedback: bool,
+    pub error_feedback: bool,
     /// The exchange; `None`: [`Algorithm::for_world`].
     pub algorithm: Option<Algorithm>,
     /// When to send buckets uncompressed.
@@ -195,7 +195,7 @@ impl Options {
     pub fn new(bound: BoundRule) -> Options {
         Options {
             bound,
-            feedback: true,
+            error_feedback: true,
             algorithm: None,
             fallback: Fallback::Never,
             warmup_steps: 0,
@@ -330,7 +330,7 @@ pub(crate) fn descriptor(
     let mut d = Vec::with_capacity(DESCRIPTOR_LEN);
     d.push(DESCRIPTOR_VERSION);
     d.push(o.bound.code());
-    d.push(o.feedback as u8);
+    d.push(o.error_feedback as u8);
     d.push(match o.algorithm {
         None => 0,
         Some(Algorithm::AllGather) => 1,

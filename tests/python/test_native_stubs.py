@@ -139,7 +139,7 @@ def test_cuda_decode_sum_checks_its_arguments_before_touching_a_device():
 def _engine(**kw):
     """A one-rank engine (its own listener, its own address)."""
     listener = native.Listener(True)
-    opts = dict(bound="rms", value=0.3, error_feedback=True, algorithm=None, fallback="never", trial_steps=0,
+    opts = dict(bound_kind="rms", bound=0.3, error_feedback=True, algorithm=None, fallback="never", trial_steps=0,
                 warmup_steps=0, min_compress_numel=0, timeout=30.0)
     opts.update(kw)
     return native.Engine(listener, [listener.addresses()], 0, 1, bytes(32), 7, **opts)
@@ -147,11 +147,11 @@ def _engine(**kw):
 
 def test_the_engine_refuses_bad_options_and_jobs_clearly():
     for bad, match in [
-        (dict(bound="maybe"), "unknown bound"),
+        (dict(bound_kind="maybe"), "unknown bound kind"),
         (dict(algorithm="ring"), "unknown algorithm"),
         (dict(fallback="sometimes"), "unknown fallback"),
-        (dict(value=-1.0), "positive"),
-        (dict(bound="rel", value=1.5), "below 1"),
+        (dict(bound=-1.0), "positive"),
+        (dict(bound_kind="rel", bound=1.5), "below 1"),
         (dict(fallback="auto", trial_steps=3), "even number"),
         (dict(timeout=0.0), "between 0.1 s"),
         (dict(timeout=1e12), "30 days"),
@@ -161,7 +161,7 @@ def test_the_engine_refuses_bad_options_and_jobs_clearly():
     listener = native.Listener(True)  # every rank on this host: loopback only
     assert [a.split(":")[0] for a in listener.addresses()] == ["127.0.0.1"]
     with pytest.raises(cfc.CfcError, match="secret has 16 to 64 bytes"):
-        native.Engine(native.Listener(True), [[]], 0, 1, b"short", 7, bound="rms", value=0.3,
+        native.Engine(native.Listener(True), [[]], 0, 1, b"short", 7, bound_kind="rms", bound=0.3,
                       error_feedback=True, algorithm=None, fallback="never", trial_steps=0, warmup_steps=0,
                       min_compress_numel=0, timeout=30.0)
     torch = pytest.importorskip("torch")
@@ -197,7 +197,7 @@ def test_the_engine_refuses_bad_options_and_jobs_clearly():
 def test_a_one_rank_engine_averages_a_host_tensor_in_place():
     torch = pytest.importorskip("torch")
 
-    e = _engine(bound="eps", value=1e-3)
+    e = _engine(bound_kind="eps", bound=1e-3)
     x = torch.linspace(-1, 1, 10_000)
     r = torch.zeros_like(x)
     want = x.clone()

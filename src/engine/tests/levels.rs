@@ -329,7 +329,7 @@ fn a_failure_on_either_level_reaches_every_rank() {
 fn checkpoints_move_between_topologies() {
     let (n, nodes) = (8_192, [0, 0, 1, 1]);
     let mut rms = options(BoundRule::Rms(0.3));
-    rms.feedback = true;
+    rms.error_feedback = true;
     for (first, second) in [
         (Topology::TwoLevel, Topology::Flat),
         (Topology::Flat, Topology::TwoLevel),

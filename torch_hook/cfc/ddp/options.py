@@ -163,7 +163,7 @@ class Options:
     def engine(self) -> Dict[str, Any]:
         """The options as ``_native.Engine`` takes them."""
         return {
-            "bound": self.bound_kind, "value": self.bound, "error_feedback": self.error_feedback,
+            "bound_kind": self.bound_kind, "bound": self.bound, "error_feedback": self.error_feedback,
             "algorithm": self.algorithm, "fallback": self.fallback, "trial_steps": self.trial_steps,
             "warmup_steps": self.warmup_steps, "min_compress_numel": self.min_compress_numel,
             "topology": self.topology, "coder": self.coder, "block": self.block, "timeout": self.timeout,
