@@ -15,8 +15,10 @@
 //! head and the receiver from the head it received, so a frame that outgrew its slot sends its
 //! tail between those two alone (`tails.rs`).
 //!
-//! The all-gather's frames write their codes by the engine's `coder` (Rice codes take fewer
-//! bytes); the reduce-scatter's frames, whose codes are summed on the way, are bit planes.
+//! Frames decoded where they arrive write their codes by the engine's `coder` (Rice codes take
+//! fewer bytes): the all-gather's, and a reduce-scatter job's (FSDP's), which each rank decodes
+//! and adds in f32 as the all-gather does. An all-reduce's shards, whose codes are summed on the
+//! way, are bit planes.
 //!
 //! Each rank's rounding error is at most `eps` per element and its residual keeps it, so the
 //! average is within `eps` of the exact average, up to the rounding of decoding (in f32, then
