@@ -65,7 +65,7 @@ fn on_cpu(e: &Engine, rank: usize, n: usize, steps: usize) -> Seen {
             e.order(0).unwrap();
             shards.push(bytemuck::cast_slice(&shard).to_vec());
         }
-        ends.push(e.end_step().map_err(|e| e.to_string()));
+        ends.push(e.end_step(0).map_err(|e| e.to_string()));
     }
     (shards, ends)
 }
@@ -114,7 +114,7 @@ fn on_gpu(
             }
             live.push((x, shard));
         }
-        let end = e.end_step();
+        let end = e.end_step(cu);
         // (the stream of a failed engine goes on: this returns)
         s.synchronize().unwrap();
         for c in &copies {

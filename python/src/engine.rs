@@ -373,11 +373,14 @@ impl Engine {
         py.detach(|| engine.order(stream)).map_err(to_py)
     }
 
-    /// Closes the step without a job of its own (see `cfc::engine::Engine::end_step`); raises
-    /// the failure of any rank.
-    fn end_step(&self, py: Python<'_>) -> PyResult<()> {
+    /// Closes the step without a job of its own (see `cfc::engine::Engine::end_step`), which
+    /// ends on `stream` (a `torch.cuda.Stream`; None on the CPU); raises the failure of any
+    /// rank.
+    #[pyo3(signature = (stream=None))]
+    fn end_step(&self, py: Python<'_>, stream: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
         let engine = self.live()?;
-        py.detach(|| engine.end_step()).map_err(to_py)
+        let stream = tensor::stream_at(stream, self.place)?;
+        py.detach(|| engine.end_step(stream)).map_err(to_py)
     }
 
     /// Fails this rank with `reason` (an exception of the caller's): every rank's next wait

@@ -82,7 +82,8 @@ const GIVE_UP_GRACE: Duration = Duration::from_secs(10);
 pub(crate) enum Msg {
     Job(Job, Box<dyn Any + Send>),
     Flush,
-    EndStep,
+    /// The step's end, with where the caller's stream stood then (its `Ready`).
+    EndStep(Box<dyn Any + Send>),
     Agree(u64),
     /// The jobs so far finished on the comm thread, and their mark published under this number
     /// (see [`Engine::order`]).
@@ -104,7 +105,7 @@ impl Msg {
             self,
             Msg::Job(..)
                 | Msg::Flush
-                | Msg::EndStep
+                | Msg::EndStep(_)
                 | Msg::Agree(_)
                 | Msg::Gather(..)
                 | Msg::Reset
@@ -401,12 +402,22 @@ impl Engine {
     /// after its last job (FSDP2 runs one group per call, [`Engine::order`]ing each, and
     /// ends the step when the backward pass does). The warm-up and the trial count such steps.
     /// Every rank must call it at the same point of its jobs. Waits like [`Engine::wait`],
-    /// without ordering a stream.
+    /// without ordering a stream. `stream` (a `CUstream`; ignored on the CPU) is where the
+    /// caller's step ends: the step check, which times whole steps, waits for it there (see
+    /// `step_check.rs`).
     ///
     /// # Errors
-    /// As [`Engine::wait`].
-    pub fn end_step(&self) -> Result<()> {
-        let want = self.send_counted(Msg::EndStep)?;
+    /// As [`Engine::wait`]; device errors.
+    pub fn end_step(&self, stream: u64) -> Result<()> {
+        let mark = match (self.ready)(stream) {
+            Ok(m) => m,
+            Err(e) => {
+                // (the peers would otherwise wait for this rank's closing round)
+                self.fail(&e.to_string());
+                return Err(e);
+            }
+        };
+        let want = self.send_counted(Msg::EndStep(mark))?;
         self.wait_for(want)
     }
 

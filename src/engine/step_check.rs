@@ -12,7 +12,8 @@
 //!
 //! How: after the trial, `trial_steps` more steps alternate between every bucket plain (even
 //! steps of the check) and the trial's ways (odd ones). Each is timed from the end of the step
-//! before to its own end, the device synchronised at both ends (in these steps only), so the
+//! before to its own end, each end waited for on the host where the caller's stream reached it
+//! (the mark of `Engine::end_step`, polled at most the timeout; in these steps only), so the
 //! time covers forward, backward and optimizer. The statistic is the trial's: each way's best
 //! time on each rank, the slowest rank's of each way compared, every rank taking the same
 //! verdict from the same gathered times. A new trial (a bucket changed) starts a new check.

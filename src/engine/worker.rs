@@ -81,6 +81,8 @@ pub(crate) struct Worker<B: Backend, T: Transport<B>> {
     step_tensors: Vec<Tensor>,
     /// The step check's clock starts here.
     epoch: Instant,
+    /// Where the caller's stream stood at the step's end ([`Msg::EndStep`]), until its close.
+    step_end: Option<B::Ready>,
 }
 
 impl<B: Backend, T: Transport<B>> Worker<B, T> {
@@ -118,6 +120,7 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
             faults: Vec::new(),
             statuses: None,
             step_tensors: Vec::new(),
+            step_end: None,
             epoch: Instant::now(),
         }
     }
@@ -191,7 +194,17 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
                     }
                 }
                 Msg::Flush => self.close(false),
-                Msg::EndStep => self.close(true),
+                Msg::EndStep(mark) => {
+                    match mark.downcast::<B::Ready>() {
+                        Ok(m) => self.step_end = Some(*m),
+                        Err(_) if !self.failed => self.fail_with(Some(Error::Transport(
+                            "internal: a step's end of another backend".into(),
+                        ))),
+                        Err(_) => {}
+                    }
+                    self.close(true);
+                    self.step_end = None;
+                }
                 Msg::Agree(token) => {
                     if !self.failed {
                         if let Err(e) = self.agree(token) {
@@ -509,9 +522,10 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
         self.shared.publish(done.is_some(), done);
     }
 
-    /// The step check at a step's end (see `step_check.rs`): in the steps it times, the device
-    /// is synchronised (the caller's work of the step included) and the clock read; at its
-    /// last, every rank's best times are gathered and every rank takes the same verdict.
+    /// The step check at a step's end (see `step_check.rs`): in the steps it times, the
+    /// caller's stream is waited for where its step ended (its work included) and the clock
+    /// read; at its last, every rank's best times are gathered and every rank takes the same
+    /// verdict.
     fn check_step(&mut self) -> Result<()> {
         let steps = self.o.trial_steps();
         let ahead = super::policy::ahead(self.policy.step, self.policy.origin, &self.o);
@@ -521,7 +535,7 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
         if check.at_step_end(steps, ahead, origin, any_compressed) == Timing::None {
             return Ok(());
         }
-        self.be.synchronize()?;
+        self.wait_step_end()?;
         let now = self.epoch.elapsed().as_secs_f64();
         let Some(mine) = self.policy.check.timed(steps, ahead, now) else {
             return Ok(());
@@ -530,6 +544,28 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
             .tr
             .gather(&mut self.be, &super::step_check::encode(mine))?;
         self.policy.check.decide(&super::step_check::decode(&all)?);
+        Ok(())
+    }
+
+    /// Waits on the host until the caller's stream has reached the step's end (the mark of
+    /// [`Msg::EndStep`]; none: nothing to wait for), polling between looks at the failure board:
+    /// a peer's failure ends the wait, and so does the timeout (a device that never gets there).
+    fn wait_step_end(&mut self) -> Result<()> {
+        let Some(mark) = self.step_end.take() else {
+            return Ok(());
+        };
+        let t0 = Instant::now();
+        while !self.be.reached_ready(&mark)? {
+            self.tr.control().check()?;
+            if t0.elapsed() > self.o.timeout {
+                return Err(Error::Cuda(format!(
+                    "the caller's stream did not reach the step's end within {} s (the step \
+                     check's wait)",
+                    self.o.timeout.as_secs_f64()
+                )));
+            }
+            std::thread::sleep(std::time::Duration::from_micros(50));
+        }
         Ok(())
     }
 

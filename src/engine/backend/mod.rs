@@ -104,14 +104,14 @@ pub(crate) trait Backend: Send + 'static {
         Ok(())
     }
 
-    /// Waits for everything queued on the device, the caller's work included (the step
-    /// check times whole steps: `engine/step_check.rs`). Nothing to wait for on the CPU, whose
-    /// work is done when queued.
+    /// Whether the caller's work before `mark` (recorded on its stream) is done: a query, it
+    /// never waits (the step check polls it, bounded: `engine/step_check.rs`). The CPU's work is
+    /// done when queued.
     ///
     /// # Errors
     /// Device errors.
-    fn synchronize(&mut self) -> Result<()> {
-        Ok(())
+    fn reached_ready(&mut self, _mark: &Self::Ready) -> Result<bool> {
+        Ok(true)
     }
 
     /// Orders `to` after everything queued on `from` so far.

@@ -428,7 +428,7 @@ fn steps_ended_apart_from_their_jobs_drive_the_warmup_and_the_trial() {
                 unsafe { e.submit(job(key, &mut x, None, false), 0) }.unwrap();
                 e.wait(0).unwrap();
             }
-            e.end_step().unwrap();
+            e.end_step(0).unwrap();
             let after = e.stats();
             per_step.push((
                 after.plain - before.plain,

@@ -38,7 +38,7 @@ fn scatter_steps(world: usize, o: &Options, per: Per) -> Vec<Seen> {
                 }
                 shards.push(shard);
             }
-            e.end_step().unwrap();
+            e.end_step(0).unwrap();
             steps.push(e.state().unwrap().step);
         }
         (shards, steps)
@@ -99,7 +99,7 @@ fn a_bad_frame_is_reported_at_the_steps_end_on_every_rank() {
             let submitted = unsafe { e.submit(job(0, &mut x, Some(&mut r), false), 0) };
             // The order itself succeeds: the decoding status is gathered when the step ends.
             let ordered = submitted.and_then(|()| e.order(0));
-            let ended = e.end_step();
+            let ended = e.end_step(0);
             outcomes.push((
                 ordered.map_err(|e| e.to_string()),
                 ended.map_err(|e| e.to_string()),
@@ -145,7 +145,7 @@ fn an_order_on_a_failed_engine_returns_its_failure() {
         // step's end, below).
         let submitted = unsafe { e.submit(job(0, &mut x, None, false), 0) };
         let ordered = submitted.and_then(|()| e.order(0));
-        let ended = e.end_step();
+        let ended = e.end_step(0);
         (
             ordered.map_err(|e| e.to_string()),
             ended.map_err(|e| e.to_string()),

@@ -86,7 +86,7 @@ fn steps(
                 }
             }
             std::thread::sleep(Duration::from_millis(cost(rank, all_plain)));
-            e.end_step().unwrap();
+            e.end_step(0).unwrap();
         }
         (ways, e.state().unwrap())
     })
@@ -166,7 +166,7 @@ fn engines_without_the_check_time_nothing_and_checkpoint_none() {
             e.load_state(after_the_trial()).unwrap();
             for _ in 0..4 {
                 assert!(!e.ways().unwrap().0);
-                e.end_step().unwrap();
+                e.end_step(0).unwrap();
             }
             e.state().unwrap()
         });

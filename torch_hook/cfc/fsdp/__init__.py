@@ -360,7 +360,8 @@ def _end_step(state: CfcState) -> None:
     state._fsdp.ways = None  # (the next step's, read at its first call)
     try:
         if state._engine is not None:
-            state._engine.end_step()
+            # (where the step ends on this thread's stream: the step check waits for it there)
+            state._engine.end_step(_engine.stream_of_device(state._device))
     finally:
         state._let_go()
         state._residuals.end_step()
