@@ -92,6 +92,8 @@ pub(crate) enum Msg {
     Gather(Vec<u8>, Sender<Vec<Vec<u8>>>),
     Reset,
     State(Sender<EngineState>),
+    /// The next step's ways (see [`Engine::ways`]).
+    Ways(Sender<(bool, Vec<u64>)>),
     Load(EngineState, Sender<()>),
     Inject(Fault),
     Stop,
@@ -587,14 +589,10 @@ impl Engine {
     /// # Errors
     /// The engine's thread has ended.
     pub fn ways(&self) -> Result<(bool, Vec<u64>)> {
-        let s = self.state()?;
-        let plain = s
-            .buckets
-            .iter()
-            .filter(|b| b.decision == Some(false))
-            .map(|b| b.key)
-            .collect();
-        Ok((s.all_plain(&self.options), plain))
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        self.send(Msg::Ways(tx))?;
+        rx.recv_timeout(self.options.timeout * 2 + Duration::from_secs(10))
+            .map_err(|_| Error::Transport("the engine's thread did not answer".into()))
     }
 
     /// Replaces the engine's state with a checkpoint's (before the next job).

@@ -107,19 +107,6 @@ pub struct EngineState {
     pub step_check: Option<StepCheckState>,
 }
 
-impl EngineState {
-    /// Whether every bucket goes plain in the next step: the step check's plain steps, and
-    /// every step after its verdict against the trial's ways.
-    pub fn all_plain(&self, o: &Options) -> bool {
-        match &self.step_check {
-            Some(s) if o.checks_steps() && s.origin == Some(self.origin) => {
-                s.all_plain(o.trial_steps(), ahead(self.step, self.origin, o))
-            }
-            _ => false,
-        }
-    }
-}
-
 /// The next step's index past the trial, after `step` steps closed since `origin` (negative
 /// during the warm-up and the trial; see `StepCheck::at_step_end`).
 pub(crate) fn ahead(step: u64, origin: u64, o: &Options) -> i64 {
@@ -300,6 +287,32 @@ impl Policy {
             levels: None,
             step_check: o.checks_steps().then(|| self.check.state.clone()),
         }
+    }
+
+    /// The next step's ways (see `Engine::ways`): whether every bucket goes plain (the step
+    /// check's plain steps, and every step after its verdict against the trial's ways), and the
+    /// keys the trial chose plain (loaded buckets not placed yet included), read in place.
+    pub fn ways(&self, o: &Options) -> (bool, Vec<u64>) {
+        let all_plain = o.checks_steps()
+            && self.check.state.origin == Some(self.origin)
+            && self
+                .check
+                .state
+                .all_plain(o.trial_steps(), ahead(self.step, self.origin, o));
+        let mut plain: Vec<u64> = self
+            .buckets
+            .iter()
+            .filter(|(_, b)| b.decision == Some(false))
+            .map(|(k, _)| *k)
+            .chain(
+                self.loaded
+                    .values()
+                    .filter(|b| b.decision == Some(false))
+                    .map(|b| b.key),
+            )
+            .collect();
+        plain.sort_unstable();
+        (all_plain, plain)
     }
 
     /// Replaces everything with `state` (each bucket placed at its first job).

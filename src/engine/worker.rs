@@ -233,6 +233,9 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
                     state.levels = self.layout();
                     let _ = reply.send(state);
                 }
+                Msg::Ways(reply) => {
+                    let _ = reply.send(self.policy.ways(&self.o));
+                }
                 Msg::Load(state, reply) => {
                     self.load(state);
                     let _ = reply.send(());
