@@ -444,7 +444,7 @@ impl Engine {
     /// Waits until `reached` holds of the comm thread's progress (Ok), or the thread ends, or
     /// the wait runs out of time (twice the timeout and 10 s).
     fn wait_until(&self, reached: impl Fn(&Progress) -> bool) -> Result<()> {
-        let limit = self.options.timeout * 2 + Duration::from_secs(10);
+        let limit = self.patience();
         let t0 = Instant::now();
         let mut p = self.shared.progress();
         loop {
@@ -575,10 +575,7 @@ impl Engine {
     /// # Errors
     /// The engine's thread has ended.
     pub fn state(&self) -> Result<EngineState> {
-        let (tx, rx) = crossbeam_channel::bounded(1);
-        self.send(Msg::State(tx))?;
-        rx.recv_timeout(self.options.timeout * 2 + Duration::from_secs(10))
-            .map_err(|_| Error::Transport("the engine's thread did not answer".into()))
+        self.ask(Msg::State)
     }
 
     /// The ways of the next step, for callers that send plain buckets themselves (`cfc.fsdp`
@@ -589,10 +586,7 @@ impl Engine {
     /// # Errors
     /// The engine's thread has ended.
     pub fn ways(&self) -> Result<(bool, Vec<u64>)> {
-        let (tx, rx) = crossbeam_channel::bounded(1);
-        self.send(Msg::Ways(tx))?;
-        rx.recv_timeout(self.options.timeout * 2 + Duration::from_secs(10))
-            .map_err(|_| Error::Transport("the engine's thread did not answer".into()))
+        self.ask(Msg::Ways)
     }
 
     /// Replaces the engine's state with a checkpoint's (before the next job).
@@ -607,10 +601,22 @@ impl Engine {
                 state.origin, state.step
             )));
         }
+        self.ask(|tx| Msg::Load(state, tx))
+    }
+
+    /// Sends the comm thread a message carrying a reply channel (`msg` makes it) and waits for
+    /// the answer, at most as long as any wait of the handle ([`Engine::patience`]).
+    fn ask<R>(&self, msg: impl FnOnce(Sender<R>) -> Msg) -> Result<R> {
         let (tx, rx) = crossbeam_channel::bounded(1);
-        self.send(Msg::Load(state, tx))?;
-        rx.recv_timeout(self.options.timeout * 2 + Duration::from_secs(10))
+        self.send(msg(tx))?;
+        rx.recv_timeout(self.patience())
             .map_err(|_| Error::Transport("the engine's thread did not answer".into()))
+    }
+
+    /// How long the handle waits for the comm thread: twice the timeout and 10 s (the thread's
+    /// own waits end within the timeout).
+    fn patience(&self) -> Duration {
+        self.options.timeout * 2 + Duration::from_secs(10)
     }
 
     /// Makes `fault` happen at the next compressed job (for tests of failure handling).

@@ -551,25 +551,13 @@ impl<B: Backend, T: Transport<B>> Worker<B, T> {
     }
 
     /// Waits on the host until the caller's stream has reached the step's end (the mark of
-    /// [`Msg::EndStep`]; none: nothing to wait for), polling between looks at the failure board:
-    /// a peer's failure ends the wait, and so does the timeout (a device that never gets there).
+    /// [`Msg::EndStep`]; none: nothing to wait for), as the transport waits for its own marks:
+    /// a failure on the board ends the wait, and so does the timeout.
     fn wait_step_end(&mut self) -> Result<()> {
-        let Some(mark) = self.step_end.take() else {
-            return Ok(());
-        };
-        let t0 = Instant::now();
-        while !self.be.reached_ready(&mark)? {
-            self.tr.control().check()?;
-            if t0.elapsed() > self.o.timeout {
-                return Err(Error::Cuda(format!(
-                    "the caller's stream did not reach the step's end within {} s (the step \
-                     check's wait)",
-                    self.o.timeout.as_secs_f64()
-                )));
-            }
-            std::thread::sleep(std::time::Duration::from_micros(50));
+        match self.step_end.take().and_then(|r| self.be.ready_mark(r)) {
+            Some(mark) => self.tr.wait(&mut self.be, &mark),
+            None => Ok(()),
         }
-        Ok(())
     }
 
     /// An order (see `Engine::order`): the stages left run, and the mark after the results

@@ -255,14 +255,8 @@ impl Backend for CudaBackend {
         }
     }
 
-    fn reached_ready(&mut self, mark: &Ready) -> Result<bool> {
-        match &mark.0 {
-            Some(e) => e
-                .try_is_complete()
-                .map_err(driver_err)
-                .map_err(during("the step's end")),
-            None => Ok(true),
-        }
+    fn ready_mark(&mut self, ready: Ready) -> Option<CudaEvent> {
+        ready.0
     }
 
     fn join(&mut self, to: Lane, from: Lane) -> Result<()> {

@@ -104,14 +104,12 @@ pub(crate) trait Backend: Send + 'static {
         Ok(())
     }
 
-    /// Whether the caller's work before `mark` (recorded on its stream) is done: a query, it
-    /// never waits (the step check polls it, bounded: `engine/step_check.rs`). The CPU's work is
-    /// done when queued.
-    ///
-    /// # Errors
-    /// Device errors.
-    fn reached_ready(&mut self, _mark: &Self::Ready) -> Result<bool> {
-        Ok(true)
+    /// The caller's work before `ready` (recorded on its stream) as a mark of this backend,
+    /// which the transport waits for as for its own (bounded: the step check's wait at a step's
+    /// end, `engine/step_check.rs`); None: nothing to wait for (the CPU's work is done when
+    /// queued).
+    fn ready_mark(&mut self, _ready: Self::Ready) -> Option<Self::Mark> {
+        None
     }
 
     /// Orders `to` after everything queued on `from` so far.
