@@ -28,6 +28,7 @@
 
 pub mod backend;
 mod block_scales;
+mod close;
 pub mod control;
 mod exchange;
 pub mod job;
