@@ -127,6 +127,28 @@ __device__ __forceinline__ double cfc_group_step(double step, const u8* shifts, 
     return shifts ? step * cfc_halvings(shifts[g >> (log2 - 5)]) : step;
 }
 
+// The encoder's parameters for group g: `P`, or with block scales (`shifts` not null) its
+// block's: step and bound halved its shift times (exact: powers of two), the inverse step
+// computed from the step, as the CPU's Quantizer::halved does.
+__device__ __forceinline__ CfcParams cfc_group_params(CfcParams P, const u8* shifts, u32 log2, u64 g) {
+    if (shifts) {
+        const double h = cfc_halvings(shifts[g >> (log2 - 5)]);
+        P.step *= h;
+        P.inv_step = 1.0 / P.step;
+        P.eps *= h;
+    }
+    return P;
+}
+
+// Whether the shifts this thread checks (`s` from `first` by `stride`, below `count`; the
+// shifts at `shifts`) leave every block of a frame of step `step` a normal step (the CPU's
+// check_shift).
+__device__ __forceinline__ bool cfc_shifts_normal(const u8* shifts, u64 count, double step, u64 first, u64 stride) {
+    bool normal = true;
+    for (u64 s = first; s < count; s += stride) normal &= step * cfc_halvings(shifts[s]) >= 2.2250738585072014e-308;
+    return normal;
+}
+
 // A frame header (docs/FORMAT.md) at `h`: 64 bytes, then 8 per dimension. `step` and `eps` are
 // the f64 fields' bits; `block_log2` nonzero: the body starts with block scales.
 __device__ inline void cfc_write_header(u8* h, u32 codec, u32 dtype, u32 mode, u32 bits, u64 n, u64 step,

@@ -201,12 +201,7 @@ __device__ void encode_groups(const typename D::T* __restrict__ x, u64 n, u32 mo
     __syncthreads();
     const u64 g = (u64)blockIdx.x * threads + tid;  // this thread's group
     u32* row = (u32*)s_vals + tid * STAGE_ROW;      // its values, then its codes
-    if (shifts && g < ts.groups) {  // the group's block's step and bound (exact: powers of two)
-        const double h = cfc_halvings(shifts[g >> (block_log2 - 5)]);
-        P.step *= h;
-        P.inv_step = 1.0 / P.step;
-        P.eps *= h;
-    }
+    if (g < ts.groups) P = cfc_group_params(P, shifts, block_log2, g);  // its block's step and bound
     u32 acc = 0, excm = 0, w8[8];  // w8: the low bytes of the codes (see slice_planes)
     double max_err = 0.0;
     // The row holds the codes after code_group; after code_group_f32 it still holds the values.

@@ -51,19 +51,6 @@ __device__ __forceinline__ u64 rice_scales_len(const u8* frame, u64 n) {
     return frame[5] == 3 ? cfc_scales_len(n, frame[12]) : 0;
 }
 
-// The parameters of the group whose first element is `first`: `P`, or with block scales its
-// block's (step and bound halved its shift times, the inverse step computed from the step:
-// the CPU's Quantizer::halved).
-__device__ __forceinline__ CfcParams rice_params_at(CfcParams P, const u8* shifts, u32 block_log2, u64 first) {
-    if (shifts) {
-        const double h = cfc_halvings(shifts[first >> block_log2]);
-        P.step *= h;
-        P.inv_step = 1.0 / P.step;
-        P.eps *= h;
-    }
-    return P;
-}
-
 struct RiceWs {
     u64* heads;
     u64* words;
@@ -113,7 +100,7 @@ __device__ __forceinline__ u32 rice_codes(const typename D::T* __restrict__ x, c
 #pragma unroll 4
     for (u32 g = 0; g < 32; ++g) {
         const u64 i = b * RICE_BLOCK + g * 32 + lane;
-        const CfcParams P = rice_params_at(P0, shifts, block_log2, b * RICE_BLOCK + g * 32);
+        const CfcParams P = cfc_group_params(P0, shifts, block_log2, b * 32 + g);
         u32 c = 0;
         bool exc = false;
         if (i < n) {
@@ -284,7 +271,7 @@ __device__ void rice_write(const typename D::T* __restrict__ x, u64 n, u32 dtype
 #pragma unroll 2
         for (u32 g = 0; g < 32; ++g) {
             const u64 i = b * RICE_BLOCK + g * 32 + lane;
-            const CfcParams Pg = rice_params_at(P, shifts, block_log2, b * RICE_BLOCK + g * 32);
+            const CfcParams Pg = cfc_group_params(P, shifts, block_log2, b * 32 + g);
             const bool route = D::SIZE == 4 && f32_route_on(Pg);
             const float inv32 = __double2float_rn(Pg.inv_step);
             u32 code = 0;
@@ -518,12 +505,10 @@ extern "C" __global__ void cfc_codec_rice_check_heads(const u8* f, u64 len, u64 
     const u64 scales_len = raw ? 0 : cfc_scales_len(n, block_log2);
     if (ok && raw) ok = blen == n * size;
     if (ok && !raw) ok = cfc_load_le(f + HDR_NEXC, 8) <= n && scales_len + 8 * blocks <= blen;
-    if (ok && scales_len) {  // every block's step a normal number (the CPU's check_shift)
+    if (ok && scales_len) {  // every block's step a normal number
         const double step = __longlong_as_double((long long)cfc_load_le(f + HDR_STEP, 8));
-        bool normal = true;
-        for (u64 s = b; s < scales_len; s += (u64)gridDim.x * blockDim.x)
-            normal &= step * cfc_halvings(f[header_len + s]) >= 2.2250738585072014e-308;
-        if (!normal) report_bad_frame(status, bit, part);
+        if (!cfc_shifts_normal(f + header_len, scales_len, step, b, (u64)gridDim.x * blockDim.x))
+            report_bad_frame(status, bit, part);
     }
     if (b > blocks) return;
     u64 words = 0;

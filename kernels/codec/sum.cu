@@ -135,12 +135,11 @@ extern "C" __global__ void cfc_codec_check_frames(const u64* table, u32 parts, u
         if (threadIdx.x == 0) report_bad_frame(status, bit, p);
         return;
     }
-    if (scales_len) {  // every block's step a normal number (the CPU's check_shift)
+    if (scales_len) {  // every block's step a normal number
         const double step = __longlong_as_double((long long)cfc_load_le(f + HDR_STEP, 8));
-        bool normal = true;
-        for (u64 k = (u64)blockIdx.x * blockDim.x + threadIdx.x; k < scales_len; k += (u64)gridDim.x * blockDim.x)
-            normal &= step * cfc_halvings(f[header_len + k]) >= 2.2250738585072014e-308;
-        if (!normal) report_bad_frame(status, bit, p);
+        if (!cfc_shifts_normal(f + header_len, scales_len, step, (u64)blockIdx.x * blockDim.x + threadIdx.x,
+                               (u64)gridDim.x * blockDim.x))
+            report_bad_frame(status, bit, p);
     }
     if (raw || n_exc == 0) return;
     const u8* idx = f + header_len + scales_len + groups + 4 * nwords;

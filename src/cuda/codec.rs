@@ -43,8 +43,8 @@ pub struct CompressArgs<'a> {
     pub max_error_to: u64,
     /// Block scales (docs/FORMAT.md, "Block scales"): device memory holding a shift per block of
     /// `2^block_log2` elements, or 0 for none. Block `b` is coded with the bound's step and eps
-    /// halved `shift[b]` times; the frame records the shifts. An `Abs` bound only; bit planes ([`compress`]) or Rice codes
-    /// ([`compress_rice`]).
+    /// halved `shift[b]` times; the frame records the shifts. An `Abs` bound only; bit planes
+    /// ([`compress`]) or Rice codes ([`compress_rice`]).
     pub scales: u64,
     /// `log2` of the elements per block of `scales` (5 to 24), 0 without scales.
     pub block_log2: u8,
